@@ -1,0 +1,210 @@
+"""Throughput benchmark, measured in one run: our training step (DeepSpeed engine, as configured)
+against a bare PyTorch loop on the same model, batch and optimizer, plus data-pipeline throughput.
+
+CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs/gpt-125m.yaml model)
+in bf16, with MFU = model FLOPs/s over the peak (the datasheet dense bf16 peak when the device is
+known, and the measured matmul peak either way).
+
+    ./launch.sh bench [--json] [--steps N] [CONFIG] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pretrain.config import RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA datasheets.
+_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def _datasheet_peak(name: str) -> float | None:
+    for key, value in _PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return value * 1e12
+    return None
+
+
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of a large square matmul: what this device actually reaches."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(cfg: RunConfig, n: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len), generator=g)
+        labels = ids.clone()
+        if cfg.model.kind == "encoder":
+            labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
+        out.append({"input_ids": ids.to(device), "labels": labels.to(device)})
+    return out
+
+
+def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
+    """The reference: a plain PyTorch step (autocast for bf16, clip, AdamW)."""
+    from pretrain.model import build_model, param_groups
+    from pretrain.train.engine import build_optimizer
+
+    model = build_model(cfg.model, cfg.train.seed).to(device)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    opt = build_optimizer(param_groups(model, cfg.train.weight_decay), cfg)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step(batch):
+        with amp:
+            loss = model(batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        if cfg.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _our_step_fn(cfg: RunConfig, device: torch.device, precision: str):
+    from pretrain.model import build_model, param_groups
+    from pretrain.train.engine import initialize
+    from pretrain.train.loop import train_step
+
+    model = build_model(cfg.model, cfg.train.seed).to(device)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
+
+    def step(batch):
+        return train_step(engine, batch, cfg.train.micro_batch_size, cfg.train.lr, device)
+    return step
+
+
+def _time_steps(step, batches, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for b in batches:
+        step(b)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
+    """Interleave rounds of bare and ours so drift (thermal, other load) hits both alike."""
+    batches = _batches(cfg, steps, device)
+    bare, ours = _bare_step_fn(cfg, device, precision), _our_step_fn(cfg, device, precision)
+    for fn in (bare, ours):  # warm-up (allocator, kernels, DeepSpeed buffers)
+        _time_steps(fn, batches[:2], device)
+    t_bare, t_ours = [], []
+    for _ in range(rounds):
+        t_bare.append(_time_steps(bare, batches, device))
+        t_ours.append(_time_steps(ours, batches, device))
+    tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
+    bare_tps, ours_tps = tokens / statistics.median(t_bare), tokens / statistics.median(t_ours)
+    return {"tokens_per_s": ours_tps, "bare_pytorch_tokens_per_s": bare_tps,
+            "ratio_vs_bare_pytorch": ours_tps / bare_tps, "steps_per_round": steps, "rounds": rounds}
+
+
+def data_benchmark(cfg: RunConfig, seconds: float) -> float:
+    from pretrain.data import data_throughput, load_or_train_tokenizer
+    from pretrain.train.prepare import resolve_paths
+
+    cfg = resolve_paths(cfg)
+    tok_dir = Path(cfg.data.cache_dir) / "bench-tokenizer"
+    if not cfg.data.tokenizer:
+        if (tok_dir / "tokenizer.json").is_file():
+            cfg.data.tokenizer = str(tok_dir)
+        else:
+            load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
+            cfg.data.tokenizer = str(tok_dir)
+    tokenizer = load_or_train_tokenizer(cfg.data)
+    return data_throughput(cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer,
+                           seconds=seconds)
+
+
+def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
+    from pretrain.model import flops_per_token, num_parameters, build_model
+    from pretrain.train import dist
+    from pretrain.train.engine import resolve_precision
+
+    ctx = dist.setup(cfg.cluster.use_gpu)
+    device = ctx.device
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.num_threads or len(os.sched_getaffinity(0)))
+    precision = resolve_precision(cfg.train.precision, device)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple
+    with torch.device("meta"):
+        n_params = num_parameters(build_model(cfg.model, 0))
+    result: dict = {"config": cfg.name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                    f"cpu ({torch.get_num_threads()} threads)", "precision": precision, "zero_stage": cfg.zero.stage,
+                    "params": n_params, "seq_len": cfg.model.max_seq_len, "micro_batch_size": cfg.train.micro_batch_size}
+    result.update(step_benchmark(cfg, device, precision, steps, rounds))
+    fpt = flops_per_token(cfg.model, cfg.model.max_seq_len)
+    result["model_flops_per_token"] = fpt
+    result["achieved_tflops"] = fpt * result["tokens_per_s"] / 1e12
+    if device.type == "cuda":
+        measured = measured_matmul_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        result["measured_matmul_peak_tflops"] = measured / 1e12
+        result["mfu_vs_measured_peak"] = fpt * result["tokens_per_s"] / measured
+        sheet = _datasheet_peak(result["device"])
+        if sheet and precision == "bf16":
+            result["mfu"] = fpt * result["tokens_per_s"] / sheet
+            result["datasheet_peak_tflops"] = sheet / 1e12
+        else:
+            result["mfu"] = result["mfu_vs_measured_peak"]
+    result["data_tokens_per_s_per_core"] = data_benchmark(cfg, seconds=3.0)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh bench")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
+    a = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    path = next((r for r in a.rest if "=" not in r), None)
+    overrides = [r for r in a.rest if "=" in r]
+    if path is None:
+        path = ROOT / "configs" / ("gpt-125m.yaml" if gpu else "demo-decoder.yaml")
+        if gpu:  # benchmark one GPU: same model, one worker's micro-batch
+            overrides = ["cluster.num_workers=1", "train.global_batch_size=16", "train.micro_batch_size=16",
+                         "train.precision=bf16", "model.vocab_size=50304", "data.sources=[{path: demo}]",
+                         "data.num_streams=8", "data.tokenizer_vocab_size=8192", *overrides]
+    cfg = load_config(path, overrides)
+    # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
+    cfg.train.global_batch_size = cfg.train.micro_batch_size
+    cfg.data.num_streams = 1
+    steps = a.steps or (20 if gpu else 8)
+    result = run_bench(cfg, steps, a.rounds)
+    if a.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for k, v in result.items():
+            print(f"{k:<32} {v:,.4g}" if isinstance(v, float) else f"{k:<32} {v}")
+    sys.stdout.flush()
+    return 0

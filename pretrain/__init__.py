@@ -1,0 +1,1 @@
+"""Distributed pretraining of small Transformer language models."""

@@ -1,0 +1,211 @@
+"""Command line: ``python -m pretrain CMD ...`` (``./launch.sh CMD ...`` sets up .venv first).
+
+    train [CONFIG.yaml] [key.sub=value ...]      train (default config: configs/demo-decoder.yaml)
+    resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
+    runs [RUN_ID]                                 tracked runs, or one run's checkpoints
+    ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
+    bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
+
+User errors print one line and exit non-zero (2 for config errors); no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from pretrain.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "demo-decoder.yaml"
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """First non-override argument is the config path; ``key=value`` items are overrides."""
+    path, overrides = None, []
+    for a in args:
+        if "=" in a and not a.startswith("-"):
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError(f"{a}: unexpected argument (one config file, then key=value overrides)")
+    return path, overrides
+
+
+def _print_summary(final: dict, job, uri: str) -> None:
+    cfg_name = job.config["name"]
+    run_id = job.run_id
+    rows = [("final train loss", f"{final.get('final_train_loss', float('nan')):.4f}")]
+    if "val_loss" in final:
+        rows.append(("final val loss", f"{final['val_loss']:.4f}  (ppl {final.get('val_ppl', float('nan')):.1f})"))
+    if "val_mlm_acc" in final:
+        rows.append(("val MLM accuracy", f"{final['val_mlm_acc']:.4f}"))
+    if "unigram_val_loss" in final:
+        rows.append(("unigram baseline", f"{final['unigram_val_loss']:.4f}  (val loss of a unigram model on the same data)"))
+    rows += [("tokens/s", f"{final.get('tokens_per_s', 0):,.0f}  ({final.get('tokens_seen', 0):,} tokens, "
+                          f"{final.get('step', 0)} steps)"),
+             ("checkpoint", final.get("checkpoint", "")),
+             ("MLflow run id", run_id)]
+    if final.get("bad_records"):
+        rows.append(("bad records", f"{final['bad_records']} skipped (see data/bad_records.json in the run)"))
+    print(f"\n== finished: {cfg_name} ==")
+    for k, v in rows:
+        print(f"  {k:<18} {v}")
+    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+    print("\n  resume:      " + f"{env}./launch.sh resume {run_id} train.max_steps={final.get('step', 0) * 2}")
+    print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
+    print("  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
+                              f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)")
+
+
+def cmd_train(args: list[str]) -> int:
+    path, overrides = _split_args(args)
+    cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
+
+    from pretrain.train.prepare import prepare_new
+    from pretrain.train.tracking import tracking_uri
+
+    job = prepare_new(cfg)
+    print(f"[pretrain] run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}", flush=True)
+    return _run_job(job, cfg.cluster, tracking_uri())
+
+
+def cmd_resume(args: list[str]) -> int:
+    from pretrain.config import from_dict
+    from pretrain.train.prepare import prepare_resume
+    from pretrain.train.tracking import tracking_uri
+
+    if not args:
+        raise ConfigError("resume: give a run id or a checkpoint directory")
+    job = prepare_resume(args[0], args[1:])
+    cfg = from_dict(job.config)
+    print(f"[pretrain] resuming run {job.run_id} into {job.run_dir}", flush=True)
+    return _run_job(job, cfg.cluster, tracking_uri())
+
+
+def _run_job(job, cluster, uri: str) -> int:
+    from cluster.launch import run
+    from pretrain.train.tracking import Tracker
+
+    tracker = Tracker(job.tracking_uri, job.run_id)
+    try:
+        final = run(job, cluster)
+    except BaseException:
+        tracker.finish("FAILED" if not isinstance(sys.exc_info()[1], KeyboardInterrupt) else "KILLED")
+        raise
+    tracker.finish("FINISHED")
+    _print_summary(final, job, uri)
+    return 0
+
+
+def cmd_runs(args: list[str]) -> int:
+    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.train import tracking
+
+    uri = tracking.tracking_uri()
+    if args:
+        run = tracking.find_run(uri, args[0])
+        if run is None:
+            raise ConfigError(f"{args[0]}: no such run in {uri}")
+        root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
+        print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
+        print(f"  {'step':>8} {'tokens':>12} {'train loss':>10} {'val loss':>9}  path")
+        for c in ckpt_io.list_committed(Path(root)) if root else []:
+            m = c.manifest.get("metrics", {})
+            print(f"  {c.step:>8} {c.manifest.get('tokens_seen', 0):>12,} {m.get('train/loss', float('nan')):>10.4f} "
+                  f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}")
+        return 0
+    runs = tracking.list_runs(uri)
+    if not runs:
+        print(f"no runs in {uri}")
+        return 0
+    print(f"tracking store: {uri}")
+    print(f"{'run id':<34} {'name':<16} {'status':<9} {'step':>6} {'tokens':>11} {'val loss':>8}  latest checkpoint")
+    for r in runs:
+        m, tags = r.data.metrics, r.data.tags
+        step = tags.get(tracking.TAG_CKPT_STEP, "-")
+        print(f"{r.info.run_id:<34} {(r.info.run_name or '')[:16]:<16} {r.info.status:<9} {step:>6} "
+              f"{int(m.get('train/tokens_seen', 0)):>11,} {m.get('val/loss', float('nan')):>8.4f}  "
+              f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}")
+    return 0
+
+
+def cmd_ui(args: list[str]) -> int:
+    from pretrain.train.tracking import tracking_uri
+
+    p = argparse.ArgumentParser(prog="launch.sh ui")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", default="5000")
+    a = p.parse_args(args)
+    uri = tracking_uri()
+    mlflow = Path(sys.executable).with_name("mlflow")
+    print(f"[pretrain] MLflow UI for {uri} on http://{a.host}:{a.port}", flush=True)
+    os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port])
+
+
+def cmd_bench(args: list[str]) -> int:
+    from eval.bench import main as bench_main
+
+    return bench_main(args)
+
+
+COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench}
+
+
+def _one_line(exc: BaseException) -> str:
+    """The user-facing line of an error, unwrapping Ray's worker-failure wrappers."""
+    from pretrain.data import BadRecordError
+    from pretrain.train.checkpoint import CheckpointError
+
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConfigError, BadRecordError, CheckpointError)):
+            return str(e).splitlines()[0]
+        for attr in ("worker_failures", "_worker_failures"):
+            failures = getattr(e, attr, None)
+            if isinstance(failures, dict):
+                stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        for inner in (e.__cause__, e.__context__, getattr(e, "cause", None)):
+            if isinstance(inner, BaseException):
+                stack.append(inner)
+    text = str(exc).strip().splitlines()
+    for marker in ("BadRecordError: ", "CheckpointError: ", "ConfigError: "):
+        for line in text:
+            if marker in line:
+                return line.split(marker, 1)[1]
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"error: unknown command {cmd!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[cmd](rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI turns everything into one line
+        line = _one_line(e)
+        print(f"error: {line}", file=sys.stderr)
+        if os.environ.get("PRETRAIN_DEBUG"):
+            raise
+        return 1

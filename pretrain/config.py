@@ -1,0 +1,486 @@
+"""The one typed config tree: dataclasses loaded strictly from YAML plus dotted overrides.
+
+Every component receives only its own sub-config (``cfg.model``, ``cfg.data``...). Unknown keys
+and wrong types raise :class:`ConfigError` naming the full key path; cross-field rules live in
+:meth:`RunConfig.validate`. The resolved config round-trips through :func:`to_dict`/:func:`from_dict`
+and is saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a config: the message names the full key path."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The tree
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    kind: Literal["decoder", "encoder"] = "decoder"
+    """``decoder``: causal LM (next-token loss). ``encoder``: masked LM (BERT-style 80/10/10)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes it from the tokenizer (rounded up to ``vocab_multiple``)."""
+    vocab_multiple: int = 64
+    """When ``vocab_size`` is taken from the tokenizer, round it up to a multiple of this."""
+    max_seq_len: int = 128
+    """Sequence length of packed training sequences (and of learned position tables)."""
+    num_layers: int = 4
+    """Number of Transformer blocks."""
+    hidden_size: int = 256
+    """Model width (residual stream size)."""
+    num_heads: int = 4
+    """Attention heads; ``hidden_size`` must be divisible by it."""
+    num_kv_heads: int = 0
+    """Key/value heads for grouped-query attention (decoders); 0 means ``num_heads`` (plain MHA)."""
+    ffn_size: int = 0
+    """FFN inner size; 0 means 4*hidden for GELU and the 8/3*hidden (rounded to 64) for SwiGLU."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """FFN activation: GELU MLP or gated SwiGLU."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Normalization layer type."""
+    norm_placement: Literal["pre", "post", "deepnorm", "sandwich"] = "pre"
+    """``pre``: x + f(norm(x)). ``post``: norm(x + f(x)) (BERT). ``deepnorm``: norm(alpha*x + f(x))
+    with DeepNet's alpha/beta init scaling (Wang et al. 2022). ``sandwich``: x + norm(f(norm(x)))
+    (sub-LN style extra output norm, as in CogView/NormFormer)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm layer."""
+    position: Literal["learned", "rotary"] = "rotary"
+    """Absolute learned position embeddings or rotary (RoPE) applied to queries and keys."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_embeddings: bool = True
+    """Share the input embedding matrix with the output projection."""
+    bias: bool = False
+    """Use biases in linear layers (and norms for LayerNorm)."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention output and FFN output (residual dropout)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization of weights."""
+    embedding_norm: bool = False
+    """Apply a norm right after the embeddings (BERT has one)."""
+    final_norm: bool = True
+    """Apply a final norm before the LM head (automatically off for post-LN, which ends normed)."""
+    mlm_head_transform: bool = False
+    """Encoders: BERT-style head transform (dense + activation + norm) before the output projection."""
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    path: str
+    """A file, a glob, a directory, ``demo`` (the built-in corpus), or anything ``datasets.load_dataset``
+    accepts (a hub name or URL, when online)."""
+    format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
+    """File format; ``auto`` decides from the extension (``.txt``, ``.jsonl``/``.json``, ``.parquet``)."""
+    text_field: str = "text"
+    """Field that holds the document text for json/parquet/hub records."""
+    weight: float = 1.0
+    """Relative sampling weight in a mixture of several sources."""
+    name: str = ""
+    """Display name (defaults to the path); used in bad-record reports and metrics."""
+    split: str = "train"
+    """Split to stream for hub datasets."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig(path="demo")])
+    """Training sources, mixed by weight."""
+    val_sources: list[SourceConfig] = field(default_factory=list)
+    """Validation sources; empty means hold out ``val_holdout`` of the training documents."""
+    val_holdout: float = 0.01
+    """Fraction of training documents (chosen by a hash of their text) held out for validation when
+    ``val_sources`` is empty. 0 disables validation."""
+    tokenizer: str = ""
+    """Directory of a Hugging Face fast tokenizer; empty trains a byte-level BPE on the sources."""
+    tokenizer_vocab_size: int = 8192
+    """Vocabulary size of a tokenizer trained from the corpus."""
+    tokenizer_train_docs: int = 50_000
+    """How many documents from the training stream the tokenizer is trained on."""
+    num_streams: int = 8
+    """Virtual data streams: documents are dealt to streams by global document index, each stream is
+    packed on its own, and worker r reads the streams s with s % num_workers == r. The global sample
+    order therefore does not depend on the worker count; it must be divisible by it."""
+    bad_records: Literal["skip", "fail"] = "skip"
+    """Malformed records (bad JSON, missing text field, undecodable bytes, empty text): ``skip`` counts
+    and reports them (file and line); ``fail`` stops with a one-line error."""
+    mlm_probability: float = 0.15
+    """Encoders: fraction of tokens selected for prediction (of which 80% [MASK], 10% random, 10% kept)."""
+    repeat: bool = True
+    """Restart the sources when exhausted (multi-epoch) instead of ending training."""
+    cache_dir: str = ".cache/pretrain"
+    """Where the built-in demo corpus is materialized (relative paths resolve against the launch dir)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 300
+    """Number of optimizer steps."""
+    seed: int = 1234
+    """Seed of model init, data order, dropout and MLM masks."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step across all workers (= micro_batch * grad_accum * workers)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one worker; gradient accumulation fills the rest."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay from peak to ``min_lr_ratio * lr`` after warm-up."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases, norms and embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """``auto``: bf16 on GPUs that support it, fp32 on CPU."""
+    log_every: int = 10
+    """Progress line and MLflow metrics every N steps."""
+    val_every: int = 100
+    """Validation every N steps (and at the end); 0 only at the end."""
+    val_sequences: int = 64
+    """Validation sequences (global, split across workers; the same set whatever the worker count)."""
+    num_threads: int = 0
+    """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in the backward pass to save memory."""
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    stage: int = 1
+    """DeepSpeed ZeRO stage: 0 (plain data parallel), 1, 2 or 3."""
+    offload_optimizer: bool = False
+    """Offload optimizer state to CPU memory (stages 1-3, GPU runs)."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient reduction bucket."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (GPU)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Root of checkpoints; each run writes ``DIR/RUN_ID/step_NNNNNNNN``. Must be shared by all nodes."""
+    every_steps: int = 100
+    """Commit a checkpoint every N steps (and always at the end); 0 only at the end."""
+    keep_last: int = 0
+    """Delete older committed checkpoints beyond the newest N; 0 keeps all."""
+    resume_from: str = ""
+    """A committed checkpoint directory to resume from (set by ``resume``)."""
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    num_workers: int = 1
+    """Training workers (processes). Each gets ``cpus_per_worker`` CPUs and one GPU when ``use_gpu``."""
+    use_gpu: Literal["auto", "yes", "no"] = "auto"
+    """``auto`` uses GPUs when the cluster has them."""
+    cpus_per_worker: int = 1
+    """CPUs reserved per worker in Ray."""
+    address: str = ""
+    """Ray address of an existing cluster; empty uses ``RAY_ADDRESS`` or starts an embedded local Ray."""
+    max_failures: int = 0
+    """Times Ray restarts a failed worker group (from the latest committed checkpoint)."""
+    use_ray: bool = True
+    """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    experiment: str = "pretrain"
+    """MLflow experiment name."""
+    run_name: str = ""
+    """MLflow run name; empty uses the config name."""
+    enabled: bool = True
+    """Log to MLflow (the URI comes from ``MLFLOW_TRACKING_URI``, default ``sqlite:///mlflow.db``)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Name of this config (preset name), used for the MLflow run name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> "RunConfig":
+        """Cross-field checks; raises ConfigError naming the offending key."""
+        m, d, t, c = self.model, self.data, self.train, self.cluster
+        positive = {
+            "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+            "model.num_heads": m.num_heads, "model.max_seq_len": m.max_seq_len,
+            "train.max_steps": t.max_steps, "train.global_batch_size": t.global_batch_size,
+            "train.micro_batch_size": t.micro_batch_size, "train.log_every": t.log_every,
+            "cluster.num_workers": c.num_workers, "cluster.cpus_per_worker": c.cpus_per_worker,
+            "data.num_streams": d.num_streams, "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key}: must be > 0, got {value}")
+        nonneg = {
+            "model.vocab_size": m.vocab_size, "model.num_kv_heads": m.num_kv_heads,
+            "model.ffn_size": m.ffn_size, "train.warmup_steps": t.warmup_steps,
+            "train.val_every": t.val_every, "train.val_sequences": t.val_sequences,
+            "checkpoint.every_steps": self.checkpoint.every_steps,
+            "checkpoint.keep_last": self.checkpoint.keep_last,
+            "cluster.max_failures": c.max_failures, "train.num_threads": t.num_threads,
+        }
+        for key, value in nonneg.items():
+            if value < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+        if (m.hidden_size // m.num_heads) % 2 and m.position == "rotary":
+            raise ConfigError("model.num_heads: rotary positions need an even head dimension")
+        kv = m.num_kv_heads or m.num_heads
+        if m.num_heads % kv:
+            raise ConfigError(f"model.num_kv_heads: {kv} does not divide model.num_heads {m.num_heads}")
+        for key, p in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout),
+                       ("data.val_holdout", d.val_holdout)):
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"{key}: must be in [0, 1), got {p}")
+        if m.kind == "encoder" and not 0.0 < d.mlm_probability < 1.0:
+            raise ConfigError(f"data.mlm_probability: must be in (0, 1), got {d.mlm_probability}")
+        if not d.sources:
+            raise ConfigError("data.sources: at least one source is required")
+        for i, s in enumerate([*d.sources, *d.val_sources]):
+            if s.weight <= 0:
+                raise ConfigError(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+        if t.global_batch_size % d.num_streams:
+            raise ConfigError(
+                f"train.global_batch_size: {t.global_batch_size} must be divisible by data.num_streams {d.num_streams}")
+        if self.zero.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
+        self.check_world_size(c.num_workers)
+        return self
+
+    def check_world_size(self, world_size: int) -> None:
+        """Batch and stream divisibility for a given number of workers."""
+        t, d = self.train, self.data
+        if d.num_streams % world_size:
+            raise ConfigError(
+                f"cluster.num_workers: {world_size} workers must divide data.num_streams {d.num_streams}")
+        if t.val_sequences % world_size:
+            raise ConfigError(
+                f"train.val_sequences: {t.val_sequences} must be divisible by {world_size} workers")
+        per_worker = t.global_batch_size / world_size
+        if per_worker != int(per_worker) or int(per_worker) % t.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size: {t.global_batch_size} is not micro_batch_size "
+                f"{t.micro_batch_size} x grad_accum x {world_size} workers")
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict loading
+# ----------------------------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against type ``tp`` (recursively), returning the typed value."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: invalid value {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {path}")  # internal: the tree uses only the above
+
+
+def _build(cls: type, data: dict, path: str) -> Any:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key (valid: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{path}.{f.name}" if path else f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}.{f.name}: required key is missing" if path else f"{f.name}: required")
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Build and validate a RunConfig from a plain dict (strict)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {_describe(data)}")
+    return _build(RunConfig, data, "").validate()
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c=value`` in a nested dict, checking each prefix names a known section."""
+    keys = dotted.split(".")
+    cls: Any = RunConfig
+    node = tree
+    for i, key in enumerate(keys):
+        path = ".".join(keys[: i + 1])
+        if not dataclasses.is_dataclass(cls) or key not in {f.name for f in dataclasses.fields(cls)}:
+            raise ConfigError(f"{path}: unknown key")
+        if i == len(keys) - 1:
+            node[key] = value
+            return
+        cls = _hints(cls)[key]
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"{text}: overrides look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> RunConfig:
+    """Load YAML (or start from ``base``), apply dotted overrides, validate strictly."""
+    tree: dict = {} if base is None else json.loads(json.dumps(base))
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        tree = _merge(tree, loaded)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of the parts of the config that define the trajectory (not where things are stored)."""
+    d = to_dict(cfg)
+    d.pop("checkpoint", None)
+    d.pop("tracking", None)
+    d["cluster"] = {"num_workers": cfg.cluster.num_workers}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b": value} (lists are JSON-encoded), for MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, list):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,145 @@
+"""Building blocks of the Transformer: norms, rotary embeddings, attention, FFN and the block.
+
+Conventions follow Hugging Face Llama (module names ``q_proj``/``k_proj``/``v_proj``/``o_proj``,
+``gate_proj``/``up_proj``/``down_proj``, non-interleaved RoPE, ``repeat_kv`` GQA layout, fp32 RMSNorm)
+so that a pre-norm RMSNorm/RoPE/SwiGLU decoder exports to ``LlamaForCausalLM`` by renaming keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pretrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, exactly like HF ``LlamaRMSNorm``."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the weight multiply, as HF does (matters for bf16 parity).
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The configured norm over ``hidden_size`` (LayerNorm has a bias iff ``cfg.bias``)."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, elementwise_affine=True, bias=cfg.bias)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables of shape (max_seq_len, head_dim), HF Llama default RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)  # (S, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): halves layout, not interleaved
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, hd) by cos/sin (T, hd); tables are cast to x's dtype like HF."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
+        if cfg.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"bad head counts: hidden {cfg.hidden_size}, heads {self.num_heads}, "
+                             f"kv heads {self.num_kv_heads}")
+        self.head_dim = cfg.hidden_size // self.num_heads
+        self.causal = causal
+        self.attention_dropout = cfg.attention_dropout
+        d, kv_dim = cfg.hidden_size, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.k_proj = nn.Linear(d, kv_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(d, kv_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(d, d, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, t, d = x.shape  # (B, T, D)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.num_kv_heads != self.num_heads:
+            # HF repeat_kv layout: query heads [j*g, (j+1)*g) share kv head j.
+            g = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(g, dim=1)  # (B, H, T, hd)
+            v = v.repeat_interleave(g, dim=1)  # (B, H, T, hd)
+        p = self.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    """GELU MLP (``up_proj``/``down_proj``) or SwiGLU (``gate_proj``/``up_proj``/``down_proj``)."""
+
+    def __init__(self, cfg: ModelConfig, ffn_size: int) -> None:
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.hidden_size, ffn_size, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, ffn_size, bias=cfg.bias)
+        self.down_proj = nn.Linear(ffn_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    """One Transformer layer; ``cfg.norm_placement`` picks how norms wrap the two sublayers."""
+
+    def __init__(self, cfg: ModelConfig, ffn_size: int, causal: bool) -> None:
+        super().__init__()
+        self.placement = cfg.norm_placement
+        # DeepNet residual up-weighting; a plain float so an exporter can fold it.
+        self.alpha: float = (2.0 * cfg.num_layers) ** 0.25 if self.placement == "deepnorm" else 1.0
+        self.norm1 = make_norm(cfg)
+        self.attn = Attention(cfg, causal)
+        self.norm2 = make_norm(cfg)
+        self.ffn = FeedForward(cfg, ffn_size)
+        if self.placement == "sandwich":
+            self.norm_out1 = make_norm(cfg)
+            self.norm_out2 = make_norm(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        # x: (B, T, D) -> (B, T, D)
+        if self.placement == "pre":
+            x = x + self.drop(self.attn(self.norm1(x), rope))
+            return x + self.drop(self.ffn(self.norm2(x)))
+        if self.placement == "sandwich":
+            x = x + self.drop(self.norm_out1(self.attn(self.norm1(x), rope)))
+            return x + self.drop(self.norm_out2(self.ffn(self.norm2(x))))
+        # post (alpha = 1) and deepnorm: norm(alpha * x + f(x))
+        x = self.norm1(self.alpha * x + self.drop(self.attn(x, rope)))
+        return self.norm2(self.alpha * x + self.drop(self.ffn(x)))

@@ -1,0 +1,259 @@
+"""The configurable Transformer (causal decoder or masked-LM encoder) and model utilities.
+
+State-dict keys: ``embed_tokens``, ``embed_positions`` (learned), ``embedding_norm``,
+``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
+``final_norm``, ``head_transform.{dense,norm}``, ``lm_head`` (its weight is ``embed_tokens.weight``
+when tied). The RoPE tables are non-persistent buffers and never appear in checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.config import ModelConfig
+from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor | None
+    """Scalar fp32 mean cross-entropy over labels != -100 (None without labels)."""
+    logits: torch.Tensor
+    """(B, T, V) in the compute dtype."""
+
+
+def resolved_ffn_size(cfg: ModelConfig) -> int:
+    """``cfg.ffn_size`` if set, else 4*D (GELU) or 8/3*D rounded up to a multiple of 64 (SwiGLU)."""
+    if cfg.ffn_size > 0:
+        return cfg.ffn_size
+    if cfg.activation == "swiglu":
+        return -(-int(8 * cfg.hidden_size / 3) // 64) * 64
+    return 4 * cfg.hidden_size
+
+
+class HeadTransform(nn.Module):
+    """BERT's ``cls.predictions.transform``: dense -> GELU -> norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        self.norm = make_norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        return self.norm(F.gelu(self.dense(x)))
+
+
+class Transformer(nn.Module):
+    """Token (+ learned position) embeddings -> N blocks -> optional final norm/head transform -> LM head.
+
+    Constructing it directly leaves torch's default parameter init (fine before ``load_state_dict``);
+    use :func:`build_model` for the configured, seeded init.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size must be resolved to > 0 before building, got {cfg.vocab_size}")
+        self.cfg = cfg
+        self.causal = cfg.kind == "decoder"
+        self.activation_checkpointing: bool = False
+        d = cfg.hidden_size
+        self.head_dim = d // cfg.num_heads
+
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.embed_positions = nn.Embedding(cfg.max_seq_len, d) if cfg.position == "learned" else None
+        self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
+        self.drop = nn.Dropout(cfg.dropout)
+        ffn = resolved_ffn_size(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, ffn, self.causal) for _ in range(cfg.num_layers))
+        # post/deepnorm blocks already end with a norm.
+        self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
+                           else None)
+        self.head_transform = HeadTransform(cfg) if cfg.mlm_head_transform else None
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.bias)
+        self.tie_weights()
+        self.rope_cos: torch.Tensor | None
+        self.rope_sin: torch.Tensor | None
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.reset_buffers()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding Parameter (again, e.g. after ``to_empty``)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the fp32 RoPE tables on the device of the parameters."""
+        if self.cfg.position != "rotary":
+            return
+        cos, sin = rope_cache(self.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                              device=self.embed_tokens.weight.device)
+        self.rope_cos, self.rope_sin = cos, sin  # (S, hd) each
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Deterministic init drawing only from ``generator`` (module order is fixed by construction).
+
+        Default: N(0, init_std) for Linear/Embedding weights, with o_proj/down_proj further scaled by
+        1/sqrt(2L) (GPT-2); DeepNet: xavier_normal_ with gain beta on v/o/FFN, 1 on q/k. Biases 0, norms 1.
+        """
+        cfg = self.cfg
+        std = cfg.init_std
+        deepnorm = cfg.norm_placement == "deepnorm"
+        beta = (8.0 * cfg.num_layers) ** -0.25
+        residual_std = std / math.sqrt(2.0 * cfg.num_layers)
+        done: set[int] = set()  # a tied weight is initialized once (as the embedding)
+        for module in self.modules():
+            if isinstance(module, (nn.LayerNorm, RMSNorm)):
+                if module.weight is not None:
+                    module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                if id(module.weight) not in done:
+                    module.weight.normal_(0.0, std, generator=generator)
+                    done.add(id(module.weight))
+            elif isinstance(module, Attention) and deepnorm:
+                for lin, gain in ((module.q_proj, 1.0), (module.k_proj, 1.0),
+                                  (module.v_proj, beta), (module.o_proj, beta)):
+                    nn.init.xavier_normal_(lin.weight, gain=gain, generator=generator)
+                    done.add(id(lin.weight))
+            elif isinstance(module, FeedForward) and deepnorm:
+                for lin in (getattr(module, "gate_proj", None), module.up_proj, module.down_proj):
+                    if lin is not None:
+                        nn.init.xavier_normal_(lin.weight, gain=beta, generator=generator)
+                        done.add(id(lin.weight))
+            elif isinstance(module, Attention):
+                for lin in (module.q_proj, module.k_proj, module.v_proj):
+                    lin.weight.normal_(0.0, std, generator=generator)
+                    done.add(id(lin.weight))
+                module.o_proj.weight.normal_(0.0, residual_std, generator=generator)
+                done.add(id(module.o_proj.weight))
+            elif isinstance(module, FeedForward):
+                for lin in (getattr(module, "gate_proj", None), module.up_proj):
+                    if lin is not None:
+                        lin.weight.normal_(0.0, std, generator=generator)
+                        done.add(id(lin.weight))
+                module.down_proj.weight.normal_(0.0, residual_std, generator=generator)
+                done.add(id(module.down_proj.weight))
+            elif isinstance(module, nn.Linear):
+                if id(module.weight) not in done:  # head_transform.dense, untied lm_head
+                    module.weight.normal_(0.0, std, generator=generator)
+                    done.add(id(module.weight))
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        # Attention/FeedForward are visited before their Linear children, which then see `done`.
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                layer_mask: Sequence[bool] | None = None) -> ModelOutput:
+        """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity)."""
+        b, t = input_ids.shape
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if layer_mask is not None and len(layer_mask) != len(self.blocks):
+            raise ValueError(f"layer_mask has {len(layer_mask)} entries for {len(self.blocks)} blocks")
+
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(torch.arange(t, device=input_ids.device))  # + (T, D)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
+        x = self.drop(x)
+
+        rope = None
+        if self.rope_cos is not None and self.rope_sin is not None:
+            rope = (self.rope_cos[:t], self.rope_sin[:t])  # (T, hd) each
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):
+            if layer_mask is not None and not bool(layer_mask[i]):
+                continue
+            if recompute:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)  # (B, T, D)
+
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.head_transform is not None:
+            x = self.head_transform(x)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None if labels is None else self.loss(logits, labels)
+        return ModelOutput(loss=loss, logits=logits)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 mean CE over labels != -100 (decoders predict token t+1 from position t)."""
+        if self.causal:
+            logits, labels = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
+        flat = labels.reshape(-1)
+        total = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=-100,
+                                reduction="sum")
+        # A micro-batch without any target gives 0 (not NaN) so it cannot poison accumulation.
+        count = (flat != -100).sum().clamp(min=1)
+        return total / count
+
+
+def build_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A freshly initialized model; same cfg and seed give bitwise identical weights.
+
+    The module tree is built on the meta device (so torch's default inits draw nothing from the
+    global RNG and cost nothing), then materialized on the default device and initialized from a
+    local generator.
+    """
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if device.type == "meta":  # shape-only model, e.g. for counting
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces Parameters, which unties them
+    model.reset_buffers()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    model.init_weights(generator)
+    return model
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: Linear weights (2-D+) decay; biases, norms and embeddings (incl. tied) do not."""
+    embeddings = _embedding_weights(model)
+    decay_ids: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.weight.dim() >= 2 and id(m.weight) not in embeddings:
+            decay_ids.add(id(m.weight))
+    decay, no_decay = [], []
+    for p in model.parameters():  # deduplicated: a tied weight appears once
+        (decay if id(p) in decay_ids else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Unique parameter count (tied weights once); optionally without token/position embeddings."""
+    skip = _embedding_weights(model) if exclude_embeddings else set()
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12*L*D*T (PaLM appendix B).
+
+    N counts the non-embedding parameters plus the LM-head matmul (V*D) even when it is tied to the
+    embedding, because the matmul is computed either way.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n = num_parameters(model, exclude_embeddings=True)
+    if cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.hidden_size
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

@@ -1,0 +1,1 @@
+"""Training: the loop run on every worker, the DeepSpeed engine, checkpoints and tracking."""

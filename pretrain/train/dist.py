@@ -1,0 +1,89 @@
+"""Process-group setup for the three ways the loop runs: under Ray Train (already initialized),
+under torchrun (env vars), or as one plain process (a world of one, so DeepSpeed has a group)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    under_ray: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_context():
+    try:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        ctx.get_world_size()  # raises outside a Ray Train worker
+        return ctx
+    except Exception:
+        return None
+
+
+def setup(use_gpu: str) -> DistContext:
+    """Join (or create) the default process group and pick this worker's device."""
+    want_gpu = use_gpu != "no" and torch.cuda.is_available()
+    ray_ctx = _ray_context() if dist.is_initialized() else None
+    if ray_ctx is not None:
+        rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
+        local_rank, local_world = ray_ctx.get_local_rank(), ray_ctx.get_local_world_size()
+    elif dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    else:
+        if "WORLD_SIZE" not in os.environ:  # plain single process
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        dist.init_process_group("nccl" if want_gpu else "gloo", rank=rank, world_size=world)
+    if want_gpu:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank, world, local_rank, local_world, device, ray_ctx is not None)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,75 @@
+"""DeepSpeed engine from the typed config. The DeepSpeed JSON is a pure function of the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pretrain.config import RunConfig
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """``auto`` -> bf16 on GPUs that support it, else fp32. bf16 on CPU is allowed when asked for."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg`` on ``world_size`` workers."""
+    t, z = cfg.train, cfg.zero
+    zero: dict[str, Any] = {"stage": z.stage}
+    if z.stage > 0:
+        zero.update(reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm,
+                    contiguous_gradients=True)
+    if z.stage >= 2:
+        zero["allgather_bucket_size"] = z.reduce_bucket_size
+    if z.stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+    if z.offload_optimizer and z.stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps(world_size),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Optimizer:
+    """A torch AdamW (not DeepSpeed's fused CPU Adam, which needs a ~40 s op build on CPU)."""
+    t = cfg.train
+    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, world_size: int,
+               precision: str):
+    """Wrap ``model`` in a DeepSpeed engine; torch.distributed must already be initialized."""
+    import deepspeed  # heavy import, kept local
+
+    optimizer = build_optimizer(param_groups, cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size, precision),
+        dist_init_required=False)
+    return engine
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def global_grad_norm(engine) -> float:
+    """The pre-clipping global gradient norm of the last step (same value on every rank)."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return float("nan")
+    return float(norm)

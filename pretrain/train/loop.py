@@ -1,0 +1,269 @@
+"""The training function run on every worker: under Ray Train, under torchrun, or in one process.
+
+Generic loop, specific step: the step (LR, micro-batches, clipping via DeepSpeed) is one function;
+validation, progress, MLflow and checkpoint commits happen around it on fixed intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import RunConfig, config_hash, dump_yaml, from_dict
+from pretrain.data import TrainBatches, load_or_train_tokenizer, unigram_baseline_loss, validation_batches
+from pretrain.model import build_model, param_groups
+from pretrain.train import checkpoint as ckpt_io
+from pretrain.train import dist
+from pretrain.train.engine import global_grad_norm, initialize, resolve_precision, set_lr
+from pretrain.train.progress import Progress
+from pretrain.train.schedule import lr_at
+from pretrain.train.tracking import Tracker
+
+
+@dataclass(kw_only=True)
+class Job:
+    """Everything a worker needs; plain data so it travels to Ray workers."""
+
+    config: dict
+    """The resolved config (``to_dict(RunConfig)``)."""
+    run_id: str
+    """MLflow run id (or a local id when tracking is disabled)."""
+    run_dir: str
+    """Absolute checkpoint directory of this run."""
+    tracking_uri: str = ""
+    """MLflow tracking URI; empty disables tracking."""
+
+
+@dataclass
+class TrainerState:
+    """Loop counters, saved in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    last_train_loss: float = float("nan")
+    last_val: dict[str, float] = field(default_factory=dict)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of the global torch RNG (dropout) for one step on one rank: resume needs no RNG replay."""
+    return zlib.crc32(f"{seed}:{step}:{rank}".encode()) & 0x7FFFFFFF
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.device):
+    n = batch["input_ids"].shape[0]
+    for i in range(0, n, micro):
+        yield {k: v[i:i + micro].to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float,
+               device: torch.device) -> tuple[float, float]:
+    """One optimizer step over this rank's share of the global batch -> (global mean loss, grad norm)."""
+    set_lr(engine, lr)
+    losses = []
+    for mb in _micro_batches(batch, micro, device):
+        out = engine(mb["input_ids"], labels=mb["labels"])
+        engine.backward(out.loss)
+        engine.step()  # DeepSpeed only updates at the gradient-accumulation boundary
+        losses.append(out.loss.detach().float().item())
+    (loss_sum,) = dist.all_reduce_sum([sum(losses) / len(losses)], device)
+    return loss_sum / torch.distributed.get_world_size(), global_grad_norm(engine)
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], kind: str, device: torch.device) -> dict[str, float]:
+    """Token-weighted validation loss (and MLM accuracy for encoders) over all ranks' shares."""
+    engine.eval()
+    loss_sum = count = correct = 0.0
+    for mb in batches:
+        mb = {k: v.to(device) for k, v in mb.items()}
+        out = engine(mb["input_ids"], labels=mb["labels"])
+        labels = mb["labels"][:, 1:] if kind == "decoder" else mb["labels"]
+        n = float((labels != -100).sum())
+        loss_sum += out.loss.float().item() * n
+        count += n
+        if kind == "encoder":
+            pred = out.logits.argmax(-1)
+            correct += float(((pred == labels) & (labels != -100)).sum())
+    engine.train()
+    loss_sum, count, correct = dist.all_reduce_sum([loss_sum, count, correct], device)
+    loss = loss_sum / max(count, 1.0)
+    metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+    if kind == "encoder":
+        metrics["val/mlm_acc"] = correct / max(count, 1.0)
+    return metrics
+
+
+class Checkpointer:
+    """Writes committed checkpoints of this run (collective: every rank calls ``save``)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker: Tracker):
+        self.cfg, self.run_dir, self.ctx, self.tracker = cfg, run_dir, ctx, tracker
+
+    def save(self, engine, batches: TrainBatches, state: TrainerState) -> Path | None:
+        cfg, ctx = self.cfg, self.ctx
+        nonce = dist.broadcast_object(ckpt_io.new_nonce() if ctx.is_main else None)
+        stage = ckpt_io.staging_dir(self.run_dir, state.step, nonce)
+        stage.mkdir(parents=True, exist_ok=True)
+        engine.save_checkpoint(str(stage / ckpt_io.DS_DIR), tag=ckpt_io.DS_TAG, save_latest=False)
+        data_state = batches.state_dict()
+        ckpt_io.save_rank_state(stage, ctx.rank, data_state, {"torch": torch.get_rng_state()})
+        if ctx.is_main:
+            (stage / "config.yaml").write_text(dump_yaml(cfg))
+            ckpt_io.write_json(stage / "trainer_state.json", asdict(state))
+            shutil.copytree(cfg.data.tokenizer, stage / "tokenizer")
+        dist.barrier()
+        final, error = None, None
+        if ctx.is_main:
+            manifest = {
+                "run_id": self.tracker.run_id, "tokens_seen": state.tokens_seen,
+                "config_hash": config_hash(cfg), "model_kind": cfg.model.kind,
+                "data_position": {"global_sequences": state.step * cfg.train.global_batch_size,
+                                  "num_streams": cfg.data.num_streams},
+                "rng": {"scheme": "torch.manual_seed(crc32(seed:step:rank)) each step",
+                        "states": "rng/rank_R.pt"},
+                "metrics": {"train/loss": state.last_train_loss, **state.last_val},
+            }
+            try:
+                final = ckpt_io.commit(stage, self.run_dir, state.step, manifest, ctx.world_size)
+                self.tracker.register_checkpoint(final, ckpt_io.read_manifest(final))
+                ckpt_io.prune(self.run_dir, cfg.checkpoint.keep_last)
+            except Exception as e:  # tell the other ranks instead of leaving them in a barrier
+                error = f"{type(e).__name__}: {e}"
+        error = dist.broadcast_object(error)
+        if error:
+            raise ckpt_io.CheckpointError(f"checkpoint at step {state.step} failed: {error}")
+        return final
+
+
+def _restore(engine, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, ctx: dist.DistContext,
+             cfg: RunConfig) -> TrainerState:
+    saved_world = int(ckpt.manifest.get("world_size", ctx.world_size))
+    if saved_world != ctx.world_size:
+        raise ckpt_io.CheckpointError(
+            f"{ckpt.path}: saved with {saved_world} workers, resuming with {ctx.world_size}; "
+            f"resume with cluster.num_workers={saved_world}")
+    load_path, _ = engine.load_checkpoint(str(ckpt.path / ckpt_io.DS_DIR), tag=ckpt_io.DS_TAG,
+                                          load_module_strict=True)
+    if load_path is None:
+        raise ckpt_io.CheckpointError(f"{ckpt.path}: DeepSpeed could not load the engine state")
+    data_state, rng = ckpt_io.load_rank_state(ckpt.path, ctx.rank)
+    batches.load_state_dict(data_state)
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+    raw = json.loads((ckpt.path / "trainer_state.json").read_text())
+    return TrainerState(**raw)
+
+
+def train_loop(job: dict[str, Any]) -> dict[str, Any]:
+    """Train per ``job`` (a ``Job`` as dict). Returns the final metrics (rank 0's view)."""
+    job_ = Job(**job)
+    cfg = from_dict(job_.config)
+    ctx = dist.setup(cfg.cluster.use_gpu)
+    # Divide the node's CPUs among its local workers (Ray would otherwise leave one thread each).
+    threads = cfg.train.num_threads or max(1, _cpu_count() // ctx.local_world_size)
+    torch.set_num_threads(threads)
+    cfg.check_world_size(ctx.world_size)
+    run_dir = Path(job_.run_dir)
+    tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id)
+    progress = Progress(cfg.train.max_steps, 0, cfg.train.global_batch_size * cfg.model.max_seq_len, ctx.is_main)
+
+    precision = resolve_precision(cfg.train.precision, ctx.device)
+    tokenizer = load_or_train_tokenizer(cfg.data)
+    model = build_model(cfg.model, cfg.train.seed)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.to(ctx.device)
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, ctx.world_size, precision)
+    data_kw = dict(kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer,
+                   rank=ctx.rank, world_size=ctx.world_size)
+    batches = TrainBatches(cfg.data, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, **data_kw)
+    val_set = validation_batches(cfg.data, val_sequences=cfg.train.val_sequences,
+                                 micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, **data_kw)
+
+    if ctx.is_main:
+        ckpt_io.cleanup_staging(run_dir)
+    dist.barrier()
+    state = TrainerState()
+    resume = ckpt_io.latest_committed(run_dir)
+    if resume is None and cfg.checkpoint.resume_from:
+        resume = ckpt_io.resolve(Path(cfg.checkpoint.resume_from))
+    if resume is not None:
+        ckpt_io.verify(resume.path, resume.manifest)
+        state = _restore(engine, batches, resume, ctx, cfg)
+        progress = Progress(cfg.train.max_steps, state.step, progress.tokens_per_step, ctx.is_main)
+        progress.say(f"resumed from {resume.path} (step {state.step}, {state.tokens_seen:,} tokens)")
+    progress.say(f"{ctx.world_size} worker(s), device {ctx.device.type}, {precision}, ZeRO-{cfg.zero.stage}, "
+                 f"{threads} thread(s)/worker, grad accum {cfg.grad_accum_steps(ctx.world_size)}")
+
+    checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
+    last_ckpt: Path | None = resume.path if resume is not None else None
+    t = cfg.train
+    window: list[float] = []
+    while state.step < t.max_steps:
+        torch.manual_seed(step_seed(t.seed, state.step, ctx.rank))
+        batch = batches.next_step()
+        t0 = time.perf_counter()
+        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr_at(state.step, t), ctx.device)
+        progress.add_step(time.perf_counter() - t0)
+        lr = lr_at(state.step, t)
+        state.step += 1
+        state.tokens_seen += progress.tokens_per_step
+        state.last_train_loss = loss
+        window.append(loss)
+        if state.step % t.log_every == 0 or state.step == t.max_steps:
+            metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": gnorm,
+                       "train/tokens_per_s": progress.window_tokens_per_s(),
+                       "train/tokens_seen": float(state.tokens_seen),
+                       "train/loss_avg": sum(window) / len(window)}
+            window.clear()
+            progress.line(state.step, metrics)
+            tracker.log_metrics(metrics, state.step)
+        if val_set and (state.step == t.max_steps or (t.val_every and state.step % t.val_every == 0)):
+            state.last_val = evaluate(engine, val_set, cfg.model.kind, ctx.device)
+            tracker.log_metrics(state.last_val, state.step)
+            progress.say(f"step {state.step} validation: " +
+                         ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
+        every = cfg.checkpoint.every_steps
+        if state.step == t.max_steps or (every and state.step % every == 0):
+            last_ckpt = checkpointer.save(engine, batches, state) or last_ckpt
+            progress.say(f"checkpoint committed: step {state.step}")
+
+    bad = batches.bad_record_summary()
+    final: dict[str, Any] = {
+        "step": state.step, "tokens_seen": state.tokens_seen, "final_train_loss": state.last_train_loss,
+        "tokens_per_s": progress.tokens_per_s(), "bad_records": int(bad.get("total", 0)),
+        "checkpoint": str(last_ckpt) if last_ckpt else "", "run_id": job_.run_id,
+        **{k.replace("/", "_"): v for k, v in state.last_val.items()},
+    }
+    if ctx.is_main:
+        if val_set:
+            final["unigram_val_loss"] = unigram_baseline_loss(
+                cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer,
+                val_sequences=cfg.train.val_sequences, seed=cfg.train.seed)
+            tracker.log_metrics({"val/unigram_baseline_loss": final["unigram_val_loss"]}, state.step)
+        if bad.get("total"):
+            progress.say(f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
+                         f"first: {'; '.join(bad.get('examples', [])[:3])}")
+        tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, state.step)
+        tracker.log_json(bad, "data/bad_records.json")
+        tracker.log_json(final, "summary.json")
+    if ctx.under_ray:
+        import ray.train
+
+        ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float, str))})
+    return final
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

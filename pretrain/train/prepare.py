@@ -1,0 +1,103 @@
+"""Driver-side preparation of a job: absolute paths, tokenizer, vocab size, MLflow run, run directory.
+
+Runs once on the driver before any worker starts, so workers receive a fully resolved config
+(tokenizer directory and vocab size included) and never train a tokenizer themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from pathlib import Path
+
+from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
+from pretrain.data import load_or_train_tokenizer
+from pretrain.train import checkpoint as ckpt_io
+from pretrain.train import tracking
+from pretrain.train.loop import Job
+
+
+def _abs(path: str, base: Path) -> str:
+    return str((base / path).resolve()) if path and not Path(path).is_absolute() else path
+
+
+def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
+    """Make every local path absolute (workers do not share the driver's working directory)."""
+    base = base or Path.cwd()
+    c = cfg
+    c.checkpoint.dir = _abs(c.checkpoint.dir, base)
+    c.checkpoint.resume_from = _abs(c.checkpoint.resume_from, base)
+    c.data.cache_dir = _abs(c.data.cache_dir, base)
+    c.data.tokenizer = _abs(c.data.tokenizer, base)
+    for src in [*c.data.sources, *c.data.val_sources]:
+        if src.path != "demo" and src.format != "hub" and "://" not in src.path:
+            candidate = base / src.path
+            if not Path(src.path).is_absolute() and (candidate.exists() or any(ch in src.path for ch in "*?[")):
+                src.path = str(candidate.resolve()) if candidate.exists() else str(base / src.path)
+    return c
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple if multiple > 1 else n
+
+
+def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
+    """A fresh run: create the MLflow run, train or load the tokenizer, resolve the vocab size."""
+    cfg = resolve_paths(cfg)
+    uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
+    root = Path(cfg.checkpoint.dir)
+    run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
+    run_dir = root / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = run_dir / "tokenizer"
+    tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
+    if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained
+        tokenizer.save_pretrained(str(tok_dir))
+    cfg.data.tokenizer = str(tok_dir)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = _round_up(len(tokenizer), cfg.model.vocab_multiple)
+    elif cfg.model.vocab_size < len(tokenizer):
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+    cfg.validate()
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    if uri:
+        tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
+        tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
+    return Job(config=to_dict(cfg), run_id=run_id, run_dir=str(run_dir), tracking_uri=uri)
+
+
+def _config_from_checkpoint(ckpt: ckpt_io.CommittedCheckpoint, overrides: list[str]) -> RunConfig:
+    import yaml
+
+    base = yaml.safe_load((ckpt.path / "config.yaml").read_text())
+    cfg = load_config(None, overrides, base=base)
+    cfg.data.tokenizer = str(ckpt.path / "tokenizer")
+    return cfg
+
+
+def prepare_resume(target: str, overrides: list[str]) -> Job:
+    """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
+    or run directory (a new run that records where it came from)."""
+    uri = tracking.tracking_uri()
+    path = Path(target)
+    if not path.exists():
+        run = tracking.find_run(uri, target)
+        if run is None:
+            raise ConfigError(f"{target}: neither a checkpoint directory nor a run id in {uri}")
+        root = run.data.tags.get(tracking.TAG_CKPT_ROOT)
+        if not root:
+            raise ConfigError(f"{target}: run has no checkpoint directory recorded")
+        ckpt = ckpt_io.latest_committed(Path(root))
+        if ckpt is None:
+            raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
+        cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
+        cfg.validate()
+        if cfg.tracking.enabled:
+            tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
+        return Job(config=to_dict(cfg), run_id=target, run_dir=root,
+                   tracking_uri=uri if cfg.tracking.enabled else "")
+    ckpt = ckpt_io.resolve(path)
+    cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
+    cfg.checkpoint.resume_from = str(ckpt.path)
+    job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)})
+    return job

@@ -1,0 +1,150 @@
+"""MLflow tracking through an explicit ``MlflowClient`` (no global active run).
+
+The tracking URI follows ``MLFLOW_TRACKING_URI``; without it, a sqlite store ``mlflow.db`` in the
+working directory (resolved to an absolute path on the driver and handed to workers explicitly).
+Only small things go to MLflow: params, the resolved config, checkpoint manifests and tags. Weights
+stay in checkpoint storage; the run records where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import RunConfig, dump_yaml, flatten, to_dict
+
+# Tags that make checkpoints discoverable from a run id.
+TAG_CKPT_ROOT = "pretrain.checkpoint_root"
+TAG_CKPT_LATEST = "pretrain.checkpoint_latest"
+TAG_CKPT_STEP = "pretrain.checkpoint_step"
+TAG_RESUMED_FROM = "pretrain.resumed_from"
+TAG_KIND = "pretrain.model_kind"
+
+
+def tracking_uri() -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if uri:
+        return uri
+    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def _client(uri: str):
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _local_artifact_root(uri: str) -> str | None:
+    """For a sqlite store, artifacts go next to the db (absolute, so workers' cwd does not matter)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def get_or_create_experiment(uri: str, name: str) -> str:
+    client = _client(uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    root = _local_artifact_root(uri)
+    location = f"{root}/{name}" if root else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str:
+    """Create a run, log the resolved config as params and a YAML artifact; return the run id."""
+    client = _client(uri)
+    exp_id = get_or_create_experiment(uri, cfg.tracking.experiment)
+    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.name,
+                            tags={TAG_KIND: cfg.model.kind, **(tags or {})})
+    log_config(uri, run.info.run_id, cfg)
+    return run.info.run_id
+
+
+def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml") -> None:
+    from mlflow.entities import Param
+
+    client = _client(uri)
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
+    existing = client.get_run(run_id).data.params
+    params = [p for p in params if p.key not in existing]  # params are immutable in MLflow
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i:i + 100], synchronous=True)
+    client.log_text(run_id, dump_yaml(cfg), artifact)
+
+
+class Tracker:
+    """Rank-0 metric logger for one run. A no-op when ``uri`` is empty (tracking disabled)."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.uri, self.run_id = uri, run_id
+        self._client = _client(uri) if uri else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self._client:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if not self._client:
+            return
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
+                               synchronous=True)
+
+    def log_json(self, obj: Any, artifact_file: str) -> None:
+        if self._client:
+            self._client.log_text(self.run_id, json.dumps(obj, indent=1, sort_keys=True), artifact_file)
+
+    def register_checkpoint(self, path: Path, manifest: dict) -> None:
+        """A committed checkpoint: its manifest (without the per-file list) as an artifact, plus tags."""
+        if not self._client:
+            return
+        small = {k: v for k, v in manifest.items() if k != "files"}
+        small["num_files"] = len(manifest.get("files", {}))
+        small["bytes"] = sum(f["bytes"] for f in manifest.get("files", {}).values())
+        small["path"] = str(path)
+        self.log_json(small, f"checkpoints/{path.name}/manifest.json")
+        self.set_tags({TAG_CKPT_LATEST: str(path), TAG_CKPT_STEP: manifest["step"]})
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self._client:
+            self._client.set_terminated(self.run_id, status=status)
+
+
+def find_run(uri: str, run_id: str):
+    """The MLflow run, or None when ``run_id`` is not a run of this tracking store."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client(uri).get_run(run_id)
+    except MlflowException:
+        return None
+
+
+def list_runs(uri: str, max_results: int = 50) -> list:
+    client = _client(uri)
+    exps = client.search_experiments()
+    if not exps:
+        return []
+    return client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"],
+                              max_results=max_results)
