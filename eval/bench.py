@@ -91,7 +91,7 @@ def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
 def _our_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     from pretrain.model import build_model, param_groups
     from pretrain.train.engine import initialize
-    from pretrain.train.loop import train_step
+    from pretrain.train.step import train_step
 
     model = build_model(cfg.model, cfg.train.seed).to(device)
     model.activation_checkpointing = cfg.train.activation_checkpointing

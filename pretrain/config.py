@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -311,6 +312,7 @@ class RunConfig:
 # ----------------------------------------------------------------------------------------------
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -362,6 +364,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {_describe(value)}")
         return float(value)

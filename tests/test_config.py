@@ -32,6 +32,7 @@ def test_every_preset_loads_validates_and_round_trips(path):
     ("model.num_layers=abc", "model.num_layers: expected int, got str 'abc'"),
     ("model.num_layers=2.5", "model.num_layers: expected int"),
     ("train.lr=fast", "train.lr: expected float"),
+    ("train.lr=1e-3e", "train.lr: expected float"),
     ("model.kind=rnn", "model.kind: expected one of decoder, encoder"),
     ("tracking.enabled=3", "tracking.enabled: expected bool"),
     ("data.sources=[{pth: x}]", "data.sources[0].pth: unknown key"),
@@ -70,3 +71,7 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, args):
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_exponent_floats_without_dot_are_floats():
+    assert load_config(None, ["train.lr=3e-4"]).train.lr == 3e-4

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -21,8 +21,9 @@ from pretrain.config import ModelConfig
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A NamedTuple (not a dataclass) so DeepSpeed ZeRO-3's hooks can find the tensors inside."""
+
     loss: torch.Tensor | None
     """Scalar fp32 mean cross-entropy over labels != -100 (None without labels)."""
     logits: torch.Tensor
