@@ -80,6 +80,9 @@ class ModelConfig:
     """Apply a final norm before the LM head (automatically off for post-LN, which ends normed)."""
     mlm_head_transform: bool = False
     """Encoders: BERT-style head transform (dense + activation + norm) before the output projection."""
+    init_from_hf: str = ""
+    """A Hugging Face model directory of a supported family to start from (architecture and weights are
+    taken from it; the architecture fields above are then ignored). Its tokenizer is used too."""
 
 
 @dataclass(kw_only=True)
