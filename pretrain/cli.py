@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -183,6 +184,11 @@ def _one_line(exc: BaseException) -> str:
         for line in text:
             if marker in line:
                 return line.split(marker, 1)[1]
+    # Ray wraps worker failures in several layers: the root cause is the last "XyzError: ..." line.
+    for line in reversed(text):
+        m = re.match(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception|Interrupt)): (.+)$", line)
+        if m and m.group(1) not in ("RaySystemError", "ControllerError", "TrainingFailedError"):
+            return f"{m.group(1)}: {m.group(2)}"
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
