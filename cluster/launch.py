@@ -5,15 +5,17 @@ Ray code sees only the cluster settings; the training function receives the job 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pretrain.config import ClusterConfig
-from pretrain.train.loop import Job, train_loop
+from pretrain.train.loop import SUMMARY_FILE, Job, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,10 +24,16 @@ _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFL
                 "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "DS_BUILD_OPS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME")
 
 
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def worker_env() -> dict[str, str]:
     env = {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Ray Train re-routes print() through its logger and also tees it: every progress line twice.
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
     pythonpath = os.environ.get("PYTHONPATH", "")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pythonpath if pythonpath else "")
     return env
@@ -34,24 +42,42 @@ def worker_env() -> dict[str, str]:
 def ensure_ray(cluster: ClusterConfig) -> bool:
     """Connect to ``cluster.address`` / ``RAY_ADDRESS``, or start an embedded local Ray bound to
     127.0.0.1 without a dashboard. Returns True when this call started Ray (caller shuts it down)."""
+    address = _ray_address(cluster)
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = cluster.address or os.environ.get("RAY_ADDRESS", "")
     runtime_env = {"env_vars": worker_env()}
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=runtime_env, logging_level=logging.WARNING, configure_logging=True)
+        # The dashboard process also serves Ray's State API, which Train's placement-group cleaner
+        # polls; it binds to 127.0.0.1 only.
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=_free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
+                 logging_level=logging.WARNING, configure_logging=True)
     return True
 
 
+def _ray_address(cluster: ClusterConfig) -> str:
+    """The cluster address, or "" for an embedded local Ray, which is then kept on 127.0.0.1.
+
+    On Linux Ray swaps 127.0.0.1 for the host's routable IP and binds its gRPC servers on all
+    interfaces unless "cluster mode" is off; it reads that switch when ``ray`` is first imported,
+    so this must run before any Ray import."""
+    address = cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        if "ray._private.ray_constants" in sys.modules and os.environ.get(_LOCAL_ONLY_ENV) != "0":
+            print("[pretrain] warning: Ray was imported early; it may bind beyond 127.0.0.1", file=sys.stderr)
+        os.environ[_LOCAL_ONLY_ENV] = "0"
+    return address
+
+
 def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
+    _ray_address(cluster)
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started = ensure_ray(cluster)
@@ -66,15 +92,28 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
                                          resources_per_worker={"CPU": cluster.cpus_per_worker}),
             run_config=RunConfig(name=job.run_id, storage_path=str(Path(job.run_dir).parent / "_ray"),
                                  failure_config=FailureConfig(max_failures=cluster.max_failures),
-                                 worker_runtime_env={"env_vars": worker_env()}),
+                                 worker_runtime_env={"env_vars": worker_env()},
+                                 logging_config=LoggingConfig(log_level="WARNING")),
         )
         result = trainer.fit()
         if result.error is not None:
             raise result.error
-        return dict(result.metrics or {})
+        return read_summary(job)
     finally:
         if started:
             ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_summary(job: Job) -> dict[str, Any]:
+    """The final metrics rank 0 wrote into the run directory (shared storage)."""
+    path = Path(job.run_dir) / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:

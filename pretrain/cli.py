@@ -155,7 +155,26 @@ def cmd_bench(args: list[str]) -> int:
     return bench_main(args)
 
 
-COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench}
+def cmd_export(args: list[str]) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from pretrain.export.hf import main as export_main
+
+    hf_logging.disable_progress_bar()
+    return export_main(args)
+
+
+def cmd_eval(args: list[str]) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from eval.evaluate import main as eval_main
+
+    hf_logging.disable_progress_bar()
+    return eval_main(args)
+
+
+COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
+            "export": cmd_export, "eval": cmd_eval}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -28,6 +28,9 @@ from pretrain.train.step import evaluate, step_seed, train_step
 from pretrain.train.tracking import Tracker
 
 
+SUMMARY_FILE = "summary.json"
+
+
 @dataclass(kw_only=True)
 class Job:
     """Everything a worker needs; plain data so it travels to Ray workers."""
@@ -205,10 +208,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, state.step)
         tracker.log_json(bad, "data/bad_records.json")
         tracker.log_json(final, "summary.json")
-    if ctx.under_ray:
-        import ray.train
-
-        ray.train.report({k: v for k, v in final.items() if isinstance(v, (int, float, str))})
+        ckpt_io.write_json(run_dir / SUMMARY_FILE, final)
     return final
 
 

@@ -1,0 +1,400 @@
+"""Held-out evaluation of a checkpoint (run id, run dir, checkpoint dir) or a Hugging Face directory.
+
+    ./launch.sh eval RUN_ID_OR_CHECKPOINT_OR_HF_DIR [--data PATH ...] [--step N] [--sequences N]
+                     [--seq-len N] [--batch-size N] [--harness TASKS] [--no-sample] [--json]
+
+The data is the validation set of the run (its ``val_sources`` or its hash holdout; the same packed
+sequences and MLM masks as training's validation, see :func:`pretrain.data.validation_batches`), or
+``--data PATH ...`` (files/globs/dirs, or ``demo``). An exported directory carries its run's data
+config (``pretrain_export.json``), so a checkpoint and its export are scored on identical ids; for
+any other HF directory ``--data`` is required.
+
+Metrics (all sums in float64 over every predicted token):
+
+* decoders -- ``loss``: mean next-token cross-entropy in nats over the predicted tokens (positions
+  1..T-1 of every packed sequence, separators included); ``ppl = exp(loss)``; ``bits_per_byte``:
+  ``sum of those nats / (ln 2 * B)`` where ``B`` is the number of UTF-8 bytes of the text those
+  predicted tokens spell (a token's bytes; special tokens such as the document separator spell 0
+  bytes). It does not depend on the tokenizer's vocabulary: it prices the text, not the tokens. Exact
+  for byte-level BPE (this project's tokenizers); for other tokenizers a token's bytes are those of
+  its individual decoding.
+* encoders -- ``loss``: mean cross-entropy over the masked (selected) positions; ``ppl = exp(loss)``;
+  ``mlm_acc``: fraction of those positions whose argmax is the original token.
+
+Results print as a table, or with ``--json`` as one JSON object (keys ``loss``, ``ppl``,
+``bits_per_byte`` or ``mlm_acc``, plus counts and provenance). For a tracked run/checkpoint they are
+logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``).
+Decoders also get a short greedy sample from ``transformers``' ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
+
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes per token
+# ----------------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    stack = [decoder]
+    while stack:
+        d = stack.pop()
+        if d.get("type") == "ByteLevel":
+            return True
+        stack.extend(d.get("decoders") or [])
+    return False
+
+
+def token_byte_lengths(tokenizer, size: int) -> torch.Tensor:
+    """(size,) int64: UTF-8 bytes each token id spells (0 for special tokens and unused ids)."""
+    lengths = torch.zeros(size, dtype=torch.int64)
+    special = {int(i) for i in tokenizer.all_special_ids if i is not None}
+    added = set(tokenizer.get_added_vocab())
+    byte_level = _is_byte_level(tokenizer)
+    table = {c: b for b, c in _bytes_to_unicode().items()}
+    for token, i in tokenizer.get_vocab().items():
+        if not 0 <= i < size or i in special:
+            continue
+        if token in added:
+            lengths[i] = len(token.encode("utf-8"))
+        elif byte_level and all(c in table for c in token):
+            lengths[i] = len(token)  # one character per byte
+        else:
+            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    return lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring (the functional core: logits function + batches -> metrics)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def score(logits_fn: Callable[[torch.Tensor], torch.Tensor], batches: list[dict[str, torch.Tensor]], kind: str,
+          byte_lengths: torch.Tensor | None = None) -> dict[str, float]:
+    """Metrics of the module docstring over ``batches`` ({"input_ids", "labels"}, labels -100 = ignore)."""
+    nll = 0.0
+    count = correct = nbytes = 0
+    for mb in batches:
+        logits = logits_fn(mb["input_ids"]).float()
+        labels = mb["labels"]
+        if kind == "decoder":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        keep = labels != -100
+        target = labels[keep]
+        picked = logits[keep]
+        nll += float(F.cross_entropy(picked, target, reduction="none").double().sum())
+        count += int(target.numel())
+        if kind == "encoder":
+            correct += int((picked.argmax(-1) == target).sum())
+        elif byte_lengths is not None:
+            nbytes += int(byte_lengths[target].sum())
+    if count == 0:
+        raise ValueError("evaluation data has no predicted tokens")
+    loss = nll / count
+    out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count}
+    if kind == "encoder":
+        out["mlm_acc"] = correct / count
+    else:
+        out["bits_per_byte"] = nll / (LN2 * nbytes) if nbytes else float("nan")
+        out["bytes"] = nbytes
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalSource:
+    """What is evaluated and on which data (defaults from the run that produced it)."""
+
+    label: str
+    kind: str
+    tokenizer: Any
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]
+    hf_model: Callable[[], Any]
+    """Lazily builds the transformers model (for generate)."""
+    hf_dir: Callable[[], Path]
+    """Lazily gives a Hugging Face directory of the model (exported to a temporary dir for checkpoints)."""
+    data: DataConfig | None
+    seq_len: int
+    seed: int
+    val_sequences: int
+    vocab_size: int
+    run_id: str | None = None
+    step: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+
+
+def _hf_kind(config) -> str:
+    archs = list(getattr(config, "architectures", None) or [])
+    if any(a.endswith("ForMaskedLM") for a in archs):
+        return "encoder"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "decoder"
+    raise ValueError(f"cannot tell decoder from encoder: architectures {archs} (need *ForCausalLM or *ForMaskedLM)")
+
+
+def open_hf_dir(path: Path) -> EvalSource:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pretrain.export.hf import METADATA_FILE, _is_our_remote_code, load_exported
+
+    remote = _is_our_remote_code(path)
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
+    kind = _hf_kind(config)
+    model = load_exported(path, kind)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+    meta_file = path / METADATA_FILE
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    data = load_config(None, base={"data": meta["data"]}).data if "data" in meta else None
+    max_pos = getattr(config, "max_position_embeddings", None) or 1024
+    src = meta.get("source", {})
+    return EvalSource(
+        label=f"HF directory {path} ({type(model).__name__})", kind=kind, tokenizer=tokenizer,
+        logits_fn=lambda ids: model(input_ids=ids).logits, hf_model=lambda: model, hf_dir=lambda: path, data=data,
+        seq_len=int(meta.get("max_seq_len") or min(max_pos, 1024)), seed=int(meta.get("seed", 0)),
+        val_sequences=int(meta.get("val_sequences", 64)), vocab_size=int(config.vocab_size),
+        info={"hf_class": type(model).__name__, "exported_from": src or None})
+
+
+def open_checkpoint(target: str, step: int | None) -> EvalSource:
+    from pretrain.export.hf import our_model, resolve_checkpoint, special_token_ids, to_hf_model
+
+    loaded = resolve_checkpoint(target, step)
+    cfg = loaded.config
+    sd = loaded.state_dict()
+    model = our_model(cfg.model, sd)
+    tokenizer = loaded.tokenizer()
+    cache: dict[str, Any] = {}
+
+    def hf_model():
+        if "m" not in cache:
+            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer))
+        return cache["m"]
+
+    def hf_dir() -> Path:
+        import tempfile
+
+        from pretrain.export.hf import export_model
+
+        if "dir" not in cache:
+            cache["dir"] = Path(tempfile.mkdtemp(prefix="pretrain-eval-")) / "hf"
+            export_model(cfg.model, sd, tokenizer, cache["dir"], log=lambda *a: None)
+        return cache["dir"]
+
+    return EvalSource(
+        label=f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})", kind=cfg.model.kind, tokenizer=tokenizer,
+        logits_fn=lambda ids: model(ids).logits, hf_model=hf_model, hf_dir=hf_dir, data=cfg.data,
+        seq_len=cfg.model.max_seq_len,
+        seed=cfg.train.seed, val_sequences=cfg.train.val_sequences, vocab_size=cfg.model.vocab_size,
+        run_id=loaded.run_id, step=loaded.ckpt.step, info={"checkpoint": str(loaded.ckpt.path)})
+
+
+def open_source(target: str, step: int | None = None) -> EvalSource:
+    path = Path(target).expanduser()
+    if path.is_dir() and _is_hf_dir(path):
+        if step is not None:
+            raise ConfigError("--step applies to runs and checkpoints, not to a Hugging Face directory")
+        return open_hf_dir(path.resolve())
+    return open_checkpoint(target, step)
+
+
+def data_config(src: EvalSource, paths: list[str]) -> DataConfig:
+    """The run's data config, or one whose validation sources are ``paths``."""
+    base = src.data or DataConfig()
+    if not paths:
+        if src.data is None:
+            raise ConfigError(f"{src.label}: no data config travels with it; pass --data PATH")
+        return base
+    sources = []
+    for p in paths:
+        local = Path(p).expanduser()
+        sources.append(SourceConfig(path=str(local.resolve()) if local.exists() else p))
+    return dataclasses.replace(base, val_sources=sources)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample, harness, tracking
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_sample(hf_model, tokenizer, prompt_ids: list[int], max_len: int, new_tokens: int = 24) -> dict[str, str]:
+    """Greedy continuation of ``prompt_ids`` with ``transformers`` ``generate``."""
+    n = max(0, min(new_tokens, max_len - len(prompt_ids)))
+    ids = torch.tensor([prompt_ids])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            pad_token_id=pad)
+    return {"prompt": tokenizer.decode(prompt_ids), "continuation": tokenizer.decode(out[0, len(prompt_ids):].tolist())}
+
+
+def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
+    """lm-evaluation-harness on the model's HF directory when ``lm_eval`` and the task data are available
+    locally; otherwise one line saying why not. Returns (line, per-task results or None)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return f"harness: lm-evaluation-harness (package lm_eval) is not installed; skipped tasks {tasks}", None
+    try:
+        import lm_eval
+
+        from pretrain.export.hf import _is_our_remote_code
+
+        path = src.hf_dir()
+        args = f"pretrained={path},dtype=float32,trust_remote_code={_is_our_remote_code(path)}"
+        out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[t for t in tasks.split(",") if t],
+                                      device="cuda" if torch.cuda.is_available() else "cpu")
+        results = (out or {}).get("results", {})
+        summary = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float))
+                            for task, m in results.items())
+        return f"harness: {summary or 'no results'}", results
+    except Exception as e:  # noqa: BLE001 - typically task data not available offline
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"harness: lm_eval could not run {tasks} ({type(e).__name__}: {first[:200]})", None
+
+
+def log_to_mlflow(run_id: str, step: int, result: dict[str, Any]) -> None:
+    from pretrain.train.tracking import Tracker, tracking_uri
+
+    tracker = Tracker(tracking_uri(), run_id)
+    metrics = {f"eval/{k}": float(result[k]) for k in ("loss", "ppl", "bits_per_byte", "mlm_acc") if k in result}
+    tracker.log_metrics(metrics, step)
+    tracker.log_json(result, f"eval/step_{step:08d}.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def evaluate(target: str, *, step: int | None = None, **kwargs) -> dict[str, Any]:
+    """Evaluate ``target`` (see the module docstring) and return the result dict."""
+    return evaluate_source(open_source(target, step), **kwargs)
+
+
+def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), sequences: int | None = None,
+                    seq_len: int | None = None, batch_size: int = 8, sample: bool = True,
+                    track: bool = True) -> dict[str, Any]:
+    """Score ``src`` on its (or ``data``'s) validation sequences; log to MLflow when tracked."""
+    from pretrain.data import validation_batches
+
+    if batch_size <= 0:
+        raise ConfigError(f"--batch-size must be > 0, got {batch_size}")
+    dcfg = data_config(src, list(data))
+    T = seq_len or src.seq_len
+    n = sequences or src.val_sequences
+    if dcfg.val_holdout <= 0 and not dcfg.val_sources:
+        raise ConfigError(f"{src.label}: the run has no validation data (val_holdout 0); pass --data PATH")
+    batches = validation_batches(dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, rank=0, world_size=1,
+                                 val_sequences=n, micro_batch_size=batch_size, seed=src.seed)
+    byte_lengths = token_byte_lengths(src.tokenizer, src.vocab_size) if src.kind == "decoder" else None
+    metrics = score(src.logits_fn, batches, src.kind, byte_lengths)
+    result: dict[str, Any] = {
+        **metrics, "kind": src.kind, "source": src.label, "sequences": sum(len(b["input_ids"]) for b in batches),
+        "seq_len": T, "data": [s.path for s in dcfg.val_sources] or f"holdout {dcfg.val_holdout:g} of training data",
+        **src.info}
+    if src.step is not None:
+        result["step"] = src.step
+    if sample and src.kind == "decoder" and batches:
+        prompt = batches[0]["input_ids"][0, : max(1, min(8, T // 2))].tolist()
+        result["sample"] = greedy_sample(src.hf_model(), src.tokenizer, prompt, T)
+    if track and src.run_id and src.step is not None:
+        log_to_mlflow(src.run_id, src.step, result)
+        result["mlflow_run_id"] = src.run_id
+    return result
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"eval: {r['source']}")
+    print(f"  data: {r['data']}; {r['sequences']} sequences x {r['seq_len']} tokens, {r['tokens']:,} predicted tokens"
+          + (f", {r['bytes']:,} bytes" if "bytes" in r else ""))
+    rows = [("loss", f"{r['loss']:.4f}"), ("perplexity", f"{r['ppl']:.3f}")]
+    if "bits_per_byte" in r:
+        rows.append(("bits per byte", f"{r['bits_per_byte']:.4f}"))
+    if "mlm_acc" in r:
+        rows.append(("MLM accuracy", f"{r['mlm_acc']:.4f}"))
+    for k, v in rows:
+        print(f"  {k:<14} {v}")
+    if "sample" in r:
+        s = r["sample"]
+        print(f"  {'greedy sample':<14} {s['prompt']!r} -> {s['continuation']!r}")
+    if "mlflow_run_id" in r:
+        print(f"  logged eval/* metrics to MLflow run {r['mlflow_run_id']} at step {r['step']}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="launch.sh eval", description="Held-out loss/perplexity/bits-per-byte (decoders) or MLM "
+                                                   "accuracy (encoders) of a checkpoint or a Hugging Face directory.")
+    p.add_argument("source", help="MLflow run id, run dir, checkpoint dir, or Hugging Face model dir")
+    p.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="evaluate on these sources instead of the run's validation data")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (default: latest)")
+    p.add_argument("--sequences", type=int, default=None, help="number of packed sequences (default: the run's)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--harness", default=None, metavar="TASKS", help="lm-evaluation-harness tasks (comma-separated)")
+    p.add_argument("--no-sample", action="store_true", help="skip the greedy sample")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    src = open_source(a.source, a.step)
+    result = evaluate_source(src, data=a.data, sequences=a.sequences, seq_len=a.seq_len, batch_size=a.batch_size,
+                             sample=not a.no_sample)
+    line = None
+    if a.harness:
+        line, tasks = run_harness(src, a.harness)
+        result["harness"] = tasks if tasks is not None else line
+    if a.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+        if line:
+            print(line, file=sys.stderr)  # stdout stays one JSON object
+    else:
+        print_table(result)
+        if line:
+            print(line)
+    return 0

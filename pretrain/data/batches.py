@@ -1,0 +1,254 @@
+"""Training batches over virtual streams, the validation set, and a data-throughput probe.
+
+One optimizer step takes ``global_batch_size / num_streams`` sequences from *every* virtual stream.
+Worker ``rank`` of ``world_size`` owns the streams ``s`` with ``s % world_size == rank`` and returns,
+for each owned stream in ascending order, its next ``G/S`` sequences, concatenated. Streams are
+packed (and masked) independently of each other and of the worker count, so with
+``micro_batch_size`` dividing ``G/S`` every micro-batch is the same whatever the number of workers.
+
+``state_dict()`` holds, per owned stream, the document-stream position (``datasets`` state of each
+source, mixture draws, document index, epoch), the packer buffer, the sequences emitted and the
+bad-record counters. ``load_state_dict`` takes the union of the workers' states (see
+:func:`merge_states`) and restores the streams this worker owns, so resuming with another worker
+count is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from pretrain.config import DataConfig
+from pretrain.data.packing import Masker, Packer, make_example, mask_seed
+from pretrain.data.sources import BadRecords, resolve_sources, summarize_bad_records
+from pretrain.data.stream import DocumentStream
+from pretrain.data.tokenizer import make_encoder, separator_id
+
+STATE_VERSION = 1
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in ("decoder", "encoder"):
+        raise ValueError(f"model kind must be decoder or encoder, got {kind!r}")
+
+
+def train_holdout(cfg: DataConfig) -> float:
+    """Fraction held out of the training sources (0 when validation comes from ``val_sources``)."""
+    return 0.0 if cfg.val_sources else cfg.val_holdout
+
+
+class _Stream:
+    """One virtual stream: its documents, packer, sequence counter and bad-record counter."""
+
+    def __init__(self, index: int, sources, cfg: DataConfig, seed: int, num_streams: int, encode,
+                 separator: int, seq_len: int, state: dict | None = None):
+        state = state or {}
+        self.index = index
+        self.bad = BadRecords(cfg.bad_records)
+        self.bad.load_state_dict(state.get("bad", {}))
+        self.docs = DocumentStream(sources, seed, role="train", val_holdout=train_holdout(cfg), bad=self.bad,
+                                   stream=index, num_streams=num_streams, repeat=cfg.repeat,
+                                   state=state.get("documents"))
+        self.packer = Packer(self.docs, encode, separator, seq_len, state.get("buffer"))
+        self.sequences = int(state.get("sequences", 0))
+
+    def state_dict(self) -> dict:
+        return {"documents": self.docs.state_dict(), "epoch": self.docs.epoch, "buffer": list(self.packer.buffer),
+                "sequences": self.sequences, "bad": self.bad.state_dict()}
+
+
+class TrainBatches:
+    """This worker's share of every optimizer step (see the module docstring)."""
+
+    def __init__(self, cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, rank: int, world_size: int,
+                 global_batch_size: int, seed: int):
+        _check_kind(kind)
+        S = cfg.num_streams
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        if S % world_size:
+            raise ValueError(f"data.num_streams {S} must be divisible by the {world_size} workers")
+        if global_batch_size <= 0 or global_batch_size % S:
+            raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
+                             f"data.num_streams {S}")
+        self.cfg, self.kind, self.seq_len, self.tokenizer = cfg, kind, seq_len, tokenizer
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.global_batch_size = global_batch_size
+        self.per_stream = global_batch_size // S
+        self.tokens_per_step = global_batch_size * seq_len
+        self.owned = [s for s in range(S) if s % world_size == rank]
+        self._sources = resolve_sources(cfg.sources, cfg.cache_dir)
+        self._encode = make_encoder(tokenizer)
+        self._separator = separator_id(tokenizer)
+        self._masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
+        self._streams = {s: self._make_stream(s) for s in self.owned}
+
+    def _make_stream(self, s: int, state: dict | None = None) -> _Stream:
+        return _Stream(s, self._sources, self.cfg, self.seed, self.cfg.num_streams, self._encode,
+                       self._separator, self.seq_len, state)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.next_step()
+
+    def next_step(self) -> dict[str, torch.Tensor]:
+        """This worker's ``G/W`` sequences of the next step; StopIteration when the data ends (repeat off)."""
+        T, n = self.seq_len, self.per_stream
+        ended = False
+        for s in self.owned:  # fill first: a step is either served whole or not at all
+            try:
+                self._streams[s].packer.fill(n * T)
+            except StopIteration:
+                ended = True  # keep filling the others, so every stream reads (and reports) to its end
+        if ended:
+            raise StopIteration
+        inputs, labels = [], []
+        for s in self.owned:
+            stream = self._streams[s]
+            for _ in range(n):
+                x, y = make_example(stream.packer.take(T), self.kind, self._masker,
+                                    mask_seed(self.seed, s, stream.sequences))
+                stream.sequences += 1
+                inputs.append(x)
+                labels.append(y)
+        return {"input_ids": torch.stack(inputs), "labels": torch.stack(labels)}
+
+    def _meta(self) -> dict:
+        return {"version": STATE_VERSION, "num_streams": self.cfg.num_streams, "seq_len": self.seq_len,
+                "kind": self.kind}
+
+    def state_dict(self) -> dict:
+        """JSON-serializable state of this worker's streams (each stream also carries the metadata)."""
+        meta = self._meta()
+        return {**meta, "streams": {str(s): {**meta, **self._streams[s].state_dict()} for s in self.owned}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this worker's streams from ``{"streams": {"0": ..., ...}, ...}`` holding (at least) all of
+        them: the union of any number of workers' states, so the worker count may change."""
+        streams = state.get("streams", {})
+        missing = [s for s in self.owned if str(s) not in streams]
+        if missing:
+            raise ValueError(f"data state: no state for streams {missing} (merge all workers' states)")
+        meta = self._meta()
+        for where, part in [("", state)] + [(f"streams.{s}.", streams[str(s)]) for s in self.owned]:
+            for key, mine in meta.items():
+                if key in part and part[key] != mine:
+                    raise ValueError(f"data state: {where}{key} was {part[key]!r}, now {mine!r}")
+        self._streams = {s: self._make_stream(s, streams[str(s)]) for s in self.owned}
+
+    def bad_record_summary(self) -> dict:
+        return summarize_bad_records([self._streams[s].bad for s in self.owned])
+
+
+def merge_states(states: list[dict]) -> dict:
+    """The union of several workers' ``TrainBatches.state_dict()`` (for an elastic resume)."""
+    if not states:
+        raise ValueError("no data states to merge")
+    merged = {k: v for k, v in states[0].items() if k != "streams"}
+    merged["streams"] = {}
+    for st in states:
+        for k in ("version", "num_streams", "seq_len", "kind"):
+            if st.get(k) != merged.get(k):
+                raise ValueError(f"data states disagree on {k}: {st.get(k)!r} != {merged.get(k)!r}")
+        merged["streams"].update(st["streams"])
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _unique(docs):
+    seen: set[str] = set()
+    for text in docs:
+        if text not in seen:
+            seen.add(text)
+            yield text
+
+
+def validation_sequences(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int,
+                         seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global validation set: the first ``val_sequences`` packed sequences of the validation stream."""
+    _check_kind(kind)
+    if cfg.val_sources:
+        sources, role, holdout = resolve_sources(cfg.val_sources, cfg.cache_dir), "all", 0.0
+    elif cfg.val_holdout > 0:
+        sources, role, holdout = resolve_sources(cfg.sources, cfg.cache_dir), "val", cfg.val_holdout
+    else:
+        return []
+    if val_sequences <= 0:
+        return []
+    docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=BadRecords(cfg.bad_records))
+    packer = Packer(_unique(docs), make_encoder(tokenizer), separator_id(tokenizer), seq_len)
+    masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
+    out = []
+    for k in range(val_sequences):
+        try:
+            ids = packer.next_sequence()
+        except StopIteration:
+            break
+        out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
+    if not out:
+        where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
+        raise ValueError(f"validation: {where} has fewer than seq_len={seq_len} tokens; "
+                         f"add validation data or raise data.val_holdout")
+    return out
+
+
+def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, rank: int, world_size: int,
+                       val_sequences: int, micro_batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """This worker's share (sequences ``rank::world_size``) of the validation set, in micro-batches."""
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    seqs = validation_sequences(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
+                                val_sequences=val_sequences, seed=seed)[rank::world_size]
+    return [{"input_ids": torch.stack([x for x, _ in seqs[i:i + micro_batch_size]]),
+             "labels": torch.stack([y for _, y in seqs[i:i + micro_batch_size]])}
+            for i in range(0, len(seqs), micro_batch_size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Throughput
+# ----------------------------------------------------------------------------------------------
+
+
+def data_throughput(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seconds: float = 3.0) -> float:
+    """Tokens/s of raw text -> packed (and masked) batches: one process, one thread, all streams.
+
+    Measures ``TrainBatches(rank=0, world_size=1)`` (so every virtual stream's reading is included)
+    with ``torch`` limited to one thread and tokenizer parallelism off, after one warm-up step.
+    """
+    threads = torch.get_num_threads()
+    env = os.environ.get("TOKENIZERS_PARALLELISM")
+    torch.set_num_threads(1)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        G = cfg.num_streams * max(1, 2048 // (cfg.num_streams * seq_len))
+        batches = TrainBatches(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, rank=0, world_size=1,
+                               global_batch_size=G, seed=0)
+        batches.next_step()
+        tokens, start = 0, time.perf_counter()
+        while True:
+            try:
+                batches.next_step()
+            except StopIteration:
+                break
+            tokens += batches.tokens_per_step
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        elapsed = time.perf_counter() - start
+        if tokens == 0:
+            raise ValueError("data_throughput: the data ended before a single measured step")
+        return tokens / elapsed
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = env

@@ -1,0 +1,121 @@
+"""Packing documents into fixed-length sequences, and BERT-style MLM masking.
+
+**Packing.** Documents are tokenized (batch encoding, no special tokens, no BOS) and concatenated,
+each followed by the separator (eos); the concatenation is cut into sequences of exactly
+``seq_len`` tokens. A document longer than the room left continues in the next sequence. The
+tokens not yet emitted are the packer's *buffer*: every document pulled from the stream is
+tokenized into it at once, so at any sequence boundary (document stream position, buffer) is an
+exact, JSON-serializable resume point, whatever was partly consumed.
+
+**Masking (encoders).** Positions are selected for prediction with probability ``mlm_probability``,
+never on special tokens (separator, pad, mask, unk...). Of the selected positions 80% become the
+mask token, 10% a uniformly random non-special token, 10% stay unchanged. ``labels`` holds the
+original id at selected positions and -100 elsewhere. Each sequence has its own ``torch.Generator``
+seeded by :func:`mask_seed` from (seed, stream, index of the sequence in its stream) -- or
+(seed, "val", index) for validation -- so masks do not depend on the number of workers or on
+resumption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterator
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class Packer:
+    """Turns a document iterator into fixed-length token sequences (see the module docstring)."""
+
+    def __init__(self, docs: Iterator[str], encode: Callable[[list[str]], list[list[int]]], separator: int,
+                 seq_len: int, buffer: list[int] | None = None):
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        self.docs, self.encode, self.separator, self.seq_len = docs, encode, int(separator), seq_len
+        self.buffer: list[int] = [int(t) for t in buffer] if buffer else []
+        self._chars = 4000.0  # running chars/token estimate (only decides how many documents to pull)
+        self._tokens = 1000.0
+
+    def fill(self, n_tokens: int) -> None:
+        """Make the buffer hold at least ``n_tokens``; StopIteration when the documents end first."""
+        while len(self.buffer) < n_tokens:
+            target = (n_tokens - len(self.buffer)) * self._chars / self._tokens
+            texts: list[str] = []
+            chars = 0
+            ended = False
+            while chars < target:
+                try:
+                    text = next(self.docs)
+                except StopIteration:
+                    ended = True
+                    break
+                texts.append(text)
+                chars += len(text)
+            if texts:
+                sep = self.separator
+                buf = self.buffer
+                n = 0
+                for ids in self.encode(texts):
+                    buf.extend(ids)
+                    buf.append(sep)
+                    n += len(ids) + 1
+                self._chars += chars
+                self._tokens += n
+            if ended and len(self.buffer) < n_tokens:
+                raise StopIteration
+
+    def take(self, n_tokens: int) -> list[int]:
+        out = self.buffer[:n_tokens]
+        del self.buffer[:n_tokens]
+        return out
+
+    def next_sequence(self) -> list[int]:
+        self.fill(self.seq_len)
+        return self.take(self.seq_len)
+
+
+def mask_seed(seed: int, *key) -> int:
+    """A 63-bit seed from ``(seed, *key)`` (a fixed formula: BLAKE2b of the repr)."""
+    digest = hashlib.blake2b(repr((int(seed), *key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Masker:
+    """BERT 80/10/10 masking of one sequence with its own seeded generator."""
+
+    def __init__(self, tokenizer, probability: float):
+        if not 0.0 < probability < 1.0:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {probability}")
+        if tokenizer.mask_token_id is None:
+            raise ValueError("encoder (masked LM) training needs a tokenizer with a mask token")
+        vocab = len(tokenizer)
+        special = sorted({int(i) for i in tokenizer.all_special_ids if i is not None and 0 <= i < vocab})
+        self.probability = probability
+        self.mask_id = int(tokenizer.mask_token_id)
+        self.is_special = torch.zeros(vocab, dtype=torch.bool)
+        self.is_special[special] = True
+        self.random_ids = torch.nonzero(~self.is_special).flatten()
+        self.special_ids = special
+
+    def __call__(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        n = ids.numel()
+        select_u = torch.rand(n, generator=g)
+        action_u = torch.rand(n, generator=g)
+        random_pick = torch.randint(len(self.random_ids), (n,), generator=g)
+        selected = (select_u < self.probability) & ~self.is_special[ids]
+        labels = torch.where(selected, ids, IGNORE_INDEX)
+        inputs = torch.where(selected & (action_u < 0.8), self.mask_id, ids)
+        randomize = selected & (action_u >= 0.8) & (action_u < 0.9)
+        inputs = torch.where(randomize, self.random_ids[random_pick], inputs)
+        return inputs, labels
+
+
+def make_example(ids: list[int], kind: str, masker: Masker | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of one packed sequence: decoders predict every token (the model shifts)."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    if kind == "encoder":
+        return masker(t, seed)
+    return t, t.clone()

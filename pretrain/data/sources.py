@@ -1,0 +1,340 @@
+"""Data sources: resolving a :class:`SourceConfig` to files, reading records tolerantly, bad records.
+
+Every source is read through real ``datasets`` streaming datasets:
+
+* ``text``/``json`` files: our own tolerant line reader wrapped in
+  ``datasets.IterableDataset.from_generator`` (one shard per file). Files are read in binary and each
+  line decoded on its own, so undecodable bytes, invalid JSON, a missing or non-string text field and
+  empty text become *bad records* with an exact ``file:line``. Blank lines of ``.txt`` files are
+  skipped silently (they separate nothing: every non-empty line is a document).
+* ``parquet`` files: ``datasets.load_dataset("parquet", data_files=FILE, streaming=True)``, one per
+  file, so a bad row is reported as ``file:row N`` (0-based row index within the file).
+* ``hub``: ``datasets.load_dataset(path, split=split, streaming=True)`` (needs network access).
+
+Each record reaches the caller as a dict ``{"text": str | None, "bad": reason | None, "msg": str,
+"file": str, "line": int | str}``; bad records are *data*, not side effects of the reader, so
+re-reading (e.g. skipping ahead when a ``datasets`` state is restored) never double-counts them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob as globlib
+import json
+import re
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import datasets
+
+from pretrain.config import SourceConfig
+from pretrain.data.demo_corpus import build_demo_corpus
+
+
+class BadRecordError(ValueError):
+    """A malformed record under ``bad_records: fail``; ``str(e)`` is one line ``path:line: reason``."""
+
+
+REASONS = {
+    "invalid_json": "invalid JSON",
+    "missing_field": "missing text field",
+    "not_string": "text field is not a string",
+    "bad_utf8": "undecodable UTF-8 bytes",
+    "empty": "empty text",
+}
+
+_EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+_MAX_EXAMPLES = 20
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad-record bookkeeping
+# ----------------------------------------------------------------------------------------------
+
+
+class BadRecords:
+    """Counts bad records per reason and keeps the first examples; ``fail`` raises instead."""
+
+    def __init__(self, policy: str = "skip"):
+        if policy not in ("skip", "fail"):
+            raise ValueError(f"data.bad_records: expected skip or fail, got {policy!r}")
+        self.policy = policy
+        self.by_reason: dict[str, int] = {}
+        self.by_source: dict[str, int] = {}
+        self.examples: list[list] = []  # [file, line, message]
+        self._seen: set[tuple] = set()
+
+    def add(self, row: dict) -> None:
+        msg = " ".join(str(row["msg"]).split())
+        if self.policy == "fail":
+            raise BadRecordError(f"{row['file']}:{row['line']}: {msg}")
+        self.by_reason[row["bad"]] = self.by_reason.get(row["bad"], 0) + 1
+        source = str(row.get("source", ""))
+        self.by_source[source] = self.by_source.get(source, 0) + 1
+        key = (row["file"], row["line"], msg)
+        if len(self.examples) < _MAX_EXAMPLES and key not in self._seen:
+            self._seen.add(key)
+            self.examples.append(list(key))
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def state_dict(self) -> dict:
+        return {"by_reason": dict(self.by_reason), "by_source": dict(self.by_source),
+                "examples": [list(e) for e in self.examples]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.by_reason = {str(k): int(v) for k, v in state.get("by_reason", {}).items()}
+        self.by_source = {str(k): int(v) for k, v in state.get("by_source", {}).items()}
+        self.examples = [list(e) for e in state.get("examples", [])]
+        self._seen = {tuple(e) for e in self.examples}
+
+
+def summarize_bad_records(parts: list[BadRecords]) -> dict:
+    """Merge counters into ``{"total", "by_reason", "by_source", "examples": ["file:line: reason"]}``."""
+    by_reason: dict[str, int] = {}
+    by_source: dict[str, int] = {}
+    examples: list[tuple] = []
+    for part in parts:
+        for k, v in part.by_reason.items():
+            by_reason[k] = by_reason.get(k, 0) + v
+        for k, v in part.by_source.items():
+            by_source[k] = by_source.get(k, 0) + v
+        examples.extend(tuple(e) for e in part.examples)
+
+    def order(e: tuple) -> tuple:
+        line = e[1]
+        return (str(e[0]), 0, line, "") if isinstance(line, int) else (str(e[0]), 1, 0, str(line))
+
+    unique = sorted(set(examples), key=order)[:_MAX_EXAMPLES]
+    return {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
+            "by_source": dict(sorted(by_source.items())),
+            "examples": [f"{f}:{line}: {msg}" for f, line, msg in unique]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Line reader (txt / jsonl)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bad(reason: str, file: str, line: Any, detail: str = "") -> dict:
+    msg = REASONS[reason] + (f" ({detail})" if detail else "")
+    return {"text": None, "bad": reason, "msg": msg, "file": file, "line": line}
+
+
+def check_text(value: Any, has_field: bool, field_name: str, file: str, line: Any) -> dict:
+    """Validate an extracted text field value, returning a good or a bad record."""
+    if not has_field:
+        return _bad("missing_field", file, line, repr(field_name))
+    if not isinstance(value, str):
+        return _bad("not_string", file, line, type(value).__name__)
+    if not value.strip():
+        return _bad("empty", file, line)
+    return {"text": value, "bad": None, "msg": "", "file": file, "line": line}
+
+
+def read_lines(files: list[str], fmt: str, text_field: str) -> Iterator[dict]:
+    """Tolerant reader of txt (one document per non-empty line) and jsonl files (``from_generator``)."""
+    for file in files:
+        with open(file, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield _bad("bad_utf8", file, lineno, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+                    continue
+                if lineno == 1 and line.startswith("\ufeff"):
+                    line = line[1:]
+                line = line.rstrip("\r\n")
+                if fmt == "text":
+                    if line.strip():
+                        yield {"text": line, "bad": None, "msg": "", "file": file, "line": lineno}
+                    continue
+                if not line.strip():
+                    yield _bad("empty", file, lineno, "blank line")
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    yield _bad("invalid_json", file, lineno, getattr(e, "msg", str(e)))
+                    continue
+                if isinstance(obj, dict):
+                    yield check_text(obj.get(text_field), text_field in obj, text_field, file, lineno)
+                else:
+                    yield _bad("missing_field", file, lineno, f"{text_field!r}; record is a {type(obj).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Source resolution
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResolvedSource:
+    """A source resolved to concrete files (or a hub name) and a single format."""
+
+    name: str
+    format: str  # text | json | parquet | hub
+    files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    weight: float = 1.0
+    hub_path: str = ""
+    split: str = "train"
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.files) if self.format == "parquet" else 1
+
+    def open_part(self, part: int) -> datasets.IterableDataset:
+        """A fresh ``datasets`` streaming dataset for one part (the whole source, or one parquet file).
+
+        Every virtual stream (and every pass) iterates its own dataset object: an IterableDataset keeps
+        the state of its latest iteration. (Deep-copying a template is not safe: the copy drags the
+        builder and shared caches along.)"""
+        if self.format in ("text", "json"):
+            return datasets.IterableDataset.from_generator(
+                read_lines, gen_kwargs={"files": list(self.files), "fmt": self.format, "text_field": self.text_field})
+        if self.format == "parquet":
+            ds = datasets.load_dataset("parquet", data_files=[self.files[part]], split="train", streaming=True)
+            if ds.column_names is not None and self.text_field not in ds.column_names:
+                raise ValueError(f"{self.files[part]}: no column {self.text_field!r} "
+                                 f"(columns: {', '.join(ds.column_names)}); set text_field in source {self.name!r}")
+            return ds.select_columns([self.text_field]) if ds.column_names else ds
+        try:
+            return datasets.load_dataset(self.hub_path, split=self.split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - offline, unknown name...: one clear line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"data source {self.name!r}: could not stream {self.hub_path!r} "
+                             f"(not a local path; hub load failed: {first})") from e
+
+    def convert(self, row: dict, part: int, index: int) -> dict:
+        """Normalize a raw row of part ``part`` (``index``: row number within it) to a record dict."""
+        if self.format in ("text", "json"):
+            return row
+        file = self.files[part] if self.format == "parquet" else f"{self.hub_path}[{self.split}]"
+        return check_text(row.get(self.text_field), self.text_field in row, self.text_field, file, f"row {index}")
+
+
+def _looks_like_hub(path: str) -> bool:
+    if "://" in path:
+        return True
+    return bool(_HUB_NAME.fullmatch(path)) and Path(path).suffix.lower() not in _EXTENSIONS
+
+
+def resolve_source(src: SourceConfig, cache_dir: str | Path) -> ResolvedSource:
+    """Turn a source config into files and one format (``path: demo`` is the built-in corpus)."""
+    name = src.name or src.path
+    base = dict(name=name, text_field=src.text_field, weight=src.weight, split=src.split)
+    if src.format == "hub":
+        return ResolvedSource(format="hub", hub_path=src.path, **base)
+    if src.path == "demo":
+        files = [build_demo_corpus(Path(cache_dir))]
+        return ResolvedSource(format="text" if src.format == "auto" else src.format,
+                              files=[str(f) for f in files], **base)
+    p = Path(src.path).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*")
+                       if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts))
+        if src.format == "auto":
+            files = [f for f in files if f.suffix.lower() in _EXTENSIONS]
+    elif p.is_file():
+        files = [p]
+    elif any(c in src.path for c in "*?["):
+        files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
+    elif _looks_like_hub(src.path):
+        return ResolvedSource(format="hub", hub_path=src.path, **base)
+    else:
+        raise ValueError(f"data source {name!r}: {src.path} does not exist")
+    if not files:
+        raise ValueError(f"data source {name!r}: no data files found at {src.path}")
+    fmt = src.format
+    if fmt == "auto":
+        kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
+        if None in kinds:
+            bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
+            raise ValueError(f"data source {name!r}: cannot tell the format of {bad} from its extension; "
+                             f"set format (text, json, parquet)")
+        if len(kinds) > 1:
+            raise ValueError(f"data source {name!r}: mixed formats {sorted(kinds)}; use one source per format")
+        fmt = kinds.pop()
+    return ResolvedSource(format=fmt, files=[str(f) for f in files], **base)
+
+
+def resolve_sources(sources: list[SourceConfig], cache_dir: str | Path) -> list[ResolvedSource]:
+    return [resolve_source(s, cache_dir) for s in sources]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading one source with an exact, JSON-serializable position
+# ----------------------------------------------------------------------------------------------
+
+
+_LIVE_READERS: "weakref.WeakSet[SourceReader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_readers() -> None:
+    """Close suspended dataset iterators before interpreter teardown (the parquet reader of
+    ``datasets`` otherwise prints 'Exception ignored' noise when collected with modules gone)."""
+    for reader in list(_LIVE_READERS):
+        reader.close()
+
+
+class SourceReader:
+    """Iterates the records of one source; ``state_dict()`` is exact after any record.
+
+    State: ``{"part": k, "rows": rows read in part k, "dataset": the datasets state_dict or None}``.
+    """
+
+    def __init__(self, source: ResolvedSource, state: dict | None = None):
+        self.source = source
+        state = state or {}
+        self.part = int(state.get("part", 0))
+        self.rows = int(state.get("rows", 0))
+        self._ds_state = state.get("dataset")
+        self._ds: datasets.IterableDataset | None = None
+        self._it: Iterator | None = None
+        _LIVE_READERS.add(self)
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        if self._ds is not None:
+            self._ds_state = self._ds.state_dict()
+            self._ds = None
+        if it is not None and hasattr(it, "close"):
+            try:
+                it.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+    def state_dict(self) -> dict:
+        ds_state = self._ds.state_dict() if self._ds is not None else self._ds_state
+        return {"part": self.part, "rows": self.rows, "dataset": ds_state}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        while True:
+            if self.part >= self.source.num_parts:
+                raise StopIteration
+            if self._it is None:
+                self._ds = self.source.open_part(self.part)
+                if self._ds_state is not None:
+                    self._ds.load_state_dict(self._ds_state)
+                self._it = iter(self._ds)
+            try:
+                row = next(self._it)
+            except StopIteration:
+                self.part, self.rows = self.part + 1, 0
+                self._ds = self._it = self._ds_state = None
+                continue
+            self.rows += 1
+            record = self.source.convert(row, self.part, self.rows - 1)
+            if record["bad"] is not None:
+                record = {**record, "source": self.source.name}
+            return record

@@ -1,0 +1,87 @@
+"""Tokenizer: load a Hugging Face fast tokenizer, or train a byte-level BPE on the training sources.
+
+The trained tokenizer is a GPT-2 style byte-level BPE (any text round-trips, no unknown bytes) with
+special tokens ``<|endoftext|>`` (id 0: eos, bos and the document separator), ``<|pad|>`` (1),
+``<|mask|>`` (2) and ``<|unk|>`` (3). It is trained on the first ``tokenizer_train_docs`` training
+documents (bad records skipped, validation holdout excluded) in mixture order with seed 0, so it
+depends only on the data config: training is deterministic (checked by the tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pretrain.config import DataConfig
+from pretrain.data.sources import BadRecords, resolve_sources
+from pretrain.data.stream import DocumentStream
+
+EOS, PAD, MASK, UNK = "<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>"
+SPECIAL_TOKENS = [EOS, PAD, MASK, UNK]
+TOKENIZER_DATA_SEED = 0
+
+
+def training_documents(cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: int | None = None,
+                       bad: BadRecords | None = None):
+    """The training documents in global (mixture) order, one pass, holdout removed."""
+    docs = DocumentStream(resolve_sources(cfg.sources, cfg.cache_dir), seed, role="train",
+                          val_holdout=cfg.val_holdout if not cfg.val_sources else 0.0,
+                          bad=bad or BadRecords(cfg.bad_records))
+    return docs if limit is None else itertools.islice(docs, limit)
+
+
+def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"data.tokenizer_vocab_size: {vocab_size} is below the 260 of a byte-level BPE")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
+                                   mask_token=MASK, unk_token=UNK, clean_up_tokenization_spaces=False)
+
+
+def load_or_train_tokenizer(cfg: DataConfig, out_dir: Path | str | None = None) -> PreTrainedTokenizerFast:
+    """``cfg.tokenizer`` (a local tokenizer directory) or a BPE trained on the training documents."""
+    if cfg.tokenizer:
+        path = Path(cfg.tokenizer).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"data.tokenizer: {cfg.tokenizer} is not a directory with a saved tokenizer")
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001 - one clear line for a broken directory
+            raise ValueError(f"data.tokenizer: cannot load a fast tokenizer from {cfg.tokenizer}: {e}") from e
+        separator_id(tok)
+    else:
+        tok = train_tokenizer(training_documents(cfg, limit=cfg.tokenizer_train_docs), cfg.tokenizer_vocab_size)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def separator_id(tokenizer) -> int:
+    """The document separator appended after every document: eos (or sep for BERT-like tokenizers)."""
+    for attr in ("eos_token_id", "sep_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    raise ValueError("tokenizer has neither an eos nor a sep token to separate documents")
+
+
+def make_encoder(tokenizer):
+    """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens, no BOS)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        def encode(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return encode
+
+    def encode_slow(texts: list[str]) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return encode_slow

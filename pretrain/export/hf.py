@@ -1,0 +1,578 @@
+"""Hugging Face export and import of our Transformers, with a logits parity check.
+
+Export (``./launch.sh export RUN_ID_OR_CHECKPOINT --out DIR [--step N] [--register NAME]``):
+
+1. resolve the committed checkpoint (a checkpoint dir, a run dir -> latest, or an MLflow run id),
+2. consolidate the DeepSpeed state (ZeRO 0/1/2/3, any number of workers) into one fp32 state dict,
+3. map it to the exact standard class of :mod:`pretrain.export.families` (Llama, GPT-2, BERT) or,
+   when none is exact, to the self-contained ``trust_remote_code`` model in ``remote_code/``,
+4. write ``config.json``, (sharded) safetensors, the tokenizer, ``generation_config.json`` (decoders)
+   and ``pretrain_export.json`` (provenance + the data config, used by ``eval``) into a staging dir,
+5. load it back with ``AutoModelFor{CausalLM,MaskedLM}``/``AutoTokenizer`` and fail unless our model and
+   the loaded one agree: logits within 1e-4 (fp32) on a random batch, identical token ids on probe
+   texts. Only then the staging dir is renamed to ``--out``.
+6. ``--register NAME``: a new version in the MLflow Model Registry whose source is the exported
+   directory (no weights go through MLflow), linked to the run, tagged with step and checkpoint.
+
+Import: :func:`import_hf` turns an HF directory of a supported family back into our config fields and
+state dict (export -> import -> export is bitwise lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
+from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
+from pretrain.model.transformer import Transformer, resolved_ffn_size
+from pretrain.train import checkpoint as ckpt_io
+
+PARITY_TOLERANCE = 1e-4
+METADATA_FILE = "pretrain_export.json"
+REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_code"
+REMOTE_MODULE = "modeling_pretrain"
+REMOTE_MODEL_TYPE = "pretrain_transformer"
+REMOTE_CLASSES = {"decoder": "PretrainTransformerForCausalLM", "encoder": "PretrainTransformerForMaskedLM"}
+
+# Texts whose ids must be identical under the training tokenizer and the exported one.
+PROBE_TEXTS = [
+    "Hello world", " leading space", "trailing space ", "  two  spaces\tand\ttabs\n\nnewlines\r\n",
+    "<|endoftext|>", "a<|endoftext|>b <|pad|> <|mask|><|unk|>", "Ünïcödé: naïve café, 日本語, 한국어, emoji 🙂🚀",
+    "numbers 1234567890 3.14159 1e-5", "code: def f(x):\n    return x ** 2  # comment", "",
+    "\u00a0non-breaking\u2009thin\u200bzero-width", "ﬁ ligature, Ⅻ, combining e\u0301",
+]
+
+
+class ExportError(RuntimeError):
+    """The export could not be verified (parity, tokenizer fidelity, loading)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Which class
+# ----------------------------------------------------------------------------------------------
+
+
+def export_target(model_cfg: ModelConfig) -> tuple[str | None, str]:
+    """(standard HF class name, why) or (None, why not + what export does instead).
+
+    ``train`` can call this at start to warn when a config has no exact standard equivalent.
+    """
+    family, reasons = find_family(model_cfg)
+    if family is not None:
+        notes = []
+        if model_cfg.norm_placement == "deepnorm":
+            notes.append("DeepNorm residual scale folded exactly")
+        if (model_cfg.num_kv_heads or model_cfg.num_heads) != model_cfg.num_heads and family.name != "llama":
+            notes.append("grouped K/V heads repeated to multi-head (exact)")
+        if not model_cfg.bias and family.name in ("gpt2", "bert"):
+            notes.append("biases exported as zeros")
+        extra = f" ({', '.join(notes)})" if notes else ""
+        return family.hf_class, f"exact standard class {family.hf_class}{extra}"
+    cls = REMOTE_CLASSES[model_cfg.kind]
+    why = "; ".join(reasons) if reasons else f"no standard {model_cfg.kind} family is exact"
+    return None, (f"no exact standard Hugging Face class ({why}); export writes a self-contained modeling file "
+                  f"({cls}, load with trust_remote_code=True)")
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def _strip_module_prefix(sd: StateDict) -> StateDict:
+    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+
+
+def remote_config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
+    """Our config as fields of the remote-code config class (``ffn_size`` resolved)."""
+    d = to_dict(model_cfg)
+    for k in ("vocab_multiple", "init_from_hf"):
+        d.pop(k)
+    d["ffn_size"] = resolved_ffn_size(model_cfg)
+    return d
+
+
+def _remote_module():
+    from pretrain.export.remote_code import modeling_pretrain
+
+    return modeling_pretrain
+
+
+def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None]):
+    """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    sd = _strip_module_prefix(sd)
+    family, _ = find_family(model_cfg)
+    if family is not None:
+        cfg_kwargs, hf_sd = family.to_hf(sd, model_cfg, special)
+        cls = getattr(transformers, family.hf_class)
+        config = cls.config_class(**cfg_kwargs)
+    else:
+        mod = _remote_module()
+        config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg), **special)
+        config.auto_map = {"AutoConfig": f"{REMOTE_MODULE}.PretrainTransformerConfig",
+                           ("AutoModelForCausalLM" if model_cfg.kind == "decoder" else "AutoModelForMaskedLM"):
+                           f"{REMOTE_MODULE}.{REMOTE_CLASSES[model_cfg.kind]}"}
+        cls = getattr(mod, REMOTE_CLASSES[model_cfg.kind])
+        hf_sd = dict(sd)
+    config.architectures = [cls.__name__]
+    with no_init_weights():  # every weight is overwritten below
+        model = cls(config)
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    tied = set(model.all_tied_weights_keys) if hasattr(model, "all_tied_weights_keys") else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ExportError(f"{cls.__name__}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    if model_cfg.kind == "decoder":
+        from transformers import GenerationConfig
+
+        eos = special.get("eos_token_id")
+        model.generation_config = GenerationConfig(
+            bos_token_id=special.get("bos_token_id"), eos_token_id=eos,
+            pad_token_id=special.get("pad_token_id") if special.get("pad_token_id") is not None else eos,
+            do_sample=False, use_cache=family is not None)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Our model from a state dict; parity
+# ----------------------------------------------------------------------------------------------
+
+
+def our_model(model_cfg: ModelConfig, sd: StateDict) -> Transformer:
+    """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init)."""
+    sd = _strip_module_prefix(sd)
+    if model_cfg.tie_embeddings and "lm_head.weight" not in sd:
+        sd = {**sd, "lm_head.weight": sd["embed_tokens.weight"]}
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.tie_weights()
+    model.reset_buffers()
+    return model.eval()
+
+
+def parity_batch(model_cfg: ModelConfig, batch: int = 2, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
+    """A fixed random batch of token ids, (batch, min(seq_len, max_seq_len))."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model_cfg.vocab_size, (batch, min(seq_len, model_cfg.max_seq_len)), generator=g)
+
+
+@torch.no_grad()
+def logits_max_abs_diff(ours: Transformer, hf_model, input_ids: torch.Tensor) -> float:
+    """max |our logits - HF logits| (fp32) on ``input_ids``."""
+    a = ours(input_ids).logits.float()
+    b = hf_model(input_ids=input_ids).logits.float()
+    if a.shape != b.shape:
+        raise ExportError(f"logits shapes differ: ours {tuple(a.shape)}, HF {tuple(b.shape)}")
+    return float((a - b).abs().max())
+
+
+def check_tokenizer(train_tokenizer, exported_tokenizer, texts: list[str]) -> int:
+    """Raise unless both tokenizers give the ids training used (no special tokens added); returns count."""
+    from pretrain.data.tokenizer import make_encoder
+
+    want = make_encoder(train_tokenizer)(list(texts))
+    got = exported_tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    for text, w, g in zip(texts, want, got):
+        if list(w) != list(g):
+            raise ExportError(f"tokenizer mismatch on {text[:60]!r}: training ids {list(w)[:12]}..., "
+                              f"exported ids {list(g)[:12]}...")
+    return len(texts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing and verifying an export directory
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    hf_class: str
+    standard: bool
+    reason: str
+    max_abs_diff: float
+    shards: int
+    tokenizer_checks: int
+    registered_version: int | None = None
+
+
+def _prepare_out(out: Path) -> Path:
+    """A fresh staging dir next to ``out``; refuse to clobber a directory we did not write."""
+    out = out.expanduser().resolve()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / METADATA_FILE).is_file())):
+        raise ConfigError(f"--out {out}: exists and is not an earlier export (remove it or pick another directory)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    return stage
+
+
+def load_exported(path: Path, kind: str):
+    """``AutoModelFor{CausalLM,MaskedLM}`` from an export dir (fp32); ExportError on incomplete loading."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto = AutoModelForCausalLM if kind == "decoder" else AutoModelForMaskedLM
+    remote = _is_our_remote_code(path)
+    model, info = auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=remote,
+                                       output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if problems:
+        raise ExportError(f"{path}: loading was incomplete: {problems}")
+    return model.eval()
+
+
+def _is_our_remote_code(path: Path) -> bool:
+    """Trust remote code only for our own modeling file (an export of this project)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return cfg.get("model_type") == REMOTE_MODEL_TYPE and (path / f"{REMOTE_MODULE}.py").is_file()
+
+
+def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *, max_shard_size: str | int = "2GB",
+                 metadata: dict | None = None, probe_texts: list[str] | None = None, log=print) -> ExportReport:
+    """Write an HF directory for (``model_cfg``, ``sd``) with ``tokenizer`` and verify it (see module doc)."""
+    from transformers import AutoTokenizer
+
+    hf_class, reason = export_target(model_cfg)
+    standard = hf_class is not None
+    special = special_token_ids(tokenizer)
+    hf_model = to_hf_model(model_cfg, sd, special)
+    stage = _prepare_out(out)
+    try:
+        hf_model.save_pretrained(str(stage), max_shard_size=max_shard_size)
+        if not standard:
+            shutil.copy2(REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py", stage / f"{REMOTE_MODULE}.py")
+        tokenizer.save_pretrained(str(stage))
+        del hf_model
+
+        loaded = load_exported(stage, model_cfg.kind)
+        ours = our_model(model_cfg, sd)
+        diff = logits_max_abs_diff(ours, loaded, parity_batch(model_cfg))
+        log(f"[export] parity: max |logits diff| = {diff:.3e} (fp32, tolerance {PARITY_TOLERANCE:.0e})")
+        if not diff <= PARITY_TOLERANCE:  # also catches NaN
+            raise ExportError(f"parity failed: max |logits diff| {diff:.3e} > {PARITY_TOLERANCE:.0e}")
+        # AutoTokenizer reads config.json first: our own remote-code config needs the same trust.
+        exported_tok = AutoTokenizer.from_pretrained(str(stage), trust_remote_code=not standard)
+        checks = check_tokenizer(tokenizer, exported_tok, PROBE_TEXTS + list(probe_texts or []))
+        shards = len(list(stage.glob("*.safetensors")))
+        meta = {"format": 1, "hf_class": hf_class or REMOTE_CLASSES[model_cfg.kind], "standard_class": standard,
+                "trust_remote_code": not standard, "reason": reason, "kind": model_cfg.kind,
+                "parity_max_abs_diff": diff, "model_config": to_dict(model_cfg), **(metadata or {})}
+        (stage / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        out = out.expanduser().resolve()
+        if out.exists():
+            shutil.rmtree(out)
+        stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return ExportReport(out=out, hf_class=meta["hf_class"], standard=standard, reason=reason, max_abs_diff=diff,
+                        shards=shards, tokenizer_checks=checks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: resolve, consolidate
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedCheckpoint:
+    ckpt: ckpt_io.CommittedCheckpoint
+    config: RunConfig
+    run_id: str | None
+    """The MLflow run of the checkpoint when it is in the current tracking store, else None."""
+
+    def state_dict(self) -> StateDict:
+        return consolidated_state_dict(self.ckpt.path, self.config.zero.stage)
+
+    def tokenizer(self):
+        from pretrain.data import load_or_train_tokenizer
+
+        tok_dir = self.ckpt.path / "tokenizer"
+        if not tok_dir.is_dir():
+            raise ckpt_io.CheckpointError(f"{self.ckpt.path}: no tokenizer/ directory")
+        return load_or_train_tokenizer(dataclasses.replace(self.config.data, tokenizer=str(tok_dir)))
+
+
+def _pick_step(run_dir: Path, step: int) -> ckpt_io.CommittedCheckpoint:
+    found = ckpt_io.list_committed(run_dir)
+    for c in found:
+        if c.step == step:
+            ckpt_io.verify(c.path, c.manifest)
+            return c
+    steps = ", ".join(str(c.step) for c in found) or "none"
+    raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+
+
+def resolve_checkpoint(target: str, step: int | None = None) -> LoadedCheckpoint:
+    """A checkpoint dir, a run dir (latest or ``step``) or an MLflow run id -> verified checkpoint."""
+    from pretrain.train import tracking
+
+    path = Path(target).expanduser()
+    run_id: str | None = None
+    if path.exists():
+        if step is not None and not (path / ckpt_io.MANIFEST).is_file():
+            ckpt = _pick_step(path.resolve(), step)
+        else:
+            ckpt = ckpt_io.resolve(path)
+            if step is not None and ckpt.step != step:
+                raise ConfigError(f"--step {step}: {ckpt.path} is the checkpoint of step {ckpt.step}")
+        candidate = str(ckpt.manifest.get("run_id") or "")
+        if candidate and not candidate.startswith("local-"):
+            run_id = candidate if tracking.find_run(tracking.tracking_uri(), candidate) is not None else None
+    else:
+        uri = tracking.tracking_uri()
+        run = tracking.find_run(uri, target)
+        if run is None:
+            raise ConfigError(f"{target}: neither a checkpoint or run directory nor a run id in {uri}")
+        root = run.data.tags.get(tracking.TAG_CKPT_ROOT)
+        if not root:
+            raise ConfigError(f"{target}: the run has no checkpoint directory recorded")
+        if step is not None:
+            ckpt = _pick_step(Path(root), step)
+        else:
+            latest = ckpt_io.latest_committed(Path(root))
+            if latest is None:
+                raise ConfigError(f"{target}: no committed checkpoint in {root}")
+            ckpt_io.verify(latest.path, latest.manifest)
+            ckpt = latest
+        run_id = target
+    import yaml
+
+    cfg_file = ckpt.path / "config.yaml"
+    if not cfg_file.is_file():
+        raise ckpt_io.CheckpointError(f"{ckpt.path}: no config.yaml")
+    cfg = load_config(None, base=yaml.safe_load(cfg_file.read_text()))
+    return LoadedCheckpoint(ckpt=ckpt, config=cfg, run_id=run_id)
+
+
+def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
+    """One fp32 state dict (our names) from the DeepSpeed state of a committed checkpoint.
+
+    ZeRO 1/2/3 (any worker count): DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions.
+    Stage 0 (plain data parallel): the full module state of rank 0.
+    """
+    ds = ckpt_path / ckpt_io.DS_DIR
+    if zero_stage == 0:
+        files = sorted((ds / ckpt_io.DS_TAG).glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ckpt_io.CheckpointError(f"{ckpt_path}: no DeepSpeed model state in {ds / ckpt_io.DS_TAG}")
+        sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # It prints progress to stdout; keep the CLI output (and --json) clean.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(ds), tag=ckpt_io.DS_TAG)
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in _strip_module_prefix(sd).items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model Registry
+# ----------------------------------------------------------------------------------------------
+
+
+def register_model(name: str, out: Path, *, run_id: str | None, step: int, checkpoint: Path, hf_class: str,
+                   uri: str | None = None) -> int:
+    """A new version of registered model ``name`` whose source is the exported directory (a file URI).
+
+    Nothing is uploaded: the registry records where the export lives, the run it came from, the step.
+    """
+    import os
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pretrain.train.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri=uri or tracking_uri(), registry_uri=uri or tracking_uri())
+    try:
+        client.create_registered_model(name, description="Hugging Face exports of pretrain checkpoints")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    tags = {"pretrain.step": str(step), "pretrain.checkpoint": str(checkpoint), "pretrain.hf_class": hf_class,
+            "pretrain.export_dir": str(out)}
+    mv = client.create_model_version(name, source=Path(out).resolve().as_uri(), run_id=run_id, tags=tags,
+                                     description=f"{hf_class} export of step {step} ({checkpoint})")
+    return int(mv.version)
+
+
+# ----------------------------------------------------------------------------------------------
+# Import
+# ----------------------------------------------------------------------------------------------
+
+
+def read_hf_state_dict(hf_dir: Path) -> StateDict:
+    """All tensors of an HF directory: (sharded) safetensors, else (sharded) ``pytorch_model.bin``."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: StateDict = {}
+        for f in files:
+            out.update(load_file(str(hf_dir / f)))
+        return out
+    if (hf_dir / "model.safetensors").is_file():
+        return load_file(str(hf_dir / "model.safetensors"))
+    bins = sorted(hf_dir.glob("pytorch_model*.bin"))
+    if bins:
+        out = {}
+        for f in bins:
+            out.update(torch.load(f, map_location="cpu", weights_only=True))
+        return out
+    raise ValueError(f"{hf_dir}: no model.safetensors[.index.json] or pytorch_model.bin")
+
+
+def _normalize_hf_keys(hf_sd: StateDict, family: Family) -> StateDict:
+    """Old BERT checkpoints name LayerNorm parameters gamma/beta; base-model checkpoints lack the prefix."""
+    out = {}
+    for k, v in hf_sd.items():
+        k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        out[k] = v
+    prefix = {"llama": "model.", "gpt2": "transformer.", "bert": "bert."}[family.name]
+    if not any(k.startswith(prefix) for k in out):
+        out = {(k if k.startswith(("lm_head.", "cls.")) else prefix + k): v for k, v in out.items()}
+    return out
+
+
+def _complete_biases(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, ModelConfig]:
+    """All-zero biases -> ``bias=False`` (dropped); otherwise ``bias=True`` and missing biases are zeros."""
+    biases = [k for k in sd if k.endswith(".bias")]
+    if biases and all(not torch.any(sd[k] != 0) for k in biases):
+        return {k: v for k, v in sd.items() if not k.endswith(".bias")}, dataclasses.replace(cfg, bias=False)
+    if not biases:
+        return sd, dataclasses.replace(cfg, bias=False)
+    cfg = dataclasses.replace(cfg, bias=True)
+    with torch.device("meta"):
+        expected = Transformer(cfg).state_dict()
+    out = dict(sd)
+    for k, v in expected.items():
+        if k not in out and k.endswith(".bias"):
+            out[k] = torch.zeros(v.shape, dtype=torch.float32)  # e.g. GPT-2's bias-free LM head
+    return out, cfg
+
+
+def import_hf(hf_dir: str | Path, max_seq_len: int | None = None) -> tuple[dict[str, Any], StateDict]:
+    """(our ModelConfig fields, our state dict) from an HF directory of a supported family.
+
+    Supported: ``llama`` (LlamaForCausalLM), ``gpt2`` (GPT2LMHeadModel, exact-GELU only), ``bert``
+    (BertForMaskedLM), and our own ``pretrain_transformer`` remote-code exports. ``max_seq_len`` (e.g.
+    the run's sequence length) replaces the HF maximum: rotary models just take it, learned position
+    tables keep their first ``max_seq_len`` rows. Raises ValueError for anything not exactly
+    representable.
+    """
+    hf_dir = Path(hf_dir).expanduser()
+    cfg_file = hf_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{hf_dir}: not a Hugging Face model directory (no config.json)")
+    hf = json.loads(cfg_file.read_text())
+    model_type = hf.get("model_type")
+    hf_sd = read_hf_state_dict(hf_dir)
+    if model_type == REMOTE_MODEL_TYPE:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig(**{k: v for k, v in hf.items() if k in fields and k != "init_from_hf"})
+        sd = {k: v for k, v in hf_sd.items()}
+        if cfg.tie_embeddings:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    else:
+        family = FAMILY_BY_MODEL_TYPE.get(model_type)
+        if family is None:
+            known = ", ".join([f.model_type for f in FAMILIES] + [REMOTE_MODEL_TYPE])
+            raise ValueError(f"{hf_dir}: model_type {model_type!r} is not supported for import (supported: {known})")
+        cfg = ModelConfig(**family.config_from_hf(hf))
+        sd, consts = invert_rules(_normalize_hf_keys(hf_sd, family), family.rules(cfg), cfg)
+        sd = family.absorb_consts(sd, consts)
+        sd, cfg = _complete_biases(sd, cfg)
+    if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
+        if cfg.position == "learned":
+            if max_seq_len > cfg.max_seq_len:
+                raise ValueError(f"max_seq_len {max_seq_len} exceeds the {cfg.max_seq_len} learned positions of {hf_dir}")
+            sd["embed_positions.weight"] = sd["embed_positions.weight"][:max_seq_len].contiguous()
+        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
+    cfg = dataclasses.replace(cfg, vocab_multiple=1)
+    with torch.device("meta"):
+        expected = set(Transformer(cfg).state_dict())
+    if set(sd) != expected:
+        raise ValueError(f"{hf_dir}: weights do not match the architecture (missing {sorted(expected - set(sd))[:5]}, "
+                         f"unexpected {sorted(set(sd) - expected)[:5]})")
+    return to_dict(cfg), {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
+
+
+def model_config_from_hf(hf_dir: str | Path, base: ModelConfig,
+                         max_seq_len: int | None = None) -> tuple[ModelConfig, StateDict]:
+    """For ``model.init_from_hf``: the architecture of ``hf_dir`` with the training choices of ``base``
+    (dropout, attention_dropout, init_std, init_from_hf) and its weights."""
+    fields, sd = import_hf(hf_dir, max_seq_len=max_seq_len)
+    keep = {k: getattr(base, k) for k in ("dropout", "attention_dropout", "init_std", "init_from_hf")}
+    return ModelConfig(**{**fields, **keep}), sd
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 via the CLI's ConfigError handling
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, register: str | None = None,
+                      max_shard_size: str | int = "2GB", log=print) -> ExportReport:
+    """Export a committed checkpoint (path or run id) to ``out``; optionally register it."""
+    loaded = resolve_checkpoint(source, step)
+    cfg, ckpt = loaded.config, loaded.ckpt
+    world = ckpt.manifest.get("world_size", "?")
+    log(f"[export] {ckpt.path} (step {ckpt.step}, ZeRO-{cfg.zero.stage}, {world} worker(s))")
+    hf_class, reason = export_target(cfg.model)
+    log(f"[export] target: {reason}")
+    sd = loaded.state_dict()
+    tokenizer = loaded.tokenizer()
+    meta = {"source": {"checkpoint": str(ckpt.path), "step": ckpt.step, "run_id": loaded.run_id or
+                       ckpt.manifest.get("run_id")},
+            "data": to_dict(cfg.data), "seed": cfg.train.seed, "val_sequences": cfg.train.val_sequences,
+            "max_seq_len": cfg.model.max_seq_len}
+    report = export_model(cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log)
+    log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
+    log(f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
+        f"{', trust_remote_code=True' if not report.standard else ''})")
+    if register:
+        report.registered_version = register_model(register, report.out, run_id=loaded.run_id, step=ckpt.step,
+                                                   checkpoint=ckpt.path, hf_class=report.hf_class)
+        link = f"run {loaded.run_id}" if loaded.run_id else "no tracked run"
+        log(f"[export] registered {register} version {report.registered_version} ({link}, step {ckpt.step})")
+    return report
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="launch.sh export", description="Export a checkpoint as a Hugging Face model directory.")
+    p.add_argument("source", help="MLflow run id, run directory (latest checkpoint) or checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (replaced if it is an earlier export)")
+    p.add_argument("--step", type=int, default=None, help="export this committed step instead of the latest")
+    p.add_argument("--register", default=None, metavar="NAME", help="register in the MLflow Model Registry")
+    p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
+    a = p.parse_args(argv)
+    export_checkpoint(a.source, a.out, step=a.step, register=a.register, max_shard_size=a.max_shard_size)
+    return 0
