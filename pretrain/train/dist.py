@@ -76,6 +76,13 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_min(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj

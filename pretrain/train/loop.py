@@ -140,6 +140,8 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     batches = TrainBatches(cfg.data, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, **data_kw)
     val_set = validation_batches(cfg.data, val_sequences=cfg.train.val_sequences,
                                  micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, **data_kw)
+    # Every rank must run the same number of validation forwards (ZeRO-3 forwards are collective).
+    val_set = val_set[:int(dist.all_reduce_min([len(val_set)], ctx.device)[0])]
 
     if ctx.is_main:
         ckpt_io.cleanup_staging(run_dir)
@@ -160,18 +162,34 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     last_ckpt: Path | None = resume.path if resume is not None else None
     t = cfg.train
     window: list[float] = []
+
+    def run_validation() -> None:
+        if not val_set:
+            return
+        state.last_val = evaluate(engine, val_set, cfg.model.kind, ctx.device)
+        tracker.log_metrics(state.last_val, state.step)
+        progress.say(f"step {state.step} validation: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
+
+    def save_checkpoint() -> None:
+        nonlocal last_ckpt
+        last_ckpt = checkpointer.save(engine, batches, state) or last_ckpt
+        progress.say(f"checkpoint committed: step {state.step}")
     while state.step < t.max_steps:
         torch.manual_seed(step_seed(t.seed, state.step, ctx.rank))
-        batch = batches.next_step()
-        t0 = time.perf_counter()
-        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr_at(state.step, t), ctx.device)
-        progress.add_step(time.perf_counter() - t0)
+        batch = _next_batch(batches, cfg, ctx)
+        if batch is None:
+            progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
+            break
         lr = lr_at(state.step, t)
+        t0 = time.perf_counter()
+        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr, ctx.device)
+        progress.add_step(time.perf_counter() - t0)
         state.step += 1
         state.tokens_seen += progress.tokens_per_step
         state.last_train_loss = loss
         window.append(loss)
-        if state.step % t.log_every == 0 or state.step == t.max_steps:
+        last = state.step == t.max_steps
+        if state.step % t.log_every == 0 or last:
             metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": gnorm,
                        "train/tokens_per_s": progress.window_tokens_per_s(),
                        "train/tokens_seen": float(state.tokens_seen),
@@ -179,17 +197,17 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
             window.clear()
             progress.line(state.step, metrics)
             tracker.log_metrics(metrics, state.step)
-        if val_set and (state.step == t.max_steps or (t.val_every and state.step % t.val_every == 0)):
-            state.last_val = evaluate(engine, val_set, cfg.model.kind, ctx.device)
-            tracker.log_metrics(state.last_val, state.step)
-            progress.say(f"step {state.step} validation: " +
-                         ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
-        every = cfg.checkpoint.every_steps
-        if state.step == t.max_steps or (every and state.step % every == 0):
-            last_ckpt = checkpointer.save(engine, batches, state) or last_ckpt
-            progress.say(f"checkpoint committed: step {state.step}")
+        if last or (t.val_every and state.step % t.val_every == 0):
+            run_validation()
+        if last or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0):
+            save_checkpoint()
+    if state.step < t.max_steps and state.step > 0:  # stopped early: still validate and commit
+        run_validation()
+        if last_ckpt is None or not last_ckpt.name.endswith(f"{state.step:08d}"):
+            save_checkpoint()
 
     bad = batches.bad_record_summary()
+    bad["total"] = int(dist.all_reduce_sum([float(bad.get("total", 0))], ctx.device)[0])  # all streams
     final: dict[str, Any] = {
         "step": state.step, "tokens_seen": state.tokens_seen, "final_train_loss": state.last_train_loss,
         "tokens_per_s": progress.tokens_per_s(), "bad_records": int(bad.get("total", 0)),
@@ -210,6 +228,17 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         tracker.log_json(final, "summary.json")
         ckpt_io.write_json(run_dir / SUMMARY_FILE, final)
     return final
+
+
+def _next_batch(batches: TrainBatches, cfg: RunConfig, ctx: dist.DistContext) -> dict | None:
+    """This rank's share of the next global batch, or None when any rank's data ran out."""
+    if cfg.data.repeat:  # streams restart: no rank can run dry, no extra collective per step
+        return batches.next_step()
+    try:
+        batch, exhausted = batches.next_step(), 0.0
+    except StopIteration:
+        batch, exhausted = None, 1.0
+    return None if dist.all_reduce_sum([exhausted], ctx.device)[0] > 0 else batch
 
 
 def _cpu_count() -> int:
