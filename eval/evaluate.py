@@ -179,9 +179,9 @@ def _hf_kind(config) -> str:
 def open_hf_dir(path: Path) -> EvalSource:
     from transformers import AutoConfig, AutoTokenizer
 
-    from pretrain.export.hf import METADATA_FILE, _is_our_remote_code, load_exported
+    from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
 
-    remote = _is_our_remote_code(path)
+    remote = is_our_remote_code(path)
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
     kind = _hf_kind(config)
     model = load_exported(path, kind)
@@ -279,10 +279,10 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
     try:
         import lm_eval
 
-        from pretrain.export.hf import _is_our_remote_code
+        from pretrain.export.hf import is_our_remote_code
 
         path = src.hf_dir()
-        args = f"pretrained={path},dtype=float32,trust_remote_code={_is_our_remote_code(path)}"
+        args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
         out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[t for t in tasks.split(",") if t],
                                       device="cuda" if torch.cuda.is_available() else "cpu")
         results = (out or {}).get("results", {})

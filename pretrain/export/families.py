@@ -453,8 +453,9 @@ def _bert_from_hf(hf: dict) -> dict:
 
 
 def _bert_absorb(sd: StateDict, consts: StateDict) -> StateDict:
-    """Token type 0 (the default ``token_type_ids``) is a constant row added at every position: it is
-    the same function when added to the position table (bitwise when it is zero, as in our exports)."""
+    """Token type 0 (the default ``token_type_ids``) is a constant row added at every position, so it
+    can live in the position table instead: the same function up to float rounding of the sum (and
+    bitwise when the row is zero, as in our exports)."""
     tt = consts.get("bert.embeddings.token_type_embeddings.weight")
     if tt is None or not torch.any(tt[0] != 0):
         return sd

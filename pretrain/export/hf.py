@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -228,7 +229,7 @@ def load_exported(path: Path, kind: str):
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto = AutoModelForCausalLM if kind == "decoder" else AutoModelForMaskedLM
-    remote = _is_our_remote_code(path)
+    remote = is_our_remote_code(path)
     model, info = auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=remote,
                                        output_loading_info=True)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
@@ -237,13 +238,20 @@ def load_exported(path: Path, kind: str):
     return model.eval()
 
 
-def _is_our_remote_code(path: Path) -> bool:
-    """Trust remote code only for our own modeling file (an export of this project)."""
+def is_our_remote_code(path: Path) -> bool:
+    """Whether ``path`` is a remote-code export of this project, whose code may be trusted: its modeling
+    file must be byte-identical to ours (never run foreign code just because a directory asks)."""
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return cfg.get("model_type") == REMOTE_MODEL_TYPE and (path / f"{REMOTE_MODULE}.py").is_file()
+    if cfg.get("model_type") != REMOTE_MODEL_TYPE:
+        return False
+    theirs = Path(path) / f"{REMOTE_MODULE}.py"
+    if not theirs.is_file() or theirs.read_bytes() != (REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py").read_bytes():
+        raise ValueError(f"{path}: {REMOTE_MODULE}.py is missing or differs from this version's; refusing to run "
+                         f"it (load it yourself with trust_remote_code=True if you trust it)")
+    return True
 
 
 def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *, max_shard_size: str | int = "2GB",
@@ -338,11 +346,13 @@ def resolve_checkpoint(target: str, step: int | None = None) -> LoadedCheckpoint
         candidate = str(ckpt.manifest.get("run_id") or "")
         if candidate and not candidate.startswith("local-"):
             run_id = candidate if tracking.find_run(tracking.tracking_uri(), candidate) is not None else None
+    elif "/" in target or target.startswith("."):  # a path, not a run id: do not touch the tracking store
+        raise ConfigError(f"{target}: no such checkpoint or run directory")
     else:
         uri = tracking.tracking_uri()
         run = tracking.find_run(uri, target)
         if run is None:
-            raise ConfigError(f"{target}: neither a checkpoint or run directory nor a run id in {uri}")
+            raise ConfigError(f"{target}: neither a checkpoint/run directory nor a run id in {uri}")
         root = run.data.tags.get(tracking.TAG_CKPT_ROOT)
         if not root:
             raise ConfigError(f"{target}: the run has no checkpoint directory recorded")
@@ -377,6 +387,8 @@ def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
             raise ckpt_io.CheckpointError(f"{ckpt_path}: no DeepSpeed model state in {ds / ckpt_io.DS_TAG}")
         sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     else:
+        if not torch.cuda.is_available():  # consolidation is CPU work; skips DeepSpeed's "no GPU" warning
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # It prints progress to stdout; keep the CLI output (and --json) clean.
@@ -396,8 +408,6 @@ def register_model(name: str, out: Path, *, run_id: str | None, step: int, check
 
     Nothing is uploaded: the registry records where the export lives, the run it came from, the step.
     """
-    import os
-
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
