@@ -5,6 +5,12 @@
     runs [RUN_ID]                                 tracked runs, or one run's checkpoints
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
+    cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
+    submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
+    jobs [--address URL]                          jobs on the cluster
+    status JOB [--address URL]                    the job's status word (PENDING, RUNNING, SUCCEEDED, ...)
+    logs JOB [--follow] [--address URL]           the job's output
+    stop JOB [--address URL]                      stop a job (waits until it is STOPPED)
 
 User errors print one line and exit non-zero (2 for config errors); no tracebacks.
 """
@@ -173,8 +179,46 @@ def cmd_eval(args: list[str]) -> int:
     return eval_main(args)
 
 
+def cmd_cluster(args: list[str]) -> int:
+    from cluster import head
+
+    return head.run_cli(head.main, args)
+
+
+def cmd_submit(args: list[str]) -> int:
+    from cluster import head, submit
+
+    return head.run_cli(submit.submit, args)
+
+
+def cmd_jobs(args: list[str]) -> int:
+    from cluster import head, submit
+
+    return head.run_cli(submit.jobs, args)
+
+
+def cmd_status(args: list[str]) -> int:
+    from cluster import head, submit
+
+    return head.run_cli(submit.status, args)
+
+
+def cmd_logs(args: list[str]) -> int:
+    from cluster import head, submit
+
+    return head.run_cli(submit.logs, args)
+
+
+def cmd_stop(args: list[str]) -> int:
+    from cluster import head, submit
+
+    return head.run_cli(submit.stop, args)
+
+
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "eval": cmd_eval}
+            "export": cmd_export, "eval": cmd_eval,
+            "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
+            "logs": cmd_logs, "stop": cmd_stop}
 
 
 def _one_line(exc: BaseException) -> str:

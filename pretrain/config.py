@@ -225,6 +225,18 @@ class TrackingConfig:
 
 
 @dataclass(kw_only=True)
+class FaultsConfig:
+    """Fault injection for tests of fault tolerance (all off by default)."""
+
+    kill_worker_at_step: int = -1
+    """The worker of rank 1 (rank 0 in a world of one) kills itself with SIGKILL once, when it is about
+    to run this step (1-based). -1 disables."""
+    stop_after_step: int = -1
+    """End training cleanly after this step (validation and a committed checkpoint), as if the job had
+    been stopped there; ``resume`` continues it. -1 disables."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"
     """Name of this config (preset name), used for the MLflow run name."""
@@ -235,6 +247,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import PYTHON, ROOT, cli_env
 
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.slow
 TINY = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
     "model.max_seq_len=32", "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=3000",
-    "data.num_streams=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
-    "train.warmup_steps=2", "train.log_every=1", "train.val_every=3", "train.val_sequences=8",
-    "checkpoint.every_steps=3", "cluster.num_workers=2", "model.dropout=0.1",
+    "data.num_streams=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=8",
+    "train.warmup_steps=2", "train.log_every=1", "train.val_every=4", "train.val_sequences=8",
+    "checkpoint.every_steps=2", "cluster.num_workers=2", "model.dropout=0.1", "train.decay=constant",
 ]
 
 
@@ -46,49 +47,95 @@ def _losses(tmp_path: Path, run_id: str) -> dict[int, float]:
     return {m.step: m.value for m in history}  # the last logged value per step wins
 
 
-def test_train_resume_exact_and_kill_resume(tmp_path):
-    config = str(ROOT / "configs" / "demo-decoder.yaml")
-    ref = _cli(tmp_path, "train", config, *TINY)
-    assert "2 worker(s)" in ref.stdout and "unigram baseline" in ref.stdout
-    ref_id = _run_id(ref.stdout)
-    ref_losses = _losses(tmp_path, ref_id)
-    assert sorted(ref_losses) == [1, 2, 3, 4, 5, 6]
-    run_dir = tmp_path / "checkpoints" / ref_id
-    assert (run_dir / "step_00000003" / "manifest.json").is_file()
-    assert (run_dir / "step_00000006" / "manifest.json").is_file()
+CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 
-    # 1) Resume from the step-3 checkpoint directory: steps 4..6 are bitwise identical.
-    forked = _cli(tmp_path, "resume", str(run_dir / "step_00000003"))
-    fork_losses = _losses(tmp_path, _run_id(forked.stdout))
-    print("\nreference:", ref_losses, "\nresumed:  ", fork_losses)
-    assert sorted(fork_losses) == [4, 5, 6]
-    assert all(fork_losses[s] == ref_losses[s] for s in (4, 5, 6))
 
-    # 2) Kill a running job (SIGKILL to the driver and its embedded Ray) after its first commit,
-    #    then `resume RUN_ID` continues from the last committed checkpoint of that run.
-    proc = subprocess.Popen([PYTHON, "-m", "pretrain", "train", config, *TINY, "train.max_steps=6"],
-                            cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the other tests reproduce."""
+    work = tmp_path_factory.mktemp("e2e")
+    proc = _cli(work, "train", CONFIG, *TINY)
+    assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
+    run_id = _run_id(proc.stdout)
+    losses = _losses(work, run_id)
+    assert sorted(losses) == list(range(1, 9))
+    run_dir = work / "checkpoints" / run_id
+    assert [p.name for p in sorted(run_dir.glob("step_*"))] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    return {"work": work, "run_id": run_id, "losses": losses, "run_dir": run_dir}
+
+
+def _final_weights(run_dir: Path) -> dict:
+    from pretrain.export.hf import consolidated_state_dict
+
+    return consolidated_state_dict(run_dir / "step_00000008", zero_stage=1)
+
+
+def test_resume_from_checkpoint_dir_is_bitwise(reference):
+    work, ref = reference["work"], reference["losses"]
+    forked = _cli(work, "resume", str(reference["run_dir"] / "step_00000004"))
+    fork_id = _run_id(forked.stdout)
+    fork = _losses(work, fork_id)
+    print("\nreference:", ref, "\nresumed:  ", fork)
+    assert sorted(fork) == [5, 6, 7, 8]
+    assert all(fork[s] == ref[s] for s in fork)
+    a, b = _final_weights(reference["run_dir"]), _final_weights(work / "checkpoints" / fork_id)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_job_resumes_by_run_id(reference):
+    """SIGKILL the whole job (driver and its embedded Ray) after a commit; `resume RUN_ID` finishes it."""
+    work = reference["work"]
+    proc = subprocess.Popen([PYTHON, "-m", "pretrain", "train", CONFIG, *TINY], cwd=work, env=cli_env(work),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     run_id = None
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
         if line.startswith("[pretrain] run "):
             run_id = line.split()[2].rstrip(":")
-        if run_id and (tmp_path / "checkpoints" / run_id / "step_00000003" / "manifest.json").is_file():
+        if run_id and (work / "checkpoints" / run_id / "step_00000004" / "manifest.json").is_file():
             break
     assert run_id and proc.poll() is None, "job ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
-    resumed = _cli(tmp_path, "resume", run_id)
+    resumed = _cli(work, "resume", run_id)
     assert "resumed from" in resumed.stdout and run_id in resumed.stdout
-    killed_losses = _losses(tmp_path, run_id)
-    assert all(killed_losses[s] == ref_losses[s] for s in range(1, 7)), (killed_losses, ref_losses)
+    losses = _losses(work, run_id)
+    assert all(losses[s] == reference["losses"][s] for s in range(1, 9)), (losses, reference["losses"])
 
-    listing = _cli(tmp_path, "runs").stdout
-    assert ref_id in listing and run_id in listing
-    detail = _cli(tmp_path, "runs", run_id).stdout
-    assert "step_00000006" in detail and "step_00000003" in detail
+    listing = _cli(work, "runs").stdout
+    assert reference["run_id"] in listing and run_id in listing
+    detail = _cli(work, "runs", run_id).stdout
+    assert "step_00000008" in detail and "step_00000004" in detail
+
+
+def test_worker_sigkill_restarts_from_last_commit_bitwise(reference):
+    work = reference["work"]
+    proc = _cli(work, "train", CONFIG, *TINY, "faults.kill_worker_at_step=5", "cluster.max_failures=1")
+    assert "kills itself with SIGKILL at step 5" in proc.stdout + proc.stderr
+    run_id = _run_id(proc.stdout)
+    assert "resumed from" in proc.stdout + proc.stderr
+    losses = _losses(work, run_id)
+    assert all(losses[s] == reference["losses"][s] for s in range(1, 9)), (losses, reference["losses"])
+    a, b = _final_weights(reference["run_dir"]), _final_weights(work / "checkpoints" / run_id)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_elastic_resume_two_one_two_workers(reference):
+    """2 workers -> 1 -> 2: ZeRO state re-sharded through a DeepSpeed universal checkpoint; the data
+    position is the union of all workers' stream states, so the global batches stay the same."""
+    work, ref = reference["work"], reference["losses"]
+    one = _cli(work, "resume", str(reference["run_dir"] / "step_00000004"), "cluster.num_workers=1",
+               "faults.stop_after_step=6")
+    run_id = _run_id(one.stdout)
+    assert "elastic resume: 2 -> 1 workers" in one.stdout + one.stderr
+    two = _cli(work, "resume", run_id, "cluster.num_workers=2")
+    assert "elastic resume: 1 -> 2 workers" in two.stdout + two.stderr
+    losses = _losses(work, run_id)
+    print("\nreference:", ref, "\nelastic:  ", losses)
+    assert sorted(losses) == [5, 6, 7, 8]
+    for s in losses:  # 1 worker accumulates 2 micro-batches where 2 workers all-reduce: same math, other order
+        assert abs(losses[s] - ref[s]) < 1e-5, (s, losses[s], ref[s])
 
 
 def test_bad_records_fail_policy_is_one_line(tmp_path):

@@ -66,3 +66,23 @@ def test_zero_stages_agree_and_match_single_process():
     print(f"2 workers vs 1 process (same global batches) max |diff| = {diff:.2e}")
     assert diff < 1e-4
     assert ref[-1] < ref[0] - 0.2, "training must reduce the loss"
+
+
+@pytest.mark.parametrize("streams, global_batch, micro", [(2, 8, 4), (4, 8, 2), (8, 16, 2), (8, 16, 1)])
+def test_micro_batch_ids_do_not_depend_on_worker_count(streams, global_batch, micro):
+    """Dropout seeds are per global micro-batch: the same micro-batch gets the same id on any worker count."""
+    from pretrain.train.step import micro_batch_ids
+
+    def owner_map(world):  # micro-batch id -> the stream its sequences come from
+        out = {}
+        per_stream = global_batch // streams // micro
+        for rank in range(world):
+            owned = [s for s in range(streams) if s % world == rank]
+            for j, mid in enumerate(micro_batch_ids(rank, world, global_batch, micro, streams)):
+                out[mid] = (owned[j // per_stream], j % per_stream)
+        return out
+    single = owner_map(1)
+    assert sorted(single) == list(range(global_batch // micro))
+    for world in (2, streams):
+        if streams % world == 0 and global_batch // world % micro == 0:
+            assert owner_map(world) == single

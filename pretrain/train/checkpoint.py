@@ -183,7 +183,7 @@ def cleanup_staging(run_dir: Path) -> None:
     """Remove leftovers of interrupted saves (rank 0, at start)."""
     if run_dir.is_dir():
         for child in run_dir.iterdir():
-            if child.name.startswith((".tmp-step_", ".old-step_")):
+            if child.name.startswith((".tmp-step_", ".old-step_", ".tmp-universal-")):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -206,3 +206,28 @@ def load_rank_state(ckpt: Path, rank: int) -> tuple[dict, dict | None]:
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
     rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
     return merged, rng
+
+
+def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
+    """DeepSpeed universal form of ``ckpt`` (for resuming with a different worker count), converted once
+    and cached under ``cache_root``; staged and renamed so an interrupted conversion is never used.
+    Returns the directory to pass to ``engine.load_checkpoint(..., tag=DS_TAG)``."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from deepspeed.checkpoint.ds_to_universal import parse_arguments
+
+    final = cache_root / f"universal-{step_dir_name(ckpt.step)}"
+    if (final / DS_TAG).is_dir():
+        return final
+    stage = cache_root / f".tmp-universal-{step_dir_name(ckpt.step)}-{new_nonce()}"
+    import sys
+
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(ckpt.path / DS_DIR / DS_TAG),
+                                "--output_folder", str(stage / DS_TAG), "--num_extract_workers", "1",
+                                "--num_merge_workers", "1", "--inject_missing_state"]
+    try:
+        ds_to_universal(parse_arguments())
+    finally:
+        sys.argv = argv
+    os.replace(stage, final)
+    _fsync_dir(cache_root)
+    return final

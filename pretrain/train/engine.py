@@ -18,8 +18,10 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return "fp32"
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` on ``world_size`` workers."""
+def deepspeed_config(cfg: RunConfig, world_size: int, precision: str,
+                     load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg`` on ``world_size`` workers. ``load_universal``: the engine
+    will load a universal checkpoint (resuming with a different number of workers)."""
     t, z = cfg.train, cfg.zero
     zero: dict[str, Any] = {"stage": z.stage}
     if z.stage > 0:
@@ -41,6 +43,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str) -> dict[st
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
+        **({"checkpoint": {"load_universal": True}} if load_universal else {}),
     }
 
 
@@ -51,14 +54,14 @@ def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Opt
 
 
 def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, world_size: int,
-               precision: str):
+               precision: str, load_universal: bool = False):
     """Wrap ``model`` in a DeepSpeed engine; torch.distributed must already be initialized."""
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(param_groups, cfg)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world_size, precision),
-        dist_init_required=False)
+        model=model, optimizer=optimizer,
+        config=deepspeed_config(cfg, world_size, precision, load_universal), dist_init_required=False)
     return engine
 
 

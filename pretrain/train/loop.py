@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from pretrain.train import dist
 from pretrain.train.engine import initialize, resolve_precision
 from pretrain.train.progress import Progress
 from pretrain.train.schedule import lr_at
-from pretrain.train.step import evaluate, step_seed, train_step
+from pretrain.train.step import evaluate, micro_batch_ids, step_seed, train_step
 from pretrain.train.tracking import Tracker
 
 
@@ -97,20 +98,35 @@ class Checkpointer:
         return final
 
 
-def _restore(engine, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, ctx: dist.DistContext,
-             cfg: RunConfig) -> TrainerState:
+def _engine_state_dir(ckpt: ckpt_io.CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> Path | None:
+    """None when the checkpoint's worker count matches; otherwise the directory of its DeepSpeed
+    universal form (ZeRO state re-sharded for the new worker count), converted once by rank 0."""
     saved_world = int(ckpt.manifest.get("world_size", ctx.world_size))
-    if saved_world != ctx.world_size:
-        raise ckpt_io.CheckpointError(
-            f"{ckpt.path}: saved with {saved_world} workers, resuming with {ctx.world_size}; "
-            f"resume with cluster.num_workers={saved_world}")
-    load_path, _ = engine.load_checkpoint(str(ckpt.path / ckpt_io.DS_DIR), tag=ckpt_io.DS_TAG,
-                                          load_module_strict=True)
+    if saved_world == ctx.world_size:
+        return None
+    error, path = None, None
+    if ctx.is_main:
+        print(f"[train] elastic resume: {saved_world} -> {ctx.world_size} workers, converting the ZeRO "
+              f"state to a DeepSpeed universal checkpoint", flush=True)
+        try:
+            path = ckpt_io.universal_checkpoint(ckpt, run_dir)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"{ckpt.path}: cannot re-shard from {saved_world} to {ctx.world_size} workers ({e})"
+    error, path = dist.broadcast_object((error, path))
+    if error:
+        raise ckpt_io.CheckpointError(error)
+    return path
+
+
+def _restore(engine, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, ctx: dist.DistContext,
+             universal_dir: Path | None) -> TrainerState:
+    load_dir = universal_dir or ckpt.path / ckpt_io.DS_DIR
+    load_path, _ = engine.load_checkpoint(str(load_dir), tag=ckpt_io.DS_TAG, load_module_strict=True)
     if load_path is None:
         raise ckpt_io.CheckpointError(f"{ckpt.path}: DeepSpeed could not load the engine state")
     data_state, rng = ckpt_io.load_rank_state(ckpt.path, ctx.rank)
-    batches.load_state_dict(data_state)
-    if rng is not None:
+    batches.load_state_dict(data_state)  # the union of all ranks' streams: any worker count works
+    if rng is not None and universal_dir is None:
         torch.set_rng_state(rng["torch"])
     raw = json.loads((ckpt.path / "trainer_state.json").read_text())
     return TrainerState(**raw)
@@ -132,9 +148,23 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     precision = resolve_precision(cfg.train.precision, ctx.device)
     tokenizer = load_or_train_tokenizer(cfg.data)
     model = build_model(cfg.model, cfg.train.seed)
+    if cfg.model.init_from_hf:  # a resumed checkpoint, if any, overwrites these weights below
+        from pretrain.export.hf import import_hf
+
+        model.load_state_dict(import_hf(cfg.model.init_from_hf, max_seq_len=cfg.model.max_seq_len)[1])
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.to(ctx.device)
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, ctx.world_size, precision)
+    if ctx.is_main:
+        ckpt_io.cleanup_staging(run_dir)
+    dist.barrier()
+    resume = ckpt_io.latest_committed(run_dir)  # a restart (Ray failure handling) or `resume RUN_ID`
+    if resume is None and cfg.checkpoint.resume_from:
+        resume = ckpt_io.resolve(Path(cfg.checkpoint.resume_from))
+    if resume is not None:
+        ckpt_io.verify(resume.path, resume.manifest)
+    universal_dir = _engine_state_dir(resume, run_dir, ctx) if resume is not None else None
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, ctx.world_size, precision,
+                        load_universal=universal_dir is not None)
     data_kw = dict(kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer,
                    rank=ctx.rank, world_size=ctx.world_size)
     batches = TrainBatches(cfg.data, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, **data_kw)
@@ -143,16 +173,9 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     # Every rank must run the same number of validation forwards (ZeRO-3 forwards are collective).
     val_set = val_set[:int(dist.all_reduce_min([len(val_set)], ctx.device)[0])]
 
-    if ctx.is_main:
-        ckpt_io.cleanup_staging(run_dir)
-    dist.barrier()
     state = TrainerState()
-    resume = ckpt_io.latest_committed(run_dir)
-    if resume is None and cfg.checkpoint.resume_from:
-        resume = ckpt_io.resolve(Path(cfg.checkpoint.resume_from))
     if resume is not None:
-        ckpt_io.verify(resume.path, resume.manifest)
-        state = _restore(engine, batches, resume, ctx, cfg)
+        state = _restore(engine, batches, resume, ctx, universal_dir)
         progress = Progress(cfg.train.max_steps, state.step, progress.tokens_per_step, ctx.is_main)
         progress.say(f"resumed from {resume.path} (step {state.step}, {state.tokens_seen:,} tokens)")
     progress.say(f"{ctx.world_size} worker(s), device {ctx.device.type}, {precision}, ZeRO-{cfg.zero.stage}, "
@@ -162,10 +185,16 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     last_ckpt: Path | None = resume.path if resume is not None else None
     t = cfg.train
     window: list[float] = []
+    micro_ids = micro_batch_ids(ctx.rank, ctx.world_size, t.global_batch_size, t.micro_batch_size,
+                                cfg.data.num_streams)
+
+    validated_at = -1
 
     def run_validation() -> None:
-        if not val_set:
+        nonlocal validated_at
+        if not val_set or validated_at == state.step:
             return
+        validated_at = state.step
         state.last_val = evaluate(engine, val_set, cfg.model.kind, ctx.device)
         tracker.log_metrics(state.last_val, state.step)
         progress.say(f"step {state.step} validation: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
@@ -180,9 +209,11 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         if batch is None:
             progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
             break
+        _maybe_kill_worker(cfg, ctx, run_dir, state.step + 1)
         lr = lr_at(state.step, t)
+        seeds = [step_seed(t.seed, state.step, mid) for mid in micro_ids]
         t0 = time.perf_counter()
-        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr, ctx.device)
+        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr, ctx.device, seeds)
         progress.add_step(time.perf_counter() - t0)
         state.step += 1
         state.tokens_seen += progress.tokens_per_step
@@ -201,6 +232,9 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
             run_validation()
         if last or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0):
             save_checkpoint()
+        if state.step == cfg.faults.stop_after_step and not last:
+            progress.say(f"stopping after step {state.step} (faults.stop_after_step)")
+            break
     if state.step < t.max_steps and state.step > 0:  # stopped early: still validate and commit
         run_validation()
         if last_ckpt is None or not last_ckpt.name.endswith(f"{state.step:08d}"):
@@ -239,6 +273,20 @@ def _next_batch(batches: TrainBatches, cfg: RunConfig, ctx: dist.DistContext) ->
     except StopIteration:
         batch, exhausted = None, 1.0
     return None if dist.all_reduce_sum([exhausted], ctx.device)[0] > 0 else batch
+
+
+def _maybe_kill_worker(cfg: RunConfig, ctx: dist.DistContext, run_dir: Path, step: int) -> None:
+    """Fault hook ``faults.kill_worker_at_step``: rank 1 (rank 0 alone) SIGKILLs itself once, at ``step``.
+    A marker in the run directory makes it once per run, across restarts."""
+    if cfg.faults.kill_worker_at_step != step or ctx.rank != min(1, ctx.world_size - 1):
+        return
+    marker = run_dir / ".faults" / f"killed_at_step_{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"rank {ctx.rank} pid {os.getpid()}\n")
+    print(f"[fault] rank {ctx.rank} kills itself with SIGKILL at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _cpu_count() -> int:

@@ -29,6 +29,7 @@ def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
     c.checkpoint.resume_from = _abs(c.checkpoint.resume_from, base)
     c.data.cache_dir = _abs(c.data.cache_dir, base)
     c.data.tokenizer = _abs(c.data.tokenizer, base)
+    c.model.init_from_hf = _abs(c.model.init_from_hf, base)
     for src in [*c.data.sources, *c.data.val_sources]:
         if src.path != "demo" and src.format != "hub" and "://" not in src.path:
             candidate = base / src.path
@@ -41,6 +42,31 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple if multiple > 1 else n
 
 
+def _adopt_hf_model(cfg: RunConfig) -> None:
+    """``model.init_from_hf``: take the architecture (and, if present, the tokenizer) of an HF dir."""
+    from pretrain.export.hf import model_config_from_hf
+
+    hf_dir = Path(cfg.model.init_from_hf)
+    if not hf_dir.is_dir():
+        raise ConfigError(f"model.init_from_hf: {hf_dir} is not a directory")
+    try:
+        cfg.model, _ = model_config_from_hf(hf_dir, base=cfg.model, max_seq_len=cfg.model.max_seq_len)
+    except ValueError as e:
+        raise ConfigError(f"model.init_from_hf: {e}") from None
+    if (hf_dir / "tokenizer.json").is_file() and not cfg.data.tokenizer:
+        cfg.data.tokenizer = str(hf_dir)
+    print(f"[pretrain] initializing from Hugging Face model {hf_dir}", flush=True)
+
+
+def _warn_if_not_exportable(cfg: RunConfig) -> None:
+    from pretrain.export.hf import export_target
+
+    hf_class, reason = export_target(cfg.model)
+    if hf_class is None:
+        print(f"[pretrain] note: this model has no exact standard Hugging Face class ({reason}); "
+              "export will write a self-contained trust_remote_code model", flush=True)
+
+
 def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
     """A fresh run: create the MLflow run, train or load the tokenizer, resolve the vocab size."""
     cfg = resolve_paths(cfg)
@@ -49,6 +75,9 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
     run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
     run_dir = root / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.init_from_hf:
+        _adopt_hf_model(cfg)
+    _warn_if_not_exportable(cfg)
     tok_dir = run_dir / "tokenizer"
     tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
     if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained

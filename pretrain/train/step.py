@@ -15,9 +15,24 @@ from pretrain.train import dist
 from pretrain.train.engine import global_grad_norm, set_lr
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Seed of the global torch RNG (dropout) for one step on one rank: resume needs no RNG replay."""
-    return zlib.crc32(f"{seed}:{step}:{rank}".encode()) & 0x7FFFFFFF
+def step_seed(seed: int, step: int, index: int) -> int:
+    """Seed of the global torch RNG (dropout) for one step and one rank or micro-batch id: resume needs
+    no RNG replay, and with micro-batch ids the masks do not depend on the worker count."""
+    return zlib.crc32(f"{seed}:{step}:{index}".encode()) & 0x7FFFFFFF
+
+
+def micro_batch_ids(rank: int, world_size: int, global_batch: int, micro: int, num_streams: int) -> list[int]:
+    """Global ids of this rank's micro-batches in one step, independent of the worker count.
+
+    Rank r holds, in order, the G/S sequences of each stream s = r, r+W, r+2W, ...; when the micro-batch
+    divides G/S each micro-batch lies in one stream, and its id is (stream, offset) flattened — the same
+    id whichever worker holds it. Otherwise ids fall back to rank order (still deterministic)."""
+    per_rank = global_batch // world_size // micro
+    per_stream_seqs = global_batch // num_streams
+    if per_stream_seqs % micro:
+        return [rank * per_rank + j for j in range(per_rank)]
+    per_stream = per_stream_seqs // micro
+    return [(rank + (j // per_stream) * world_size) * per_stream + j % per_stream for j in range(per_rank)]
 
 
 def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.device):
@@ -27,11 +42,14 @@ def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.dev
 
 
 def train_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float,
-               device: torch.device) -> tuple[float, float]:
-    """One optimizer step over this rank's share of the global batch -> (global mean loss, grad norm)."""
+               device: torch.device, seeds: list[int] | None = None) -> tuple[float, float]:
+    """One optimizer step over this rank's share of the global batch -> (global mean loss, grad norm).
+    ``seeds``: per micro-batch seed of the global torch RNG (dropout), see ``micro_batch_ids``."""
     set_lr(engine, lr)
     losses = []
-    for mb in _micro_batches(batch, micro, device):
+    for i, mb in enumerate(_micro_batches(batch, micro, device)):
+        if seeds is not None:
+            torch.manual_seed(seeds[i])
         out = engine(mb["input_ids"], labels=mb["labels"])
         engine.backward(out.loss)
         engine.step()  # DeepSpeed only updates at the gradient-accumulation boundary
