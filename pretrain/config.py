@@ -212,6 +212,9 @@ class ClusterConfig:
     """Times Ray restarts a failed worker group (from the latest committed checkpoint)."""
     use_ray: bool = True
     """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement of the workers: PACK fills nodes first; SPREAD / STRICT_SPREAD put them on
+    different nodes."""
 
 
 @dataclass(kw_only=True)
