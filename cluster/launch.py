@@ -54,7 +54,8 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     else:
         # The dashboard process also serves Ray's State API, which Train's placement-group cleaner
         # polls; it binds to 127.0.0.1 only.
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
+        # address="local": always a fresh private instance, never a cluster that happens to run here.
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=_free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  logging_level=logging.WARNING, configure_logging=True)
     return True

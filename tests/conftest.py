@@ -37,3 +37,20 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the e2e and multi-node
+    tests reproduce (resumed, killed, elastic, spread over nodes)."""
+    work = tmp_path_factory.mktemp("e2e")
+    from tests.test_train_e2e import CONFIG, TINY, _cli, _losses, _run_id
+
+    proc = _cli(work, "train", CONFIG, *TINY)
+    assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
+    run_id = _run_id(proc.stdout)
+    losses = _losses(work, run_id)
+    assert sorted(losses) == list(range(1, 9))
+    run_dir = work / "checkpoints" / run_id
+    assert [p.name for p in sorted(run_dir.glob("step_*"))] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    return {"work": work, "run_id": run_id, "losses": losses, "run_dir": run_dir}

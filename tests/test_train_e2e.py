@@ -50,20 +50,6 @@ def _losses(tmp_path: Path, run_id: str) -> dict[int, float]:
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the other tests reproduce."""
-    work = tmp_path_factory.mktemp("e2e")
-    proc = _cli(work, "train", CONFIG, *TINY)
-    assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
-    run_id = _run_id(proc.stdout)
-    losses = _losses(work, run_id)
-    assert sorted(losses) == list(range(1, 9))
-    run_dir = work / "checkpoints" / run_id
-    assert [p.name for p in sorted(run_dir.glob("step_*"))] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
-    return {"work": work, "run_id": run_id, "losses": losses, "run_dir": run_dir}
-
-
 def _final_weights(run_dir: Path) -> dict:
     from pretrain.export.hf import consolidated_state_dict
 

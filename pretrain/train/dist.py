@@ -42,6 +42,12 @@ def _ray_context():
         return None
 
 
+def _ray_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def setup(use_gpu: str) -> DistContext:
     """Join (or create) the default process group and pick this worker's device."""
     want_gpu = use_gpu != "no" and torch.cuda.is_available()
@@ -49,6 +55,8 @@ def setup(use_gpu: str) -> DistContext:
     if ray_ctx is not None:
         rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
         local_rank, local_world = ray_ctx.get_local_rank(), ray_ctx.get_local_world_size()
+        print(f"[train] rank {rank}/{world} on Ray node {ray_ctx.get_node_rank()} "
+              f"({_ray_node_id()[:12]})", flush=True)
     elif dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
