@@ -1,0 +1,441 @@
+"""A local Ray head on 127.0.0.1 for trying out job submission (``./launch.sh cluster up|down|status``).
+
+* Bound to loopback only: ``ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1``
+  with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (otherwise Ray on Linux swaps 127.0.0.1 for the routable
+  IP and binds its gRPC servers on all interfaces).
+* Token authentication on: ``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN_PATH`` pointing at a token file
+  in the state directory (``.cache/ray-head/auth_token``, mode 600; the user's ``~/.ray`` is not touched).
+  Every HTTP request to the dashboard / Jobs API and every gRPC call needs that token.
+* Its own temp dir (``/tmp/pretrain-ray-<uid>``: Unix socket paths must stay under 107 characters).
+* ``ray start`` runs as the leader of a new session, so every Ray process of this head shares that
+  session id; ``down`` stops exactly those processes (plus their descendants, e.g. job drivers, and
+  anything whose cwd is under the head's temp dir). It never runs ``ray stop``, which would stop every
+  Ray on the machine.
+* The state (address, ports, session id, temp dir, token path) is recorded in ``state.json`` in the state
+  directory (``.cache/ray-head``; ``PRETRAIN_RAY_HEAD_DIR`` overrides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
+DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_GCS_PORT = 6379
+# Ray's default worker port range: other fixed ports must stay out of it.
+_WORKER_PORTS = range(10002, 20000)
+
+
+class ClusterError(Exception):
+    """A user-facing cluster problem: one line, exit code 1."""
+
+
+# ------------------------------------------------------------------------------------------------
+# State
+# ------------------------------------------------------------------------------------------------
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get(STATE_DIR_ENV) or ROOT / ".cache" / "ray-head").resolve()
+
+
+def token_path() -> Path:
+    return state_dir() / "auth_token"
+
+
+def read_state() -> dict[str, Any] | None:
+    path = state_dir() / "state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    path = state_dir() / "state.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _clear_state() -> None:
+    (state_dir() / "state.json").unlink(missing_ok=True)
+
+
+def _ensure_token() -> Path:
+    """The head's token file (created once, mode 600, 256 random bits); its content is never printed."""
+    path = token_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if path.is_file() and len(path.read_text().strip()) >= 32:
+        os.chmod(path, 0o600)
+        return path
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def read_token(path: Path | str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes of this head
+# ------------------------------------------------------------------------------------------------
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def head_processes(state: dict[str, Any]) -> list:
+    """Every live process of the recorded head: same session as the ``ray start`` leader (created after
+    it), their descendants (job drivers start their own sessions), and anything running in the head's
+    temp dir. Nothing else on the machine."""
+    import psutil
+
+    sid = int(state.get("sid", 0))
+    started = float(state.get("started_at", 0)) - 2.0
+    temp_dir = str(state.get("temp_dir", "")).rstrip("/")
+    found: dict[int, Any] = {}
+    if sid <= 1 or not temp_dir:
+        return []
+    ours = _ray_executables(state)
+    for p in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if p.pid == os.getpid() or p.info["create_time"] < started:
+                continue
+            if _session_of(p.pid) == sid:
+                # ... and a Ray binary or the head's Python: a recycled session id is not enough
+                exe = os.path.realpath(p.exe())
+                if any(exe == o or exe.startswith(o + os.sep) for o in ours):
+                    found[p.pid] = p
+                continue
+            cwd = p.cwd()
+            if cwd == temp_dir or cwd.startswith(temp_dir + "/"):
+                found[p.pid] = p
+        except (psutil.Error, OSError):
+            continue
+    for p in list(found.values()):
+        try:
+            for c in p.children(recursive=True):
+                if c.pid != os.getpid():
+                    found.setdefault(c.pid, c)
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def _ray_executables(state: dict[str, Any]) -> list[str]:
+    """Executables a process of this head runs: the Ray package's binaries, the head's Python."""
+    import importlib.util
+
+    out = [os.path.realpath(sys.executable)]
+    if state.get("python"):
+        out.append(os.path.realpath(state["python"]))
+    spec = importlib.util.find_spec("ray")
+    if spec and spec.submodule_search_locations:
+        out += [os.path.realpath(d) for d in spec.submodule_search_locations]
+    return out
+
+
+def _terminate(procs: list, grace_s: float = 10.0) -> int:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return len(procs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Network helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "in use"
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(avoid: set[int]) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid and port not in _WORKER_PORTS:
+            return port
+    raise ClusterError("could not find a free local port")
+
+
+def dashboard_get(address: str, path: str, token: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET ``address + path`` with the bearer token; (status, body), status 0 when unreachable."""
+    req = urllib.request.Request(address.rstrip("/") + path)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+def _ray_bin() -> str:
+    cand = Path(sys.executable).with_name("ray")
+    return str(cand) if cand.exists() else "ray"
+
+
+def default_temp_dir() -> str:
+    return f"/tmp/pretrain-ray-{os.getuid()}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Commands
+# ------------------------------------------------------------------------------------------------
+
+
+def is_alive(state: dict[str, Any]) -> bool:
+    pid = int(state.get("gcs_pid", 0))
+    if pid <= 0:
+        return False
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE and _session_of(pid) == state.get("sid")
+    except Exception:  # noqa: BLE001 - gone, or not ours
+        return False
+
+
+def up(args: argparse.Namespace) -> int:
+    state = read_state()
+    if state and is_alive(state):
+        print(f"Ray head already running at {state['address']} (./launch.sh cluster down to stop it)")
+        return 0
+    if state:  # stale: a head that died; clean up leftovers of it
+        _terminate(head_processes(state), grace_s=3)
+        _clear_state()
+
+    temp_dir = args.temp_dir or default_temp_dir()
+    if len(temp_dir) > 60:
+        raise ClusterError(f"--temp-dir {temp_dir}: too long (Ray's Unix socket paths must stay under 107 chars)")
+    dash = args.dashboard_port
+    if not _port_free(dash):
+        raise ClusterError(f"port {dash} on 127.0.0.1 is in use (another Ray dashboard?); pass --dashboard-port N")
+    taken = {dash}
+    gcs = args.port or (DEFAULT_GCS_PORT if _port_free(DEFAULT_GCS_PORT) else _free_port(taken))
+    if not _port_free(gcs):
+        raise ClusterError(f"port {gcs} on 127.0.0.1 is in use; pass --port N")
+    taken.add(gcs)
+    client_port = _free_port(taken)
+    taken.add(client_port)
+    agent_port = _free_port(taken)
+    taken.add(agent_port)
+    for name, port in (("--dashboard-port", dash), ("--port", gcs)):
+        if port in _WORKER_PORTS:
+            raise ClusterError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
+
+    tok = _ensure_token()
+    sdir = state_dir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
+    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN_PATH": str(tok), "RAY_USAGE_STATS_ENABLED": "0"})
+    cmd = [_ray_bin(), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           "--port", str(gcs), "--dashboard-port", str(dash), "--ray-client-server-port", str(client_port),
+           "--dashboard-agent-listen-port", str(agent_port), "--temp-dir", temp_dir,
+           "--num-cpus", str(args.num_cpus or os.cpu_count() or 1), "--disable-usage-stats"]
+    if args.num_gpus is not None:
+        cmd += ["--num-gpus", str(args.num_gpus)]
+    log_path = sdir / "ray-start.log"
+    started_at = time.time()
+    print(f"[cluster] starting a local Ray head on 127.0.0.1 (temp dir {temp_dir}) ...", flush=True)
+    with open(log_path, "w") as log:
+        # A new session: every process of this head inherits its id, which is how `down` finds them.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(ROOT))
+    state = {"address": f"http://127.0.0.1:{dash}", "gcs_address": f"127.0.0.1:{gcs}", "sid": proc.pid,
+             "started_at": started_at, "temp_dir": temp_dir, "token_path": str(tok), "dashboard_port": dash,
+             "gcs_port": gcs, "client_server_port": client_port, "dashboard_agent_port": agent_port,
+             "python": sys.executable, "log": str(log_path)}
+    _write_state(state)  # recorded first, so `down` can clean up even a half-started head
+    try:
+        rc = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        rc = None
+    if rc != 0:
+        _terminate(head_processes(state), grace_s=3)
+        _clear_state()
+        raise ClusterError(f"ray start failed ({_last_error_line(log_path)}); full log: {log_path}")
+    state["gcs_pid"] = _find_gcs_pid(state)
+    _write_state(state)
+    token = read_token(tok)
+    deadline = time.time() + 60
+    status = 0
+    while time.time() < deadline:
+        status, _ = dashboard_get(state["address"], "/api/version", token)
+        if status == 200:
+            break
+        time.sleep(0.5)
+    if status != 200:
+        _terminate(head_processes(state), grace_s=3)
+        _clear_state()
+        raise ClusterError(f"the Ray dashboard did not come up at {state['address']} (HTTP {status}); log: {log_path}")
+    print(f"Ray head up: {state['address']}  (Jobs API and dashboard; GCS {state['gcs_address']}; 127.0.0.1 only)")
+    print(f"  token authentication: on (token in {_display(tok)}, mode 600; clients here pick it up)")
+    print("  submit:  ./launch.sh submit [CONFIG] [key=value ...]")
+    print("  stop:    ./launch.sh cluster down")
+    return 0
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _last_error_line(log_path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _find_gcs_pid(state: dict[str, Any]) -> int:
+    for p in head_processes(state):
+        try:
+            if p.name() == "gcs_server":
+                return p.pid
+        except Exception:  # noqa: BLE001
+            continue
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    state = read_state()
+    if not state:
+        print("no local Ray head recorded (nothing to stop)")
+        return 0
+    procs = head_processes(state)
+    n = _terminate(procs, grace_s=args.grace)
+    _clear_state()
+    print(f"Ray head at {state.get('address')} stopped ({n} processes)" if n else
+          f"Ray head at {state.get('address')} was not running; state cleared")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    state = read_state()
+    if not state:
+        print("no local Ray head recorded (./launch.sh cluster up starts one)")
+        return 1
+    address = state["address"]
+    alive = is_alive(state)
+    token = read_token(state.get("token_path", ""))
+    code, body = 0, b""
+    deadline = time.time() + 15
+    while alive:  # the autoscaler's first report comes a few seconds after start
+        code, body = dashboard_get(address, "/api/cluster_status", token)
+        if code != 200 or _usage(body) or time.time() > deadline:
+            break
+        time.sleep(1)
+    print(f"address:   {address}  (GCS {state.get('gcs_address')}, temp dir {state.get('temp_dir')})")
+    if not alive:
+        print("state:     dead (./launch.sh cluster down clears it; ./launch.sh cluster up starts a new one)")
+        return 1
+    if code != 200:
+        print(f"state:     alive, but the dashboard answered HTTP {code or 'nothing'}")
+        return 1
+    print("state:     alive (token authentication on)")
+    try:
+        data = json.loads(body)["data"]["clusterStatus"]
+        report = data.get("loadMetricsReport") or {}
+        usage = report.get("usage") or {}
+        nodes = sum((data.get("autoscalerReport") or {}).get("activeNodes", {}).values())
+        parts = []
+        for key, label, scale in (("CPU", "CPU", 1), ("GPU", "GPU", 1), ("memory", "GiB memory", 2**30),
+                                  ("objectStoreMemory", "GiB object store", 2**30)):
+            if key in usage:
+                used, total = usage[key]
+                fmt = "{:.1f}" if scale > 1 else "{:g}"
+                parts.append(f"{fmt.format(used / scale)}/{fmt.format(total / scale)} {label}")
+        print(f"nodes:     {nodes}")
+        print(f"resources: {', '.join(parts)} in use")
+    except (KeyError, ValueError, TypeError):
+        print("resources: (not reported yet)")
+    return 0
+
+
+def _usage(body: bytes) -> dict:
+    try:
+        return json.loads(body)["data"]["clusterStatus"]["loadMetricsReport"]["usage"] or {}
+    except (KeyError, ValueError, TypeError):
+        return {}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh cluster", description="a local Ray head on 127.0.0.1")
+    sub = p.add_subparsers(dest="action", required=True)
+    pu = sub.add_parser("up", help="start a local Ray head (127.0.0.1, token auth)")
+    pu.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
+                    help="Jobs API / dashboard port (default 8265)")
+    pu.add_argument("--port", type=int, default=0, help="GCS port (default 6379, or a free one if taken)")
+    pu.add_argument("--temp-dir", default="", help="Ray temp dir (default /tmp/pretrain-ray-UID; keep it short)")
+    pu.add_argument("--num-cpus", type=int, default=0, help="CPUs to offer (default: all)")
+    pu.add_argument("--num-gpus", type=int, default=None, help="GPUs to offer (default: detected)")
+    pd = sub.add_parser("down", help="stop the local head started by `cluster up` (only its processes)")
+    pd.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    sub.add_parser("status", help="address, alive/dead, resources")
+    a = p.parse_args(argv)
+    return {"up": up, "down": down, "status": status}[a.action](a)
+
+
+def run_cli(fn, argv: list[str]) -> int:
+    """Run a cluster command: a ClusterError (unreachable, authentication, unknown job...) is one line on
+    stderr and exit code 1; config errors propagate to the CLI (exit 2)."""
+    try:
+        return fn(argv)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,463 @@
+"""Cluster jobs: the local Ray head (`cluster up|down|status`), the Jobs API client (`submit`, `jobs`,
+`status`, `logs`, `stop`) and the shipped cluster manifests.
+
+The slow tests start one real Ray head (127.0.0.1, token auth, own temp dir and state dir) for the module
+and stop exactly its processes afterwards, also when a test fails."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import PYTHON, ROOT, cli_env
+
+MANIFESTS = ROOT / "cluster" / "manifests"
+CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
+TINY = [
+    "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=0",
+    "model.max_seq_len=32", "data.tokenizer_vocab_size=300", "data.tokenizer_train_docs=500",
+    "data.num_streams=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=3",
+    "train.val_sequences=4", "checkpoint.every_steps=0", "cluster.num_workers=1",
+]
+_CLIENT_ENV_DROP = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(work: Path, head_dir: Path, **extra: str) -> dict[str, str]:
+    env = cli_env(work)
+    for k in _CLIENT_ENV_DROP:
+        env.pop(k, None)
+    env["PRETRAIN_RAY_HEAD_DIR"] = str(head_dir)
+    env.update(extra)
+    return env
+
+
+def _cli(work: Path, env: dict[str, str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Manifests
+# ------------------------------------------------------------------------------------------------
+
+
+def _docs(name: str) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d is not None]
+    assert docs, f"{name} is empty"
+    return docs
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_kuberay_rayjob_manifest():
+    docs = _docs("kuberay-rayjob.yaml")
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind"), d
+    (job,) = [d for d in docs if d["kind"] == "RayJob"]
+    assert job["apiVersion"] == "ray.io/v1"
+    spec = job["spec"]
+    assert "python -m pretrain train" in spec["entrypoint"]
+    assert "checkpoint.dir=/mnt/shared" in spec["entrypoint"]
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
+    cluster = spec["rayClusterSpec"]
+    assert cluster["authOptions"]["mode"] == "token"
+    head = cluster["headGroupSpec"]
+    assert "dashboard-host" in head["rayStartParams"]
+    pvcs = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert pvcs and all("ReadWriteMany" in d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim")
+
+    def mounts_shared(pod_spec: dict) -> bool:
+        vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+        for c in pod_spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                claim = vols.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
+                if m["mountPath"] == "/mnt/shared" and claim in pvcs:
+                    return True
+        return False
+
+    assert mounts_shared(head["template"]["spec"])
+    groups = cluster["workerGroupSpecs"]
+    assert groups
+    for g in groups:
+        pod = g["template"]["spec"]
+        assert mounts_shared(pod)
+        gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in pod["containers"]]
+        assert all(int(n) >= 1 for n in gpus), gpus
+
+
+def test_cluster_launcher_manifest():
+    (cfg,) = _docs("cluster-launcher-aws.yaml")
+    for key in ("cluster_name", "provider", "auth", "available_node_types", "head_node_type",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        assert key in cfg, key
+    assert cfg["provider"]["type"] in ("aws", "gcp")
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    workers = [t for name, t in types.items() if name != cfg["head_node_type"]]
+    assert workers and all(t["resources"].get("GPU", 0) >= 1 for t in workers)
+    head_start = " ".join(cfg["head_start_ray_commands"])
+    assert "--head" in head_start and "--dashboard-host=127.0.0.1" in head_start
+    assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
+    mounts = " ".join(cfg.get("initialization_commands", []) + cfg.get("setup_commands", []))
+    assert re.search(r"mount .*/mnt/shared", mounts), "shared checkpoint storage is not mounted"
+    assert "./launch.sh submit --address http://127.0.0.1:8265" in (MANIFESTS / "cluster-launcher-aws.yaml").read_text()
+
+
+def test_mlflow_server_manifest():
+    docs = _docs("mlflow-server.yaml")
+    kinds = {d["kind"]: d for d in docs}
+    assert {"Deployment", "Service"} <= set(kinds)
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"]
+    (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
+    cmd = " ".join(container.get("command", []) + container.get("args", []))
+    assert "mlflow server" in cmd and "--backend-store-uri" in cmd and "--artifacts-destination" in cmd
+    assert kinds["Service"]["spec"]["type"] == "ClusterIP"
+
+
+def test_multinode_doc_covers_the_essentials():
+    text = (ROOT / "docs" / "multi-node.md").read_text()
+    for needle in ("NCCL_SOCKET_IFNAME", "NCCL_IB_", "NCCL_DEBUG", "checkpoint.dir", "shared",
+                   "MLFLOW_TRACKING_URI", "runtime_env", "./launch.sh resume", "checkpoint.resume_from",
+                   "cluster up", "RAY_AUTH_TOKEN"):
+        assert needle in text, needle
+
+
+# ------------------------------------------------------------------------------------------------
+# Client logic (no cluster)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_commands_registered():
+    from pretrain.cli import COMMANDS, __doc__ as doc
+
+    for name in ("cluster", "submit", "jobs", "status", "logs", "stop"):
+        assert name in COMMANDS
+        assert f"\n    {name} " in doc
+
+
+def test_address_and_token_resolution(tmp_path, monkeypatch):
+    from cluster import submit
+
+    for k in _CLIENT_ENV_DROP:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "auth_token").write_text("a" * 64)
+    (tmp_path / "head" / "state.json").write_text(json.dumps(
+        {"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")}))
+    assert submit.resolve_address(None) == "http://127.0.0.1:18999"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
+    assert submit.resolve_address(None) == "http://10.0.0.5:8265"
+    assert submit.resolve_address("https://head:443/") == "https://head:443"
+    with pytest.raises(submit.ClusterError):
+        submit.resolve_address("ray://head:10001")
+    # the local head's token only for the local head's address
+    assert submit.auth_token("http://localhost:18999") == ("a" * 64, "the local head's token file")
+    assert submit.auth_token("http://10.0.0.5:8265") == ("", "")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
+    (tmp_path / "tok").write_text("b" * 64 + "\n")
+    assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
+    assert submit.auth_token("http://127.0.0.1:18999")[0] == "c" * 64
+
+
+def test_job_env_is_an_allowlist(monkeypatch):
+    from cluster import submit
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    monkeypatch.setenv("MY_VAR", "x")
+    env = submit.job_env(local=False, extra=["MY_VAR", "OTHER=1"])
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "PATH" not in env and "HOME" not in env
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert env["MY_VAR"] == "x" and env["OTHER"] == "1" and env["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    assert "TORCH_EXTENSIONS_DIR" not in env
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    local = submit.job_env(local=True, extra=[], gcs_address="127.0.0.1:6379")
+    assert local["MLFLOW_TRACKING_URI"].startswith("sqlite:////") and local["RAY_ADDRESS"] == "127.0.0.1:6379"
+    with pytest.raises(submit.ClusterError):
+        submit.job_env(local=False, extra=["NOT_SET_ANYWHERE_123"])
+
+
+def test_staged_working_dir_mirrors_repo_with_excludes():
+    from cluster import submit
+
+    stage = submit._stage_working_dir("name: x\n")
+    try:
+        names = {p.name for p in stage.iterdir()}
+        assert {"pretrain", "cluster", "configs"} <= names
+        assert not names & {".venv", ".git", ".cache", "checkpoints", "mlflow.db", "mlartifacts"}
+        assert (stage / submit.JOB_CONFIG_NAME).read_text() == "name: x\n"
+        assert (stage / "pretrain").is_symlink()
+        assert not any(p.exists() and not p.is_symlink() for p in stage.iterdir() if p.name != submit.JOB_CONFIG_NAME)
+    finally:
+        shutil.rmtree(stage)
+    assert not (ROOT / submit.JOB_CONFIG_NAME).exists()  # nothing written into the checkout
+
+
+def test_bad_config_exits_2_before_contacting_anything(tmp_path):
+    env = _env(tmp_path, tmp_path / "head")
+    port = _free_port()  # nothing listens there: had submit tried to send, it would say "cannot reach"
+    proc = _cli(tmp_path, env, "submit", "--address", f"http://127.0.0.1:{port}", CONFIG, "model.num_layerz=2")
+    assert proc.returncode == 2
+    assert "model.num_layerz" in _one_error_line(proc)
+    proc = _cli(tmp_path, env, "submit", "--address", f"http://127.0.0.1:{port}", CONFIG, "train.max_steps=-1")
+    assert proc.returncode == 2 and "train.max_steps" in _one_error_line(proc)
+
+
+@pytest.mark.parametrize("cmd", [["jobs"], ["status", "raysubmit_x"], ["logs", "raysubmit_x"], ["stop", "raysubmit_x"],
+                                 ["submit", CONFIG, *TINY]])
+def test_unreachable_address_is_one_line(tmp_path, cmd):
+    env = _env(tmp_path, tmp_path / "head")
+    port = _free_port()
+    proc = _cli(tmp_path, env, *cmd, "--address", f"http://127.0.0.1:{port}")
+    assert proc.returncode == 1
+    line = _one_error_line(proc)
+    assert line.startswith("error: cannot reach the Ray Jobs API at http://127.0.0.1:") and str(port) in line
+
+
+def test_cluster_down_and_status_without_a_head(tmp_path):
+    env = _env(tmp_path, tmp_path / "head")
+    proc = _cli(tmp_path, env, "cluster", "down")
+    assert proc.returncode == 0 and "nothing to stop" in proc.stdout
+    proc = _cli(tmp_path, env, "cluster", "status")
+    assert proc.returncode == 1 and "no local Ray head" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# A real local head
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """`cluster up` in a private state dir and temp dir; always torn down (only its own processes)."""
+    from cluster import head as head_mod
+
+    work = tmp_path_factory.mktemp("cluster")
+    head_dir = work / "head"
+    temp_dir = f"/tmp/prt-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths must stay < 107 chars
+    port = _free_port()
+    env = _env(work, head_dir)
+    state = None
+    try:
+        proc = _cli(work, env, "cluster", "up", "--dashboard-port", str(port), "--temp-dir", temp_dir,
+                    "--num-cpus", "2", timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        state = json.loads((head_dir / "state.json").read_text())
+        yield {"work": work, "env": env, "state": state, "address": state["address"], "head_dir": head_dir,
+               "up_stdout": proc.stdout}
+    finally:
+        if state is None and (head_dir / "state.json").is_file():
+            state = json.loads((head_dir / "state.json").read_text())
+        try:
+            _cli(work, env, "cluster", "down", "--grace", "3", timeout=120)
+        finally:
+            if state:  # whatever survived `down` (it should be nothing): kill it, by session / temp dir
+                import psutil
+
+                left = head_mod.head_processes(state)
+                for p in left:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+                assert not left, f"cluster down left {len(left)} processes"
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _listeners(state: dict) -> list[tuple[str, int, str]]:
+    import psutil
+
+    from cluster.head import head_processes
+
+    out = []
+    for p in head_processes(state):
+        try:
+            name = p.name()
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr):
+                    out.append((c.laddr.ip, c.laddr.port, name))
+        except psutil.Error:
+            continue
+    return out
+
+
+def _wait_status(work, env, job_id: str, want: set[str], timeout: float) -> str:
+    deadline = time.time() + timeout
+    status = ""
+    while time.time() < deadline:
+        proc = _cli(work, env, "status", job_id)
+        assert proc.returncode == 0, proc.stderr
+        status = proc.stdout.strip()
+        if status in want:
+            return status
+        time.sleep(2)
+    raise AssertionError(f"job {job_id} still {status} after {timeout} s")
+
+
+@pytest.mark.slow
+def test_head_is_local_only_and_authenticated(head):
+    state, work, env = head["state"], head["work"], head["env"]
+    assert state["address"].startswith("http://127.0.0.1:")
+    token_file = Path(state["token_path"])
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token_file.read_text().strip() not in head["up_stdout"]
+
+    found = _listeners(state)
+    names = {n for _, _, n in found}
+    assert {"gcs_server", "raylet"} <= names, names
+    wide = [x for x in found if x[0] not in LOOPBACK]
+    print("\nlisteners of the idle head:", sorted(found))
+    assert not wide, f"listening beyond loopback: {wide}"
+
+    # no token / wrong token: HTTP 401 / 403 at the Jobs API, one line from the CLI
+    for headers, code in (({}, 401), ({"Authorization": "Bearer " + "0" * 64}, 403)):
+        req = urllib.request.Request(state["address"] + "/api/jobs/", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == code
+    proc = _cli(work, {**env, "RAY_AUTH_TOKEN": "wrong-token"}, "jobs")
+    assert proc.returncode == 1
+    line = _one_error_line(proc)
+    assert line.startswith("error: authentication failed at ") and "wrong-token" not in line
+    # a client with no token at all (no local-head state, empty HOME)
+    bare = _env(work, work / "no-head", HOME=str(work / "home"))
+    proc = _cli(work, bare, "status", "raysubmit_x", "--address", state["address"])
+    assert proc.returncode == 1 and "authentication failed" in _one_error_line(proc)
+
+    proc = _cli(work, env, "cluster", "status")
+    assert proc.returncode == 0 and "alive" in proc.stdout and "CPU" in proc.stdout
+    proc = _cli(work, env, "cluster", "up")  # idempotent
+    assert proc.returncode == 0 and "already running" in proc.stdout
+
+
+@pytest.mark.slow
+def test_submit_tiny_job_end_to_end(head):
+    work, env = head["work"], head["env"]
+    before = _cli(work, env, "jobs")
+    assert before.returncode == 0, before.stderr
+    bad = _cli(work, env, "submit", CONFIG, *TINY, "model.hidden_size=oops")
+    assert bad.returncode == 2 and "model.hidden_size" in _one_error_line(bad)
+    assert _cli(work, env, "jobs").stdout.count("raysubmit_") == before.stdout.count("raysubmit_")  # nothing sent
+
+    proc = _cli(work, env, "submit", CONFIG, *TINY, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    m_job = re.fullmatch(r"job id: (raysubmit_\w+)", lines[0])
+    m_run = re.fullmatch(r"MLflow run id: ([0-9a-f]{32})", lines[1])
+    assert m_job and m_run, proc.stdout
+    job_id, run_id = m_job.group(1), m_run.group(1)
+
+    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", \
+        _cli(work, env, "logs", job_id).stdout[-3000:]
+    logs = _cli(work, env, "logs", job_id)
+    assert logs.returncode == 0
+    assert "== finished: demo-decoder ==" in logs.stdout and re.search(rf"MLflow run id\s+{run_id}", logs.stdout)
+    assert "Found multiple active Ray instances" not in logs.stdout  # Ray's actors know their cluster
+    follow = _cli(work, env, "logs", job_id, "--follow", timeout=60)  # a finished job: prints and returns
+    assert follow.returncode == 0 and "== finished" in follow.stdout
+    jobs = _cli(work, env, "jobs")
+    assert re.search(rf"{job_id}\s+SUCCEEDED", jobs.stdout), jobs.stdout
+    verbose = _cli(work, env, "status", "-v", job_id)
+    assert verbose.stdout.splitlines()[0] == "SUCCEEDED" and "-m pretrain train _pretrain_job.yaml" in verbose.stdout
+
+    # the run went to the test's MLflow store, its checkpoint next to the submitting cwd
+    from mlflow import MlflowClient
+
+    run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert (work / "checkpoints" / run_id / "step_00000003" / "manifest.json").is_file()
+    assert _cli(work, env, "status", "raysubmit_nosuchjob").returncode == 1
+
+
+@pytest.mark.slow
+def test_stop_running_job_and_listeners_while_training(head):
+    work, env, state = head["work"], head["env"], head["state"]
+    long = [a for a in TINY if not a.startswith("train.max_steps")] + ["train.max_steps=2000"]
+    proc = _cli(work, env, "submit", CONFIG, *long, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
+    assert "MLflow run id: " in proc.stdout
+
+    deadline = time.time() + 180
+    while "[train] " not in _cli(work, env, "logs", job_id).stdout:  # the worker group is up
+        assert time.time() < deadline, "training did not start"
+        assert _cli(work, env, "status", job_id).stdout.strip() in ("PENDING", "RUNNING")
+        time.sleep(2)
+    found = _listeners(state)
+    wide = [x for x in found if x[0] not in LOOPBACK]
+    print("\nlisteners while a job trains:", sorted(found))
+    print("beyond loopback:", wide)
+    # The only one: torch.distributed's TCPStore (rendezvous) in the rank-0 training worker, which PyTorch
+    # always binds on all interfaces. Every Ray listener stays on 127.0.0.1.
+    assert all(name.startswith("ray::RayTrainWorker") for _, _, name in wide), wide
+    assert len(wide) <= 1, wide
+
+    follower = subprocess.Popen([PYTHON, "-m", "pretrain", "logs", job_id, "--follow"], cwd=work, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert follower.poll() is None  # still following a running job
+        stop = _cli(work, env, "stop", job_id, timeout=120)
+        out, err = follower.communicate(timeout=60)  # the stream ends with the job
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0 and "[pretrain] run " in out and "Traceback" not in err, err
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert stop.stdout.strip().endswith("STOPPED")
+    assert _cli(work, env, "status", job_id).stdout.strip() == "STOPPED"
+    again = _cli(work, env, "stop", job_id)
+    assert again.returncode == 0 and "already ended: STOPPED" in again.stdout
+
+
+@pytest.mark.slow
+def test_job_failing_on_the_cluster_is_one_line(head):
+    work, env = head["work"], head["env"]
+    # valid config, but the data does not exist where the job runs: the driver fails before a run starts
+    proc = _cli(work, env, "submit", CONFIG, *TINY, "data.sources=[{path: /nonexistent/corpus.jsonl}]", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
+    line = _one_error_line(proc)
+    assert line.startswith(f"error: job {job_id} FAILED") and "/nonexistent/corpus.jsonl" in line, line
+    assert _cli(work, env, "status", job_id).stdout.strip() == "FAILED"
