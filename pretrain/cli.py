@@ -18,7 +18,6 @@ User errors print one line and exit non-zero (2 for config errors); no traceback
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
