@@ -5,6 +5,7 @@
     runs [RUN_ID]                                 tracked runs, or one run's checkpoints
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
+    bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
     submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
     jobs [--address URL]                          jobs on the cluster
@@ -155,6 +156,10 @@ def cmd_ui(args: list[str]) -> int:
 
 
 def cmd_bench(args: list[str]) -> int:
+    if "--cluster" in args:  # submit-to-first-step latency and checkpoint share on the local head
+        from eval.bench_cluster import main as cluster_bench
+
+        return cluster_bench(args)
     from eval.bench import main as bench_main
 
     return bench_main(args)
