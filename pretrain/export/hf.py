@@ -349,13 +349,7 @@ def resolve_checkpoint(target: str, step: int | None = None) -> LoadedCheckpoint
     elif "/" in target or target.startswith("."):  # a path, not a run id: do not touch the tracking store
         raise ConfigError(f"{target}: no such checkpoint or run directory")
     else:
-        uri = tracking.tracking_uri()
-        run = tracking.find_run(uri, target)
-        if run is None:
-            raise ConfigError(f"{target}: neither a checkpoint/run directory nor a run id in {uri}")
-        root = run.data.tags.get(tracking.TAG_CKPT_ROOT)
-        if not root:
-            raise ConfigError(f"{target}: the run has no checkpoint directory recorded")
+        root = tracking.run_checkpoint_root(tracking.tracking_uri(), target)
         if step is not None:
             ckpt = _pick_step(Path(root), step)
         else:

@@ -110,20 +110,15 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     uri = tracking.tracking_uri()
     path = Path(target)
     if not path.exists():
-        run = tracking.find_run(uri, target)
-        if run is None:
-            raise ConfigError(f"{target}: neither a checkpoint directory nor a run id in {uri}")
-        root = run.data.tags.get(tracking.TAG_CKPT_ROOT)
-        if not root:
-            raise ConfigError(f"{target}: run has no checkpoint directory recorded")
-        ckpt = ckpt_io.latest_committed(Path(root))
+        root = tracking.run_checkpoint_root(uri, target)
+        ckpt = ckpt_io.latest_committed(root)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
         cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
         cfg.validate()
         if cfg.tracking.enabled:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
-        return Job(config=to_dict(cfg), run_id=target, run_dir=root,
+        return Job(config=to_dict(cfg), run_id=target, run_dir=str(root),
                    tracking_uri=uri if cfg.tracking.enabled else "")
     ckpt = ckpt_io.resolve(path)
     cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, dump_yaml, flatten, to_dict
+from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"
@@ -139,6 +139,17 @@ def find_run(uri: str, run_id: str):
         return _client(uri).get_run(run_id)
     except MlflowException:
         return None
+
+
+def run_checkpoint_root(uri: str, run_id: str) -> Path:
+    """The checkpoint directory recorded for ``run_id`` (ConfigError when there is none)."""
+    run = find_run(uri, run_id)
+    if run is None:
+        raise ConfigError(f"{run_id}: neither a checkpoint/run directory nor a run id in {uri}")
+    root = run.data.tags.get(TAG_CKPT_ROOT)
+    if not root:
+        raise ConfigError(f"{run_id}: the run has no checkpoint directory recorded")
+    return Path(root)
 
 
 def list_runs(uri: str, max_results: int = 50) -> list:
