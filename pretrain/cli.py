@@ -115,17 +115,29 @@ def cmd_runs(args: list[str]) -> int:
     from pretrain.train import tracking
 
     uri = tracking.tracking_uri()
+    plot = "--plot" in args
+    args = [a for a in args if a != "--plot"]
+    if plot and not args:
+        raise ConfigError("runs --plot: give a run id (runs RUN_ID --plot)")
     if args:
         run = tracking.find_run(uri, args[0])
         if run is None:
             raise ConfigError(f"{args[0]}: no such run in {uri}")
         root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
         print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
+        if run.data.tags.get("pretrain.stability.last_event"):
+            print(f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
+                  f"{run.data.tags['pretrain.stability.last_event']}")
         print(f"  {'step':>8} {'tokens':>12} {'train loss':>10} {'val loss':>9}  path")
         for c in ckpt_io.list_committed(Path(root)) if root else []:
             m = c.manifest.get("metrics", {})
             print(f"  {c.step:>8} {c.manifest.get('tokens_seen', 0):>12,} {m.get('train/loss', float('nan')):>10.4f} "
                   f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}")
+        if plot:
+            from eval.plot import plot_run
+
+            out = Path(root) / "training.png" if root and Path(root).is_dir() else Path(f"{args[0]}.png")
+            print(f"plot: {plot_run(uri, args[0], out).resolve()}")
         return 0
     runs = tracking.list_runs(uri)
     if not runs:

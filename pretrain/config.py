@@ -80,6 +80,16 @@ class ModelConfig:
     """Apply a final norm before the LM head (automatically off for post-LN, which ends normed)."""
     mlm_head_transform: bool = False
     """Encoders: BERT-style head transform (dense + activation + norm) before the output projection."""
+    z_loss: float = 0.0
+    """Stabilizer: weight of the PaLM z-loss ``mean(logsumexp(logits)^2)`` added to the training objective
+    (1e-4 is typical; 0 disables). It keeps the softmax normalizer near 1 so output logits cannot drift
+    up; reported losses stay the plain cross-entropy."""
+    qk_norm: bool = False
+    """Stabilizer: normalize queries and keys per head (the configured norm over ``head_dim``, before RoPE)
+    so attention logits cannot grow without bound (OLMo 2, Qwen3, Gemma 3)."""
+    embedding_scale: float = 1.0
+    """Stabilizer: multiply the token embeddings by this factor; 0 means ``sqrt(hidden_size)`` (T5/Gemma
+    style, so a small-std embedding enters the residual stream at unit scale)."""
     init_from_hf: str = ""
     """A Hugging Face model directory of a supported family to start from (architecture and weights are
     taken from it; the architecture fields above are then ignored). Its tokenizer is used too."""
@@ -237,6 +247,60 @@ class FaultsConfig:
     stop_after_step: int = -1
     """End training cleanly after this step (validation and a committed checkpoint), as if the job had
     been stopped there; ``resume`` continues it. -1 disables."""
+    nan_grad_at_step: int = -1
+    """The worker of rank 1 (rank 0 in a world of one) turns its gradient of this step (1-based) into NaN
+    (the loss stays finite), once per run. Exercises ``stability`` non-finite detection. -1 disables."""
+    loss_spike_at_step: int = -1
+    """The update of this step (1-based) uses 1000x the scheduled LR on every worker, once per run, so the
+    following steps' loss spikes. Exercises ``stability`` spike detection and rollback. -1 disables."""
+
+
+@dataclass(kw_only=True)
+class StabilityConfig:
+    """Training-stability monitoring and control (see ``pretrain/train/stability.py``).
+
+    Every step, the all-reduced loss and pre-clipping gradient norm are checked before the optimizer
+    step: non-finite values, spikes against rolling median/MAD statistics, and a rising loss trend.
+    ``policy`` decides what an event does; every event is recorded in MLflow and the progress output."""
+
+    policy: Literal["log", "skip", "rollback", "halt"] = "skip"
+    """What a detected event does. ``log``: record only. ``skip``: drop the update of a non-finite or
+    spiking step (weights and optimizer state untouched, the batch is consumed); a divergence is only
+    logged. ``rollback``: skip non-finite steps; on a spike or divergence (or too many consecutive skips)
+    restore the last good checkpoint, continue from the current data position (skipping the data window
+    since that checkpoint) with a cooled-down LR. ``halt``: stop at the first event with a report.
+    Default ``skip``, as OLMo-core's skip-step optimizer: cheap, and a false positive costs one batch."""
+    health_every: int = 10
+    """Log health metrics (per-block gradient/parameter norms, update/parameter ratios, activation RMS and
+    max, attention logit max, output logit mean square, non-finite counts) every N steps; 0 disables."""
+    window: int = 128
+    """Rolling window (healthy steps) of the loss and gradient-norm statistics."""
+    spike_threshold: float = 6.0
+    """A loss or gradient norm more than this many robust sigmas (1.4826 * MAD) above the window median
+    is a spike."""
+    warmup_steps: int = 100
+    """No spike or divergence detection during the first N steps (losses fall fast and LR warms up);
+    non-finite values are always detected."""
+    detect_grad_spikes: bool = True
+    """Also treat gradient-norm spikes as events (not only loss spikes)."""
+    divergence_window: int = 256
+    """Slow divergence: the least-squares trend of the last N healthy losses; 0 disables."""
+    divergence_threshold: float = 0.05
+    """Divergence when the fitted loss trend rises by more than this fraction of the window's mean loss
+    over the window."""
+    max_consecutive_skips: int = 10
+    """After this many consecutive skipped steps escalate: ``rollback`` rolls back, ``skip`` halts."""
+    max_rollbacks: int = 3
+    """Halt when a run needs more rollbacks than this."""
+    good_after_steps: int = 20
+    """A committed checkpoint becomes a rollback target ("good") after this many healthy steps past it
+    without a spike or divergence."""
+    lr_cooldown_factor: float = 0.5
+    """After a rollback the LR is multiplied by this factor for ``lr_cooldown_steps`` steps (1 disables)."""
+    lr_cooldown_steps: int = 50
+    """Length of the LR cool-down after a rollback, in steps (0 disables)."""
+    plot_at_end: bool = True
+    """Rank 0 draws loss, gradient norm and events into a PNG in the run directory (and MLflow) at the end."""
 
 
 @dataclass(kw_only=True)
@@ -251,6 +315,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""
@@ -304,8 +369,36 @@ class RunConfig:
                 f"train.global_batch_size: {t.global_batch_size} must be divisible by data.num_streams {d.num_streams}")
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
+        self._validate_stability()
         self.check_world_size(c.num_workers)
         return self
+
+    def _validate_stability(self) -> None:
+        s, m = self.stability, self.model
+        if s.window < 8:
+            raise ConfigError(f"stability.window: must be >= 8, got {s.window}")
+        for key, value in (("stability.health_every", s.health_every), ("stability.warmup_steps", s.warmup_steps),
+                           ("stability.divergence_window", s.divergence_window),
+                           ("stability.good_after_steps", s.good_after_steps),
+                           ("stability.max_rollbacks", s.max_rollbacks),
+                           ("stability.lr_cooldown_steps", s.lr_cooldown_steps)):
+            if value < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if 0 < s.divergence_window < 8:
+            raise ConfigError(f"stability.divergence_window: must be 0 or >= 8, got {s.divergence_window}")
+        if s.max_consecutive_skips < 1:
+            raise ConfigError(f"stability.max_consecutive_skips: must be >= 1, got {s.max_consecutive_skips}")
+        for key, value in (("stability.spike_threshold", s.spike_threshold),
+                           ("stability.divergence_threshold", s.divergence_threshold)):
+            if not value > 0:
+                raise ConfigError(f"{key}: must be > 0, got {value}")
+        if not 0.0 < s.lr_cooldown_factor <= 1.0:
+            raise ConfigError(f"stability.lr_cooldown_factor: must be in (0, 1], got {s.lr_cooldown_factor}")
+        if m.z_loss < 0:
+            raise ConfigError(f"model.z_loss: must be >= 0, got {m.z_loss}")
+        if m.embedding_scale < 0:
+            raise ConfigError(f"model.embedding_scale: must be >= 0 (0 means sqrt(hidden_size)), "
+                              f"got {m.embedding_scale}")
 
     def check_world_size(self, world_size: int) -> None:
         """Batch and stream divisibility for a given number of workers."""

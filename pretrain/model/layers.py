@@ -33,11 +33,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """The configured norm over ``hidden_size`` (LayerNorm has a bias iff ``cfg.bias``)."""
+def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
+    """The configured norm over ``size`` (default ``hidden_size``; LayerNorm has a bias iff ``cfg.bias``)."""
+    size = cfg.hidden_size if size is None else size
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, elementwise_affine=True, bias=cfg.bias)
+        return RMSNorm(size, cfg.norm_eps)
+    return nn.LayerNorm(size, eps=cfg.norm_eps, elementwise_affine=True, bias=cfg.bias)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float,
@@ -63,7 +64,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query self-attention through ``F.scaled_dot_product_attention``."""
+    """Multi-head / grouped-query self-attention through ``F.scaled_dot_product_attention``.
+
+    ``cfg.qk_norm`` adds per-head norms ``q_norm``/``k_norm`` (over ``head_dim``, before RoPE). Setting
+    ``probe_logits`` makes the next forwards also record ``last_logit_max``, the largest pre-softmax
+    attention logit, from an explicit q.k^T on the side (health metrics); the SDPA path is unchanged.
+    """
 
     def __init__(self, cfg: ModelConfig, causal: bool) -> None:
         super().__init__()
@@ -80,12 +86,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(d, d, bias=cfg.bias)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, self.head_dim)
+            self.k_norm = make_norm(cfg, self.head_dim)
+        self.qk_norm = cfg.qk_norm
+        self.probe_logits = False
+        self.last_logit_max: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, t, d = x.shape  # (B, T, D)
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.num_kv_heads != self.num_heads:
@@ -93,9 +107,20 @@ class Attention(nn.Module):
             g = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(g, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(g, dim=1)  # (B, H, T, hd)
+        if self.probe_logits:
+            self.last_logit_max = self._logit_max(q, k)
         p = self.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))  # (B, T, D)
+
+    @torch.no_grad()
+    def _logit_max(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Largest scaled logit q.k/sqrt(hd) over the allowed (causal) positions, as an fp32 scalar."""
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim ** -0.5  # (B, H, T, T)
+        if self.causal:
+            t = s.shape[-1]
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return s.amax()
 
 
 class FeedForward(nn.Module):

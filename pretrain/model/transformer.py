@@ -1,7 +1,7 @@
 """The configurable Transformer (causal decoder or masked-LM encoder) and model utilities.
 
 State-dict keys: ``embed_tokens``, ``embed_positions`` (learned), ``embedding_norm``,
-``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
+``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,attn.{q,k}_norm,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
 ``final_norm``, ``head_transform.{dense,norm}``, ``lm_head`` (its weight is ``embed_tokens.weight``
 when tied). The RoPE tables are non-persistent buffers and never appear in checkpoints.
 """
@@ -28,6 +28,9 @@ class ModelOutput(NamedTuple):
     """Scalar fp32 mean cross-entropy over labels != -100 (None without labels)."""
     logits: torch.Tensor
     """(B, T, V) in the compute dtype."""
+    z_loss: torch.Tensor | None = None
+    """The weighted z-loss term ``cfg.z_loss * mean(logsumexp(logits)^2)`` over the target positions, to be
+    added to ``loss`` for the training objective (None without labels or when ``cfg.z_loss`` is 0)."""
 
 
 def resolved_ffn_size(cfg: ModelConfig) -> int:
@@ -71,6 +74,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.embed_positions = nn.Embedding(cfg.max_seq_len, d) if cfg.position == "learned" else None
         self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
+        # A plain float (no buffer): checkpoints stay unchanged and an exporter can fold it.
+        self.embedding_scale: float = cfg.embedding_scale or math.sqrt(d)
         self.drop = nn.Dropout(cfg.dropout)
         ffn = resolved_ffn_size(cfg)
         self.blocks = nn.ModuleList(Block(cfg, ffn, self.causal) for _ in range(cfg.num_layers))
@@ -163,6 +168,8 @@ class Transformer(nn.Module):
             raise ValueError(f"layer_mask has {len(layer_mask)} entries for {len(self.blocks)} blocks")
 
         x = self.embed_tokens(input_ids)  # (B, T, D)
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(t, device=input_ids.device))  # + (T, D)
         if self.embedding_norm is not None:
@@ -187,7 +194,18 @@ class Transformer(nn.Module):
             x = self.head_transform(x)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None if labels is None else self.loss(logits, labels)
-        return ModelOutput(loss=loss, logits=logits)
+        z_loss = None
+        if labels is not None and self.cfg.z_loss > 0:
+            z_loss = self.cfg.z_loss * self.z_term(logits, labels)
+        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss)
+
+    def z_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 mean of logsumexp(logits)^2 over the positions that have a target (PaLM z-loss)."""
+        if self.causal:
+            logits, labels = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
+        keep = (labels != -100).float()  # (B, T')
+        lse = torch.logsumexp(logits.float(), dim=-1)  # (B, T')
+        return (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1.0)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 mean CE over labels != -100 (decoders predict token t+1 from position t)."""

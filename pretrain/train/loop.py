@@ -7,6 +7,7 @@ validation, progress, MLflow and checkpoint commits happen around it on fixed in
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -23,13 +24,16 @@ from pretrain.model import build_model, param_groups
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
 from pretrain.train.engine import initialize, resolve_precision
+from pretrain.train.health import HealthProbe, nonfinite_params
 from pretrain.train.progress import Progress
 from pretrain.train.schedule import lr_at
-from pretrain.train.step import evaluate, micro_batch_ids, step_seed, train_step
+from pretrain.train.stability import Decision, StabilityControl
+from pretrain.train.step import evaluate, micro_batch_ids, run_step, step_seed
 from pretrain.train.tracking import Tracker
 
 
 SUMMARY_FILE = "summary.json"
+SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
 
 
 @dataclass(kw_only=True)
@@ -54,6 +58,16 @@ class TrainerState:
     tokens_seen: int = 0
     last_train_loss: float = float("nan")
     last_val: dict[str, float] = field(default_factory=dict)
+    sequences: int = 0
+    """Global sequences consumed (the data position; more than step * batch after a rollback)."""
+    stability: dict[str, Any] = field(default_factory=dict)
+    """``StabilityMonitor.state_dict()``: rolling statistics, counters, checkpoints, skipped windows, events."""
+    faults_fired: list[str] = field(default_factory=list)
+    """One-shot fault hooks already fired (so a rollback does not replay them)."""
+
+
+class NonFiniteWeightsError(ckpt_io.CheckpointError):
+    """The weights hold NaN/Inf: the checkpoint was not written."""
 
 
 class Checkpointer:
@@ -61,9 +75,23 @@ class Checkpointer:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker: Tracker):
         self.cfg, self.run_dir, self.ctx, self.tracker = cfg, run_dir, ctx, tracker
+        self.seconds = 0.0  # wall time spent in save (write + verify + commit)
+        self.count = 0
 
-    def save(self, engine, batches: TrainBatches, state: TrainerState) -> Path | None:
+    def save(self, engine, batches: TrainBatches, state: TrainerState, protect: set[str] = frozenset()) -> Path | None:
+        """``protect``: checkpoint paths pruning must keep (the stability rollback target)."""
+        t0 = time.perf_counter()
+        try:
+            return self._save(engine, batches, state, protect)
+        finally:  # the loop stalls for the whole write + commit: measured for `bench --cluster`
+            self.seconds += time.perf_counter() - t0
+            self.count += 1
+
+    def _save(self, engine, batches: TrainBatches, state: TrainerState, protect: set[str]) -> Path | None:
         cfg, ctx = self.cfg, self.ctx
+        # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
+        if dist.all_reduce_sum([nonfinite_params(engine)], ctx.device)[0] > 0:
+            raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
         nonce = dist.broadcast_object(ckpt_io.new_nonce() if ctx.is_main else None)
         stage = ckpt_io.staging_dir(self.run_dir, state.step, nonce)
         stage.mkdir(parents=True, exist_ok=True)
@@ -80,7 +108,7 @@ class Checkpointer:
             manifest = {
                 "run_id": self.tracker.run_id, "tokens_seen": state.tokens_seen,
                 "config_hash": config_hash(cfg), "model_kind": cfg.model.kind,
-                "data_position": {"global_sequences": state.step * cfg.train.global_batch_size,
+                "data_position": {"global_sequences": state.sequences,
                                   "num_streams": cfg.data.num_streams},
                 "rng": {"scheme": "torch.manual_seed(crc32(seed:step:rank)) each step",
                         "states": "rng/rank_R.pt"},
@@ -89,10 +117,11 @@ class Checkpointer:
             try:
                 final = ckpt_io.commit(stage, self.run_dir, state.step, manifest, ctx.world_size)
                 self.tracker.register_checkpoint(final, ckpt_io.read_manifest(final))
-                ckpt_io.prune(self.run_dir, cfg.checkpoint.keep_last)
+                _prune(self.run_dir, cfg.checkpoint.keep_last, protect)
             except Exception as e:  # tell the other ranks instead of leaving them in a barrier
                 error = f"{type(e).__name__}: {e}"
-        error = dist.broadcast_object(error)
+        # Every rank learns the committed path: the stability state (rollback targets) must be identical.
+        error, final = dist.broadcast_object((error, final))
         if error:
             raise ckpt_io.CheckpointError(f"checkpoint at step {state.step} failed: {error}")
         return final
@@ -118,17 +147,34 @@ def _engine_state_dir(ckpt: ckpt_io.CommittedCheckpoint, run_dir: Path, ctx: dis
     return path
 
 
-def _restore(engine, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, ctx: dist.DistContext,
-             universal_dir: Path | None) -> TrainerState:
+def _prune(run_dir: Path, keep_last: int, protect: set[str]) -> None:
+    """Delete committed checkpoints beyond the newest ``keep_last``, never one in ``protect``."""
+    if keep_last <= 0:
+        return
+    for c in ckpt_io.list_committed(run_dir)[:-keep_last]:
+        if str(c.path) not in protect:
+            shutil.rmtree(c.path, ignore_errors=True)
+
+
+def load_engine_state(engine, ckpt: ckpt_io.CommittedCheckpoint, universal_dir: Path | None) -> None:
+    """Model and optimizer state from ``ckpt`` (its DeepSpeed universal form when the world size changed)."""
+    engine._config.load_universal_checkpoint = universal_dir is not None  # DeepSpeed reads it at load time
     load_dir = universal_dir or ckpt.path / ckpt_io.DS_DIR
     load_path, _ = engine.load_checkpoint(str(load_dir), tag=ckpt_io.DS_TAG, load_module_strict=True)
     if load_path is None:
         raise ckpt_io.CheckpointError(f"{ckpt.path}: DeepSpeed could not load the engine state")
+
+
+def _restore(engine, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, ctx: dist.DistContext,
+             universal_dir: Path | None) -> TrainerState:
+    load_engine_state(engine, ckpt, universal_dir)
     data_state, rng = ckpt_io.load_rank_state(ckpt.path, ctx.rank)
     batches.load_state_dict(data_state)  # the union of all ranks' streams: any worker count works
     if rng is not None and universal_dir is None:
         torch.set_rng_state(rng["torch"])
     raw = json.loads((ckpt.path / "trainer_state.json").read_text())
+    if "sequences" not in raw:  # written before stability control: no rollback ever moved the data
+        raw["sequences"] = int(ckpt.manifest.get("data_position", {}).get("global_sequences", 0))
     return TrainerState(**raw)
 
 
@@ -187,6 +233,9 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     window: list[float] = []
     micro_ids = micro_batch_ids(ctx.rank, ctx.world_size, t.global_batch_size, t.micro_batch_size,
                                 cfg.data.num_streams)
+    control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
+    if resume is not None:
+        control.monitor.note_checkpoint(resume.step, str(resume.path), state.sequences)
 
     validated_at = -1
 
@@ -201,33 +250,76 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
 
     def save_checkpoint() -> None:
         nonlocal last_ckpt
-        last_ckpt = checkpointer.save(engine, batches, state) or last_ckpt
+        state.stability = control.monitor.state_dict()
+        try:
+            saved = checkpointer.save(engine, batches, state, control.monitor.protected_paths())
+        except NonFiniteWeightsError:
+            act(control.monitor.nonfinite_weights(state.step))
+            return
+        if saved is not None:
+            last_ckpt = saved
+            control.monitor.note_checkpoint(state.step, str(saved), state.sequences)
         progress.say(f"checkpoint committed: step {state.step}")
+
+    def act(decision: Decision) -> bool:
+        """Carry out a decision's side effects; True when the loop must restart from a rollback."""
+        nonlocal last_ckpt
+        if decision.event is not None:
+            control.report(decision.event, decision.action != "log")
+        if decision.action == "halt":
+            raise control.halt(decision.event)
+        if decision.action == "rollback":
+            last_ckpt = control.rollback(
+                lambda c: load_engine_state(engine, c, _engine_state_dir(c, run_dir, ctx)), decision.event["step"])
+            return True
+        return False
+
     while state.step < t.max_steps:
         torch.manual_seed(step_seed(t.seed, state.step, ctx.rank))
         batch = _next_batch(batches, cfg, ctx)
         if batch is None:
             progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
             break
-        _maybe_kill_worker(cfg, ctx, run_dir, state.step + 1)
-        lr = lr_at(state.step, t)
+        step_no = state.step + 1
+        _maybe_kill_worker(cfg, ctx, run_dir, step_no)
+        lr = lr_at(state.step, t) * control.monitor.lr_factor(step_no)
+        if control.fault("loss_spike", cfg.faults.loss_spike_at_step, step_no):
+            lr *= SPIKE_LR_FACTOR
+        nan_fault = control.fault("nan_grad", cfg.faults.nan_grad_at_step, step_no)  # recorded on every rank
+        corrupt = nan_fault and ctx.rank == min(1, ctx.world_size - 1)  # ... but poisons one rank only
+        health_step = bool(cfg.stability.health_every) and step_no % cfg.stability.health_every == 0
         seeds = [step_seed(t.seed, state.step, mid) for mid in micro_ids]
         t0 = time.perf_counter()
-        loss, gnorm = train_step(engine, batch, t.micro_batch_size, lr, ctx.device, seeds)
+        result = run_step(engine, batch, t.micro_batch_size, lr, ctx.device, seeds, step=step_no,
+                          guard=control.monitor.decide, probe=HealthProbe(engine) if health_step else None,
+                          corrupt_grads=corrupt)
         progress.add_step(time.perf_counter() - t0)
+        loss, gnorm = result.loss, result.grad_norm
+        control.record(step_no, loss, gnorm)
         state.step += 1
         state.tokens_seen += progress.tokens_per_step
+        state.sequences += t.global_batch_size
         state.last_train_loss = loss
-        window.append(loss)
+        if result.health:
+            control.log({**result.health, "health/steps_since_event": float(
+                control.monitor.steps_since_event(state.step))}, state.step)
+        if result.decision is not None and result.decision.event is not None:  # the plot shows the spike
+            tracker.log_metrics({"train/loss": loss, "train/grad_norm": gnorm}, state.step)
+        if act(result.decision):
+            continue
+        if math.isfinite(loss):
+            window.append(loss)
         last = state.step == t.max_steps
         if state.step % t.log_every == 0 or last:
             metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": gnorm,
                        "train/tokens_per_s": progress.window_tokens_per_s(),
                        "train/tokens_seen": float(state.tokens_seen),
-                       "train/loss_avg": sum(window) / len(window)}
+                       "train/loss_avg": sum(window) / len(window) if window else float("nan"),
+                       **control.monitor.counters()}
             window.clear()
             progress.line(state.step, metrics)
             tracker.log_metrics(metrics, state.step)
+            control.flush()
         if last or (t.val_every and state.step % t.val_every == 0):
             run_validation()
         if last or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0):
@@ -245,8 +337,11 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     final: dict[str, Any] = {
         "step": state.step, "tokens_seen": state.tokens_seen, "final_train_loss": state.last_train_loss,
         "tokens_per_s": progress.tokens_per_s(), "bad_records": int(bad.get("total", 0)),
+        "train_seconds": progress.train_seconds, "checkpoint_seconds": checkpointer.seconds,
+        "checkpoints": checkpointer.count,
         "checkpoint": str(last_ckpt) if last_ckpt else "", "run_id": job_.run_id,
         **{k.replace("/", "_"): v for k, v in state.last_val.items()},
+        "stability": control.monitor.summary(),
     }
     if ctx.is_main:
         if val_set:
@@ -259,6 +354,9 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
                          f"first: {'; '.join(bad.get('examples', [])[:3])}")
         tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, state.step)
         tracker.log_json(bad, "data/bad_records.json")
+        control.flush(force=True)
+        if cfg.stability.plot_at_end:
+            final["plot"] = control.plot(job_.tracking_uri)
         tracker.log_json(final, "summary.json")
         ckpt_io.write_json(run_dir / SUMMARY_FILE, final)
     return final

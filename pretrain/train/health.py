@@ -1,0 +1,226 @@
+"""Health metrics of a DeepSpeed engine, from what each rank holds, reduced across ranks.
+
+Every step needs only :func:`grad_signals` (one pass over this rank's gradient shard). On health steps
+a :class:`HealthProbe` additionally records per-block gradient norms, parameter norms, update/parameter
+ratios, activation RMS and max (forward hooks on the first micro-batch), the attention logit max (a side
+q.k^T, see ``Attention.probe_logits``), the output logit mean square and the z-loss term, and
+non-finite gradient counts.
+
+Where the numbers live depends on the ZeRO stage, at the accumulation boundary before ``engine.step()``:
+
+* stage 0 (fp32): full averaged gradients on ``p.grad``, identical on every rank;
+* bf16 without ZeRO: full fp32 gradients in ``BF16_Optimizer.fp32_groups_gradients``;
+* stages 1/2: this rank's partition in ``optimizer.averaged_gradients[group]``, aligned with
+  ``optimizer.params_in_partition[group]`` (padding tensors are marked ``_zero_padding``);
+* stage 3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
+  ``optimizer.fp16_groups[group]``; parameters are partitioned too (``p.ds_tensor``).
+
+Replicated tensors (identical on every rank) are counted on rank 0 only before a sum all-reduce, so
+every layout gives the same global numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as tdist
+
+Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
+
+
+def _rank() -> int:
+    return tdist.get_rank() if tdist.is_initialized() else 0
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def block_key(name: str) -> str:
+    """Parameter name -> its group: ``blockNN`` for block NN, ``embed`` or ``head`` otherwise."""
+    parts = name.split(".")
+    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+        return f"block{int(parts[1]):02d}"
+    return "embed" if parts[0] in ("embed_tokens", "embed_positions", "embedding_norm") else "head"
+
+
+def grad_views(engine) -> tuple[Views, bool]:
+    """(parameter, this rank's gradient tensor for it) pairs, and whether they are replicated."""
+    opt = engine.optimizer
+    groups = getattr(opt, "averaged_gradients", None)
+    if groups is not None and hasattr(opt, "params_in_partition") and not getattr(opt, "cpu_offload", False):
+        views: Views = []
+        for i, params in enumerate(opt.params_in_partition):  # ZeRO-1/2
+            grads = [g for g in (groups.get(i) or []) if not getattr(g, "_zero_padding", False)]
+            views += zip(params, grads)
+        return views, False
+    if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
+        views = []
+        for i, params in enumerate(opt.fp16_groups):  # ZeRO-3
+            views += zip(params, groups.get(i) or [])
+        return views, False
+    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
+        return [(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)], True
+    if engine.zero_optimization_stage() == 0:
+        return [(p, p.grad) for p in engine.module.parameters() if p.grad is not None], True
+    # Offloaded optimizer states: per-parameter collective, slow but exact (every rank calls it).
+    from deepspeed.utils import safe_get_full_grad
+
+    full = [(p, safe_get_full_grad(p)) for p in engine.module.parameters() if p.requires_grad]
+    return [(p, g) for p, g in full if g is not None], True
+
+
+def param_views(engine) -> tuple[Views, bool]:
+    """(parameter, this rank's values of it): ZeRO-3 partitions, else the full (replicated) tensors."""
+    params = list(engine.module.parameters())
+    if params and hasattr(params[0], "ds_tensor"):
+        return [(p, p.ds_tensor) for p in params], False
+    return [(p, p.detach()) for p in params], True
+
+
+def _counts(replicated: bool) -> bool:
+    """Whether this rank contributes replicated values to a sum (rank 0 only)."""
+    return not replicated or _rank() == 0
+
+
+def grad_signals(engine) -> tuple[float, float]:
+    """This rank's (sum of squared gradients, 0/1 non-finite) contribution; sum them across ranks."""
+    views, replicated = grad_views(engine)
+    if not views or not _counts(replicated):
+        return 0.0, 0.0
+    # One fused pass, like clip_grad_norm_; accumulated in fp32 even for bf16 gradients.
+    norms = torch._foreach_norm([g.detach() for _, g in views], 2, dtype=torch.float32)
+    sq = float(torch.stack(norms).double().pow(2).sum())  # fp64: a huge norm must not overflow to inf
+    return sq, 0.0 if math.isfinite(sq) else 1.0
+
+
+def nonfinite_params(engine) -> float:
+    """Non-finite parameter elements this rank holds (every rank checks its own copy or shard, so a
+    corrupted replica is caught too); sum across ranks before deciding."""
+    views, _ = param_views(engine)
+    if not views:
+        return 0.0
+    norms = torch._foreach_norm([t for _, t in views], 2, dtype=torch.float32)
+    if math.isfinite(float(torch.stack(norms).double().sum())):  # the common case: one fused pass
+        return 0.0
+    return float(sum(int((~torch.isfinite(t)).sum()) for _, t in views))
+
+
+class HealthProbe:
+    """Collects one step's health metrics; every rank must call :meth:`reduce` (collective)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.module
+        self.keys = {id(p): block_key(n) for n, p in self.model.named_parameters()}
+        self.groups = sorted(set(self.keys.values()))
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self._hooks: list = []
+        self._before: list[torch.Tensor] | None = None
+
+    # -- forward of the first micro-batch -------------------------------------------------------
+
+    def attach(self) -> None:
+        """Hooks on every block (activation RMS/max) and attention logit probes, for one forward."""
+        for i, block in enumerate(getattr(self.model, "blocks", [])):
+            self._hooks.append(block.register_forward_hook(self._activation_hook(f"block{i:02d}")))
+            if hasattr(block, "attn"):
+                block.attn.probe_logits = True
+
+    def _activation_hook(self, key: str):
+        def hook(_module, _inputs, output):
+            x = output.detach().float()  # (B, T, D)
+            self.sums[f"act_rms/{key}"] = float(x.pow(2).mean().sqrt()) / _world()  # mean over ranks
+            self.maxes[f"act_max/{key}"] = float(x.abs().max())
+        return hook
+
+    def detach(self, output) -> None:
+        """Remove the hooks; read the attention probes and the output logits of that forward."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for i, block in enumerate(getattr(self.model, "blocks", [])):
+            attn = getattr(block, "attn", None)
+            if attn is None:
+                continue
+            if attn.last_logit_max is not None:
+                self.maxes[f"attn_logit_max/block{i:02d}"] = float(attn.last_logit_max)
+            attn.probe_logits, attn.last_logit_max = False, None
+        logits = output.logits.detach().float()  # (B, T, V)
+        self.sums["logit_ms"] = float(logits.pow(2).mean()) / _world()
+        self.sums["logsumexp_sq"] = float(torch.logsumexp(logits, dim=-1).pow(2).mean()) / _world()
+        if getattr(output, "z_loss", None) is not None:
+            self.sums["z_loss"] = float(output.z_loss.detach()) / _world()
+
+    # -- around the optimizer step --------------------------------------------------------------
+
+    def before_update(self) -> None:
+        """Per-block gradient norms and non-finite counts; snapshot the parameters for the update ratio."""
+        views, replicated = grad_views(self.engine)
+        self._add_sq("grad_sq", views, replicated)
+        finite = all(math.isfinite(v) for k, v in self.sums.items() if k.startswith("grad_sq/"))
+        # Counting elements is a second pass: only needed when some norm is already non-finite.
+        self.sums["nonfinite_grads"] = (0.0 if finite or not _counts(replicated) else
+                                        float(sum(int((~torch.isfinite(g)).sum()) for _, g in views)))
+        pviews, preplicated = param_views(self.engine)
+        self._before = [t.detach().clone() for _, t in pviews] if _counts(preplicated) else None
+
+    def after_update(self) -> None:
+        """Parameter norms and the norms of this step's update, per block."""
+        pviews, replicated = param_views(self.engine)
+        self._add_sq("param_sq", pviews, replicated)
+        before = self._before or []
+        diffs = torch._foreach_sub([t.detach() for _, t in pviews[:len(before)]], before) if before else []
+        deltas = [(p, d) for (p, _), d in zip(pviews, diffs)]
+        self._add_sq("update_sq", deltas, replicated)  # empty on ranks that do not count
+        self._before = None
+
+    def _add_sq(self, name: str, views: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], replicated: bool) -> None:
+        for g in self.groups:  # every rank has the same keys, so the all-reduce vectors line up
+            self.sums.setdefault(f"{name}/{g}", 0.0)
+        if not _counts(replicated):
+            return
+        by_group: dict[str, list[torch.Tensor]] = {}
+        for p, t in views:
+            by_group.setdefault(self.keys.get(id(p), "head"), []).append(t.detach())
+        for g, tensors in by_group.items():  # one fused norm pass per group, squared in fp64
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+            self.sums[f"{name}/{g}"] += float(torch.stack(norms).double().pow(2).sum())
+
+    # -- the collective --------------------------------------------------------------------------
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        """All-reduce (sums and maxes) and derive the reported metrics, named ``health/...``."""
+        sums = _all_reduce(self.sums, device, tdist.ReduceOp.SUM if tdist.is_initialized() else None)
+        maxes = _all_reduce(self.maxes, device, tdist.ReduceOp.MAX if tdist.is_initialized() else None)
+        out: dict[str, float] = {}
+        for metric, sq in (("grad_norm", "grad_sq"), ("param_norm", "param_sq")):
+            parts = {g: sums.get(f"{sq}/{g}", 0.0) for g in self.groups}
+            out[f"health/{metric}"] = math.sqrt(sum(parts.values()))
+            out.update({f"health/{metric}/{g}": math.sqrt(v) for g, v in parts.items()})
+        if any(k.startswith("update_sq/") for k in sums):
+            upd = {g: sums[f"update_sq/{g}"] for g in self.groups}
+            par = {g: sums[f"param_sq/{g}"] for g in self.groups}
+            out["health/update_ratio"] = math.sqrt(sum(upd.values()) / max(sum(par.values()), 1e-30))
+            out.update({f"health/update_ratio/{g}": math.sqrt(upd[g] / max(par[g], 1e-30)) for g in self.groups})
+        for k, v in sums.items():
+            if not k.startswith(("grad_sq/", "param_sq/", "update_sq/")):
+                out[f"health/{k}"] = v
+        out.update({f"health/{k}": v for k, v in maxes.items()})
+        logit_max = [v for k, v in maxes.items() if k.startswith("attn_logit_max/")]
+        if logit_max:
+            out["health/attn_logit_max"] = max(logit_max)
+        return out
+
+
+def _all_reduce(values: dict[str, float], device: torch.device, op) -> dict[str, float]:
+    keys = sorted(values)
+    if not keys:
+        return {}
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    if op is not None and tdist.get_world_size() > 1:
+        tdist.all_reduce(t, op=op)
+    return dict(zip(keys, t.tolist()))
