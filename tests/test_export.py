@@ -617,3 +617,19 @@ def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path
     assert mv.run_id == run_id and mv.tags["pretrain.step"] == "2" and mv.tags["pretrain.checkpoint"] == str(ckpt)
     assert mv.source == (tmp_path / "exported").resolve().as_uri()
     assert not list(Path(tmp_path / "mlartifacts").rglob("*.safetensors"))  # weights never went through MLflow
+
+
+@pytest.mark.parametrize("override", [{"qk_norm": True}, {"embedding_scale": 0.0}])
+def test_unrepresentable_stabilizers_are_refused_up_front(override, tmp_path):
+    import dataclasses
+
+    from pretrain.config import ModelConfig
+    from pretrain.export.hf import ExportError, export_model, export_target
+
+    cfg = dataclasses.replace(ModelConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=2,
+                                          max_seq_len=16), **override)
+    hf_class, reason = export_target(cfg)
+    assert hf_class is None and reason.startswith("cannot export")
+    with pytest.raises(ExportError, match="cannot export"):
+        export_model(cfg, {}, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -64,11 +64,25 @@ class ExportError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 
 
+def unexportable(model_cfg: ModelConfig) -> list[str]:
+    """Options that neither a standard class nor the bundled modeling file represents yet."""
+    out = []
+    if model_cfg.qk_norm:
+        out.append("model.qk_norm")
+    if model_cfg.embedding_scale != 1.0:
+        out.append("model.embedding_scale")
+    return out
+
+
 def export_target(model_cfg: ModelConfig) -> tuple[str | None, str]:
     """(standard HF class name, why) or (None, why not + what export does instead).
 
     ``train`` can call this at start to warn when a config has no exact standard equivalent.
     """
+    missing = unexportable(model_cfg)
+    if missing:
+        return None, (f"cannot export: {', '.join(missing)} is not represented by any supported Hugging Face "
+                      f"class or by the bundled modeling file; export refuses such checkpoints")
     family, reasons = find_family(model_cfg)
     if family is not None:
         notes = []
@@ -260,6 +274,8 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
     from transformers import AutoTokenizer
 
     hf_class, reason = export_target(model_cfg)
+    if unexportable(model_cfg):
+        raise ExportError(reason)  # refused up front, never approximated
     standard = hf_class is not None
     special = special_token_ids(tokenizer)
     hf_model = to_hf_model(model_cfg, sd, special)

@@ -63,8 +63,7 @@ def _warn_if_not_exportable(cfg: RunConfig) -> None:
 
     hf_class, reason = export_target(cfg.model)
     if hf_class is None:
-        print(f"[pretrain] note: this model has no exact standard Hugging Face class ({reason}); "
-              "export will write a self-contained trust_remote_code model", flush=True)
+        print(f"[pretrain] note: Hugging Face export: {reason}", flush=True)
 
 
 def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
