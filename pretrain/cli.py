@@ -2,7 +2,7 @@
 
     train [CONFIG.yaml] [key.sub=value ...]      train (default config: configs/demo-decoder.yaml)
     resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
-    runs [RUN_ID]                                 tracked runs, or one run's checkpoints
+    runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
