@@ -6,6 +6,8 @@
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
+    export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
+    eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
     submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
     jobs [--address URL]                          jobs on the cluster
