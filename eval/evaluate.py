@@ -205,13 +205,13 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
     loaded = resolve_checkpoint(target, step)
     cfg = loaded.config
     sd = loaded.state_dict()
-    model = our_model(cfg.model, sd)
+    model = our_model(cfg.model, sd, cfg.moe)
     tokenizer = loaded.tokenizer()
     cache: dict[str, Any] = {}
 
     def hf_model():
         if "m" not in cache:
-            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer))
+            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer), cfg.moe)
         return cache["m"]
 
     def hf_dir() -> Path:
@@ -221,7 +221,7 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
 
         if "dir" not in cache:
             cache["dir"] = Path(tempfile.mkdtemp(prefix="pretrain-eval-")) / "hf"
-            export_model(cfg.model, sd, tokenizer, cache["dir"], log=lambda *a: None)
+            export_model(cfg.model, sd, tokenizer, cache["dir"], log=lambda *a: None, moe=cfg.moe)
         return cache["dir"]
 
     return EvalSource(

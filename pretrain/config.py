@@ -304,6 +304,92 @@ class StabilityConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts FFN (see ``pretrain/model/moe.py``): token-choice top-k routing, optional
+    expert parallelism. ``num_experts: 0`` (the default) keeps every FFN dense."""
+
+    num_experts: int = 0
+    """Experts per MoE layer (0 = no MoE)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    every: int = 1
+    """MoE FFN in blocks i with (i + 1) % every == 0 (Qwen-MoE's ``decoder_sparse_step``); the others stay dense."""
+    layers: list[int] = field(default_factory=list)
+    """Explicit 0-based block indices with an MoE FFN; when non-empty it replaces ``every``."""
+    ffn_size: int = 0
+    """Hidden size of each expert (0 = the dense FFN size of ``model``)."""
+    capacity_factor: float = 0.0
+    """Training-time capacity per expert = ceil(factor * tokens * top_k / num_experts) of each worker's
+    micro-batch; assignments beyond it are dropped (the token keeps its residual), first choices before
+    second. 0 = dropless. Evaluation and exported models are always dropless."""
+    normalize_top_k: bool = True
+    """Renormalize the top-k router probabilities to sum to 1 (Mixtral); false keeps the softmax values (OLMoE)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers."""
+    router_z_loss_weight: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE)."""
+    ep_size: int = 1
+    """Expert-parallel degree: each worker holds num_experts / ep_size experts of every MoE layer and tokens
+    travel by all-to-all; must divide num_experts and the worker count. 1 = experts replicated like dense weights."""
+    collapse_share: float = 0.9
+    """The stability monitor flags a router collapse when one expert of a layer receives more than this share of
+    the layer's routed tokens for ``collapse_steps`` consecutive steps."""
+    collapse_steps: int = 50
+    """Consecutive steps of collapse before it is flagged (0 disables the check)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has an MoE FFN."""
+        if not self.enabled:
+            return False
+        if self.layers:
+            return index in self.layers
+        return (index + 1) % self.every == 0
+
+    def validate(self, num_layers: int, num_workers: int, zero_stage: int) -> None:
+        if self.num_experts < 0:
+            raise ConfigError(f"moe.num_experts: must be >= 0, got {self.num_experts}")
+        if not self.enabled:
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"moe.top_k: must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
+        if self.every < 1:
+            raise ConfigError(f"moe.every: must be >= 1, got {self.every}")
+        for i, layer in enumerate(self.layers):
+            if not 0 <= layer < num_layers:
+                raise ConfigError(f"moe.layers[{i}]: block {layer} does not exist (model.num_layers={num_layers})")
+        if not any(self.is_moe_layer(i) for i in range(num_layers)):
+            raise ConfigError(f"moe.every: {self.every} selects no block of model.num_layers={num_layers}")
+        for key, value in (("moe.ffn_size", self.ffn_size), ("moe.capacity_factor", self.capacity_factor),
+                           ("moe.aux_loss_weight", self.aux_loss_weight),
+                           ("moe.router_z_loss_weight", self.router_z_loss_weight),
+                           ("moe.collapse_steps", self.collapse_steps)):
+            if value < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if not 0.0 < self.collapse_share <= 1.0:
+            raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
+        if self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide moe.num_experts {self.num_experts}")
+        if self.ep_size > 1 and zero_stage == 0:
+            raise ConfigError(
+                "zero.stage: expert parallelism (moe.ep_size > 1) needs ZeRO-1 or 2 (DeepSpeed's stage-0 gradient "
+                "norm mis-weights expert-parallel gradients); use zero.stage 1 or 2, or moe.ep_size 1")
+        if self.ep_size > 1 and zero_stage == 3:
+            raise ConfigError(
+                "zero.stage: ZeRO-3 cannot partition expert-parallel weights (moe.ep_size > 1); use zero.stage 1 "
+                "or 2, or moe.ep_size 1 (experts are then sharded by ZeRO-3 like dense weights)")
+        self.check_world_size(num_workers)
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.enabled and world_size % self.ep_size:
+            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide the worker count {world_size} "
+                              f"(cluster.num_workers)")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"
     """Name of this config (preset name), used for the MLflow run name."""
@@ -316,6 +402,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""
@@ -370,6 +457,7 @@ class RunConfig:
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
+        self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
         self.check_world_size(c.num_workers)
         return self
 
@@ -414,6 +502,7 @@ class RunConfig:
             raise ConfigError(
                 f"train.global_batch_size: {t.global_batch_size} is not micro_batch_size "
                 f"{t.micro_batch_size} x grad_accum x {world_size} workers")
+        self.moe.check_world_size(world_size)
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * world_size)

@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig, RunConfig, load_config, to_dict
+from pretrain.config import ConfigError, ModelConfig, MoEConfig, RunConfig, load_config, to_dict
 from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
+from pretrain.export.moe import (check_experts_complete, expert_parallel_state_dict, mixtral_violations,
+                                 remote_moe_fields, to_mixtral)
 from pretrain.model.transformer import Transformer, resolved_ffn_size
 from pretrain.train import checkpoint as ckpt_io
 
@@ -74,7 +76,7 @@ def unexportable(model_cfg: ModelConfig) -> list[str]:
     return out
 
 
-def export_target(model_cfg: ModelConfig) -> tuple[str | None, str]:
+def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple[str | None, str]:
     """(standard HF class name, why) or (None, why not + what export does instead).
 
     ``train`` can call this at start to warn when a config has no exact standard equivalent.
@@ -83,6 +85,13 @@ def export_target(model_cfg: ModelConfig) -> tuple[str | None, str]:
     if missing:
         return None, (f"cannot export: {', '.join(missing)} is not represented by any supported Hugging Face "
                       f"class or by the bundled modeling file; export refuses such checkpoints")
+    if moe is not None and moe.enabled:
+        bad = mixtral_violations(model_cfg, moe)
+        if not bad:
+            return "MixtralForCausalLM", "exact standard class MixtralForCausalLM (MoE, dropless top-k routing)"
+        cls = REMOTE_CLASSES[model_cfg.kind]
+        return None, (f"no exact standard Hugging Face MoE class (MixtralForCausalLM: {'; '.join(bad)}); export "
+                      f"writes a self-contained modeling file ({cls}, load with trust_remote_code=True)")
     family, reasons = find_family(model_cfg)
     if family is not None:
         notes = []
@@ -109,13 +118,13 @@ def _strip_module_prefix(sd: StateDict) -> StateDict:
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
-def remote_config_fields(model_cfg: ModelConfig) -> dict[str, Any]:
-    """Our config as fields of the remote-code config class (``ffn_size`` resolved)."""
+def remote_config_fields(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> dict[str, Any]:
+    """Our config as fields of the remote-code config class (``ffn_size`` resolved, MoE fields added)."""
     d = to_dict(model_cfg)
     for k in ("vocab_multiple", "init_from_hf"):
         d.pop(k)
     d["ffn_size"] = resolved_ffn_size(model_cfg)
-    return d
+    return {**d, **remote_moe_fields(model_cfg, moe or MoEConfig())}
 
 
 def _remote_module():
@@ -124,20 +133,26 @@ def _remote_module():
     return modeling_pretrain
 
 
-def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None]):
+def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None],
+                moe: MoEConfig | None = None):
     """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``."""
     import transformers
     from transformers.initialization import no_init_weights
 
     sd = _strip_module_prefix(sd)
-    family, _ = find_family(model_cfg)
-    if family is not None:
+    moe = moe or MoEConfig()
+    family, _ = find_family(model_cfg) if not moe.enabled else (None, [])
+    if moe.enabled and export_target(model_cfg, moe)[0] == "MixtralForCausalLM":
+        cfg_kwargs, hf_sd = to_mixtral(sd, model_cfg, moe, special)
+        cls = transformers.MixtralForCausalLM
+        config = cls.config_class(**cfg_kwargs)
+    elif family is not None:
         cfg_kwargs, hf_sd = family.to_hf(sd, model_cfg, special)
         cls = getattr(transformers, family.hf_class)
         config = cls.config_class(**cfg_kwargs)
     else:
         mod = _remote_module()
-        config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg), **special)
+        config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg, moe), **special)
         config.auto_map = {"AutoConfig": f"{REMOTE_MODULE}.PretrainTransformerConfig",
                            ("AutoModelForCausalLM" if model_cfg.kind == "decoder" else "AutoModelForMaskedLM"):
                            f"{REMOTE_MODULE}.{REMOTE_CLASSES[model_cfg.kind]}"}
@@ -159,7 +174,7 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
         model.generation_config = GenerationConfig(
             bos_token_id=special.get("bos_token_id"), eos_token_id=eos,
             pad_token_id=special.get("pad_token_id") if special.get("pad_token_id") is not None else eos,
-            do_sample=False, use_cache=family is not None)
+            do_sample=False, use_cache=not isinstance(model, _remote_module().PretrainTransformerPreTrainedModel))
     return model.eval()
 
 
@@ -168,13 +183,14 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
 # ----------------------------------------------------------------------------------------------
 
 
-def our_model(model_cfg: ModelConfig, sd: StateDict) -> Transformer:
-    """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init)."""
+def our_model(model_cfg: ModelConfig, sd: StateDict, moe: MoEConfig | None = None) -> Transformer:
+    """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init); MoE layers hold every
+    expert (``ep_size`` 1)."""
     sd = _strip_module_prefix(sd)
     if model_cfg.tie_embeddings and "lm_head.weight" not in sd:
         sd = {**sd, "lm_head.weight": sd["embed_tokens.weight"]}
     with torch.device("meta"):
-        model = Transformer(model_cfg)
+        model = Transformer(model_cfg, dataclasses.replace(moe, ep_size=1) if moe is not None else None)
     model.load_state_dict(sd, strict=True, assign=True)
     model.tie_weights()
     model.reset_buffers()
@@ -269,16 +285,17 @@ def is_our_remote_code(path: Path) -> bool:
 
 
 def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *, max_shard_size: str | int = "2GB",
-                 metadata: dict | None = None, probe_texts: list[str] | None = None, log=print) -> ExportReport:
-    """Write an HF directory for (``model_cfg``, ``sd``) with ``tokenizer`` and verify it (see module doc)."""
+                 metadata: dict | None = None, probe_texts: list[str] | None = None, log=print,
+                 moe: MoEConfig | None = None) -> ExportReport:
+    """Write an HF directory for (``model_cfg``, ``moe``, ``sd``) with ``tokenizer`` and verify it (module doc)."""
     from transformers import AutoTokenizer
 
-    hf_class, reason = export_target(model_cfg)
+    hf_class, reason = export_target(model_cfg, moe)
     if unexportable(model_cfg):
         raise ExportError(reason)  # refused up front, never approximated
     standard = hf_class is not None
     special = special_token_ids(tokenizer)
-    hf_model = to_hf_model(model_cfg, sd, special)
+    hf_model = to_hf_model(model_cfg, sd, special, moe)
     stage = _prepare_out(out)
     try:
         hf_model.save_pretrained(str(stage), max_shard_size=max_shard_size)
@@ -288,7 +305,7 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
         del hf_model
 
         loaded = load_exported(stage, model_cfg.kind)
-        ours = our_model(model_cfg, sd)
+        ours = our_model(model_cfg, sd, moe)
         diff = logits_max_abs_diff(ours, loaded, parity_batch(model_cfg))
         log(f"[export] parity: max |logits diff| = {diff:.3e} (fp32, tolerance {PARITY_TOLERANCE:.0e})")
         if not diff <= PARITY_TOLERANCE:  # also catches NaN
@@ -299,7 +316,8 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
         shards = len(list(stage.glob("*.safetensors")))
         meta = {"format": 1, "hf_class": hf_class or REMOTE_CLASSES[model_cfg.kind], "standard_class": standard,
                 "trust_remote_code": not standard, "reason": reason, "kind": model_cfg.kind,
-                "parity_max_abs_diff": diff, "model_config": to_dict(model_cfg), **(metadata or {})}
+                "parity_max_abs_diff": diff, "model_config": to_dict(model_cfg),
+                **({"moe_config": to_dict(moe)} if moe is not None and moe.enabled else {}), **(metadata or {})}
         (stage / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         out = out.expanduser().resolve()
         if out.exists():
@@ -325,7 +343,16 @@ class LoadedCheckpoint:
     """The MLflow run of the checkpoint when it is in the current tracking store, else None."""
 
     def state_dict(self) -> StateDict:
-        return consolidated_state_dict(self.ckpt.path, self.config.zero.stage)
+        """Full fp32 state dict; expert-parallel checkpoints hold every expert (checked)."""
+        moe = self.config.moe
+        if moe.enabled and int(self.ckpt.manifest.get("moe_ep_size", moe.ep_size)) > 1:
+            sd = _strip_module_prefix(expert_parallel_state_dict(self.ckpt.path / ckpt_io.DS_DIR / ckpt_io.DS_TAG))
+            sd = {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
+        else:
+            sd = consolidated_state_dict(self.ckpt.path, self.config.zero.stage)
+        if moe.enabled:
+            check_experts_complete(sd, self.config.model, moe)
+        return sd
 
     def tokenizer(self):
         from pretrain.data import load_or_train_tokenizer
@@ -566,7 +593,7 @@ def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, 
     cfg, ckpt = loaded.config, loaded.ckpt
     world = ckpt.manifest.get("world_size", "?")
     log(f"[export] {ckpt.path} (step {ckpt.step}, ZeRO-{cfg.zero.stage}, {world} worker(s))")
-    hf_class, reason = export_target(cfg.model)
+    hf_class, reason = export_target(cfg.model, cfg.moe)
     log(f"[export] target: {reason}")
     sd = loaded.state_dict()
     tokenizer = loaded.tokenizer()
@@ -574,7 +601,8 @@ def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, 
                        ckpt.manifest.get("run_id")},
             "data": to_dict(cfg.data), "seed": cfg.train.seed, "val_sequences": cfg.train.val_sequences,
             "max_seq_len": cfg.model.max_seq_len}
-    report = export_model(cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log)
+    report = export_model(cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log,
+                          moe=cfg.moe)
     log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
     log(f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
         f"{', trust_remote_code=True' if not report.standard else ''})")

@@ -143,7 +143,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """One Transformer layer; ``cfg.norm_placement`` picks how norms wrap the two sublayers."""
 
-    def __init__(self, cfg: ModelConfig, ffn_size: int, causal: bool) -> None:
+    def __init__(self, cfg: ModelConfig, ffn_size: int, causal: bool, ffn: nn.Module | None = None) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
         # DeepNet residual up-weighting; a plain float so an exporter can fold it.
@@ -151,7 +151,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.norm2 = make_norm(cfg)
-        self.ffn = FeedForward(cfg, ffn_size)
+        self.ffn = ffn if ffn is not None else FeedForward(cfg, ffn_size)  # or an MoE FFN
         if self.placement == "sandwich":
             self.norm_out1 = make_norm(cfg)
             self.norm_out2 = make_norm(cfg)

@@ -3,7 +3,8 @@
 State-dict keys: ``embed_tokens``, ``embed_positions`` (learned), ``embedding_norm``,
 ``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,attn.{q,k}_norm,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
 ``final_norm``, ``head_transform.{dense,norm}``, ``lm_head`` (its weight is ``embed_tokens.weight``
-when tied). The RoPE tables are non-persistent buffers and never appear in checkpoints.
+when tied). MoE blocks have ``blocks.{i}.ffn.deepspeed_moe.{gate.wg,experts.deepspeed_experts.{e}.*}`` instead
+of the dense FFN (see ``pretrain/model/moe.py``). The RoPE tables are non-persistent buffers and never appear in checkpoints.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
+from pretrain.model.moe import MoEFeedForward, make_moe_ffn, moe_layers
 
 
 class ModelOutput(NamedTuple):
@@ -31,6 +33,17 @@ class ModelOutput(NamedTuple):
     z_loss: torch.Tensor | None = None
     """The weighted z-loss term ``cfg.z_loss * mean(logsumexp(logits)^2)`` over the target positions, to be
     added to ``loss`` for the training objective (None without labels or when ``cfg.z_loss`` is 0)."""
+    moe_loss: torch.Tensor | None = None
+    """The weighted MoE auxiliary objective (load balancing + router z-loss) summed over the MoE layers that
+    ran, to be added to ``loss`` for training (None for dense models)."""
+
+    def objective(self) -> torch.Tensor:
+        """The training objective: ``loss`` plus the z-loss and MoE terms that are present."""
+        total = self.loss
+        for term in (self.z_loss, self.moe_loss):
+            if term is not None:
+                total = total + term
+        return total
 
 
 def resolved_ffn_size(cfg: ModelConfig) -> int:
@@ -58,14 +71,16 @@ class Transformer(nn.Module):
     """Token (+ learned position) embeddings -> N blocks -> optional final norm/head transform -> LM head.
 
     Constructing it directly leaves torch's default parameter init (fine before ``load_state_dict``);
-    use :func:`build_model` for the configured, seeded init.
+    use :func:`build_model` for the configured, seeded init. ``moe``: MoE FFNs (None or ``num_experts: 0`` =
+    dense); ``rank``: this worker's global rank, which picks its experts when ``moe.ep_size > 1``.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None, rank: int = 0) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError(f"model.vocab_size must be resolved to > 0 before building, got {cfg.vocab_size}")
         self.cfg = cfg
+        self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: bool = False
         d = cfg.hidden_size
@@ -78,7 +93,11 @@ class Transformer(nn.Module):
         self.embedding_scale: float = cfg.embedding_scale or math.sqrt(d)
         self.drop = nn.Dropout(cfg.dropout)
         ffn = resolved_ffn_size(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, ffn, self.causal) for _ in range(cfg.num_layers))
+        expert_ffn = self.moe.ffn_size or ffn
+        self.blocks = nn.ModuleList(
+            Block(cfg, ffn, self.causal,
+                  make_moe_ffn(cfg, self.moe, expert_ffn, rank) if self.moe.is_moe_layer(i) else None)
+            for i in range(cfg.num_layers))
         # post/deepnorm blocks already end with a norm.
         self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
                            else None)
@@ -132,6 +151,10 @@ class Transformer(nn.Module):
                                   (module.v_proj, beta), (module.o_proj, beta)):
                     nn.init.xavier_normal_(lin.weight, gain=gain, generator=generator)
                     done.add(id(lin.weight))
+            elif isinstance(module, MoEFeedForward):
+                self._init_experts(module, generator, done)
+            elif isinstance(module, FeedForward) and id(module.up_proj.weight) in done:
+                pass  # an expert, initialized with its MoE layer
             elif isinstance(module, FeedForward) and deepnorm:
                 for lin in (getattr(module, "gate_proj", None), module.up_proj, module.down_proj):
                     if lin is not None:
@@ -158,6 +181,27 @@ class Transformer(nn.Module):
                 module.bias.zero_()
         # Attention/FeedForward are visited before their Linear children, which then see `done`.
 
+    def _init_experts(self, moe: MoEFeedForward, generator: torch.Generator, done: set[int]) -> None:
+        """Each expert gets its own draws, in global expert order, whichever experts this worker holds
+        (others are drawn into scratch tensors), so every expert-parallel layout has the same weights."""
+        cfg = self.cfg
+        deepnorm = cfg.norm_placement == "deepnorm"
+        std, beta = cfg.init_std, (8.0 * cfg.num_layers) ** -0.25
+        residual_std = std / math.sqrt(2.0 * cfg.num_layers)
+        template = moe.experts[0]
+        for g in range(moe.num_experts):
+            local = moe.first_expert <= g < moe.first_expert + moe.num_local_experts
+            ffn = moe.experts[g - moe.first_expert] if local else None
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                if not hasattr(template, name):
+                    continue
+                w = getattr(ffn, name).weight if ffn is not None else torch.empty_like(getattr(template, name).weight)
+                if deepnorm:
+                    nn.init.xavier_normal_(w, gain=beta, generator=generator)
+                else:
+                    w.normal_(0.0, residual_std if name == "down_proj" else std, generator=generator)
+                done.add(id(w))
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 layer_mask: Sequence[bool] | None = None) -> ModelOutput:
         """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity)."""
@@ -180,6 +224,7 @@ class Transformer(nn.Module):
         if self.rope_cos is not None and self.rope_sin is not None:
             rope = (self.rope_cos[:t], self.rope_sin[:t])  # (T, hd) each
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        moe_terms = []
         for i, block in enumerate(self.blocks):
             if layer_mask is not None and not bool(layer_mask[i]):
                 continue
@@ -187,6 +232,8 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)  # (B, T, D)
+            if isinstance(block.ffn, MoEFeedForward):
+                moe_terms.append(block.ffn.aux_loss)
 
         if self.final_norm is not None:
             x = self.final_norm(x)
@@ -197,7 +244,8 @@ class Transformer(nn.Module):
         z_loss = None
         if labels is not None and self.cfg.z_loss > 0:
             z_loss = self.cfg.z_loss * self.z_term(logits, labels)
-        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss)
+        moe_loss = torch.stack(moe_terms).sum() if labels is not None and moe_terms else None
+        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
 
     def z_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 mean of logsumexp(logits)^2 over the positions that have a target (PaLM z-loss)."""
@@ -219,8 +267,9 @@ class Transformer(nn.Module):
         return total / count
 
 
-def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A freshly initialized model; same cfg and seed give bitwise identical weights.
+def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None, rank: int = 0) -> Transformer:
+    """A freshly initialized model; same cfg and seed give bitwise identical weights (and, with expert
+    parallelism, each worker holds exactly its experts' slice of the ``ep_size = 1`` model).
 
     The module tree is built on the meta device (so torch's default inits draw nothing from the
     global RNG and cost nothing), then materialized on the default device and initialized from a
@@ -228,10 +277,12 @@ def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """
     device = torch.get_default_device()
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, moe, rank)
     if device.type == "meta":  # shape-only model, e.g. for counting
         return model
     model.to_empty(device=device)
+    for _, layer in moe_layers(model):
+        layer.mark_expert_params()  # to_empty made new Parameters
     model.tie_weights()  # to_empty replaces Parameters, which unties them
     model.reset_buffers()
     generator = torch.Generator(device=device)
@@ -264,15 +315,24 @@ def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def active_parameters(model: Transformer, exclude_embeddings: bool = False) -> int:
+    """Parameters a token passes through: MoE layers count their router and top_k experts only."""
+    n = num_parameters(model, exclude_embeddings)
+    for _, layer in moe_layers(model):
+        per_expert = sum(p.numel() for p in layer.experts[0].parameters())
+        n -= per_expert * (layer.num_local_experts - layer.top_k)
+    return n
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
     """Training FLOPs per token, 6N + 12*L*D*T (PaLM appendix B).
 
-    N counts the non-embedding parameters plus the LM-head matmul (V*D) even when it is tied to the
-    embedding, because the matmul is computed either way.
+    N counts the active non-embedding parameters (top-k experts per MoE layer) plus the LM-head matmul (V*D)
+    even when it is tied to the embedding, because the matmul is computed either way.
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
-    n = num_parameters(model, exclude_embeddings=True)
+        model = Transformer(cfg, moe)
+    n = active_parameters(model, exclude_embeddings=True)
     if cfg.tie_embeddings:
         n += cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

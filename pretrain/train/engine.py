@@ -53,12 +53,23 @@ def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Opt
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
+def expert_param_groups(param_groups: list[dict]) -> list[dict]:
+    """Split expert-parallel parameters into their own groups (``moe: True``, named by EP group) as DeepSpeed
+    requires, so ZeRO reduces and partitions them over the expert-data-parallel group only."""
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    if not any(is_moe_param(p) for g in param_groups for p in g["params"]):
+        return param_groups
+    named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(param_groups)]
+    return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
+
+
 def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, world_size: int,
                precision: str, load_universal: bool = False):
     """Wrap ``model`` in a DeepSpeed engine; torch.distributed must already be initialized."""
     import deepspeed  # heavy import, kept local
 
-    optimizer = build_optimizer(param_groups, cfg)
+    optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
         config=deepspeed_config(cfg, world_size, precision, load_universal), dist_init_required=False)

@@ -21,6 +21,7 @@ import torch
 from pretrain.config import RunConfig, config_hash, dump_yaml, from_dict
 from pretrain.data import TrainBatches, load_or_train_tokenizer, unigram_baseline_loss, validation_batches
 from pretrain.model import build_model, param_groups
+from pretrain.model.moe import max_shares, routing_metrics
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
 from pretrain.train.engine import initialize, resolve_precision
@@ -108,6 +109,7 @@ class Checkpointer:
             manifest = {
                 "run_id": self.tracker.run_id, "tokens_seen": state.tokens_seen,
                 "config_hash": config_hash(cfg), "model_kind": cfg.model.kind,
+                "moe_ep_size": cfg.moe.ep_size if cfg.moe.enabled else 0,
                 "data_position": {"global_sequences": state.sequences,
                                   "num_streams": cfg.data.num_streams},
                 "rng": {"scheme": "torch.manual_seed(crc32(seed:step:rank)) each step",
@@ -125,6 +127,22 @@ class Checkpointer:
         if error:
             raise ckpt_io.CheckpointError(f"checkpoint at step {state.step} failed: {error}")
         return final
+
+
+def check_expert_layout(ckpt: ckpt_io.CommittedCheckpoint, cfg: RunConfig, world_size: int) -> None:
+    """Expert-parallel state resumes only into the same layout: DeepSpeed partitions the experts' ZeRO state
+    over the expert-data-parallel group, which changes with ``moe.ep_size`` and the worker count."""
+    saved_ep = int(ckpt.manifest.get("moe_ep_size", 0))
+    saved_world = int(ckpt.manifest.get("world_size", world_size))
+    ep = cfg.moe.ep_size if cfg.moe.enabled else 0
+    if max(saved_ep, ep) <= 1:
+        return  # dense or ep_size 1: experts are ordinary data-parallel weights, any worker count works
+    if saved_ep != ep or saved_world != world_size:
+        raise ckpt_io.CheckpointError(
+            f"{ckpt.path}: saved with moe.ep_size={saved_ep} on {saved_world} workers; resuming expert-parallel "
+            f"state needs the same layout (got moe.ep_size={ep} on {world_size} workers). Resume with "
+            f"moe.ep_size={saved_ep} cluster.num_workers={saved_world}, or export the checkpoint "
+            f"(`./launch.sh export`) and start a new run from it with model.init_from_hf")
 
 
 def _engine_state_dir(ckpt: ckpt_io.CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> Path | None:
@@ -193,7 +211,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
 
     precision = resolve_precision(cfg.train.precision, ctx.device)
     tokenizer = load_or_train_tokenizer(cfg.data)
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe, ctx.rank)
     if cfg.model.init_from_hf:  # a resumed checkpoint, if any, overwrites these weights below
         from pretrain.export.hf import import_hf
 
@@ -208,6 +226,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         resume = ckpt_io.resolve(Path(cfg.checkpoint.resume_from))
     if resume is not None:
         ckpt_io.verify(resume.path, resume.manifest)
+        check_expert_layout(resume, cfg, ctx.world_size)
     universal_dir = _engine_state_dir(resume, run_dir, ctx) if resume is not None else None
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, ctx.world_size, precision,
                         load_universal=universal_dir is not None)
@@ -238,6 +257,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         control.monitor.note_checkpoint(resume.step, str(resume.path), state.sequences)
 
     validated_at = -1
+    moe_metrics: dict[str, float] = {}  # routing metrics of the last logged step
 
     def run_validation() -> None:
         nonlocal validated_at
@@ -296,6 +316,8 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         progress.add_step(time.perf_counter() - t0)
         loss, gnorm = result.loss, result.grad_norm
         control.record(step_no, loss, gnorm)
+        for event in control.monitor.router_collapse(step_no, max_shares(result.moe)) if result.moe else ():
+            control.report(event, urgent=False)
         state.step += 1
         state.tokens_seen += progress.tokens_per_step
         state.sequences += t.global_batch_size
@@ -319,6 +341,9 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
             window.clear()
             progress.line(state.step, metrics)
             tracker.log_metrics(metrics, state.step)
+            if result.moe:
+                moe_metrics = routing_metrics(result.moe)
+                control.log(moe_metrics, state.step)
             control.flush()
         if last or (t.val_every and state.step % t.val_every == 0):
             run_validation()
@@ -342,6 +367,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         "checkpoint": str(last_ckpt) if last_ckpt else "", "run_id": job_.run_id,
         **{k.replace("/", "_"): v for k, v in state.last_val.items()},
         "stability": control.monitor.summary(),
+        **({"moe": moe_metrics} if moe_metrics else {}),
     }
     if ctx.is_main:
         if val_set:

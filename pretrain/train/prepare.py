@@ -61,7 +61,7 @@ def _adopt_hf_model(cfg: RunConfig) -> None:
 def _warn_if_not_exportable(cfg: RunConfig) -> None:
     from pretrain.export.hf import export_target
 
-    hf_class, reason = export_target(cfg.model)
+    hf_class, reason = export_target(cfg.model, cfg.moe)
     if hf_class is None:
         print(f"[pretrain] note: Hugging Face export: {reason}", flush=True)
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import RunConfig, StabilityConfig
+from pretrain.config import MoEConfig, RunConfig, StabilityConfig
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist, tracking
 from pretrain.train.progress import Progress
@@ -141,13 +141,16 @@ class _State:
     skipped_windows: list[list[int]] = field(default_factory=list)
     """Data windows [from_sequence, to_sequence) given up by rollbacks."""
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    collapse_streaks: dict[str, int] = field(default_factory=dict)
+    """MoE block index -> consecutive steps in which one expert took more than ``moe.collapse_share``."""
 
 
 class StabilityMonitor:
     """Detectors + policy + timeline. Same inputs and state give the same decisions on every rank."""
 
-    def __init__(self, cfg: StabilityConfig):
+    def __init__(self, cfg: StabilityConfig, moe: MoEConfig | None = None):
         self.cfg = cfg
+        self.moe = moe if moe is not None else MoEConfig()
         self.s = _State()
 
     # -- the decision ---------------------------------------------------------------------------
@@ -214,6 +217,23 @@ class StabilityMonitor:
         event = {"step": step, "kind": kind, "action": action, "detail": detail, "event": s.events_total, **extra}
         s.timeline = (s.timeline + [event])[-TIMELINE_LIMIT:]
         return event
+
+    def router_collapse(self, step: int, max_shares: dict[int, float]) -> list[dict[str, Any]]:
+        """Flag (policy ``log``: the router is not broken by one step, and rollback would not change it) each
+        MoE block whose busiest expert took more than ``moe.collapse_share`` of the routed tokens for
+        ``moe.collapse_steps`` consecutive steps; once per streak. ``max_shares``: block -> busiest share."""
+        m, streaks, events = self.moe, self.s.collapse_streaks, []
+        if not m.collapse_steps:
+            return events
+        for block, share in sorted(max_shares.items()):
+            key = str(block)
+            streaks[key] = streaks.get(key, 0) + 1 if share > m.collapse_share else 0
+            if streaks[key] == m.collapse_steps:
+                events.append(self._record(step, "router_collapse", "log",
+                                           f"MoE block {block}: one expert took {100 * share:.1f}% of the routed "
+                                           f"tokens for {m.collapse_steps} consecutive steps (limit "
+                                           f"{100 * m.collapse_share:.0f}%)", block=block, share=share))
+        return events
 
     # -- checkpoints and rollback ----------------------------------------------------------------
 
@@ -339,7 +359,7 @@ class StabilityControl:
                  progress: Progress):
         self.cfg, self.state, self.ctx, self.run_dir = cfg, state, ctx, run_dir
         self.tracker, self.progress = tracker, progress
-        self.monitor = StabilityMonitor(cfg.stability)
+        self.monitor = StabilityMonitor(cfg.stability, cfg.moe)
         self.monitor.load_state_dict(state.stability)
         self.history: list[tuple[int, float, float]] = []  # (step, loss, grad norm): the plot without MLflow
         self._dirty = False

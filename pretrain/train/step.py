@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pretrain.model.moe import moe_layers
 from pretrain.train import dist
 from pretrain.train.engine import set_lr
 from pretrain.train.health import HealthProbe, grad_signals
@@ -65,6 +66,9 @@ class StepResult:
     """What the guard returned."""
     health: dict[str, float] = field(default_factory=dict)
     """Health metrics (only when a probe was given)."""
+    moe: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Routing statistics of this step summed over all ranks and micro-batches, per MoE block index
+    (see :func:`pretrain.model.moe.routing_metrics`); empty for dense models."""
 
 
 def train_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float,
@@ -98,7 +102,7 @@ def run_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float, devi
         out = engine(mb["input_ids"], labels=mb["labels"])
         if probe is not None and i == 0:
             probe.detach(out)
-        objective = out.loss if out.z_loss is None else out.loss + out.z_loss
+        objective = out.objective()
         if corrupt_grads and i == len(mbs) - 1:
             objective = _NaNGrad.apply(objective)
         engine.backward(objective)
@@ -109,6 +113,7 @@ def run_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float, devi
     loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses) / len(losses), grad_sq, nonfinite], device)
     loss = loss_sum / torch.distributed.get_world_size()
     grad_norm = math.sqrt(grad_sq) if nonfinite == 0 and math.isfinite(grad_sq) else float("nan")
+    moe = reduce_moe_stats(engine.module, device)
     decision = guard(StepSignals(step, loss, grad_norm)) if guard is not None else None
     applied = decision is None or bool(decision.apply)
     if probe is not None:
@@ -119,7 +124,18 @@ def run_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float, devi
     if probe is not None:
         probe.after_update()
         health = probe.reduce(device)
-    return StepResult(loss, grad_norm, applied, decision, health)
+    return StepResult(loss, grad_norm, applied, decision, health, moe)
+
+
+def reduce_moe_stats(model, device: torch.device) -> dict[int, torch.Tensor]:
+    """Take every MoE layer's accumulated routing statistics and sum them over ranks (one all-reduce)."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    rows = [layer.take_stats().to(device) for _, layer in layers]
+    flat = torch.cat(rows)
+    torch.distributed.all_reduce(flat)
+    return {i: part.cpu() for (i, _), part in zip(layers, flat.split([r.numel() for r in rows]))}
 
 
 class _NaNGrad(torch.autograd.Function):

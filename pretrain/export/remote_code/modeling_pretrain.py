@@ -26,6 +26,8 @@ _FIELDS = {
     "norm_eps": 1e-5, "position": "rotary", "rope_theta": 10000.0, "tie_embeddings": True, "bias": False,
     "dropout": 0.0, "attention_dropout": 0.0, "init_std": 0.02, "embedding_norm": False, "final_norm": True,
     "mlm_head_transform": False,
+    # Mixture-of-Experts (``pretrain.config.MoEConfig``): blocks listed in moe_layers have an MoE FFN.
+    "moe_num_experts": 0, "moe_top_k": 2, "moe_layers": [], "moe_ffn_size": 0, "moe_normalize_top_k": True,
 }
 
 
@@ -125,13 +127,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, ffn_size: int | None = None) -> None:
         super().__init__()
+        ffn_size = ffn_size or cfg.ffn_size
         self.gated = cfg.activation == "swiglu"
         if self.gated:
-            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+            self.gate_proj = nn.Linear(cfg.hidden_size, ffn_size, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, ffn_size, bias=cfg.bias)
+        self.down_proj = nn.Linear(ffn_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x):
         if self.gated:
@@ -139,15 +142,52 @@ class FeedForward(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
+class _Holder(nn.Module):
+    pass
+
+
+class MoEFeedForward(nn.Module):
+    """Dropless token-choice top-k MoE (identical math to pretrain.model.moe at inference): fp32 softmax,
+    top-k, optional renormalization, weighted sum of the chosen experts accumulated in expert order."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
+        self.normalize_top_k = cfg.moe_normalize_top_k
+        self.deepspeed_moe = _Holder()
+        self.deepspeed_moe.gate = _Holder()
+        self.deepspeed_moe.gate.wg = nn.Linear(cfg.hidden_size, cfg.moe_num_experts, bias=False)
+        self.deepspeed_moe.experts = _Holder()
+        self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
+            FeedForward(cfg, cfg.moe_ffn_size or cfg.ffn_size) for _ in range(cfg.moe_num_experts))
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        probs = self.deepspeed_moe.gate.wg(h).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        expert = chosen.t().reshape(-1)
+        token = torch.arange(h.shape[0], device=h.device).repeat(self.top_k)
+        weight = weights.t().reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        expert, token, weight = expert[order], token[order], weight[order]
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        ffns = self.deepspeed_moe.experts.deepspeed_experts
+        y = torch.cat([ffn(p) for ffn, p in zip(ffns, h[token].split(counts))])
+        y = (y * weight.unsqueeze(-1)).to(h.dtype)
+        return torch.zeros_like(h).index_add_(0, token, y).view_as(x)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg, causal: bool) -> None:
+    def __init__(self, cfg, causal: bool, moe: bool = False) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
         self.alpha = (2.0 * cfg.num_layers) ** 0.25 if self.placement == "deepnorm" else 1.0
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.norm2 = make_norm(cfg)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg) if moe else FeedForward(cfg)
         if self.placement == "sandwich":
             self.norm_out1 = make_norm(cfg)
             self.norm_out2 = make_norm(cfg)
@@ -193,7 +233,7 @@ class PretrainTransformerPreTrainedModel(PreTrainedModel):
         self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.position == "learned" else None
         self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, self.causal) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, self.causal, i in cfg.moe_layers) for i in range(cfg.num_layers))
         self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
                            else None)
         self.head_transform = HeadTransform(cfg) if cfg.mlm_head_transform else None

@@ -1,0 +1,325 @@
+"""Mixture-of-Experts: routing semantics, config checks, expert parallelism on real gloo ranks (EP=2 equals
+EP=1), the real train loop with EP=2 (metrics, collapse flag, bitwise resume), consolidation and HF export."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig, load_config
+from pretrain.model import build_model
+from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
+from pretrain.train.stability import StabilityMonitor
+from tests.conftest import ROOT
+from tests.distributed import run_distributed
+
+STEPS, GLOBAL, MICRO = 4, 8, 4
+SMALL = ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+         "model.max_seq_len=16", "model.dropout=0.0", "model.activation=swiglu", "data.num_streams=2",
+         f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}", "train.lr=1e-2",
+         "train.warmup_steps=1", f"train.max_steps={STEPS}", "train.precision=fp32", "moe.num_experts=4"]
+
+
+def _small(*over: str):
+    return load_config(None, SMALL + list(over))
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing semantics (one process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _naive(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Per-token reference: softmax -> top-k -> (renormalize) -> weighted sum of expert FFNs."""
+    h = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        p = layer.router(h[t]).float().softmax(-1)
+        w, idx = p.topk(layer.top_k)
+        if layer.normalize_top_k:
+            w = w / w.sum()
+        for wi, e in sorted(zip(w.tolist(), idx.tolist()), key=lambda z: z[1]):
+            out[t] += wi * layer.experts[e](h[t:t + 1])[0]
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("k,normalize", [(1, True), (2, True), (2, False), (4, True)])
+def test_routing_matches_per_token_reference(k, normalize):
+    cfg = _small(f"moe.top_k={k}", f"moe.normalize_top_k={str(normalize).lower()}")
+    model = build_model(cfg.model, 0, cfg.moe)
+    layer = moe_layers(model)[0][1]
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), _naive(layer, x), rtol=0, atol=1e-6)
+
+
+def test_layer_selection_and_independent_expert_init():
+    cfg = load_config(None, SMALL + ["model.num_layers=6", "moe.every=2"])
+    assert [i for i, _ in moe_layers(build_model(cfg.model, 0, cfg.moe))] == [1, 3, 5]
+    cfg = load_config(None, SMALL + ["model.num_layers=6", "moe.layers=[0, 4]"])
+    model = build_model(cfg.model, 0, cfg.moe)
+    assert [i for i, _ in moe_layers(model)] == [0, 4]
+    experts = moe_layers(model)[0][1].experts
+    ws = [e.up_proj.weight for e in experts]
+    assert all(not torch.equal(ws[0], w) for w in ws[1:]), "experts must not be copies of one expert"
+    assert ws[0].std().item() == pytest.approx(cfg.model.init_std, rel=0.2)
+
+
+def test_expert_parallel_slices_equal_the_full_model():
+    """Worker r of EP=2 holds exactly experts [2r, 2r+2) of the EP=1 model; everything else is identical."""
+    full = build_model(_small().model, 5, _small().moe).state_dict()
+    for rank in (0, 1):
+        part = build_model(_small("moe.ep_size=2", "cluster.num_workers=2").model, 5,
+                           _small("moe.ep_size=2", "cluster.num_workers=2").moe, rank).state_dict()
+        for key, value in part.items():
+            if ".deepspeed_experts." in key:
+                head, tail = key.split(".deepspeed_experts.")
+                local, rest = tail.split(".", 1)
+                key = f"{head}.deepspeed_experts.{2 * rank + int(local)}.{rest}"
+            assert torch.equal(full[key], value), key
+
+
+def test_capacity_drops_in_training_only_and_first_choices_win():
+    cfg = _small("moe.top_k=2", "moe.capacity_factor=0.5")
+    model = build_model(cfg.model, 0, cfg.moe)
+    layer = moe_layers(model)[0][1]
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    layer.train()
+    layer(x)
+    stats = layer.take_stats()
+    m = routing_metrics({0: stats})
+    # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert, 16 of 32 assignments at most
+    assert m["moe/block0/dropped_frac"] >= 0.5 - 1e-6
+    assert sum(m[f"moe/block0/expert{e}_tokens"] for e in range(4)) == 32
+    layer.eval()
+    dropless = _naive(layer, x)
+    torch.testing.assert_close(layer(x), dropless, rtol=0, atol=1e-6)
+    assert layer.take_stats().sum() == 0, "evaluation forwards do not count"
+
+
+def test_aux_losses_and_metrics():
+    cfg = _small("moe.aux_loss_weight=0.5", "moe.router_z_loss_weight=0.25")
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = model(ids, labels=ids)
+    layers = moe_layers(model)
+    manual = sum(layer.aux_loss for _, layer in layers)
+    torch.testing.assert_close(out.moe_loss, manual)
+    torch.testing.assert_close(out.objective(), out.loss + out.moe_loss)
+    m = routing_metrics({i: layer.take_stats() for i, layer in layers})
+    for i, _ in layers:
+        assert 0.25 <= m[f"moe/block{i}/max_share"] <= 1.0
+        assert 0 < m[f"moe/block{i}/router_entropy"] <= math.log(4) + 1e-6
+        assert m[f"moe/block{i}/aux_loss"] >= 1.0 - 1e-6  # Switch balance loss is minimal (1) when uniform
+        assert m[f"moe/block{i}/dropped_frac"] == 0.0
+    assert build_model(_small("moe.num_experts=0").model, 0, None)(ids, labels=ids).moe_loss is None
+
+
+@pytest.mark.parametrize("over,message", [
+    (["moe.top_k=5"], "moe.top_k"),
+    (["moe.ep_size=3", "cluster.num_workers=3"], "moe.ep_size: 3 must divide moe.num_experts"),
+    (["moe.ep_size=2"], "moe.ep_size: 2 must divide the worker count 1"),
+    (["moe.ep_size=2", "cluster.num_workers=2", "zero.stage=3"], "zero.stage: ZeRO-3 cannot partition"),
+    (["moe.ep_size=2", "cluster.num_workers=2", "zero.stage=0"], "zero.stage: expert parallelism"),
+    (["moe.layers=[7]"], "moe.layers[0]: block 7 does not exist"),
+    (["moe.every=3"], "moe.every: 3 selects no block"),
+    (["moe.capacity_factor=-1"], "moe.capacity_factor"),
+    (["moe.top_k=x"], "moe.top_k: expected int"),
+])
+def test_bad_moe_config_is_named(over, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _small(*over)
+
+
+def test_zero3_with_ep1_and_presets_validate():
+    _small("zero.stage=3", "cluster.num_workers=2")  # experts are ordinary weights: ZeRO-3 shards them
+    for name in ("demo-moe", "mixtral-8x-1b", "demo-moe-encoder"):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert cfg.moe.enabled
+    demo = load_config(ROOT / "configs" / "demo-moe.yaml")
+    assert (demo.model.kind, demo.moe.num_experts, demo.moe.top_k) == ("decoder", 4, 2)
+
+
+def test_router_collapse_is_flagged_once_per_streak():
+    mon = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    kinds = []
+    for step, share in enumerate([0.9, 0.9, 0.5, 0.9, 0.9, 0.9, 0.95, 0.99], start=1):
+        kinds += [(e["step"], e["kind"], e["action"]) for e in mon.router_collapse(step, {1: share, 3: 0.3})]
+    assert kinds == [(6, "router_collapse", "log")]
+    again = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    again.load_state_dict(mon.state_dict())
+    assert again.s.collapse_streaks == {"1": 5, "3": 0}
+
+
+def test_resuming_expert_parallel_state_into_another_layout_is_refused(tmp_path):
+    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.train.loop import check_expert_layout
+
+    ckpt = ckpt_io.CommittedCheckpoint(tmp_path, 8, {"world_size": 2, "moe_ep_size": 2})
+    check_expert_layout(ckpt, _small("moe.ep_size=2", "cluster.num_workers=2"), 2)
+    check_expert_layout(ckpt_io.CommittedCheckpoint(tmp_path, 8, {"world_size": 2, "moe_ep_size": 1}),
+                        _small(), 1)  # ep_size 1 is elastic like a dense model
+    with pytest.raises(ckpt_io.CheckpointError, match="moe.ep_size=2 on 2 workers"):
+        check_expert_layout(ckpt, _small("cluster.num_workers=2"), 2)
+    with pytest.raises(ckpt_io.CheckpointError, match="same layout"):
+        check_expert_layout(ckpt, _small("moe.ep_size=2", "cluster.num_workers=4", "data.num_streams=4", "train.micro_batch_size=2"), 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism on real gloo ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 101, (GLOBAL, 1), generator=g) + torch.arange(16)) % 101 for _ in range(STEPS)]
+
+
+def _train_variants(rank: int, world: int, variants: list[tuple]) -> dict:
+    from pretrain.train.engine import initialize
+    from pretrain.train.schedule import lr_at
+    from pretrain.train.step import run_step
+
+    torch.set_num_threads(1)
+    out = {}
+    for ep, k, stage, cap in variants:
+        cfg = _small(f"cluster.num_workers={world}", f"moe.ep_size={ep}", f"moe.top_k={k}", f"zero.stage={stage}",
+                     f"moe.capacity_factor={cap}")
+        model = build_model(cfg.model, 3, cfg.moe, rank)
+        engine = initialize(model, __import__("pretrain.model", fromlist=["param_groups"]).param_groups(
+            model, cfg.train.weight_decay), cfg, world, "fp32")
+        per = GLOBAL // world
+        res = []
+        for step, ids in enumerate(_batches()):
+            shard = ids[rank * per:(rank + 1) * per]
+            r = run_step(engine, {"input_ids": shard, "labels": shard}, MICRO, lr_at(step, cfg.train),
+                         torch.device("cpu"))
+            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}))
+        out[(ep, k, stage, cap)] = res
+    return out
+
+
+@pytest.mark.slow
+def test_expert_parallel_equals_replicated_experts():
+    """2 gloo workers: EP=2 (2 experts each, all-to-all) vs EP=1 (all 4 experts on each worker), same data,
+    ZeRO-1 and 2, top-1 and top-2, dropless and with token dropping: losses, grad norms, routing counts."""
+    cases = [(1, 1, 1, 0.0), (2, 1, 1, 0.0), (2, 1, 2, 0.0), (1, 2, 1, 0.0), (2, 2, 1, 0.0), (2, 2, 2, 0.0),
+             (1, 2, 2, 1.0), (2, 2, 2, 1.0)]
+    ranks = run_distributed(_train_variants, 2, cases)
+    assert ranks[0] == ranks[1], "every rank reports the same reduced values"
+    res = ranks[0]
+    for k, stage, cap in [(1, 1, 0.0), (1, 2, 0.0), (2, 1, 0.0), (2, 2, 0.0), (2, 2, 1.0)]:
+        ref = res[(1, k, 1 if cap == 0.0 else 2, cap)]
+        got = res[(2, k, stage, cap)]
+        loss_diff = max(abs(a[0] - b[0]) for a, b in zip(ref, got))
+        norm_diff = max(abs(a[1] - b[1]) for a, b in zip(ref, got))
+        print(f"\ntop-{k} ZeRO-{stage} capacity {cap}: EP=2 vs EP=1 max |loss diff| {loss_diff:.2e}, "
+              f"grad norm {norm_diff:.2e}; losses {[round(x[0], 5) for x in got]}")
+        assert loss_diff < 1e-4 and norm_diff < 1e-4
+        assert [x[2] for x in ref][0] == [x[2] for x in got][0], "same routing on the first step"
+    assert res[(2, 2, 1, 0.0)][-1][0] < res[(2, 2, 1, 0.0)][0][0] - 0.2, "training must reduce the loss"
+    dropped = routing_metrics({i: torch.tensor(v) for i, v in res[(2, 2, 2, 1.0)][0][2].items()})
+    assert dropped["moe/block0/dropped_frac"] > 0, "capacity 1.0 drops some assignments"
+
+
+# ----------------------------------------------------------------------------------------------
+# The real train loop with EP=2: metrics, collapse flag, bitwise resume, consolidation, export
+# ----------------------------------------------------------------------------------------------
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.max_seq_len=32", "model.ffn_size=128", "moe.ffn_size=96", "data.tokenizer_vocab_size=512",
+        "data.tokenizer_train_docs=3000", "data.num_streams=2", "train.global_batch_size=8",
+        "train.micro_batch_size=4", "train.max_steps=12", "train.warmup_steps=2", "train.log_every=1",
+        "train.val_every=0", "train.val_sequences=8", "checkpoint.every_steps=4", "cluster.num_workers=2",
+        "cluster.use_ray=false", "moe.ep_size=2", "moe.collapse_share=0.26", "moe.collapse_steps=3",
+        "stability.plot_at_end=false"]
+
+
+def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    from pretrain.train.loop import train_loop
+
+    return [train_loop(job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """A 12-step EP=2 run on 2 real gloo workers, and the same run resumed from its step-8 checkpoint."""
+    from pretrain.train.prepare import prepare_new
+
+    work = tmp_path_factory.mktemp("moe")
+    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(work)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    try:
+        full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))
+        resumed = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + [
+            f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}",
+            f"checkpoint.resume_from={Path(full.run_dir) / 'step_00000008'}"]))
+        ranks = run_distributed(_train_jobs, 2, [asdict(full)], timeout=900)
+        ranks_resumed = run_distributed(_train_jobs, 2, [asdict(resumed)], timeout=900)
+        yield {"work": work, "full": full, "resumed": resumed, "final": ranks[0][0],
+               "final_resumed": ranks_resumed[0][0], "ranks": [r[0] for r in ranks]}
+    finally:
+        os.chdir(old_cwd)
+        if old_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
+
+
+def _history(uri: str, run_id: str, key: str) -> dict[int, float]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    return {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+
+
+@pytest.mark.slow
+def test_ep_training_logs_routing_metrics_and_flags_collapse(ep_runs):
+    uri = f"sqlite:///{ep_runs['work'] / 'mlflow.db'}"
+    final, run_id = ep_runs["final"], ep_runs["full"].run_id
+    assert final["step"] == 12 and math.isfinite(final["final_train_loss"])
+    for block in (0, 1):
+        for name in ("expert0_tokens", "expert3_tokens", "max_share", "dropped_frac", "router_entropy", "aux_loss",
+                     "router_z_loss"):
+            assert sorted(_history(uri, run_id, f"moe/block{block}/{name}")) == list(range(1, 13)), name
+    tokens = sum(final["moe"][f"moe/block0/expert{e}_tokens"] for e in range(4))
+    assert tokens == 8 * 32 * 2, "every token of the global batch routed to 2 experts"
+    events = final["stability"]["timeline"]
+    assert [e["kind"] for e in events][:2] == ["router_collapse", "router_collapse"]
+    assert events[0]["step"] == 3 and events[0]["action"] == "log"
+    assert ep_runs["ranks"][0]["stability"] == ep_runs["ranks"][1]["stability"]
+
+
+@pytest.mark.slow
+def test_ep_resume_is_bitwise(ep_runs):
+    uri = f"sqlite:///{ep_runs['work'] / 'mlflow.db'}"
+    full = _history(uri, ep_runs["full"].run_id, "train/loss")
+    resumed = _history(uri, ep_runs["resumed"].run_id, "train/loss")
+    assert sorted(resumed) == [9, 10, 11, 12]
+    assert [resumed[s] for s in range(9, 13)] == [full[s] for s in range(9, 13)]
+    assert ep_runs["final_resumed"]["final_train_loss"] == ep_runs["final"]["final_train_loss"]
+
+
+@pytest.mark.slow
+def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs, tmp_path):
+    from pretrain.export.hf import export_checkpoint, load_exported, resolve_checkpoint
+
+    ckpt = Path(ep_runs["final"]["checkpoint"])
+    loaded = resolve_checkpoint(str(ckpt))
+    sd = loaded.state_dict()
+    cfg = loaded.config
+    reference = build_model(cfg.model, 0, MoEConfig(**{**asdict(cfg.moe), "ep_size": 1})).state_dict()
+    assert set(sd) == set(reference), "a full state dict: every expert of every layer, nothing else"
+    experts = [k for k in sd if ".deepspeed_experts." in k]
+    assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    report = export_checkpoint(str(ckpt), tmp_path / "hf")
+    print(f"\nEP=2 checkpoint -> {report.hf_class}: max |logits diff| {report.max_abs_diff:.2e}")
+    assert report.hf_class == "MixtralForCausalLM" and report.standard
+    assert report.max_abs_diff < 1e-4
+    model = load_exported(tmp_path / "hf", "decoder")
+    assert type(model).__name__ == "MixtralForCausalLM"
