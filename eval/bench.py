@@ -220,11 +220,33 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
     return result
 
 
+def run_moe_bench(cfg: RunConfig, overrides: list[str], steps: int, rounds: int, gpu: bool) -> dict:
+    """The MoE part: the bench config when it is MoE, else configs/demo-moe.yaml (see eval/bench_moe.py)."""
+    from eval.bench_moe import all_to_all_share, moe_vs_dense
+    from pretrain.train import dist
+    from pretrain.train.engine import resolve_precision
+
+    if not cfg.moe.enabled:
+        cfg = load_config(ROOT / "configs" / "demo-moe.yaml", [o for o in overrides if not o.startswith("model.")])
+        cfg.train.global_batch_size = cfg.train.micro_batch_size
+        cfg.data.num_streams = 1
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple
+    device = dist.setup(cfg.cluster.use_gpu).device
+    out = moe_vs_dense(cfg, device, resolve_precision(cfg.train.precision, device), steps, rounds)
+    if gpu:  # expert parallelism needs a second GPU; the CPU measurement below is not comparable
+        out["moe_all_to_all_frac"] = None
+    else:
+        out.update(all_to_all_share(cfg, steps))
+    return out
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh bench")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -242,10 +264,12 @@ def main(argv: list[str]) -> int:
     cfg.data.num_streams = 1
     steps = a.steps or (20 if gpu else 8)
     result = run_bench(cfg, steps, a.rounds)
+    if not a.no_moe:
+        result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
     if a.json:
         print(json.dumps(result, indent=1))
     else:
         for k, v in result.items():
-            print(f"{k:<32} {v:,.4g}" if isinstance(v, float) else f"{k:<32} {v}")
+            print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}")
     sys.stdout.flush()
     return 0

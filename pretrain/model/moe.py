@@ -20,6 +20,7 @@ State-dict keys follow DeepSpeed's MoE names (which its checkpoint code keys on)
 from __future__ import annotations
 
 import math
+import time
 from functools import lru_cache
 
 import torch
@@ -36,11 +37,12 @@ sum of load-balancing loss and router z-loss values over forwards (the last two 
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward sends gradients back along the reverse splits."""
+    """``all_to_all_single`` with uneven splits; the backward sends gradients back along the reverse splits
+    (its time is added to ``timer.comm_seconds`` when a timer is given)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timer=None) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         tdist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -48,9 +50,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
+        t0 = time.perf_counter()
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         tdist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        if ctx.timer is not None:
+            ctx.timer.comm_seconds += time.perf_counter() - t0
+        return back, None, None, None, None
 
 
 class _Gate(nn.Module):
@@ -96,6 +101,7 @@ class MoEFeedForward(nn.Module):
         self.ffn_size = ffn_size
         self.deepspeed_moe = _Inner(cfg, ffn_size, moe.num_experts, self.num_local_experts)
         self.ep_group = None  # set by set_deepspeed_parallelism (or a test) when ep_size > 1
+        self.comm_seconds = 0.0  # wall time in all-to-alls, forward and backward (incl. waiting for peers)
         self.aux_loss: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
         self.mark_expert_params()
@@ -162,16 +168,21 @@ class MoEFeedForward(nn.Module):
             raise RuntimeError("MoE with moe.ep_size > 1 needs its expert-parallel group "
                                "(DeepSpeed sets it at initialize; see set_deepspeed_parallelism)")
         ep, local = self.ep_size, self.num_local_experts
+        t0 = time.perf_counter()
         recv_counts = torch.empty_like(counts)
         tdist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # (ep * local,) source-major
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_table = recv_counts.view(ep, local)
-        recv = _AllToAll.apply(tokens, recv_table.sum(1).tolist(), send_splits, self.ep_group)
+        recv = _AllToAll.apply(tokens, recv_table.sum(1).tolist(), send_splits, self.ep_group, self)
+        self.comm_seconds += time.perf_counter() - t0
         segments = recv.split(recv_table.flatten().tolist())  # [(source, expert)] source-major
         outs = [ffn(torch.cat([segments[s * local + j] for s in range(ep)])) for j, ffn in enumerate(self.experts)]
         per_expert = [o.split(recv_table[:, j].tolist()) for j, o in enumerate(outs)]
         back = torch.cat([per_expert[j][s] for s in range(ep) for j in range(local)])
-        return _AllToAll.apply(back, send_splits, recv_table.sum(1).tolist(), self.ep_group)
+        t0 = time.perf_counter()
+        out = _AllToAll.apply(back, send_splits, recv_table.sum(1).tolist(), self.ep_group, self)
+        self.comm_seconds += time.perf_counter() - t0
+        return out
 
     @torch.no_grad()
     def _accumulate(self, routed, kept, n, probs, balance, z) -> None:

@@ -1,0 +1,102 @@
+"""MoE benchmark (part of ``./launch.sh bench``), all measured in this run:
+
+- ``moe_vs_dense_active_ratio``: tokens/s of our training step on the MoE model over the same model with a dense
+  FFN of the same *active* size (``top_k * moe.ffn_size``; same attention, embeddings, everything else), one
+  worker, interleaved best-of-N rounds. The MoE step pays for routing, sorting/gathering tokens and the per-expert
+  loop, which a dense FFN does not;
+- ``moe_all_to_all_frac``: with ``moe.ep_size = 2`` on 2 real gloo workers, the share of the step's wall time
+  spent inside the token all-to-alls (forward and backward, including the wait for the slower peer), mean over
+  ranks of the timed steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from pretrain.config import RunConfig
+
+
+def _dense_twin(cfg: RunConfig) -> RunConfig:
+    """The same model with every MoE FFN replaced by a dense FFN of the active size (top_k experts)."""
+    twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), moe=dataclasses.replace(cfg.moe))
+    if twin.moe.layers or twin.moe.every != 1:
+        raise ValueError("the dense twin needs MoE in every block (moe.every=1, no moe.layers)")
+    twin.model.ffn_size = cfg.moe.top_k * (cfg.moe.ffn_size or cfg.model.ffn_size)
+    twin.moe.num_experts = 0
+    return twin
+
+
+def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
+    from pretrain.model import build_model, param_groups
+    from pretrain.train.engine import initialize
+    from pretrain.train.step import train_step
+
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
+    return lambda batch: train_step(engine, batch, cfg.train.micro_batch_size, cfg.train.lr, device)
+
+
+def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
+    from eval.bench import _batches, _time_steps
+
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_size=1))
+    batches = _batches(cfg, steps, device)
+    moe, dense = _step_fn(cfg, device, precision), _step_fn(_dense_twin(cfg), device, precision)
+    for fn in (moe, dense):
+        _time_steps(fn, batches[:2], device)
+    t_moe, t_dense = [], []
+    for _ in range(rounds):
+        t_dense.append(_time_steps(dense, batches, device))
+        t_moe.append(_time_steps(moe, batches, device))
+    tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
+    return {"moe_config": cfg.name, "moe_experts": cfg.moe.num_experts, "moe_top_k": cfg.moe.top_k,
+            "moe_tokens_per_s": tokens / min(t_moe), "moe_dense_active_tokens_per_s": tokens / min(t_dense),
+            "moe_vs_dense_active_ratio": min(t_dense) / min(t_moe)}
+
+
+def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
+    from eval.bench import _batches
+    from pretrain.config import from_dict
+    from pretrain.model import build_model, param_groups
+    from pretrain.model.moe import moe_layers
+    from pretrain.train.engine import initialize
+    from pretrain.train.step import train_step
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    cfg = from_dict(cfg_dict)
+    device = torch.device("cpu")
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe, rank)
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, world, "fp32")
+    batches = _batches(cfg, steps + 2, device)
+    layers = [m for _, m in moe_layers(model)]
+    for b in batches[:2]:  # warm-up
+        train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
+    for m in layers:
+        m.comm_seconds = 0.0
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    for b in batches[2:]:
+        train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
+    total = time.perf_counter() - t0
+    return {"step_s": total / steps, "comm_frac": sum(m.comm_seconds for m in layers) / total}
+
+
+def all_to_all_share(cfg: RunConfig, steps: int) -> dict:
+    """2 gloo workers, ``moe.ep_size=2``, fp32, each worker one micro-batch per step (CPU)."""
+    from pretrain.config import to_dict
+    from pretrain.train.procs import run_distributed
+
+    d = to_dict(cfg)
+    d["moe"]["ep_size"] = 2
+    d["cluster"]["num_workers"] = 2
+    d["zero"]["stage"] = 1
+    d["train"]["global_batch_size"] = 2 * cfg.train.micro_batch_size
+    d["data"]["num_streams"] = 2
+    d["train"]["val_sequences"] = 2
+    ranks = run_distributed(_ep_worker, 2, d, steps)
+    return {"moe_ep2_step_s": sum(r["step_s"] for r in ranks) / 2,
+            "moe_all_to_all_frac": sum(r["comm_frac"] for r in ranks) / 2}
