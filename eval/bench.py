@@ -112,19 +112,25 @@ def _time_steps(step, batches, device) -> float:
     return time.perf_counter() - t0
 
 
-def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
-    """Interleave rounds of bare and ours so drift (thermal, other load) hits both alike."""
-    batches = _batches(cfg, steps, device)
-    bare, ours = _bare_step_fn(cfg, device, precision), _our_step_fn(cfg, device, precision)
-    for fn in (bare, ours):  # warm-up (allocator, kernels, DeepSpeed buffers)
+def interleaved_best(fns: list, batches, device: torch.device, rounds: int) -> list[float]:
+    """Warm each step function up on two batches, then time ``rounds`` interleaved rounds over ``batches`` so
+    drift (thermal, other load) hits all alike; the best round per function (the least disturbed one)."""
+    for fn in fns:  # warm-up (allocator, kernels, DeepSpeed buffers)
         _time_steps(fn, batches[:2], device)
-    t_bare, t_ours = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        t_bare.append(_time_steps(bare, batches, device))
-        t_ours.append(_time_steps(ours, batches, device))
+        for t, fn in zip(times, fns):
+            t.append(_time_steps(fn, batches, device))
+    return [min(t) for t in times]
+
+
+def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
+    """Our step vs a bare PyTorch step, interleaved."""
+    batches = _batches(cfg, steps, device)
+    t_bare, t_ours = interleaved_best([_bare_step_fn(cfg, device, precision), _our_step_fn(cfg, device, precision)],
+                                      batches, device, rounds)
     tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
-    # Best round per side: on a shared machine the fastest round is the one least disturbed.
-    bare_tps, ours_tps = tokens / min(t_bare), tokens / min(t_ours)
+    bare_tps, ours_tps = tokens / t_bare, tokens / t_ours
     return {"tokens_per_s": ours_tps, "bare_pytorch_tokens_per_s": bare_tps,
             "ratio_vs_bare_pytorch": ours_tps / bare_tps, "steps_per_round": steps, "rounds": rounds}
 

@@ -41,21 +41,16 @@ def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
 
 
 def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
-    from eval.bench import _batches, _time_steps
+    from eval.bench import _batches, interleaved_best
 
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_size=1))
     batches = _batches(cfg, steps, device)
-    moe, dense = _step_fn(cfg, device, precision), _step_fn(_dense_twin(cfg), device, precision)
-    for fn in (moe, dense):
-        _time_steps(fn, batches[:2], device)
-    t_moe, t_dense = [], []
-    for _ in range(rounds):
-        t_dense.append(_time_steps(dense, batches, device))
-        t_moe.append(_time_steps(moe, batches, device))
+    t_dense, t_moe = interleaved_best([_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)],
+                                      batches, device, rounds)
     tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
     return {"moe_config": cfg.name, "moe_experts": cfg.moe.num_experts, "moe_top_k": cfg.moe.top_k,
-            "moe_tokens_per_s": tokens / min(t_moe), "moe_dense_active_tokens_per_s": tokens / min(t_dense),
-            "moe_vs_dense_active_ratio": min(t_dense) / min(t_moe)}
+            "moe_tokens_per_s": tokens / t_moe, "moe_dense_active_tokens_per_s": tokens / t_dense,
+            "moe_vs_dense_active_ratio": t_dense / t_moe}
 
 
 def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:

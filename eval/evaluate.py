@@ -200,7 +200,8 @@ def open_hf_dir(path: Path) -> EvalSource:
 
 
 def open_checkpoint(target: str, step: int | None) -> EvalSource:
-    from pretrain.export.hf import our_model, resolve_checkpoint, special_token_ids, to_hf_model
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.export.hf import our_model, special_token_ids, to_hf_model
 
     loaded = resolve_checkpoint(target, step)
     cfg = loaded.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,22 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     return tmp_path
+
+
+@contextlib.contextmanager
+def in_workdir(work: Path):
+    """Run in ``work`` with its own sqlite MLflow store (for module-scoped fixtures; ``workdir`` is per test)."""
+    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(work)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    try:
+        yield work
+    finally:
+        os.chdir(old_cwd)
+        if old_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:

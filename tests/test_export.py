@@ -563,7 +563,8 @@ def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path
     pytest.importorskip("deepspeed")
     from mlflow import MlflowClient
 
-    from pretrain.export.hf import consolidated_state_dict, export_checkpoint
+    from pretrain.export.checkpoints import consolidated_state_dict
+    from pretrain.export.hf import export_checkpoint
     from pretrain.train import tracking
     from tests.distributed import run_distributed
 

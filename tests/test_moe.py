@@ -4,7 +4,6 @@ EP=1), the real train loop with EP=2 (metrics, collapse flag, bitwise resume), c
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig
 from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
 from pretrain.train.stability import StabilityMonitor
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_workdir
 from tests.distributed import run_distributed
 
 STEPS, GLOBAL, MICRO = 4, 8, 4
@@ -90,6 +89,7 @@ def test_capacity_drops_in_training_only_and_first_choices_win():
     x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
     layer.train()
     layer(x)
+    layer.commit_stats()
     stats = layer.take_stats()
     m = routing_metrics({0: stats})
     # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert, 16 of 32 assignments at most
@@ -98,7 +98,23 @@ def test_capacity_drops_in_training_only_and_first_choices_win():
     layer.eval()
     dropless = _naive(layer, x)
     torch.testing.assert_close(layer(x), dropless, rtol=0, atol=1e-6)
+    layer.commit_stats()
     assert layer.take_stats().sum() == 0, "evaluation forwards do not count"
+
+
+def test_activation_checkpointing_counts_routing_once_and_keeps_gradients():
+    cfg = _small()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))
+    grads, stats = [], []
+    for recompute in (False, True):
+        model = build_model(cfg.model, 0, cfg.moe).train()
+        model.activation_checkpointing = recompute
+        model(ids, labels=ids).objective().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        stats.append([layer.take_stats() for _, layer in moe_layers(model)])
+    torch.testing.assert_close(grads[0], grads[1])
+    for a, b in zip(*stats):
+        torch.testing.assert_close(a, b)
 
 
 def test_aux_losses_and_metrics():
@@ -179,7 +195,7 @@ def _batches():
     return [(torch.randint(0, 101, (GLOBAL, 1), generator=g) + torch.arange(16)) % 101 for _ in range(STEPS)]
 
 
-def _train_variants(rank: int, world: int, variants: list[tuple]) -> dict:
+def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = MICRO) -> dict:
     from pretrain.train.engine import initialize
     from pretrain.train.schedule import lr_at
     from pretrain.train.step import run_step
@@ -188,7 +204,7 @@ def _train_variants(rank: int, world: int, variants: list[tuple]) -> dict:
     out = {}
     for ep, k, stage, cap in variants:
         cfg = _small(f"cluster.num_workers={world}", f"moe.ep_size={ep}", f"moe.top_k={k}", f"zero.stage={stage}",
-                     f"moe.capacity_factor={cap}")
+                     f"moe.capacity_factor={cap}", f"data.num_streams={world}", f"train.micro_batch_size={micro}")
         model = build_model(cfg.model, 3, cfg.moe, rank)
         engine = initialize(model, __import__("pretrain.model", fromlist=["param_groups"]).param_groups(
             model, cfg.train.weight_decay), cfg, world, "fp32")
@@ -196,7 +212,7 @@ def _train_variants(rank: int, world: int, variants: list[tuple]) -> dict:
         res = []
         for step, ids in enumerate(_batches()):
             shard = ids[rank * per:(rank + 1) * per]
-            r = run_step(engine, {"input_ids": shard, "labels": shard}, MICRO, lr_at(step, cfg.train),
+            r = run_step(engine, {"input_ids": shard, "labels": shard}, micro, lr_at(step, cfg.train),
                          torch.device("cpu"))
             res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}))
         out[(ep, k, stage, cap)] = res
@@ -206,9 +222,10 @@ def _train_variants(rank: int, world: int, variants: list[tuple]) -> dict:
 @pytest.mark.slow
 def test_expert_parallel_equals_replicated_experts():
     """2 gloo workers: EP=2 (2 experts each, all-to-all) vs EP=1 (all 4 experts on each worker), same data,
-    ZeRO-1 and 2, top-1 and top-2, dropless and with token dropping: losses, grad norms, routing counts."""
+    ZeRO-1 and 2, top-1 and top-2, dropless and with token dropping: losses, grad norms, routing counts.
+    And ZeRO-3 with ep_size 1 trains the MoE model like ZeRO-1."""
     cases = [(1, 1, 1, 0.0), (2, 1, 1, 0.0), (2, 1, 2, 0.0), (1, 2, 1, 0.0), (2, 2, 1, 0.0), (2, 2, 2, 0.0),
-             (1, 2, 2, 1.0), (2, 2, 2, 1.0)]
+             (1, 2, 2, 1.0), (2, 2, 2, 1.0), (1, 2, 3, 0.0)]
     ranks = run_distributed(_train_variants, 2, cases)
     assert ranks[0] == ranks[1], "every rank reports the same reduced values"
     res = ranks[0]
@@ -221,9 +238,29 @@ def test_expert_parallel_equals_replicated_experts():
               f"grad norm {norm_diff:.2e}; losses {[round(x[0], 5) for x in got]}")
         assert loss_diff < 1e-4 and norm_diff < 1e-4
         assert [x[2] for x in ref][0] == [x[2] for x in got][0], "same routing on the first step"
+    zero3 = max(abs(a[0] - b[0]) for a, b in zip(res[(1, 2, 1, 0.0)], res[(1, 2, 3, 0.0)]))
+    print(f"ZeRO-3 (moe.ep_size=1: experts sharded like dense weights) vs ZeRO-1: max |loss diff| {zero3:.2e}")
+    assert zero3 < 1e-5
     assert res[(2, 2, 1, 0.0)][-1][0] < res[(2, 2, 1, 0.0)][0][0] - 0.2, "training must reduce the loss"
     dropped = routing_metrics({i: torch.tensor(v) for i, v in res[(2, 2, 2, 1.0)][0][2].items()})
     assert dropped["moe/block0/dropped_frac"] > 0, "capacity 1.0 drops some assignments"
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_four_workers():
+    """4 gloo workers: EP=2 (two expert-data-parallel replicas of each expert: their gradients are reduced over
+    that group only) and EP=4 (one expert per worker) equal EP=1."""
+    cases = [(1, 2, 1, 0.0), (2, 2, 1, 0.0), (4, 2, 2, 0.0)]
+    ranks = run_distributed(_train_variants, 4, cases, 2)
+    assert all(r == ranks[0] for r in ranks)
+    ref = ranks[0][(1, 2, 1, 0.0)]
+    for case in cases[1:]:
+        got = ranks[0][case]
+        loss_diff = max(abs(a[0] - b[0]) for a, b in zip(ref, got))
+        norm_diff = max(abs(a[1] - b[1]) for a, b in zip(ref, got))
+        print(f"\n4 workers, EP={case[0]} ZeRO-{case[2]} vs EP=1: max |loss diff| {loss_diff:.2e}, "
+              f"grad norm {norm_diff:.2e}")
+        assert loss_diff < 1e-4 and norm_diff < 1e-4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,11 +287,7 @@ def ep_runs(tmp_path_factory):
     """A 12-step EP=2 run on 2 real gloo workers, and the same run resumed from its step-8 checkpoint."""
     from pretrain.train.prepare import prepare_new
 
-    work = tmp_path_factory.mktemp("moe")
-    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
-    os.chdir(work)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    try:
+    with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))
         resumed = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + [
             f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}",
@@ -263,12 +296,6 @@ def ep_runs(tmp_path_factory):
         ranks_resumed = run_distributed(_train_jobs, 2, [asdict(resumed)], timeout=900)
         yield {"work": work, "full": full, "resumed": resumed, "final": ranks[0][0],
                "final_resumed": ranks_resumed[0][0], "ranks": [r[0] for r in ranks]}
-    finally:
-        os.chdir(old_cwd)
-        if old_uri is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
 def _history(uri: str, run_id: str, key: str) -> dict[int, float]:
@@ -307,7 +334,8 @@ def test_ep_resume_is_bitwise(ep_runs):
 
 @pytest.mark.slow
 def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs, tmp_path):
-    from pretrain.export.hf import export_checkpoint, load_exported, resolve_checkpoint
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.export.hf import export_checkpoint, load_exported
 
     ckpt = Path(ep_runs["final"]["checkpoint"])
     loaded = resolve_checkpoint(str(ckpt))

@@ -15,7 +15,7 @@ import torch
 
 from pretrain.config import ConfigError, ModelConfig, StabilityConfig, load_config
 from pretrain.train.stability import StabilityMonitor, StepSignals, robust_z, trend_rise
-from tests.conftest import PYTHON, ROOT, cli_env
+from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
 from tests.distributed import run_distributed
 
 # ----------------------------------------------------------------------------------------------
@@ -451,15 +451,9 @@ def fault_runs(tmp_path_factory):
     """Four real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at
     step 5 (policy skip), LR x1000 at step 13 (policy rollback), and the rollback run resumed from its
     step-8 checkpoint (before the fault)."""
-    import os
-
     from pretrain.train.prepare import prepare_new
 
-    work = tmp_path_factory.mktemp("stability")
-    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
-    os.chdir(work)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    try:
+    with in_workdir(tmp_path_factory.mktemp("stability")) as work:
         clean = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", TINY))
         tok = [f"data.tokenizer={Path(clean.run_dir) / 'tokenizer'}"]
         nan = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml",
@@ -473,12 +467,6 @@ def fault_runs(tmp_path_factory):
         ranks = run_distributed(_train_jobs, 2, [asdict(j) for j in jobs], timeout=900)
         yield {"work": work, "jobs": dict(zip(("clean", "nan", "spike", "resumed"), jobs)), "ranks": ranks,
                "final": dict(zip(("clean", "nan", "spike", "resumed"), ranks[0]))}
-    finally:
-        os.chdir(old_cwd)
-        if old_uri is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
 @pytest.mark.slow
@@ -535,7 +523,7 @@ def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_r
 def test_resume_through_a_rollback_is_bitwise(fault_runs):
     """Resumed from step 8 (before the injected spike): the same spike, the same rollback, the same
     skipped window and the same losses and final weights, bit for bit."""
-    from pretrain.export.hf import consolidated_state_dict
+    from pretrain.export.checkpoints import consolidated_state_dict
 
     spike, resumed = fault_runs["final"]["spike"], fault_runs["final"]["resumed"]
     def events(final: dict) -> list[dict]:  # without the paths, which name each run's own directory

@@ -51,7 +51,7 @@ CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 
 
 def _final_weights(run_dir: Path) -> dict:
-    from pretrain.export.hf import consolidated_state_dict
+    from pretrain.export.checkpoints import consolidated_state_dict
 
     return consolidated_state_dict(run_dir / "step_00000008", zero_stage=1)
 

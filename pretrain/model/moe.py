@@ -81,8 +81,8 @@ class MoEFeedForward(nn.Module):
     """Drop-in replacement of :class:`FeedForward` holding experts ``[ep_rank * E_local, (ep_rank+1) * E_local)``.
 
     After each forward, ``aux_loss`` holds the weighted auxiliary objective of that forward (load balancing +
-    router z-loss) to add to the training loss, and (training only) ``stats`` accumulates routing statistics
-    until :meth:`take_stats`."""
+    router z-loss) to add to the training loss, and (training only) :meth:`commit_stats` adds its routing
+    statistics to ``stats`` until :meth:`take_stats`."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, ffn_size: int, ep_rank: int = 0) -> None:
         nn.Module.__init__(self)  # not super(): the expert-parallel subclass must skip DeepSpeed MoE's __init__
@@ -104,6 +104,7 @@ class MoEFeedForward(nn.Module):
         self.comm_seconds = 0.0  # wall time in all-to-alls, forward and backward (incl. waiting for peers)
         self.aux_loss: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
+        self.pending_stats: torch.Tensor | None = None
         self.mark_expert_params()
 
     @property
@@ -156,7 +157,7 @@ class MoEFeedForward(nn.Module):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.router_z_loss_weight * z
         if self.training:
-            self._accumulate(routed, counts, n, probs, balance, z)
+            self.pending_stats = self._stats_row(routed, counts, n, probs, balance, z)
         return out.view_as(x)
 
     def _run_experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -185,12 +186,18 @@ class MoEFeedForward(nn.Module):
         return out
 
     @torch.no_grad()
-    def _accumulate(self, routed, kept, n, probs, balance, z) -> None:
+    def _stats_row(self, routed, kept, n, probs, balance, z) -> torch.Tensor:
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
         extra = torch.stack([routed.sum().float(), kept.sum().float(), torch.tensor(float(n), device=z.device),
                              entropy, balance.detach(), z.detach()])
-        row = torch.cat([routed.float(), extra, torch.ones(1, device=z.device)])
-        self.stats = row if self.stats is None else self.stats + row
+        return torch.cat([routed.float(), extra, torch.ones(1, device=z.device)])
+
+    def commit_stats(self) -> None:
+        """Count the last training forward's statistics. The model calls this after the block ran, so the
+        re-run of the forward under activation checkpointing (during backward) is not counted twice."""
+        row, self.pending_stats = self.pending_stats, None
+        if row is not None:
+            self.stats = row if self.stats is None else self.stats + row
 
     def take_stats(self) -> torch.Tensor:
         """(E + len(STAT_FIELDS) + 1,) fp32 sums since the last call (routed per expert, then ``STAT_FIELDS``,

@@ -234,6 +234,7 @@ class Transformer(nn.Module):
                 x = block(x, rope)  # (B, T, D)
             if isinstance(block.ffn, MoEFeedForward):
                 moe_terms.append(block.ffn.aux_loss)
+                block.ffn.commit_stats()
 
         if self.final_norm is not None:
             x = self.final_norm(x)

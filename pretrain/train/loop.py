@@ -141,8 +141,7 @@ def check_expert_layout(ckpt: ckpt_io.CommittedCheckpoint, cfg: RunConfig, world
         raise ckpt_io.CheckpointError(
             f"{ckpt.path}: saved with moe.ep_size={saved_ep} on {saved_world} workers; resuming expert-parallel "
             f"state needs the same layout (got moe.ep_size={ep} on {world_size} workers). Resume with "
-            f"moe.ep_size={saved_ep} cluster.num_workers={saved_world}, or export the checkpoint "
-            f"(`./launch.sh export`) and start a new run from it with model.init_from_hf")
+            f"moe.ep_size={saved_ep} cluster.num_workers={saved_world}")
 
 
 def _engine_state_dir(ckpt: ckpt_io.CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> Path | None:
