@@ -1,0 +1,38 @@
+"""The one typed config tree: dataclasses loaded strictly from YAML plus dotted overrides.
+
+Every component receives only its own sub-config (``cfg.model``, ``cfg.data``...). Unknown keys
+and wrong types raise :class:`ConfigError` naming the full key path; cross-field rules live in
+:meth:`RunConfig.validate`. The resolved config round-trips through :func:`to_dict`/:func:`from_dict`
+and is saved in every checkpoint. ``tree.py``: the dataclasses; ``loading.py``: strict loading.
+"""
+
+from pretrain.config.loading import (
+    config_hash,
+    dump_yaml,
+    flatten,
+    from_dict,
+    load_config,
+    parse_override,
+    to_dict,
+)
+from pretrain.config.tree import (
+    CheckpointConfig,
+    ClusterConfig,
+    ConfigError,
+    DataConfig,
+    FaultsConfig,
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    SourceConfig,
+    StabilityConfig,
+    TrackingConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "ModelConfig", "MoEConfig",
+    "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
+    "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
+]

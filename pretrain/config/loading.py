@@ -1,0 +1,195 @@
+"""Strict loading of the config tree: YAML plus dotted overrides; unknown keys and wrong types raise
+:class:`ConfigError` naming the full key path; round trip through :func:`to_dict` / :func:`from_dict`."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pretrain.config.tree import ConfigError, RunConfig
+
+_HINTS: dict[type, dict[str, Any]] = {}
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against type ``tp`` (recursively), returning the typed value."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: invalid value {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {path}")  # internal: the tree uses only the above
+
+
+def _build(cls: type, data: dict, path: str) -> Any:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key (valid: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{path}.{f.name}" if path else f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}.{f.name}: required key is missing" if path else f"{f.name}: required")
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Build and validate a RunConfig from a plain dict (strict)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {_describe(data)}")
+    return _build(RunConfig, data, "").validate()
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c=value`` in a nested dict, checking each prefix names a known section."""
+    keys = dotted.split(".")
+    cls: Any = RunConfig
+    node = tree
+    for i, key in enumerate(keys):
+        path = ".".join(keys[: i + 1])
+        if not dataclasses.is_dataclass(cls) or key not in {f.name for f in dataclasses.fields(cls)}:
+            raise ConfigError(f"{path}: unknown key")
+        if i == len(keys) - 1:
+            node[key] = value
+            return
+        cls = _hints(cls)[key]
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"{text}: overrides look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> RunConfig:
+    """Load YAML (or start from ``base``), apply dotted overrides, validate strictly."""
+    tree: dict = {} if base is None else json.loads(json.dumps(base))
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        tree = _merge(tree, loaded)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of the parts of the config that define the trajectory (not where things are stored)."""
+    d = to_dict(cfg)
+    d.pop("checkpoint", None)
+    d.pop("tracking", None)
+    d["cluster"] = {"num_workers": cfg.cluster.num_workers}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b": value} (lists are JSON-encoded), for MLflow params."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, list):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
