@@ -72,7 +72,7 @@ def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     from pretrain.model import build_model, param_groups
     from pretrain.train.engine import build_optimizer
 
-    model = build_model(cfg.model, cfg.train.seed).to(device)
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     opt = build_optimizer(param_groups(model, cfg.train.weight_decay), cfg)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -94,7 +94,7 @@ def _our_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     from pretrain.train.engine import initialize
     from pretrain.train.step import train_step
 
-    model = build_model(cfg.model, cfg.train.seed).to(device)
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
 
@@ -145,7 +145,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     from pretrain.train.stability import StabilityMonitor
     from pretrain.train.step import run_step
 
-    model = build_model(cfg.model, cfg.train.seed).to(device)
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
     monitor = StabilityMonitor(cfg.stability)
@@ -203,13 +203,13 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple
     with torch.device("meta"):
-        n_params = num_parameters(build_model(cfg.model, 0))
+        n_params = num_parameters(build_model(cfg.model, 0, cfg.moe))
     result: dict = {"config": cfg.name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                     f"cpu ({torch.get_num_threads()} threads)", "precision": precision, "zero_stage": cfg.zero.stage,
                     "params": n_params, "seq_len": cfg.model.max_seq_len, "micro_batch_size": cfg.train.micro_batch_size}
     result.update(step_benchmark(cfg, device, precision, steps, rounds))
     result.update(health_overhead(cfg, device, precision, pairs=max(3, steps // 2)))
-    fpt = flops_per_token(cfg.model, cfg.model.max_seq_len)
+    fpt = flops_per_token(cfg.model, cfg.model.max_seq_len, cfg.moe)
     result["model_flops_per_token"] = fpt
     result["achieved_tflops"] = fpt * result["tokens_per_s"] / 1e12
     if device.type == "cuda":
@@ -240,7 +240,7 @@ def run_moe_bench(cfg: RunConfig, overrides: list[str], steps: int, rounds: int,
         cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple
     device = dist.setup(cfg.cluster.use_gpu).device
     out = moe_vs_dense(cfg, device, resolve_precision(cfg.train.precision, device), steps, rounds)
-    if gpu:  # expert parallelism needs a second GPU; the CPU measurement below is not comparable
+    if gpu or cfg.moe.num_experts % 2:  # EP=2 needs a second GPU (the CPU figure would not compare) / even E
         out["moe_all_to_all_frac"] = None
     else:
         out.update(all_to_all_share(cfg, steps))
@@ -268,6 +268,7 @@ def main(argv: list[str]) -> int:
     # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     cfg.data.num_streams = 1
+    cfg.moe.ep_size = 1  # all experts on the one worker (the MoE part measures expert parallelism separately)
     steps = a.steps or (20 if gpu else 8)
     result = run_bench(cfg, steps, a.rounds)
     if not a.no_moe:
