@@ -4,7 +4,7 @@
     resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
-    bench [--json] [CONFIG] [key=value ...]       our step vs a bare PyTorch step, data throughput
+    bench [--json] [--no-moe] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense, all-to-all, data
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy

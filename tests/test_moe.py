@@ -3,6 +3,7 @@ EP=1), the real train loop with EP=2 (metrics, collapse flag, bitwise resume), c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -197,6 +198,7 @@ def _batches():
 
 def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = MICRO) -> dict:
     from pretrain.train.engine import initialize
+    from pretrain.train.health import HealthProbe
     from pretrain.train.schedule import lr_at
     from pretrain.train.step import run_step
 
@@ -212,11 +214,20 @@ def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = M
         res = []
         for step, ids in enumerate(_batches()):
             shard = ids[rank * per:(rank + 1) * per]
+            probe = HealthProbe(engine) if step == STEPS - 1 else None
             r = run_step(engine, {"input_ids": shard, "labels": shard}, micro, lr_at(step, cfg.train),
-                         torch.device("cpu"))
-            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}))
+                         torch.device("cpu"), probe=probe)
+            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}, r.health))
         out[(ep, k, stage, cap)] = res
     return out
+
+
+def _same_health(ref: dict, got: dict) -> None:
+    """Health metrics (norms per block, update ratios) count every expert once, whatever the expert layout."""
+    keys = [k for k in ref if k.startswith(("health/grad_norm", "health/param_norm", "health/update_ratio"))]
+    assert "health/param_norm/block01" in keys
+    for k in keys:
+        assert got[k] == pytest.approx(ref[k], rel=1e-4), k
 
 
 @pytest.mark.slow
@@ -238,6 +249,7 @@ def test_expert_parallel_equals_replicated_experts():
               f"grad norm {norm_diff:.2e}; losses {[round(x[0], 5) for x in got]}")
         assert loss_diff < 1e-4 and norm_diff < 1e-4
         assert [x[2] for x in ref][0] == [x[2] for x in got][0], "same routing on the first step"
+        _same_health(ref[-1][3], got[-1][3])
     zero3 = max(abs(a[0] - b[0]) for a, b in zip(res[(1, 2, 1, 0.0)], res[(1, 2, 3, 0.0)]))
     print(f"ZeRO-3 (moe.ep_size=1: experts sharded like dense weights) vs ZeRO-1: max |loss diff| {zero3:.2e}")
     assert zero3 < 1e-5
@@ -261,6 +273,7 @@ def test_expert_parallel_on_four_workers():
         print(f"\n4 workers, EP={case[0]} ZeRO-{case[2]} vs EP=1: max |loss diff| {loss_diff:.2e}, "
               f"grad norm {norm_diff:.2e}")
         assert loss_diff < 1e-4 and norm_diff < 1e-4
+        _same_health(ref[-1][3], got[-1][3])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,6 +364,26 @@ def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs,
     assert report.max_abs_diff < 1e-4
     model = load_exported(tmp_path / "hf", "decoder")
     assert type(model).__name__ == "MixtralForCausalLM"
+
+
+@pytest.mark.slow
+def test_demo_moe_through_the_cli_and_ray_with_ep2_then_export_and_eval(tmp_path):
+    """The real CLI and Ray Train (2 workers, EP=2) on configs/demo-moe.yaml (shrunk), then `export` (Mixtral,
+    parity checked) and `eval` of the checkpoint, which agrees with the run's own final validation loss."""
+    from tests.test_train_e2e import TINY as E2E, _cli, _run_id
+
+    keep = ("model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads", "model.max_seq_len",
+            "data.", "train.global_batch_size", "train.micro_batch_size", "train.warmup_steps", "cluster.")
+    over = [o for o in E2E if o.startswith(keep)] + [
+        "train.max_steps=6", "checkpoint.every_steps=6", "train.val_every=0", "moe.ep_size=2", "moe.ffn_size=64"]
+    train = _cli(tmp_path, "train", str(ROOT / "configs" / "demo-moe.yaml"), *over)
+    assert "2 worker(s)" in train.stdout
+    run_id = _run_id(train.stdout)
+    export = _cli(tmp_path, "export", run_id, "--out", str(tmp_path / "hf"))
+    assert "MixtralForCausalLM" in export.stdout and "parity: max |logits diff|" in export.stdout
+    val = float(next(line for line in train.stdout.splitlines() if "final val loss" in line).split()[3])
+    ev = _cli(tmp_path, "eval", run_id, "--json")
+    assert abs(json.loads(ev.stdout)["loss"] - val) < 1e-4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ Where the numbers live depends on the ZeRO stage, at the accumulation boundary b
 * stage 3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
   ``optimizer.fp16_groups[group]``; parameters are partitioned too (``p.ds_tensor``).
 
-Replicated tensors (identical on every rank) are counted on rank 0 only before a sum all-reduce, so
-every layout gives the same global numbers.
+Replicated tensors (identical on every rank) are counted once before a sum all-reduce: on rank 0, or for an
+expert-parallel weight on the first rank of its expert-data-parallel group, so every layout gives the same
+global numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
+def _owner(p: torch.nn.Parameter) -> bool:
+    """Whether this rank counts replicated ``p`` in a cross-rank sum: rank 0 for dense weights; for an
+    expert-parallel weight (DeepSpeed's ``allreduce = False``) the first rank of its expert-data-parallel group,
+    since each expert-parallel rank holds other experts."""
+    if getattr(p, "allreduce", True) is False and tdist.is_initialized():
+        from deepspeed.utils import groups
+
+        return groups._get_expert_data_parallel_rank(p.group_name) == 0
+    return _rank() == 0
+
+
+def _owned(views: Views) -> Views:
+    return [(p, t) for p, t in views if _owner(p)]
+
+
 def block_key(name: str) -> str:
     """Parameter name -> its group: ``blockNN`` for block NN, ``embed`` or ``head`` otherwise."""
     parts = name.split(".")
@@ -46,8 +62,9 @@ def block_key(name: str) -> str:
     return "embed" if parts[0] in ("embed_tokens", "embed_positions", "embedding_norm") else "head"
 
 
-def grad_views(engine) -> tuple[Views, bool]:
-    """(parameter, this rank's gradient tensor for it) pairs, and whether they are replicated."""
+def grad_views(engine) -> Views:
+    """(parameter, gradient) pairs this rank contributes to cross-rank sums: its ZeRO partition, or the replicated
+    gradients it owns (see :func:`_owner`)."""
     opt = engine.optimizer
     groups = getattr(opt, "averaged_gradients", None)
     if groups is not None and hasattr(opt, "params_in_partition") and not getattr(opt, "cpu_offload", False):
@@ -55,21 +72,22 @@ def grad_views(engine) -> tuple[Views, bool]:
         for i, params in enumerate(opt.params_in_partition):  # ZeRO-1/2
             grads = [g for g in (groups.get(i) or []) if not getattr(g, "_zero_padding", False)]
             views += zip(params, grads)
-        return views, False
+        return views
     if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
         views = []
         for i, params in enumerate(opt.fp16_groups):  # ZeRO-3
             views += zip(params, groups.get(i) or [])
-        return views, False
+        return views
+    # Below, every rank holds full (replicated) gradients: each counts the ones it owns (see _owner).
     if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
-        return [(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)], True
+        return _owned([(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)])
     if engine.zero_optimization_stage() == 0:
-        return [(p, p.grad) for p in engine.module.parameters() if p.grad is not None], True
+        return _owned([(p, p.grad) for p in engine.module.parameters() if p.grad is not None])
     # Offloaded optimizer states: per-parameter collective, slow but exact (every rank calls it).
     from deepspeed.utils import safe_get_full_grad
 
     full = [(p, safe_get_full_grad(p)) for p in engine.module.parameters() if p.requires_grad]
-    return [(p, g) for p, g in full if g is not None], True
+    return _owned([(p, g) for p, g in full if g is not None])
 
 
 def param_views(engine) -> tuple[Views, bool]:
@@ -80,15 +98,16 @@ def param_views(engine) -> tuple[Views, bool]:
     return [(p, p.detach()) for p in params], True
 
 
-def _counts(replicated: bool) -> bool:
-    """Whether this rank contributes replicated values to a sum (rank 0 only)."""
-    return not replicated or _rank() == 0
+def counted_param_views(engine) -> Views:
+    """The parameter values this rank contributes to cross-rank sums (each value counted once overall)."""
+    views, replicated = param_views(engine)
+    return _owned(views) if replicated else views
 
 
 def grad_signals(engine) -> tuple[float, float]:
     """This rank's (sum of squared gradients, 0/1 non-finite) contribution; sum them across ranks."""
-    views, replicated = grad_views(engine)
-    if not views or not _counts(replicated):
+    views = grad_views(engine)
+    if not views:
         return 0.0, 0.0
     # One fused pass, like clip_grad_norm_; accumulated in fp32 even for bf16 gradients.
     norms = torch._foreach_norm([g.detach() for _, g in views], 2, dtype=torch.float32)
@@ -159,30 +178,27 @@ class HealthProbe:
 
     def before_update(self) -> None:
         """Per-block gradient norms and non-finite counts; snapshot the parameters for the update ratio."""
-        views, replicated = grad_views(self.engine)
-        self._add_sq("grad_sq", views, replicated)
+        views = grad_views(self.engine)
+        self._add_sq("grad_sq", views)
         finite = all(math.isfinite(v) for k, v in self.sums.items() if k.startswith("grad_sq/"))
         # Counting elements is a second pass: only needed when some norm is already non-finite.
-        self.sums["nonfinite_grads"] = (0.0 if finite or not _counts(replicated) else
+        self.sums["nonfinite_grads"] = (0.0 if finite else
                                         float(sum(int((~torch.isfinite(g)).sum()) for _, g in views)))
-        pviews, preplicated = param_views(self.engine)
-        self._before = [t.detach().clone() for _, t in pviews] if _counts(preplicated) else None
+        self._before = [t.detach().clone() for _, t in counted_param_views(self.engine)]
 
     def after_update(self) -> None:
         """Parameter norms and the norms of this step's update, per block."""
-        pviews, replicated = param_views(self.engine)
-        self._add_sq("param_sq", pviews, replicated)
+        pviews = counted_param_views(self.engine)
+        self._add_sq("param_sq", pviews)
         before = self._before or []
         diffs = torch._foreach_sub([t.detach() for _, t in pviews[:len(before)]], before) if before else []
         deltas = [(p, d) for (p, _), d in zip(pviews, diffs)]
-        self._add_sq("update_sq", deltas, replicated)  # empty on ranks that do not count
+        self._add_sq("update_sq", deltas)
         self._before = None
 
-    def _add_sq(self, name: str, views: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], replicated: bool) -> None:
+    def _add_sq(self, name: str, views: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         for g in self.groups:  # every rank has the same keys, so the all-reduce vectors line up
             self.sums.setdefault(f"{name}/{g}", 0.0)
-        if not _counts(replicated):
-            return
         by_group: dict[str, list[torch.Tensor]] = {}
         for p, t in views:
             by_group.setdefault(self.keys.get(id(p), "head"), []).append(t.detach())
