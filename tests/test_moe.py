@@ -410,14 +410,18 @@ MIXTRAL_LIKE = dict(kind="decoder", vocab_size=300, hidden_size=32, num_layers=2
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "MixtralForCausalLM"),
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, every=2), "PretrainTransformerForCausalLM"),
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, normalize_top_k=False), "PretrainTransformerForCausalLM"),
+    ({**MIXTRAL_LIKE, "qk_norm": True}, dict(num_experts=4, top_k=2, every=2), "Qwen3MoeForCausalLM"),
+    ({**MIXTRAL_LIKE, "qk_norm": True, "num_layers": 3}, dict(num_experts=4, top_k=2, layers=[0, 2],
+                                                             normalize_top_k=False), "Qwen3MoeForCausalLM"),
+    ({**MIXTRAL_LIKE, "qk_norm": True, "tie_embeddings": True}, dict(num_experts=4, top_k=1), "Qwen3MoeForCausalLM"),
     (dict(kind="encoder", vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=32,
           activation="gelu", norm="layernorm", norm_placement="post", position="learned", bias=True,
           embedding_norm=True, mlm_head_transform=True), dict(num_experts=4, top_k=2, ffn_size=48),
      "PretrainTransformerForMaskedLM"),
 ])
 def test_moe_export_parity(model_kw, moe_kw, expected, tmp_path):
-    """Mixtral when exact, else the self-contained remote-code model (encoders have no HF MoE class); the export
-    re-checks logits parity, and a fresh load agrees with our model on another batch."""
+    """Mixtral or Qwen3-MoE when exact, else the self-contained remote-code model (encoders have no HF MoE class);
+    the export re-checks logits parity, and a fresh load agrees with our model on another batch."""
     from transformers import PreTrainedTokenizerFast
 
     from pretrain.data.tokenizer import train_tokenizer
@@ -433,5 +437,15 @@ def test_moe_export_parity(model_kw, moe_kw, expected, tmp_path):
     loaded = load_exported(tmp_path / "hf", cfg.kind)
     assert type(loaded).__name__ == expected
     diff = logits_max_abs_diff(our_model(cfg, sd, moe), loaded, parity_batch(cfg, seed=7))
-    print(f"\n{expected} ({moe_kw}): max |logits diff| {report.max_abs_diff:.2e} / {diff:.2e}")
+    print(f"\n{expected} ({moe_kw}{', qk_norm' if cfg.qk_norm else ''}): max |logits diff| {report.max_abs_diff:.2e} / {diff:.2e}")
     assert diff < 1e-5
+
+
+def test_moe_export_refuses_what_no_target_represents():
+    from pretrain.export.hf import export_target
+
+    enc = ModelConfig(kind="encoder", vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, qk_norm=True)
+    hf_class, reason = export_target(enc, MoEConfig(num_experts=4))
+    assert hf_class is None and reason.startswith("cannot export: model.qk_norm")
+    hf_class, reason = export_target(ModelConfig(**MIXTRAL_LIKE), MoEConfig(num_experts=4, every=2))
+    assert hf_class is None and "trust_remote_code=True" in reason and "MixtralForCausalLM: blocks [0]" in reason

@@ -35,7 +35,7 @@ import torch
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
 from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
 from pretrain.export.checkpoints import _strip_module_prefix, resolve_checkpoint
-from pretrain.export.moe import mixtral_violations, remote_moe_fields, to_mixtral
+from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.model.transformer import Transformer, resolved_ffn_size
 
 PARITY_TOLERANCE = 1e-4
@@ -63,11 +63,11 @@ class ExportError(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 
 
-def unexportable(model_cfg: ModelConfig) -> list[str]:
+def unexportable(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> list[str]:
     """Options that neither a standard class nor the bundled modeling file represents yet."""
     out = []
-    if model_cfg.qk_norm:
-        out.append("model.qk_norm")
+    if model_cfg.qk_norm and not (moe is not None and moe.enabled and moe_target(model_cfg, moe)[0]):
+        out.append("model.qk_norm")  # only Qwen3-MoE (an MoE decoder) represents it so far
     if model_cfg.embedding_scale != 1.0:
         out.append("model.embedding_scale")
     return out
@@ -78,17 +78,17 @@ def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple
 
     ``train`` can call this at start to warn when a config has no exact standard equivalent.
     """
-    missing = unexportable(model_cfg)
+    missing = unexportable(model_cfg, moe)
     if missing:
         return None, (f"cannot export: {', '.join(missing)} is not represented by any supported Hugging Face "
                       f"class or by the bundled modeling file; export refuses such checkpoints")
     if moe is not None and moe.enabled:
-        bad = mixtral_violations(model_cfg, moe)
-        if not bad:
-            return "MixtralForCausalLM", "exact standard class MixtralForCausalLM (MoE, dropless top-k routing)"
+        target, why = moe_target(model_cfg, moe)
+        if target is not None:
+            return target, f"exact standard class {target} (MoE, dropless top-k routing)"
         cls = REMOTE_CLASSES[model_cfg.kind]
-        return None, (f"no exact standard Hugging Face MoE class (MixtralForCausalLM: {'; '.join(bad)}); export "
-                      f"writes a self-contained modeling file ({cls}, load with trust_remote_code=True)")
+        return None, (f"no exact standard Hugging Face MoE class ({' | '.join(why)}); export writes a "
+                      f"self-contained modeling file ({cls}, load with trust_remote_code=True)")
     family, reasons = find_family(model_cfg)
     if family is not None:
         notes = []
@@ -137,9 +137,9 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
     sd = _strip_module_prefix(sd)
     moe = moe or MoEConfig()
     family, _ = find_family(model_cfg) if not moe.enabled else (None, [])
-    if moe.enabled and export_target(model_cfg, moe)[0] == "MixtralForCausalLM":
-        cfg_kwargs, hf_sd = to_mixtral(sd, model_cfg, moe, special)
-        cls = transformers.MixtralForCausalLM
+    if moe.enabled and moe_target(model_cfg, moe)[0] is not None:
+        name, cfg_kwargs, hf_sd = to_hf_moe(sd, model_cfg, moe, special)
+        cls = getattr(transformers, name)
         config = cls.config_class(**cfg_kwargs)
     elif family is not None:
         cfg_kwargs, hf_sd = family.to_hf(sd, model_cfg, special)
@@ -286,7 +286,7 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
     from transformers import AutoTokenizer
 
     hf_class, reason = export_target(model_cfg, moe)
-    if unexportable(model_cfg):
+    if unexportable(model_cfg, moe):
         raise ExportError(reason)  # refused up front, never approximated
     standard = hf_class is not None
     special = special_token_ids(tokenizer)

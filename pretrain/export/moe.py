@@ -1,11 +1,17 @@
-"""Mixture-of-Experts export: the exact Mixtral map, remote-code fields, and consolidation of expert-parallel
-checkpoints (pure functions of config and state dict, except :func:`expert_parallel_state_dict`, which reads
-DeepSpeed's files).
+"""Mixture-of-Experts export: exact maps to Mixtral and Qwen3-MoE, remote-code fields, and consolidation of
+expert-parallel checkpoints (pure functions of config and state dict, except :func:`expert_parallel_state_dict`,
+which reads DeepSpeed's files).
 
-``MixtralForCausalLM`` is exact for a Llama-style decoder (see ``families.LLAMA``) whose every block is MoE with
-renormalized top-k routing: Mixtral's router is fp32 softmax -> top-k -> renormalize, and its experts sum
-``w_e * down(silu(gate(x)) * up(x))`` in expert order, which is our dropless inference path. Everything else
-with MoE (encoders, interleaved dense/MoE blocks, un-normalized top-k, other norms) exports as remote code.
+Both HF routers are softmax -> top-k (-> renormalize) and both sum ``w_e * down(silu(gate(x)) * up(x))`` over the
+chosen experts in expert order, which is our dropless inference path. For a Llama-style decoder (see
+``families.LLAMA``):
+
+* ``MixtralForCausalLM``: MoE in every block, renormalized top-k, no query/key norms;
+* ``Qwen3MoeForCausalLM``: per-head RMSNorm query/key norms (``model.qk_norm``), any dense/MoE block pattern
+  (``decoder_sparse_step`` / ``mlp_only_layers``), renormalized or not (``norm_topk_prob``).
+
+Everything else with MoE (encoders, other norms/positions, interleaved blocks without query/key norms) exports
+as remote code.
 """
 
 from __future__ import annotations
@@ -16,45 +22,86 @@ from pathlib import Path
 import torch
 
 from pretrain.config import ModelConfig, MoEConfig
-from pretrain.export.families import LLAMA, StateDict, _llama_config, _llama_rules, apply_rules
+from pretrain.export.families import LLAMA, Rule, StateDict, _llama_config, _llama_rules, apply_rules
 
 MOE_KEY = ".ffn.deepspeed_moe."
 _EXPERT = re.compile(r"^(blocks\.\d+\.ffn\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
+def _decoder_violations(cfg: ModelConfig, family: str) -> list[str]:
+    return [v.replace("Llama", family) for v in LLAMA.violations(cfg)]
+
+
 def mixtral_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
     """Why (cfg, moe) is not exactly a Mixtral (empty: it is)."""
-    out = [v.replace("Llama", "Mixtral") for v in LLAMA.violations(cfg)]
+    out = _decoder_violations(cfg, "Mixtral")
     dense = [i for i in range(cfg.num_layers) if not moe.is_moe_layer(i)]
     if dense:
         out.append(f"blocks {dense} are dense (Mixtral has an MoE FFN in every block)")
     if not moe.normalize_top_k:
         out.append("moe.normalize_top_k=false (Mixtral renormalizes the top-k router weights)")
+    if cfg.qk_norm:
+        out.append("model.qk_norm=true (Mixtral has no query/key norms)")
     return out
 
 
-def mixtral_config(cfg: ModelConfig, moe: MoEConfig, special: dict) -> dict:
+def qwen3_moe_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
+    """Why (cfg, moe) is not exactly a Qwen3-MoE (empty: it is). Qwen3-MoE always has per-head RMSNorm query/key
+    norms (our ``model.qk_norm`` with RMSNorm), and takes dense blocks and un-normalized top-k."""
+    out = _decoder_violations(cfg, "Qwen3-MoE")
+    if not cfg.qk_norm:
+        out.append("model.qk_norm=false (Qwen3-MoE always normalizes queries and keys per head)")
+    return out
+
+
+def moe_target(cfg: ModelConfig, moe: MoEConfig) -> tuple[str | None, list[str]]:
+    """(the exact standard MoE class, []) or (None, why neither Mixtral nor Qwen3-MoE is exact)."""
+    why = []
+    for name, check in (("MixtralForCausalLM", mixtral_violations), ("Qwen3MoeForCausalLM", qwen3_moe_violations)):
+        bad = check(cfg, moe)
+        if not bad:
+            return name, []
+        why.append(f"{name}: {'; '.join(bad)}")
+    return None, why
+
+
+def _hf_config(cfg: ModelConfig, moe: MoEConfig, special: dict, target: str) -> dict:
     kw = _llama_config(cfg, special)
-    for key in ("attention_bias", "mlp_bias"):
+    dense_ffn = kw["intermediate_size"]
+    for key in ("attention_bias", "mlp_bias", "head_dim"):
         kw.pop(key)
-    kw.update(intermediate_size=moe.ffn_size or kw["intermediate_size"], num_local_experts=moe.num_experts,
-              num_experts_per_tok=moe.top_k, router_jitter_noise=0.0, sliding_window=None,
-              router_aux_loss_coef=moe.aux_loss_weight, output_router_logits=False)
+    kw.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_weight, output_router_logits=False,
+              sliding_window=None)
+    if target == "MixtralForCausalLM":
+        kw.update(intermediate_size=moe.ffn_size or dense_ffn, num_local_experts=moe.num_experts,
+                  router_jitter_noise=0.0)
+    else:
+        layers = [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]
+        explicit = bool(moe.layers)
+        kw.update(intermediate_size=dense_ffn, moe_intermediate_size=moe.ffn_size or dense_ffn,
+                  num_experts=moe.num_experts, norm_topk_prob=moe.normalize_top_k, attention_bias=False,
+                  use_sliding_window=False, decoder_sparse_step=1 if explicit else moe.every,
+                  mlp_only_layers=[i for i in range(cfg.num_layers) if i not in layers] if explicit else [])
     return kw
 
 
-def to_mixtral(sd: StateDict, cfg: ModelConfig, moe: MoEConfig, special: dict) -> tuple[dict, StateDict]:
-    """(MixtralConfig kwargs, Mixtral state dict). Experts are fused as HF stores them:
-    ``experts.gate_up_proj`` (E, 2F, D) = [gate; up] per expert and ``experts.down_proj`` (E, D, F)."""
-    bad = mixtral_violations(cfg, moe)
-    if bad:
-        raise ValueError(f"MixtralForCausalLM cannot represent this model exactly: {'; '.join(bad)}")
+def to_hf_moe(sd: StateDict, cfg: ModelConfig, moe: MoEConfig, special: dict) -> tuple[str, dict, StateDict]:
+    """(class name, HF config kwargs, HF state dict) for the exact standard MoE class of (cfg, moe). Experts are
+    fused as HF stores them: ``experts.gate_up_proj`` (E, 2F, D) = [gate; up] per expert and
+    ``experts.down_proj`` (E, D, F); the router is ``mlp.gate.weight``; dense blocks keep Llama's MLP names."""
+    target, why = moe_target(cfg, moe)
+    if target is None:
+        raise ValueError(f"no standard MoE class represents this model exactly: {' | '.join(why)}")
     sd = {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
-    dense = {k: v for k, v in sd.items() if MOE_KEY not in k}
-    rules = [r for r in _llama_rules(cfg) if ".ffn." not in r.ours[0]]
-    hf = apply_rules(dense, rules, cfg)
+    moe_blocks = {i for i in range(cfg.num_layers) if moe.is_moe_layer(i)}
+    rules = [r for rule in _llama_rules(cfg) for r in rule.expand(cfg.num_layers)
+             if not any(k.startswith(f"blocks.{i}.ffn.") for i in moe_blocks for k in r.ours)]
+    if cfg.qk_norm:
+        rules += [Rule((f"blocks.{i}.attn.{n}_norm.weight",), f"model.layers.{i}.self_attn.{n}_norm.weight")
+                  for i in range(cfg.num_layers) for n in "qk"]
+    hf = apply_rules({k: v for k, v in sd.items() if MOE_KEY not in k}, rules, cfg)
     used = 0
-    for i in range(cfg.num_layers):
+    for i in sorted(moe_blocks):
         p, q = f"blocks.{i}{MOE_KEY}", f"model.layers.{i}.mlp."
         ex = [f"{p}experts.deepspeed_experts.{e}." for e in range(moe.num_experts)]
         hf[q + "gate.weight"] = sd[p + "gate.wg.weight"]
@@ -64,8 +111,8 @@ def to_mixtral(sd: StateDict, cfg: ModelConfig, moe: MoEConfig, special: dict) -
         used += 1 + 3 * moe.num_experts
     left = sum(MOE_KEY in k for k in sd) - used
     if left:
-        raise ValueError(f"{left} MoE weights with no place in MixtralForCausalLM")
-    return mixtral_config(cfg, moe, special), hf
+        raise ValueError(f"{left} MoE weights with no place in {target}")
+    return target, _hf_config(cfg, moe, special, target), hf
 
 
 def remote_moe_fields(cfg: ModelConfig, moe: MoEConfig) -> dict:
