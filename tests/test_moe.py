@@ -302,13 +302,19 @@ def ep_runs(tmp_path_factory):
 
     with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))
-        resumed = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + [
-            f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}",
+        tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
+        resumed = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + [
             f"checkpoint.resume_from={Path(full.run_dir) / 'step_00000008'}"]))
-        ranks = run_distributed(_train_jobs, 2, [asdict(full)], timeout=900)
+        replicated = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + ["moe.ep_size=1"]))
+        elastic = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + [
+            "moe.ep_size=1", "cluster.num_workers=1",
+            f"checkpoint.resume_from={Path(replicated.run_dir) / 'step_00000004'}"]))
+        ranks = run_distributed(_train_jobs, 2, [asdict(full), asdict(replicated)], timeout=900)
         ranks_resumed = run_distributed(_train_jobs, 2, [asdict(resumed)], timeout=900)
+        run_distributed(_train_jobs, 1, [asdict(elastic)], timeout=900)
         yield {"work": work, "full": full, "resumed": resumed, "final": ranks[0][0],
-               "final_resumed": ranks_resumed[0][0], "ranks": [r[0] for r in ranks]}
+               "final_resumed": ranks_resumed[0][0], "ranks": [r[0] for r in ranks],
+               "replicated": replicated, "elastic": elastic}
 
 
 def _history(uri: str, run_id: str, key: str) -> dict[int, float]:
@@ -343,6 +349,19 @@ def test_ep_resume_is_bitwise(ep_runs):
     assert sorted(resumed) == [9, 10, 11, 12]
     assert [resumed[s] for s in range(9, 13)] == [full[s] for s in range(9, 13)]
     assert ep_runs["final_resumed"]["final_train_loss"] == ep_runs["final"]["final_train_loss"]
+
+
+@pytest.mark.slow
+def test_replicated_experts_resume_elastically(ep_runs):
+    """With moe.ep_size 1 the experts are ordinary data-parallel weights: 2 workers -> 1 through DeepSpeed's
+    universal checkpoint continues the run (1 worker accumulates what 2 workers all-reduce)."""
+    uri = f"sqlite:///{ep_runs['work'] / 'mlflow.db'}"
+    ref = _history(uri, ep_runs["replicated"].run_id, "train/loss")
+    got = _history(uri, ep_runs["elastic"].run_id, "train/loss")
+    assert sorted(got) == list(range(5, 13))
+    diff = max(abs(got[s] - ref[s]) for s in got)
+    print(f"\nMoE (ep_size 1) elastic 2 -> 1 workers: max |loss diff| {diff:.2e}")
+    assert diff < 1e-5
 
 
 @pytest.mark.slow
