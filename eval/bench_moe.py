@@ -57,8 +57,8 @@ def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
     from eval.bench import _batches
     from pretrain.config import from_dict
     from pretrain.model import build_model, param_groups
-    from pretrain.model.moe import moe_layers
     from pretrain.train.engine import initialize
+    from pretrain.train.expert_parallel import exchanges
     from pretrain.train.step import train_step
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
@@ -67,17 +67,17 @@ def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
     model = build_model(cfg.model, cfg.train.seed, cfg.moe, rank)
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, world, "fp32")
     batches = _batches(cfg, steps + 2, device)
-    layers = [m for _, m in moe_layers(model)]
+    timers = exchanges(model)
     for b in batches[:2]:  # warm-up
         train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
-    for m in layers:
-        m.comm_seconds = 0.0
+    for x in timers:
+        x.comm_seconds = 0.0
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for b in batches[2:]:
         train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
     total = time.perf_counter() - t0
-    return {"step_s": total / steps, "comm_frac": sum(m.comm_seconds for m in layers) / total}
+    return {"step_s": total / steps, "comm_frac": sum(x.comm_seconds for x in timers) / total}
 
 
 def all_to_all_share(cfg: RunConfig, steps: int) -> dict:

@@ -1,4 +1,4 @@
-"""Token-choice top-k Mixture-of-Experts FFN, with expert parallelism over an all-to-all.
+"""Token-choice top-k Mixture-of-Experts FFN (single-device code; expert parallelism is applied from outside).
 
 Routing (same as Hugging Face Mixtral / Qwen3-MoE / OLMoE, so exports are exact): fp32 softmax over the
 router logits, top-k, optionally renormalized; each token's output is the weighted sum of its experts'
@@ -6,11 +6,9 @@ SwiGLU/GELU FFNs, accumulated in expert order. With ``capacity_factor > 0`` trai
 beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then
 token order), so the drop decision never depends on other workers; evaluation is dropless.
 
-Expert parallelism (``ep_size > 1``): worker r of an EP group holds experts [r*E/ep, (r+1)*E/ep). Routed
-tokens are sorted by expert, their counts exchanged, and the tokens sent with ``all_to_all_single`` (autograd
-sends the gradients back the same way). :func:`expert_parallel_class` adds DeepSpeed's MoE marker class so the
-DeepSpeed engine reduces expert gradients only across the expert-data-parallel group, partitions their ZeRO-1/2
-optimizer state there, and writes one checkpoint file per expert (``layer_{l}_expert_{e}_...``).
+A layer built for expert-parallel rank r of ``ep_size`` holds experts [r*E/ep, (r+1)*E/ep) only. The routed
+tokens, sorted by expert, then go through ``exchange`` (installed by ``pretrain/train/expert_parallel.py``: the
+all-to-all to the workers holding the experts and back); with ``ep_size`` 1 they run on the local experts.
 
 State-dict keys follow DeepSpeed's MoE names (which its checkpoint code keys on):
 ``deepspeed_moe.gate.wg.weight`` (router, (E, D)) and
@@ -20,11 +18,9 @@ State-dict keys follow DeepSpeed's MoE names (which its checkpoint code keys on)
 from __future__ import annotations
 
 import math
-import time
-from functools import lru_cache
+from collections.abc import Callable
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -34,28 +30,6 @@ from pretrain.model.layers import FeedForward
 STAT_FIELDS = ("routed", "kept", "tokens", "entropy", "balance", "z")
 """Per-layer statistics after the per-expert counts: routed/kept assignments, tokens, sum of router entropy,
 sum of load-balancing loss and router z-loss values over forwards (the last two divided by ``forwards``)."""
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward sends gradients back along the reverse splits
-    (its time is added to ``timer.comm_seconds`` when a timer is given)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timer=None) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        tdist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        t0 = time.perf_counter()
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        tdist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        if ctx.timer is not None:
-            ctx.timer.comm_seconds += time.perf_counter() - t0
-        return back, None, None, None, None
 
 
 class _Gate(nn.Module):
@@ -85,14 +59,13 @@ class MoEFeedForward(nn.Module):
     statistics to ``stats`` until :meth:`take_stats`."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, ffn_size: int, ep_rank: int = 0) -> None:
-        nn.Module.__init__(self)  # not super(): the expert-parallel subclass must skip DeepSpeed MoE's __init__
+        nn.Module.__init__(self)  # not super(): an expert-parallel subclass skips DeepSpeed MoE's __init__
         if moe.num_experts % moe.ep_size or not 0 <= ep_rank < moe.ep_size:
             raise ValueError(f"bad expert layout: {moe.num_experts} experts, ep_size {moe.ep_size}, rank {ep_rank}")
         self.num_experts = moe.num_experts
         self.ep_size = moe.ep_size
         self.ep_rank = ep_rank
         self.num_local_experts = moe.num_experts // moe.ep_size
-        self.expert_group_name = f"ep_size_{moe.ep_size}"  # DeepSpeed's group key
         self.top_k = moe.top_k
         self.capacity_factor = moe.capacity_factor
         self.normalize_top_k = moe.normalize_top_k
@@ -100,12 +73,12 @@ class MoEFeedForward(nn.Module):
         self.router_z_loss_weight = moe.router_z_loss_weight
         self.ffn_size = ffn_size
         self.deepspeed_moe = _Inner(cfg, ffn_size, moe.num_experts, self.num_local_experts)
-        self.ep_group = None  # set by set_deepspeed_parallelism (or a test) when ep_size > 1
-        self.comm_seconds = 0.0  # wall time in all-to-alls, forward and backward (incl. waiting for peers)
+        self.exchange: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """(layer, tokens sorted by global expert, per-expert counts) -> expert outputs in the same order;
+        required when ep_size > 1 (see pretrain/train/expert_parallel.py)."""
         self.aux_loss: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
         self.pending_stats: torch.Tensor | None = None
-        self.mark_expert_params()
 
     @property
     def router(self) -> nn.Linear:
@@ -118,15 +91,6 @@ class MoEFeedForward(nn.Module):
     @property
     def first_expert(self) -> int:
         return self.ep_rank * self.num_local_experts
-
-    def mark_expert_params(self) -> None:
-        """Tag expert parameters the way DeepSpeed recognizes them (``is_moe_param``) when they are expert
-        parallel; with ep_size 1 they stay ordinary data-parallel parameters. Call again after ``to_empty``."""
-        if self.ep_size == 1:
-            return
-        for p in self.experts.parameters():
-            p.allreduce = False
-            p.group_name = self.expert_group_name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
         h = x.reshape(-1, x.shape[-1])  # (N, D)
@@ -161,29 +125,18 @@ class MoEFeedForward(nn.Module):
         return out.view_as(x)
 
     def _run_experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Every local expert runs (on zero rows if it got none), so every rank produces all expert gradients."""
-        if self.ep_size == 1:
-            pieces = tokens.split(counts.tolist())
-            return torch.cat([ffn(p) for ffn, p in zip(self.experts, pieces)])
-        if self.ep_group is None:
-            raise RuntimeError("MoE with moe.ep_size > 1 needs its expert-parallel group "
-                               "(DeepSpeed sets it at initialize; see set_deepspeed_parallelism)")
-        ep, local = self.ep_size, self.num_local_experts
-        t0 = time.perf_counter()
-        recv_counts = torch.empty_like(counts)
-        tdist.all_to_all_single(recv_counts, counts, group=self.ep_group)  # (ep * local,) source-major
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        recv_table = recv_counts.view(ep, local)
-        recv = _AllToAll.apply(tokens, recv_table.sum(1).tolist(), send_splits, self.ep_group, self)
-        self.comm_seconds += time.perf_counter() - t0
-        segments = recv.split(recv_table.flatten().tolist())  # [(source, expert)] source-major
-        outs = [ffn(torch.cat([segments[s * local + j] for s in range(ep)])) for j, ffn in enumerate(self.experts)]
-        per_expert = [o.split(recv_table[:, j].tolist()) for j, o in enumerate(outs)]
-        back = torch.cat([per_expert[j][s] for s in range(ep) for j in range(local)])
-        t0 = time.perf_counter()
-        out = _AllToAll.apply(back, send_splits, recv_table.sum(1).tolist(), self.ep_group, self)
-        self.comm_seconds += time.perf_counter() - t0
-        return out
+        if self.exchange is not None:
+            return self.exchange(self, tokens, counts)
+        if self.ep_size > 1:
+            raise RuntimeError("an MoE layer with moe.ep_size > 1 needs its all-to-all exchange "
+                               "(pretrain.train.expert_parallel.apply_expert_parallel)")
+        return self.run_local(tokens, counts)
+
+    def run_local(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by local expert, ``counts`` per local expert -> outputs. Every local expert runs (on
+        zero rows if it got none), so every rank produces all its expert gradients."""
+        pieces = tokens.split(counts.tolist())
+        return torch.cat([ffn(p) for ffn, p in zip(self.experts, pieces)])
 
     @torch.no_grad()
     def _stats_row(self, routed, kept, n, probs, balance, z) -> torch.Tensor:
@@ -208,37 +161,10 @@ class MoEFeedForward(nn.Module):
             return torch.zeros(self.num_experts + len(STAT_FIELDS) + 1, device=self.router.weight.device)
         return stats
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Called by the DeepSpeed engine: create (once) and adopt the expert-parallel process groups."""
-        from deepspeed.utils import groups
-
-        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(
-                self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
-        rank = groups._get_expert_parallel_rank(self.expert_group_name)
-        if rank != self.ep_rank:
-            raise RuntimeError(f"expert layout mismatch: built for EP rank {self.ep_rank}, DeepSpeed says {rank}")
-
-
-@lru_cache(maxsize=1)
-def expert_parallel_class() -> type:
-    """``MoEFeedForward`` that is also a ``deepspeed.moe.layer.MoE``, so the DeepSpeed engine treats it as an
-    MoE layer (expert gradient groups, per-expert checkpoint files). Its ``__init__`` is ours."""
-    from deepspeed.moe.layer import MoE
-
-    return type("ExpertParallelMoE", (MoEFeedForward, MoE), {"__module__": __name__})
-
 
 def expert_parallel_rank(rank: int, ep_size: int) -> int:
-    """EP rank of global ``rank`` in DeepSpeed's layout (expert-parallel groups are consecutive ranks)."""
+    """EP rank of global ``rank``: expert-parallel groups are consecutive ranks (DeepSpeed's layout)."""
     return rank % ep_size
-
-
-def make_moe_ffn(cfg: ModelConfig, moe: MoEConfig, ffn_size: int, rank: int = 0) -> MoEFeedForward:
-    if moe.ep_size == 1:
-        return MoEFeedForward(cfg, moe, ffn_size)
-    return expert_parallel_class()(cfg, moe, ffn_size, expert_parallel_rank(rank, moe.ep_size))
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoEFeedForward]]:

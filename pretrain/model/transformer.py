@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
-from pretrain.model.moe import MoEFeedForward, make_moe_ffn, moe_layers
+from pretrain.model.moe import MoEFeedForward, expert_parallel_rank, moe_layers
 
 
 class ModelOutput(NamedTuple):
@@ -96,7 +96,8 @@ class Transformer(nn.Module):
         expert_ffn = self.moe.ffn_size or ffn
         self.blocks = nn.ModuleList(
             Block(cfg, ffn, self.causal,
-                  make_moe_ffn(cfg, self.moe, expert_ffn, rank) if self.moe.is_moe_layer(i) else None)
+                  MoEFeedForward(cfg, self.moe, expert_ffn, expert_parallel_rank(rank, self.moe.ep_size))
+                  if self.moe.is_moe_layer(i) else None)
             for i in range(cfg.num_layers))
         # post/deepnorm blocks already end with a norm.
         self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
@@ -282,8 +283,6 @@ def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None, rank:
     if device.type == "meta":  # shape-only model, e.g. for counting
         return model
     model.to_empty(device=device)
-    for _, layer in moe_layers(model):
-        layer.mark_expert_params()  # to_empty made new Parameters
     model.tie_weights()  # to_empty replaces Parameters, which unties them
     model.reset_buffers()
     generator = torch.Generator(device=device)

@@ -69,6 +69,9 @@ def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig,
     """Wrap ``model`` in a DeepSpeed engine; torch.distributed must already be initialized."""
     import deepspeed  # heavy import, kept local
 
+    from pretrain.train.expert_parallel import apply_expert_parallel
+
+    apply_expert_parallel(model)  # MoE layers with moe.ep_size > 1 become DeepSpeed MoE layers
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
