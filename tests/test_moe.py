@@ -468,3 +468,26 @@ def test_moe_export_refuses_what_no_target_represents():
     assert hf_class is None and reason.startswith("cannot export: model.qk_norm")
     hf_class, reason = export_target(ModelConfig(**MIXTRAL_LIKE), MoEConfig(num_experts=4, every=2))
     assert hf_class is None and "trust_remote_code=True" in reason and "MixtralForCausalLM: blocks [0]" in reason
+
+
+def test_moe_encoder_trains_on_masked_tokens():
+    """The same MoE layer in a bidirectional masked LM: the objective (MLM loss + aux) goes down."""
+    cfg = load_config(ROOT / "configs" / "demo-moe-encoder.yaml", [
+        "model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+        "model.ffn_size=64", "moe.ffn_size=32", "model.max_seq_len=16", "model.dropout=0.0", "moe.every=1"])
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    assert len(moe_layers(model)) == 2 and not model.causal
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    ids = (torch.randint(0, 101, (8, 1), generator=g) + torch.arange(16)) % 101
+    labels = torch.where(torch.rand(ids.shape, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    inputs = torch.where(labels != -100, torch.zeros_like(ids), ids)  # token 0 as the mask
+    losses = []
+    for _ in range(30):
+        out = model(inputs, labels=labels)
+        assert out.moe_loss is not None
+        out.objective().backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+    assert losses[-1] < losses[0] - 1.0, losses
