@@ -196,5 +196,8 @@ def routing_metrics(stats: dict[int, torch.Tensor]) -> dict[str, float]:
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:
     """Block -> share of the routed assignments taken by its busiest expert."""
-    m = routing_metrics(stats)
-    return {block: m[f"moe/block{block}/max_share"] for block in stats}
+    out = {}
+    for block, row in stats.items():
+        e = row.numel() - len(STAT_FIELDS) - 1
+        out[block] = float(row[:e].max()) / max(float(row[e]), 1.0)  # row[e]: routed assignments
+    return out
