@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from pretrain.config import ClusterConfig
+from pretrain.train.dist import free_port
 from pretrain.train.loop import SUMMARY_FILE, Job, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # polls; it binds to 127.0.0.1 only.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=_free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
+                 dashboard_port=free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  logging_level=logging.WARNING, configure_logging=True)
     return True
 
@@ -104,12 +104,6 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_summary(job: Job) -> dict[str, Any]:

@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+from eval.bench_common import interleaved_best
+from eval.bench_common import micro_batch_module, train_step_fn
+from eval.bench_common import random_batches as _batches
+from eval.bench_common import sync as _sync
 from pretrain.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,23 +54,6 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _batches(cfg: RunConfig, n: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.max_seq_len), generator=g)
-        labels = ids.clone()
-        if cfg.model.kind == "encoder":
-            labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
-        out.append({"input_ids": ids.to(device), "labels": labels.to(device)})
-    return out
-
-
 def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     """The reference: a plain PyTorch step (autocast for bf16, clip, AdamW)."""
     from pretrain.model import build_model, param_groups
@@ -90,38 +77,7 @@ def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
 
 
 def _our_step_fn(cfg: RunConfig, device: torch.device, precision: str):
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
-    from pretrain.train.step import train_step
-
-    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
-
-    def step(batch):
-        return train_step(engine, batch, cfg.train.micro_batch_size, cfg.train.lr, device)
-    return step
-
-
-def _time_steps(step, batches, device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    for b in batches:
-        step(b)
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def interleaved_best(fns: list, batches, device: torch.device, rounds: int) -> list[float]:
-    """Warm each step function up on two batches, then time ``rounds`` interleaved rounds over ``batches`` so
-    drift (thermal, other load) hits all alike; the best round per function (the least disturbed one)."""
-    for fn in fns:  # warm-up (allocator, kernels, DeepSpeed buffers)
-        _time_steps(fn, batches[:2], device)
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for t, fn in zip(times, fns):
-            t.append(_time_steps(fn, batches, device))
-    return [min(t) for t in times]
+    return train_step_fn(micro_batch_module(cfg, device))
 
 
 def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
@@ -139,26 +95,26 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     """Cost of the health metrics at the default interval: our guarded step (stability checks on) with
     and without a :class:`HealthProbe`, interleaved; overhead = extra time of one health step spread over
     ``stability.health_every`` steps, as a fraction of the step time."""
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
+    from pretrain.train.callbacks import HealthCallback
     from pretrain.train.health import HealthProbe
     from pretrain.train.stability import StabilityMonitor
-    from pretrain.train.step import run_step
+    from pretrain.train.step import StepHooks, StepInput, run_step
 
-    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
+    module = micro_batch_module(cfg, device)
     monitor = StabilityMonitor(cfg.stability)
+    guard = StepHooks()
+    guard.decide = monitor.decide
+    health = HealthCallback(every=1)
     batches = _batches(cfg, 2, device)
     step_no = 0
 
     def timed(probe: bool) -> float:
         nonlocal step_no
         step_no += 1
+        health.probe = HealthProbe(module.engine) if probe else None
         _sync(device)
         t0 = time.perf_counter()
-        run_step(engine, batches[step_no % 2], cfg.train.micro_batch_size, cfg.train.lr, device, step=step_no,
-                 guard=monitor.decide, probe=HealthProbe(engine) if probe else None)
+        run_step(module, StepInput(step_no, batches[step_no % 2], cfg.train.lr), [guard, health])
         _sync(device)
         return time.perf_counter() - t0
 
@@ -175,7 +131,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
 
 def data_benchmark(cfg: RunConfig, seconds: float) -> float:
     from pretrain.data import data_throughput, load_or_train_tokenizer
-    from pretrain.train.prepare import resolve_paths
+    from cluster.prepare import resolve_paths
 
     cfg = resolve_paths(cfg)
     tok_dir = Path(cfg.data.cache_dir) / "bench-tokenizer"

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from eval.bench_common import interleaved_best, micro_batch_module, random_batches, train_step_fn
 from pretrain.config import RunConfig
 
 
@@ -31,20 +32,12 @@ def _dense_twin(cfg: RunConfig) -> RunConfig:
 
 
 def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
-    from pretrain.train.step import train_step
-
-    model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, 1, precision)
-    return lambda batch: train_step(engine, batch, cfg.train.micro_batch_size, cfg.train.lr, device)
+    return train_step_fn(micro_batch_module(cfg, device))
 
 
 def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
-    from eval.bench import _batches, interleaved_best
-
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_size=1))
-    batches = _batches(cfg, steps, device)
+    batches = random_batches(cfg, steps, device)
     t_dense, t_moe = interleaved_best([_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)],
                                       batches, device, rounds)
     tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
@@ -54,28 +47,24 @@ def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: in
 
 
 def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
-    from eval.bench import _batches
     from pretrain.config import from_dict
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
     from pretrain.train.expert_parallel import exchanges
-    from pretrain.train.step import train_step
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     cfg = from_dict(cfg_dict)
     device = torch.device("cpu")
-    model = build_model(cfg.model, cfg.train.seed, cfg.moe, rank)
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, world, "fp32")
-    batches = _batches(cfg, steps + 2, device)
-    timers = exchanges(model)
+    module = micro_batch_module(cfg, device, world)
+    step = train_step_fn(module)
+    batches = random_batches(cfg, steps + 2, device)
+    timers = exchanges(module.model)
     for b in batches[:2]:  # warm-up
-        train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
+        step(b)
     for x in timers:
         x.comm_seconds = 0.0
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for b in batches[2:]:
-        train_step(engine, b, cfg.train.micro_batch_size, cfg.train.lr, device)
+        step(b)
     total = time.perf_counter() - t0
     return {"step_s": total / steps, "comm_frac": sum(x.comm_seconds for x in timers) / total}
 

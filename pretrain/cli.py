@@ -27,23 +27,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pretrain.config import ConfigError, load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "configs" / "demo-decoder.yaml"
-
-
-def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
-    """First non-override argument is the config path; ``key=value`` items are overrides."""
-    path, overrides = None, []
-    for a in args:
-        if "=" in a and not a.startswith("-"):
-            overrides.append(a)
-        elif path is None:
-            path = a
-        else:
-            raise ConfigError(f"{a}: unexpected argument (one config file, then key=value overrides)")
-    return path, overrides
+from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
 
 
 def _print_summary(final: dict, job, uri: str) -> None:
@@ -73,10 +57,10 @@ def _print_summary(final: dict, job, uri: str) -> None:
 
 
 def cmd_train(args: list[str]) -> int:
-    path, overrides = _split_args(args)
+    path, overrides = split_args(args)
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
 
-    from pretrain.train.prepare import prepare_new
+    from cluster.prepare import prepare_new
     from pretrain.train.tracking import tracking_uri
 
     job = prepare_new(cfg)
@@ -86,7 +70,7 @@ def cmd_train(args: list[str]) -> int:
 
 def cmd_resume(args: list[str]) -> int:
     from pretrain.config import from_dict
-    from pretrain.train.prepare import prepare_resume
+    from cluster.prepare import prepare_resume
     from pretrain.train.tracking import tracking_uri
 
     if not args:
@@ -136,7 +120,7 @@ def cmd_runs(args: list[str]) -> int:
             print(f"  {c.step:>8} {c.manifest.get('tokens_seen', 0):>12,} {m.get('train/loss', float('nan')):>10.4f} "
                   f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}")
         if plot:
-            from eval.plot import plot_run
+            from pretrain.train.plot import plot_run
 
             out = Path(root) / "training.png" if root and Path(root).is_dir() else Path(f"{args[0]}.png")
             print(f"plot: {plot_run(uri, args[0], out).resolve()}")

@@ -298,7 +298,7 @@ def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     """A 12-step EP=2 run on 2 real gloo workers, and the same run resumed from its step-8 checkpoint."""
-    from pretrain.train.prepare import prepare_new
+    from cluster.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))

@@ -254,7 +254,7 @@ def _deep_post_ln() -> None:
 
 
 def test_plot_training_png(tmp_path):
-    from eval.plot import plot_training, split_replayed
+    from pretrain.train.plot import plot_training, split_replayed
 
     final, gone = split_replayed([(5, 1.0), (10, 0.9), (14, 143.0), (10, 0.95), (15, 0.8)])
     assert final == [(5, 1.0), (10, 0.95), (15, 0.8)] and gone == [[(10, 0.9), (14, 143.0)]]
@@ -451,7 +451,7 @@ def fault_runs(tmp_path_factory):
     """Four real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at
     step 5 (policy skip), LR x1000 at step 13 (policy rollback), and the rollback run resumed from its
     step-8 checkpoint (before the fault)."""
-    from pretrain.train.prepare import prepare_new
+    from cluster.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("stability")) as work:
         clean = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", TINY))

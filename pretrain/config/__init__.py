@@ -7,14 +7,17 @@ and is saved in every checkpoint. ``tree.py``: the dataclasses; ``loading.py``: 
 """
 
 from pretrain.config.loading import (
+    DEFAULT_CONFIG,
     config_hash,
     dump_yaml,
     flatten,
     from_dict,
     load_config,
     parse_override,
+    split_args,
     to_dict,
 )
+from pretrain.config.plan import RunPlan, make_plan
 from pretrain.config.tree import (
     CheckpointConfig,
     ClusterConfig,
@@ -34,5 +37,5 @@ from pretrain.config.tree import (
 __all__ = [
     "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "ModelConfig", "MoEConfig",
     "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
-    "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
+    "RunPlan", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
 ]

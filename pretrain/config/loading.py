@@ -16,6 +16,9 @@ import yaml
 
 from pretrain.config.tree import ConfigError, RunConfig
 
+# The config `train` and `submit` use when none is given (absolute: repository root / configs).
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-decoder.yaml"
+
 _HINTS: dict[type, dict[str, Any]] = {}
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -159,6 +162,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     return from_dict(tree)
+
+
+def split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """First non-override argument is the config path; ``key=value`` items are overrides."""
+    path, overrides = None, []
+    for a in args:
+        if "=" in a and not a.startswith("-"):
+            overrides.append(a)
+        elif path is None:
+            path = a
+        else:
+            raise ConfigError(f"{a}: unexpected argument (one config file, then key=value overrides)")
+    return path, overrides
 
 
 def _merge(a: dict, b: dict) -> dict:

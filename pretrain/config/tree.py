@@ -135,9 +135,11 @@ class TrainConfig:
     seed: int = 1234
     """Seed of model init, data order, dropout and MLM masks."""
     global_batch_size: int = 16
-    """Sequences per optimizer step across all workers (= micro_batch * grad_accum * workers)."""
+    """Sequences per optimizer step across all workers; it stays what you set whatever the worker count
+    (must be divisible by ``data.num_streams``)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward on one worker; gradient accumulation fills the rest."""
+    """Most sequences per forward/backward on one worker (a memory cap): the run plan picks the largest
+    micro-batch within it that splits each worker's share, and gradient accumulation fills the rest."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -444,7 +446,9 @@ class RunConfig:
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
         self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
-        self.check_world_size(c.num_workers)
+        from pretrain.config.plan import make_plan  # the worker-count rules live with the derived numbers
+
+        make_plan(self, c.num_workers)
         return self
 
     def _validate_stability(self) -> None:
@@ -473,22 +477,3 @@ class RunConfig:
         if m.embedding_scale < 0:
             raise ConfigError(f"model.embedding_scale: must be >= 0 (0 means sqrt(hidden_size)), "
                               f"got {m.embedding_scale}")
-
-    def check_world_size(self, world_size: int) -> None:
-        """Batch and stream divisibility for a given number of workers."""
-        t, d = self.train, self.data
-        if d.num_streams % world_size:
-            raise ConfigError(
-                f"cluster.num_workers: {world_size} workers must divide data.num_streams {d.num_streams}")
-        if t.val_sequences % world_size:
-            raise ConfigError(
-                f"train.val_sequences: {t.val_sequences} must be divisible by {world_size} workers")
-        per_worker = t.global_batch_size / world_size
-        if per_worker != int(per_worker) or int(per_worker) % t.micro_batch_size:
-            raise ConfigError(
-                f"train.global_batch_size: {t.global_batch_size} is not micro_batch_size "
-                f"{t.micro_batch_size} x grad_accum x {world_size} workers")
-        self.moe.check_world_size(world_size)
-
-    def grad_accum_steps(self, world_size: int) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)

@@ -6,9 +6,10 @@ SwiGLU/GELU FFNs, accumulated in expert order. With ``capacity_factor > 0`` trai
 beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then
 token order), so the drop decision never depends on other workers; evaluation is dropless.
 
-A layer built for expert-parallel rank r of ``ep_size`` holds experts [r*E/ep, (r+1)*E/ep) only. The routed
-tokens, sorted by expert, then go through ``exchange`` (installed by ``pretrain/train/expert_parallel.py``: the
-all-to-all to the workers holding the experts and back); with ``ep_size`` 1 they run on the local experts.
+The layer is built with all E experts. Expert parallelism (``pretrain/train/expert_parallel.py``) keeps, on
+expert-parallel rank r of ``ep_size``, experts [r*E/ep, (r+1)*E/ep) only, and routes the tokens, sorted by
+expert, through ``exchange`` (the all-to-all to the workers holding the experts and back); with ``ep_size`` 1
+they run on the local experts.
 
 State-dict keys follow DeepSpeed's MoE names (which its checkpoint code keys on):
 ``deepspeed_moe.gate.wg.weight`` (router, (E, D)) and
@@ -58,14 +59,13 @@ class MoEFeedForward(nn.Module):
     router z-loss) to add to the training loss, and (training only) :meth:`commit_stats` adds its routing
     statistics to ``stats`` until :meth:`take_stats`."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, ffn_size: int, ep_rank: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, ffn_size: int) -> None:
         nn.Module.__init__(self)  # not super(): an expert-parallel subclass skips DeepSpeed MoE's __init__
-        if moe.num_experts % moe.ep_size or not 0 <= ep_rank < moe.ep_size:
-            raise ValueError(f"bad expert layout: {moe.num_experts} experts, ep_size {moe.ep_size}, rank {ep_rank}")
         self.num_experts = moe.num_experts
-        self.ep_size = moe.ep_size
-        self.ep_rank = ep_rank
-        self.num_local_experts = moe.num_experts // moe.ep_size
+        # Built with every expert; pretrain/train/expert_parallel.py keeps a worker's slice (ep_size > 1).
+        self.ep_size = 1
+        self.ep_rank = 0
+        self.num_local_experts = moe.num_experts
         self.top_k = moe.top_k
         self.capacity_factor = moe.capacity_factor
         self.normalize_top_k = moe.normalize_top_k
@@ -160,11 +160,6 @@ class MoEFeedForward(nn.Module):
         if stats is None:
             return torch.zeros(self.num_experts + len(STAT_FIELDS) + 1, device=self.router.weight.device)
         return stats
-
-
-def expert_parallel_rank(rank: int, ep_size: int) -> int:
-    """EP rank of global ``rank``: expert-parallel groups are consecutive ranks (DeepSpeed's layout)."""
-    return rank % ep_size
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoEFeedForward]]:

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
-from pretrain.model.moe import MoEFeedForward, expert_parallel_rank, moe_layers
+from pretrain.model.moe import MoEFeedForward, moe_layers
 
 
 class ModelOutput(NamedTuple):
@@ -72,10 +72,10 @@ class Transformer(nn.Module):
 
     Constructing it directly leaves torch's default parameter init (fine before ``load_state_dict``);
     use :func:`build_model` for the configured, seeded init. ``moe``: MoE FFNs (None or ``num_experts: 0`` =
-    dense); ``rank``: this worker's global rank, which picks its experts when ``moe.ep_size > 1``.
+    dense), each built with all its experts (expert parallelism is applied from the training side).
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None, rank: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError(f"model.vocab_size must be resolved to > 0 before building, got {cfg.vocab_size}")
@@ -96,8 +96,7 @@ class Transformer(nn.Module):
         expert_ffn = self.moe.ffn_size or ffn
         self.blocks = nn.ModuleList(
             Block(cfg, ffn, self.causal,
-                  MoEFeedForward(cfg, self.moe, expert_ffn, expert_parallel_rank(rank, self.moe.ep_size))
-                  if self.moe.is_moe_layer(i) else None)
+                  MoEFeedForward(cfg, self.moe, expert_ffn) if self.moe.is_moe_layer(i) else None)
             for i in range(cfg.num_layers))
         # post/deepnorm blocks already end with a norm.
         self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
@@ -269,9 +268,9 @@ class Transformer(nn.Module):
         return total / count
 
 
-def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None, rank: int = 0) -> Transformer:
-    """A freshly initialized model; same cfg and seed give bitwise identical weights (and, with expert
-    parallelism, each worker holds exactly its experts' slice of the ``ep_size = 1`` model).
+def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None) -> Transformer:
+    """A freshly initialized model; same cfg and seed give bitwise identical weights (every expert gets
+    its own draws, so an expert-parallel worker's slice equals the same experts of this model).
 
     The module tree is built on the meta device (so torch's default inits draw nothing from the
     global RNG and cost nothing), then materialized on the default device and initialized from a
@@ -279,7 +278,7 @@ def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None, rank:
     """
     device = torch.get_default_device()
     with torch.device("meta"):
-        model = Transformer(cfg, moe, rank)
+        model = Transformer(cfg, moe)
     if device.type == "meta":  # shape-only model, e.g. for counting
         return model
     model.to_empty(device=device)

@@ -187,11 +187,13 @@ def cleanup_staging(run_dir: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
-def prune(run_dir: Path, keep_last: int) -> None:
+def prune(run_dir: Path, keep_last: int, protect: set[str] = frozenset()) -> None:
+    """Delete committed checkpoints beyond the newest ``keep_last`` (0 keeps all), never one in ``protect``."""
     if keep_last <= 0:
         return
     for ckpt in list_committed(run_dir)[:-keep_last]:
-        shutil.rmtree(ckpt.path, ignore_errors=True)
+        if str(ckpt.path) not in protect:
+            shutil.rmtree(ckpt.path, ignore_errors=True)
 
 
 def load_rank_state(ckpt: Path, rank: int) -> tuple[dict, dict | None]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig
+from pretrain.config import RunConfig, RunPlan
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -18,10 +18,11 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return "fp32"
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, precision: str,
+def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str,
                      load_universal: bool = False) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` on ``world_size`` workers. ``load_universal``: the engine
-    will load a universal checkpoint (resuming with a different number of workers)."""
+    """The DeepSpeed config dict for ``cfg`` under ``plan``. ``load_universal``: the engine will load a
+    universal checkpoint (resuming with a different number of workers). DeepSpeed's batch size is the
+    nominal micro x accumulation x workers (the plan pads uneven shares to equal passes)."""
     t, z = cfg.train, cfg.zero
     zero: dict[str, Any] = {"stage": z.stage}
     if z.stage > 0:
@@ -34,9 +35,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int, precision: str,
     if z.offload_optimizer and z.stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps(world_size),
+        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.world_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -64,18 +65,16 @@ def expert_param_groups(param_groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
-def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, world_size: int,
+def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, plan: RunPlan,
                precision: str, load_universal: bool = False):
-    """Wrap ``model`` in a DeepSpeed engine; torch.distributed must already be initialized."""
+    """Wrap ``model`` (expert parallelism already applied) in a DeepSpeed engine; torch.distributed
+    must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
     import deepspeed  # heavy import, kept local
 
-    from pretrain.train.expert_parallel import apply_expert_parallel
-
-    apply_expert_parallel(model)  # MoE layers with moe.ep_size > 1 become DeepSpeed MoE layers
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
-        config=deepspeed_config(cfg, world_size, precision, load_universal), dist_init_required=False)
+        config=deepspeed_config(cfg, plan, precision, load_universal), dist_init_required=False)
     _use_weights_only_loading(engine)
     return engine
 
@@ -112,10 +111,3 @@ def set_lr(engine, lr: float) -> None:
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
 
-
-def global_grad_norm(engine) -> float:
-    """The pre-clipping global gradient norm of the last step (same value on every rank)."""
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return float("nan")
-    return float(norm)

@@ -1,6 +1,7 @@
 """Expert parallelism, applied to a built model from outside (the model code stays single-device).
 
-:func:`apply_expert_parallel` turns every MoE layer built with ``ep_size > 1`` into a DeepSpeed MoE layer (the
+:func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank (the model is
+built with all of them, so every layout has the same expert weights) and turns every such MoE layer into a DeepSpeed MoE layer (the
 instance's class becomes a subclass that is also ``deepspeed.moe.layer.MoE``, the way FSDP2's ``fully_shard``
 swaps classes) and tags its expert parameters as DeepSpeed does (``allreduce = False``, ``group_name``). The
 DeepSpeed engine then
@@ -103,21 +104,63 @@ def _deepspeed_moe_class() -> type:
                 {"__module__": __name__, "set_deepspeed_parallelism": _set_deepspeed_parallelism})
 
 
-def apply_expert_parallel(model: nn.Module) -> int:
-    """Make the model's expert-parallel MoE layers DeepSpeed MoE layers (see module doc); before
-    ``deepspeed.initialize``. Returns how many layers it converted (0 for dense models and ``ep_size`` 1)."""
+def expert_parallel_rank(rank: int, ep_size: int) -> int:
+    """EP rank of global ``rank``: expert-parallel groups are consecutive ranks (DeepSpeed's layout)."""
+    return rank % ep_size
+
+
+def shard_experts(layer: MoEFeedForward, ep_size: int, ep_rank: int) -> None:
+    """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of a layer built with all E experts."""
+    if layer.num_experts % ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"bad expert layout: {layer.num_experts} experts, ep_size {ep_size}, rank {ep_rank}")
+    if layer.ep_size != 1:
+        raise ValueError("experts are already sharded")
+    local = layer.num_experts // ep_size
+    first = ep_rank * local
+    layer.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(list(layer.experts)[first:first + local])
+    layer.ep_size, layer.ep_rank, layer.num_local_experts = ep_size, ep_rank, local
+
+
+def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> int:
+    """Shard the experts of every MoE layer over ``ep_size`` workers (this worker: global ``rank``) and make
+    those layers DeepSpeed MoE layers (see module doc); before ``deepspeed.initialize``. Returns how many
+    layers it converted (0 for dense models and ``ep_size`` 1)."""
+    if ep_size == 1:
+        return 0  # experts are ordinary data-parallel weights
     converted = 0
     for _, layer in moe_layers(model):
-        if layer.ep_size == 1:
-            continue  # experts are ordinary data-parallel weights
-        if not isinstance(layer, _deepspeed_moe_class()):
-            layer.__class__ = _deepspeed_moe_class()
-            layer.expert_group_name = group_name(layer.ep_size)  # read by DeepSpeed's checkpoint code
+        shard_experts(layer, ep_size, expert_parallel_rank(rank, ep_size))
+        layer.__class__ = _deepspeed_moe_class()
+        layer.expert_group_name = group_name(layer.ep_size)  # read by DeepSpeed's checkpoint code
         for p in layer.experts.parameters():
             p.allreduce = False
             p.group_name = layer.expert_group_name
         converted += 1
     return converted
+
+
+def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (this worker's state dict, experts under local ids) with every expert of every sharded MoE
+    layer under its global id, all-gathered over the expert-parallel group (collective on that group)."""
+    from deepspeed.utils import groups
+
+    out = dict(state)
+    for block, layer in moe_layers(model):
+        if layer.ep_size == 1:
+            continue
+        group = groups._get_expert_parallel_group(group_name(layer.ep_size))
+        prefix = f"blocks.{block}.ffn.deepspeed_moe.experts.deepspeed_experts."
+        local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        for key in list(out):
+            if key.startswith(prefix):
+                del out[key]
+        for name in sorted(local):  # same order on every rank: "<local id>.<param>"
+            e, rest = name.split(".", 1)
+            parts = [torch.empty_like(local[name]) for _ in range(layer.ep_size)]
+            tdist.all_gather(parts, local[name].contiguous(), group=group)
+            for r, t in enumerate(parts):
+                out[f"{prefix}{r * layer.num_local_experts + int(e)}.{rest}"] = t
+    return out
 
 
 def exchanges(model: nn.Module) -> list[AllToAllExchange]:

@@ -3,7 +3,8 @@
     ./launch.sh runs RUN_ID --plot      (also drawn by rank 0 at the end of training)
 
 Reads the metric history and the ``stability/timeline.json`` artifact of an MLflow run, or takes series
-and events directly (:func:`plot_training`). Imports nothing from the training code.
+and events directly (:func:`plot_training`). A leaf module: imports nothing else from the package (matplotlib and
+MLflow only, lazily); :meth:`pretrain.train.stability.StabilityControl.plot` and ``runs --plot`` import it.
 """
 
 from __future__ import annotations

@@ -4,16 +4,11 @@ joined by a real gloo process group; returns each rank's return value (rank orde
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pretrain.train.dist import free_port
 
 
 def _entry(rank, world_size, port, fn, args, queue):
@@ -34,7 +29,7 @@ def _entry(rank, world_size, port, fn, args, queue):
 def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -351,9 +351,9 @@ def event_line(event: dict[str, Any]) -> str:
 
 
 class StabilityControl:
-    """The loop's side (a thin impure shell): fault hooks, events to progress and MLflow, halts and
-    rollbacks. The decisions come from :class:`StabilityMonitor`, identical on all ranks. ``state`` is the
-    loop's ``TrainerState`` (step, sequences, stability, faults_fired)."""
+    """The trainer's side (a thin impure shell, driven by ``StabilityCallback``): events to progress and MLflow,
+    halts and rollbacks. The decisions come from :class:`StabilityMonitor`, identical on all ranks. ``state`` is
+    the trainer's ``TrainerState`` (step, sequences, stability)."""
 
     def __init__(self, cfg: RunConfig, state: Any, ctx: dist.DistContext, run_dir: Path, tracker: Tracker,
                  progress: Progress):
@@ -363,19 +363,6 @@ class StabilityControl:
         self.monitor.load_state_dict(state.stability)
         self.history: list[tuple[int, float, float]] = []  # (step, loss, grad norm): the plot without MLflow
         self._dirty = False
-
-    def fault(self, name: str, at_step: int, step: int) -> bool:
-        """A one-shot fault hook fires at ``step`` (on every rank; remembered in the trainer state)."""
-        if at_step != step or name in self.state.faults_fired:
-            return False
-        self.state.faults_fired.append(name)
-        self.progress.say(f"[fault] {name} injected at step {step}")
-        return True
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        items = list(metrics.items())
-        for i in range(0, len(items), 500):  # MLflow takes at most 1000 metrics per batch
-            self.tracker.log_metrics(dict(items[i:i + 500]), step)
 
     def report(self, event: dict[str, Any], urgent: bool) -> None:
         """An event: a progress line, the ``stability/*`` counters, a tag; the timeline artifact."""
@@ -421,7 +408,7 @@ class StabilityControl:
 
     def plot(self, tracking_uri: str) -> str:
         """Rank 0: the PNG of loss, grad norm and events (from MLflow when tracked), saved and logged."""
-        from eval.plot import plot_run, plot_training  # a leaf module (matplotlib), imported only here
+        from pretrain.train.plot import plot_run, plot_training  # a leaf module (matplotlib), imported only here
 
         path = self.run_dir / "training.png"
         try:

@@ -1,8 +1,9 @@
 """The step: one optimizer update over this rank's share of the global batch, and evaluation.
 
 Everything that changes the math of an update (LR, micro-batching, z-loss, clipping via DeepSpeed, loss
-averaging across ranks, the stability guard that may drop the update) lives here; the loop around it
-only schedules and observes.
+averaging across ranks, dropping an update) lives here; the trainer around it only schedules, and
+callbacks observe or extend it through :class:`StepHooks` (the stability guard, health probes, fault
+injection).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import math
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from pretrain.model.moe import moe_layers
 from pretrain.train import dist
-from pretrain.train.engine import set_lr
-from pretrain.train.health import HealthProbe, grad_signals
+from pretrain.train.health import grad_signals
 from pretrain.train.stability import StepSignals
 
 
@@ -28,30 +29,49 @@ def step_seed(seed: int, step: int, index: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{index}".encode()) & 0x7FFFFFFF
 
 
-def micro_batch_ids(rank: int, world_size: int, global_batch: int, micro: int, num_streams: int) -> list[int]:
-    """Global ids of this rank's micro-batches in one step, independent of the worker count.
-
-    Rank r holds, in order, the G/S sequences of each stream s = r, r+W, r+2W, ...; when the micro-batch
-    divides G/S each micro-batch lies in one stream, and its id is (stream, offset) flattened — the same
-    id whichever worker holds it. Otherwise ids fall back to rank order (still deterministic)."""
-    per_rank = global_batch // world_size // micro
-    per_stream_seqs = global_batch // num_streams
-    if per_stream_seqs % micro:
-        return [rank * per_rank + j for j in range(per_rank)]
-    per_stream = per_stream_seqs // micro
-    return [(rank + (j // per_stream) * world_size) * per_stream + j % per_stream for j in range(per_rank)]
-
-
 def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.device):
     n = batch["input_ids"].shape[0]
     for i in range(0, n, micro):
         yield {k: v[i:i + micro].to(device, non_blocking=True) for k, v in batch.items()}
 
 
-class Guard(Protocol):
-    """Decides, from the reduced signals of a step, whether its update is applied."""
+@dataclass
+class StepInput:
+    """What the trainer hands the step: this rank's share of one global batch and how to train on it."""
 
-    def __call__(self, signals: StepSignals) -> Any: ...  # returns an object with a bool ``apply``
+    step: int
+    """1-based number of this optimizer step."""
+    batch: dict[str, torch.Tensor]
+    """``input_ids`` and ``labels``, (share, T) each: this rank's share of the global batch."""
+    lr: float
+    """Learning rate of this update."""
+    seeds: list[int] | None = None
+    """Seed of the global torch RNG (dropout) per real micro-batch, see ``RunPlan.micro_batch_ids``."""
+
+
+class StepHooks:
+    """Extension points inside one step (callbacks subclass this; every method is a no-op by default).
+    The order of the calls is fixed by :func:`run_step`."""
+
+    def before_forward(self, module, index: int) -> None:
+        """Before the forward of micro-batch ``index`` (after its RNG seed is set)."""
+
+    def after_forward(self, module, index: int, output) -> None:
+        """After the forward of micro-batch ``index``."""
+
+    def objective(self, objective: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        """The objective of micro-batch ``index`` of ``count`` before backward (may wrap it)."""
+        return objective
+
+    def decide(self, signals: StepSignals) -> Any:
+        """From the reduced signals, before the update: an object with a bool ``apply``, or None (no opinion)."""
+        return None
+
+    def before_update(self, module) -> None:
+        """Right before the optimizer update (after the decision)."""
+
+    def after_update(self, module) -> None:
+        """Right after the optimizer update."""
 
 
 @dataclass
@@ -61,70 +81,74 @@ class StepResult:
     grad_norm: float
     """Global pre-clipping gradient norm (same on every rank)."""
     applied: bool = True
-    """Whether the optimizer update was applied (False when the guard skipped it)."""
+    """Whether the optimizer update was applied (False when a hook's decision skipped it)."""
     decision: Any = None
-    """What the guard returned."""
-    health: dict[str, float] = field(default_factory=dict)
-    """Health metrics (only when a probe was given)."""
+    """The decision a hook returned (None when no hook decided)."""
     moe: dict[int, torch.Tensor] = field(default_factory=dict)
     """Routing statistics of this step summed over all ranks and micro-batches, per MoE block index
     (see :func:`pretrain.model.moe.routing_metrics`); empty for dense models."""
 
 
-def train_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float,
-               device: torch.device, seeds: list[int] | None = None) -> tuple[float, float]:
-    """One optimizer step over this rank's share of the global batch -> (global mean loss, grad norm).
-    ``seeds``: per micro-batch seed of the global torch RNG (dropout), see ``micro_batch_ids``."""
-    result = run_step(engine, batch, micro, lr, device, seeds)
-    return result.loss, result.grad_norm
+def _padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch that only keeps the collectives matched: its objective is multiplied by 0."""
+    return {"input_ids": torch.zeros_like(mb["input_ids"]), "labels": torch.full_like(mb["labels"], -100)}
 
 
-def run_step(engine, batch: dict[str, torch.Tensor], micro: int, lr: float, device: torch.device,
-             seeds: list[int] | None = None, *, step: int = 0, guard: Guard | None = None,
-             probe: HealthProbe | None = None, corrupt_grads: bool = False) -> StepResult:
-    """One optimizer step, with the stability hooks:
+def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepResult:
+    """One optimizer step of ``module`` (a :class:`~pretrain.train.module.TrainModule`) over this rank's share:
 
-    * at the accumulation boundary, after the last backward and *before* ``engine.step()``, the loss,
-      the squared gradient norm (from this rank's shard) and a non-finite flag are all-reduced in one
-      collective, and ``guard`` (same inputs on every rank) decides whether the update is applied;
-      a skipped update leaves weights and optimizer state bitwise unchanged (:func:`update_suppressed`);
-    * ``probe`` (health steps) observes the first micro-batch's forward and the update;
-    * ``corrupt_grads`` (fault injection) turns this rank's gradients NaN, the loss staying finite.
-    ``step``: the 1-based number of this step, passed to the guard."""
-    set_lr(engine, lr)
+    * the plan's micro-batches (padded with zero-weight ones when the ranks' shares differ), each seeded,
+      forward, ``hooks.objective``, backward;
+    * at the accumulation boundary, after the last backward and *before* the update, the loss, the squared
+      gradient norm (from this rank's shard) and a non-finite flag are all-reduced in one collective, and the
+      hooks' ``decide`` (same inputs on every rank) may drop the update, which leaves weights and optimizer
+      state bitwise unchanged (:func:`update_suppressed`)."""
+    engine, plan, device = module.engine, module.plan, module.device
+    module.set_lr(inp.lr)
+    mbs = list(_micro_batches(inp.batch, plan.micro_batch, device))
+    real = len(mbs)
+    mbs += [_padding(mbs[0]) for _ in range(plan.grad_accum - real)]
+    scale = None if plan.even else plan.gradient_scale()
     losses = []
-    mbs = list(_micro_batches(batch, micro, device))
     for i, mb in enumerate(mbs):
-        if seeds is not None:
-            torch.manual_seed(seeds[i])
-        if probe is not None and i == 0:
-            probe.attach()
+        if inp.seeds is not None:
+            torch.manual_seed(inp.seeds[i] if i < real else 0x7FFFFFFF - i)
+        for h in hooks:
+            h.before_forward(module, i)
         out = engine(mb["input_ids"], labels=mb["labels"])
-        if probe is not None and i == 0:
-            probe.detach(out)
+        for h in hooks:
+            h.after_forward(module, i, out)
         objective = out.objective()
-        if corrupt_grads and i == len(mbs) - 1:
-            objective = _NaNGrad.apply(objective)
+        if scale is not None:
+            objective = objective * (scale if i < real else 0.0)
+        for h in hooks:
+            objective = h.objective(objective, i, len(mbs))
         engine.backward(objective)
-        losses.append(out.loss.detach().float().item())
+        if i < real:
+            losses.append(out.loss.detach().float().item())
         if i < len(mbs) - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
     grad_sq, nonfinite = grad_signals(engine)
-    loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses) / len(losses), grad_sq, nonfinite], device)
-    loss = loss_sum / torch.distributed.get_world_size()
+    world = torch.distributed.get_world_size()
+    if scale is None:  # every rank ran the same number of real micro-batches
+        loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses) / len(losses), grad_sq, nonfinite], device)
+        loss = loss_sum / world
+    else:
+        loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses), grad_sq, nonfinite], device)
+        loss = loss_sum / plan.real_micro_batches
     grad_norm = math.sqrt(grad_sq) if nonfinite == 0 and math.isfinite(grad_sq) else float("nan")
     moe = reduce_moe_stats(engine.module, device)
-    decision = guard(StepSignals(step, loss, grad_norm)) if guard is not None else None
+    decision = None
+    for h in hooks:
+        decision = h.decide(StepSignals(inp.step, loss, grad_norm)) if decision is None else decision
     applied = decision is None or bool(decision.apply)
-    if probe is not None:
-        probe.before_update()
+    for h in hooks:
+        h.before_update(module)
     with update_suppressed(engine, not applied):
         engine.step()  # the boundary: clip, update (or not), zero the gradients
-    health = {}
-    if probe is not None:
-        probe.after_update()
-        health = probe.reduce(device)
-    return StepResult(loss, grad_norm, applied, decision, health, moe)
+    for h in hooks:
+        h.after_update(module)
+    return StepResult(loss, grad_norm, applied, decision, moe)
 
 
 def reduce_moe_stats(model, device: torch.device) -> dict[int, torch.Tensor]:
@@ -136,18 +160,6 @@ def reduce_moe_stats(model, device: torch.device) -> dict[int, torch.Tensor]:
     flat = torch.cat(rows)
     torch.distributed.all_reduce(flat)
     return {i: part.cpu() for (i, _), part in zip(layers, flat.split([r.numel() for r in rows]))}
-
-
-class _NaNGrad(torch.autograd.Function):
-    """Identity forward, NaN backward: fault injection that poisons this rank's gradients only."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(grad, float("nan"))
 
 
 def _base_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -182,8 +194,14 @@ def update_suppressed(engine, suppress: bool):
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], kind: str, device: torch.device) -> dict[str, float]:
-    """Token-weighted validation loss (and MLM accuracy for encoders) over all ranks' shares."""
+def evaluate(module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Token-weighted validation loss (and MLM accuracy for encoders) over all ranks' shares. Every rank runs
+    as many forwards as the rank with the most batches (ZeRO-3 and expert-parallel forwards are collective):
+    the others pad with batches without targets. Collective."""
+    engine, device, kind = module.engine, module.device, module.cfg.model.kind
+    forwards = int(-dist.all_reduce_min([-float(len(batches))], device)[0])
+    if batches:
+        batches = batches + [_padding(batches[0])] * (forwards - len(batches))
     engine.eval()
     loss_sum = count = correct = 0.0
     for mb in batches:

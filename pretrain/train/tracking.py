@@ -101,7 +101,23 @@ class Tracker:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
+        for i in range(0, len(batch), 500):  # MLflow takes at most 1000 metrics per request
+            self._client.log_batch(self.run_id, metrics=batch[i:i + 500], synchronous=True)
+
+    def log_params(self, params: dict[str, Any]) -> bool:
+        """Log params; False (nothing logged) when one of them already exists with another value (MLflow params
+        are immutable, e.g. a resume on another worker count)."""
+        if not self._client:
+            return True
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()],
+                                   synchronous=True)
+        except MlflowException:
+            return False
+        return True
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if not self._client:

@@ -10,6 +10,8 @@ import dataclasses
 import uuid
 from pathlib import Path
 
+import torch
+
 from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
 from pretrain.data import load_or_train_tokenizer
 from pretrain.train import checkpoint as ckpt_io
@@ -88,10 +90,20 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
     cfg.validate()
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     if uri:
         tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
         tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
-    return Job(config=to_dict(cfg), run_id=run_id, run_dir=str(run_dir), tracking_uri=uri)
+    return Job(config=to_dict(cfg), run_id=run_id, run_dir=str(run_dir), tracking_uri=uri, init_weights=init_weights)
+
+
+def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
+    """Convert the ``model.init_from_hf`` weights once, on the driver, into a state dict the workers load."""
+    from pretrain.export.hf import import_hf
+
+    path = run_dir / "init_weights.pt"
+    torch.save(import_hf(cfg.model.init_from_hf, max_seq_len=cfg.model.max_seq_len)[1], path)
+    return str(path)
 
 
 def _config_from_checkpoint(ckpt: ckpt_io.CommittedCheckpoint, overrides: list[str]) -> RunConfig:

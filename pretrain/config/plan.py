@@ -1,0 +1,120 @@
+"""The run plan: every number derived from the config and the worker count, computed once.
+
+``train.global_batch_size`` is what the user chose and stays fixed; ``train.micro_batch_size`` is a
+per-worker cap (memory). Worker ``r`` owns the virtual data streams ``s % W == r`` (see
+``pretrain/data/batches.py``) and takes ``G / S`` sequences from each per step, so its share is
+``owned streams x G / S`` sequences — equal on every worker when ``W`` divides ``S``, otherwise a few
+workers hold one stream more. The micro-batch is the largest size within the cap that divides every
+worker's share; each worker runs ``share / micro`` micro-batches and, when the shares differ, the
+others pad with zero-weight micro-batches so every worker runs the same number of forwards and
+backwards (ZeRO and expert-parallel collectives stay matched). Gradients are scaled so that the
+update is the mean over the real micro-batches, whatever the layout.
+
+Nothing else re-derives these numbers: the step, the data, the DeepSpeed config, the progress
+output and MLflow all read them from the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pretrain.config.tree import ConfigError, RunConfig
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    """Workers (data-parallel ranks)."""
+    global_batch: int
+    """Sequences per optimizer step over all workers (``train.global_batch_size``)."""
+    seq_len: int
+    """Tokens per sequence."""
+    num_streams: int
+    """Virtual data streams (``data.num_streams``)."""
+    micro_batch: int
+    """Sequences per forward/backward on one worker (<= ``train.micro_batch_size``)."""
+    shares: tuple[int, ...]
+    """Sequences each worker takes per step (sum = ``global_batch``)."""
+    grad_accum: int
+    """Forward/backward passes per worker per step (the largest share / ``micro_batch``)."""
+    val_shares: tuple[int, ...]
+    """Validation sequences per worker (sequences ``rank::world_size`` of the global set)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def even(self) -> bool:
+        """Every worker takes the same share (no padding micro-batches)."""
+        return len(set(self.shares)) == 1
+
+    @property
+    def real_micro_batches(self) -> int:
+        """Micro-batches with data in one step, over all workers."""
+        return self.global_batch // self.micro_batch
+
+    def micro_batches(self, rank: int) -> int:
+        """Micro-batches with data on ``rank`` (the rest of ``grad_accum`` are padding)."""
+        return self.shares[rank] // self.micro_batch
+
+    def gradient_scale(self) -> float:
+        """Factor on each real micro-batch's objective so that DeepSpeed's averaging (1/grad_accum per
+        micro-batch, then the mean over workers) gives the mean over the real micro-batches."""
+        return self.world_size * self.grad_accum / self.real_micro_batches
+
+    def micro_batch_ids(self, rank: int) -> list[int]:
+        """Global ids of ``rank``'s real micro-batches in one step, independent of the worker count.
+
+        Rank r holds, in order, the G/S sequences of each stream s = r, r+W, r+2W, ...; when the
+        micro-batch divides G/S each micro-batch lies in one stream, and its id is (stream, offset)
+        flattened — the same id whichever worker holds it. Otherwise ids follow rank order."""
+        n = self.micro_batches(rank)
+        per_stream_seqs = self.global_batch // self.num_streams
+        if per_stream_seqs % self.micro_batch:
+            first = sum(self.shares[:rank]) // self.micro_batch
+            return [first + j for j in range(n)]
+        per_stream = per_stream_seqs // self.micro_batch
+        return [(rank + (j // per_stream) * self.world_size) * per_stream + j % per_stream for j in range(n)]
+
+    def describe(self) -> str:
+        shares = (f"{self.shares[0]} sequences/worker" if self.even else
+                  f"{'/'.join(map(str, self.shares))} sequences per worker (padded to equal passes)")
+        return (f"plan: {self.world_size} worker(s), global batch {self.global_batch} x {self.seq_len} tokens "
+                f"= {self.tokens_per_step:,} tokens/step; {shares}; micro-batch {self.micro_batch}, "
+                f"grad accum {self.grad_accum}")
+
+    def params(self) -> dict[str, int | str]:
+        """Flat values for MLflow params (``plan.*``)."""
+        return {"plan.world_size": self.world_size, "plan.global_batch": self.global_batch,
+                "plan.micro_batch": self.micro_batch, "plan.grad_accum": self.grad_accum,
+                "plan.tokens_per_step": self.tokens_per_step, "plan.shares": ",".join(map(str, self.shares))}
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
+    """The plan of ``cfg`` on ``world_size`` workers; a layout that cannot work is refused with a
+    :class:`ConfigError` naming what to set."""
+    t, d = cfg.train, cfg.data
+    if world_size < 1:
+        raise ConfigError(f"cluster.num_workers: must be >= 1, got {world_size}")
+    if world_size > d.num_streams:
+        raise ConfigError(
+            f"cluster.num_workers: {world_size} workers but only data.num_streams={d.num_streams} data streams "
+            f"to share; set data.num_streams to a multiple of {world_size} (and train.global_batch_size to a "
+            f"multiple of it) or use at most {d.num_streams} workers")
+    if t.global_batch_size % d.num_streams:  # also checked by RunConfig.validate; the plan relies on it
+        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} must be divisible by "
+                          f"data.num_streams {d.num_streams}")
+    per_stream = t.global_batch_size // d.num_streams
+    shares = tuple(per_stream * len(range(r, d.num_streams, world_size)) for r in range(world_size))
+    micro = _largest_divisor_at_most(math.gcd(*shares), t.micro_batch_size)
+    val = tuple(len(range(r, t.val_sequences, world_size)) for r in range(world_size))
+    cfg.moe.check_world_size(world_size)
+    return RunPlan(world_size=world_size, global_batch=t.global_batch_size, seq_len=cfg.model.max_seq_len,
+                   num_streams=d.num_streams, micro_batch=micro, shares=shares,
+                   grad_accum=max(shares) // micro, val_shares=val)

@@ -1,0 +1,409 @@
+"""The trainer's standard callbacks: speed, stability actions, health probes, metrics and progress, validation,
+checkpoints, and test-only fault injection. Each does one thing; ``order`` fixes who runs first.
+
+=====  ====================  ===========================================================================
+order  callback              what it does
+=====  ====================  ===========================================================================
+0      SpeedMonitor          times each step (tokens/s excludes validation and checkpoints)
+10     StabilityCallback     decides each update (skip / roll back / halt), records events, LR cool-down
+15     HealthCallback        health probes on ``stability.health_every`` steps, logged to MLflow
+20     FaultInjection        ``faults.*`` hooks (kill a worker, NaN gradient, LR spike, stop early)
+30     MetricsLogger         progress line and MLflow metrics every ``train.log_every`` steps
+40     ValidationCallback    validation every ``train.val_every`` steps and at the end
+50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
+190    StabilityReport       stability summary, timeline and plot at the end of the run
+=====  ====================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import RunConfig, config_hash, dump_yaml
+from pretrain.model.moe import max_shares, routing_metrics
+from pretrain.train import checkpoint as ckpt_io
+from pretrain.train import dist
+from pretrain.train.health import HealthProbe, nonfinite_params
+from pretrain.train.resume import engine_state_dir
+from pretrain.train.stability import Decision, StabilityControl
+from pretrain.train.step import StepResult, evaluate
+from pretrain.train.trainer import Callback, Trainer
+
+SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
+
+
+def _last(trainer: Trainer) -> bool:
+    return trainer.state.step == trainer.cfg.train.max_steps
+
+
+def _stopped_early(trainer: Trainer) -> bool:
+    return 0 < trainer.state.step < trainer.cfg.train.max_steps
+
+
+class SpeedMonitor(Callback):
+    order = 0
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        trainer.progress.add_step(time.perf_counter() - self._t0)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        final.update(tokens_per_s=trainer.progress.tokens_per_s(), train_seconds=trainer.progress.train_seconds)
+
+
+class StabilityCallback(Callback):
+    """The stability guard of every update and the actions of its decisions (see ``stability.py``)."""
+
+    order = 10
+
+    def __init__(self, control: StabilityControl) -> None:
+        self.control = control
+        self.monitor = control.monitor
+
+    def on_run_start(self, trainer: Trainer) -> None:
+        if trainer.last_checkpoint is not None:  # resumed: that checkpoint is a rollback candidate
+            self.monitor.note_checkpoint(trainer.state.step, str(trainer.last_checkpoint), trainer.state.sequences)
+
+    def lr_factor(self, step: int) -> float:
+        return self.monitor.lr_factor(step)
+
+    def decide(self, signals):
+        return self.monitor.decide(signals)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        step = trainer.state.step
+        self.control.record(step, result.loss, result.grad_norm)
+        for event in self.monitor.router_collapse(step, max_shares(result.moe)) if result.moe else ():
+            self.control.report(event, urgent=False)
+        if result.decision is not None and result.decision.event is not None:  # the plot shows the spike
+            trainer.tracker.log_metrics({"train/loss": result.loss, "train/grad_norm": result.grad_norm}, step)
+        if self.act(trainer, result.decision):
+            trainer.end_step()
+            return
+        if step % trainer.cfg.train.log_every == 0 or _last(trainer):
+            self.control.flush()
+
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        self.monitor.note_checkpoint(trainer.state.step, str(path), trainer.state.sequences)
+
+    def on_nonfinite_weights(self, trainer: Trainer, step: int) -> None:
+        self.act(trainer, self.monitor.nonfinite_weights(step))
+
+    def act(self, trainer: Trainer, decision: Decision | None) -> bool:
+        """Carry out a decision's side effects; True when it rolled back (the step's remaining events are void)."""
+        if decision is None:
+            return False
+        if decision.event is not None:
+            self.control.report(decision.event, decision.action != "log")
+        if decision.action == "halt":
+            raise self.control.halt(decision.event)
+        if decision.action == "rollback":
+            trainer.last_checkpoint = self.control.rollback(
+                lambda c: trainer.module.load(*engine_state_dir(c, trainer.run_dir, trainer.ctx)),
+                decision.event["step"])
+            return True
+        return False
+
+    def extra_metrics(self) -> dict[str, float]:
+        return self.monitor.counters()
+
+    def state_dict(self) -> None:  # kept in TrainerState.stability (see CheckpointCallback)
+        return None
+
+
+class StabilityReport(Callback):
+    """At the end: the stability summary in the result, the timeline flushed, the plot drawn (rank 0)."""
+
+    order = 190
+
+    def __init__(self, control: StabilityControl, tracking_uri: str) -> None:
+        self.control, self.tracking_uri = control, tracking_uri
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        final["stability"] = self.control.monitor.summary()
+        if trainer.ctx.is_main:
+            self.control.flush(force=True)
+            if trainer.cfg.stability.plot_at_end:
+                final["plot"] = self.control.plot(self.tracking_uri)
+
+
+class HealthCallback(Callback):
+    """Health metrics (``stability.health_every``): probes the first micro-batch's forward and the update."""
+
+    order = 15
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.probe: HealthProbe | None = None
+        self.health: dict[str, float] = {}
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self.probe = HealthProbe(trainer.module.engine) if self.every and step % self.every == 0 else None
+        self.health = {}
+
+    def before_forward(self, module, index: int) -> None:
+        if self.probe is not None and index == 0:
+            self.probe.attach()
+
+    def after_forward(self, module, index: int, output) -> None:
+        if self.probe is not None and index == 0:
+            self.probe.detach(output)
+
+    def before_update(self, module) -> None:
+        if self.probe is not None:
+            self.probe.before_update()
+
+    def after_update(self, module) -> None:
+        if self.probe is not None:
+            self.probe.after_update()
+            self.health = self.probe.reduce(module.device)  # collective
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if not self.health:
+            return
+        stability = trainer.find(StabilityCallback)
+        since = stability.monitor.steps_since_event(trainer.state.step) if stability else trainer.state.step
+        trainer.tracker.log_metrics({**self.health, "health/steps_since_event": float(since)}, trainer.state.step)
+
+
+class FaultInjection(Callback):
+    """Test-only ``faults.*`` hooks; each fires once per run (remembered in the trainer state)."""
+
+    order = 20
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.faults = cfg.faults
+        self.spike = self.poison = False
+
+    def _fire(self, trainer: Trainer, name: str, at_step: int, step: int) -> bool:
+        if at_step != step or name in trainer.state.faults_fired:
+            return False
+        trainer.state.faults_fired.append(name)
+        trainer.progress.say(f"[fault] {name} injected at step {step}")
+        return True
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        ctx = trainer.ctx
+        victim = ctx.rank == min(1, ctx.world_size - 1)
+        if self.faults.kill_worker_at_step == step and victim:
+            _kill_once(trainer.run_dir, ctx.rank, step)
+        self.spike = self._fire(trainer, "loss_spike", self.faults.loss_spike_at_step, step)
+        # Recorded on every rank, but poisons one rank's gradients only.
+        self.poison = self._fire(trainer, "nan_grad", self.faults.nan_grad_at_step, step) and victim
+
+    def lr_factor(self, step: int) -> float:
+        return SPIKE_LR_FACTOR if self.spike else 1.0
+
+    def objective(self, objective: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        return _NaNGrad.apply(objective) if self.poison and index == count - 1 else objective
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if trainer.state.step == self.faults.stop_after_step and not _last(trainer):
+            trainer.progress.say(f"stopping after step {trainer.state.step} (faults.stop_after_step)")
+            trainer.stop("faults.stop_after_step")
+
+
+def _kill_once(run_dir: Path, rank: int, step: int) -> None:
+    """SIGKILL this worker, once per run across restarts (a marker in the run directory)."""
+    marker = run_dir / ".faults" / f"killed_at_step_{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"rank {rank} pid {os.getpid()}\n")
+    print(f"[fault] rank {rank} kills itself with SIGKILL at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward, NaN backward: fault injection that poisons this rank's gradients only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("nan"))
+
+
+class MetricsLogger(Callback):
+    """Every ``train.log_every`` steps (and the last): the progress line and ``train/*`` metrics (plus other
+    callbacks' ``extra_metrics``) to MLflow, and the MoE routing metrics."""
+
+    order = 30
+
+    def __init__(self) -> None:
+        self.window: list[float] = []
+        self.moe_metrics: dict[str, float] = {}
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if math.isfinite(result.loss):
+            self.window.append(result.loss)
+        step = trainer.state.step
+        if step % trainer.cfg.train.log_every and not _last(trainer):
+            return
+        metrics = {"train/loss": result.loss, "train/lr": trainer.module.engine.optimizer.param_groups[0]["lr"],
+                   "train/grad_norm": result.grad_norm,
+                   "train/tokens_per_s": trainer.progress.window_tokens_per_s(),
+                   "train/tokens_seen": float(trainer.state.tokens_seen),
+                   "train/loss_avg": sum(self.window) / len(self.window) if self.window else float("nan")}
+        for cb in trainer.callbacks:
+            metrics.update(getattr(cb, "extra_metrics", dict)())
+        self.window.clear()
+        trainer.progress.line(step, metrics)
+        trainer.tracker.log_metrics(metrics, step)
+        if result.moe:
+            self.moe_metrics = routing_metrics(result.moe)
+            trainer.tracker.log_metrics(self.moe_metrics, step)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        if self.moe_metrics:
+            final["moe"] = self.moe_metrics
+
+
+class ValidationCallback(Callback):
+    """Validation every ``train.val_every`` steps, at the last step, and when a run stops early."""
+
+    order = 40
+
+    def __init__(self) -> None:
+        self.validated_at = -1
+
+    def run(self, trainer: Trainer) -> None:
+        state = trainer.state
+        if not trainer.val_set or self.validated_at == state.step:
+            return
+        self.validated_at = state.step
+        state.last_val = evaluate(trainer.module, trainer.val_set)
+        trainer.tracker.log_metrics(state.last_val, state.step)
+        trainer.progress.say(f"step {state.step} validation: "
+                             + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
+        trainer.emit("on_validation", state.last_val)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        every = trainer.cfg.train.val_every
+        if _last(trainer) or (every and trainer.state.step % every == 0):
+            self.run(trainer)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        if _stopped_early(trainer):
+            self.run(trainer)
+        final.update({k.replace("/", "_"): v for k, v in trainer.state.last_val.items()})
+
+
+class NonFiniteWeightsError(ckpt_io.CheckpointError):
+    """The weights hold NaN/Inf: the checkpoint was not written."""
+
+
+class Checkpointer:
+    """Writes committed checkpoints of this run (collective: every rank calls ``save``)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker):
+        self.cfg, self.run_dir, self.ctx, self.tracker = cfg, run_dir, ctx, tracker
+        self.seconds = 0.0  # wall time spent in save (write + verify + commit)
+        self.count = 0
+
+    def save(self, module, batches, state, protect: set[str] = frozenset()) -> Path | None:
+        """``protect``: checkpoint paths pruning must keep (the stability rollback target)."""
+        t0 = time.perf_counter()
+        try:
+            return self._save(module, batches, state, protect)
+        finally:  # the loop stalls for the whole write + commit: measured for `bench --cluster`
+            self.seconds += time.perf_counter() - t0
+            self.count += 1
+
+    def _save(self, module, batches, state, protect: set[str]) -> Path | None:
+        cfg, ctx = self.cfg, self.ctx
+        # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
+        if dist.all_reduce_sum([nonfinite_params(module.engine)], ctx.device)[0] > 0:
+            raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
+        nonce = dist.broadcast_object(ckpt_io.new_nonce() if ctx.is_main else None)
+        stage = ckpt_io.staging_dir(self.run_dir, state.step, nonce)
+        stage.mkdir(parents=True, exist_ok=True)
+        module.save(stage / ckpt_io.DS_DIR)
+        ckpt_io.save_rank_state(stage, ctx.rank, batches.state_dict(), {"torch": torch.get_rng_state()})
+        if ctx.is_main:
+            (stage / "config.yaml").write_text(dump_yaml(cfg))
+            ckpt_io.write_json(stage / "trainer_state.json", asdict(state))
+            shutil.copytree(cfg.data.tokenizer, stage / "tokenizer")
+        dist.barrier()
+        final, error = None, None
+        if ctx.is_main:
+            manifest = {
+                "run_id": self.tracker.run_id, "tokens_seen": state.tokens_seen,
+                "config_hash": config_hash(cfg), "model_kind": cfg.model.kind,
+                "moe_ep_size": cfg.moe.ep_size if cfg.moe.enabled else 0,
+                "data_position": {"global_sequences": state.sequences, "num_streams": cfg.data.num_streams},
+                "rng": {"scheme": "torch.manual_seed(crc32(seed:step:rank)) each step", "states": "rng/rank_R.pt"},
+                "metrics": {"train/loss": state.last_train_loss, **state.last_val},
+            }
+            try:
+                final = ckpt_io.commit(stage, self.run_dir, state.step, manifest, ctx.world_size)
+                self.tracker.register_checkpoint(final, ckpt_io.read_manifest(final))
+                ckpt_io.prune(self.run_dir, cfg.checkpoint.keep_last, protect)
+            except Exception as e:  # tell the other ranks instead of leaving them in a barrier
+                error = f"{type(e).__name__}: {e}"
+        # Every rank learns the committed path: the stability state (rollback targets) must be identical.
+        error, final = dist.broadcast_object((error, final))
+        if error:
+            raise ckpt_io.CheckpointError(f"checkpoint at step {state.step} failed: {error}")
+        return final
+
+
+class CheckpointCallback(Callback):
+    """Committed checkpoints every ``checkpoint.every_steps``, at the last step, and when a run stops early."""
+
+    order = 50
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self.checkpointer = checkpointer
+
+    def save(self, trainer: Trainer) -> None:
+        stability = trainer.find(StabilityCallback)
+        if stability is not None:
+            trainer.state.stability = stability.monitor.state_dict()
+        trainer.collect_state()
+        protect = stability.monitor.protected_paths() if stability is not None else set()
+        try:
+            saved = self.checkpointer.save(trainer.module, trainer.batches, trainer.state, protect)
+        except NonFiniteWeightsError:
+            trainer.emit("on_nonfinite_weights", trainer.state.step)
+            return
+        if saved is not None:
+            trainer.last_checkpoint = saved
+            trainer.emit("on_checkpoint", saved)
+        trainer.progress.say(f"checkpoint committed: step {trainer.state.step}")
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        every = trainer.cfg.checkpoint.every_steps
+        if _last(trainer) or (every and trainer.state.step % every == 0):
+            self.save(trainer)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        last = trainer.last_checkpoint
+        if _stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
+            self.save(trainer)
+        final.update(checkpoint_seconds=self.checkpointer.seconds, checkpoints=self.checkpointer.count,
+                     checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")
+
+
+def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
+                       tracking_uri: str) -> list[Callback]:
+    """The callbacks every training run has (a feature adds its own next to these)."""
+    return [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
+            HealthCallback(trainer_cfg.stability.health_every), FaultInjection(trainer_cfg), MetricsLogger(),
+            ValidationCallback(), CheckpointCallback(checkpointer)]

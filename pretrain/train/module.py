@@ -1,0 +1,152 @@
+"""The TrainModule: model, DeepSpeed engine (optimizer, ZeRO partitions, expert groups) and LR schedule of one
+run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> apply expert
+parallelism -> parameter groups -> ``deepspeed.initialize``" that training, evaluation, benchmarks and tests
+use.
+
+It can hand out the full model state dict (gathered from any ZeRO stage and expert layout, on every rank), and
+rebuild itself inside a running job on a new model config plus given weights (and, for an unchanged shape,
+the optimizer state), re-initializing DeepSpeed without restarting the process or Ray — what growth needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from pretrain.config import RunConfig, RunPlan, make_plan
+from pretrain.model import Transformer, build_model, param_groups
+from pretrain.train.checkpoint import DS_TAG, CheckpointError
+from pretrain.train.engine import initialize, resolve_precision, set_lr
+from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
+from pretrain.train.schedule import lr_at
+
+StateDict = dict[str, torch.Tensor]
+
+
+class TrainModule:
+    """What one worker trains. ``engine`` is the DeepSpeed engine; ``model`` the module inside it."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan, engine: Any, *, rank: int, device: torch.device,
+                 precision: str):
+        self.cfg, self.plan, self.engine = cfg, plan, engine
+        self.rank, self.device, self.precision = rank, device, precision
+
+    @property
+    def model(self) -> Transformer:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    # -- the schedule ---------------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        """Scheduled LR of optimizer step ``step`` (0-based)."""
+        return lr_at(step, self.cfg.train)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.engine, lr)
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> StateDict:
+        """The whole model's weights on every rank (CPU tensors, experts under global ids). Collective: every
+        rank must call it. ZeRO-3 partitions are gathered; under bf16 the fp32 master weights are returned."""
+        model = self.model
+        params = list(model.parameters())
+        if params and hasattr(params[0], "ds_id"):  # ZeRO-3: gather the partitions
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        else:
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if self.precision != "fp32":  # the module holds bf16 copies: take the fp32 masters
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            names = {id(p): n for n, p in model.named_parameters()}
+            for p in params:
+                full = safe_get_full_fp32_param(p)
+                if full is not None:
+                    state[names[id(p)]] = full.detach().cpu().clone()
+            if self.cfg.model.tie_embeddings and "lm_head.weight" in state:
+                state["lm_head.weight"] = state["embed_tokens.weight"]
+        return gather_experts(model, state)
+
+    def optimizer_state(self) -> dict:
+        """This rank's optimizer state (its ZeRO partition): valid for a module of the same shapes and layout."""
+        return self.engine.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore :meth:`optimizer_state` of a module with the same shapes and layout (this rank's part)."""
+        opt = self.engine.optimizer
+        if self.zero_stage == 0 and isinstance(opt, torch.optim.Optimizer):
+            opt.load_state_dict(state)
+            return
+        world = tdist.get_world_size() if tdist.is_initialized() else 1
+        # DeepSpeed takes every rank's saved partition and picks its own by data-parallel rank.
+        opt.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
+
+    def save(self, directory: Path) -> None:
+        """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective)."""
+        self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+
+    def load(self, directory: Path, universal: bool = False) -> None:
+        """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""
+        self.engine._config.load_universal_checkpoint = universal  # DeepSpeed reads it at load time
+        load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True)
+        if load_path is None:
+            raise CheckpointError(f"{directory}: DeepSpeed could not load the engine state")
+
+    # -- rebuilding -----------------------------------------------------------------------------------
+
+    def rebuild(self, cfg: RunConfig | None = None, weights: StateDict | None = None,
+                optimizer_state: dict | None = None) -> None:
+        """Replace model and engine in place: a new model of ``cfg`` (default: the current config) holding
+        ``weights`` (a full state dict, e.g. a transformed :meth:`full_state_dict`; default: the current
+        weights) and a fresh DeepSpeed engine; ``optimizer_state`` (:meth:`optimizer_state` of a module with
+        the same shapes) restores the optimizer too, otherwise it starts empty. Collective."""
+        cfg = cfg or self.cfg
+        if weights is None:
+            weights = self.full_state_dict()
+        world = tdist.get_world_size() if tdist.is_initialized() else 1
+        self.engine.destroy()
+        self.engine = None
+        new = build_module(cfg, make_plan(cfg, world), rank=self.rank, device=self.device, weights=weights)
+        if optimizer_state is not None:
+            new.load_optimizer_state(optimizer_state)
+        self.cfg, self.plan, self.engine, self.precision = new.cfg, new.plan, new.engine, new.precision
+
+
+def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | None = None,
+                 device: torch.device | None = None, weights: StateDict | None = None,
+                 load_universal: bool = False) -> TrainModule:
+    """The module of ``cfg`` on this worker: the seeded model (or ``weights``, a full state dict with every
+    expert), expert parallelism applied, wrapped in DeepSpeed. torch.distributed must be initialized; ``plan``
+    defaults to the plan for the current world size, ``rank`` to this process's rank, ``device`` to CPU.
+    ``load_universal``: the engine will load a universal checkpoint (resume on another worker count)."""
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    plan = plan or make_plan(cfg, world)
+    rank = tdist.get_rank() if rank is None and tdist.is_initialized() else (rank or 0)
+    device = device or torch.device("cpu")
+    precision = resolve_precision(cfg.train.precision, device)
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe)
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
+    model.to(device)
+    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,
+                        load_universal=load_universal)
+    return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)

@@ -1,0 +1,170 @@
+"""The trainer: a generic loop that runs steps and emits ordered events to callbacks.
+
+Events, in the order a run emits them (every callback sees each event, callbacks in ascending ``order``):
+
+    on_run_start(trainer)
+    per step:  on_step_start(trainer, step)       the batch is fetched; ``step`` is the 1-based number
+               lr_factor(step) of every callback  multiplies the scheduled LR
+               run_step(module, input, hooks=callbacks)   the step's own hooks (see StepHooks):
+                   before_forward / after_forward / objective per micro-batch, decide, before/after_update
+               on_step_end(trainer, result)       counters already advanced; a callback may end the step's
+                                                  events early (``trainer.end_step()``, e.g. after a rollback)
+    on_validation(trainer, metrics)               whenever validation ran (ValidationCallback)
+    on_checkpoint(trainer, path)                  whenever a checkpoint was committed (CheckpointCallback)
+    on_nonfinite_weights(trainer, step)           a save found NaN/Inf weights (nothing was written)
+    on_run_end(trainer, final)                    ``final``: the summary dict, callbacks add to it
+
+A new behaviour at step N (a growth schedule, a layer-drop schedule) is a new callback plus a config section;
+the loop does not change (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import RunConfig, RunPlan
+from pretrain.data import TrainBatches
+from pretrain.train import dist
+from pretrain.train.progress import Progress
+from pretrain.train.step import StepHooks, StepInput, StepResult, run_step, step_seed
+from pretrain.train.tracking import Tracker
+
+
+@dataclass
+class TrainerState:
+    """Loop counters, saved in every checkpoint (``trainer_state.json``)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    last_train_loss: float = float("nan")
+    last_val: dict[str, float] = field(default_factory=dict)
+    sequences: int = 0
+    """Global sequences consumed (the data position; more than step * batch after a rollback)."""
+    stability: dict[str, Any] = field(default_factory=dict)
+    """``StabilityMonitor.state_dict()``: rolling statistics, counters, checkpoints, skipped windows, events."""
+    faults_fired: list[str] = field(default_factory=list)
+    """One-shot fault hooks already fired (so a rollback does not replay them)."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """``state_dict()`` of every other stateful callback, by its ``name``."""
+
+
+class Callback(StepHooks):
+    """Base of the trainer's callbacks: every event is a no-op; ``order`` sorts them (ascending).
+    Stateful callbacks return their state from ``state_dict`` (saved in every checkpoint, under ``name``)."""
+
+    order: int = 100
+    name: str = ""
+
+    def on_run_start(self, trainer: Trainer) -> None: ...
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None: ...
+
+    def lr_factor(self, step: int) -> float:
+        return 1.0
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
+
+    def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
+
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
+
+    def on_nonfinite_weights(self, trainer: Trainer, step: int) -> None: ...
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Trainer:
+    """Runs the steps of one worker. Everything a callback may need is an attribute."""
+
+    def __init__(self, *, cfg: RunConfig, plan: RunPlan, ctx: dist.DistContext, module, batches: TrainBatches,
+                 val_set: list[dict[str, torch.Tensor]], state: TrainerState, tracker: Tracker,
+                 progress: Progress, run_dir: Path, callbacks: Sequence[Callback],
+                 last_checkpoint: Path | None = None):
+        self.cfg, self.plan, self.ctx, self.module = cfg, plan, ctx, module
+        self.batches, self.val_set, self.state = batches, val_set, state
+        self.tracker, self.progress, self.run_dir = tracker, progress, run_dir
+        self.callbacks = sorted(callbacks, key=lambda c: c.order)  # stable: equal orders keep their order
+        self.last_checkpoint = last_checkpoint
+        self.stop_reason = ""
+        self._step_ended = False
+        for cb in self.callbacks:
+            if cb.name and cb.name in state.callbacks:
+                cb.load_state_dict(state.callbacks[cb.name])
+
+    # -- for callbacks ---------------------------------------------------------------------------------
+
+    def find(self, kind: type) -> Any:
+        """The callback of type ``kind`` (or None)."""
+        return next((c for c in self.callbacks if isinstance(c, kind)), None)
+
+    def end_step(self) -> None:
+        """Skip the remaining callbacks' ``on_step_end`` of this step (after a rollback restored an older step)."""
+        self._step_ended = True
+
+    def stop(self, reason: str) -> None:
+        """End the run after this step (validation and a final checkpoint still happen)."""
+        self.stop_reason = reason
+
+    def emit(self, event: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            if event == "on_step_end" and self._step_ended:
+                break
+            getattr(cb, event)(self, *args)
+
+    def collect_state(self) -> None:
+        """Put every stateful callback's state into ``state`` (before a checkpoint is written)."""
+        for cb in self.callbacks:
+            sd = cb.state_dict()
+            if cb.name and sd is not None:
+                self.state.callbacks[cb.name] = sd
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        cfg, plan, state = self.cfg, self.plan, self.state
+        t = cfg.train
+        micro_ids = plan.micro_batch_ids(self.ctx.rank)
+        self.emit("on_run_start")
+        while state.step < t.max_steps and not self.stop_reason:
+            torch.manual_seed(step_seed(t.seed, state.step, self.ctx.rank))
+            batch = self._next_batch()
+            if batch is None:
+                self.progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
+                break
+            step_no = state.step + 1
+            self.emit("on_step_start", step_no)
+            lr = self.module.lr_at(state.step)
+            for cb in self.callbacks:
+                lr *= cb.lr_factor(step_no)
+            seeds = [step_seed(t.seed, state.step, mid) for mid in micro_ids]
+            result = run_step(self.module, StepInput(step_no, batch, lr, seeds), self.callbacks)
+            state.step += 1
+            state.tokens_seen += plan.tokens_per_step
+            state.sequences += plan.global_batch
+            state.last_train_loss = result.loss
+            self._step_ended = False
+            self.emit("on_step_end", result)
+        final: dict[str, Any] = {"step": state.step, "tokens_seen": state.tokens_seen,
+                                 "final_train_loss": state.last_train_loss}
+        self.emit("on_run_end", final)
+        return final
+
+    def _next_batch(self) -> dict | None:
+        """This rank's share of the next global batch, or None when any rank's data ran out."""
+        if self.cfg.data.repeat:  # streams restart: no rank can run dry, no extra collective per step
+            return self.batches.next_step()
+        try:
+            batch, exhausted = self.batches.next_step(), 0.0
+        except StopIteration:
+            batch, exhausted = None, 1.0
+        return None if dist.all_reduce_sum([exhausted], self.ctx.device)[0] > 0 else batch
