@@ -39,7 +39,7 @@ def test_every_preset_loads_validates_and_round_trips(path):
     ("nosuch.key=1", "nosuch: unknown key"),
     ("model.num_heads=3", "model.num_heads: 3 does not divide model.hidden_size"),
     ("zero.stage=4", "zero.stage: must be 0, 1, 2 or 3"),
-    ("cluster.num_workers=3", "cluster.num_workers: 3 workers must divide data.num_streams"),
+    ("cluster.num_workers=16", "cluster.num_workers: 16 workers but only data.num_streams=8"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:

@@ -528,29 +528,28 @@ def _zero_worker(rank: int, world: int, jobs: list[tuple[str, str, str]], step_c
 
     import torch.distributed as tdist
 
-    from pretrain.model import param_groups
-    from pretrain.train.engine import initialize
-    from pretrain.train.schedule import lr_at
-    from pretrain.train.step import train_step
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepInput, run_step
 
     torch.set_num_threads(1)
     out = []
     for run_dir, cfg_yaml, nonce in jobs:
         cfg = load_config(None, base=yaml.safe_load(cfg_yaml))
-        model = build_model(cfg.model, seed=5)
-        engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, world, "fp32")
+        assert cfg.train.seed == 5 and cfg.train.precision == "fp32"
+        module = build_module(cfg)
+        engine = module.engine
         g = torch.Generator().manual_seed(11)
         G, per = cfg.train.global_batch_size, cfg.train.global_batch_size // world
+        assert module.plan.micro_batch == cfg.train.micro_batch_size and module.plan.shares == (per,) * world
         for step in range(step_count):
             ids = torch.randint(0, cfg.model.vocab_size, (G, cfg.model.max_seq_len), generator=g)
             shard = ids[rank * per:(rank + 1) * per]
-            train_step(engine, {"input_ids": shard, "labels": shard}, cfg.train.micro_batch_size,
-                       lr_at(step, cfg.train), torch.device("cpu"))
+            run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step)))
         engine.eval()
         with torch.no_grad():  # (ZeRO-3 gathers the partitioned weights for the forward)
             logits = engine(parity_batch(cfg.model, seed=3)).logits.clone()
         stage = ck.staging_dir(Path(run_dir), step_count, nonce)
-        engine.save_checkpoint(str(stage / ck.DS_DIR), tag=ck.DS_TAG, save_latest=False)
+        module.save(stage / ck.DS_DIR)
         ck.save_rank_state(stage, rank, {"streams": {}}, {"torch": torch.get_rng_state()})
         tdist.barrier()
         # Plain lists: a tensor would travel as a shared-memory handle that dies with this process.
@@ -572,7 +571,8 @@ def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     dist_opts = ["cluster.num_workers=2", "data.num_streams=2", "train.global_batch_size=8",
-                 "train.micro_batch_size=4", "train.lr=1e-2", "train.warmup_steps=1", "train.precision=fp32"]
+                 "train.micro_batch_size=4", "train.lr=1e-2", "train.warmup_steps=1", "train.precision=fp32",
+                 "train.seed=5"]
     cfg = small_run_config(tmp_path, tokenizer_dir, [
         "model.norm=rmsnorm", "model.activation=swiglu", "model.num_kv_heads=2", "model.tie_embeddings=false"],
         ["zero.stage=3", *dist_opts])

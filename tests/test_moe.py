@@ -71,10 +71,15 @@ def test_layer_selection_and_independent_expert_init():
 
 def test_expert_parallel_slices_equal_the_full_model():
     """Worker r of EP=2 holds exactly experts [2r, 2r+2) of the EP=1 model; everything else is identical."""
+    from pretrain.train.expert_parallel import apply_expert_parallel
+
     full = build_model(_small().model, 5, _small().moe).state_dict()
     for rank in (0, 1):
-        part = build_model(_small("moe.ep_size=2", "cluster.num_workers=2").model, 5,
-                           _small("moe.ep_size=2", "cluster.num_workers=2").moe, rank).state_dict()
+        ep = _small("moe.ep_size=2", "cluster.num_workers=2")
+        model = build_model(ep.model, 5, ep.moe)  # every expert; the worker keeps its slice (as build_module does)
+        assert apply_expert_parallel(model, ep.moe.ep_size, rank) == len(moe_layers(model)) == 2
+        part = model.state_dict()
+        assert sum(".deepspeed_experts." in k for k in part) * 2 == sum(".deepspeed_experts." in k for k in full)
         for key, value in part.items():
             if ".deepspeed_experts." in key:
                 head, tail = key.split(".deepspeed_experts.")
@@ -174,7 +179,7 @@ def test_router_collapse_is_flagged_once_per_streak():
 
 def test_resuming_expert_parallel_state_into_another_layout_is_refused(tmp_path):
     from pretrain.train import checkpoint as ckpt_io
-    from pretrain.train.loop import check_expert_layout
+    from pretrain.train.resume import check_expert_layout
 
     ckpt = ckpt_io.CommittedCheckpoint(tmp_path, 8, {"world_size": 2, "moe_ep_size": 2})
     check_expert_layout(ckpt, _small("moe.ep_size=2", "cluster.num_workers=2"), 2)
@@ -197,27 +202,29 @@ def _batches():
 
 
 def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = MICRO) -> dict:
-    from pretrain.train.engine import initialize
+    from pretrain.train.callbacks import HealthCallback
     from pretrain.train.health import HealthProbe
-    from pretrain.train.schedule import lr_at
-    from pretrain.train.step import run_step
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepInput, run_step
 
     torch.set_num_threads(1)
     out = {}
     for ep, k, stage, cap in variants:
         cfg = _small(f"cluster.num_workers={world}", f"moe.ep_size={ep}", f"moe.top_k={k}", f"zero.stage={stage}",
-                     f"moe.capacity_factor={cap}", f"data.num_streams={world}", f"train.micro_batch_size={micro}")
-        model = build_model(cfg.model, 3, cfg.moe, rank)
-        engine = initialize(model, __import__("pretrain.model", fromlist=["param_groups"]).param_groups(
-            model, cfg.train.weight_decay), cfg, world, "fp32")
+                     f"moe.capacity_factor={cap}", f"data.num_streams={world}", f"train.micro_batch_size={micro}",
+                     "train.seed=3")
+        module = build_module(cfg)
         per = GLOBAL // world
+        assert module.plan.micro_batch == micro and module.plan.shares == (per,) * world
+        health = HealthCallback(every=1)
         res = []
         for step, ids in enumerate(_batches()):
             shard = ids[rank * per:(rank + 1) * per]
-            probe = HealthProbe(engine) if step == STEPS - 1 else None
-            r = run_step(engine, {"input_ids": shard, "labels": shard}, micro, lr_at(step, cfg.train),
-                         torch.device("cpu"), probe=probe)
-            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}, r.health))
+            health.probe = HealthProbe(module.engine) if step == STEPS - 1 else None
+            health.health = {}
+            r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step)),
+                         [health])
+            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}, health.health))
         out[(ep, k, stage, cap)] = res
     return out
 

@@ -277,7 +277,7 @@ def _engine_cfg(stage: int, world: int, precision: str):
     return load_config(None, [
         "model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
         "model.max_seq_len=16", f"zero.stage={stage}", f"cluster.num_workers={world}", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "data.num_streams=2", f"train.precision={precision}"])
+        "train.micro_batch_size=2", "data.num_streams=2", f"train.precision={precision}", "train.seed=3"])
 
 
 def _snapshot(engine) -> list[torch.Tensor]:
@@ -303,10 +303,22 @@ class _Verdict:
 
 
 def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir: str) -> dict:
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
+    from pretrain.train.callbacks import HealthCallback, _NaNGrad
     from pretrain.train.health import HealthProbe
-    from pretrain.train.step import run_step
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepHooks, StepInput, run_step
+
+    class Guard(StepHooks):
+        """The verdict of every update, and NaN gradients on this rank when ``corrupt``."""
+
+        def __init__(self, apply: bool, corrupt: bool):
+            self.apply, self.corrupt = apply, corrupt
+
+        def decide(self, signals):
+            return _Verdict(self.apply)
+
+        def objective(self, objective, index, count):
+            return _NaNGrad.apply(objective) if self.corrupt and index == count - 1 else objective
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -318,28 +330,33 @@ def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir
         finals = []
         for trajectory in ("with_skips", "without"):
             cfg = _engine_cfg(stage, world, precision)
-            model = build_model(cfg.model, 3)
-            engine = initialize(model, param_groups(model, 0.1), cfg, world, precision)
+            module = build_module(cfg)
+            assert module.plan.micro_batch == 2 and module.plan.shares == (per,) * world
+            assert module.precision == precision and module.cfg.train.weight_decay == 0.1
+            engine = module.engine
+            health = HealthCallback(every=1)
 
-            def step(ids, apply=True, probe=False, corrupt=False, engine=engine):
+            def step(ids, apply=True, probe=False, corrupt=False, module=module, health=health):
                 shard = ids[rank * per:(rank + 1) * per]
-                return run_step(engine, {"input_ids": shard, "labels": shard}, 2, 1e-2, torch.device("cpu"),
-                                guard=lambda s: _Verdict(apply), probe=HealthProbe(engine) if probe else None,
-                                corrupt_grads=corrupt and rank == world - 1)
+                health.probe = HealthProbe(module.engine) if probe else None
+                health.health = {}
+                r = run_step(module, StepInput(1, {"input_ids": shard, "labels": shard}, 1e-2),
+                             [Guard(apply, corrupt and rank == world - 1), health])
+                return r, health.health
 
             if trajectory == "with_skips":
                 before = _snapshot(engine)
                 step(data[3], apply=False)  # a skipped *first* step (nothing initialized yet)
                 out[f"{key}/first_skip_unchanged"] = _same(before, _snapshot(engine))
-            r = step(data[0], probe=True)
-            out[f"{key}/health"] = {k: v for k, v in r.health.items() if "/" not in k[7:] or "block01" in k}
+            r, health_metrics = step(data[0], probe=True)
+            out[f"{key}/health"] = {k: v for k, v in health_metrics.items() if "/" not in k[7:] or "block01" in k}
             out[f"{key}/grad_norm"] = r.grad_norm
             step(data[1])
             if trajectory == "with_skips":
                 before = _snapshot(engine)
-                r = step(data[3], apply=False)  # finite gradients: DeepSpeed alone would update
+                r, _ = step(data[3], apply=False)  # finite gradients: DeepSpeed alone would update
                 out[f"{key}/skip_unchanged"] = _same(before, _snapshot(engine)) and math.isfinite(r.grad_norm)
-                r = step(data[2], apply=False, corrupt=True)  # NaN on one rank only
+                r, _ = step(data[2], apply=False, corrupt=True)  # NaN on one rank only
                 out[f"{key}/nan_seen"] = not math.isfinite(r.grad_norm)
                 out[f"{key}/nan_unchanged"] = _same(before, _snapshot(engine))
                 if stage == 1 and precision == "fp32":  # a rollback's restore, mid-training, is exact
@@ -348,24 +365,25 @@ def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir
                     step(data[2])
                     engine.load_checkpoint(ckpt_dir, tag="t")
                     out["restore_exact"] = _same(saved, _snapshot(engine))
-            r = step(data[2])
+            r, _ = step(data[2])
             finals.append((r.loss, _snapshot(engine)))
             if stage == 1 and precision == "fp32" and trajectory == "with_skips":
-                out["nan_checkpoint_refused"] = _refuses_nan_checkpoint(engine, cfg, rank, Path(ckpt_dir) / "run")
+                out["nan_checkpoint_refused"] = _refuses_nan_checkpoint(module, cfg, rank, Path(ckpt_dir) / "run")
         out[f"{key}/same_as_never_seen"] = finals[0][0] == finals[1][0] and _same(finals[0][1], finals[1][1])
     return out
 
 
-def _refuses_nan_checkpoint(engine, cfg, rank: int, run_dir: Path) -> bool:
+def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
     """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged."""
     from pretrain.train import dist
-    from pretrain.train.loop import Checkpointer, NonFiniteWeightsError, TrainerState
+    from pretrain.train.callbacks import Checkpointer, NonFiniteWeightsError
+    from pretrain.train.trainer import TrainerState
     from pretrain.train.tracking import Tracker
 
     if rank == 1:
-        next(engine.module.parameters()).data.view(-1)[0] = float("nan")
+        next(module.engine.module.parameters()).data.view(-1)[0] = float("nan")
     try:
-        Checkpointer(cfg, run_dir, dist.setup("no"), Tracker("", "x")).save(engine, None, TrainerState(step=9))
+        Checkpointer(cfg, run_dir, dist.setup("no"), Tracker("", "x")).save(module, None, TrainerState(step=9))
     except NonFiniteWeightsError:
         return not run_dir.exists()
     return False

@@ -19,7 +19,8 @@ def _cfg(stage: int, world: int):
         "model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
         "model.max_seq_len=16", "model.dropout=0.0", f"zero.stage={stage}", f"cluster.num_workers={world}",
         f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}", "data.num_streams=2",
-        "train.lr=1e-2", "train.warmup_steps=1", f"train.max_steps={STEPS}", "train.precision=fp32"])
+        "train.lr=1e-2", "train.warmup_steps=1", f"train.max_steps={STEPS}", "train.precision=fp32",
+        "train.seed=3"])
 
 
 def _global_batches():
@@ -30,24 +31,22 @@ def _global_batches():
 
 
 def _train(rank: int, world: int, stages: list[int]) -> dict[int, list[float]]:
-    from pretrain.model import build_model, param_groups
-    from pretrain.train.engine import initialize
-    from pretrain.train.step import train_step
-    from pretrain.train.schedule import lr_at
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepInput, run_step
 
     torch.set_num_threads(1)
     out = {}
     for stage in stages:
         cfg = _cfg(stage, world)
-        model = build_model(cfg.model, seed=3)
-        engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, world, "fp32")
+        module = build_module(cfg)
+        # 2 workers: 4 sequences each, one micro-batch of 4; 1 process: the whole global batch in 2 of 4.
+        assert module.plan.micro_batch == MICRO and module.plan.shares == (GLOBAL // world,) * world
         per = GLOBAL // world
         losses = []
         for step, ids in enumerate(_global_batches()):
             shard = ids[rank * per:(rank + 1) * per]
-            loss, _ = train_step(engine, {"input_ids": shard, "labels": shard}, MICRO, lr_at(step, cfg.train),
-                                 torch.device("cpu"))
-            losses.append(loss)
+            r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step)))
+            losses.append(r.loss)
         out[stage] = losses
     return out
 
@@ -71,14 +70,19 @@ def test_zero_stages_agree_and_match_single_process():
 @pytest.mark.parametrize("streams, global_batch, micro", [(2, 8, 4), (4, 8, 2), (8, 16, 2), (8, 16, 1)])
 def test_micro_batch_ids_do_not_depend_on_worker_count(streams, global_batch, micro):
     """Dropout seeds are per global micro-batch: the same micro-batch gets the same id on any worker count."""
-    from pretrain.train.step import micro_batch_ids
+    from pretrain.config import load_config, make_plan
+
+    cfg = load_config(None, [f"data.num_streams={streams}", f"train.global_batch_size={global_batch}",
+                             f"train.micro_batch_size={micro}"])
 
     def owner_map(world):  # micro-batch id -> the stream its sequences come from
+        plan = make_plan(cfg, world)
+        assert plan.micro_batch == micro
         out = {}
         per_stream = global_batch // streams // micro
         for rank in range(world):
             owned = [s for s in range(streams) if s % world == rank]
-            for j, mid in enumerate(micro_batch_ids(rank, world, global_batch, micro, streams)):
+            for j, mid in enumerate(plan.micro_batch_ids(rank)):
                 out[mid] = (owned[j // per_stream], j % per_stream)
         return out
     single = owner_map(1)

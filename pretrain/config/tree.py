@@ -170,6 +170,8 @@ class TrainConfig:
     """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
     activation_checkpointing: bool = False
     """Recompute block activations in the backward pass to save memory."""
+    stop_at_val_loss: float = 0.0
+    """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
 
 
 @dataclass(kw_only=True)
@@ -435,6 +437,8 @@ class RunConfig:
         for i, s in enumerate([*d.sources, *d.val_sources]):
             if s.weight <= 0:
                 raise ConfigError(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+        if t.stop_at_val_loss < 0:
+            raise ConfigError(f"train.stop_at_val_loss: must be >= 0, got {t.stop_at_val_loss}")
         if t.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:

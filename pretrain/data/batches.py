@@ -1,7 +1,8 @@
 """Training batches over virtual streams, the validation set, and a data-throughput probe.
 
 One optimizer step takes ``global_batch_size / num_streams`` sequences from *every* virtual stream.
-Worker ``rank`` of ``world_size`` owns the streams ``s`` with ``s % world_size == rank`` and returns,
+Worker ``rank`` of ``world_size`` owns the streams ``s`` with ``s % world_size == rank`` (when the worker count
+does not divide the stream count, some workers own one stream more: see ``pretrain/config/plan.py``) and returns,
 for each owned stream in ascending order, its next ``G/S`` sequences, concatenated. Streams are
 packed (and masked) independently of each other and of the worker count, so with
 ``micro_batch_size`` dividing ``G/S`` every micro-batch is the same whatever the number of workers.
@@ -68,8 +69,8 @@ class TrainBatches:
         S = cfg.num_streams
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
-        if S % world_size:
-            raise ValueError(f"data.num_streams {S} must be divisible by the {world_size} workers")
+        if world_size > S:
+            raise ValueError(f"data.num_streams {S} leaves some of the {world_size} workers without a stream")
         if global_batch_size <= 0 or global_batch_size % S:
             raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
                              f"data.num_streams {S}")

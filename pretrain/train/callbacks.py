@@ -10,6 +10,7 @@ order  callback              what it does
 20     FaultInjection        ``faults.*`` hooks (kill a worker, NaN gradient, LR spike, stop early)
 30     MetricsLogger         progress line and MLflow metrics every ``train.log_every`` steps
 40     ValidationCallback    validation every ``train.val_every`` steps and at the end
+45     EarlyStop             ``train.stop_at_val_loss``: ends the run at a good enough validation
 50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
 190    StabilityReport       stability summary, timeline and plot at the end of the run
 =====  ====================  ===========================================================================
@@ -305,6 +306,20 @@ class ValidationCallback(Callback):
         final.update({k.replace("/", "_"): v for k, v in trainer.state.last_val.items()})
 
 
+class EarlyStop(Callback):
+    """``train.stop_at_val_loss``: end the run at the first validation at or below the target."""
+
+    order = 45  # after validation has run in a step's on_step_end
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+
+    def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.target and metrics["val/loss"] <= self.target and trainer.state.step < trainer.cfg.train.max_steps:
+            trainer.progress.say(f"val/loss {metrics['val/loss']:.4f} <= train.stop_at_val_loss {self.target}: stopping")
+            trainer.stop("train.stop_at_val_loss")
+
+
 class NonFiniteWeightsError(ckpt_io.CheckpointError):
     """The weights hold NaN/Inf: the checkpoint was not written."""
 
@@ -406,4 +421,4 @@ def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkp
     """The callbacks every training run has (a feature adds its own next to these)."""
     return [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
             HealthCallback(trainer_cfg.stability.health_every), FaultInjection(trainer_cfg), MetricsLogger(),
-            ValidationCallback(), CheckpointCallback(checkpointer)]
+            ValidationCallback(), EarlyStop(trainer_cfg.train.stop_at_val_loss), CheckpointCallback(checkpointer)]

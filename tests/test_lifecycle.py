@@ -1,0 +1,187 @@
+"""The training lifecycle: the run plan, the TrainModule (full state dict, rebuild mid-run) and the event-driven
+trainer (ordered callbacks, a new behaviour without editing the loop)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import ConfigError, load_config, make_plan
+from tests.conftest import ROOT, in_workdir
+from tests.distributed import run_distributed
+
+DEMO = ROOT / "configs" / "demo-decoder.yaml"
+
+
+# -- the run plan (fast) ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers, micro, accum, shares", [
+    (1, 16, 1, (16,)), (2, 8, 1, (8, 8)), (3, 2, 3, (6, 6, 4)), (4, 4, 1, (4, 4, 4, 4)), (8, 2, 1, (2,) * 8)])
+def test_plan_keeps_the_global_batch_on_any_worker_count(workers, micro, accum, shares):
+    cfg = load_config(DEMO, [f"cluster.num_workers={workers}"])  # the default demo, unchanged otherwise
+    plan = make_plan(cfg, workers)
+    assert (plan.micro_batch, plan.grad_accum, plan.shares) == (micro, accum, shares)
+    assert sum(plan.shares) == plan.global_batch == cfg.train.global_batch_size == 16
+    assert plan.tokens_per_step == 16 * cfg.model.max_seq_len
+    assert sum(plan.val_shares) == cfg.train.val_sequences
+    # DeepSpeed's averaging (1/accum per micro-batch, mean over workers) times the scale = mean over real ones.
+    assert plan.gradient_scale() * plan.real_micro_batches == workers * plan.grad_accum
+    ids = sorted(i for r in range(workers) for i in plan.micro_batch_ids(r))
+    assert ids == list(range(plan.real_micro_batches)), "every real micro-batch has one global id"
+
+
+def test_plan_micro_batch_is_a_cap_and_bad_layouts_name_what_to_set():
+    plan = make_plan(load_config(DEMO, ["train.micro_batch_size=4"]), 1)
+    assert (plan.micro_batch, plan.grad_accum) == (4, 4)
+    plan = make_plan(load_config(DEMO, ["train.micro_batch_size=5"]), 1)
+    assert (plan.micro_batch, plan.grad_accum) == (4, 4), "the largest micro-batch within the cap that splits 16"
+    with pytest.raises(ConfigError, match=r"^cluster.num_workers: 16 workers but only data.num_streams=8 .*"
+                                          r"set data.num_streams to a multiple of 16"):
+        load_config(DEMO, ["cluster.num_workers=16"])
+    assert "plan: 3 worker(s), global batch 16" in make_plan(load_config(DEMO), 3).describe()
+
+
+# -- rebuilding the module mid-run (2 workers, ZeRO-3) ----------------------------------------------------
+
+STEPS, REBUILD_AT = 6, 3
+
+
+def _small(*extra: str):
+    return load_config(None, [
+        "model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+        "model.max_seq_len=16", "model.dropout=0.1", "zero.stage=3", "cluster.num_workers=2",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "data.num_streams=2", "train.lr=1e-2",
+        "train.warmup_steps=1", f"train.max_steps={STEPS}", "train.precision=fp32", *extra])
+
+
+def _rebuild_worker(rank: int, world: int) -> dict:
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepInput, run_step, step_seed
+
+    torch.set_num_threads(1)
+    cfg = _small()
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randint(0, 101, (8, 1), generator=g) + torch.arange(16)) % 101 for _ in range(STEPS)]
+
+    def run(rebuild: bool) -> tuple[list[float], list[float], dict]:
+        module = build_module(cfg)
+        losses, norms = [], []
+        for step, ids in enumerate(data):
+            if rebuild and step == REBUILD_AT:
+                full = module.full_state_dict()
+                module.rebuild(cfg, weights=full, optimizer_state=module.optimizer_state())
+            shard = ids[rank * 4:(rank + 1) * 4]
+            seeds = [step_seed(cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)]
+            r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard},
+                                           module.lr_at(step), seeds))
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+        return losses, norms, module.full_state_dict()
+
+    plain_losses, plain_norms, plain_final = run(False)
+    losses, norms, final = run(True)
+    return {"plain": plain_losses, "rebuilt": losses, "plain_norms": plain_norms, "norms": norms,
+            "same_weights": all(torch.equal(plain_final[k], final[k]) for k in plain_final),
+            "keys": sorted(final), "shapes": {k: tuple(v.shape) for k, v in final.items()}}
+
+
+@pytest.mark.slow
+def test_rebuild_mid_run_under_zero3_is_bitwise():
+    """2 workers, ZeRO-3, dropout on: rebuilding the module (new DeepSpeed engine) at step 3 on the gathered
+    weights and the optimizer state leaves every later loss, gradient norm and the final weights bitwise equal."""
+    ranks = run_distributed(_rebuild_worker, 2, timeout=600)
+    r0 = ranks[0]
+    assert r0["rebuilt"] == r0["plain"] and r0["norms"] == r0["plain_norms"], (r0["plain"], r0["rebuilt"])
+    assert r0["same_weights"] and ranks[1]["same_weights"]
+    assert r0["rebuilt"][-1] < r0["rebuilt"][0], "it trains"
+    # The full state dict is gathered from the ZeRO-3 partitions: full shapes, identical on both ranks.
+    assert r0["shapes"]["blocks.0.attn.q_proj.weight"] == (32, 32) and r0["shapes"] == ranks[1]["shapes"]
+
+
+def _rebuild_without_optimizer_state(rank: int, world: int) -> tuple[float, float]:
+    """Rebuild on the same weights with a fresh optimizer: the function is unchanged (same eval loss)."""
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepInput, evaluate, run_step
+
+    torch.set_num_threads(1)
+    cfg = _small("model.dropout=0.0", "zero.stage=2")
+    module = build_module(cfg)
+    ids = (torch.arange(8).view(8, 1) + torch.arange(16)) % 101
+    shard = {"input_ids": ids[rank * 4:(rank + 1) * 4], "labels": ids[rank * 4:(rank + 1) * 4]}
+    run_step(module, StepInput(1, shard, 1e-2))
+    before = evaluate(module, [shard])["val/loss"]
+    module.rebuild(weights=module.full_state_dict())
+    return before, evaluate(module, [shard])["val/loss"]
+
+
+@pytest.mark.slow
+def test_rebuild_with_given_weights_zero2():
+    before, after = run_distributed(_rebuild_without_optimizer_state, 2, timeout=600)[0]
+    assert before == after
+
+
+# -- the default demo on 1, 2, 3 and 4 workers -------------------------------------------------------------
+
+
+def _train(rank: int, world: int, job: dict) -> dict:
+    from pretrain.train.loop import train_loop
+
+    return train_loop(job)
+
+
+@pytest.mark.slow
+def test_default_demo_runs_on_1_to_4_workers(tmp_path):
+    """``cluster.num_workers`` 1-4 with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven
+    6/6/4 shares padded to equal passes): the same global batches, so the same losses up to float rounding."""
+    from cluster.prepare import prepare_new
+
+    steps = ["train.max_steps=3", "train.log_every=1", "train.val_every=0", "train.val_sequences=12",
+             "checkpoint.every_steps=0", "data.tokenizer_train_docs=3000", "cluster.use_ray=false",
+             "stability.plot_at_end=false", "tracking.enabled=false"]
+    finals = {}
+    with in_workdir(tmp_path):
+        tok = None
+        for workers in (1, 3, 4, 2):
+            cfg = load_config(DEMO, steps + [f"cluster.num_workers={workers}"] + (tok or []))
+            job = prepare_new(cfg)
+            tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
+            finals[workers] = run_distributed(_train, workers, asdict(job), timeout=900)[0]
+    ref = finals[1]
+    assert ref["step"] == 3 and ref["checkpoint"]
+    for workers, final in finals.items():
+        assert final["step"] == 3 and final["tokens_seen"] == 3 * 16 * 128, workers
+        assert abs(final["final_train_loss"] - ref["final_train_loss"]) < 1e-4, (workers, final, ref)
+        assert abs(final["val_loss"] - ref["val_loss"]) < 1e-4, (workers, final["val_loss"], ref["val_loss"])
+
+
+# -- callbacks ---------------------------------------------------------------------------------------------
+
+
+def test_callbacks_run_in_order_and_early_stop_ends_the_run():
+    """The standard callbacks are ordered as documented; EarlyStop (the docs' worked example) asks the trainer
+    to stop at the first validation at or below its target, and only before the last step."""
+    from types import SimpleNamespace
+
+    from pretrain.train.callbacks import (CheckpointCallback, EarlyStop, HealthCallback, MetricsLogger,
+                                          SpeedMonitor, StabilityCallback, StabilityReport, ValidationCallback)
+    from pretrain.train.trainer import Trainer
+
+    order = [SpeedMonitor, StabilityCallback, HealthCallback, MetricsLogger, ValidationCallback, EarlyStop,
+             CheckpointCallback, StabilityReport]
+    assert [c.order for c in order] == sorted(c.order for c in order)
+
+    said = []
+    stub = SimpleNamespace(state=SimpleNamespace(step=40), cfg=load_config(DEMO), stop_reason="",
+                           progress=SimpleNamespace(say=said.append))
+    stub.stop = lambda reason: setattr(stub, "stop_reason", reason)
+    EarlyStop(5.0).on_validation(stub, {"val/loss": 5.1})
+    assert stub.stop_reason == ""
+    EarlyStop(0.0).on_validation(stub, {"val/loss": 0.1})
+    assert stub.stop_reason == "", "0 disables"
+    EarlyStop(5.0).on_validation(stub, {"val/loss": 4.9})
+    assert stub.stop_reason == "train.stop_at_val_loss" and "stopping" in said[0]
+    assert Trainer.stop.__doc__  # the trainer offers the same stop() the stub stands in for
