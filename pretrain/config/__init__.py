@@ -24,6 +24,7 @@ from pretrain.config.tree import (
     ConfigError,
     DataConfig,
     FaultsConfig,
+    LayerDropConfig,
     ModelConfig,
     MoEConfig,
     RunConfig,
@@ -35,7 +36,7 @@ from pretrain.config.tree import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "ModelConfig", "MoEConfig",
+    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "LayerDropConfig", "ModelConfig", "MoEConfig",
     "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
     "RunPlan", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
 ]

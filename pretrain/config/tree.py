@@ -380,6 +380,53 @@ class MoEConfig:
 
 
 @dataclass(kw_only=True)
+class LayerDropConfig:
+    """Layer dropout (see ``pretrain/model/layerdrop.py``): in training each block (or each sub-layer) is skipped
+    with probability ``rate``, decided from (seed, step, layer[, sample]) so every rank agrees with no
+    communication. Off by default (``rate: 0``)."""
+
+    rate: float = 0.0
+    """Drop probability 1 - rho of a block or sub-layer at the end of the schedule (the deepest one with
+    ``by_depth: linear``); 0 disables layer dropout."""
+    mode: Literal["layer", "sample"] = "layer"
+    """``layer``: the same blocks are skipped for the whole batch on every rank (a skipped block does no forward or
+    backward work: LayerDrop / progressive layer dropping). ``sample``: stochastic depth, each sample's residual
+    branch is dropped on its own (every block still runs)."""
+    granularity: Literal["block", "sublayer"] = "block"
+    """``block``: attention and FFN of a block are kept or dropped together; ``sublayer``: decided separately
+    (eq. 95 of the reference text)."""
+    by_depth: Literal["uniform", "linear"] = "uniform"
+    """``uniform``: every block has ``rate``; ``linear``: block l of L has rate * (l + 1) / L (stochastic depth)."""
+    schedule: Literal["constant", "linear", "progressive"] = "constant"
+    """``constant``: ``rate`` from the first step; ``linear``: from 0 to ``rate`` over ``warmup_steps``;
+    ``progressive``: progressive layer dropping, keep probability (1 - rate_bar) * exp(-gamma * t) + rate_bar with
+    rate_bar = 1 - rate, i.e. the drop rate rises as rate * (1 - exp(-gamma * t))."""
+    warmup_steps: int = 0
+    """``schedule: linear``: steps to reach ``rate``."""
+    gamma: float = 0.001
+    """``schedule: progressive``: the rate's growth constant per step (PLD's gamma)."""
+    scaling: Literal["inverted", "rho"] = "inverted"
+    """``inverted`` (default): kept branches are scaled by 1/rho in training, nothing at inference, so the trained
+    weights are the inference model as is (evaluation, export and pruning need no correction). ``rho``: eq. 95,
+    nothing in training, every sub-layer output scaled by rho at inference (folded into the output projections on
+    export, so standard Hugging Face classes load it)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.rate < 1.0:
+            raise ConfigError(f"layer_drop.rate: must be in [0, 1), got {self.rate}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"layer_drop.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.schedule == "linear" and self.enabled and self.warmup_steps == 0:
+            raise ConfigError("layer_drop.warmup_steps: schedule linear needs warmup_steps > 0")
+        if self.gamma <= 0:
+            raise ConfigError(f"layer_drop.gamma: must be > 0, got {self.gamma}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"
     """Name of this config (preset name), used for the MLflow run name."""
@@ -393,6 +440,7 @@ class RunConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    layer_drop: LayerDropConfig = field(default_factory=LayerDropConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""
@@ -450,6 +498,7 @@ class RunConfig:
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
         self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
+        self.layer_drop.validate()
         from pretrain.config.plan import make_plan  # the worker-count rules live with the derived numbers
 
         make_plan(self, c.num_workers)

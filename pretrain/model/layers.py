@@ -157,14 +157,46 @@ class Block(nn.Module):
             self.norm_out2 = make_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        # x: (B, T, D) -> (B, T, D)
+    def branch_parameters(self, branch: str) -> list[nn.Parameter]:
+        """The parameters only the ``attn`` or ``ffn`` residual branch uses (what a skipped sub-layer leaves without
+        a gradient); post-norm blocks apply their norm whether or not the sub-layer runs."""
+        mods = [self.attn] if branch == "attn" else [self.ffn]
+        i = "1" if branch == "attn" else "2"
+        if self.placement in ("pre", "sandwich"):
+            mods += [m for m in (getattr(self, f"norm{i}"), getattr(self, f"norm_out{i}", None)) if m is not None]
+        return [p for m in mods for p in m.parameters()]
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                attn_gate=None, ffn_gate=None) -> torch.Tensor:
+        """x: (B, T, D) -> (B, T, D). A gate multiplies a sub-layer's residual branch: None runs it as is, 0.0 skips
+        it (not computed), a float scales it, a (B,) tensor scales it per sample (see ``model/layerdrop.py``)."""
         if self.placement == "pre":
-            x = x + self.drop(self.attn(self.norm1(x), rope))
-            return x + self.drop(self.ffn(self.norm2(x)))
+            if not skips(attn_gate):
+                x = x + _gated(self.drop(self.attn(self.norm1(x), rope)), attn_gate)
+            if not skips(ffn_gate):
+                x = x + _gated(self.drop(self.ffn(self.norm2(x))), ffn_gate)
+            return x
         if self.placement == "sandwich":
-            x = x + self.drop(self.norm_out1(self.attn(self.norm1(x), rope)))
-            return x + self.drop(self.norm_out2(self.ffn(self.norm2(x))))
-        # post (alpha = 1) and deepnorm: norm(alpha * x + f(x))
-        x = self.norm1(self.alpha * x + self.drop(self.attn(x, rope)))
-        return self.norm2(self.alpha * x + self.drop(self.ffn(x)))
+            if not skips(attn_gate):
+                x = x + _gated(self.drop(self.norm_out1(self.attn(self.norm1(x), rope))), attn_gate)
+            if not skips(ffn_gate):
+                x = x + _gated(self.drop(self.norm_out2(self.ffn(self.norm2(x)))), ffn_gate)
+            return x
+        # post (alpha = 1) and deepnorm: norm(alpha * x + f(x)); a skipped sub-layer leaves norm(alpha * x)
+        a = self.alpha * x
+        x = self.norm1(a if skips(attn_gate) else a + _gated(self.drop(self.attn(x, rope)), attn_gate))
+        a = self.alpha * x
+        return self.norm2(a if skips(ffn_gate) else a + _gated(self.drop(self.ffn(x)), ffn_gate))
+
+
+def skips(gate) -> bool:
+    """A gate that skips its sub-layer (0.0; a per-sample tensor never skips the computation)."""
+    return isinstance(gate, float) and gate == 0.0
+
+
+def _gated(y: torch.Tensor, gate) -> torch.Tensor:
+    if gate is None:
+        return y
+    if isinstance(gate, float):
+        return y * gate
+    return y * gate.to(y.dtype).view(-1, *([1] * (y.dim() - 1)))  # (B,) -> (B, 1, 1)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig, MoEConfig
-from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache
+from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache, skips
 from pretrain.model.moe import MoEFeedForward, moe_layers
 
 
@@ -83,6 +83,9 @@ class Transformer(nn.Module):
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: bool = False
+        # Per block (attention, FFN) output scales used when no gates are given and not training: eq. 95's rho
+        # for layer dropout with ``rho`` scaling (set from the training side; an exporter folds them).
+        self.branch_scales: list[tuple[float, float]] | None = None
         d = cfg.hidden_size
         self.head_dim = d // cfg.num_heads
 
@@ -203,13 +206,18 @@ class Transformer(nn.Module):
                 done.add(id(w))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                layer_mask: Sequence[bool] | None = None) -> ModelOutput:
-        """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity)."""
+                layer_mask: Sequence[bool] | None = None, gates: Sequence[tuple] | None = None) -> ModelOutput:
+        """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity); ``gates[i]`` =
+        (attention gate, FFN gate) of block i (layer dropout, see ``Block.forward`` and ``model/layerdrop.py``)."""
         b, t = input_ids.shape
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         if layer_mask is not None and len(layer_mask) != len(self.blocks):
             raise ValueError(f"layer_mask has {len(layer_mask)} entries for {len(self.blocks)} blocks")
+        if gates is not None and len(gates) != len(self.blocks):
+            raise ValueError(f"gates has {len(gates)} entries for {len(self.blocks)} blocks")
+        if gates is None and self.branch_scales is not None and not self.training:
+            gates = self.branch_scales
 
         x = self.embed_tokens(input_ids)  # (B, T, D)
         if self.embedding_scale != 1.0:
@@ -228,11 +236,14 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             if layer_mask is not None and not bool(layer_mask[i]):
                 continue
+            attn_gate, ffn_gate = gates[i] if gates is not None else (None, None)
+            if skips(attn_gate) and skips(ffn_gate):
+                continue  # a dropped block: no work at all
             if recompute:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, attn_gate, ffn_gate, use_reentrant=False)
             else:
-                x = block(x, rope)  # (B, T, D)
-            if isinstance(block.ffn, MoEFeedForward):
+                x = block(x, rope, attn_gate, ffn_gate)  # (B, T, D)
+            if isinstance(block.ffn, MoEFeedForward) and not skips(ffn_gate):
                 moe_terms.append(block.ffn.aux_loss)
                 block.ffn.commit_stats()
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig, config_hash, dump_yaml
+from pretrain.config import RunConfig, RunPlan, config_hash, dump_yaml
 from pretrain.model.moe import max_shares, routing_metrics
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
@@ -178,7 +178,18 @@ class HealthCallback(Callback):
             return
         stability = trainer.find(StabilityCallback)
         since = stability.monitor.steps_since_event(trainer.state.step) if stability else trainer.state.step
-        trainer.tracker.log_metrics({**self.health, "health/steps_since_event": float(since)}, trainer.state.step)
+        health = self.health
+        skipped = [f"block{i:02d}" for i in _skipped_blocks(trainer)]
+        if skipped:  # per-layer metrics count executed layers only
+            health = {k: v for k, v in health.items() if not k.endswith(tuple(skipped))}
+        trainer.tracker.log_metrics({**health, "health/steps_since_event": float(since)}, trainer.state.step)
+
+
+def _skipped_blocks(trainer: Trainer) -> set[int]:
+    from pretrain.train.layer_drop import LayerDropCallback
+
+    layer_drop = trainer.find(LayerDropCallback)
+    return layer_drop.skipped_blocks() if layer_drop is not None else set()
 
 
 class FaultInjection(Callback):
@@ -417,8 +428,13 @@ class CheckpointCallback(Callback):
 
 
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
-                       tracking_uri: str) -> list[Callback]:
-    """The callbacks every training run has (a feature adds its own next to these)."""
-    return [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
+                       tracking_uri: str, plan: RunPlan, rank: int) -> list[Callback]:
+    """The callbacks of a training run: the standard ones, plus those of the enabled features."""
+    from pretrain.train.layer_drop import LayerDropCallback
+
+    features: list[Callback] = []
+    if trainer_cfg.layer_drop.enabled:
+        features.append(LayerDropCallback(trainer_cfg, rank, plan.micro_batch_ids(rank)))
+    return features + [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
             HealthCallback(trainer_cfg.stability.health_every), FaultInjection(trainer_cfg), MetricsLogger(),
             ValidationCallback(), EarlyStop(trainer_cfg.train.stop_at_val_loss), CheckpointCallback(checkpointer)]

@@ -83,7 +83,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
     trainer = Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
                       tracker=tracker, progress=progress, run_dir=run_dir,
-                      callbacks=standard_callbacks(cfg, control, checkpointer, job_.tracking_uri),
+                      callbacks=standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank),
                       last_checkpoint=resume.path if resume is not None else None)
     final = trainer.fit()
     final["run_id"] = job_.run_id

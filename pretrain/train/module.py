@@ -18,6 +18,7 @@ import torch.distributed as tdist
 
 from pretrain.config import RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
+from pretrain.model.layerdrop import inference_scales
 from pretrain.train.checkpoint import DS_TAG, CheckpointError
 from pretrain.train.engine import initialize, resolve_precision, set_lr
 from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
@@ -145,6 +146,7 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     if weights is not None:
         model.load_state_dict(weights, strict=True)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
     model.to(device)
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,

@@ -51,6 +51,7 @@ class Progress:
         parts = [f"step {step:>{width}}/{self.max_steps}", f"loss {metrics['train/loss']:.4f}",
                  f"lr {metrics['train/lr']:.2e}", f"gnorm {metrics['train/grad_norm']:.3f}",
                  f"{metrics['train/tokens_per_s']:,.0f} tok/s", f"elapsed {fmt_duration(elapsed)}",
+                 *([f"layers {metrics['train/active_layers']:.2f}"] if "train/active_layers" in metrics else []),
                  f"ETA {fmt_duration(eta)}"]
         print("[train] " + " | ".join(parts), file=sys.stdout, flush=True)
 

@@ -56,12 +56,19 @@ class StepHooks:
     def before_forward(self, module, index: int) -> None:
         """Before the forward of micro-batch ``index`` (after its RNG seed is set)."""
 
+    def forward_kwargs(self, module, index: int) -> dict[str, Any]:
+        """Extra keyword arguments of the model's forward for micro-batch ``index`` (e.g. layer-drop gates)."""
+        return {}
+
     def after_forward(self, module, index: int, output) -> None:
         """After the forward of micro-batch ``index``."""
 
     def objective(self, objective: torch.Tensor, index: int, count: int) -> torch.Tensor:
         """The objective of micro-batch ``index`` of ``count`` before backward (may wrap it)."""
         return objective
+
+    def after_backward(self, module) -> None:
+        """After the last backward of the step, before the gradient norm and the update."""
 
     def decide(self, signals: StepSignals) -> Any:
         """From the reduced signals, before the update: an object with a bool ``apply``, or None (no opinion)."""
@@ -113,9 +120,11 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     for i, mb in enumerate(mbs):
         if inp.seeds is not None:
             torch.manual_seed(inp.seeds[i] if i < real else 0x7FFFFFFF - i)
+        kwargs: dict[str, Any] = {}
         for h in hooks:
             h.before_forward(module, i)
-        out = engine(mb["input_ids"], labels=mb["labels"])
+            kwargs.update(h.forward_kwargs(module, i))
+        out = engine(mb["input_ids"], labels=mb["labels"], **kwargs)
         for h in hooks:
             h.after_forward(module, i, out)
         objective = out.objective()
@@ -128,6 +137,8 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
             losses.append(out.loss.detach().float().item())
         if i < len(mbs) - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+    for h in hooks:
+        h.after_backward(module)
     grad_sq, nonfinite = grad_signals(engine)
     world = torch.distributed.get_world_size()
     if scale is None:  # every rank ran the same number of real micro-batches

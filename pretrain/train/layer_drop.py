@@ -1,0 +1,76 @@
+"""Layer dropout in training: a callback that turns ``layer_drop`` into per-forward gates (pure functions in
+``pretrain/model/layerdrop.py``) and reports how much of the model ran."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.config import RunConfig
+from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, keep_decisions, training_gates
+from pretrain.model.layers import skips
+from pretrain.train.trainer import Callback, Trainer
+
+
+class LayerDropCallback(Callback):
+    """Gates for every training forward of a step: in ``layer`` mode the same for every micro-batch and every rank
+    (a function of seed, step and layer); in ``sample`` mode per sample of each micro-batch, keyed by its global
+    micro-batch id (the same on any worker count). Padding micro-batches get the gates of the first one."""
+
+    order = 5  # before anything that looks at which blocks run this step
+
+    def __init__(self, cfg: RunConfig, rank: int, micro_ids: list[int]) -> None:
+        self.ld, self.seed, self.layers = cfg.layer_drop, cfg.train.seed, cfg.model.num_layers
+        self.micro_ids = micro_ids
+        self.step = 0  # 0-based step being run
+        self.gates: Gates | None = None
+        self.executed: list[int] = list(range(self.layers))
+        self.executed_sum = 0.0
+        self.steps = 0
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self.step = step - 1
+        if self.ld.mode == "layer":
+            self.gates = training_gates(self.ld, self.seed, self.step, self.layers)
+            self.executed = executed_blocks(self.gates)
+        else:
+            self.gates, self.executed = None, list(range(self.layers))
+        self.executed_sum += len(self.executed)
+        self.steps += 1
+
+    def forward_kwargs(self, module, index: int) -> dict[str, Any]:
+        if self.ld.mode == "layer":
+            return {"gates": self.gates}
+        mid = self.micro_ids[index] if index < len(self.micro_ids) else self.micro_ids[0]
+        return {"gates": training_gates(self.ld, self.seed, self.step, self.layers, mid, module.plan.micro_batch)}
+
+    def after_backward(self, module) -> None:
+        """ZeRO-3 keeps each parameter's gradient partition from the last step in which it had a gradient and
+        reuses it for a parameter that got none: zero the partitions of the skipped sub-layers, so a skipped
+        sub-layer sees a zero gradient under every ZeRO stage (as ZeRO-1/2 and plain data parallelism give)."""
+        if self.gates is None or module.zero_stage != 3:
+            return
+        blocks = module.model.blocks
+        unused = {id(p) for i, gates in enumerate(self.gates) for branch, gate in zip(("attn", "ffn"), gates)
+                  if skips(gate) for p in blocks[i].branch_parameters(branch)}
+        if not unused:
+            return
+        opt = module.engine.optimizer
+        for group, params in enumerate(opt.fp16_groups):
+            for p, grad in zip(params, opt.averaged_gradients.get(group) or []):
+                if id(p) in unused:
+                    grad.zero_()
+
+    def skipped_blocks(self) -> set[int]:
+        """Blocks that did no work in the current step (``layer`` mode)."""
+        return set(range(self.layers)) - set(self.executed)
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Mean executed blocks since the last log, and the schedule's current rate."""
+        active = self.executed_sum / max(self.steps, 1)
+        self.executed_sum, self.steps = 0.0, 0
+        return {"train/active_layers": active, "layer_drop/rate": base_rate(self.ld, self.step)}
+
+
+def drop_pattern(cfg: RunConfig, steps: int) -> list[list[tuple[bool, bool]]]:
+    """``layer`` mode: which (attention, FFN) sub-layers run in each of the first ``steps`` steps (for reports)."""
+    return [keep_decisions(cfg.layer_drop, cfg.train.seed, s, cfg.model.num_layers) for s in range(steps)]
