@@ -209,6 +209,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
+    p.add_argument("--layer-drop", action="store_true",
+                   help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -229,10 +231,17 @@ def main(argv: list[str]) -> int:
     result = run_bench(cfg, steps, a.rounds)
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
+    if a.layer_drop:
+        from eval.bench_layer_drop import layer_drop_bench
+
+        result.update(layer_drop_bench(cfg, torch.device("cuda" if gpu else "cpu"), steps, a.rounds))
     if a.json:
         print(json.dumps(result, indent=1))
     else:
         for k, v in result.items():
+            if isinstance(v, dict):
+                v = "{" + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}"
+                                    for kk, vv in v.items()) + "}"
             print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}")
     sys.stdout.flush()
     return 0

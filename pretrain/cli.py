@@ -4,10 +4,12 @@
     resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
-    bench [--json] [--no-moe] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense, all-to-all, data
+    bench [--json] [--no-moe] [--layer-drop] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense,
+                                                  all-to-all, data; --layer-drop: tokens/s at rates 0, 0.25, 0.5
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
+    prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
     submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
     jobs [--address URL]                          jobs on the cluster
@@ -181,6 +183,12 @@ def cmd_eval(args: list[str]) -> int:
     return eval_main(args)
 
 
+def cmd_prune(args: list[str]) -> int:
+    from cluster.derive import prune
+
+    return prune(args)
+
+
 def cmd_cluster(args: list[str]) -> int:
     from cluster import head
 
@@ -218,7 +226,7 @@ def cmd_stop(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "eval": cmd_eval,
+            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune,
             "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
             "logs": cmd_logs, "stop": cmd_stop}
 

@@ -204,3 +204,108 @@ def test_layer_drop_is_rank_consistent_and_matches_one_worker():
     assert max(abs(a - b) for a, b in zip(sub1, sub3)) < 1e-5, "... and skipped sub-layers"
     ep, ref = two[0][" ".join(MOE_EP)]["losses"], one[" ".join(VARIANTS[-1])]["losses"]
     assert max(abs(a - b) for a, b in zip(ep, ref)) < 1e-5, "expert parallelism 2 = experts on one worker"
+
+
+@pytest.mark.parametrize("placement, extra", [("pre", []), ("post", ["model.bias=true", "model.norm=layernorm"]),
+                                              ("sandwich", []), ("deepnorm", []),
+                                              ("pre", ["moe.num_experts=4", "model.activation=swiglu"])])
+def test_rho_folded_into_weights_equals_scaled_model(placement, extra):
+    """Eq. 95 at inference: folding rho into the sub-layers' last maps gives the same function as scaling."""
+    from pretrain.model.layerdrop import fold_branch_scales
+
+    cfg = _cfg(f"model.norm_placement={placement}", "layer_drop.scaling=rho", "layer_drop.by_depth=linear", *extra)
+    model = build_model(cfg.model, 0, cfg.moe).eval()
+    scales = inference_scales(cfg.layer_drop, 6)
+    assert scales[0] != scales[-1]
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    model.branch_scales = scales
+    want = model(ids).logits
+    folded = build_model(cfg.model, 1, cfg.moe).eval()
+    folded.load_state_dict(fold_branch_scales(model.state_dict(), placement, scales))
+    assert folded.branch_scales is None
+    torch.testing.assert_close(folded(ids).logits, want, rtol=1e-5, atol=1e-5)
+    model.branch_scales = None
+    assert not torch.allclose(model(ids).logits, want, atol=1e-3), "the scales matter"
+
+
+# -- end to end: trainer, resume, metrics, eval, prune, export ---------------------------------------------
+
+E2E = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+       "model.max_seq_len=32", "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=3000",
+       "data.num_streams=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
+       "train.warmup_steps=2", "train.log_every=1", "train.val_every=0", "train.val_sequences=8",
+       "checkpoint.every_steps=3", "cluster.num_workers=2", "cluster.use_ray=false", "zero.stage=3",
+       "stability.plot_at_end=false", "stability.health_every=1", "layer_drop.rate=0.5",
+       "layer_drop.granularity=sublayer", "layer_drop.scaling=rho", "layer_drop.schedule=linear",
+       "layer_drop.warmup_steps=2"]
+
+
+def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    from pretrain.train.loop import train_loop
+
+    return [train_loop(job) for job in jobs]
+
+
+def _cli(work, *args: str) -> str:
+    import subprocess
+
+    from tests.conftest import PYTHON, cli_env
+
+    proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=work, env=cli_env(work), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_layer_drop_end_to_end(tmp_path):
+    """2 workers, ZeRO-3, sub-layer drops with rho scaling: an interrupted-and-resumed run reproduces the
+    uninterrupted per-step losses bitwise; MLflow gets train/active_layers and the rate; the final validation
+    (all layers, scaled by rho) equals `eval` of the checkpoint and of its Hugging Face export (rho folded into
+    the weights); `prune layers=every_other` makes a child run that evaluates, resumes and exports."""
+    import json
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from cluster.prepare import prepare_new
+    from tests.conftest import ROOT, in_workdir
+
+    cfg_path = ROOT / "configs" / "demo-decoder.yaml"
+    with in_workdir(tmp_path) as work:
+        full = prepare_new(load_config(cfg_path, E2E))
+        tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
+        part = prepare_new(load_config(cfg_path, E2E + tok + ["faults.stop_after_step=3"]))
+        first = run_distributed(_train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
+        resumed = dataclasses.replace(part, config={**part.config})
+        resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": -1}
+        run_distributed(_train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
+        client = MlflowClient()
+
+        def history(run_id, key):
+            return {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+
+        ref, got = history(full.run_id, "train/loss"), history(part.run_id, "train/loss")
+        assert sorted(ref) == list(range(1, 7)) and got == ref, (ref, got)
+        active = history(full.run_id, "train/active_layers")
+        assert len(active) == 6 and all(0 < a <= 4 for a in active.values()) and min(active.values()) < 4
+        assert history(full.run_id, "layer_drop/rate") == {s: pytest.approx(min(1.0, (s - 1) / 2) * 0.5)
+                                                          for s in range(1, 7)}
+        final = first[0][0]
+        assert final["val_loss"] > 0
+
+        ev = json.loads(_cli(work, "eval", full.run_id, "--json"))
+        assert ev["loss"] == pytest.approx(final["val_loss"], rel=1e-5), "eval applies the rho scaling"
+        _cli(work, "export", full.run_id, "--out", str(work / "hf"))
+        ev_hf = json.loads(_cli(work, "eval", str(work / "hf"), "--json"))
+        assert ev_hf["loss"] == pytest.approx(final["val_loss"], rel=1e-4), "the export folds rho in"
+
+        out = _cli(work, "prune", full.run_id, "layers=every_other")
+        child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[prune] new run"))
+        run = client.get_run(child)
+        assert run.data.tags["mlflow.parentRunId"] == full.run_id and run.data.tags["prune.layers"] == "0,2"
+        ev_child = json.loads(_cli(work, "eval", child, "--json"))
+        assert ev_child["loss"] > 0 and ev_child["loss"] != ev["loss"]
+        _cli(work, "export", child, "--out", str(work / "hf_pruned"))
+        _cli(work, "resume", child, "train.max_steps=8", "cluster.num_workers=1")
+        assert sorted(history(child, "train/loss")) == [7, 8], "the pruned run continues from the parent's step"

@@ -15,6 +15,7 @@ import torch
 
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.export.moe import check_experts_complete, expert_parallel_state_dict
+from pretrain.model.layerdrop import fold_branch_scales, inference_scales
 from pretrain.train import checkpoint as ckpt_io
 
 StateDict = dict[str, torch.Tensor]
@@ -31,8 +32,10 @@ class LoadedCheckpoint:
     run_id: str | None
     """The MLflow run of the checkpoint when it is in the current tracking store, else None."""
 
-    def state_dict(self) -> StateDict:
-        """Full fp32 state dict; expert-parallel checkpoints hold every expert (checked)."""
+    def state_dict(self, inference: bool = True) -> StateDict:
+        """Full fp32 state dict; expert-parallel checkpoints hold every expert (checked). ``inference``: with
+        layer dropout's ``rho`` scaling folded into the weights (what evaluation and export use); False gives the
+        training weights (to continue training from, e.g. after pruning)."""
         moe = self.config.moe
         if moe.enabled and int(self.ckpt.manifest.get("moe_ep_size", moe.ep_size)) > 1:
             sd = _strip_module_prefix(expert_parallel_state_dict(self.ckpt.path / ckpt_io.DS_DIR / ckpt_io.DS_TAG))
@@ -41,6 +44,9 @@ class LoadedCheckpoint:
             sd = consolidated_state_dict(self.ckpt.path, self.config.zero.stage)
         if moe.enabled:
             check_experts_complete(sd, self.config.model, moe)
+        scales = inference_scales(self.config.layer_drop, self.config.model.num_layers)
+        if inference and scales is not None:
+            sd = fold_branch_scales(sd, self.config.model.norm_placement, scales)
         return sd
 
     def tokenizer(self):

@@ -112,3 +112,21 @@ def select_blocks(spec: str | Sequence[int], num_layers: int) -> list[int]:
     if not keep or keep[0] < 0 or keep[-1] >= num_layers:
         raise ValueError(f"blocks {keep}: the model has blocks 0..{num_layers - 1}")
     return keep
+
+
+def fold_branch_scales(state: dict[str, torch.Tensor], placement: str,
+                       scales: Sequence[tuple[float, float]]) -> dict[str, torch.Tensor]:
+    """A state dict whose plain forward equals the model with ``branch_scales`` (eq. 95's rho at inference): each
+    sub-layer's last linear map (``o_proj``, ``down_proj`` of the FFN or of every expert; the output norm of a
+    ``sandwich`` block) is multiplied by its scale, biases included. Standard classes then load it as is."""
+    out = dict(state)
+    for i, (attn, ffn) in enumerate(scales):
+        for scale, last in ((attn, ("attn.o_proj.",) if placement != "sandwich" else ("norm_out1.",)),
+                            (ffn, (".down_proj.",) if placement != "sandwich" else ("norm_out2.",))):
+            if scale == 1.0:
+                continue
+            prefix = f"blocks.{i}."
+            for key in state:
+                if key.startswith(prefix) and any(m in key[len(prefix) - 1:] for m in last):
+                    out[key] = state[key] * scale
+    return out

@@ -1,0 +1,120 @@
+"""Derived runs: a new MLflow run (a child of its parent's) whose first committed checkpoint is a transformed copy of
+a parent checkpoint — the parent's weights reshaped, its data position and counters carried over — so the new run
+evaluates, resumes and exports like any other. ``prune`` keeps a subset of the blocks.
+
+    ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other     # or layers=first:4, layers=[0,2,5]
+
+The checkpoint is written by this process as a world of one (a fresh optimizer state: the reshaped model has
+other parameters); resuming it on more workers re-shards it like any elastic resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.prepare import resolve_paths
+from pretrain.config import ConfigError, RunConfig, dump_yaml
+from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.model.layerdrop import select_blocks
+from pretrain.train import checkpoint as ckpt_io
+from pretrain.train import dist, tracking
+from pretrain.train.callbacks import Checkpointer
+from pretrain.train.module import build_module
+from pretrain.train.trainer import TrainerState
+
+StateDict = dict[str, torch.Tensor]
+
+
+class _ParentData:
+    """The parent's data position (the union of its workers' stream states), written as this checkpoint's."""
+
+    def __init__(self, ckpt: ckpt_io.CommittedCheckpoint):
+        self.state, _ = ckpt_io.load_rank_state(ckpt.path, 0)
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
+               what: str) -> tuple[str, Path]:
+    """Write ``weights`` (a full state dict of ``cfg.model``) as the first checkpoint of a new run, child of the
+    parent's run, continuing the parent's step, tokens and data position. Returns (run id, checkpoint path)."""
+    cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
+    cfg.data.tokenizer = str(parent.ckpt.path / "tokenizer")
+    if cfg.moe.enabled and cfg.moe.ep_size > 1:
+        cfg.moe.ep_size = 1  # written by one process; set moe.ep_size again when resuming on more workers
+    cfg.validate()
+    uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
+    all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
+                "pretrain.parent_checkpoint": str(parent.ckpt.path)}
+    if parent.run_id:
+        all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
+    run_id = tracking.start_run(uri, cfg, all_tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
+    run_dir = Path(cfg.checkpoint.dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    tracker = tracking.Tracker(uri, run_id)
+    tracker.set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
+    ctx = dist.setup("no")
+    module = build_module(cfg, rank=0, device=ctx.device, weights=weights)
+    raw = json.loads((parent.ckpt.path / "trainer_state.json").read_text())
+    state = TrainerState(step=int(raw.get("step", parent.ckpt.step)), tokens_seen=int(raw.get("tokens_seen", 0)),
+                         sequences=int(raw.get("sequences", 0)), last_train_loss=float("nan"))
+    path = Checkpointer(cfg, run_dir, ctx, tracker).save(module, _ParentData(parent.ckpt), state)
+    tracker.finish("FINISHED")
+    return run_id, path
+
+
+def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateDict]:
+    """The parent's config and training weights with only blocks ``keep`` (renumbered 0..len(keep)-1)."""
+    cfg = parent.config
+    sd = parent.state_dict(inference=False)
+    new_index = {old: new for new, old in enumerate(keep)}
+    out: StateDict = {}
+    for key, value in sd.items():
+        if key.startswith("blocks."):
+            _, old, rest = key.split(".", 2)
+            if int(old) not in new_index:
+                continue
+            key = f"blocks.{new_index[int(old)]}.{rest}"
+        out[key] = value
+    model = dataclasses.replace(cfg.model, num_layers=len(keep))
+    moe = cfg.moe
+    if moe.enabled:
+        moe_blocks = [new_index[i] for i in keep if moe.is_moe_layer(i)]
+        if not moe_blocks:
+            moe = dataclasses.replace(moe, num_experts=0, layers=[])
+        else:
+            moe = dataclasses.replace(moe, layers=moe_blocks, every=1)
+    new = dataclasses.replace(cfg, model=model, moe=moe, name=f"{cfg.name}-pruned{len(keep)}")
+    return new, out
+
+
+def prune(argv: list[str]) -> int:
+    """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N]``."""
+    if not argv:
+        raise ConfigError("prune: give a run id or a checkpoint directory, then layers=every_other|first:N|[i,j,...]")
+    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    unknown = set(opts) - {"layers", "step"}
+    if unknown or len(opts) != len(argv) - 1:
+        raise ConfigError(f"prune: unknown option(s) {sorted(unknown) or argv[1:]} (valid: layers=..., step=N)")
+    parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
+    try:
+        keep = select_blocks(opts.get("layers", "every_other"), parent.config.model.num_layers)
+    except ValueError as e:
+        raise ConfigError(f"prune layers: {e}") from None
+    cfg, weights = pruned(parent, keep)
+    run_id, path = derive_run(parent, cfg, weights, {"prune.parent_run_id": parent.run_id or "",
+                                                     "prune.parent_step": parent.ckpt.step,
+                                                     "prune.layers": ",".join(map(str, keep))}, "prune")
+    print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
+    print(f"[prune] new run {run_id}: checkpoint {path}")
+    print(f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
+          f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+    return 0
