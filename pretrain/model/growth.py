@@ -1,0 +1,297 @@
+"""Model growth as pure functions: (model config, MoE config, full state dict) -> a bigger (config, state dict).
+
+Depth (any target: ``2x``, ``+N``, ``N``):
+    ``stack``       block i of the grown model copies block i mod L: the trained stack repeated (the reference
+                    text's method, §4.2.2; Li et al. 2020b, G_stack). Not function-preserving.
+    ``interleave``  each block duplicated in place: block i copies block floor(i * L / N). Not function-preserving.
+    ``identity``    the trained blocks, then new blocks (copies of the last one) whose residual branches start at
+                    zero output (attention ``o_proj`` and FFN ``down_proj`` zeroed; a ``sandwich`` block's output
+                    norms zeroed): exactly function-preserving for pre-norm and sandwich blocks. Post-norm blocks
+                    apply a norm even to a zero branch, and DeepNorm's alpha depends on the depth: refused.
+
+Width (hidden size, FFN size, heads with the head size fixed):
+    ``tile``        eq. (111) of the reference text: an integer factor k on a dimension tiles every vector along it
+                    k times, and every k x k block of a grown matrix is W / k (the input side is divided, so a tiled
+                    input gives a tiled output). Exactly function-preserving for LayerNorm and RMSNorm (the mean and
+                    variance of a tiled vector are the same), rotary and learned positions, GQA (query head j + cH
+                    reads key/value head j // g + c * KV, a copy of the original pairing), biases, MoE routers and
+                    experts. Tied embeddings are untied: the input embedding is tiled, the output projection tiled
+                    and divided by k (one matrix cannot be both). ``model.embedding_scale: 0`` (sqrt(D)) changes with
+                    D: refused.
+    ``net2net``     any factor: new units copy random existing ones (seeded), and the consumers of a duplicated
+                    unit divide its column by the number of copies. Exact for FFN width and heads (units feed one
+                    linear map each); for the hidden size the norms' statistics over the duplicated units change, so
+                    it is approximate (the growth check reports the difference).
+
+Dense -> MoE upcycling (``experts=E``): every expert is a copy of the block's dense FFN and the router starts at
+zero, so all experts get equal probability and, with normalized top-k, the output is the dense FFN's exactly.
+
+``noise`` > 0 adds N(0, (noise * std(W))^2) to every grown or copied weight matrix (symmetry breaking: tiled copies
+would otherwise receive identical gradients forever); the function is then preserved within the noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from pretrain.config import ModelConfig, MoEConfig
+
+StateDict = dict[str, torch.Tensor]
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
+
+
+def resolve_count(spec: str | int, current: int) -> int:
+    """``2x`` (a factor), ``+N`` (more) or ``N`` (a total) -> the target count."""
+    text = str(spec).strip()
+    try:
+        if text.endswith("x"):
+            factor = float(text[:-1])
+            target = current * factor
+            if target != int(target):
+                raise ValueError(f"{text} of {current} is not a whole number")
+            return int(target)
+        if text.startswith("+"):
+            return current + int(text[1:])
+        return int(text)
+    except ValueError as e:
+        raise ValueError(f"{text!r}: expected a factor like 2x, an increment like +4, or a total ({e})") from None
+
+
+# -- depth ---------------------------------------------------------------------------------------------------
+
+
+def _blocks(state: StateDict) -> dict[int, StateDict]:
+    out: dict[int, StateDict] = {}
+    for key, value in state.items():
+        m = _BLOCK.match(key)
+        if m:
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    return out
+
+
+def grow_depth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int,
+               op: str = "stack") -> tuple[ModelConfig, MoEConfig, StateDict]:
+    """Grow to ``target`` blocks with ``op`` (``stack``, ``interleave`` or ``identity``)."""
+    n = cfg.num_layers
+    if target < n:
+        raise ValueError(f"depth {target} is smaller than the model's {n} blocks (growth only grows; see prune)")
+    if op == "stack":
+        source = [i % n for i in range(target)]
+    elif op == "interleave":
+        source = [i * n // target for i in range(target)]
+    elif op == "identity":
+        if cfg.norm_placement not in ("pre", "sandwich"):
+            raise ValueError(f"depth_op identity preserves the function only for pre-norm and sandwich blocks "
+                             f"(model.norm_placement={cfg.norm_placement}); use stack or interleave")
+        source = list(range(n)) + [n - 1] * (target - n)
+    else:
+        raise ValueError(f"depth_op {op!r}: expected stack, interleave or identity")
+    blocks = _blocks(state)
+    out = {k: v for k, v in state.items() if not _BLOCK.match(k)}
+    for i, src in enumerate(source):
+        for name, value in blocks[src].items():
+            value = value.clone()
+            if op == "identity" and i >= n and _is_branch_output(name, cfg.norm_placement):
+                value.zero_()
+            out[f"blocks.{i}.{name}"] = value
+    new_moe = moe
+    if moe.enabled:
+        layers = [i for i, src in enumerate(source) if moe.is_moe_layer(src)]
+        new_moe = dataclasses.replace(moe, layers=layers, every=1)
+    return dataclasses.replace(cfg, num_layers=target), new_moe, out
+
+
+def _is_branch_output(name: str, placement: str) -> bool:
+    """The tensors whose zeroing makes a block's residual branches output zero."""
+    if placement == "sandwich":
+        return name.startswith(("norm_out1.", "norm_out2."))
+    return name.startswith("attn.o_proj.") or (name.endswith(("down_proj.weight", "down_proj.bias"))
+                                               and name.startswith("ffn."))
+
+
+# -- width ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axis:
+    """How one dimension grows: ``index[j]`` = the old unit new unit j copies; ``count[i]`` = copies of old i."""
+
+    index: torch.Tensor  # (new,) int64
+    count: torch.Tensor  # (old,) float
+
+    @staticmethod
+    def tile(old: int, k: int) -> _Axis:
+        return _Axis(torch.arange(old * k) % old, torch.full((old,), float(k)))
+
+    @staticmethod
+    def net2net(old: int, new: int, g: torch.Generator, group: int = 1) -> _Axis:
+        """Duplicate random old units (whole groups of ``group`` consecutive units, e.g. a head's dims)."""
+        if new % group or old % group:
+            raise ValueError(f"width {old} -> {new} must keep whole groups of {group}")
+        extra = torch.randint(0, old // group, ((new - old) // group,), generator=g)
+        groups = torch.cat([torch.arange(old // group), extra])
+        index = (groups.view(-1, 1) * group + torch.arange(group)).flatten()
+        return _Axis(index, torch.bincount(index, minlength=old).float())
+
+    @property
+    def identity(self) -> bool:
+        return self.index.numel() == self.count.numel()
+
+
+def _grow_matrix(w: torch.Tensor, out_axis: _Axis | None, in_axis: _Axis | None) -> torch.Tensor:
+    """Rows copied along ``out_axis``; columns copied along ``in_axis`` and divided by their copy counts (so a
+    copied input gives the same pre-activations; for ``tile`` this is eq. 111's W / k blocks)."""
+    if in_axis is not None:
+        w = w[:, in_axis.index] / in_axis.count[in_axis.index].to(w.dtype)
+    if out_axis is not None:
+        w = w[out_axis.index]
+    return w
+
+
+def grow_width(cfg: ModelConfig, moe: MoEConfig, state: StateDict, *, hidden: int | None = None,
+               heads: int | None = None, ffn: int | None = None, op: str = "tile",
+               seed: int = 0) -> tuple[ModelConfig, MoEConfig, StateDict]:
+    """Grow the hidden size, the number of heads (head size fixed) and/or the FFN size. ``hidden`` alone also
+    grows the heads and the FFN by the same factor. ``op``: ``tile`` (integer factors) or ``net2net``."""
+    from pretrain.model.transformer import resolved_ffn_size
+
+    d, h = cfg.hidden_size, cfg.num_heads
+    hd = d // h
+    kv = cfg.num_kv_heads or h
+    f = resolved_ffn_size(cfg)
+    new_d = hidden or d
+    new_h = heads or (h * new_d // d if hidden else h)
+    new_f = ffn or (f * new_d // d if hidden else f)
+    if new_h * hd != new_d:
+        raise ValueError(f"heads {new_h} x head size {hd} != hidden size {new_d}: the head size stays fixed")
+    if (new_d, new_h, new_f) == (d, h, f):
+        return cfg, moe, dict(state)
+    if min(new_d - d, new_h - h, new_f - f) < 0:
+        raise ValueError("width growth only grows (hidden, heads, ffn)")
+    if cfg.embedding_scale == 0.0 and new_d != d:
+        raise ValueError("model.embedding_scale 0 (sqrt(hidden_size)) changes with the width: set it explicitly")
+    g = torch.Generator().manual_seed(seed)
+    if op == "tile":
+        for name, old, new in (("hidden size", d, new_d), ("heads", h, new_h), ("ffn size", f, new_f)):
+            if new % old:
+                raise ValueError(f"width_op tile needs integer factors: {name} {old} -> {new} (use width_op net2net)")
+        if new_h // h != new_d // d:
+            raise ValueError("width_op tile grows heads and hidden size by the same factor (head size fixed)")
+        hid = _Axis.tile(d, new_d // d)
+        qh = _Axis.tile(h * hd, new_h // h)  # query head dims: heads copied in order
+        kvh = _Axis.tile(kv * hd, new_h // h)
+        ff = _Axis.tile(f, new_f // f)
+        ef = _Axis.tile(moe.ffn_size or f, new_f // f) if moe.enabled else None
+        new_kv = kv * new_h // h
+    elif op == "net2net":
+        if new_h != h and kv != h:
+            raise ValueError("width_op net2net grows heads only without grouped-query attention (num_kv_heads 0)")
+        hid = _Axis.net2net(d, new_d, g)
+        qh = _Axis.net2net(h * hd, new_h * hd, g, group=hd)
+        kvh = qh
+        ff = _Axis.net2net(f, new_f, g)
+        ef = _Axis.net2net(moe.ffn_size or f, (moe.ffn_size or f) * new_f // f, g) if moe.enabled else None
+        new_kv = cfg.num_kv_heads and new_h
+    else:
+        raise ValueError(f"width_op {op!r}: expected tile or net2net")
+    out: StateDict = {}
+    for key, w in state.items():
+        out[key] = _grow_tensor(key, w, hid, qh, kvh, ff, ef, cfg)
+    new_cfg = dataclasses.replace(cfg, hidden_size=new_d, num_heads=new_h, num_kv_heads=new_kv,
+                                  ffn_size=new_f if (cfg.ffn_size or new_f != f) else 0)
+    if cfg.tie_embeddings and new_d != d:  # one matrix cannot be the tiled input and the divided output map
+        out["lm_head.weight"] = _grow_matrix(state["embed_tokens.weight"], None, hid)
+        new_cfg = dataclasses.replace(new_cfg, tie_embeddings=False)
+    new_moe = dataclasses.replace(moe, ffn_size=moe.ffn_size * new_f // f) if moe.enabled and moe.ffn_size else moe
+    return new_cfg, new_moe, out
+
+
+def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, ff: _Axis, ef: _Axis | None,
+                 cfg: ModelConfig) -> torch.Tensor:
+    name = key.split(".")
+    leaf = name[-1]
+    in_expert = "deepspeed_experts" in key
+    f_axis = ef if in_expert else ff
+    if key in ("embed_tokens.weight", "embed_positions.weight"):
+        return w[:, hid.index].clone()  # (V or S, D): every embedding vector tiled / copied
+    if key == "lm_head.weight":
+        return _grow_matrix(w, None, hid)
+    if key == "lm_head.bias":
+        return w.clone()
+    if ".attn.q_norm." in key or ".attn.k_norm." in key:
+        return w.clone()  # per head, over the head size: unchanged
+    if ".attn.q_proj." in key:
+        return _grow_matrix(w, qh, hid) if leaf == "weight" else w[qh.index].clone()
+    if ".attn.k_proj." in key or ".attn.v_proj." in key:
+        return _grow_matrix(w, kvh, hid) if leaf == "weight" else w[kvh.index].clone()
+    if ".attn.o_proj." in key:
+        return _grow_matrix(w, hid, qh) if leaf == "weight" else w[hid.index].clone()
+    if key.endswith(("gate_proj.weight", "up_proj.weight")):
+        return _grow_matrix(w, f_axis, hid)
+    if key.endswith(("gate_proj.bias", "up_proj.bias")):
+        return w[f_axis.index].clone()
+    if key.endswith("down_proj.weight"):
+        return _grow_matrix(w, hid, f_axis)
+    if key.endswith("down_proj.bias"):
+        return w[hid.index].clone()
+    if key.endswith("gate.wg.weight"):  # MoE router (E, D)
+        return _grow_matrix(w, None, hid)
+    if key.startswith("head_transform.dense."):
+        return _grow_matrix(w, hid, hid) if leaf == "weight" else w[hid.index].clone()
+    if w.dim() == 1:  # norms over the hidden size (weights and biases)
+        return w[hid.index].clone()
+    raise ValueError(f"growth: no width rule for {key} {tuple(w.shape)}")
+
+
+# -- dense -> MoE ---------------------------------------------------------------------------------------------
+
+
+def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int,
+            top_k: int = 2) -> tuple[ModelConfig, MoEConfig, StateDict]:
+    """Every dense FFN becomes an MoE layer of ``num_experts`` copies of it with a zero router (Komatsuzaki et al.
+    2023, sparse upcycling): with normalized top-k the output equals the dense FFN's at the start."""
+    if moe.enabled:
+        raise ValueError("experts: the model is already a Mixture-of-Experts")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"experts {num_experts} with top_k {top_k}: need 1 <= top_k <= experts")
+    out: StateDict = {}
+    for key, w in state.items():
+        m = _BLOCK.match(key)
+        if m and m.group(2).startswith("ffn."):
+            rest = m.group(2)[len("ffn."):]
+            for e in range(num_experts):
+                out[f"blocks.{m.group(1)}.ffn.deepspeed_moe.experts.deepspeed_experts.{e}.{rest}"] = w.clone()
+            continue
+        out[key] = w
+    for i in range(cfg.num_layers):
+        out[f"blocks.{i}.ffn.deepspeed_moe.gate.wg.weight"] = torch.zeros(num_experts, cfg.hidden_size)
+    from pretrain.model.transformer import resolved_ffn_size
+
+    new_moe = dataclasses.replace(moe, num_experts=num_experts, top_k=top_k, every=1, layers=[],
+                                  ffn_size=resolved_ffn_size(cfg), normalize_top_k=True)
+    return cfg, new_moe, out
+
+
+# -- symmetry breaking ----------------------------------------------------------------------------------------
+
+
+def add_noise(before: StateDict, after: StateDict, scale: float, seed: int) -> StateDict:
+    """N(0, (scale * std(W))^2) on every weight matrix of ``after`` that growth created or reshaped (not on
+    unchanged tensors, biases or norms). ``scale`` 0 returns ``after`` unchanged."""
+    if scale <= 0:
+        return after
+    g = torch.Generator().manual_seed(seed)
+    out = dict(after)
+    for key in sorted(after):
+        w = after[key]
+        if w.dim() < 2 or (key in before and before[key].shape == w.shape and torch.equal(before[key], w)):
+            continue
+        std = float(w.float().std()) if w.numel() > 1 else 0.0
+        if std == 0.0 or not math.isfinite(std):
+            std = float(before.get(key, w).float().std()) if key in before else 0.02
+        out[key] = w + scale * std * torch.randn(w.shape, generator=g, dtype=w.dtype)
+    return out

@@ -1,0 +1,127 @@
+"""Growth operators (pure functions on state dicts): which ones preserve the function exactly, and for which
+architectures; the shapes they produce load into the grown model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pretrain.config import MoEConfig, load_config
+from pretrain.model import build_model
+from pretrain.model.growth import add_noise, grow_depth, grow_width, resolve_count, upcycle
+
+
+def _cfg(*extra: str):
+    c = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
+                           "model.num_heads=4", "model.max_seq_len=16", *extra])
+    return c.model, c.moe
+
+
+def _grown(cfg, moe, state):
+    model = build_model(cfg, 123, moe).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _ids(kind="decoder"):
+    return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+ARCHS = {
+    "llama": ["model.norm=rmsnorm", "model.activation=swiglu", "model.position=rotary", "model.num_kv_heads=2"],
+    "gpt2": ["model.norm=layernorm", "model.activation=gelu", "model.position=learned", "model.bias=true",
+             "model.tie_embeddings=false"],
+    "bert": ["model.kind=encoder", "model.norm_placement=post", "model.position=learned", "model.bias=true",
+             "model.embedding_norm=true", "model.mlm_head_transform=true"],
+    "qk-norm-sandwich": ["model.norm_placement=sandwich", "model.qk_norm=true", "model.norm=rmsnorm"],
+    "moe": ["model.norm=rmsnorm", "model.activation=swiglu", "moe.num_experts=4", "moe.top_k=2", "moe.ffn_size=48"],
+}
+
+
+def test_resolve_count():
+    assert [resolve_count(s, 4) for s in ("2x", "+4", "6", "1.5x")] == [8, 8, 6, 6]
+    with pytest.raises(ValueError, match="factor like 2x"):
+        resolve_count("two", 4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_width_tile_preserves_the_function_exactly(arch):
+    cfg, moe = _cfg(*ARCHS[arch])
+    model = build_model(cfg, 0, moe).eval()
+    ids = _ids()
+    new_cfg, new_moe, sd = grow_width(cfg, moe, model.state_dict(), hidden=64)
+    assert (new_cfg.hidden_size, new_cfg.num_heads) == (64, 8)
+    grown = _grown(new_cfg, new_moe, sd)
+    torch.testing.assert_close(_logits(grown, ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "moe"])
+def test_ffn_and_heads_grow_exactly_with_net2net(arch):
+    cfg, moe = _cfg(*ARCHS[arch], "model.num_kv_heads=0", "model.ffn_size=40")
+    model = build_model(cfg, 0, moe).eval()
+    ids = _ids()
+    new_cfg, new_moe, sd = grow_width(cfg, moe, model.state_dict(), ffn=56, op="net2net", seed=1)
+    torch.testing.assert_close(_logits(_grown(new_cfg, new_moe, sd), ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+    cfg2, moe2, sd2 = grow_width(cfg, moe, model.state_dict(), heads=6, hidden=48, ffn=40, op="net2net", seed=1)
+    assert cfg2.num_heads == 6 and cfg2.hidden_size == 48
+    out = _logits(_grown(cfg2, moe2, sd2), ids)
+    assert out.shape == (2, 16, 101) and torch.isfinite(out).all()  # hidden via net2net: approximate (norms)
+
+
+@pytest.mark.parametrize("placement", ["pre", "sandwich"])
+def test_depth_identity_is_exact_and_stack_interleave_copy_blocks(placement):
+    cfg, moe = _cfg(f"model.norm_placement={placement}", "model.bias=true")
+    model = build_model(cfg, 0, moe).eval()
+    ids, sd = _ids(), model.state_dict()
+    c, m, grown = grow_depth(cfg, moe, sd, resolve_count("+3", 2), "identity")
+    assert c.num_layers == 5
+    torch.testing.assert_close(_logits(_grown(c, m, grown), ids), _logits(model, ids), rtol=0, atol=0)
+    c, m, stacked = grow_depth(cfg, moe, sd, 4, "stack")
+    assert torch.equal(stacked["blocks.2.attn.q_proj.weight"], sd["blocks.0.attn.q_proj.weight"])
+    assert torch.equal(stacked["blocks.3.ffn.up_proj.weight"], sd["blocks.1.ffn.up_proj.weight"])
+    c, m, inter = grow_depth(cfg, moe, sd, 4, "interleave")
+    assert torch.equal(inter["blocks.1.attn.q_proj.weight"], sd["blocks.0.attn.q_proj.weight"])
+    assert torch.equal(inter["blocks.2.attn.q_proj.weight"], sd["blocks.1.attn.q_proj.weight"])
+    _grown(c, m, inter)
+
+
+def test_depth_identity_refused_where_it_cannot_be_exact_and_moe_layers_follow():
+    cfg, moe = _cfg("model.norm_placement=post")
+    with pytest.raises(ValueError, match="pre-norm and sandwich"):
+        grow_depth(cfg, moe, build_model(cfg, 0, moe).state_dict(), 4, "identity")
+    cfg, moe = _cfg(*ARCHS["moe"], "moe.every=2")  # MoE in block 1 only
+    c, m, sd = grow_depth(cfg, moe, build_model(cfg, 0, moe).state_dict(), 4, "stack")
+    assert m.layers == [1, 3]
+    _grown(c, m, sd)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_upcycling_preserves_the_function(arch):
+    cfg, moe = _cfg(*ARCHS[arch])
+    model = build_model(cfg, 0, moe).eval()
+    ids = _ids()
+    c, m, sd = upcycle(cfg, moe, model.state_dict(), num_experts=4, top_k=2)
+    assert m.num_experts == 4 and m.is_moe_layer(0) and m.is_moe_layer(1)
+    torch.testing.assert_close(_logits(_grown(c, m, sd), ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_noise_breaks_symmetry_within_its_scale():
+    cfg, moe = _cfg(*ARCHS["llama"])
+    model = build_model(cfg, 0, moe).eval()
+    before = model.state_dict()
+    c, m, sd = grow_width(cfg, moe, before, hidden=64)
+    noisy = add_noise(before, sd, 1e-3, seed=0)
+    w = noisy["blocks.0.attn.q_proj.weight"]
+    assert not torch.equal(w[:16], w[16:32]), "the tiled copies differ"
+    assert torch.equal(noisy["blocks.0.norm1.weight"], sd["blocks.0.norm1.weight"]), "norms are not perturbed"
+    ids = _ids()
+    a, b = _logits(_grown(c, m, sd), ids), _logits(_grown(c, m, noisy), ids)
+    assert 0 < (a - b).abs().max() < 0.05
+    assert add_noise(before, sd, 0.0, 0) is sd
