@@ -104,17 +104,17 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     monitor = StabilityMonitor(cfg.stability)
     guard = StepHooks()
     guard.decide = monitor.decide
-    health = HealthCallback(every=1)
+    probes = HealthCallback(every=1)
     batches = _batches(cfg, 2, device)
     step_no = 0
 
     def timed(probe: bool) -> float:
         nonlocal step_no
         step_no += 1
-        health.probe = HealthProbe(module.engine) if probe else None
+        probes.probe = HealthProbe(module.engine) if probe else None
         _sync(device)
         t0 = time.perf_counter()
-        run_step(module, StepInput(step_no, batches[step_no % 2], cfg.train.lr), [guard, health])
+        run_step(module, StepInput(step_no, batches[step_no % 2], cfg.train.lr), [guard, probes])
         _sync(device)
         return time.perf_counter() - t0
 
