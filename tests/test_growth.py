@@ -125,3 +125,72 @@ def test_noise_breaks_symmetry_within_its_scale():
     a, b = _logits(_grown(c, m, sd), ids), _logits(_grown(c, m, noisy), ids)
     assert 0 < (a - b).abs().max() < 0.05
     assert add_noise(before, sd, 0.0, 0) is sd
+
+
+# -- in a running job ------------------------------------------------------------------------------------------
+
+GROW = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.max_seq_len=32", "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=3000",
+        "data.num_streams=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=8",
+        "train.warmup_steps=2", "train.log_every=1", "train.val_every=0", "train.val_sequences=8",
+        "checkpoint.every_steps=2", "cluster.num_workers=2", "cluster.use_ray=false",
+        "stability.plot_at_end=false", "growth.rewarm_steps=2",
+        "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}, "
+        "{at_step: 4, width: 2x, noise: 0}, {at_step: 6, depth: '+1', depth_op: stack}]"]
+
+
+def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    from pretrain.train.loop import train_loop
+
+    return [train_loop(job) for job in jobs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3])
+def test_growth_schedule_in_a_running_job(tmp_path, stage):
+    """2 workers under ZeRO-{stage}: identity depth growth at step 2 and tiled width growth at step 4 (both exact:
+    the held-back loss is unchanged), then a stacked depth growth; the data stream continues; a run stopped at
+    step 3 (between the growths) and resumed reproduces the uninterrupted losses bitwise, also on one worker
+    after the last growth; the final checkpoint records the grown architecture."""
+    from pathlib import Path
+
+    import yaml
+    from mlflow import MlflowClient
+
+    from cluster.prepare import prepare_new
+    from tests.conftest import ROOT, in_workdir
+    from tests.distributed import run_distributed
+
+    cfg_path = ROOT / "configs" / "demo-decoder.yaml"
+    opts = GROW + [f"zero.stage={stage}"]
+    with in_workdir(tmp_path):
+        full = prepare_new(load_config(cfg_path, opts))
+        tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
+        part = prepare_new(load_config(cfg_path, opts + tok + ["faults.stop_after_step=3"]))
+        run_distributed(_train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
+        resumed = dataclasses.replace(part, config={**part.config})
+        resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": 7}
+        run_distributed(_train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
+        resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": -1}
+        resumed.config["cluster"] = {**resumed.config["cluster"], "num_workers": 1}
+        run_distributed(_train_jobs, 1, [dataclasses.asdict(resumed)], timeout=900)
+        client = MlflowClient()
+
+        def history(run_id, key):
+            return {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+
+        ref, got = history(full.run_id, "train/loss"), history(part.run_id, "train/loss")
+        assert sorted(ref) == list(range(1, 9))
+        assert all(got[s] == ref[s] for s in range(1, 8)), (ref, got)  # 2 workers, across growths and resumes
+        assert abs(got[8] - ref[8]) < 1e-4, "step 8 on one worker: the same global batch"
+        before, after = history(full.run_id, "growth/loss_before"), history(full.run_id, "growth/loss_after")
+        assert sorted(before) == [2, 4, 6]
+        for s in (2, 4):
+            assert after[s] == pytest.approx(before[s], rel=1e-5), s
+        saved = yaml.safe_load((Path(full.run_dir) / "step_00000008" / "config.yaml").read_text())
+        assert (saved["model"]["num_layers"], saved["model"]["hidden_size"], saved["model"]["num_heads"]) == (5, 64, 8)
+        assert not saved["model"]["tie_embeddings"], "width growth unties the embeddings"
+        small = yaml.safe_load((Path(full.run_dir) / "step_00000002" / "config.yaml").read_text())
+        assert small["model"]["num_layers"] == 2, "the checkpoint before a growth keeps the old architecture"
+        lr = history(full.run_id, "train/lr")
+        assert lr[3] < lr[4] and lr[5] < lr[6], "the LR re-warms after each growth"

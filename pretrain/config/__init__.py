@@ -24,6 +24,8 @@ from pretrain.config.tree import (
     ConfigError,
     DataConfig,
     FaultsConfig,
+    GrowthConfig,
+    GrowthStep,
     LayerDropConfig,
     ModelConfig,
     MoEConfig,
@@ -36,7 +38,7 @@ from pretrain.config.tree import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "LayerDropConfig", "ModelConfig", "MoEConfig",
+    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "GrowthConfig", "GrowthStep", "LayerDropConfig", "ModelConfig", "MoEConfig",
     "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
     "RunPlan", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
 ]

@@ -427,6 +427,49 @@ class LayerDropConfig:
 
 
 @dataclass(kw_only=True)
+class GrowthStep:
+    """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone."""
+
+    at_step: int = 0
+    """In ``growth.schedule``: grow after this many optimizer steps (the next step trains the grown model)."""
+    depth: str = ""
+    """Target number of blocks: ``2x`` (a factor), ``+N`` (more blocks; quote it in YAML) or ``N`` (a total)."""
+    depth_op: Literal["stack", "interleave", "identity"] = "stack"
+    """``stack``: the trained stack repeated (§4.2.2); ``interleave``: each block duplicated in place; ``identity``:
+    new blocks whose residual branches start at zero (function-preserving, pre-norm and sandwich blocks)."""
+    width: str = ""
+    """Target hidden size (``2x``, ``+N``, ``N``); the heads (head size fixed) and the FFN grow by the same factor
+    unless ``heads`` / ``ffn`` say otherwise."""
+    width_op: Literal["tile", "net2net"] = "tile"
+    """``tile``: eq. 111, integer factors, function-preserving; ``net2net``: any size, duplicated units."""
+    heads: str = ""
+    """Target number of attention heads (head size fixed, so the hidden size follows)."""
+    ffn: str = ""
+    """Target FFN size."""
+    experts: int = 0
+    """Dense -> MoE upcycling: every FFN becomes this many copies of itself with a zero router (0: no)."""
+    top_k: int = 2
+    """Experts per token after upcycling."""
+    noise: float = 1e-3
+    """Symmetry breaking: N(0, (noise * std(W))^2) on every grown or copied weight matrix; 0 disables."""
+
+
+@dataclass(kw_only=True)
+class GrowthConfig:
+    """Model growth inside a running job (``schedule``); ``./launch.sh grow`` takes the same keys offline."""
+
+    schedule: list[GrowthStep] = field(default_factory=list)
+    """Growths, each at its ``at_step``."""
+    optimizer: Literal["reset"] = "reset"
+    """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model)."""
+    rewarm_steps: int = 0
+    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
+    check_tolerance: float = 1e-4
+    """A function-preserving growth without noise must change the loss on the held-back batch by at most this
+    (relative), or the run stops with an error."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"
     """Name of this config (preset name), used for the MLflow run name."""
@@ -441,6 +484,7 @@ class RunConfig:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     layer_drop: LayerDropConfig = field(default_factory=LayerDropConfig)
+    growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""
@@ -499,10 +543,27 @@ class RunConfig:
         self._validate_stability()
         self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
         self.layer_drop.validate()
+        self._validate_growth()
         from pretrain.config.plan import make_plan  # the worker-count rules live with the derived numbers
 
         make_plan(self, c.num_workers)
         return self
+
+    def _validate_growth(self) -> None:
+        g = self.growth
+        if g.rewarm_steps < 0:
+            raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
+        steps = [e.at_step for e in g.schedule]
+        for i, e in enumerate(g.schedule):
+            where = f"growth.schedule[{i}]"
+            if not 0 < e.at_step < self.train.max_steps:
+                raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
+            if not (e.depth or e.width or e.heads or e.ffn or e.experts):
+                raise ConfigError(f"{where}: grows nothing (set depth, width, heads, ffn or experts)")
+            if e.noise < 0 or e.experts < 0:
+                raise ConfigError(f"{where}: noise and experts must be >= 0")
+        if steps != sorted(set(steps)):
+            raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
 
     def _validate_stability(self) -> None:
         s, m = self.stability, self.model

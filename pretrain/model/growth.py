@@ -295,3 +295,46 @@ def add_noise(before: StateDict, after: StateDict, scale: float, seed: int) -> S
             std = float(before.get(key, w).float().std()) if key in before else 0.02
         out[key] = w + scale * std * torch.randn(w.shape, generator=g, dtype=w.dtype)
     return out
+
+
+# -- one growth entry ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Grown:
+    model: ModelConfig
+    moe: MoEConfig
+    state: StateDict
+    exact: bool
+    """Whether the operators used preserve the function exactly (before noise)."""
+    operator: str
+    """A short description, e.g. ``depth 4->8 stack; width 256->512 tile``."""
+
+
+def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed: int) -> Grown:
+    """Apply one ``GrowthStep`` (depth, then width, then upcycling, then noise) to a full state dict."""
+    from pretrain.model.transformer import resolved_ffn_size
+
+    new_cfg, new_moe, sd, exact, ops = cfg, moe, state, True, []
+    if step.depth:
+        target = resolve_count(step.depth, cfg.num_layers)
+        new_cfg, new_moe, sd = grow_depth(new_cfg, new_moe, sd, target, step.depth_op)
+        exact &= step.depth_op == "identity"
+        ops.append(f"depth {cfg.num_layers}->{target} {step.depth_op}")
+    if step.width or step.heads or step.ffn:
+        d, h, f = new_cfg.hidden_size, new_cfg.num_heads, resolved_ffn_size(new_cfg)
+        hidden = resolve_count(step.width, d) if step.width else None
+        heads = resolve_count(step.heads, h) if step.heads else None
+        if heads and not hidden:
+            hidden = heads * (d // h)
+        ffn = resolve_count(step.ffn, f) if step.ffn else None
+        new_cfg, new_moe, sd = grow_width(new_cfg, new_moe, sd, hidden=hidden, heads=heads, ffn=ffn,
+                                          op=step.width_op, seed=seed)
+        exact &= step.width_op == "tile" or new_cfg.hidden_size == d
+        ops.append(f"width {d}->{new_cfg.hidden_size} heads {h}->{new_cfg.num_heads} ffn {f}->"
+                   f"{resolved_ffn_size(new_cfg)} {step.width_op}")
+    if step.experts:
+        new_cfg, new_moe, sd = upcycle(new_cfg, new_moe, sd, step.experts, step.top_k)
+        ops.append(f"experts {step.experts} top-{step.top_k} upcycle")
+    sd = add_noise(state, sd, step.noise, seed)
+    return Grown(new_cfg, new_moe, sd, exact, "; ".join(ops) + (f"; noise {step.noise:g}" if step.noise else ""))

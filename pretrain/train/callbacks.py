@@ -4,6 +4,8 @@ checkpoints, and test-only fault injection. Each does one thing; ``order`` fixes
 =====  ====================  ===========================================================================
 order  callback              what it does
 =====  ====================  ===========================================================================
+3      GrowthCallback        ``growth.schedule``: grows the model (rebuilds the module) at the given steps
+5      LayerDropCallback     ``layer_drop``: the gates of every training forward
 0      SpeedMonitor          times each step (tokens/s excludes validation and checkpoints)
 10     StabilityCallback     decides each update (skip / roll back / halt), records events, LR cool-down
 15     HealthCallback        health probes on ``stability.health_every`` steps, logged to MLflow
@@ -353,7 +355,7 @@ class Checkpointer:
             self.count += 1
 
     def _save(self, module, batches, state, protect: set[str]) -> Path | None:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx = module.cfg, self.ctx  # the module's config: the architecture as of this step (growth)
         # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
         if dist.all_reduce_sum([nonfinite_params(module.engine)], ctx.device)[0] > 0:
             raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
@@ -430,9 +432,12 @@ class CheckpointCallback(Callback):
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
                        tracking_uri: str, plan: RunPlan, rank: int) -> list[Callback]:
     """The callbacks of a training run: the standard ones, plus those of the enabled features."""
+    from pretrain.train.growth import GrowthCallback
     from pretrain.train.layer_drop import LayerDropCallback
 
     features: list[Callback] = []
+    if trainer_cfg.growth.schedule:
+        features.append(GrowthCallback(trainer_cfg))
     if trainer_cfg.layer_drop.enabled:
         features.append(LayerDropCallback(trainer_cfg, rank, plan.micro_batch_ids(rank)))
     return features + [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),

@@ -27,8 +27,10 @@ class LayerDropCallback(Callback):
         self.executed_sum = 0.0
         self.steps = 0
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: Trainer | None, step: int) -> None:
         self.step = step - 1
+        if trainer is not None:  # growth may have changed the depth
+            self.layers = trainer.module.cfg.model.num_layers
         if self.ld.mode == "layer":
             self.gates = training_gates(self.ld, self.seed, self.step, self.layers)
             self.executed = executed_blocks(self.gates)

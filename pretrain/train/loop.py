@@ -18,7 +18,7 @@ from pretrain.train import dist
 from pretrain.train.callbacks import Checkpointer, standard_callbacks
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
-from pretrain.train.resume import engine_state_dir, find_resume_point, restore
+from pretrain.train.resume import checkpoint_architecture, engine_state_dir, find_resume_point, restore
 from pretrain.train.stability import StabilityControl
 from pretrain.train.trainer import Trainer, TrainerState
 from pretrain.train.tracking import Tracker
@@ -57,6 +57,8 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
 
     tokenizer = load_or_train_tokenizer(cfg.data)
     resume = find_resume_point(cfg, run_dir, ctx)
+    if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
+        cfg = checkpoint_architecture(cfg, resume)
     source = engine_state_dir(resume, run_dir, ctx) if resume is not None else None
     weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
     module = build_module(cfg, plan, rank=ctx.rank, device=ctx.device, weights=weights,

@@ -31,6 +31,22 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> c
     return resume
 
 
+def checkpoint_architecture(cfg: RunConfig, ckpt: ckpt_io.CommittedCheckpoint) -> RunConfig:
+    """``cfg`` with the model and MoE sections of the checkpoint's own config (the architecture it was saved with,
+    which growth may have changed since the run started); expert parallelism stays as configured now."""
+    import yaml
+
+    from pretrain.config import from_dict, to_dict
+
+    saved = yaml.safe_load((ckpt.path / "config.yaml").read_text()) or {}
+    if "model" not in saved:
+        return cfg
+    merged = to_dict(cfg)
+    merged["model"] = saved["model"]
+    merged["moe"] = {**saved.get("moe", {}), "ep_size": cfg.moe.ep_size}
+    return from_dict(merged)
+
+
 def check_expert_layout(ckpt: ckpt_io.CommittedCheckpoint, cfg: RunConfig, world_size: int) -> None:
     """Expert-parallel state resumes only into the same layout: DeepSpeed partitions the experts' ZeRO state
     over the expert-data-parallel group, which changes with ``moe.ep_size`` and the worker count."""
