@@ -1,8 +1,10 @@
 """Derived runs: a new MLflow run (a child of its parent's) whose first committed checkpoint is a transformed copy of
 a parent checkpoint — the parent's weights reshaped, its data position and counters carried over — so the new run
-evaluates, resumes and exports like any other. ``prune`` keeps a subset of the blocks.
+evaluates, resumes and exports like any other. ``prune`` keeps a subset of the blocks; ``grow`` grows the model
+(the operators of ``pretrain/model/growth.py``, the keys of a ``growth.schedule`` entry).
 
     ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other     # or layers=first:4, layers=[0,2,5]
+    ./launch.sh grow RUN_ID|CHECKPOINT depth=2x width=2x       # depth_op, width_op, heads, ffn, experts, noise
 
 The checkpoint is written by this process as a world of one (a fresh optimizer state: the reshaped model has
 other parameters); resuming it on more workers re-shards it like any elastic resume.
@@ -42,7 +44,7 @@ class _ParentData:
 
 
 def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
-               what: str) -> tuple[str, Path]:
+               what: str, metrics: dict[str, float] | None = None) -> tuple[str, Path]:
     """Write ``weights`` (a full state dict of ``cfg.model``) as the first checkpoint of a new run, child of the
     parent's run, continuing the parent's step, tokens and data position. Returns (run id, checkpoint path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
@@ -61,6 +63,8 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     tracker = tracking.Tracker(uri, run_id)
     tracker.set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
+    if metrics:
+        tracker.log_metrics(metrics, parent.ckpt.step)
     ctx = dist.setup("no")
     module = build_module(cfg, rank=0, device=ctx.device, weights=weights)
     raw = json.loads((parent.ckpt.path / "trainer_state.json").read_text())
@@ -98,12 +102,7 @@ def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateD
 
 def prune(argv: list[str]) -> int:
     """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N]``."""
-    if not argv:
-        raise ConfigError("prune: give a run id or a checkpoint directory, then layers=every_other|first:N|[i,j,...]")
-    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
-    unknown = set(opts) - {"layers", "step"}
-    if unknown or len(opts) != len(argv) - 1:
-        raise ConfigError(f"prune: unknown option(s) {sorted(unknown) or argv[1:]} (valid: layers=..., step=N)")
+    opts = _options(argv, {"layers", "step"}, "prune")
     parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
     try:
         keep = select_blocks(opts.get("layers", "every_other"), parent.config.model.num_layers)
@@ -117,4 +116,87 @@ def prune(argv: list[str]) -> int:
     print(f"[prune] new run {run_id}: checkpoint {path}")
     print(f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
           f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+    return 0
+
+
+def _options(argv: list[str], valid: set[str], usage: str) -> dict[str, str]:
+    if not argv or "=" in argv[0]:
+        raise ConfigError(f"{usage}: give a run id or a checkpoint directory first")
+    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    unknown = sorted(set(opts) - valid)
+    if unknown or len(opts) != len(argv) - 1:
+        raise ConfigError(f"{usage}: unknown option(s) {unknown or argv[1:]} (valid: {', '.join(sorted(valid))})")
+    return opts
+
+
+def held_back_loss(cfg: RunConfig, state: StateDict, batch: dict[str, torch.Tensor]) -> float:
+    """Loss of the model ``cfg.model`` holding ``state`` on one batch (CPU, fp32, eval mode)."""
+    from pretrain.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, 0, cfg.moe)
+    model.to_empty(device="cpu")
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()
+    model.reset_buffers()
+    with torch.no_grad():
+        return float(model.eval()(batch["input_ids"], labels=batch["labels"]).loss)
+
+
+def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
+    from pretrain.data import validation_batches
+
+    cfg = parent.config
+    batches = validation_batches(cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len,
+                                 tokenizer=parent.tokenizer(), rank=0, world_size=1, val_sequences=8,
+                                 micro_batch_size=8, seed=cfg.train.seed)
+    if batches:
+        return batches[0]
+    g = torch.Generator().manual_seed(cfg.train.seed)  # no validation data: a fixed random batch
+    ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.max_seq_len), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+GROW_KEYS = {"depth", "depth_op", "width", "width_op", "heads", "ffn", "experts", "top_k", "noise", "step"}
+
+
+def grow(argv: list[str]) -> int:
+    """``grow RUN_ID|CHECKPOINT [depth=..] [depth_op=..] [width=..] [width_op=..] [heads=..] [ffn=..] [experts=E]
+    [top_k=K] [noise=X] [step=N]``: a new child run whose first checkpoint is the grown parent."""
+    from pretrain.config import GrowthStep
+    from pretrain.config.loading import build_section
+    from pretrain.model.growth import apply_growth
+    from pretrain.train.growth import grown_config
+
+    opts = _options(argv, GROW_KEYS, "grow")
+    step_opt = opts.pop("step", None)
+    typed = {k: (int(v) if k in ("experts", "top_k") else float(v) if k == "noise" else v) for k, v in opts.items()}
+    entry = build_section(GrowthStep, typed, "grow")
+    if not (entry.depth or entry.width or entry.heads or entry.ffn or entry.experts):
+        raise ConfigError("grow: grows nothing (give depth=, width=, heads=, ffn= or experts=)")
+    parent = resolve_checkpoint(argv[0], int(step_opt) if step_opt else None)
+    cfg = parent.config
+    sd = parent.state_dict(inference=False)
+    try:
+        grown = apply_growth(cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step)
+    except ValueError as e:
+        raise ConfigError(f"grow: {e}") from None
+    new_cfg = grown_config(cfg, grown.model, grown.moe)
+    new_cfg = dataclasses.replace(new_cfg, name=f"{cfg.name}-grown")
+    batch = _held_back_batch(parent)
+    before, after = held_back_loss(cfg, sd, batch), held_back_loss(new_cfg, grown.state, batch)
+    rel = abs(after - before) / max(abs(before), 1e-12)
+    print(f"[grow] {grown.operator}: held-back loss {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
+    if grown.exact and entry.noise == 0 and rel > cfg.growth.check_tolerance:
+        raise ckpt_io.CheckpointError(f"grow: {grown.operator} should preserve the function but changed the held-back "
+                                      f"loss {before:.6f} -> {after:.6f}")
+    run_id, path = derive_run(parent, new_cfg, grown.state,
+                              {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
+                               "growth.operator": grown.operator}, "growth",
+                              metrics={"growth/loss_before": before, "growth/loss_after": after})
+    params = sum(v.numel() for v in grown.state.values())
+    print(f"[grow] new run {run_id}: {new_cfg.model.num_layers} blocks, hidden {new_cfg.model.hidden_size}, "
+          f"{new_cfg.moe.num_experts or 'no'} experts, {params:,} parameters; checkpoint {path}")
+    print(f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"
+          f"  export:  ./launch.sh export {run_id} --out exported/{run_id}")
     return 0

@@ -10,6 +10,8 @@
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
     prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
+    grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
+         [heads=..] [ffn=..] [experts=E] [top_k=K] [noise=X] [step=N]       grow the model: a new child run
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
     submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
     jobs [--address URL]                          jobs on the cluster
@@ -113,6 +115,8 @@ def cmd_runs(args: list[str]) -> int:
             raise ConfigError(f"{args[0]}: no such run in {uri}")
         root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
         print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
+        for line in _lineage(run.data.tags):
+            print(f"  {line}")
         if run.data.tags.get("pretrain.stability.last_event"):
             print(f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
                   f"{run.data.tags['pretrain.stability.last_event']}")
@@ -139,7 +143,25 @@ def cmd_runs(args: list[str]) -> int:
         print(f"{r.info.run_id:<34} {(r.info.run_name or '')[:16]:<16} {r.info.status:<9} {step:>6} "
               f"{int(m.get('train/tokens_seen', 0)):>11,} {m.get('val/loss', float('nan')):>8.4f}  "
               f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}")
+        for line in _lineage(tags)[:1]:
+            print(f"{'':<34} ^ {line}")
     return 0
+
+
+def _lineage(tags: dict[str, str]) -> list[str]:
+    """Where a run came from (a derived run's parent) and the growths it went through."""
+    out = []
+    derived = tags.get("pretrain.derived")
+    if derived:
+        parent = tags.get("mlflow.parentRunId") or tags.get("pretrain.parent_checkpoint", "?")
+        step = tags.get("growth.parent_step") or tags.get("prune.parent_step", "?")
+        what = tags.get("growth.operator") or f"kept blocks {tags.get('prune.layers', '?')}"
+        out.append(f"{derived} of run {parent} at step {step}: {what}")
+    grown = sorted((int(k.split(".")[1]), v) for k, v in tags.items()
+                   if k.startswith("growth.") and k.endswith(".operator") and k.split(".")[1].isdigit())
+    for i, op in grown:
+        out.append(f"growth at step {tags.get(f'growth.{i}.at_step', '?')}: {op}")
+    return out
 
 
 def cmd_ui(args: list[str]) -> int:
@@ -181,6 +203,12 @@ def cmd_eval(args: list[str]) -> int:
 
     hf_logging.disable_progress_bar()
     return eval_main(args)
+
+
+def cmd_grow(args: list[str]) -> int:
+    from cluster.derive import grow
+
+    return grow(args)
 
 
 def cmd_prune(args: list[str]) -> int:
@@ -226,7 +254,7 @@ def cmd_stop(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune,
+            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow,
             "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
             "logs": cmd_logs, "stop": cmd_stop}
 

@@ -194,3 +194,86 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
         assert small["model"]["num_layers"] == 2, "the checkpoint before a growth keeps the old architecture"
         lr = history(full.run_id, "train/lr")
         assert lr[3] < lr[4] and lr[5] < lr[6], "the LR re-warms after each growth"
+
+
+@pytest.mark.slow
+def test_growth_encoder_zero1_and_upcycling_with_expert_parallelism(tmp_path):
+    """2 workers: an encoder (post-norm, learned positions) under ZeRO-1 grows by stacking and by tiled width; a
+    decoder under ZeRO-2 is upcycled to 4 experts with expert parallelism 2 (exact: same held-back loss)."""
+    from pathlib import Path
+
+    import yaml
+    from mlflow import MlflowClient
+
+    from cluster.prepare import prepare_new
+    from tests.conftest import ROOT, in_workdir
+    from tests.distributed import run_distributed
+
+    base = [o for o in GROW if not o.startswith(("growth.schedule", "model.num_kv_heads"))] + ["train.max_steps=6"]
+    enc = base + ["zero.stage=1", "growth.schedule=[{at_step: 2, depth: 2x}, {at_step: 4, width: 2x, noise: 0}]"]
+    moe = base + ["zero.stage=2", "moe.ep_size=2",
+                  "growth.schedule=[{at_step: 3, experts: 4, top_k: 2, noise: 0}]"]
+    with in_workdir(tmp_path):
+        e = prepare_new(load_config(ROOT / "configs" / "demo-encoder.yaml", enc))
+        m = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", moe))
+        finals = run_distributed(_train_jobs, 2, [dataclasses.asdict(e), dataclasses.asdict(m)], timeout=900)[0]
+        client = MlflowClient()
+
+        def history(run_id, key):
+            return {x.step: x.value for x in client.get_metric_history(run_id, key)}
+
+        assert all(f["step"] == 6 for f in finals)
+        b, a = history(e.run_id, "growth/loss_before"), history(e.run_id, "growth/loss_after")
+        assert a[4] == pytest.approx(b[4], rel=1e-5), "tiled width growth of a post-norm encoder is exact"
+        b, a = history(m.run_id, "growth/loss_before"), history(m.run_id, "growth/loss_after")
+        assert a[3] == pytest.approx(b[3], rel=1e-5), "upcycling is exact"
+        saved = yaml.safe_load((Path(m.run_dir) / "step_00000006" / "config.yaml").read_text())
+        assert saved["moe"]["num_experts"] == 4 and saved["moe"]["ep_size"] == 2
+        assert "moe/block0/max_share" in client.get_run(m.run_id).data.metrics
+        enc_cfg = yaml.safe_load((Path(e.run_dir) / "step_00000006" / "config.yaml").read_text())["model"]
+        assert (enc_cfg["num_layers"], enc_cfg["hidden_size"]) == (4, 64)
+
+
+@pytest.mark.slow
+def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_path):
+    """`grow` on a trained run: identity depth + tiled width without noise (the held-back loss is unchanged, logged),
+    a child MLflow run tagged with its parent that `runs` shows, resumes (1 -> 2 workers) and exports with a passing
+    parity check; `grow experts=4` upcycles and exports as Mixtral."""
+    import json
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    from tests.conftest import PYTHON, ROOT, cli_env
+
+    def cli(*args):
+        proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout
+
+    base = [o for o in GROW if not o.startswith("growth.")] + ["train.max_steps=4", "cluster.num_workers=1",
+                                                                "zero.stage=2"]
+    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
+    parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
+    out = cli("grow", parent, "depth=+2", "depth_op=identity", "width=2x", "noise=0")
+    child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tags = client.get_run(child).data.tags
+    assert tags["growth.parent_run_id"] == parent and tags["growth.parent_step"] == "4"
+    assert tags["mlflow.parentRunId"] == parent and "depth 2->4 identity" in tags["growth.operator"]
+    m = client.get_run(child).data.metrics
+    assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=1e-5)
+    assert f"growth of run {parent} at step 4" in cli("runs", child)
+    assert f"^ growth of run {parent}" in cli("runs")
+    cli("resume", child, "train.max_steps=6", "cluster.num_workers=2")
+    hist = {x.step for x in client.get_metric_history(child, "train/loss")}
+    assert hist == {5, 6}, "the grown run continues the parent's step count and data"
+    report = cli("export", child, "--out", str(tmp_path / "hf_grown"))
+    assert "LlamaForCausalLM" in report and "parity" in report
+    cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (4, 64, False)
+    out = cli("grow", parent, "experts=4", "noise=0")
+    moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
+    report = cli("export", moe_child, "--out", str(tmp_path / "hf_moe"))
+    assert "MixtralForCausalLM" in report

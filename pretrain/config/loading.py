@@ -100,6 +100,11 @@ def _build(cls: type, data: dict, path: str) -> Any:
     return cls(**kwargs)
 
 
+def build_section(cls: type, data: dict, path: str) -> Any:
+    """One config dataclass (e.g. a ``GrowthStep``) from a plain dict, strictly; errors name ``path``."""
+    return _build(cls, data, path)
+
+
 def from_dict(data: dict) -> RunConfig:
     """Build and validate a RunConfig from a plain dict (strict)."""
     if not isinstance(data, dict):
