@@ -209,11 +209,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
+    p.add_argument("--growth", action="store_true",
+                   help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
     p.add_argument("--layer-drop", action="store_true",
                    help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available()
+    if a.growth:
+        from eval.bench_growth import growth_bench, summary
+
+        result = summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
+        print(json.dumps(result, indent=1) if a.json else "\n".join(f"{k:<26} {v}" for k, v in result.items()))
+        return 0
     path = next((r for r in a.rest if "=" not in r), None)
     overrides = [r for r in a.rest if "=" in r]
     if path is None:

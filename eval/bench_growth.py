@@ -1,0 +1,149 @@
+"""Does growth pay? (``./launch.sh bench --growth``): the same final architecture trained from scratch and grown from
+a smaller model, with the same total training FLOPs, on the demo corpus, measured in one run.
+
+Variants: ``scratch`` (the final architecture for N steps); ``stack`` (half the depth for S steps, then stacked to the
+full depth, §4.2.2); ``tile`` (half the width for S steps, then tiled to the full width, eq. 111). A grown variant
+trains ``M = N - S * F_small / F_big`` steps after growing, so its total FLOPs (6N + attention per token, per step)
+equal the scratch run's. Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
+cumulative FLOPs, and ``growth_flops_saving`` is 1 - (FLOPs at which the grown run first reaches the scratch run's
+final validation loss, interpolated) / (scratch FLOPs); negative or None when it does not get there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _variants(steps: int, small_steps: int, cfg) -> dict[str, list[str]]:
+    m = cfg.model
+    return {
+        "scratch": [],
+        "stack": [f"model.num_layers={m.num_layers // 2}",
+                  f"growth.schedule=[{{at_step: {small_steps}, depth: 2x, depth_op: stack}}]"],
+        "tile": [f"model.hidden_size={m.hidden_size // 2}", f"model.num_heads={m.num_heads // 2}",
+                 f"model.num_kv_heads={(m.num_kv_heads or m.num_heads) // 2}",
+                 f"growth.schedule=[{{at_step: {small_steps}, width: 2x, width_op: tile}}]"],
+    }
+
+
+def _flops_per_step(cfg) -> float:
+    from pretrain.model import flops_per_token
+
+    return flops_per_token(cfg.model, cfg.model.max_seq_len, cfg.moe) * cfg.train.global_batch_size * \
+        cfg.model.max_seq_len
+
+
+def _crossing(curve: list[tuple[float, float]], target: float) -> float | None:
+    """First FLOPs at which the (flops, loss) curve reaches ``target``, linearly interpolated."""
+    prev = None
+    for f, loss in curve:
+        if loss <= target:
+            if prev is None:
+                return f
+            (f0, l0) = prev
+            return f0 + (f - f0) * (l0 - target) / (l0 - loss) if l0 != loss else f
+        prev = (f, loss)
+    return None
+
+
+def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4, val_every: int = 20) -> dict:
+    from mlflow import MlflowClient
+
+    from cluster.launch import run
+    from cluster.prepare import prepare_new
+    from pretrain.config import load_config
+
+    base = [f"train.max_steps={steps}", f"train.val_every={val_every}", "train.val_sequences=32",
+            "train.log_every=50", "checkpoint.every_steps=0", "cluster.use_ray=false", "cluster.num_workers=1",
+            "stability.plot_at_end=false", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
+            "data.tokenizer_vocab_size=4096", "model.vocab_size=4096", *overrides]
+    big = load_config(ROOT / "configs" / "demo-decoder.yaml", base)
+    small_steps = int(steps * small_frac)
+    results: dict = {"steps": steps, "small_steps": small_steps, "curves": {}, "total_flops": {}, "run_ids": {}}
+    work = ROOT / ".cache" / "bench-growth" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = str(work)
+    if True:  # the runs, checkpoints and MLflow store stay in `work` for inspection
+        old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+        os.chdir(tmp)
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        try:
+            tok = []
+            f_big = _flops_per_step(big)
+            for name, extra in _variants(steps, small_steps, big).items():
+                cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", base + tok + extra)
+                f_small = _flops_per_step(cfg)
+                if name != "scratch":  # same total FLOPs: fewer steps after the growth
+                    after = int(round((steps * f_big - small_steps * f_small) / f_big))
+                    cfg.train.max_steps = small_steps + after
+                job = prepare_new(cfg)
+                tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
+                print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
+                run(job, cfg.cluster)
+                results["run_ids"][name] = job.run_id
+                hist = sorted(MlflowClient().get_metric_history(job.run_id, "val/loss"), key=lambda m: m.step)
+
+                def flops_at(step: int) -> float:
+                    if name == "scratch" or step <= small_steps:
+                        return step * (f_big if name == "scratch" else f_small)
+                    return small_steps * f_small + (step - small_steps) * f_big
+
+                curve = [(flops_at(m.step), m.value) for m in hist]
+                results["curves"][name] = curve
+                results["total_flops"][name] = flops_at(cfg.train.max_steps)
+        finally:
+            os.chdir(old_cwd)
+            if old_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = old_uri
+    scratch = results["curves"]["scratch"]
+    target, total = scratch[-1][1], results["total_flops"]["scratch"]
+    results["scratch_final_val_loss"] = target
+    results["final_val_loss"] = {k: c[-1][1] for k, c in results["curves"].items()}
+    results["growth_flops_saving"] = {}
+    for name, curve in results["curves"].items():
+        if name == "scratch":
+            continue
+        hit = _crossing(curve, target)
+        results["growth_flops_saving"][name] = None if hit is None else 1.0 - hit / total
+    results["plot"] = str(_plot(results, work / "growth_vs_scratch.png"))
+    (work / "growth_vs_scratch.json").write_text(json.dumps(results, indent=1))
+    client = MlflowClient(tracking_uri=f"sqlite:///{work}/mlflow.db")
+    for run_id in results["run_ids"].values():  # the plot in every run's artifacts
+        client.log_artifact(run_id, results["plot"], "bench")
+    results["mlflow_store"] = f"sqlite:///{work}/mlflow.db"
+    return results
+
+
+def _plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in results["curves"].items():
+        ax.plot([f / 1e12 for f, _ in curve], [v for _, v in curve], marker=".", label=name)
+    ax.axhline(results["scratch_final_val_loss"], color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("training FLOPs (1e12)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"growth vs scratch, same total FLOPs (growth at step {results['small_steps']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary(results: dict) -> dict:
+    """The bench keys (curves as (TFLOPs, loss) pairs, rounded)."""
+    out = {k: v for k, v in results.items() if k != "curves"}
+    out["curves_tflops_val_loss"] = {k: [(round(f / 1e12, 3), round(v, 4)) for f, v in c]
+                                     for k, c in results["curves"].items()}
+    return out
