@@ -11,6 +11,7 @@ final validation loss, interpolated) / (scratch FLOPs); negative or None when it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -29,6 +30,20 @@ def _variants(steps: int, small_steps: int, cfg) -> dict[str, list[str]]:
                  f"model.num_kv_heads={(m.num_kv_heads or m.num_heads) // 2}",
                  f"growth.schedule=[{{at_step: {small_steps}, width: 2x, width_op: tile}}]"],
     }
+
+
+@contextlib.contextmanager
+def _working_dir(path: Path, tracking_uri: str):
+    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(path)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    try:
+        yield
+    finally:
+        os.chdir(old_cwd)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if old_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
 def _flops_per_step(cfg) -> float:
@@ -66,42 +81,30 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
     small_steps = int(steps * small_frac)
     results: dict = {"steps": steps, "small_steps": small_steps, "curves": {}, "total_flops": {}, "run_ids": {}}
     work = ROOT / ".cache" / "bench-growth" / time.strftime("%Y%m%d-%H%M%S")
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = str(work)
-    if True:  # the runs, checkpoints and MLflow store stay in `work` for inspection
-        old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
-        os.chdir(tmp)
-        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
-        try:
-            tok = []
-            f_big = _flops_per_step(big)
-            for name, extra in _variants(steps, small_steps, big).items():
-                cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", base + tok + extra)
-                f_small = _flops_per_step(cfg)
-                if name != "scratch":  # same total FLOPs: fewer steps after the growth
-                    after = int(round((steps * f_big - small_steps * f_small) / f_big))
-                    cfg.train.max_steps = small_steps + after
-                job = prepare_new(cfg)
-                tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
-                print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
-                run(job, cfg.cluster)
-                results["run_ids"][name] = job.run_id
-                hist = sorted(MlflowClient().get_metric_history(job.run_id, "val/loss"), key=lambda m: m.step)
+    work.mkdir(parents=True, exist_ok=True)  # runs, checkpoints and the MLflow store stay there for inspection
+    uri = f"sqlite:///{work}/mlflow.db"
+    with _working_dir(work, uri):
+        tok: list[str] = []
+        f_big = _flops_per_step(big)
+        for name, extra in _variants(steps, small_steps, big).items():
+            cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", base + tok + extra)
+            f_small = _flops_per_step(cfg)
+            if name != "scratch":  # same total FLOPs: fewer steps after the growth
+                cfg.train.max_steps = small_steps + int(round((steps * f_big - small_steps * f_small) / f_big))
+            job = prepare_new(cfg)
+            tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
+            print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
+            run(job, cfg.cluster)
+            results["run_ids"][name] = job.run_id
+            hist = sorted(MlflowClient(tracking_uri=uri).get_metric_history(job.run_id, "val/loss"),
+                          key=lambda m: m.step)
+            small = 0 if name == "scratch" else small_steps
 
-                def flops_at(step: int) -> float:
-                    if name == "scratch" or step <= small_steps:
-                        return step * (f_big if name == "scratch" else f_small)
-                    return small_steps * f_small + (step - small_steps) * f_big
+            def flops_at(step: int) -> float:
+                return min(step, small) * f_small + max(step - small, 0) * f_big
 
-                curve = [(flops_at(m.step), m.value) for m in hist]
-                results["curves"][name] = curve
-                results["total_flops"][name] = flops_at(cfg.train.max_steps)
-        finally:
-            os.chdir(old_cwd)
-            if old_uri is None:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            else:
-                os.environ["MLFLOW_TRACKING_URI"] = old_uri
+            results["curves"][name] = [(flops_at(m.step), m.value) for m in hist]
+            results["total_flops"][name] = flops_at(cfg.train.max_steps)
     scratch = results["curves"]["scratch"]
     target, total = scratch[-1][1], results["total_flops"]["scratch"]
     results["scratch_final_val_loss"] = target
@@ -114,10 +117,10 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
         results["growth_flops_saving"][name] = None if hit is None else 1.0 - hit / total
     results["plot"] = str(_plot(results, work / "growth_vs_scratch.png"))
     (work / "growth_vs_scratch.json").write_text(json.dumps(results, indent=1))
-    client = MlflowClient(tracking_uri=f"sqlite:///{work}/mlflow.db")
+    client = MlflowClient(tracking_uri=uri)
     for run_id in results["run_ids"].values():  # the plot in every run's artifacts
         client.log_artifact(run_id, results["plot"], "bench")
-    results["mlflow_store"] = f"sqlite:///{work}/mlflow.db"
+    results["mlflow_store"] = uri
     return results
 
 
