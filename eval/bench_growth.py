@@ -4,7 +4,8 @@ a smaller model, with the same total training FLOPs, on the demo corpus, measure
 Variants: ``scratch`` (the final architecture for N steps); ``stack`` (half the depth for S steps, then stacked to the
 full depth, §4.2.2); ``tile`` (half the width for S steps, then tiled to the full width, eq. 111). A grown variant
 trains ``M = N - S * F_small / F_big`` steps after growing, so its total FLOPs (6N + attention per token, per step)
-equal the scratch run's. Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
+equal the scratch run's. After a growth the optimizer starts fresh and the LR re-warms over 20 steps
+(``growth.rewarm_steps``; without it the first AdamW steps of the fresh moments spike the loss). Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
 cumulative FLOPs, and ``growth_flops_saving`` is 1 - (FLOPs at which the grown run first reaches the scratch run's
 final validation loss, interpolated) / (scratch FLOPs); negative or None when it does not get there.
 """
@@ -76,7 +77,7 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
     base = [f"train.max_steps={steps}", f"train.val_every={val_every}", "train.val_sequences=32",
             "train.log_every=50", "checkpoint.every_steps=0", "cluster.use_ray=false", "cluster.num_workers=1",
             "stability.plot_at_end=false", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
-            "data.tokenizer_vocab_size=4096", "model.vocab_size=4096", *overrides]
+            "data.tokenizer_vocab_size=4096", "model.vocab_size=4096", "growth.rewarm_steps=20", *overrides]
     big = load_config(ROOT / "configs" / "demo-decoder.yaml", base)
     small_steps = int(steps * small_frac)
     results: dict = {"steps": steps, "small_steps": small_steps, "curves": {}, "total_flops": {}, "run_ids": {}}

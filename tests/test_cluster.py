@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pretrain.train.dist import free_port as _free_port
 from tests.conftest import PYTHON, ROOT, cli_env
 
 MANIFESTS = ROOT / "cluster" / "manifests"
@@ -34,11 +35,6 @@ TINY = [
 _CLIENT_ENV_DROP = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(work: Path, head_dir: Path, **extra: str) -> dict[str, str]:

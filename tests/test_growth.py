@@ -277,3 +277,17 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
     report = cli("export", moe_child, "--out", str(tmp_path / "hf_moe"))
     assert "MixtralForCausalLM" in report
+
+
+def test_stability_restarts_at_a_growth():
+    from pretrain.config import StabilityConfig
+    from pretrain.train.stability import StabilityMonitor, StepSignals
+
+    mon = StabilityMonitor(StabilityConfig(warmup_steps=0, good_after_steps=0))
+    for s in range(1, 20):
+        mon.decide(StepSignals(s, 5.0 - s * 0.01, 1.0))
+    mon.note_checkpoint(19, "/ckpt/step_19", 19 * 8)
+    assert mon.rollback_target() is not None and len(mon.s.grad_norms) == 19
+    mon.restart()
+    assert mon.rollback_target() is None and mon.s.grad_norms == [] and mon.s.losses == []
+    assert mon.decide(StepSignals(20, 9.0, 40.0)).action == "ok", "a new scale is no spike before a new window"

@@ -293,6 +293,8 @@ def test_layer_drop_end_to_end(tmp_path):
                                                           for s in range(1, 7)}
         final = first[0][0]
         assert final["val_loss"] > 0
+        params = client.get_run(full.run_id).data.params  # the run plan, logged once as params
+        assert (params["plan.micro_batch"], params["plan.grad_accum"], params["plan.shares"]) == ("4", "1", "4,4")
 
         ev = json.loads(_cli(work, "eval", full.run_id, "--json"))
         assert ev["loss"] == pytest.approx(final["val_loss"], rel=1e-5), "eval applies the rho scaling"

@@ -185,3 +185,4 @@ def test_callbacks_run_in_order_and_early_stop_ends_the_run():
     EarlyStop(5.0).on_validation(stub, {"val/loss": 4.9})
     assert stub.stop_reason == "train.stop_at_val_loss" and "stopping" in said[0]
     assert Trainer.stop.__doc__  # the trainer offers the same stop() the stub stands in for
+

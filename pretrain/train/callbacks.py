@@ -4,9 +4,9 @@ checkpoints, and test-only fault injection. Each does one thing; ``order`` fixes
 =====  ====================  ===========================================================================
 order  callback              what it does
 =====  ====================  ===========================================================================
+0      SpeedMonitor          times each step (tokens/s excludes validation and checkpoints)
 3      GrowthCallback        ``growth.schedule``: grows the model (rebuilds the module) at the given steps
 5      LayerDropCallback     ``layer_drop``: the gates of every training forward
-0      SpeedMonitor          times each step (tokens/s excludes validation and checkpoints)
 10     StabilityCallback     decides each update (skip / roll back / halt), records events, LR cool-down
 15     HealthCallback        health probes on ``stability.health_every`` steps, logged to MLflow
 20     FaultInjection        ``faults.*`` hooks (kill a worker, NaN gradient, LR spike, stop early)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pretrain.config import RunConfig
 from pretrain.model.growth import apply_growth
+from pretrain.train.callbacks import StabilityCallback
 from pretrain.train.step import evaluate
 from pretrain.train.trainer import Callback, Trainer
 
@@ -67,6 +68,9 @@ class GrowthCallback(Callback):
         new_cfg = grown_config(cfg, grown.model, grown.moe)
         module.rebuild(new_cfg, grown.state)
         trainer.cfg = new_cfg
+        stability = trainer.find(StabilityCallback)
+        if stability is not None:  # no rollback across a growth; spike statistics of the new model only
+            stability.monitor.restart()
         after = evaluate(module, probe)["val/loss"] if probe else float("nan")
         self.applied.append(index)
         self.last_growth_step = entry.at_step

@@ -264,6 +264,14 @@ class StabilityMonitor:
                                    "good": self.cfg.good_after_steps == 0, "tainted": False})
         self._forget()
 
+    def restart(self) -> None:
+        """The model changed (it grew): no rollback to checkpoints written so far (another architecture), and the
+        rolling loss and gradient-norm statistics start over (the old model's scale says nothing about the new
+        one's; spikes are detected again once the windows hold enough values)."""
+        self.s.checkpoints = []
+        self.s.losses, self.s.grad_norms, self.s.trend = [], [], []
+        self.s.consecutive_skips = 0
+
     def rollback_target(self) -> dict[str, Any] | None:
         """The newest good checkpoint (a dict: step, path, sequences), or None."""
         good = [c for c in self.s.checkpoints if c["good"]]
