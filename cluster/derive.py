@@ -165,7 +165,7 @@ def grow(argv: list[str]) -> int:
     [top_k=K] [noise=X] [step=N]``: a new child run whose first checkpoint is the grown parent."""
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
-    from pretrain.model.growth import apply_growth
+    from pretrain.model.growth import apply_growth, count_parameters
     from pretrain.train.growth import grown_config
 
     opts = _options(argv, GROW_KEYS, "grow")
@@ -194,7 +194,7 @@ def grow(argv: list[str]) -> int:
                               {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
                                "growth.operator": grown.operator}, "growth",
                               metrics={"growth/loss_before": before, "growth/loss_after": after})
-    params = sum(v.numel() for v in grown.state.values())
+    params = count_parameters(grown.state, grown.model.tie_embeddings)
     print(f"[grow] new run {run_id}: {new_cfg.model.num_layers} blocks, hidden {new_cfg.model.hidden_size}, "
           f"{new_cfg.moe.num_experts or 'no'} experts, {params:,} parameters; checkpoint {path}")
     print(f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"

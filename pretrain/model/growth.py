@@ -300,6 +300,11 @@ def add_noise(before: StateDict, after: StateDict, scale: float, seed: int) -> S
 # -- one growth entry ---------------------------------------------------------------------------------------------
 
 
+def count_parameters(state: StateDict, tied: bool) -> int:
+    """Parameters in a full state dict (a tied output projection counted once)."""
+    return sum(v.numel() for k, v in state.items() if not (tied and k == "lm_head.weight"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Grown:
     model: ModelConfig

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from pretrain.config import RunConfig
-from pretrain.model.growth import apply_growth
+from pretrain.model.growth import apply_growth, count_parameters
 from pretrain.train.callbacks import StabilityCallback
 from pretrain.train.step import evaluate
 from pretrain.train.trainer import Callback, Trainer
@@ -75,7 +75,7 @@ class GrowthCallback(Callback):
         self.applied.append(index)
         self.last_growth_step = entry.at_step
         rel = abs(after - before) / max(abs(before), 1e-12)
-        params = sum(v.numel() for v in grown.state.values())
+        params = count_parameters(grown.state, grown.model.tie_embeddings)
         trainer.progress.say(f"growth at step {entry.at_step}: {grown.operator}; held-back loss {before:.5f} -> "
                              f"{after:.5f} (rel. change {rel:.1e}); {params:,} parameters")
         trainer.tracker.log_metrics({"growth/loss_before": before, "growth/loss_after": after,
