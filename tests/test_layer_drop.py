@@ -177,6 +177,8 @@ VARIANTS = [
     ["zero.stage=1", "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
     ["zero.stage=3", "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
     ["zero.stage=2", "layer_drop.mode=sample", "model.dropout=0.1"],
+    ["zero.stage=2", "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
+     "layer_drop.granularity=sublayer"],
     ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu"],
 ]
 MOE_EP = ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu", "moe.ep_size=2"]
@@ -200,7 +202,7 @@ def test_layer_drop_is_rank_consistent_and_matches_one_worker():
         assert two[0][key]["fetched_skipped"] == [], "ZeRO-3 gathered a skipped block's parameters"
     z1, z3 = two[0]["zero.stage=1"]["losses"], two[0]["zero.stage=3"]["losses"]
     assert max(abs(a - b) for a, b in zip(z1, z3)) < 1e-5, "ZeRO-3 gives skipped blocks a zero gradient too"
-    sub1, sub3 = (two[0][" ".join(v)]["losses"] for v in VARIANTS[3:5])
+    sub1, sub3 = (two[0][" ".join(v)]["losses"] for v in VARIANTS[3:5])  # the two sub-layer variants
     assert max(abs(a - b) for a, b in zip(sub1, sub3)) < 1e-5, "... and skipped sub-layers"
     ep, ref = two[0][" ".join(MOE_EP)]["losses"], one[" ".join(VARIANTS[-1])]["losses"]
     assert max(abs(a - b) for a, b in zip(ep, ref)) < 1e-5, "expert parallelism 2 = experts on one worker"
