@@ -148,7 +148,7 @@ def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_growth_schedule_in_a_running_job(tmp_path, stage):
-    """2 workers under ZeRO-{stage}: identity depth growth at step 2 and tiled width growth at step 4 (both exact:
+    """2 workers under ZeRO-{stage}, optimizer moments grown with the weights: identity depth growth at step 2 and tiled width growth at step 4 (both exact:
     the held-back loss is unchanged), then a stacked depth growth; the data stream continues; a run stopped at
     step 3 (between the growths) and resumed reproduces the uninterrupted losses bitwise, also on one worker
     after the last growth; the final checkpoint records the grown architecture."""
@@ -162,7 +162,7 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
     from tests.distributed import run_distributed
 
     cfg_path = ROOT / "configs" / "demo-decoder.yaml"
-    opts = GROW + [f"zero.stage={stage}"]
+    opts = GROW + [f"zero.stage={stage}", "growth.optimizer=grow"]  # the AdamW moments grow with the weights
     with in_workdir(tmp_path):
         full = prepare_new(load_config(cfg_path, opts))
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
@@ -210,7 +210,7 @@ def test_growth_encoder_zero1_and_upcycling_with_expert_parallelism(tmp_path):
     from tests.distributed import run_distributed
 
     base = [o for o in GROW if not o.startswith(("growth.schedule", "model.num_kv_heads"))] + ["train.max_steps=6"]
-    enc = base + ["zero.stage=1", "growth.schedule=[{at_step: 2, depth: 2x}, {at_step: 4, width: 2x, noise: 0}]"]
+    enc = base + ["zero.stage=1", "growth.optimizer=grow", "growth.schedule=[{at_step: 2, depth: 2x}, {at_step: 4, width: 2x, noise: 0}]"]
     moe = base + ["zero.stage=2", "moe.ep_size=2",
                   "growth.schedule=[{at_step: 3, experts: 4, top_k: 2, noise: 0}]"]
     with in_workdir(tmp_path):
@@ -291,3 +291,11 @@ def test_stability_restarts_at_a_growth():
     mon.restart()
     assert mon.rollback_target() is None and mon.s.grad_norms == [] and mon.s.losses == []
     assert mon.decide(StepSignals(20, 9.0, 40.0)).action == "ok", "a new scale is no spike before a new window"
+
+
+def test_optimizer_grow_refused_with_expert_parallelism():
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="^growth.optimizer: grow"):
+        load_config(None, ["moe.num_experts=4", "moe.ep_size=2", "cluster.num_workers=2", "data.num_streams=2",
+                           "growth.optimizer=grow"])

@@ -460,8 +460,10 @@ class GrowthConfig:
 
     schedule: list[GrowthStep] = field(default_factory=list)
     """Growths, each at its ``at_step``."""
-    optimizer: Literal["reset"] = "reset"
-    """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model)."""
+    optimizer: Literal["reset", "grow"] = "reset"
+    """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments
+    grown with the weights by the same operator: tiled and divided alike, copied with copied blocks; zero where the
+    weights start at zero). ``grow`` needs ``moe.ep_size`` 1."""
     rewarm_steps: int = 0
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
     check_tolerance: float = 1e-4
@@ -551,6 +553,9 @@ class RunConfig:
 
     def _validate_growth(self) -> None:
         g = self.growth
+        if g.optimizer == "grow" and self.moe.ep_size > 1:
+            raise ConfigError("growth.optimizer: grow gathers full optimizer moments, not with moe.ep_size > 1; "
+                              "use growth.optimizer reset")
         if g.rewarm_steps < 0:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
         steps = [e.at_step for e in g.schedule]

@@ -11,6 +11,7 @@ from typing import Any
 from pretrain.config import RunConfig
 from pretrain.model.growth import apply_growth, count_parameters
 from pretrain.train.callbacks import StabilityCallback
+from pretrain.train.optimizer_state import MOMENTS, gather_moments, load_moments
 from pretrain.train.step import evaluate
 from pretrain.train.trainer import Callback, Trainer
 
@@ -37,6 +38,7 @@ class GrowthCallback(Callback):
         self.schedule = cfg.growth.schedule
         self.rewarm = cfg.growth.rewarm_steps
         self.tolerance = cfg.growth.check_tolerance
+        self.keep_optimizer = cfg.growth.optimizer == "grow"
         self.applied: list[int] = []
         self.last_growth_step = -1
         self.step = 0
@@ -64,9 +66,15 @@ class GrowthCallback(Callback):
         probe = trainer.val_set[:1]
         before = evaluate(module, probe)["val/loss"] if probe else float("nan")
         full = module.full_state_dict()
-        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=cfg.train.seed + entry.at_step)
+        seed = cfg.train.seed + entry.at_step
+        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed)
+        moments = gather_moments(module) if self.keep_optimizer else None
         new_cfg = grown_config(cfg, grown.model, grown.moe)
         module.rebuild(new_cfg, grown.state)
+        if moments and moments["step"]:  # the same operator on the moments (no noise)
+            exact = dataclasses.replace(entry, noise=0.0)
+            load_moments(module, {"step": moments["step"], **{
+                k: apply_growth(cfg.model, cfg.moe, moments[k], exact, seed=seed).state for k in MOMENTS}})
         trainer.cfg = new_cfg
         stability = trainer.find(StabilityCallback)
         if stability is not None:  # no rollback across a growth; spike statistics of the new model only
