@@ -2,4 +2,11 @@
 
 from pretrain.train.procs import run_distributed
 
-__all__ = ["run_distributed"]
+__all__ = ["run_distributed", "train_jobs"]
+
+
+def train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    """In each process of ``run_distributed``: run the training function on each job (``Job`` as dict), in order."""
+    from pretrain.train.loop import train_loop
+
+    return [train_loop(job) for job in jobs]

@@ -139,12 +139,6 @@ GROW = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "mode
         "{at_step: 4, width: 2x, noise: 0}, {at_step: 6, depth: '+1', depth_op: stack}]"]
 
 
-def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
-    from pretrain.train.loop import train_loop
-
-    return [train_loop(job) for job in jobs]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_growth_schedule_in_a_running_job(tmp_path, stage):
@@ -159,7 +153,7 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
 
     from cluster.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
-    from tests.distributed import run_distributed
+    from tests.distributed import run_distributed, train_jobs
 
     cfg_path = ROOT / "configs" / "demo-decoder.yaml"
     opts = GROW + [f"zero.stage={stage}", "growth.optimizer=grow"]  # the AdamW moments grow with the weights
@@ -167,13 +161,13 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
         full = prepare_new(load_config(cfg_path, opts))
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
         part = prepare_new(load_config(cfg_path, opts + tok + ["faults.stop_after_step=3"]))
-        run_distributed(_train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
+        run_distributed(train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
         resumed = dataclasses.replace(part, config={**part.config})
         resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": 7}
-        run_distributed(_train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
+        run_distributed(train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
         resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": -1}
         resumed.config["cluster"] = {**resumed.config["cluster"], "num_workers": 1}
-        run_distributed(_train_jobs, 1, [dataclasses.asdict(resumed)], timeout=900)
+        run_distributed(train_jobs, 1, [dataclasses.asdict(resumed)], timeout=900)
         client = MlflowClient()
 
         def history(run_id, key):
@@ -207,7 +201,7 @@ def test_growth_encoder_zero1_and_upcycling_with_expert_parallelism(tmp_path):
 
     from cluster.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
-    from tests.distributed import run_distributed
+    from tests.distributed import run_distributed, train_jobs
 
     base = [o for o in GROW if not o.startswith(("growth.schedule", "model.num_kv_heads"))] + ["train.max_steps=6"]
     enc = base + ["zero.stage=1", "growth.optimizer=grow", "growth.schedule=[{at_step: 2, depth: 2x}, {at_step: 4, width: 2x, noise: 0}]"]
@@ -216,7 +210,7 @@ def test_growth_encoder_zero1_and_upcycling_with_expert_parallelism(tmp_path):
     with in_workdir(tmp_path):
         e = prepare_new(load_config(ROOT / "configs" / "demo-encoder.yaml", enc))
         m = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", moe))
-        finals = run_distributed(_train_jobs, 2, [dataclasses.asdict(e), dataclasses.asdict(m)], timeout=900)[0]
+        finals = run_distributed(train_jobs, 2, [dataclasses.asdict(e), dataclasses.asdict(m)], timeout=900)[0]
         client = MlflowClient()
 
         def history(run_id, key):

@@ -13,7 +13,7 @@ from pretrain.config import ConfigError, LayerDropConfig, load_config
 from pretrain.model import build_model
 from pretrain.model.layerdrop import (base_rate, executed_blocks, inference_scales, keep_decisions, layer_rates,
                                       select_blocks, training_gates)
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_jobs
 
 STEPS, GLOBAL = 6, 8
 
@@ -242,12 +242,6 @@ E2E = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model
        "layer_drop.warmup_steps=2"]
 
 
-def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
-    from pretrain.train.loop import train_loop
-
-    return [train_loop(job) for job in jobs]
-
-
 def _cli(work, *args: str) -> str:
     import subprocess
 
@@ -278,10 +272,10 @@ def test_layer_drop_end_to_end(tmp_path):
         full = prepare_new(load_config(cfg_path, E2E))
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
         part = prepare_new(load_config(cfg_path, E2E + tok + ["faults.stop_after_step=3"]))
-        first = run_distributed(_train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
+        first = run_distributed(train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
         resumed = dataclasses.replace(part, config={**part.config})
         resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": -1}
-        run_distributed(_train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
+        run_distributed(train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
         client = MlflowClient()
 
         def history(run_id, key):

@@ -11,7 +11,7 @@ import torch
 
 from pretrain.config import ConfigError, load_config, make_plan
 from tests.conftest import ROOT, in_workdir
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_jobs
 
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 
@@ -127,12 +127,6 @@ def test_rebuild_with_given_weights_zero2():
 # -- the default demo on 1, 2, 3 and 4 workers -------------------------------------------------------------
 
 
-def _train(rank: int, world: int, job: dict) -> dict:
-    from pretrain.train.loop import train_loop
-
-    return train_loop(job)
-
-
 @pytest.mark.slow
 def test_default_demo_runs_on_1_to_4_workers(tmp_path):
     """``cluster.num_workers`` 1-4 with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven
@@ -149,7 +143,7 @@ def test_default_demo_runs_on_1_to_4_workers(tmp_path):
             cfg = load_config(DEMO, steps + [f"cluster.num_workers={workers}"] + (tok or []))
             job = prepare_new(cfg)
             tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
-            finals[workers] = run_distributed(_train, workers, asdict(job), timeout=900)[0]
+            finals[workers] = run_distributed(train_jobs, workers, [asdict(job)], timeout=900)[0][0]
     ref = finals[1]
     assert ref["step"] == 3 and ref["checkpoint"]
     for workers, final in finals.items():

@@ -16,7 +16,7 @@ from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
 from pretrain.train.stability import StabilityMonitor
 from tests.conftest import ROOT, in_workdir
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_jobs
 
 STEPS, GLOBAL, MICRO = 4, 8, 4
 SMALL = ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
@@ -296,12 +296,6 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "mode
         "stability.plot_at_end=false"]
 
 
-def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
-    from pretrain.train.loop import train_loop
-
-    return [train_loop(job) for job in jobs]
-
-
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     """A 12-step EP=2 run on 2 real gloo workers, and the same run resumed from its step-8 checkpoint."""
@@ -316,9 +310,9 @@ def ep_runs(tmp_path_factory):
         elastic = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + [
             "moe.ep_size=1", "cluster.num_workers=1",
             f"checkpoint.resume_from={Path(replicated.run_dir) / 'step_00000004'}"]))
-        ranks = run_distributed(_train_jobs, 2, [asdict(full), asdict(replicated)], timeout=900)
-        ranks_resumed = run_distributed(_train_jobs, 2, [asdict(resumed)], timeout=900)
-        run_distributed(_train_jobs, 1, [asdict(elastic)], timeout=900)
+        ranks = run_distributed(train_jobs, 2, [asdict(full), asdict(replicated)], timeout=900)
+        ranks_resumed = run_distributed(train_jobs, 2, [asdict(resumed)], timeout=900)
+        run_distributed(train_jobs, 1, [asdict(elastic)], timeout=900)
         yield {"work": work, "full": full, "resumed": resumed, "final": ranks[0][0],
                "final_resumed": ranks_resumed[0][0], "ranks": [r[0] for r in ranks],
                "replicated": replicated, "elastic": elastic}

@@ -16,7 +16,7 @@ import torch
 from pretrain.config import ConfigError, ModelConfig, StabilityConfig, load_config
 from pretrain.train.stability import StabilityMonitor, StepSignals, robust_z, trend_rise
 from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_jobs
 
 # ----------------------------------------------------------------------------------------------
 # The functional core
@@ -430,12 +430,6 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "mode
         "stability.plot_at_end=false"]
 
 
-def _train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
-    from pretrain.train.loop import train_loop
-
-    return [train_loop(job) for job in jobs]
-
-
 def _history(run_id: str, key: str = "train/loss") -> dict[int, float]:
     from mlflow import MlflowClient
 
@@ -482,7 +476,7 @@ def fault_runs(tmp_path_factory):
         resumed = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over + [
             f"checkpoint.resume_from={Path(spike.run_dir) / 'step_00000008'}"]))
         jobs = [clean, nan, spike, resumed]
-        ranks = run_distributed(_train_jobs, 2, [asdict(j) for j in jobs], timeout=900)
+        ranks = run_distributed(train_jobs, 2, [asdict(j) for j in jobs], timeout=900)
         yield {"work": work, "jobs": dict(zip(("clean", "nan", "spike", "resumed"), jobs)), "ranks": ranks,
                "final": dict(zip(("clean", "nan", "spike", "resumed"), ranks[0]))}
 
