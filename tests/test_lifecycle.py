@@ -43,6 +43,8 @@ def test_plan_micro_batch_is_a_cap_and_bad_layouts_name_what_to_set():
                                           r"set data.num_streams to a multiple of 16"):
         load_config(DEMO, ["cluster.num_workers=16"])
     assert "plan: 3 worker(s), global batch 16" in make_plan(load_config(DEMO), 3).describe()
+    with pytest.raises(ConfigError, match="^train.val_sequences: 2 is fewer than the 4 workers"):
+        load_config(DEMO, ["cluster.num_workers=4", "train.val_sequences=2"])
 
 
 # -- rebuilding the module mid-run (2 workers, ZeRO-3) ----------------------------------------------------

@@ -113,6 +113,9 @@ def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
     per_stream = t.global_batch_size // d.num_streams
     shares = tuple(per_stream * len(range(r, d.num_streams, world_size)) for r in range(world_size))
     micro = _largest_divisor_at_most(math.gcd(*shares), t.micro_batch_size)
+    if 0 < t.val_sequences < world_size:  # every worker runs validation forwards (collectives under ZeRO-3)
+        raise ConfigError(f"train.val_sequences: {t.val_sequences} is fewer than the {world_size} workers; set it to "
+                          f"at least {world_size} (or 0 to skip validation)")
     val = tuple(len(range(r, t.val_sequences, world_size)) for r in range(world_size))
     cfg.moe.check_world_size(world_size)
     return RunPlan(world_size=world_size, global_batch=t.global_batch_size, seq_len=cfg.model.max_seq_len,
