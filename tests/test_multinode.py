@@ -22,7 +22,10 @@ def _node_env(tmp_path: Path) -> dict[str, str]:
     env = cli_env(tmp_path)
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # keep every Ray server on 127.0.0.1
                RAY_AUTH_MODE="disabled",  # a throwaway test cluster (token auth is tested in test_cluster)
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_USAGE_STATS_ENABLED="0",
+               # Ray's driver folds log lines that differ only in words with digits ("rank 1/2 on Ray node
+               # 1 (…)") into one "[repeated 2x]" line printed up to 5 s later: the test reads every line.
+               RAY_DEDUP_LOGS="0")
     return env
 
 
