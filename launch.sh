@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Thin launcher: ensures .venv (idempotent setup), then runs `python -m pretrain "$@"`.
-#   ./launch.sh setup        create/update .venv
+#   ./launch.sh setup        create/update .venv: exactly requirements.lock (uv, hash-checked)
+#   ./launch.sh lock         re-resolve requirements.lock from requirements-torch.txt + requirements.txt
 #   ./launch.sh test [ARGS]  setup, then pytest (ARGS are passed to pytest)
 #   ./launch.sh CMD ...      setup, then python -m pretrain CMD ...   (train, resume, runs, bench, ...)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+LOCK="$ROOT/requirements.lock"
+UV_VERSION="0.13.9"   # the installer; fetched with pip, hash-checked against its entry in requirements.lock
 
 # Quiet, local-only defaults for the whole stack (users may override any of them).
 export MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
@@ -16,30 +19,135 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensio
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+inputs_hash() {  # what requirements.lock was resolved from (recorded in its first line)
+  cat "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1
+}
+
+ensure_uv() {  # sets UV: uv $UV_VERSION, fetched once per user (~2 s) with this Python's pip and its package index
+  local dir="${XDG_CACHE_HOME:-$HOME/.cache}/pretrain/uv-$UV_VERSION"
+  UV="$dir/uv"
+  [[ -x "$UV" ]] && return 0
+  if command -v uv >/dev/null && [[ "$(uv --version 2>/dev/null) " == "uv $UV_VERSION "* ]]; then
+    UV="$(command -v uv)"; return 0
+  fi
+  local tmp hashes=(--require-hashes)
+  tmp="$(mktemp -d)"
+  # The pin with its hashes, from the lock (pip checks the wheel against them); version-only before the first lock.
+  sed -n "/^uv==${UV_VERSION//./\\.} /,/[^\\\\]\$/p" "$LOCK" 2>/dev/null >"$tmp/uv.txt" || true
+  [[ -s "$tmp/uv.txt" ]] || { echo "uv==$UV_VERSION" >"$tmp/uv.txt"; hashes=(); }
+  if ! "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: "${hashes[@]}" \
+       -d "$tmp" -r "$tmp/uv.txt" >"$tmp/log" 2>&1; then
+    cat "$tmp/log" >&2
+    echo "[setup] error: could not fetch uv==$UV_VERSION with '$PY -m pip' (or put uv $UV_VERSION on PATH)" >&2
+    exit 1
+  fi
+  "$PY" - "$tmp" "$dir" <<'PYEOF'
+import glob, os, shutil, sys, zipfile
+tmp, dest = sys.argv[1:]
+(wheel,) = glob.glob(os.path.join(tmp, "uv-*.whl"))
+os.makedirs(dest, exist_ok=True)
+part = os.path.join(dest, f".uv.{os.getpid()}")
+with zipfile.ZipFile(wheel) as z, z.open(next(n for n in z.namelist() if n.endswith(".data/scripts/uv"))) as src:
+    with open(part, "wb") as out:
+        shutil.copyfileobj(src, out)
+os.chmod(part, 0o755)
+os.replace(part, os.path.join(dest, "uv"))  # atomic: concurrent setups of other clones are fine
+PYEOF
+  rm -rf "$tmp"
+}
+
+uv_sources() {  # $1=all|lock. uv reads no pip configuration: pass it the package sources pip uses here
+  # (pip.conf files, PIP_* variables). "lock" leaves out extra indexes (local mirrors), so that the lock records the
+  # main index's hashes of every file; find-links stays (this machine's CPU torch wheel). Skipped if UV_* are set.
+  [[ -n "${UV_INDEX_URL:-}${UV_DEFAULT_INDEX:-}${UV_INDEX:-}${UV_EXTRA_INDEX_URL:-}${UV_FIND_LINKS:-}" ]] && return 0
+  "$PY" - "$1" <<'PYEOF'
+import ast, subprocess, sys
+out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+conf = {}
+for line in out.splitlines():
+    key, _, value = line.partition("=")
+    try:
+        conf[key] = ast.literal_eval(value)
+    except (SyntaxError, ValueError):
+        pass
+def get(name):  # pip's precedence: PIP_* variables, then [install], then [global]
+    for section in (":env:", "install", "global"):
+        if f"{section}.{name}" in conf:
+            return str(conf[f"{section}.{name}"]).split()
+    return []
+names = ["index-url", "find-links"] + (["extra-index-url"] if sys.argv[1] == "all" else [])
+for name in names:
+    for value in get(name):
+        print(f"--{name}={value}")
+for value in get("cert")[:1]:
+    print(f"SSL_CERT_FILE={value}")  # pip's CA bundle (uv otherwise uses its own roots)
+PYEOF
+}
+
+run_uv() {  # run_uv all|lock ARGS...: uv with pip's package sources and CA bundle
+  local kind="$1" line args=() env=()
+  shift
+  while IFS= read -r line; do
+    if [[ "$line" == SSL_CERT_FILE=* ]]; then [[ -n "${SSL_CERT_FILE:-}" ]] || env=("$line"); else args+=("$line"); fi
+  done < <(uv_sources "$kind")
+  env ${env[@]+"${env[@]}"} UV_PYTHON_DOWNLOADS=never "$UV" "$@" --index-strategy unsafe-best-match ${args[@]+"${args[@]}"}
+}
+
+lock() {
+  ensure_uv
+  local tmp="$LOCK.tmp.$$"
+  # torch is pinned to this machine's CPU build (requirements-torch.txt), so no CUDA wheels get into the lock.
+  printf 'uv==%s\n' "$UV_VERSION" | run_uv lock pip compile -q --generate-hashes --python "$PY" \
+    --custom-compile-command "./launch.sh lock" "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" - -o "$tmp"
+  { echo "# inputs-sha256: $(inputs_hash) (requirements-torch.txt + requirements.txt; setup warns when they differ)"
+    echo "# plus uv==$UV_VERSION: launch.sh's installer (its UV_VERSION), hash-checked when setup fetches it"
+    cat "$tmp"; } >"$tmp.full"
+  mv "$tmp.full" "$LOCK"  # atomic: a concurrent setup never syncs a half-written lock
+  rm -f "$tmp"
+  echo "[lock] wrote $LOCK ($(grep -c '^[A-Za-z0-9]' "$LOCK") packages); ./launch.sh setup installs it" >&2
+}
+
 setup() {
   local stamp="$VENV/.requirements.sha256"
   local want
-  want="$(cat "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1)"
+  [[ -f "$LOCK" ]] || { echo "[setup] error: $LOCK is missing: ./launch.sh lock" >&2; exit 1; }
+  want="$(sha256sum "$LOCK" | cut -d' ' -f1)"
+  grep -q "^# inputs-sha256: $(inputs_hash) " "$LOCK" \
+    || echo "[setup] warning: requirements*.txt changed since requirements.lock was made (setup installs the lock): ./launch.sh lock" >&2
   if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     return 0
   fi
-  echo "[setup] creating/updating $VENV (pinned stack; first time takes ~2 minutes)" >&2
+  echo "[setup] creating/updating $VENV from requirements.lock (first time takes under a minute)" >&2
   local t0=$SECONDS
-  [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-  # torch first and exactly pinned: otherwise a dependency pulls the multi-GB CUDA build.
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements-torch.txt"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements-torch.txt" -r "$ROOT/requirements.txt"
-  # DeepSpeed compiles a small CPU shared-memory comm op at its first init (~40 s): do it now, cached.
-  "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
-    || echo "[setup] note: DeepSpeed shm op prebuild failed; it is built (or skipped) at first use" >&2
+  ensure_uv
+  [[ -x "$VENV/bin/python" ]] || UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
+  # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the lock's
+  # setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there. Bytecode compiled now like pip does
+  # (~30 s): with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile what it imports (~8 s each).
+  run_uv all pip sync -q --python "$VENV/bin/python" --require-hashes --compile-bytecode \
+    --build-constraints "$LOCK" "$LOCK"
   echo "$want" >"$stamp"
-  echo "[setup] done in $((SECONDS - t0)) s" >&2
+  # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init (~60 CPU-s, ~30 s here when idle). Build
+  # it now in the background, detached, cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that comes first waits for
+  # it (torch's lock file in the build directory) rather than building it again; if it fails, DeepSpeed builds it (or
+  # falls back to gloo) at first use. SIGTERM still releases that lock; after a kill -9 mid-build, delete the
+  # leftover .cache/torch_extensions/deepspeed_shm_comm/lock (torch would wait on it forever).
+  mkdir -p "$ROOT/.cache"
+  local detach=()
+  command -v setsid >/dev/null && detach=(setsid)
+  ${detach[@]+"${detach[@]}"} nohup "$VENV/bin/python" -c "import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+from deepspeed.comm.torch import build_shm_op
+build_shm_op()" </dev/null >"$ROOT/.cache/deepspeed-shm-op.log" 2>&1 &
+  echo "[setup] done in $((SECONDS - t0)) s (DeepSpeed's CPU comm op builds in the background: .cache/deepspeed-shm-op.log)" >&2
 }
 
 cmd="${1:-train}"
 case "$cmd" in
   setup)
     setup ;;
+  lock)
+    lock ;;
   test)
     shift || true
     setup
