@@ -2,21 +2,30 @@
 
 Runs once on the driver before any worker starts, so workers receive a fully resolved config
 (tokenizer directory and vocab size included) and never train a tokenizer themselves.
+
+:func:`preflight` comes first: the checks that need the file system (the checkpoint directory can be
+created and written, the given tokenizer / HF model / resume directories exist) and the corpus checks of
+:mod:`pretrain.data.sanity` (every source opened, a bounded prefix read, the split planned). They refuse
+a bad run with one :class:`ConfigError` line before an MLflow run or a run directory exists, and before
+torch, transformers or Ray are imported (this module imports them lazily), so within a second or two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import uuid
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
-from pretrain.data import load_or_train_tokenizer
-from pretrain.train import checkpoint as ckpt_io
+from pretrain.config.tree import BYTE_LEVEL_VOCAB
+from pretrain.data.sanity import check_corpus
 from pretrain.train import tracking
-from pretrain.train.loop import Job
+
+if TYPE_CHECKING:
+    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.train.loop import Job
 
 
 def _abs(path: str, base: Path) -> str:
@@ -38,6 +47,50 @@ def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
             if not Path(src.path).is_absolute() and (candidate.exists() or any(ch in src.path for ch in "*?[")):
                 src.path = str(candidate.resolve()) if candidate.exists() else str(base / src.path)
     return c
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """``path`` is a directory we can write, or one we can create: its nearest existing ancestor is a
+    writable directory (probed with a temporary file, which also catches read-only mounts and root)."""
+    if not path or "://" in path:
+        return
+    target = Path(path)
+    probe = target
+    try:
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
+        if not probe.is_dir():
+            why = f"{probe} is not a directory" if probe == target else f"cannot create it: {probe} is not a directory"
+            raise ConfigError(f"{key}: {path}: {why}")
+        with tempfile.TemporaryFile(dir=probe, prefix=".pretrain-probe-"):
+            pass
+    except OSError as e:
+        what = "cannot write into it" if probe == target else f"cannot create it in {probe}"
+        raise ConfigError(f"{key}: {path}: {what} ({e.strerror or e})") from None
+
+
+def _check_dir(path: str, key: str, what: str) -> None:
+    if path and not Path(path).is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory{what}")
+
+
+def preflight(cfg: RunConfig) -> None:
+    """The driver's checks before anything is created (paths already absolute): directories, then the
+    corpus (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
+    too few for a document-level split, and says so in one line."""
+    check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    m, d = cfg.model, cfg.data
+    if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:
+        raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer this run trains (at least "
+                          f"{BYTE_LEVEL_VOCAB} tokens); set 0 to take the tokenizer's size")
+    _check_dir(cfg.data.tokenizer, "data.tokenizer", " (a saved Hugging Face tokenizer)")
+    _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
+    _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
+    plan = check_corpus(cfg.data, seq_len=cfg.model.max_seq_len, seed=cfg.train.seed,
+                        val_sequences=cfg.train.val_sequences)
+    cfg.data.piece_chars = plan.piece_chars
+    if plan.message:
+        print(f"[pretrain] {plan.message}", flush=True)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -69,8 +122,13 @@ def _warn_if_not_exportable(cfg: RunConfig) -> None:
 
 
 def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
-    """A fresh run: create the MLflow run, train or load the tokenizer, resolve the vocab size."""
+    """A fresh run: check it (:func:`preflight`), create the MLflow run, train or load the tokenizer, resolve
+    the vocab size."""
     cfg = resolve_paths(cfg)
+    preflight(cfg)
+    from pretrain.data import load_or_train_tokenizer
+    from pretrain.train.loop import Job
+
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
     root = Path(cfg.checkpoint.dir)
     run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
@@ -99,6 +157,8 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
 
 def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
     """Convert the ``model.init_from_hf`` weights once, on the driver, into a state dict the workers load."""
+    import torch
+
     from pretrain.export.hf import import_hf
 
     path = run_dir / "init_weights.pt"
@@ -118,6 +178,9 @@ def _config_from_checkpoint(ckpt: ckpt_io.CommittedCheckpoint, overrides: list[s
 def prepare_resume(target: str, overrides: list[str]) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
     or run directory (a new run that records where it came from)."""
+    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.train.loop import Job
+
     uri = tracking.tracking_uri()
     path = Path(target)
     if not path.exists():
@@ -125,8 +188,10 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         ckpt = ckpt_io.latest_committed(root)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
+        ckpt_io.verify_or_point_back(ckpt)  # here, before Ray: a damaged one names the newest that verifies
         cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
         cfg.validate()
+        preflight(cfg)
         if cfg.tracking.enabled:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
         return Job(config=to_dict(cfg), run_id=target, run_dir=str(root),

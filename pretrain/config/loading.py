@@ -1,11 +1,13 @@
-"""Strict loading of the config tree: YAML plus dotted overrides; unknown keys and wrong types raise
-:class:`ConfigError` naming the full key path; round trip through :func:`to_dict` / :func:`from_dict`."""
+"""Strict loading of the config tree: YAML plus dotted overrides; unknown keys, duplicate keys, wrong types
+and non-finite or out-of-range numbers raise :class:`ConfigError` naming the full key path; an empty config
+file is refused; round trip through :func:`to_dict` / :func:`from_dict`."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -20,6 +22,7 @@ from pretrain.config.tree import ConfigError, RunConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-decoder.yaml"
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
@@ -42,6 +45,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return _build(tp, value, path)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and isinstance(choices[0], str):  # YAML 1.1 reads yes/no/on/off as bools
+            value = next((w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices),
+                         value)
         if value not in choices or type(value) is not type(choices[0]):
             raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {value!r}")
         return value
@@ -70,13 +76,21 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+        if abs(value) > _INT_MAX:
+            raise ConfigError(f"{path}: {value} is out of range (at most {_INT_MAX} in absolute value)")
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
-            return float(value)
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {_describe(value)}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: expected a finite float, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")
@@ -137,15 +151,78 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key.sub=value`` -> (key, YAML-parsed value)."""
+    """``key.sub=value`` -> (key, YAML-parsed value; the raw text when it is no YAML value)."""
     if "=" not in text:
         raise ConfigError(f"{text}: overrides look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # ValueError: e.g. a date 2001-13-45
         value = raw
     return key.strip(), value
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently)."""
+
+
+def _check_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Refuse a mapping that repeats a key, naming its full key path and both lines."""
+    if id(node) in seen:  # an alias: already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                where = f"{path}.{key_node.value}" if path else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                ident = (key_node.tag, key_node.value)
+                if ident in first:
+                    raise ConfigError(f"{where}: duplicate key (lines {first[ident]} and {line})")
+                first[ident] = line
+                _check_duplicates(value_node, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, f"{path}[{i}]", seen)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(e).split())
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file as plain data; None for an empty one (no document, or only comments). Invalid YAML,
+    undecodable bytes and duplicate keys raise :class:`ConfigError` naming the file."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    loader = None
+    try:
+        loader = _Loader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, "", set())
+        return loader.construct_document(node)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(e)}") from None
+    except (ValueError, TypeError) as e:  # PyYAML's constructors: e.g. a date 2001-13-45
+        raise ConfigError(f"{path}: invalid YAML value: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -156,12 +233,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        loaded = read_yaml(p)
+        if loaded is None:
+            raise ConfigError(f"{path}: the config file is empty; write the keys to change (or {{}} for all "
+                              f"defaults), or leave the file out to use {DEFAULT_CONFIG.name}")
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+            raise ConfigError(f"{path}: expected a mapping at the top level, got a {type(loaded).__name__}")
         tree = _merge(tree, loaded)
     for text in overrides:
         key, value = parse_override(text)

@@ -93,7 +93,14 @@ class RunPlan:
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+    if cap >= n:
+        return n
+    best, d = 1, 1
+    while d * d <= n and d <= cap:  # divisors come in pairs (d, n // d): O(sqrt(n)), n <= MAX_GLOBAL_BATCH
+        if n % d == 0:
+            best = max(best, d, n // d if n // d <= cap else 0)
+        d += 1
+    return best
 
 
 def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:

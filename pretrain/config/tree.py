@@ -3,12 +3,24 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 
 class ConfigError(ValueError):
-    """A user error in a config: the message names the full key path."""
+    """A user error in a config: the message names the full key path. It is one line: line breaks (say, of a
+    value the user typed) become spaces."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+BYTE_LEVEL_VOCAB = 260
+"""The smallest trained tokenizer: a byte-level BPE has the 256 bytes and 4 special tokens."""
+MAX_GLOBAL_BATCH = 1 << 20
+"""The most sequences per step we accept (the largest real runs take a few thousand)."""
+_COUNT = re.compile(r"\s*(\d+(\.\d+)?x|\+\d+|\d+)\s*")  # growth targets: 2x, 1.5x, +4, 12
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,6 +138,11 @@ class DataConfig:
     """Restart the sources when exhausted (multi-epoch) instead of ending training."""
     cache_dir: str = ".cache/pretrain"
     """Where the built-in demo corpus is materialized (relative paths resolve against the launch dir)."""
+    piece_chars: int = 0
+    """Cut every txt/jsonl training document longer than this many characters into pieces of at most this
+    size (at a space where possible), each a document of its own for the virtual streams and the validation
+    holdout; 0 never cuts. ``train`` sets it (about one sequence of text) when the sources hold too few
+    documents for a document-level holdout and the streams, e.g. one huge line: a sequence-level split."""
 
 
 @dataclass(kw_only=True)
@@ -170,6 +187,10 @@ class TrainConfig:
     """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
     activation_checkpointing: bool = False
     """Recompute block activations in the backward pass to save memory."""
+    compile: Literal["auto", "yes", "no"] = "auto"
+    """Compile each Transformer block with ``torch.compile`` (regional: embeddings, loss, optimizer stay eager).
+    ``auto``: on for CUDA, off on CPU, where it costs a one-time compile of seconds per block shape and gains
+    little at demo sizes (``./launch.sh bench`` measures both; see README). Layer dropout does not recompile."""
     stop_at_val_loss: float = 0.0
     """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
 
@@ -351,7 +372,7 @@ class MoEConfig:
         for i, layer in enumerate(self.layers):
             if not 0 <= layer < num_layers:
                 raise ConfigError(f"moe.layers[{i}]: block {layer} does not exist (model.num_layers={num_layers})")
-        if not any(self.is_moe_layer(i) for i in range(num_layers)):
+        if not self.layers and self.every > num_layers:  # (i + 1) % every == 0 for no block i < num_layers
             raise ConfigError(f"moe.every: {self.every} selects no block of model.num_layers={num_layers}")
         for key, value in (("moe.ffn_size", self.ffn_size), ("moe.capacity_factor", self.capacity_factor),
                            ("moe.aux_loss_weight", self.aux_loss_weight),
@@ -498,6 +519,7 @@ class RunConfig:
             "train.micro_batch_size": t.micro_batch_size, "train.log_every": t.log_every,
             "cluster.num_workers": c.num_workers, "cluster.cpus_per_worker": c.cpus_per_worker,
             "data.num_streams": d.num_streams, "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
+            "data.tokenizer_train_docs": d.tokenizer_train_docs,
         }
         for key, value in positive.items():
             if value <= 0:
@@ -509,10 +531,19 @@ class RunConfig:
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "cluster.max_failures": c.max_failures, "train.num_threads": t.num_threads,
+            "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
+            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "growth.check_tolerance": self.growth.check_tolerance,
         }
         for key, value in nonneg.items():
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if t.global_batch_size > MAX_GLOBAL_BATCH:
+            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is more than {MAX_GLOBAL_BATCH:,} "
+                              f"sequences per step")
+        if m.kind == "decoder" and m.max_seq_len < 2:
+            raise ConfigError(f"model.max_seq_len: a decoder predicts the next token within a sequence, so it needs "
+                              f"at least 2 tokens, got {m.max_seq_len}")
+        self._validate_vocab()
         if m.hidden_size % m.num_heads:
             raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
         if (m.hidden_size // m.num_heads) % 2 and m.position == "rotary":
@@ -535,6 +566,11 @@ class RunConfig:
             raise ConfigError(f"train.stop_at_val_loss: must be >= 0, got {t.stop_at_val_loss}")
         if t.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+        for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
+        if m.position == "rotary" and m.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta: must be > 0, got {m.rope_theta}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
         if t.global_batch_size % d.num_streams:
@@ -550,6 +586,15 @@ class RunConfig:
 
         make_plan(self, c.num_workers)
         return self
+
+    def _validate_vocab(self) -> None:
+        m, d = self.model, self.data
+        if d.tokenizer or m.init_from_hf:  # a given tokenizer: its size is known once it is loaded
+            return
+        if d.tokenizer_vocab_size < BYTE_LEVEL_VOCAB:
+            raise ConfigError(f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is below the {BYTE_LEVEL_VOCAB} "
+                              f"tokens of a byte-level BPE (256 bytes and 4 special tokens)")
+        # (model.vocab_size against the trained tokenizer is the driver's check: models are also built alone)
 
     def _validate_growth(self) -> None:
         g = self.growth
@@ -567,6 +612,11 @@ class RunConfig:
                 raise ConfigError(f"{where}: grows nothing (set depth, width, heads, ffn or experts)")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
+            for name in ("depth", "width", "heads", "ffn"):
+                spec = getattr(e, name)
+                if spec and not _COUNT.fullmatch(spec):
+                    raise ConfigError(f"{where}.{name}: {spec!r}: expected a factor like 2x, an increment like +4, "
+                                      f"or a total")
         if steps != sorted(set(steps)):
             raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
 

@@ -17,7 +17,7 @@ import torch
 
 from pretrain.config import DataConfig
 from pretrain.data.batches import train_holdout, validation_sequences
-from pretrain.data.sources import BadRecords, resolve_sources
+from pretrain.data.sources import BadRecords, training_sources
 from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id
 
@@ -27,7 +27,7 @@ def unigram_baseline_loss(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer
     vocab = len(tokenizer)
     counts = np.zeros(vocab, dtype=np.int64)
     encode, sep = make_encoder(tokenizer), separator_id(tokenizer)
-    docs = DocumentStream(resolve_sources(cfg.sources, cfg.cache_dir), seed, role="train",
+    docs = DocumentStream(training_sources(cfg), seed, role="train",
                           val_holdout=train_holdout(cfg), bad=BadRecords(cfg.bad_records))
     seen = 0
     while seen < max_train_tokens:

@@ -23,7 +23,7 @@ import torch
 
 from pretrain.config import DataConfig
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
-from pretrain.data.sources import BadRecords, resolve_sources, summarize_bad_records
+from pretrain.data.sources import BadRecords, summarize_bad_records, training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id
 
@@ -80,7 +80,7 @@ class TrainBatches:
         self.per_stream = global_batch_size // S
         self.tokens_per_step = global_batch_size * seq_len
         self.owned = [s for s in range(S) if s % world_size == rank]
-        self._sources = resolve_sources(cfg.sources, cfg.cache_dir)
+        self._sources = training_sources(cfg)
         self._encode = make_encoder(tokenizer)
         self._separator = separator_id(tokenizer)
         self._masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
@@ -177,9 +177,9 @@ def validation_sequences(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer,
     """The global validation set: the first ``val_sequences`` packed sequences of the validation stream."""
     _check_kind(kind)
     if cfg.val_sources:
-        sources, role, holdout = resolve_sources(cfg.val_sources, cfg.cache_dir), "all", 0.0
+        sources, role, holdout = validation_sources(cfg), "all", 0.0
     elif cfg.val_holdout > 0:
-        sources, role, holdout = resolve_sources(cfg.sources, cfg.cache_dir), "val", cfg.val_holdout
+        sources, role, holdout = training_sources(cfg), "val", cfg.val_holdout
     else:
         return []
     if val_sequences <= 0:

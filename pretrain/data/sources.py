@@ -14,6 +14,14 @@ Every source is read through real ``datasets`` streaming datasets:
 Each record reaches the caller as a dict ``{"text": str | None, "bad": reason | None, "msg": str,
 "file": str, "line": int | str}``; bad records are *data*, not side effects of the reader, so
 re-reading (e.g. skipping ahead when a ``datasets`` state is restored) never double-counts them.
+
+**Pieces.** With ``data.piece_chars`` > 0 (set by the driver for a corpus of too few documents, e.g. one
+huge line: see :mod:`pretrain.data.sanity`), every txt/jsonl document longer than that is cut into pieces
+of at most ``piece_chars`` characters (:func:`cut_pieces`), each a document of its own; the reader yields
+them as separate rows, so a ``datasets`` state stays exact inside a document.
+
+``datasets`` is imported only when a source is opened: resolving sources and reading lines (the driver's
+corpus checks) stays light.
 """
 
 from __future__ import annotations
@@ -25,16 +33,18 @@ import re
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import datasets
-
-from pretrain.config import SourceConfig
+from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.data.demo_corpus import build_demo_corpus
 
+if TYPE_CHECKING:
+    import datasets
 
-class BadRecordError(ValueError):
-    """A malformed record under ``bad_records: fail``; ``str(e)`` is one line ``path:line: reason``."""
+
+class BadRecordError(ConfigError):
+    """A malformed record under ``bad_records: fail``; ``str(e)`` is one line ``path:line: reason``. A user
+    error in the data: the CLI refuses it like a config error (one line, exit 2), also from a worker."""
 
 
 REASONS = {
@@ -43,6 +53,7 @@ REASONS = {
     "not_string": "text field is not a string",
     "bad_utf8": "undecodable UTF-8 bytes",
     "empty": "empty text",
+    "bad_unicode": "text is not valid Unicode",
 }
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -134,38 +145,69 @@ def check_text(value: Any, has_field: bool, field_name: str, file: str, line: An
         return _bad("not_string", file, line, type(value).__name__)
     if not value.strip():
         return _bad("empty", file, line)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON "\ud800" escape: no tokenizer or hash can take it
+            return _bad("bad_unicode", file, line, f"lone surrogate U+{ord(value[e.start]):04X}")
     return {"text": value, "bad": None, "msg": "", "file": file, "line": line}
 
 
-def read_lines(files: list[str], fmt: str, text_field: str) -> Iterator[dict]:
-    """Tolerant reader of txt (one document per non-empty line) and jsonl files (``from_generator``)."""
+def parse_line(raw: bytes, lineno: int, fmt: str, text_field: str, file: str) -> dict | None:
+    """One line of a txt (``fmt`` text) or jsonl file as a record; None for a blank txt line (no record)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _bad("bad_utf8", file, lineno, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+    if lineno == 1 and line.startswith("\ufeff"):
+        line = line[1:]
+    line = line.rstrip("\r\n")
+    if fmt == "text":
+        return {"text": line, "bad": None, "msg": "", "file": file, "line": lineno} if line.strip() else None
+    if not line.strip():
+        return _bad("empty", file, lineno, "blank line")
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        return _bad("invalid_json", file, lineno, getattr(e, "msg", str(e)))
+    except RecursionError:
+        return _bad("invalid_json", file, lineno, "nested too deeply")
+    if isinstance(obj, dict):
+        return check_text(obj.get(text_field), text_field in obj, text_field, file, lineno)
+    return _bad("missing_field", file, lineno, f"{text_field!r}; record is a {type(obj).__name__}")
+
+
+def cut_pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` cut into pieces of at most ``size`` characters, each at the last space of its window when
+    that lies in the window's second half (the space is dropped), else exactly at ``size``; blank pieces
+    are dropped. A text of at most ``size`` characters is one piece. (A generator: a huge document is
+    never held twice.)"""
+    start, n = 0, len(text)
+    while n - start > size:
+        end = start + size
+        cut = text.rfind(" ", start + size // 2, end)
+        stop, nxt = (end, end) if cut < 0 else (cut, cut + 1)
+        if text[start:stop].strip():
+            yield text[start:stop]
+        start = nxt
+    if text[start:].strip():
+        yield text[start:]
+
+
+def read_lines(files: list[str], fmt: str, text_field: str, piece_chars: int = 0) -> Iterator[dict]:
+    """Tolerant reader of txt (one document per non-empty line) and jsonl files (``from_generator``);
+    with ``piece_chars`` > 0, longer documents come as their :func:`cut_pieces`."""
     for file in files:
         with open(file, "rb") as f:
             for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield _bad("bad_utf8", file, lineno, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+                record = parse_line(raw, lineno, fmt, text_field, file)
+                if record is None:
                     continue
-                if lineno == 1 and line.startswith("\ufeff"):
-                    line = line[1:]
-                line = line.rstrip("\r\n")
-                if fmt == "text":
-                    if line.strip():
-                        yield {"text": line, "bad": None, "msg": "", "file": file, "line": lineno}
-                    continue
-                if not line.strip():
-                    yield _bad("empty", file, lineno, "blank line")
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    yield _bad("invalid_json", file, lineno, getattr(e, "msg", str(e)))
-                    continue
-                if isinstance(obj, dict):
-                    yield check_text(obj.get(text_field), text_field in obj, text_field, file, lineno)
+                if piece_chars and record["bad"] is None and len(record["text"]) > piece_chars:
+                    for piece in cut_pieces(record["text"], piece_chars):
+                        yield {**record, "text": piece}
                 else:
-                    yield _bad("missing_field", file, lineno, f"{text_field!r}; record is a {type(obj).__name__}")
+                    yield record
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,6 +226,8 @@ class ResolvedSource:
     weight: float = 1.0
     hub_path: str = ""
     split: str = "train"
+    piece_chars: int = 0
+    """txt/jsonl documents longer than this are read as their pieces (:func:`cut_pieces`); 0 never."""
 
     @property
     def num_parts(self) -> int:
@@ -195,9 +239,13 @@ class ResolvedSource:
         Every virtual stream (and every pass) iterates its own dataset object: an IterableDataset keeps
         the state of its latest iteration. (Deep-copying a template is not safe: the copy drags the
         builder and shared caches along.)"""
+        import datasets
+
         if self.format in ("text", "json"):
-            return datasets.IterableDataset.from_generator(
-                read_lines, gen_kwargs={"files": list(self.files), "fmt": self.format, "text_field": self.text_field})
+            kwargs = {"files": list(self.files), "fmt": self.format, "text_field": self.text_field}
+            if self.piece_chars:
+                kwargs["piece_chars"] = self.piece_chars
+            return datasets.IterableDataset.from_generator(read_lines, gen_kwargs=kwargs)
         if self.format == "parquet":
             ds = datasets.load_dataset("parquet", data_files=[self.files[part]], split="train", streaming=True)
             if ds.column_names is not None and self.text_field not in ds.column_names:
@@ -225,14 +273,22 @@ def _looks_like_hub(path: str) -> bool:
     return bool(_HUB_NAME.fullmatch(path)) and Path(path).suffix.lower() not in _EXTENSIONS
 
 
-def resolve_source(src: SourceConfig, cache_dir: str | Path) -> ResolvedSource:
-    """Turn a source config into files and one format (``path: demo`` is the built-in corpus)."""
+def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:
+    """Turn a source config into files and one format (``path: demo`` is the built-in corpus).
+
+    A source that resolves to nothing raises :class:`ConfigError` naming ``key`` (e.g. ``data.sources[0]``)
+    or, without a key, the source's name."""
     name = src.name or src.path
-    base = dict(name=name, text_field=src.text_field, weight=src.weight, split=src.split)
+    label = f"{key}.path" if key else f"data source {name!r}"
+    base = dict(name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars)
     if src.format == "hub":
         return ResolvedSource(format="hub", hub_path=src.path, **base)
     if src.path == "demo":
-        files = [build_demo_corpus(Path(cache_dir))]
+        try:
+            files = [build_demo_corpus(Path(cache_dir))]
+        except OSError as e:
+            raise ConfigError(f"data.cache_dir: cannot write the demo corpus into {cache_dir} "
+                              f"({e.strerror or e})") from None
         return ResolvedSource(format="text" if src.format == "auto" else src.format,
                               files=[str(f) for f in files], **base)
     p = Path(src.path).expanduser()
@@ -248,24 +304,39 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path) -> ResolvedSource:
     elif _looks_like_hub(src.path):
         return ResolvedSource(format="hub", hub_path=src.path, **base)
     else:
-        raise ValueError(f"data source {name!r}: {src.path} does not exist")
+        raise ConfigError(f"{label}: {src.path} does not exist")
     if not files:
-        raise ValueError(f"data source {name!r}: no data files found at {src.path}")
+        where = (f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {src.path}" if p.is_dir()
+                 else f"no file matches {src.path}")
+        raise ConfigError(f"{label}: {where}")
     fmt = src.format
     if fmt == "auto":
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
-            raise ValueError(f"data source {name!r}: cannot tell the format of {bad} from its extension; "
-                             f"set format (text, json, parquet)")
+            where = f"{key}.format" if key else f"data source {name!r}"
+            raise ConfigError(f"{where}: cannot tell the format of {bad} from its extension; "
+                              f"set format (text, json, parquet)")
         if len(kinds) > 1:
-            raise ValueError(f"data source {name!r}: mixed formats {sorted(kinds)}; use one source per format")
+            raise ConfigError(f"{label}: mixed formats {sorted(kinds)}; use one source per format")
         fmt = kinds.pop()
     return ResolvedSource(format=fmt, files=[str(f) for f in files], **base)
 
 
-def resolve_sources(sources: list[SourceConfig], cache_dir: str | Path) -> list[ResolvedSource]:
-    return [resolve_source(s, cache_dir) for s in sources]
+def resolve_sources(sources: list[SourceConfig], cache_dir: str | Path, key: str = "",
+                    piece_chars: int = 0) -> list[ResolvedSource]:
+    """Every source resolved; errors name ``key[i]`` when ``key`` (e.g. ``data.sources``) is given."""
+    return [resolve_source(s, cache_dir, f"{key}[{i}]" if key else "", piece_chars) for i, s in enumerate(sources)]
+
+
+def training_sources(cfg: DataConfig) -> list[ResolvedSource]:
+    """``data.sources`` resolved as every reader of training documents sees them (pieces included)."""
+    return resolve_sources(cfg.sources, cfg.cache_dir, "data.sources", cfg.piece_chars)
+
+
+def validation_sources(cfg: DataConfig) -> list[ResolvedSource]:
+    """``data.val_sources`` resolved (never cut into pieces)."""
+    return resolve_sources(cfg.val_sources, cfg.cache_dir, "data.val_sources")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,9 +53,13 @@ class Mixture:
         reader_states = state.get("readers", [None] * len(sources))
         if len(self.exhausted) != len(sources) or len(reader_states) != len(sources):
             raise ValueError(f"data state: mixture of {len(reader_states)} sources, config has {len(sources)}")
-        self.readers = [SourceReader(s, st) for s, st in zip(sources, reader_states)]
+        self.readers = [self._open(i, st) for i, st in enumerate(reader_states)]
         self._block = -1
         self._choices: np.ndarray | None = None
+
+    def _open(self, i: int, state: dict | None = None):
+        """A reader of source ``i`` from ``state`` (a hook: the driver's corpus check replays scanned records)."""
+        return SourceReader(self.sources[i], state)
 
     def _draw(self) -> int:
         if len(self.sources) == 1:
@@ -80,7 +84,7 @@ class Mixture:
                 return next(self.readers[i])
             except StopIteration:
                 self.exhausted[i] = True
-                self.readers[i] = SourceReader(self.sources[i])
+                self.readers[i] = self._open(i)
                 if all(self.exhausted):
                     break
                 try:

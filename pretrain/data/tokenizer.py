@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pretrain.config import DataConfig
-from pretrain.data.sources import BadRecords, resolve_sources
+from pretrain.data.sources import BadRecords, training_sources
 from pretrain.data.stream import DocumentStream
 
 EOS, PAD, MASK, UNK = "<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>"
@@ -27,7 +27,7 @@ TOKENIZER_DATA_SEED = 0
 def training_documents(cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: int | None = None,
                        bad: BadRecords | None = None):
     """The training documents in global (mixture) order, one pass, holdout removed."""
-    docs = DocumentStream(resolve_sources(cfg.sources, cfg.cache_dir), seed, role="train",
+    docs = DocumentStream(training_sources(cfg), seed, role="train",
                           val_holdout=cfg.val_holdout if not cfg.val_sources else 0.0,
                           bad=bad or BadRecords(cfg.bad_records))
     return docs if limit is None else itertools.islice(docs, limit)
