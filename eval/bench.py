@@ -2,9 +2,11 @@
 against a bare PyTorch loop on the same model, batch and optimizer, the overhead of the stability
 health metrics at their default interval (``health_overhead_frac``), plus data-pipeline throughput.
 
-CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs/gpt-125m.yaml model)
-in bf16, with MFU = model FLOPs/s over the peak (the datasheet dense bf16 peak when the device is
-known, and the measured matmul peak either way).
+Our step is timed without and with compiled blocks (``train.compile``), with the one-time compile cost.
+MFU = model FLOPs/s over the matmul peak this device measurably reaches in the run's precision (fp32 on CPU,
+bf16 on GPUs), and on known GPUs also over the datasheet dense bf16 peak (``mfu_vs_datasheet``).
+
+CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs/gpt-125m.yaml model) in bf16.
 
     ./launch.sh bench [--json] [--steps N] [CONFIG] [key=value ...]
 """
@@ -12,6 +14,7 @@ known, and the measured matmul peak either way).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -40,17 +43,22 @@ def _datasheet_peak(name: str) -> float | None:
     return None
 
 
-def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 20) -> float:
-    """FLOP/s of a large square matmul: what this device actually reaches."""
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """FLOP/s of a large square matmul in ``dtype``: what this device actually reaches (n = 8192 on GPUs, 2048 on
+    CPUs; repeated for about ``seconds``)."""
+    n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
+    for _ in range(2):
         a @ b
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
+    _sync(device)
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < seconds:
         a @ b
-    torch.cuda.synchronize(device)
+        reps += 1
+        if reps % 4 == 0:
+            _sync(device)
+    _sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
@@ -76,19 +84,49 @@ def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     return step
 
 
-def _our_step_fn(cfg: RunConfig, device: torch.device, precision: str):
-    return train_step_fn(micro_batch_module(cfg, device))
+def _our_step_fn(cfg: RunConfig, device: torch.device, compile: str):
+    return train_step_fn(micro_batch_module(_with_compile(cfg, compile), device))
+
+
+def _with_compile(cfg: RunConfig, compile: str) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compile))
 
 
 def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
-    """Our step vs a bare PyTorch step, interleaved."""
+    """Our step without and with compiled blocks vs a bare eager PyTorch step, interleaved in one run; the default
+    (``train.compile`` as configured) is what ``tokens_per_s`` and ``ratio_vs_bare_pytorch`` report."""
+    from pretrain.model.compile import compile_supported
+    from pretrain.train.module import compile_wanted
+
     batches = _batches(cfg, steps, device)
-    t_bare, t_ours = interleaved_best([_bare_step_fn(cfg, device, precision), _our_step_fn(cfg, device, precision)],
-                                      batches, device, rounds)
+    fns = [_bare_step_fn(cfg, device, precision), _our_step_fn(cfg, device, "no")]
+    can_compile, why_not = compile_supported(device)
+    compile_s = None
+    if can_compile:
+        compiled = _our_step_fn(cfg, device, "yes")
+        _sync(device)
+        t0 = time.perf_counter()
+        compiled(batches[0])  # the one-time compile (forward and backward graphs of each block shape)
+        _sync(device)
+        first = time.perf_counter() - t0
+        fns.append(compiled)
+    times = interleaved_best(fns, batches, device, rounds)
     tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
-    bare_tps, ours_tps = tokens / t_bare, tokens / t_ours
-    return {"tokens_per_s": ours_tps, "bare_pytorch_tokens_per_s": bare_tps,
-            "ratio_vs_bare_pytorch": ours_tps / bare_tps, "steps_per_round": steps, "rounds": rounds}
+    bare, eager = tokens / times[0], tokens / times[1]
+    out = {"bare_pytorch_tokens_per_s": bare, "eager_tokens_per_s": eager, "eager_ratio_vs_bare_pytorch": eager / bare}
+    if can_compile:
+        out["compiled_tokens_per_s"] = tokens / times[2]
+        out["compiled_ratio_vs_bare_pytorch"] = out["compiled_tokens_per_s"] / bare
+        compile_s = max(first - times[2] / steps, 0.0)
+    else:
+        out["compiled_ratio_vs_bare_pytorch"] = None
+        out["compile_unavailable"] = why_not
+    default_compiled = can_compile and compile_wanted(cfg.train.compile, device)
+    out["compile_default"] = "yes" if default_compiled else "no"
+    out["tokens_per_s"] = out["compiled_tokens_per_s"] if default_compiled else eager
+    out["ratio_vs_bare_pytorch"] = out["tokens_per_s"] / bare
+    out.update({"compile_s": compile_s, "steps_per_round": steps, "rounds": rounds})
+    return out
 
 
 def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs: int) -> dict:
@@ -168,16 +206,15 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
     fpt = flops_per_token(cfg.model, cfg.model.max_seq_len, cfg.moe)
     result["model_flops_per_token"] = fpt
     result["achieved_tflops"] = fpt * result["tokens_per_s"] / 1e12
-    if device.type == "cuda":
-        measured = measured_matmul_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
-        result["measured_matmul_peak_tflops"] = measured / 1e12
-        result["mfu_vs_measured_peak"] = fpt * result["tokens_per_s"] / measured
-        sheet = _datasheet_peak(result["device"])
-        if sheet and precision == "bf16":
-            result["mfu"] = fpt * result["tokens_per_s"] / sheet
-            result["datasheet_peak_tflops"] = sheet / 1e12
-        else:
-            result["mfu"] = result["mfu_vs_measured_peak"]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    measured = measured_matmul_peak(device, dtype)
+    result["measured_matmul_peak_tflops"] = measured / 1e12
+    result["mfu"] = fpt * result["tokens_per_s"] / measured  # against what this device's matmul reaches
+    result["bare_pytorch_mfu"] = fpt * result["bare_pytorch_tokens_per_s"] / measured
+    sheet = _datasheet_peak(result["device"]) if device.type == "cuda" and precision == "bf16" else None
+    if sheet:
+        result["datasheet_peak_tflops"] = sheet / 1e12
+        result["mfu_vs_datasheet"] = fpt * result["tokens_per_s"] / sheet
     result["data_tokens_per_s_per_core"] = data_benchmark(cfg, seconds=3.0)
     return result
 

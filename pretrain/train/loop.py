@@ -13,6 +13,7 @@ import torch
 
 from pretrain.config import from_dict, make_plan
 from pretrain.data import TrainBatches, load_or_train_tokenizer, unigram_baseline_loss, validation_batches
+from pretrain.model.compile import is_compiled
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
 from pretrain.train.callbacks import Checkpointer, standard_callbacks
@@ -76,7 +77,8 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     if resume is not None:
         progress.say(f"resumed from {resume.path} (step {state.step}, {state.tokens_seen:,} tokens)")
     progress.say(f"{ctx.world_size} worker(s), device {ctx.device.type}, {module.precision}, ZeRO-{cfg.zero.stage}, "
-                 f"{threads} thread(s)/worker, grad accum {plan.grad_accum}")
+                 f"{threads} thread(s)/worker, grad accum {plan.grad_accum}, "
+                 f"compiled blocks {'on' if is_compiled(module.model) else 'off'}")
     progress.say(plan.describe())
     if not tracker.log_params(plan.params()):  # resumed on another layout: params are immutable
         tracker.log_json(plan.params(), f"plan/step_{state.step:08d}.json")

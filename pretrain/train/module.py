@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from pretrain.config import RunConfig, RunPlan, make_plan
+from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
+from pretrain.model.compile import compile_blocks, compile_supported
 from pretrain.model.layerdrop import inference_scales
 from pretrain.train.checkpoint import DS_TAG, CheckpointError
 from pretrain.train.engine import initialize, resolve_precision, set_lr
@@ -130,6 +131,17 @@ class TrainModule:
         self.cfg, self.plan, self.engine, self.precision = new.cfg, new.plan, new.engine, new.precision
 
 
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """``train.compile`` resolved for ``device``: ``auto`` compiles on CUDA only; ``yes`` where inductor cannot run
+    is refused with the reason."""
+    if setting == "no" or (setting == "auto" and device.type != "cuda"):
+        return False
+    ok, why = compile_supported(device)
+    if not ok and setting == "yes":
+        raise ConfigError(f"train.compile: {why}")
+    return ok
+
+
 def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | None = None,
                  device: torch.device | None = None, weights: StateDict | None = None,
                  load_universal: bool = False) -> TrainModule:
@@ -149,6 +161,8 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
     model.to(device)
+    if compile_wanted(cfg.train.compile, device):
+        compile_blocks(model)
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,
                         load_universal=load_universal)
     return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)

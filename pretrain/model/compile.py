@@ -1,0 +1,56 @@
+"""Regional compilation: each Transformer block is compiled on its own with ``torch.compile``.
+
+Blocks of one model share their code, and dynamo treats the parameters of an inlined module as graph inputs,
+so one compiled graph serves every block of the same shapes: compiling a 24-block model costs about what one
+block does, a grown model recompiles only blocks whose shapes changed, and embeddings, loss and the optimizer
+stay eager (where DeepSpeed's hooks live).
+
+Layer dropout passes its decisions as block arguments: a skipped block is not called at all, a scale is a
+Python float that dynamo does not specialize on (``specialize_float`` is off in torch >= 2.6), and a per-sample
+gate is a tensor, so a changing drop pattern does not recompile (tests/test_compile.py counts it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def compile_blocks(model: nn.Module, **options) -> int:
+    """Compile every not yet compiled block of ``model.blocks`` in place (``nn.Module.compile``); returns how many
+    were compiled. ``options`` go to ``torch.compile`` (default: inductor, static shapes first)."""
+    compiled = 0
+    for block in model.blocks:
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(**options)
+            compiled += 1
+    return compiled
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return any(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's process-wide counts: ``graphs`` compiled so far and ``recompiles`` (a guard failed and a cached
+    graph was compiled again for new inputs)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": int(sum(counters["recompiles"].values()))}
+
+
+def compile_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether ``torch.compile``'s inductor backend can run here, and why not (it needs a C++ compiler on CPU
+    and Triton on CUDA)."""
+    import shutil
+
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False, "torch.compile on CUDA needs triton (pip install triton)"
+        return True, ""
+    if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        return False, "torch.compile on CPU needs a C++ compiler (g++ or clang++)"
+    return True, ""
