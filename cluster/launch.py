@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
 _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "DS_BUILD_OPS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME")
+                "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "MLFLOW_LOGGING_LEVEL", "DS_BUILD_OPS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME")
 
 
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -68,6 +68,9 @@ def _ray_address(cluster: ClusterConfig) -> str:
     interfaces unless "cluster mode" is off; it reads that switch when ``ray`` is first imported,
     so this must run before any Ray import."""
     address = cluster.address or os.environ.get("RAY_ADDRESS", "")
+    # Every worker's lines as they come: Ray's dedup folds lines that differ only in numbers ("rank 1/2 ...")
+    # into a "[repeated Nx]" line seconds later. Read with the constants, at Ray's first import.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not address:
         if "ray._private.ray_constants" in sys.modules and os.environ.get(_LOCAL_ONLY_ENV) != "0":
             print("[pretrain] warning: Ray was imported early; it may bind beyond 127.0.0.1", file=sys.stderr)

@@ -19,7 +19,8 @@
     logs JOB [--follow] [--address URL]           the job's output
     stop JOB [--address URL]                      stop a job (waits until it is STOPPED)
 
-User errors print one line and exit non-zero (2 for config errors); no tracebacks.
+User errors (config, data, checkpoints) print one line and exit 2, wherever they were detected; internal
+errors print their traceback and exit 1. Training runs keep their full output in RUN_DIR/logs/driver.log.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import re
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
@@ -86,14 +88,19 @@ def cmd_resume(args: list[str]) -> int:
 
 
 def _run_job(job, cluster, uri: str) -> int:
+    from cluster.console import QuietConsole
     from cluster.launch import run
     from pretrain.train.tracking import Tracker
 
+    log = Path(job.run_dir) / "logs" / "driver.log"
+    print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
     tracker = Tracker(job.tracking_uri, job.run_id)
     try:
-        final = run(job, cluster)
-    except BaseException:
-        tracker.finish("FAILED" if not isinstance(sys.exc_info()[1], KeyboardInterrupt) else "KILLED")
+        with QuietConsole(log):
+            final = run(job, cluster)
+    except BaseException as e:
+        tracker.finish("FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED")
+        e.add_note(f"full log: {log}")
         raise
     tracker.finish("FINISHED")
     _print_summary(final, job, uri)
@@ -259,11 +266,16 @@ COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cm
             "logs": cmd_logs, "stop": cmd_stop}
 
 
-def _one_line(exc: BaseException) -> str:
-    """The user-facing line of an error, unwrapping Ray's worker-failure wrappers."""
-    from pretrain.data import BadRecordError
-    from pretrain.train.checkpoint import CheckpointError
+# Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
+# checkpoint is wrong (exit 2), or the run ended by a rule the user set (exit 1); either is one line, no traceback.
+_EXIT_CODES = {"NonFiniteWeightsError": 1, "StabilityHaltError": 1, "ExportError": 1,
+               "ConfigError": 2, "BadRecordError": 2, "CheckpointError": 2}
 
+
+def user_error(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) of an error the user acts on (see ``_EXIT_CODES``), wherever it was raised: here,
+    or in a Ray worker, whose failure reaches us wrapped in Ray's errors (as objects, or only as text). None
+    for an internal error."""
     seen = set()
     stack = [exc]
     while stack:
@@ -271,21 +283,24 @@ def _one_line(exc: BaseException) -> str:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, (ConfigError, BadRecordError, CheckpointError)):
-            return str(e).splitlines()[0]
+        for cls in type(e).__mro__:  # the most specific known class decides
+            if cls.__name__ in _EXIT_CODES:
+                return _EXIT_CODES[cls.__name__], (str(e).strip().splitlines() or [cls.__name__])[0]
         for attr in ("worker_failures", "_worker_failures"):
             failures = getattr(e, attr, None)
             if isinstance(failures, dict):
                 stack.extend(v for v in failures.values() if isinstance(v, BaseException))
-        for inner in (e.__cause__, e.__context__, getattr(e, "cause", None)):
-            if isinstance(inner, BaseException):
-                stack.append(inner)
+        stack.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
+    for line in str(exc).strip().splitlines():
+        for name, code in _EXIT_CODES.items():
+            if f"{name}: " in line:
+                return code, line.split(f"{name}: ", 1)[1]
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last "XyzError: ..." line of an internal error (Ray wraps worker failures in several layers)."""
     text = str(exc).strip().splitlines()
-    for marker in ("BadRecordError: ", "CheckpointError: ", "ConfigError: "):
-        for line in text:
-            if marker in line:
-                return line.split(marker, 1)[1]
-    # Ray wraps worker failures in several layers: the root cause is the last "XyzError: ..." line.
     for line in reversed(text):
         m = re.match(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception|Interrupt)): (.+)$", line)
         if m and m.group(1) not in ("RaySystemError", "ControllerError", "TrainingFailedError"):
@@ -299,20 +314,24 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if not any(Path(dev).exists() for dev in ("/dev/nvidiactl", "/dev/kfd")):  # no GPU driver: DeepSpeed would
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # warn about falling back to CPU (workers inherit this)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not "Creating initial MLflow database tables..."
     if cmd not in COMMANDS:
         print(f"error: unknown command {cmd!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     try:
         return COMMANDS[cmd](rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the CLI turns everything into one line
-        line = _one_line(e)
-        print(f"error: {line}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - user errors become one line; internal ones keep their traceback
         if os.environ.get("PRETRAIN_DEBUG"):
             raise
+        known = user_error(e)
+        if known is not None:
+            print(f"error: {known[1]}", file=sys.stderr)
+            return known[0]
+        traceback.print_exception(e)  # with its notes (the full log of a training run)
+        print(f"error: internal error: {_root_cause(e)}", file=sys.stderr)
         return 1

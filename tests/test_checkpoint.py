@@ -87,3 +87,21 @@ def test_prune_keeps_newest(tmp_path):
         ck.commit(_stage(tmp_path, step), tmp_path, step, {}, world_size=2)
     ck.prune(tmp_path, keep_last=2)
     assert [c.step for c in ck.list_committed(tmp_path)] == [2, 3]
+
+
+def test_damaged_checkpoint_names_the_newest_that_verifies(tmp_path):
+    for step in (2, 4, 6):
+        ck.commit(_stage(tmp_path, step), tmp_path, step, {}, world_size=2)
+    for step in (4, 6):  # the two newest are damaged
+        with open(tmp_path / ck.step_dir_name(step) / ck.DS_DIR / ck.DS_TAG / "model.pt", "r+b") as f:
+            f.write(b"\0\0\0\0")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.resolve(tmp_path)
+    good = tmp_path / ck.step_dir_name(2)
+    assert str(e.value) == (f"{tmp_path / ck.step_dir_name(6)}: checksum mismatch for {ck.DS_DIR}/{ck.DS_TAG}/model.pt; "
+                            f"the newest checkpoint that verifies is step 2: resume from it with "
+                            f"./launch.sh resume {good}")
+    assert ck.resolve(good).step == 2  # what that command resolves
+    (good / ck.DS_DIR / ck.DS_TAG / "model.pt").unlink()
+    with pytest.raises(ck.CheckpointError, match="no older checkpoint of this run verifies"):
+        ck.resolve(tmp_path)

@@ -145,6 +145,23 @@ def verify(path: Path, manifest: dict | None = None) -> None:
             raise CheckpointError(f"{path}: checksum mismatch for {rel}")
 
 
+def verify_or_point_back(ckpt: CommittedCheckpoint) -> None:
+    """:func:`verify` ``ckpt``; when it fails, the error also names the newest older checkpoint of the same run
+    directory that verifies, and how to resume from it (a new run starting from that checkpoint)."""
+    try:
+        verify(ckpt.path, ckpt.manifest)
+    except CheckpointError as e:
+        older = [c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]
+        for candidate in reversed(older):
+            try:
+                verify(candidate.path, candidate.manifest)
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{e}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
+                                  f"with ./launch.sh resume {candidate.path}") from None
+        raise CheckpointError(f"{e}; no older checkpoint of this run verifies") from None
+
+
 def list_committed(run_dir: Path) -> list[CommittedCheckpoint]:
     """Committed checkpoints of a run directory, oldest first (staging dirs are ignored)."""
     out = []
@@ -175,7 +192,7 @@ def resolve(path: Path) -> CommittedCheckpoint:
         ckpt = latest_committed(path)
         if ckpt is None:
             raise CheckpointError(f"{path}: no committed checkpoint found")
-    verify(ckpt.path, ckpt.manifest)
+    verify_or_point_back(ckpt)
     return ckpt
 
 

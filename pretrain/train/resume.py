@@ -26,7 +26,7 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> c
     if resume is None and cfg.checkpoint.resume_from:
         resume = ckpt_io.resolve(Path(cfg.checkpoint.resume_from))
     if resume is not None:
-        ckpt_io.verify(resume.path, resume.manifest)
+        ckpt_io.verify_or_point_back(resume)
         check_expert_layout(resume, cfg, ctx.world_size)
     return resume
 

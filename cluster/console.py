@@ -1,0 +1,77 @@
+"""A quiet terminal for a training run: everything the run prints goes to a log file in its run directory; the
+terminal shows only the lines meant for users.
+
+While a job runs, this process hosts Ray's driver (and, on a laptop, starts Ray's servers), which print lines a
+user cannot act on: C++ core-worker messages, placement-group cleaner tracebacks, token-authentication and
+accelerator warnings, the workers' tracebacks before the failure reaches us as one exception. The context
+manager redirects file descriptors 1 and 2 (so C++ output and child processes are covered too) into a pipe; a
+thread writes every line to ``log_path`` and forwards to the terminal the lines of our own prefixes
+(``[pretrain]``, ``[train]``, ...), with Ray's ``(RayTrainWorker pid=N)`` prefix removed. ``PRETRAIN_VERBOSE=1``
+shows everything. The CLI prints the summary or the error after the block, with the log's path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+_OURS = re.compile(r"^(\[(pretrain|train|fault|grow|prune)\]|error:|warning:)")
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[[\d;]*m)?\([\w.:-]+ pid=\d+(?:, ip=[\w.:-]+)?\)(?:\x1b\[0m)? ?")
+
+
+def user_line(line: str) -> str | None:
+    """The line as the terminal shows it (Ray's process prefix removed), or None when it only goes to the log."""
+    m = _RAY_PREFIX.match(line)
+    body = line[m.end():] if m else line
+    return body if _OURS.match(body) else None
+
+
+class QuietConsole:
+    """``with QuietConsole(path):`` everything written to fd 1 and 2 lands in ``path``; user lines also on the
+    terminal (all lines when ``verbose``)."""
+
+    def __init__(self, log_path: Path, verbose: bool | None = None):
+        self.log_path = Path(log_path)
+        self.verbose = os.environ.get("PRETRAIN_VERBOSE", "") not in ("", "0") if verbose is None else verbose
+        self._saved: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> QuietConsole:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = (os.dup(1), os.dup(2))
+        read, write = os.pipe()
+        os.dup2(write, 1)
+        os.dup2(write, 2)
+        os.close(write)
+        self._thread = threading.Thread(target=self._pump, args=(read,), name="quiet-console", daemon=True)
+        self._thread.start()
+        return self
+
+    def _pump(self, read: int) -> None:
+        terminal = self._saved[0]
+        with open(read, "rb", buffering=0) as pipe, open(self.log_path, "ab") as log:
+            for raw in iter(pipe.readline, b""):
+                log.write(raw)
+                log.flush()
+                line = raw.decode("utf-8", errors="replace")
+                shown = line if self.verbose else user_line(line)
+                if shown is not None:
+                    try:
+                        os.write(terminal, shown.encode("utf-8", errors="replace"))
+                    except OSError:  # the block has ended and the terminal fd is closed: the log has it
+                        pass
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        out, err = self._saved
+        os.dup2(out, 1)  # the pipe's last writers in this process are gone: the pump sees EOF (unless a
+        os.dup2(err, 2)  # child process still holds it, e.g. a lingering Ray server; then it stays a daemon)
+        self._thread.join(timeout=5)
+        os.close(out)
+        os.close(err)
