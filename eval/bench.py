@@ -14,6 +14,7 @@ CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -242,7 +243,7 @@ def run_moe_bench(cfg: RunConfig, overrides: list[str], steps: int, rounds: int,
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh bench")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (on stdout; all else on stderr)")
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
@@ -252,13 +253,28 @@ def main(argv: list[str]) -> int:
                    help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
+    result_out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # library chatter (e.g. DeepSpeed's op-build line) is no result
+        result = measure(a)
+    if a.json:
+        print(json.dumps(result, indent=1), file=result_out)
+    else:
+        for k, v in result.items():
+            if isinstance(v, dict):
+                v = "{" + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}"
+                                    for kk, vv in v.items()) + "}"
+            print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}", file=result_out)
+    result_out.flush()
+    return 0
+
+
+def measure(a: argparse.Namespace) -> dict:
+    """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
     if a.growth:
         from eval.bench_growth import growth_bench, summary
 
-        result = summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
-        print(json.dumps(result, indent=1) if a.json else "\n".join(f"{k:<26} {v}" for k, v in result.items()))
-        return 0
+        return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
     path = next((r for r in a.rest if "=" not in r), None)
     overrides = [r for r in a.rest if "=" in r]
     if path is None:
@@ -280,13 +296,4 @@ def main(argv: list[str]) -> int:
         from eval.bench_layer_drop import layer_drop_bench
 
         result.update(layer_drop_bench(cfg, torch.device("cuda" if gpu else "cpu"), steps, a.rounds))
-    if a.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for k, v in result.items():
-            if isinstance(v, dict):
-                v = "{" + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}"
-                                    for kk, vv in v.items()) + "}"
-            print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}")
-    sys.stdout.flush()
-    return 0
+    return result

@@ -1,0 +1,25 @@
+"""``./launch.sh bench --json`` is one JSON object on stdout with the keys the README documents (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PYTHON, cli_env
+
+
+@pytest.mark.slow
+def test_bench_json_reports_mfu_ratios_and_compile_cost(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--json", "--no-moe", "--steps", "2", "--rounds", "1",
+                           "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
+                           "train.micro_batch_size=4", "data.tokenizer_vocab_size=512", "model.vocab_size=512"],
+                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # nothing else on stdout
+    for key in ("tokens_per_s", "bare_pytorch_tokens_per_s", "ratio_vs_bare_pytorch", "eager_ratio_vs_bare_pytorch",
+                "compiled_ratio_vs_bare_pytorch", "compile_s", "mfu", "measured_matmul_peak_tflops"):
+        assert isinstance(result[key], float) and result[key] >= 0, key
+    assert result["compile_default"] == "no" and result["ratio_vs_bare_pytorch"] == result["eager_ratio_vs_bare_pytorch"]
+    assert 0 < result["mfu"] < 1.5
