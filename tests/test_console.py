@@ -58,7 +58,7 @@ def test_cli_errors_user_one_line_internal_traceback(monkeypatch, capsys):
     internal.add_note("full log: /x/logs/driver.log")
     # what a worker's ConfigError looks like after Ray wrapped it (only text survives)
     wrapped = RuntimeError("Training failed.\nTraceback (most recent call last):\n  File \"w.py\", line 3\n"
-                           "pretrain.config.tree.ConfigError: data.sources[0].path: /c.jsonl: no file matches")
+                           "pretrain.config.errors.ConfigError: data.sources[0].path: /c.jsonl: no file matches")
     from pretrain.train.stability import StabilityHaltError
 
     cases = [(internal, 1, None), (wrapped, 2, "error: data.sources[0].path: /c.jsonl: no file matches"),

@@ -1,0 +1,188 @@
+"""The config sections of the capabilities built on the training core: Mixture-of-Experts (``moe``), layer
+dropout (``layer_drop``) and model growth (``growth``), each with its own rules. Part of the tree
+(``tree.py`` holds the core sections and ``RunConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pretrain.config.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts FFN (see ``pretrain/model/moe.py``): token-choice top-k routing, optional
+    expert parallelism. ``num_experts: 0`` (the default) keeps every FFN dense."""
+
+    num_experts: int = 0
+    """Experts per MoE layer (0 = no MoE)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    every: int = 1
+    """MoE FFN in blocks i with (i + 1) % every == 0 (Qwen-MoE's ``decoder_sparse_step``); the others stay dense."""
+    layers: list[int] = field(default_factory=list)
+    """Explicit 0-based block indices with an MoE FFN; when non-empty it replaces ``every``."""
+    ffn_size: int = 0
+    """Hidden size of each expert (0 = the dense FFN size of ``model``)."""
+    capacity_factor: float = 0.0
+    """Training-time capacity per expert = ceil(factor * tokens * top_k / num_experts) of each worker's
+    micro-batch; assignments beyond it are dropped (the token keeps its residual), first choices before
+    second. 0 = dropless. Evaluation and exported models are always dropless."""
+    normalize_top_k: bool = True
+    """Renormalize the top-k router probabilities to sum to 1 (Mixtral); false keeps the softmax values (OLMoE)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers."""
+    router_z_loss_weight: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE)."""
+    ep_size: int = 1
+    """Expert-parallel degree: each worker holds num_experts / ep_size experts of every MoE layer and tokens
+    travel by all-to-all; must divide num_experts and the worker count. 1 = experts replicated like dense weights."""
+    collapse_share: float = 0.9
+    """The stability monitor flags a router collapse when one expert of a layer receives more than this share of
+    the layer's routed tokens for ``collapse_steps`` consecutive steps."""
+    collapse_steps: int = 50
+    """Consecutive steps of collapse before it is flagged (0 disables the check)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has an MoE FFN."""
+        if not self.enabled:
+            return False
+        if self.layers:
+            return index in self.layers
+        return (index + 1) % self.every == 0
+
+    def validate(self, num_layers: int, num_workers: int, zero_stage: int) -> None:
+        if self.num_experts < 0:
+            raise ConfigError(f"moe.num_experts: must be >= 0, got {self.num_experts}")
+        if not self.enabled:
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"moe.top_k: must be in [1, moe.num_experts={self.num_experts}], got {self.top_k}")
+        if self.every < 1:
+            raise ConfigError(f"moe.every: must be >= 1, got {self.every}")
+        for i, layer in enumerate(self.layers):
+            if not 0 <= layer < num_layers:
+                raise ConfigError(f"moe.layers[{i}]: block {layer} does not exist (model.num_layers={num_layers})")
+        if not self.layers and self.every > num_layers:  # (i + 1) % every == 0 for no block i < num_layers
+            raise ConfigError(f"moe.every: {self.every} selects no block of model.num_layers={num_layers}")
+        for key, value in (("moe.ffn_size", self.ffn_size), ("moe.capacity_factor", self.capacity_factor),
+                           ("moe.aux_loss_weight", self.aux_loss_weight),
+                           ("moe.router_z_loss_weight", self.router_z_loss_weight),
+                           ("moe.collapse_steps", self.collapse_steps)):
+            if value < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if not 0.0 < self.collapse_share <= 1.0:
+            raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
+        if self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide moe.num_experts {self.num_experts}")
+        if self.ep_size > 1 and zero_stage == 0:
+            raise ConfigError(
+                "zero.stage: expert parallelism (moe.ep_size > 1) needs ZeRO-1 or 2 (DeepSpeed's stage-0 gradient "
+                "norm mis-weights expert-parallel gradients); use zero.stage 1 or 2, or moe.ep_size 1")
+        if self.ep_size > 1 and zero_stage == 3:
+            raise ConfigError(
+                "zero.stage: ZeRO-3 cannot partition expert-parallel weights (moe.ep_size > 1); use zero.stage 1 "
+                "or 2, or moe.ep_size 1 (experts are then sharded by ZeRO-3 like dense weights)")
+        self.check_world_size(num_workers)
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.enabled and world_size % self.ep_size:
+            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide the worker count {world_size} "
+                              f"(cluster.num_workers)")
+
+
+@dataclass(kw_only=True)
+class LayerDropConfig:
+    """Layer dropout (see ``pretrain/model/layerdrop.py``): in training each block (or each sub-layer) is skipped
+    with probability ``rate``, decided from (seed, step, layer[, sample]) so every rank agrees with no
+    communication. Off by default (``rate: 0``)."""
+
+    rate: float = 0.0
+    """Drop probability 1 - rho of a block or sub-layer at the end of the schedule (the deepest one with
+    ``by_depth: linear``); 0 disables layer dropout."""
+    mode: Literal["layer", "sample"] = "layer"
+    """``layer``: the same blocks are skipped for the whole batch on every rank (a skipped block does no forward or
+    backward work: LayerDrop / progressive layer dropping). ``sample``: stochastic depth, each sample's residual
+    branch is dropped on its own (every block still runs)."""
+    granularity: Literal["block", "sublayer"] = "block"
+    """``block``: attention and FFN of a block are kept or dropped together; ``sublayer``: decided separately
+    (eq. 95 of the reference text)."""
+    by_depth: Literal["uniform", "linear"] = "uniform"
+    """``uniform``: every block has ``rate``; ``linear``: block l of L has rate * (l + 1) / L (stochastic depth)."""
+    schedule: Literal["constant", "linear", "progressive"] = "constant"
+    """``constant``: ``rate`` from the first step; ``linear``: from 0 to ``rate`` over ``warmup_steps``;
+    ``progressive``: progressive layer dropping, keep probability (1 - rate_bar) * exp(-gamma * t) + rate_bar with
+    rate_bar = 1 - rate, i.e. the drop rate rises as rate * (1 - exp(-gamma * t))."""
+    warmup_steps: int = 0
+    """``schedule: linear``: steps to reach ``rate``."""
+    gamma: float = 0.001
+    """``schedule: progressive``: the rate's growth constant per step (PLD's gamma)."""
+    scaling: Literal["inverted", "rho"] = "inverted"
+    """``inverted`` (default): kept branches are scaled by 1/rho in training, nothing at inference, so the trained
+    weights are the inference model as is (evaluation, export and pruning need no correction). ``rho``: eq. 95,
+    nothing in training, every sub-layer output scaled by rho at inference (folded into the output projections on
+    export, so standard Hugging Face classes load it)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.rate < 1.0:
+            raise ConfigError(f"layer_drop.rate: must be in [0, 1), got {self.rate}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"layer_drop.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.schedule == "linear" and self.enabled and self.warmup_steps == 0:
+            raise ConfigError("layer_drop.warmup_steps: schedule linear needs warmup_steps > 0")
+        if self.gamma <= 0:
+            raise ConfigError(f"layer_drop.gamma: must be > 0, got {self.gamma}")
+
+
+@dataclass(kw_only=True)
+class GrowthStep:
+    """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone."""
+
+    at_step: int = 0
+    """In ``growth.schedule``: grow after this many optimizer steps (the next step trains the grown model)."""
+    depth: str = ""
+    """Target number of blocks: ``2x`` (a factor), ``+N`` (more blocks; quote it in YAML) or ``N`` (a total)."""
+    depth_op: Literal["stack", "interleave", "identity"] = "stack"
+    """``stack``: the trained stack repeated (§4.2.2); ``interleave``: each block duplicated in place; ``identity``:
+    new blocks whose residual branches start at zero (function-preserving, pre-norm and sandwich blocks)."""
+    width: str = ""
+    """Target hidden size (``2x``, ``+N``, ``N``); the heads (head size fixed) and the FFN grow by the same factor
+    unless ``heads`` / ``ffn`` say otherwise."""
+    width_op: Literal["tile", "net2net"] = "tile"
+    """``tile``: eq. 111, integer factors, function-preserving; ``net2net``: any size, duplicated units."""
+    heads: str = ""
+    """Target number of attention heads (head size fixed, so the hidden size follows)."""
+    ffn: str = ""
+    """Target FFN size."""
+    experts: int = 0
+    """Dense -> MoE upcycling: every FFN becomes this many copies of itself with a zero router (0: no)."""
+    top_k: int = 2
+    """Experts per token after upcycling."""
+    noise: float = 1e-3
+    """Symmetry breaking: N(0, (noise * std(W))^2) on every grown or copied weight matrix; 0 disables."""
+
+
+@dataclass(kw_only=True)
+class GrowthConfig:
+    """Model growth inside a running job (``schedule``); ``./launch.sh grow`` takes the same keys offline."""
+
+    schedule: list[GrowthStep] = field(default_factory=list)
+    """Growths, each at its ``at_step``."""
+    optimizer: Literal["reset", "grow"] = "reset"
+    """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments
+    grown with the weights by the same operator: tiled and divided alike, copied with copied blocks; zero where the
+    weights start at zero). ``grow`` needs ``moe.ep_size`` 1."""
+    rewarm_steps: int = 0
+    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
+    check_tolerance: float = 1e-4
+    """A function-preserving growth without noise must change the loss on the held-back batch by at most this
+    (relative), or the run stops with an error."""
