@@ -56,6 +56,17 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 PYTHON = sys.executable
 
 
+@pytest.fixture(scope="module")
+def datasets_cache(tmp_path_factory):
+    """Keep the lock files that ``datasets`` builders create out of the user's cache."""
+    import datasets
+
+    old = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = tmp_path_factory.mktemp("hf_datasets")
+    yield
+    datasets.config.HF_DATASETS_CACHE = old
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the e2e and multi-node

@@ -25,15 +25,7 @@ CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 WORDS = "the a of to and in is that it for on with as was by be at this from or an are river mountain".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def datasets_cache(tmp_path_factory):
-    """Keep the lock files that ``datasets`` builders create out of the user's cache."""
-    import datasets
-
-    old = datasets.config.HF_DATASETS_CACHE
-    datasets.config.HF_DATASETS_CACHE = tmp_path_factory.mktemp("hf_datasets")
-    yield
-    datasets.config.HF_DATASETS_CACHE = old
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def words(n: int, seed: int = 0) -> str:

@@ -70,15 +70,7 @@ def write_parquet(path: Path, texts: list) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def datasets_cache(tmp_path_factory):
-    """Keep the lock files that ``datasets`` builders create out of the user's cache."""
-    import datasets
-
-    old = datasets.config.HF_DATASETS_CACHE
-    datasets.config.HF_DATASETS_CACHE = tmp_path_factory.mktemp("hf_datasets")
-    yield
-    datasets.config.HF_DATASETS_CACHE = old
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 @pytest.fixture(scope="module")
