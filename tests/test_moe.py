@@ -372,13 +372,14 @@ def ep_runs(tmp_path_factory):
     with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
+        replicated = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + ["moe.ep_size=1"]))
+        ranks = run_distributed(train_jobs, 2, [asdict(full), asdict(replicated)], timeout=900)
+        # prepared once the checkpoints they resume from exist (the driver checks checkpoint.resume_from)
         resumed = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + [
             f"checkpoint.resume_from={Path(full.run_dir) / 'step_00000008'}"]))
-        replicated = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + ["moe.ep_size=1"]))
         elastic = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY + tok + [
             "moe.ep_size=1", "cluster.num_workers=1",
             f"checkpoint.resume_from={Path(replicated.run_dir) / 'step_00000004'}"]))
-        ranks = run_distributed(train_jobs, 2, [asdict(full), asdict(replicated)], timeout=900)
         ranks_resumed = run_distributed(train_jobs, 2, [asdict(resumed)], timeout=900)
         run_distributed(train_jobs, 1, [asdict(elastic)], timeout=900)
         yield {"work": work, "full": full, "resumed": resumed, "final": ranks[0][0],

@@ -473,8 +473,11 @@ def fault_runs(tmp_path_factory):
         spike_over = TINY + tok + ["stability.policy=rollback", "faults.loss_spike_at_step=13"]
         spike = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml",
                                         spike_over + ["stability.plot_at_end=true"]))
-        resumed = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over + [
-            f"checkpoint.resume_from={Path(spike.run_dir) / 'step_00000008'}"]))
+        resumed = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over))
+        # resumes from a checkpoint the spike run writes first in the same processes (the driver's preflight
+        # would refuse a checkpoint.resume_from that does not exist yet, so it is set on the prepared job)
+        resumed.config["checkpoint"] = {**resumed.config["checkpoint"],
+                                        "resume_from": str(Path(spike.run_dir) / "step_00000008")}
         jobs = [clean, nan, spike, resumed]
         ranks = run_distributed(train_jobs, 2, [asdict(j) for j in jobs], timeout=900)
         yield {"work": work, "jobs": dict(zip(("clean", "nan", "spike", "resumed"), jobs)), "ranks": ranks,
