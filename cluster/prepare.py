@@ -74,11 +74,22 @@ def _check_dir(path: str, key: str, what: str) -> None:
         raise ConfigError(f"{key}: {path} is not a directory{what}")
 
 
+def _check_gpu_request(cfg: RunConfig) -> None:
+    """``cluster.use_gpu=yes`` on this machine (no cluster address) without a GPU driver cannot start a worker."""
+    import os
+
+    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) or not cfg.cluster.use_ray
+    if cfg.cluster.use_gpu == "yes" and local and not any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/kfd")):
+        raise ConfigError("cluster.use_gpu: yes, but this machine has no GPU driver (no /dev/nvidiactl or /dev/kfd) "
+                          "and no cluster address is set; use auto (GPUs when there are) or no")
+
+
 def preflight(cfg: RunConfig) -> None:
     """The driver's checks before anything is created (paths already absolute): directories, then the
     corpus (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
     too few for a document-level split, and says so in one line."""
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    _check_gpu_request(cfg)
     m, d = cfg.model, cfg.data
     if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:
         raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer this run trains (at least "

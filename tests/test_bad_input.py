@@ -368,6 +368,7 @@ def test_preflight_checks_directories_and_the_vocab_size(tmp_path):
     for override, key in (("model.vocab_size=100", "model.vocab_size"),
                           (f"data.tokenizer={tmp_path}/none", "data.tokenizer"),
                           (f"model.init_from_hf={tmp_path}/none", "model.init_from_hf"),
-                          (f"checkpoint.resume_from={tmp_path}/none", "checkpoint.resume_from")):
+                          (f"checkpoint.resume_from={tmp_path}/none", "checkpoint.resume_from"),
+                          *([("cluster.use_gpu=yes", "cluster.use_gpu")] if not Path("/dev/nvidiactl").exists() else [])):
         with pytest.raises(ConfigError, match=rf"^{key}: "):
             preflight(resolve_paths(load_config(None, [*base, override])))
