@@ -23,7 +23,7 @@ import torch
 from cluster.prepare import resolve_paths
 from pretrain.config import ConfigError, RunConfig, dump_yaml
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
-from pretrain.model.layerdrop import select_blocks
+from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist, tracking
 from pretrain.train.callbacks import Checkpointer
@@ -76,9 +76,26 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
 
 
 def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateDict]:
-    """The parent's config and training weights with only blocks ``keep`` (renumbered 0..len(keep)-1)."""
-    cfg = parent.config
-    sd = parent.state_dict(inference=False)
+    """The parent's config and weights with only blocks ``keep`` (see :func:`prune_blocks`)."""
+    return prune_blocks(parent.config, parent.state_dict(inference=False), keep)
+
+
+def prune_blocks(cfg: RunConfig, sd: StateDict, keep: list[int]) -> tuple[RunConfig, StateDict]:
+    """The config and weights of ``cfg``'s model (training weights ``sd``) with only blocks ``keep``, renumbered
+    0..len(keep)-1: the pruned model's forward is the parent's inference forward with the other blocks skipped.
+
+    Layer dropout with ``scaling: rho``: each kept block's inference scale is rho of its depth in the *parent*
+    (``by_depth: linear`` gives the child's depth other rates), so the parent's scales of the kept blocks are
+    folded into their weights and the child is written with ``scaling: inverted``, which applies nothing at
+    inference. The rest of ``layer_drop`` is kept: a resumed child goes on dropping layers (inverted: kept
+    branches x 1/rho in training), the parent's own training forward again wherever the child's rate of a block
+    equals the parent's (``by_depth: uniform``); the fold makes the two parametrizations agree.
+    """
+    scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
+    layer_drop = cfg.layer_drop
+    if scales is not None:
+        sd = fold_branch_scales(sd, cfg.model.norm_placement, scales)
+        layer_drop = dataclasses.replace(layer_drop, scaling="inverted")
     new_index = {old: new for new, old in enumerate(keep)}
     out: StateDict = {}
     for key, value in sd.items():
@@ -96,7 +113,7 @@ def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateD
             moe = dataclasses.replace(moe, num_experts=0, layers=[])
         else:
             moe = dataclasses.replace(moe, layers=moe_blocks, every=1)
-    new = dataclasses.replace(cfg, model=model, moe=moe, name=f"{cfg.name}-pruned{len(keep)}")
+    new = dataclasses.replace(cfg, model=model, moe=moe, layer_drop=layer_drop, name=f"{cfg.name}-pruned{len(keep)}")
     return new, out
 
 
@@ -113,6 +130,12 @@ def prune(argv: list[str]) -> int:
                                                      "prune.parent_step": parent.ckpt.step,
                                                      "prune.layers": ",".join(map(str, keep))}, "prune")
     print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
+    if cfg.layer_drop.scaling != parent.config.layer_drop.scaling:
+        print("[prune] layer_drop.scaling rho: the parent's rho of the kept blocks is folded into their weights; "
+              "the new run uses layer_drop.scaling=inverted (nothing to apply at inference)")
+    if cfg.model.norm_placement == "deepnorm":
+        print("[prune] note: deepnorm's residual weight alpha = (2 * num_layers) ** 0.25 follows the depth, so the "
+              "pruned model is not exactly the parent with the other blocks skipped")
     print(f"[prune] new run {run_id}: checkpoint {path}")
     print(f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
           f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}")
@@ -133,12 +156,8 @@ def held_back_loss(cfg: RunConfig, state: StateDict, batch: dict[str, torch.Tens
     """Loss of the model ``cfg.model`` holding ``state`` on one batch (CPU, fp32, eval mode)."""
     from pretrain.model import build_model
 
-    with torch.device("meta"):
-        model = build_model(cfg.model, 0, cfg.moe)
-    model.to_empty(device="cpu")
-    model.load_state_dict(state, strict=True)
-    model.tie_weights()
-    model.reset_buffers()
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    model = build_model(cfg.model, 0, cfg.moe, weights=state)
     with torch.no_grad():
         return float(model.eval()(batch["input_ids"], labels=batch["labels"]).loss)
 
@@ -148,8 +167,8 @@ def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
 
     cfg = parent.config
     batches = validation_batches(cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len,
-                                 tokenizer=parent.tokenizer(), rank=0, world_size=1, val_sequences=8,
-                                 micro_batch_size=8, seed=cfg.train.seed)
+                                 tokenizer=parent.tokenizer(), val_sequences=8, micro_batch=8,
+                                 seed=cfg.train.seed)
     if batches:
         return batches[0]
     g = torch.Generator().manual_seed(cfg.train.seed)  # no validation data: a fixed random batch

@@ -194,13 +194,12 @@ def _port_free(port: int) -> bool:
 
 
 def _free_port(avoid: set[int]) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid and port not in _WORKER_PORTS:
-            return port
-    raise ClusterError("could not find a free local port")
+    from pretrain.train.dist import free_port  # lazily: torch is not needed to run a head
+
+    try:
+        return free_port(avoid | set(_WORKER_PORTS))
+    except OSError as e:
+        raise ClusterError(str(e)) from None
 
 
 def dashboard_get(address: str, path: str, token: str, timeout: float = 5.0) -> tuple[int, bytes]:

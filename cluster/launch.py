@@ -15,7 +15,8 @@ from typing import Any
 
 from pretrain.config import ClusterConfig
 from pretrain.train.dist import free_port
-from pretrain.train.loop import SUMMARY_FILE, Job, train_loop
+from pretrain.train.callbacks import SUMMARY_FILE
+from pretrain.train.loop import Job, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eval.bench_common import interleaved_best
+from eval.bench_common import bench_tokens, interleaved_best
 from eval.bench_common import micro_batch_module, train_step_fn
 from eval.bench_common import random_batches as _batches
 from eval.bench_common import sync as _sync
@@ -112,7 +112,7 @@ def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: 
         first = time.perf_counter() - t0
         fns.append(compiled)
     times = interleaved_best(fns, batches, device, rounds)
-    tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
+    tokens = bench_tokens(cfg, steps)
     bare, eager = tokens / times[0], tokens / times[1]
     out = {"bare_pytorch_tokens_per_s": bare, "eager_tokens_per_s": eager, "eager_ratio_vs_bare_pytorch": eager / bare}
     if can_compile:

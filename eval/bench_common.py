@@ -11,17 +11,28 @@ import torch
 from pretrain.config import RunConfig
 
 
-def micro_batch_module(cfg: RunConfig, device: torch.device, world_size: int = 1):
-    """The training module of ``cfg`` whose optimizer step is one micro-batch per worker (the unit the benchmarks
-    time): the global batch is ``micro x workers`` over as many data streams. torch.distributed must be up."""
-    from pretrain.train.module import build_module
-
+def micro_batch_config(cfg: RunConfig, world_size: int = 1) -> RunConfig:
+    """``cfg`` with one micro-batch per worker per optimizer step (the unit the benchmarks time): the global batch
+    is ``micro x workers`` over as many data streams."""
     t = cfg.train
-    cfg = dataclasses.replace(
+    return dataclasses.replace(
         cfg, train=dataclasses.replace(t, global_batch_size=t.micro_batch_size * world_size),
         data=dataclasses.replace(cfg.data, num_streams=world_size),
         cluster=dataclasses.replace(cfg.cluster, num_workers=world_size))
-    return build_module(cfg, device=device)
+
+
+def bench_tokens(cfg: RunConfig, steps: int, world_size: int = 1) -> int:
+    """Tokens in ``steps`` benchmark steps of ``cfg`` (from the run plan of :func:`micro_batch_config`)."""
+    from pretrain.config import make_plan
+
+    return steps * make_plan(micro_batch_config(cfg, world_size), world_size).tokens_per_step
+
+
+def micro_batch_module(cfg: RunConfig, device: torch.device, world_size: int = 1):
+    """The training module of :func:`micro_batch_config`. torch.distributed must be up."""
+    from pretrain.train.module import build_module
+
+    return build_module(micro_batch_config(cfg, world_size), device=device)
 
 
 def train_step_fn(module, hooks=()):

@@ -48,10 +48,11 @@ def _working_dir(path: Path, tracking_uri: str):
 
 
 def _flops_per_step(cfg) -> float:
+    from pretrain.config import make_plan
     from pretrain.model import flops_per_token
 
-    return flops_per_token(cfg.model, cfg.model.max_seq_len, cfg.moe) * cfg.train.global_batch_size * \
-        cfg.model.max_seq_len
+    plan = make_plan(cfg, cfg.cluster.num_workers)
+    return flops_per_token(cfg.model, plan.seq_len, cfg.moe) * plan.tokens_per_step
 
 
 def _crossing(curve: list[tuple[float, float]], target: float) -> float | None:

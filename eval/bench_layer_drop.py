@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from eval.bench_common import interleaved_best, micro_batch_module, random_batches
+from eval.bench_common import bench_tokens, interleaved_best, micro_batch_module, random_batches
 from pretrain.config import RunConfig
 
 RATES = (0.0, 0.25, 0.5)
@@ -50,7 +50,7 @@ def layer_drop_bench(cfg: RunConfig, device: torch.device, steps: int, rounds: i
     batches = random_batches(cfg, steps, device)
     # Warm-up covers 2 steps per variant; the closures' step counters then restart at a round boundary.
     times = interleaved_best([_step_fn(v, device, steps) for v in variants], batches, device, rounds)
-    tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
+    tokens = bench_tokens(cfg, steps)
     tps = {f"{r:g}": tokens / t for r, t in zip(RATES, times)}
     out: dict = {"layer_drop_tokens_per_s": tps, "layer_drop_active_fraction": {}, "layer_drop_speedup": {},
                  "layer_drop_vs_ideal": {}}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from eval.bench_common import interleaved_best, micro_batch_module, random_batches, train_step_fn
+from eval.bench_common import bench_tokens, interleaved_best, micro_batch_module, random_batches, train_step_fn
 from pretrain.config import RunConfig
 
 
@@ -40,7 +40,7 @@ def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: in
     batches = random_batches(cfg, steps, device)
     t_dense, t_moe = interleaved_best([_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)],
                                       batches, device, rounds)
-    tokens = steps * cfg.train.micro_batch_size * cfg.model.max_seq_len
+    tokens = bench_tokens(cfg, steps)
     return {"moe_config": cfg.name, "moe_experts": cfg.moe.num_experts, "moe_top_k": cfg.moe.top_k,
             "moe_tokens_per_s": tokens / t_moe, "moe_dense_active_tokens_per_s": tokens / t_dense,
             "moe_vs_dense_active_ratio": t_dense / t_moe}

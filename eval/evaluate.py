@@ -327,8 +327,8 @@ def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), 
     n = sequences or src.val_sequences
     if dcfg.val_holdout <= 0 and not dcfg.val_sources:
         raise ConfigError(f"{src.label}: the run has no validation data (val_holdout 0); pass --data PATH")
-    batches = validation_batches(dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, rank=0, world_size=1,
-                                 val_sequences=n, micro_batch_size=batch_size, seed=src.seed)
+    batches = validation_batches(dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, val_sequences=n,
+                                 micro_batch=batch_size, seed=src.seed)
     byte_lengths = token_byte_lengths(src.tokenizer, src.vocab_size) if src.kind == "decoder" else None
     metrics = score(src.logits_fn, batches, src.kind, byte_lengths)
     result: dict[str, Any] = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
+from pretrain.config import ConfigError, DataConfig, SourceConfig, layout, load_config
 from pretrain.data import BadRecordError, TrainBatches, load_or_train_tokenizer, validation_sequences
 from pretrain.data.sanity import check_corpus, check_sources, plan_split, why_not_text
 from pretrain.data.sources import cut_pieces, read_lines
@@ -223,8 +223,8 @@ def test_pieces_train_and_validate_deterministically_on_any_worker_count(huge_se
     assert cfg.piece_chars > 0 and len(tok) > 260
 
     def run(world: int) -> list[torch.Tensor]:
-        parts = [TrainBatches(cfg, kind="decoder", seq_len=32, tokenizer=tok, rank=r, world_size=world,
-                              global_batch_size=8, seed=3) for r in range(world)]
+        plan = layout(world_size=world, global_batch=8, micro_cap=8, num_streams=cfg.num_streams, seq_len=32)
+        parts = [TrainBatches(cfg, kind="decoder", tokenizer=tok, plan=plan, rank=r, seed=3) for r in range(world)]
         out = []
         for _ in range(3):
             rows = [row for p in parts for row in p.next_step()["input_ids"].tolist()]

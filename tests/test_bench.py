@@ -11,8 +11,9 @@ from tests.conftest import PYTHON, cli_env
 
 
 @pytest.mark.slow
-def test_bench_json_reports_mfu_ratios_and_compile_cost(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--json", "--no-moe", "--steps", "2", "--rounds", "1",
+def test_bench_json_reports_mfu_ratios_compile_cost_and_layer_drop_speeds(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--json", "--no-moe", "--layer-drop", "--steps", "2",
+                           "--rounds", "1",
                            "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
                            "train.micro_batch_size=4", "data.tokenizer_vocab_size=512", "model.vocab_size=512"],
                           cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
@@ -23,3 +24,9 @@ def test_bench_json_reports_mfu_ratios_and_compile_cost(tmp_path):
         assert isinstance(result[key], float) and result[key] >= 0, key
     assert result["compile_default"] == "no" and result["ratio_vs_bare_pytorch"] == result["eager_ratio_vs_bare_pytorch"]
     assert 0 < result["mfu"] < 1.5
+    speeds = result["layer_drop_tokens_per_s"]  # --layer-drop: rates 0, 0.25 and 0.5 in layer mode
+    assert set(speeds) == {"0", "0.25", "0.5"} and all(v > 0 for v in speeds.values())
+    assert result["layer_drop_speedup"]["0"] == 1.0
+    for rate, key in ((0.25, "0.25"), (0.5, "0.5")):
+        ratio = result["layer_drop_vs_ideal"][key]  # speed-up over the ideal 1 / (1 - rate)
+        assert ratio == result["layer_drop_speedup"][key] * (1 - rate) and ratio > 0

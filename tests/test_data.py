@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import DataConfig, SourceConfig
+from pretrain.config import DataConfig, SourceConfig, layout
 from pretrain.data import (
     BadRecordError,
     TrainBatches,
@@ -92,8 +92,12 @@ def data_cfg(*paths, **kw) -> DataConfig:
 
 
 def batches(cfg, tok, *, rank=0, world=1, G=8, kind="decoder", seed=7) -> TrainBatches:
-    return TrainBatches(cfg, kind=kind, seq_len=T, tokenizer=tok, rank=rank, world_size=world,
-                        global_batch_size=G, seed=seed)
+    return TrainBatches(cfg, kind=kind, tokenizer=tok, plan=plan(cfg, world, G), rank=rank, seed=seed)
+
+
+def plan(cfg, world: int, G: int, seq_len: int = T, val: int = 0):
+    return layout(world_size=world, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len,
+                  val_sequences=val)
 
 
 def steps(tb: TrainBatches, n: int) -> list[dict]:
@@ -330,7 +334,7 @@ def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
     with pytest.raises(ValueError, match="streams"):
         batches(cfg, tok, kind=kind).load_state_dict(roundtrip(ws[0].state_dict()))
     with pytest.raises(ValueError, match="seq_len"):
-        TrainBatches(cfg, kind=kind, seq_len=T * 2, tokenizer=tok, rank=0, world_size=1, global_batch_size=8,
+        TrainBatches(cfg, kind=kind, tokenizer=tok, plan=plan(cfg, 1, 8, seq_len=T * 2), rank=0,
                      seed=7).load_state_dict({"streams": merged["streams"]})
 
 
@@ -448,17 +452,17 @@ def test_validation_holdout_and_sources(corpus, tok, tmp_path):
     seen = {d for toks in stream_tokens(steps(tb, drain_count(cfg, tok)), [0, 1, 2, 3], 2).values()
             for d in complete_docs(toks, tok)}
     assert seen and not seen & val_docs
-    # workers split the same set: sequences r::W, in micro-batches
-    one = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, rank=0, world_size=1,
-                             val_sequences=40, micro_batch_size=8, seed=7)
+    # workers split the same set as the plan says (sequences r::W), in micro-batches
+    one = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7)
     assert [b["input_ids"].shape[0] for b in one] == [8] * 5
-    two = [validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, rank=r, world_size=2,
-                              val_sequences=40, micro_batch_size=8, seed=7) for r in range(2)]
+    two_plan = plan(cfg, 2, 8, val=40)
+    assert two_plan.val_shares == (20, 20)
+    two = [validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7,
+                              part=two_plan.val_part(r)) for r in range(2)]
     all_one = torch.cat([b["labels"] for b in one])
     assert torch.equal(torch.cat([b["labels"] for b in two[0]]), all_one[0::2])
     assert torch.equal(torch.cat([b["labels"] for b in two[1]]), all_one[1::2])
-    again = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, rank=0, world_size=1,
-                               val_sequences=40, micro_batch_size=8, seed=7)
+    again = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(one, again))
     # short validation stream: what there is; none at all: a clear error; disabled: []
     assert 0 < len(validation_sequences(cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=10**6,
@@ -467,8 +471,8 @@ def test_validation_holdout_and_sources(corpus, tok, tmp_path):
     with pytest.raises(ValueError, match="validation"):
         validation_sequences(data_cfg(corpus, val_sources=[SourceConfig(path=str(tiny))]), kind="decoder",
                              seq_len=T, tokenizer=tok, val_sequences=4, seed=7)
-    assert validation_batches(data_cfg(corpus), kind="decoder", seq_len=T, tokenizer=tok, rank=0, world_size=1,
-                              val_sequences=4, micro_batch_size=2, seed=7) == []
+    assert validation_batches(data_cfg(corpus), kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4,
+                              micro_batch=2, seed=7) == []
     vs = write_txt(tmp_path / "val.txt", make_docs(60, "heldout", seed=11))
     cfg_vs = data_cfg(corpus, val_sources=[SourceConfig(path=str(vs))], val_holdout=0.5)
     val = validation_sequences(cfg_vs, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=8, seed=7)

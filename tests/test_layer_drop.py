@@ -133,62 +133,124 @@ def _batches():
     return [(torch.randint(0, 101, (GLOBAL, 1), generator=g) + torch.arange(16)) % 101 for _ in range(STEPS)]
 
 
-def _train(rank: int, world: int, variants: list[list[str]]) -> dict:
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+def _spy_gathers(model: torch.nn.Module, log: set[int]) -> None:
+    """Record in ``log`` the id of every ZeRO-3 parameter an all-gather fetches, at the two entry points of the
+    parameters' gathers (``param.all_gather_coalesced``: the coordinator's fetches and trace-based prefetches;
+    ``param.all_gather``: ``GatheredParameters``), counting only partitioned ones (not yet available)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+    def record(params) -> None:
+        log.update(id(q) for q in params if q.ds_status == ZeroParamStatus.NOT_AVAILABLE)
+
+    for p in model.parameters():
+        def coalesced(params, *args, _gather=p.all_gather_coalesced, **kw):
+            params = list(params)
+            record(params)
+            return _gather(params, *args, **kw)
+
+        def single(param_list=None, *args, _gather=p.all_gather, _p=p, **kw):
+            record([_p] if param_list is None else param_list)
+            return _gather(param_list, *args, **kw)
+
+        p.all_gather_coalesced, p.all_gather = coalesced, single
+
+
+def _train(rank: int, world: int, variants: list[list[str]]) -> dict:
+    from pretrain.model.layers import skips
     from pretrain.train.layer_drop import LayerDropCallback
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step, step_seed
 
     torch.set_num_threads(1)
-    fetched: list[int] = []
-    original = PartitionedParameterCoordinator.fetch_sub_module
-
-    def spy(self, current_submodule, forward):
-        fetched.append(id(current_submodule))
-        return original(self, current_submodule, forward)
-
-    PartitionedParameterCoordinator.fetch_sub_module = spy
     out = {}
     for extra in variants:
         cfg = _cfg(f"cluster.num_workers={world}", f"data.num_streams={2}", *extra)
         module = build_module(cfg)
-        ids_of = {id(m): i for i, b in enumerate(module.model.blocks) for m in b.modules()}
+        gathered: set[int] = set()
+        zero3 = module.zero_stage == 3
+        if zero3:
+            _spy_gathers(module.model, gathered)
+        blocks = module.model.blocks
+        branch = {(i, b): {id(p) for p in blocks[i].branch_parameters(b)}
+                  for i in range(len(blocks)) for b in ("attn", "ffn")}
         cb = LayerDropCallback(cfg, rank, module.plan.micro_batch_ids(rank))
         per = GLOBAL // world
-        losses, fetched_skipped = [], []
+        losses, skipped_gathered, run_not_gathered, skipped = [], [], [], 0
         for step, ids in enumerate(_batches()):
             shard = ids[rank * per:(rank + 1) * per]
             cb.on_step_start(None, step + 1)
-            fetched.clear()
+            gathered.clear()
             seeds = [step_seed(cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)]
             r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step),
                                            seeds), [cb])
             losses.append(r.loss)
-            fetched_skipped += sorted({ids_of[f] for f in fetched if ids_of.get(f) in cb.skipped_blocks()})
-        out[" ".join(extra)] = {"losses": losses, "fetched_skipped": fetched_skipped,
-                                "active": [len(e) for e in [cb.executed]]}
-    PartitionedParameterCoordinator.fetch_sub_module = original
+            if not zero3 or cb.gates is None:
+                continue
+            for i, gates in enumerate(cb.gates):
+                for b, gate in zip(("attn", "ffn"), gates):
+                    skipped += skips(gate)
+                    if skips(gate) and branch[i, b] & gathered:
+                        skipped_gathered.append((step, i, b))
+                    if not skips(gate) and not branch[i, b] <= gathered:
+                        run_not_gathered.append((step, i, b))
+        out[" ".join(extra)] = {"losses": losses, "skipped_gathered": skipped_gathered,
+                                "run_not_gathered": run_not_gathered, "skipped": skipped}
     return out
 
 
+Z3 = ["zero.stage=3", "zero.param_persistence_threshold=0"]  # every parameter partitioned, even at this size
 VARIANTS = [
-    ["zero.stage=1"], ["zero.stage=2"], ["zero.stage=3"],
+    ["zero.stage=1"], ["zero.stage=2"], Z3,
     ["zero.stage=1", "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
-    ["zero.stage=3", "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
+    [*Z3, "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
     ["zero.stage=2", "layer_drop.mode=sample", "model.dropout=0.1"],
     ["zero.stage=2", "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
      "layer_drop.granularity=sublayer"],
     ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu"],
 ]
 MOE_EP = ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu", "moe.ep_size=2"]
+Z3_GATHERS = [Z3, VARIANTS[4], [*Z3, "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
+                                "layer_drop.granularity=sublayer"]]
+
+
+def test_zero3_layer_mode_turns_prefetch_off():
+    """The fix the test below checks: DeepSpeed's trace-based prefetch would gather skipped blocks."""
+    from pretrain.config.plan import make_plan
+    from pretrain.train.engine import deepspeed_config
+
+    def zero(*extra):
+        cfg = _cfg("cluster.num_workers=2", *extra)
+        return deepspeed_config(cfg, make_plan(cfg, 2), "fp32")["zero_optimization"]
+
+    assert zero(*Z3)["stage3_prefetch_bucket_size"] == 0
+    assert zero(*Z3)["stage3_param_persistence_threshold"] == 0
+    assert "stage3_prefetch_bucket_size" not in zero(*Z3, "layer_drop.mode=sample")
+    assert "stage3_prefetch_bucket_size" not in zero(*Z3, "layer_drop.rate=0")
+    assert zero("zero.stage=3")["stage3_param_persistence_threshold"] == 100_000  # DeepSpeed's default
+
+
+def _assert_gathers_only_what_runs(result: dict, key: str) -> None:
+    assert result["skipped"] > 0, f"{key}: nothing was skipped"
+    assert result["skipped_gathered"] == [], f"{key}: ZeRO-3 gathered skipped (step, block, sub-layer)s"
+    assert result["run_not_gathered"] == [], f"{key}: the spy missed the gathers of sub-layers that ran"
+
+
+@pytest.mark.slow
+def test_zero3_gathers_only_the_sublayers_that_run():
+    """Layer mode under ZeRO-3 with every parameter partitioned, on 2 workers: at every step no parameter of a
+    skipped block or sub-layer is all-gathered (neither fetched nor prefetched along DeepSpeed's recorded trace),
+    and every parameter of a sub-layer that runs is (the spy sees real gathers)."""
+    two = run_distributed(_train, 2, Z3_GATHERS, timeout=600)
+    assert two[0] == two[1]
+    for extra in Z3_GATHERS:
+        _assert_gathers_only_what_runs(two[0][" ".join(extra)], " ".join(extra))
 
 
 @pytest.mark.slow
 def test_layer_drop_is_rank_consistent_and_matches_one_worker():
     """2 workers under ZeRO-1/2/3, sub-layer and sample modes, MoE with expert parallelism 2: no hang (the
     launcher's timeout fails the test), ranks agree, and the per-step losses equal 1 worker with the same drops;
-    under ZeRO-3 a skipped block's parameters are never fetched."""
+    ZeRO-3 (every parameter partitioned) equals ZeRO-1 and never gathers a skipped sub-layer."""
     two = run_distributed(_train, 2, VARIANTS + [MOE_EP], timeout=600)
     one = run_distributed(_train, 1, VARIANTS, timeout=600)[0]
     assert two[0] == two[1]
@@ -199,8 +261,9 @@ def test_layer_drop_is_rank_consistent_and_matches_one_worker():
         print(f"{key}: 2 workers vs 1, max |diff| {diff:.2e}; losses {[f'{x:.4f}' for x in got]}")
         assert diff < 1e-5, key
         assert got[-1] < got[0], "it trains"
-        assert two[0][key]["fetched_skipped"] == [], "ZeRO-3 gathered a skipped block's parameters"
-    z1, z3 = two[0]["zero.stage=1"]["losses"], two[0]["zero.stage=3"]["losses"]
+        if "zero.stage=3" in extra:
+            _assert_gathers_only_what_runs(two[0][key], key)
+    z1, z3 = two[0]["zero.stage=1"]["losses"], two[0][" ".join(Z3)]["losses"]
     assert max(abs(a - b) for a, b in zip(z1, z3)) < 1e-5, "ZeRO-3 gives skipped blocks a zero gradient too"
     sub1, sub3 = (two[0][" ".join(v)]["losses"] for v in VARIANTS[3:5])  # the two sub-layer variants
     assert max(abs(a - b) for a, b in zip(sub1, sub3)) < 1e-5, "... and skipped sub-layers"
@@ -228,6 +291,111 @@ def test_rho_folded_into_weights_equals_scaled_model(placement, extra):
     torch.testing.assert_close(folded(ids).logits, want, rtol=1e-5, atol=1e-5)
     model.branch_scales = None
     assert not torch.allclose(model(ids).logits, want, atol=1e-3), "the scales matter"
+
+
+@pytest.mark.parametrize("placement, extra", [("pre", []), ("post", ["model.bias=true", "model.norm=layernorm"]),
+                                              ("sandwich", []),
+                                              ("pre", ["moe.num_experts=4", "model.activation=swiglu"])])
+def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
+    """``prune`` of a ``rho`` model with ``by_depth: linear``: the pruned model is the parent evaluated with the other
+    blocks skipped and each kept block scaled by its rho *in the parent* (8 blocks, rate 0.5, every_other: 0.9375,
+    0.8125, 0.6875, 0.5625), not by rho recomputed for the child's depth (0.875, 0.75, 0.625, 0.5)."""
+    from cluster.derive import prune_blocks
+
+    cfg = _cfg("model.num_layers=8", f"model.norm_placement={placement}", "layer_drop.scaling=rho",
+               "layer_drop.by_depth=linear", *extra)
+    parent = build_model(cfg.model, 0, cfg.moe)
+    with torch.no_grad():  # norm weights and biases away from 1 and 0, so folding them matters too
+        g = torch.Generator().manual_seed(5)
+        for p in parent.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    parent.eval()
+    keep = select_blocks("every_other", 8)
+    child_cfg, sd = prune_blocks(cfg, parent.state_dict(), keep)
+    assert child_cfg.model.num_layers == 4 and child_cfg.layer_drop.scaling == "inverted"
+    assert (child_cfg.layer_drop.rate, child_cfg.layer_drop.by_depth) == (0.5, "linear"), "a resumed child drops on"
+    assert inference_scales(child_cfg.layer_drop, 4) is None, "nothing left to apply at inference"
+    child = build_model(child_cfg.model, 1, child_cfg.moe)
+    child.load_state_dict(sd)
+    child.eval()
+
+    rho = inference_scales(cfg.layer_drop, 8)
+    assert [rho[i] for i in keep] == [(0.9375, 0.9375), (0.8125, 0.8125), (0.6875, 0.6875), (0.5625, 0.5625)]
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    masked = [rho[i] if i in keep else (0.0, 0.0) for i in range(8)]
+    want = parent(ids, gates=masked).logits
+    with torch.no_grad():
+        got = child(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    stale = [(0.875, 0.875), (0.75, 0.75), (0.625, 0.625), (0.5, 0.5)]  # rho of the child's depth
+    assert stale == inference_scales(cfg.layer_drop, 4)
+    wrong = parent(ids, gates=[stale[keep.index(i)] if i in keep else (0.0, 0.0) for i in range(8)]).logits
+    print(f"pruned vs parent with blocks skipped: max |diff| {(got - want).abs().max():.1e}; "
+          f"with the child depth's rho instead: {(wrong - want).abs().max():.1e}")
+    assert not torch.allclose(wrong, want, atol=1e-3), "the scales matter"
+
+
+def test_prune_of_an_inverted_model_keeps_weights_and_config():
+    from cluster.derive import prune_blocks
+
+    cfg = _cfg("layer_drop.by_depth=linear")
+    sd = build_model(cfg.model, 0).state_dict()
+    child_cfg, out = prune_blocks(cfg, sd, [1, 4])
+    assert child_cfg.layer_drop == cfg.layer_drop and child_cfg.model.num_layers == 2
+    assert set(out) == {k.replace("blocks.1.", "blocks.0.").replace("blocks.4.", "blocks.1.") for k in sd
+                        if not k.startswith("blocks.") or k.startswith(("blocks.1.", "blocks.4."))}
+    assert all(torch.equal(out[k], sd[k.replace("blocks.1.", "blocks.4.").replace("blocks.0.", "blocks.1.")])
+               for k in out if k.startswith("blocks."))
+
+
+# -- observability: health metrics of executed blocks only, the progress line --------------------------------
+
+
+class _Trainer:
+    """What ``HealthCallback.on_step_end`` reads of the trainer."""
+
+    def __init__(self, callbacks: list, step: int) -> None:
+        from types import SimpleNamespace
+
+        self.callbacks, self.state, self.logged = callbacks, SimpleNamespace(step=step), []
+        self.tracker = SimpleNamespace(log_metrics=lambda metrics, step: self.logged.append((metrics, step)))
+
+    def find(self, kind: type):
+        return next((c for c in self.callbacks if isinstance(c, kind)), None)
+
+
+def test_health_metrics_are_logged_for_executed_blocks_only():
+    from pretrain.train.callbacks import HealthCallback
+    from pretrain.train.layer_drop import LayerDropCallback
+
+    cfg = _cfg()
+    layer_drop = LayerDropCallback(cfg, 0, [0])
+    step = next(s for s in range(1, 50) if (layer_drop.on_step_start(None, s) or True) and layer_drop.skipped_blocks())
+    skipped = layer_drop.skipped_blocks()
+    assert skipped and len(skipped) < 6
+    health = HealthCallback(every=1)
+    health.health = {f"{name}/block{i:02d}": 1.0 for i in range(6) for name in ("grad_norm", "act_rms")}
+    health.health["grad_norm/embed"] = 2.0
+    trainer = _Trainer([layer_drop, health], step)
+    health.on_step_end(trainer, None)
+    (metrics, at), = trainer.logged
+    assert at == step and metrics["grad_norm/embed"] == 2.0
+    assert {k for k in metrics if "/block" in k} == {f"{name}/block{i:02d}" for i in range(6) if i not in skipped
+                                                    for name in ("grad_norm", "act_rms")}
+    alone = _Trainer([health], step)  # no layer dropout: every block's metrics
+    health.on_step_end(alone, None)
+    assert sum("/block" in k for k in alone.logged[0][0]) == 12
+
+
+def test_progress_line_shows_active_layers(capsys):
+    from pretrain.train.progress import Progress
+
+    progress = Progress(max_steps=10, start_step=0, tokens_per_step=100, enabled=True)
+    metrics = {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tokens_per_s": 1000.0}
+    progress.line(3, {**metrics, "train/active_layers": 4.5})
+    progress.line(4, metrics)
+    with_layers, without = capsys.readouterr().out.splitlines()
+    assert "| layers 4.50 |" in with_layers and "layers" not in without
 
 
 # -- end to end: trainer, resume, metrics, eval, prune, export ---------------------------------------------

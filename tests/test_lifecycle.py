@@ -117,13 +117,25 @@ def _rebuild_without_optimizer_state(rank: int, world: int) -> tuple[float, floa
     run_step(module, StepInput(1, shard, 1e-2))
     before = evaluate(module, [shard])["val/loss"]
     module.rebuild(weights=module.full_state_dict())
-    return before, evaluate(module, [shard])["val/loss"]
+    after = evaluate(module, [shard])["val/loss"]
+    # bf16: DeepSpeed casts the module before copying the fp32 masters; given weights keep every bit in them.
+    g = torch.Generator().manual_seed(0)  # the same on every rank
+    given = {k: v + 1e-4 * torch.randn(v.shape, generator=g) for k, v in module.full_state_dict().items()}
+    given["lm_head.weight"] = given["embed_tokens.weight"]  # tied
+    masters = {}
+    for stage in (0, 1, 2, 3):
+        bf16 = build_module(_small("model.dropout=0.0", f"zero.stage={stage}", "train.precision=bf16"), weights=given)
+        got = bf16.full_state_dict()
+        masters[stage] = max((got[k] - given[k]).abs().max().item() for k in given)
+        bf16.engine.destroy()
+    return before, after, masters
 
 
 @pytest.mark.slow
-def test_rebuild_with_given_weights_zero2():
-    before, after = run_distributed(_rebuild_without_optimizer_state, 2, timeout=600)[0]
+def test_rebuild_with_given_weights_zero2_and_bf16_masters_keep_them_exactly():
+    before, after, masters = run_distributed(_rebuild_without_optimizer_state, 2, timeout=600)[0]
     assert before == after
+    assert masters == {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}, masters
 
 
 # -- the default demo on 1, 2, 3 and 4 workers -------------------------------------------------------------
@@ -227,3 +239,83 @@ def test_full_optimizer_moments_roundtrip_zero_0_to_3():
               f"{max(abs(a - b) for a, b in zip(plain, fresh)):.2e}")
         assert diff < 1e-6, (stage, plain, restored)
         assert max(abs(a - b) for a, b in zip(plain, fresh)) > 1e-4
+
+
+# -- the trainer: one real run, events recorded -------------------------------------------------------------
+
+RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+       "model.max_seq_len=32", "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=2000",
+       "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6", "train.warmup_steps=1",
+       "train.log_every=1", "train.val_every=2", "train.val_sequences=8", "checkpoint.every_steps=2",
+       "cluster.use_ray=false", "stability.plot_at_end=false"]
+
+
+def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callbacks(workdir):
+    """The real trainer of a 1-worker run with a recording callback added: the documented event order (step hooks
+    inside the step, validation and checkpoint inside the step's end, run end last), EarlyStop ending the run at
+    its first good validation, ProfilerCallback writing a trace of its steps, RunSummary writing the summary."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from cluster.prepare import prepare_new
+    from pretrain.train.loop import build_trainer
+    from pretrain.train.trainer import Callback
+
+    class Recorder(Callback):
+        order = 1000
+
+        def __init__(self):
+            self.events: list[str] = []
+
+        def on_run_start(self, trainer):
+            self.events.append("run_start")
+
+        def on_step_start(self, trainer, step):
+            self.events.append(f"step_start {step}")
+
+        def before_forward(self, module, index):
+            self.events.append(f"forward {index}")
+
+        def after_backward(self, module):
+            self.events.append("after_backward")
+
+        def before_update(self, module):
+            self.events.append("before_update")
+
+        def after_update(self, module):
+            self.events.append("after_update")
+
+        def on_step_end(self, trainer, result):
+            self.events.append(f"step_end {trainer.state.step}")
+
+        def on_validation(self, trainer, metrics):
+            self.events.append(f"validation {trainer.state.step}")
+
+        def on_checkpoint(self, trainer, path):
+            self.events.append(f"checkpoint {path.name}")
+
+        def on_run_end(self, trainer, final):
+            self.events.append("run_end")
+
+    job = prepare_new(load_config(DEMO, RUN + ["train.stop_at_val_loss=100", "train.profile_at=1",
+                                               "train.profile_steps=2"]))
+    recorder = Recorder()
+    trainer = build_trainer(asdict(job), [recorder])
+    names = [type(c).__name__ for c in trainer.callbacks]
+    assert names[:2] == ["SpeedMonitor", "ProfilerCallback"] and names[-2:] == ["RunSummary", "Recorder"]
+    final = trainer.fit()
+    step = ["forward 0", "forward 1", "after_backward", "before_update", "after_update"]  # grad accum 2
+    assert recorder.events == [
+        "run_start",
+        "step_start 1", *step, "step_end 1",
+        "step_start 2", *step, "validation 2", "checkpoint step_00000002", "step_end 2",
+        "run_end"], "EarlyStop (val loss <= 100) ends the run after the first validation"
+    assert final["step"] == 2 and final["run_id"] == job.run_id and trainer.stop_reason == "train.stop_at_val_loss"
+    run_dir = Path(job.run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 2
+    trace = json.loads((run_dir / "profile" / "rank0_steps1-2.json").read_text())
+    assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
+    assert "aten::" in (run_dir / "profile" / "rank0_steps1-2.txt").read_text()
+    artifacts = {a.path for a in MlflowClient().list_artifacts(job.run_id, "profile")}
+    assert artifacts == {"profile/rank0_steps1-2.json", "profile/rank0_steps1-2.txt"}

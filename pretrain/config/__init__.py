@@ -17,7 +17,7 @@ from pretrain.config.loading import (
     split_args,
     to_dict,
 )
-from pretrain.config.plan import RunPlan, make_plan
+from pretrain.config.plan import RunPlan, layout, make_plan
 from pretrain.config.tree import (
     CheckpointConfig,
     ClusterConfig,
@@ -40,5 +40,5 @@ from pretrain.config.tree import (
 __all__ = [
     "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "GrowthConfig", "GrowthStep", "LayerDropConfig", "ModelConfig", "MoEConfig",
     "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
-    "RunPlan", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
+    "RunPlan", "layout", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
 ]

@@ -145,23 +145,28 @@ class LayerDropConfig:
 
 @dataclass(kw_only=True)
 class GrowthStep:
-    """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone."""
+    """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone.
+
+    ``depth``, ``width``, ``heads`` and ``ffn`` are targets: ``2x`` (a factor), ``+N`` (N more) or ``N`` (a total).
+    A number may be written as a YAML int (``depth: 8`` is a total of 8 blocks; stored as the text ``'8'``), and an
+    unquoted ``+4`` is an increment like ``'+4'`` (the config loader keeps ``+N`` as text)."""
 
     at_step: int = 0
     """In ``growth.schedule``: grow after this many optimizer steps (the next step trains the grown model)."""
-    depth: str = ""
-    """Target number of blocks: ``2x`` (a factor), ``+N`` (more blocks; quote it in YAML) or ``N`` (a total)."""
+    depth: str | int = ""
+    """Target number of blocks: ``2x`` (a factor), ``+N`` (N more blocks) or ``N`` (a total)."""
     depth_op: Literal["stack", "interleave", "identity"] = "stack"
     """``stack``: the trained stack repeated (§4.2.2); ``interleave``: each block duplicated in place; ``identity``:
     new blocks whose residual branches start at zero (function-preserving, pre-norm and sandwich blocks)."""
-    width: str = ""
+    width: str | int = ""
     """Target hidden size (``2x``, ``+N``, ``N``); the heads (head size fixed) and the FFN grow by the same factor
     unless ``heads`` / ``ffn`` say otherwise."""
     width_op: Literal["tile", "net2net"] = "tile"
-    """``tile``: eq. 111, integer factors, function-preserving; ``net2net``: any size, duplicated units."""
-    heads: str = ""
+    """``tile``: eq. 111, integer factors, function-preserving; ``net2net``: any size, duplicated units (exact for
+    the FFN size only)."""
+    heads: str | int = ""
     """Target number of attention heads (head size fixed, so the hidden size follows)."""
-    ffn: str = ""
+    ffn: str | int = ""
     """Target FFN size."""
     experts: int = 0
     """Dense -> MoE upcycling: every FFN becomes this many copies of itself with a zero router (0: no)."""
@@ -169,6 +174,14 @@ class GrowthStep:
     """Experts per token after upcycling."""
     noise: float = 1e-3
     """Symmetry breaking: N(0, (noise * std(W))^2) on every grown or copied weight matrix; 0 disables."""
+
+    TARGETS = ("depth", "width", "heads", "ffn")
+
+    def __post_init__(self) -> None:
+        for name in self.TARGETS:  # an int N (e.g. YAML ``depth: 8``) is the total N, kept as text like ``'8'``
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, str(value))
 
 
 @dataclass(kw_only=True)
@@ -184,5 +197,6 @@ class GrowthConfig:
     rewarm_steps: int = 0
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
     check_tolerance: float = 1e-4
-    """A function-preserving growth without noise must change the loss on the held-back batch by at most this
-    (relative), or the run stops with an error."""
+    """A function-preserving growth without noise must change the loss on the held-back batch (computed in fp32) by
+    at most this (relative), or the run stops with an error. A schedule needs held-back data:
+    ``train.val_sequences`` > 0 and ``data.val_holdout`` > 0 or ``data.val_sources``."""

@@ -24,6 +24,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-decoder
 _HINTS: dict[type, dict[str, Any]] = {}
 _INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_PLUS_INT = re.compile(r"^\+[0-9]+$")  # kept as text by the loader (a growth increment); int keys convert it back
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -74,6 +75,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
         return value
     if tp is int:
+        if isinstance(value, str) and _PLUS_INT.match(value.strip()):  # `+4`, which the loader keeps as text
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
         if abs(value) > _INT_MAX:
@@ -156,14 +159,20 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"{text}: overrides look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=_Loader) if raw != "" else ""  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # ValueError: e.g. a date 2001-13-45
         value = raw
     return key.strip(), value
 
 
 class _Loader(yaml.SafeLoader):
-    """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently)."""
+    """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently). A plain scalar ``+N``
+    stays the text ``'+N'`` (YAML 1.1 would read the int N, so ``depth: +4`` in a growth schedule would silently
+    mean a total of 4 blocks, not 4 more); int keys convert it back to N."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.yaml_implicit_resolvers["+"] = [("tag:yaml.org,2002:str", _PLUS_INT), *_Loader.yaml_implicit_resolvers["+"]]
 
 
 def _check_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:

@@ -38,12 +38,27 @@ class RunPlan:
     """Sequences each worker takes per step (sum = ``global_batch``)."""
     grad_accum: int
     """Forward/backward passes per worker per step (the largest share / ``micro_batch``)."""
+    val_sequences: int
+    """Sequences of the global validation set (``train.val_sequences``; 0 = no validation)."""
     val_shares: tuple[int, ...]
-    """Validation sequences per worker (sequences ``rank::world_size`` of the global set)."""
+    """Validation sequences per worker (the sequences :meth:`val_part` selects)."""
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    @property
+    def per_stream(self) -> int:
+        """Sequences each virtual data stream contributes to one step."""
+        return self.global_batch // self.num_streams
+
+    def owned_streams(self, rank: int) -> list[int]:
+        """The virtual data streams worker ``rank`` reads, in the order its share concatenates them."""
+        return list(range(rank, self.num_streams, self.world_size))
+
+    def val_part(self, rank: int) -> slice:
+        """Which sequences of the global validation set worker ``rank`` evaluates."""
+        return slice(rank, self.val_sequences, self.world_size)
 
     @property
     def even(self) -> bool:
@@ -71,11 +86,10 @@ class RunPlan:
         micro-batch divides G/S each micro-batch lies in one stream, and its id is (stream, offset)
         flattened — the same id whichever worker holds it. Otherwise ids follow rank order."""
         n = self.micro_batches(rank)
-        per_stream_seqs = self.global_batch // self.num_streams
-        if per_stream_seqs % self.micro_batch:
+        if self.per_stream % self.micro_batch:
             first = sum(self.shares[:rank]) // self.micro_batch
             return [first + j for j in range(n)]
-        per_stream = per_stream_seqs // self.micro_batch
+        per_stream = self.per_stream // self.micro_batch
         return [(rank + (j // per_stream) * self.world_size) * per_stream + j % per_stream for j in range(n)]
 
     def describe(self) -> str:
@@ -106,25 +120,34 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
     """The plan of ``cfg`` on ``world_size`` workers; a layout that cannot work is refused with a
     :class:`ConfigError` naming what to set."""
-    t, d = cfg.train, cfg.data
+    t = cfg.train
+    plan = layout(world_size=world_size, global_batch=t.global_batch_size, micro_cap=t.micro_batch_size,
+                  num_streams=cfg.data.num_streams, seq_len=cfg.model.max_seq_len, val_sequences=t.val_sequences)
+    cfg.moe.check_world_size(world_size)
+    return plan
+
+
+def layout(*, world_size: int, global_batch: int, micro_cap: int, num_streams: int, seq_len: int,
+           val_sequences: int = 0) -> RunPlan:
+    """The batch layout behind :func:`make_plan` (also what data-only tools, e.g. the data throughput probe,
+    plan with); errors name the config keys."""
     if world_size < 1:
         raise ConfigError(f"cluster.num_workers: must be >= 1, got {world_size}")
-    if world_size > d.num_streams:
+    if world_size > num_streams:
         raise ConfigError(
-            f"cluster.num_workers: {world_size} workers but only data.num_streams={d.num_streams} data streams "
+            f"cluster.num_workers: {world_size} workers but only data.num_streams={num_streams} data streams "
             f"to share; set data.num_streams to a multiple of {world_size} (and train.global_batch_size to a "
-            f"multiple of it) or use at most {d.num_streams} workers")
-    if t.global_batch_size % d.num_streams:  # also checked by RunConfig.validate; the plan relies on it
-        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} must be divisible by "
-                          f"data.num_streams {d.num_streams}")
-    per_stream = t.global_batch_size // d.num_streams
-    shares = tuple(per_stream * len(range(r, d.num_streams, world_size)) for r in range(world_size))
-    micro = _largest_divisor_at_most(math.gcd(*shares), t.micro_batch_size)
-    if 0 < t.val_sequences < world_size:  # every worker runs validation forwards (collectives under ZeRO-3)
-        raise ConfigError(f"train.val_sequences: {t.val_sequences} is fewer than the {world_size} workers; set it to "
+            f"multiple of it) or use at most {num_streams} workers")
+    if global_batch <= 0 or global_batch % num_streams:
+        raise ConfigError(f"train.global_batch_size: {global_batch} must be a positive multiple of "
+                          f"data.num_streams {num_streams}; set one of them so it is")
+    per_stream = global_batch // num_streams
+    shares = tuple(per_stream * len(range(r, num_streams, world_size)) for r in range(world_size))
+    micro = _largest_divisor_at_most(math.gcd(*shares), micro_cap)
+    if 0 < val_sequences < world_size:  # every worker runs validation forwards (collectives under ZeRO-3)
+        raise ConfigError(f"train.val_sequences: {val_sequences} is fewer than the {world_size} workers; set it to "
                           f"at least {world_size} (or 0 to skip validation)")
-    val = tuple(len(range(r, t.val_sequences, world_size)) for r in range(world_size))
-    cfg.moe.check_world_size(world_size)
-    return RunPlan(world_size=world_size, global_batch=t.global_batch_size, seq_len=cfg.model.max_seq_len,
-                   num_streams=d.num_streams, micro_batch=micro, shares=shares,
-                   grad_accum=max(shares) // micro, val_shares=val)
+    val = tuple(len(range(r, val_sequences, world_size)) for r in range(world_size))
+    return RunPlan(world_size=world_size, global_batch=global_batch, seq_len=seq_len, num_streams=num_streams,
+                   micro_batch=micro, shares=shares, grad_accum=max(shares) // micro, val_sequences=val_sequences,
+                   val_shares=val)

@@ -189,6 +189,11 @@ class TrainConfig:
     little at demo sizes (``./launch.sh bench`` measures both; see README). Layer dropout does not recompile."""
     stop_at_val_loss: float = 0.0
     """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
+    profile_at: int = 0
+    """Profile training steps from this one (1-based) with the torch profiler: a Chrome trace and an operator table
+    per rank in ``RUN_DIR/profile/`` (rank 0's also in MLflow); 0 never."""
+    profile_steps: int = 3
+    """How many steps ``profile_at`` profiles."""
 
 
 @dataclass(kw_only=True)
@@ -201,6 +206,9 @@ class ZeroConfig:
     """Elements per gradient reduction bucket."""
     overlap_comm: bool = False
     """Overlap gradient reduction with backward (GPU)."""
+    param_persistence_threshold: int = 100_000
+    """ZeRO-3: parameters with at most this many elements are not partitioned (kept whole on every rank);
+    DeepSpeed's default. 0 partitions every parameter (tests use it to exercise the gathers at demo sizes)."""
 
 
 @dataclass(kw_only=True)
@@ -335,6 +343,7 @@ class RunConfig:
             "model.num_heads": m.num_heads, "model.max_seq_len": m.max_seq_len,
             "train.max_steps": t.max_steps, "train.global_batch_size": t.global_batch_size,
             "train.micro_batch_size": t.micro_batch_size, "train.log_every": t.log_every,
+            "train.profile_steps": t.profile_steps,
             "cluster.num_workers": c.num_workers, "cluster.cpus_per_worker": c.cpus_per_worker,
             "data.num_streams": d.num_streams, "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
@@ -350,7 +359,7 @@ class RunConfig:
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "cluster.max_failures": c.max_failures, "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
-            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "growth.check_tolerance": self.growth.check_tolerance,
+            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at, "growth.check_tolerance": self.growth.check_tolerance,
         }
         for key, value in nonneg.items():
             if value < 0:
@@ -391,9 +400,6 @@ class RunConfig:
             raise ConfigError(f"model.rope_theta: must be > 0, got {m.rope_theta}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-        if t.global_batch_size % d.num_streams:
-            raise ConfigError(
-                f"train.global_batch_size: {t.global_batch_size} must be divisible by data.num_streams {d.num_streams}")
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
@@ -422,6 +428,11 @@ class RunConfig:
         if g.rewarm_steps < 0:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
         steps = [e.at_step for e in g.schedule]
+        if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
+            why = ("train.val_sequences is 0" if self.train.val_sequences == 0 else
+                   "data.val_holdout is 0 and data.val_sources is empty")
+            raise ConfigError(f"growth.schedule: every growth checks the loss on a held-back validation batch, but "
+                              f"{why}; set train.val_sequences > 0 and data.val_holdout > 0 (or data.val_sources)")
         for i, e in enumerate(g.schedule):
             where = f"growth.schedule[{i}]"
             if not 0 < e.at_step < self.train.max_steps:
@@ -430,11 +441,13 @@ class RunConfig:
                 raise ConfigError(f"{where}: grows nothing (set depth, width, heads, ffn or experts)")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
-            for name in ("depth", "width", "heads", "ffn"):
-                spec = getattr(e, name)
+            for name in e.TARGETS:
+                spec = str(getattr(e, name))
                 if spec and not _COUNT.fullmatch(spec):
                     raise ConfigError(f"{where}.{name}: {spec!r}: expected a factor like 2x, an increment like +4, "
-                                      f"or a total")
+                                      f"or a total like 8")
+                if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
+                    raise ConfigError(f"{where}.{name}: {spec!r} grows nothing (leave the key out instead)")
         if steps != sorted(set(steps)):
             raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
 

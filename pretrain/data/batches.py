@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pretrain.config import DataConfig
+from pretrain.config import DataConfig, RunPlan, layout
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
 from pretrain.data.sources import BadRecords, summarize_bad_records, training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
@@ -63,23 +63,15 @@ class _Stream:
 class TrainBatches:
     """This worker's share of every optimizer step (see the module docstring)."""
 
-    def __init__(self, cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, rank: int, world_size: int,
-                 global_batch_size: int, seed: int):
+    def __init__(self, cfg: DataConfig, *, kind: str, tokenizer, plan: RunPlan, rank: int, seed: int):
         _check_kind(kind)
-        S = cfg.num_streams
-        if world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range for world size {world_size}")
-        if world_size > S:
-            raise ValueError(f"data.num_streams {S} leaves some of the {world_size} workers without a stream")
-        if global_batch_size <= 0 or global_batch_size % S:
-            raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
-                             f"data.num_streams {S}")
-        self.cfg, self.kind, self.seq_len, self.tokenizer = cfg, kind, seq_len, tokenizer
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.global_batch_size = global_batch_size
-        self.per_stream = global_batch_size // S
-        self.tokens_per_step = global_batch_size * seq_len
-        self.owned = [s for s in range(S) if s % world_size == rank]
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} out of range for the plan's {plan.world_size} workers")
+        if plan.num_streams != cfg.num_streams:
+            raise ValueError(f"the plan has {plan.num_streams} streams, data.num_streams is {cfg.num_streams}")
+        self.cfg, self.kind, self.seq_len, self.tokenizer = cfg, kind, plan.seq_len, tokenizer
+        self.plan, self.rank, self.seed = plan, rank, seed
+        self.owned = plan.owned_streams(rank)
         self._sources = training_sources(cfg)
         self._encode = make_encoder(tokenizer)
         self._separator = separator_id(tokenizer)
@@ -98,7 +90,7 @@ class TrainBatches:
 
     def next_step(self) -> dict[str, torch.Tensor]:
         """This worker's ``G/W`` sequences of the next step; StopIteration when the data ends (repeat off)."""
-        T, n = self.seq_len, self.per_stream
+        T, n = self.seq_len, self.plan.per_stream
         ended = False
         for s in self.owned:  # fill first: a step is either served whole or not at all
             try:
@@ -201,16 +193,16 @@ def validation_sequences(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer,
     return out
 
 
-def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, rank: int, world_size: int,
-                       val_sequences: int, micro_batch_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """This worker's share (sequences ``rank::world_size``) of the validation set, in micro-batches."""
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, micro_batch: int,
+                       seed: int, part: slice = slice(None)) -> list[dict[str, torch.Tensor]]:
+    """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches."""
+    if micro_batch <= 0:
+        raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
     seqs = validation_sequences(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
-                                val_sequences=val_sequences, seed=seed)[rank::world_size]
-    return [{"input_ids": torch.stack([x for x, _ in seqs[i:i + micro_batch_size]]),
-             "labels": torch.stack([y for _, y in seqs[i:i + micro_batch_size]])}
-            for i in range(0, len(seqs), micro_batch_size)]
+                                val_sequences=val_sequences, seed=seed)[part]
+    return [{"input_ids": torch.stack([x for x, _ in seqs[i:i + micro_batch]]),
+             "labels": torch.stack([y for _, y in seqs[i:i + micro_batch]])}
+            for i in range(0, len(seqs), micro_batch)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +213,7 @@ def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, r
 def data_throughput(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seconds: float = 3.0) -> float:
     """Tokens/s of raw text -> packed (and masked) batches: one process, one thread, all streams.
 
-    Measures ``TrainBatches(rank=0, world_size=1)`` (so every virtual stream's reading is included)
+    Measures ``TrainBatches`` on one worker (so every virtual stream's reading is included)
     with ``torch`` limited to one thread and tokenizer parallelism off, after one warm-up step.
     """
     threads = torch.get_num_threads()
@@ -230,8 +222,8 @@ def data_throughput(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seco
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         G = cfg.num_streams * max(1, 2048 // (cfg.num_streams * seq_len))
-        batches = TrainBatches(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, rank=0, world_size=1,
-                               global_batch_size=G, seed=0)
+        plan = layout(world_size=1, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len)
+        batches = TrainBatches(cfg, kind=kind, tokenizer=tokenizer, plan=plan, rank=0, seed=0)
         batches.next_step()
         tokens, start = 0, time.perf_counter()
         while True:
@@ -239,7 +231,7 @@ def data_throughput(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seco
                 batches.next_step()
             except StopIteration:
                 break
-            tokens += batches.tokens_per_step
+            tokens += plan.tokens_per_step
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break

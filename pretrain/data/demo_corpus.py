@@ -132,8 +132,3 @@ def build_demo_corpus(cache_dir: Path | str) -> Path:
             Path(tmp).unlink(missing_ok=True)
             raise
     return path
-
-
-def resolve_demo_path(cache_dir: str | Path) -> Path:
-    """``path: demo`` in a source config: the corpus file under ``cache_dir`` (relative to the cwd)."""
-    return build_demo_corpus(Path(cache_dir))

@@ -36,7 +36,7 @@ from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
 from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
 from pretrain.export.checkpoints import _strip_module_prefix, resolve_checkpoint
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
-from pretrain.model.transformer import Transformer, resolved_ffn_size
+from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
 
 PARITY_TOLERANCE = 1e-4
 METADATA_FILE = "pretrain_export.json"
@@ -181,15 +181,7 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
 def our_model(model_cfg: ModelConfig, sd: StateDict, moe: MoEConfig | None = None) -> Transformer:
     """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init); MoE layers hold every
     expert (``ep_size`` 1)."""
-    sd = _strip_module_prefix(sd)
-    if model_cfg.tie_embeddings and "lm_head.weight" not in sd:
-        sd = {**sd, "lm_head.weight": sd["embed_tokens.weight"]}
-    with torch.device("meta"):
-        model = Transformer(model_cfg, dataclasses.replace(moe, ep_size=1) if moe is not None else None)
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.tie_weights()
-    model.reset_buffers()
-    return model.eval()
+    return build_model(model_cfg, 0, moe, weights=_strip_module_prefix(sd)).eval()
 
 
 def parity_batch(model_cfg: ModelConfig, batch: int = 2, seq_len: int = 64, seed: int = 0) -> torch.Tensor:

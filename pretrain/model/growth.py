@@ -19,9 +19,13 @@ Width (hidden size, FFN size, heads with the head size fixed):
                     and divided by k (one matrix cannot be both). ``model.embedding_scale: 0`` (sqrt(D)) changes with
                     D: refused.
     ``net2net``     any factor: new units copy random existing ones (seeded), and the consumers of a duplicated
-                    unit divide its column by the number of copies. Exact for FFN width and heads (units feed one
-                    linear map each); for the hidden size the norms' statistics over the duplicated units change, so
-                    it is approximate (the growth check reports the difference).
+                    unit divide its column by the number of copies. Exact for the FFN size (each unit feeds one
+                    linear map). Heads keep their size, so more heads means a larger hidden size, and for the hidden
+                    size the norms' statistics over the duplicated units change: approximate (the growth check
+                    reports the difference). Heads are copied whole; with GQA (g = H/KV query heads per key/value
+                    head) whole groups are copied: a new group of g query heads copies an old group and reads a new
+                    key/value head copying that group's, so the pairing is kept (g unchanged); a head count that is
+                    not a multiple of g is refused.
 
 Dense -> MoE upcycling (``experts=E``): every expert is a copy of the block's dense FFN and the router starts at
 zero, so all experts get equal probability and, with normalized top-k, the output is the dense FFN's exactly.
@@ -137,6 +141,30 @@ class _Axis:
         index = (groups.view(-1, 1) * group + torch.arange(group)).flatten()
         return _Axis(index, torch.bincount(index, minlength=old).float())
 
+    @staticmethod
+    def net2net_heads(heads: int, kv_heads: int, new_heads: int, head_dim: int,
+                      g: torch.Generator) -> tuple[_Axis, _Axis]:
+        """Query and key/value head dims for ``heads`` -> ``new_heads`` query heads of ``head_dim``, query head j
+        reading key/value head j // (heads / kv_heads) (``repeat_interleave``): whole groups of query heads are
+        copied (random old groups, seeded) together with their key/value head, so every new query head reads a copy
+        of the key/value head its source read. Without GQA (kv_heads == heads) the groups are single heads."""
+        group = heads // kv_heads
+        if (new_heads - heads) % group:
+            raise ValueError(
+                f"width_op net2net with grouped-query attention (model.num_heads {heads}, model.num_kv_heads "
+                f"{kv_heads}) adds query heads in whole groups of {group} (each group reads one copied key/value "
+                f"head): heads {heads} -> {new_heads} is not a multiple of {group}; set heads (or width) to a "
+                f"multiple of {group} heads ({group * head_dim} hidden units), or use width_op tile")
+        extra = torch.randint(0, kv_heads, ((new_heads - heads) // group,), generator=g)
+        kv_src = torch.cat([torch.arange(kv_heads), extra])  # new kv head -> old kv head
+        q_src = (kv_src.view(-1, 1) * group + torch.arange(group)).flatten()  # new query head -> old query head
+
+        def dims(src: torch.Tensor, old: int) -> _Axis:
+            index = (src.view(-1, 1) * head_dim + torch.arange(head_dim)).flatten()
+            return _Axis(index, torch.bincount(index, minlength=old * head_dim).float())
+
+        return dims(q_src, heads), dims(kv_src, kv_heads)
+
     @property
     def identity(self) -> bool:
         return self.index.numel() == self.count.numel()
@@ -188,14 +216,11 @@ def grow_width(cfg: ModelConfig, moe: MoEConfig, state: StateDict, *, hidden: in
         ef = _Axis.tile(moe.ffn_size or f, new_f // f) if moe.enabled else None
         new_kv = kv * new_h // h
     elif op == "net2net":
-        if new_h != h and kv != h:
-            raise ValueError("width_op net2net grows heads only without grouped-query attention (num_kv_heads 0)")
         hid = _Axis.net2net(d, new_d, g)
-        qh = _Axis.net2net(h * hd, new_h * hd, g, group=hd)
-        kvh = qh
+        qh, kvh = _Axis.net2net_heads(h, kv, new_h, hd, g)  # k/v projections: kv heads of hd, own axis
         ff = _Axis.net2net(f, new_f, g)
         ef = _Axis.net2net(moe.ffn_size or f, (moe.ffn_size or f) * new_f // f, g) if moe.enabled else None
-        new_kv = cfg.num_kv_heads and new_h
+        new_kv = cfg.num_kv_heads and new_h // (h // kv)  # the group size h / kv is kept
     else:
         raise ValueError(f"width_op {op!r}: expected tile or net2net")
     out: StateDict = {}

@@ -279,17 +279,27 @@ class Transformer(nn.Module):
         return total / count
 
 
-def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None) -> Transformer:
-    """A freshly initialized model; same cfg and seed give bitwise identical weights (every expert gets
-    its own draws, so an expert-parallel worker's slice equals the same experts of this model).
+def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None,
+                weights: dict[str, torch.Tensor] | None = None) -> Transformer:
+    """The model of ``cfg``: freshly initialized (same cfg and seed give bitwise identical weights; every expert
+    gets its own draws, so an expert-parallel worker's slice equals the same experts of this model), or holding
+    ``weights`` (a full state dict, every expert; a tied ``lm_head.weight`` may be absent), whose tensors it
+    then uses as its parameters (no copy, no wasted init).
 
     The module tree is built on the meta device (so torch's default inits draw nothing from the
     global RNG and cost nothing), then materialized on the default device and initialized from a
-    local generator.
+    local generator, or assigned ``weights``.
     """
     device = torch.get_default_device()
     with torch.device("meta"):
         model = Transformer(cfg, moe)
+    if weights is not None:
+        if cfg.tie_embeddings and "lm_head.weight" not in weights and "embed_tokens.weight" in weights:
+            weights = {**weights, "lm_head.weight": weights["embed_tokens.weight"]}
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.tie_weights()
+        model.reset_buffers()
+        return model
     if device.type == "meta":  # shape-only model, e.g. for counting
         return model
     model.to_empty(device=device)

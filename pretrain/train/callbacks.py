@@ -15,7 +15,11 @@ order  callback              what it does
 45     EarlyStop             ``train.stop_at_val_loss``: ends the run at a good enough validation
 50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
 190    StabilityReport       stability summary, timeline and plot at the end of the run
+200    RunSummary            bad-record totals, unigram baseline, ``summary.json`` (MLflow and the run dir)
 =====  ====================  ===========================================================================
+
+Feature callbacks (e.g. growth, layer dropout, ``train.profile_at``: ProfilerCallback at order 1) are added by
+:func:`standard_callbacks` when their config section enables them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from pretrain.train.step import StepResult, evaluate
 from pretrain.train.trainer import Callback, Trainer
 
 SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
+SUMMARY_FILE = "summary.json"
 
 
 def _last(trainer: Trainer) -> bool:
@@ -429,6 +434,39 @@ class CheckpointCallback(Callback):
                      checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")
 
 
+class RunSummary(Callback):
+    """The end of the run: bad-record totals over all ranks (collective), then on rank 0 the unigram baseline of
+    the validation set and the summary (MLflow ``summary.json`` and ``RUN_DIR/summary.json``)."""
+
+    order = 200  # last: the summary holds what every other callback added to ``final``
+
+    def __init__(self, tokenizer, run_id: str):
+        self.tokenizer, self.run_id = tokenizer, run_id
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        from pretrain.data import unigram_baseline_loss
+
+        cfg, ctx, tracker, step = trainer.cfg, trainer.ctx, trainer.tracker, trainer.state.step
+        final["run_id"] = self.run_id
+        bad = trainer.batches.bad_record_summary()
+        bad["total"] = int(dist.all_reduce_sum([float(bad.get("total", 0))], ctx.device)[0])  # all streams
+        final["bad_records"] = int(bad.get("total", 0))
+        if not ctx.is_main:
+            return
+        if trainer.val_set:
+            final["unigram_val_loss"] = unigram_baseline_loss(
+                cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=self.tokenizer,
+                val_sequences=cfg.train.val_sequences, seed=cfg.train.seed)
+            tracker.log_metrics({"val/unigram_baseline_loss": final["unigram_val_loss"]}, step)
+        if bad.get("total"):
+            trainer.progress.say(f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
+                                 f"first: {'; '.join(bad.get('examples', [])[:3])}")
+        tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, step)
+        tracker.log_json(bad, "data/bad_records.json")
+        tracker.log_json(final, SUMMARY_FILE)
+        ckpt_io.write_json(Path(trainer.run_dir) / SUMMARY_FILE, final)
+
+
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
                        tracking_uri: str, plan: RunPlan, rank: int) -> list[Callback]:
     """The callbacks of a training run: the standard ones, plus those of the enabled features."""
@@ -436,6 +474,10 @@ def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkp
     from pretrain.train.layer_drop import LayerDropCallback
 
     features: list[Callback] = []
+    if trainer_cfg.train.profile_at:
+        from pretrain.train.profiling import ProfilerCallback
+
+        features.append(ProfilerCallback(trainer_cfg.train.profile_at, trainer_cfg.train.profile_steps))
     if trainer_cfg.growth.schedule:
         features.append(GrowthCallback(trainer_cfg))
     if trainer_cfg.layer_drop.enabled:

@@ -215,13 +215,9 @@ def prune(run_dir: Path, keep_last: int, protect: set[str] = frozenset()) -> Non
 
 def load_rank_state(ckpt: Path, rank: int) -> tuple[dict, dict | None]:
     """(merged data state of all ranks, this rank's RNG state or None if the world size changed)."""
-    merged: dict = {"streams": {}}
-    for f in sorted((ckpt / "data").glob("rank_*.json")):
-        state = json.loads(f.read_text())
-        merged["streams"].update(state.get("streams", {}))
-        for k, v in state.items():
-            if k != "streams":
-                merged.setdefault("per_rank", {}).setdefault(k, []).append(v)
+    from pretrain.data import merge_states  # the data package is heavy to import; only resumes need it
+
+    merged = merge_states([json.loads(f.read_text()) for f in sorted((ckpt / "data").glob("rank_*.json"))])
     rng_file = ckpt / "rng" / f"rank_{rank}.pt"
     rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
     return merged, rng

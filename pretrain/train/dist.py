@@ -25,10 +25,15 @@ class DistContext:
         return self.rank == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """A free TCP port on 127.0.0.1 that is not in ``avoid``."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError("could not find a free local port")
 
 
 def _ray_context():

@@ -31,7 +31,13 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str,
     if z.stage >= 2:
         zero["allgather_bucket_size"] = z.reduce_bucket_size
     if z.stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+        zero.update(stage3_gather_16bit_weights_on_model_save=False,
+                    stage3_param_persistence_threshold=z.param_persistence_threshold)
+        if cfg.layer_drop.enabled and cfg.layer_drop.mode == "layer":
+            # DeepSpeed prefetches along the module order it recorded at an earlier step, so it would all-gather
+            # the parameters of blocks that layer dropout skips this step. No prefetch: only what runs is gathered
+            # (costs the gather/compute overlap on GPUs; none on CPU). See README "Layer dropout".
+            zero["stage3_prefetch_bucket_size"] = 0
     if z.offload_optimizer and z.stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {

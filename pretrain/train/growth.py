@@ -1,23 +1,92 @@
 """Model growth inside a running job: a callback that, at each ``growth.schedule`` entry, gathers the full weights,
-grows them (pure operators in ``pretrain/model/growth.py``), rebuilds the TrainModule on the grown model
-(DeepSpeed re-initialized, same process, same data stream), and checks the function on a held-back batch."""
+grows them (pure operators in ``pretrain/model/growth.py``), checks the function on a held-back batch in fp32, and
+rebuilds the TrainModule on the grown model (DeepSpeed re-initialized, same process, same data stream)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from pretrain.config import RunConfig
-from pretrain.model.growth import apply_growth, count_parameters
+from pretrain.model import build_model
+from pretrain.model.growth import StateDict, apply_growth, count_parameters
+from pretrain.model.layerdrop import inference_scales
+from pretrain.train import dist
 from pretrain.train.callbacks import StabilityCallback
 from pretrain.train.optimizer_state import MOMENTS, gather_moments, load_moments
-from pretrain.train.step import evaluate
 from pretrain.train.trainer import Callback, Trainer
 
 
 class GrowthCheckError(RuntimeError):
     """A function-preserving growth changed the model's loss: a bug, never trained on."""
+
+
+def check_growth_loss(before: float, after: float, *, exact: bool, tolerance: float, operator: str,
+                      at_step: int) -> float:
+    """The relative change of the held-back loss; raises :class:`GrowthCheckError` when ``exact`` (a
+    function-preserving operator applied without noise) and the change is above ``tolerance`` or not a number."""
+    rel = abs(after - before) / max(abs(before), 1e-12)
+    if exact and not rel <= tolerance:  # NaN fails too
+        raise GrowthCheckError(f"growth at step {at_step} ({operator}) should preserve the function but changed the "
+                               f"held-back loss (fp32) {before:.6f} -> {after:.6f} (relative {rel:.2e} > "
+                               f"growth.check_tolerance {tolerance:g})")
+    return rel
+
+
+@contextmanager
+def _fp32_math(device: torch.device):
+    """No autocast and no TF32 matmuls: an fp32 forward computed in fp32."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device.type, enabled=False), torch.no_grad():
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _local_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
+                device: torch.device) -> tuple[float, float]:
+    """(token-weighted loss sum, token count) of a plain fp32 model ``cfg.model`` holding ``state`` (a full state
+    dict) on ``batches``, in eval mode on ``device``; no collectives."""
+    with torch.device("meta"):
+        model = build_model(cfg.model, 0, cfg.moe)
+    model.to_empty(device=device)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    model.tie_weights()
+    model.reset_buffers()
+    model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
+    model.eval()
+    loss_sum = count = 0.0
+    with _fp32_math(device):
+        for mb in batches:
+            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
+            out = model(ids, labels=labels)
+            targets = labels[:, 1:] if cfg.model.kind == "decoder" else labels
+            n = float((targets != -100).sum())
+            loss_sum += float(out.loss) * n
+            count += n
+    return loss_sum, count
+
+
+def held_back_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
+                   device: torch.device) -> float:
+    """Token-weighted loss of ``state`` in fp32 (whatever ``train.precision`` is) over every rank's ``batches``
+    (a rank may have none). Collective (one all-reduce), so every rank gets the same value and decision; computed
+    on ``device``, or on the CPU where a full fp32 copy of the model does not fit there."""
+    try:
+        local = _local_loss(cfg, state, batches, device) if batches else (0.0, 0.0)
+    except torch.cuda.OutOfMemoryError:  # a full fp32 copy next to the engine: use host memory
+        torch.cuda.empty_cache()
+        local = _local_loss(cfg, state, batches, torch.device("cpu"))
+    loss_sum, count = dist.all_reduce_sum(list(local), device)
+    if count == 0:
+        raise GrowthCheckError("growth: no held-back validation tokens to check the growth on (train.val_sequences, "
+                               "data.val_holdout / data.val_sources)")
+    return loss_sum / count
 
 
 def grown_config(cfg: RunConfig, model, moe) -> RunConfig:
@@ -63,13 +132,23 @@ class GrowthCallback(Callback):
 
     def grow(self, trainer: Trainer, index: int, entry) -> None:
         module, cfg = trainer.module, trainer.module.cfg
-        probe = trainer.val_set[:1]
-        before = evaluate(module, probe)["val/loss"] if probe else float("nan")
-        full = module.full_state_dict()
+        probe = trainer.val_set[:1]  # this rank's first held-back micro-batch (the check reduces over ranks)
+        full = module.full_state_dict()  # fp32 (the masters under bf16)
+        before = held_back_loss(cfg, full, probe, module.device)
         seed = cfg.train.seed + entry.at_step
         grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed)
         moments = gather_moments(module) if self.keep_optimizer else None
         new_cfg = grown_config(cfg, grown.model, grown.moe)
+        after = held_back_loss(new_cfg, grown.state, probe, module.device)
+        rel = abs(after - before) / max(abs(before), 1e-12)
+        params = count_parameters(grown.state, grown.model.tie_embeddings)
+        trainer.progress.say(f"growth at step {entry.at_step}: {grown.operator}; held-back loss (fp32) {before:.5f} -> "
+                             f"{after:.5f} (rel. change {rel:.1e}); {params:,} parameters")
+        trainer.tracker.log_metrics({"growth/loss_before": before, "growth/loss_after": after,
+                                     "growth/parameters": float(params)}, entry.at_step)
+        trainer.tracker.set_tags({f"growth.{index}.operator": grown.operator, f"growth.{index}.at_step": entry.at_step})
+        check_growth_loss(before, after, exact=grown.exact and entry.noise == 0, tolerance=self.tolerance,
+                          operator=grown.operator, at_step=entry.at_step)
         module.rebuild(new_cfg, grown.state)
         if moments and moments["step"]:  # the same operator on the moments (no noise)
             exact = dataclasses.replace(entry, noise=0.0)
@@ -79,17 +158,5 @@ class GrowthCallback(Callback):
         stability = trainer.find(StabilityCallback)
         if stability is not None:  # no rollback across a growth; spike statistics of the new model only
             stability.monitor.restart()
-        after = evaluate(module, probe)["val/loss"] if probe else float("nan")
         self.applied.append(index)
         self.last_growth_step = entry.at_step
-        rel = abs(after - before) / max(abs(before), 1e-12)
-        params = count_parameters(grown.state, grown.model.tie_embeddings)
-        trainer.progress.say(f"growth at step {entry.at_step}: {grown.operator}; held-back loss {before:.5f} -> "
-                             f"{after:.5f} (rel. change {rel:.1e}); {params:,} parameters")
-        trainer.tracker.log_metrics({"growth/loss_before": before, "growth/loss_after": after,
-                                     "growth/parameters": float(params)}, entry.at_step)
-        trainer.tracker.set_tags({f"growth.{index}.operator": grown.operator, f"growth.{index}.at_step": entry.at_step})
-        if grown.exact and entry.noise == 0 and math.isfinite(before) and rel > self.tolerance:
-            raise GrowthCheckError(f"growth at step {entry.at_step} ({grown.operator}) should preserve the function but "
-                                   f"changed the held-back loss {before:.6f} -> {after:.6f} (relative {rel:.2e} > "
-                                   f"growth.check_tolerance {self.tolerance:g})")

@@ -78,8 +78,9 @@ class TrainModule:
             from deepspeed.utils import safe_get_full_fp32_param
 
             names = {id(p): n for n, p in model.named_parameters()}
+            unfused = _unfused_masters(self.engine)
             for p in params:
-                full = safe_get_full_fp32_param(p)
+                full = safe_get_full_fp32_param(p) if id(p) not in unfused else unfused[id(p)]
                 if full is not None:
                     state[names[id(p)]] = full.detach().cpu().clone()
             if self.cfg.model.tie_embeddings and "lm_head.weight" in state:
@@ -131,6 +132,16 @@ class TrainModule:
         self.cfg, self.plan, self.engine, self.precision = new.cfg, new.plan, new.engine, new.precision
 
 
+def _unfused_masters(engine) -> dict[int, torch.Tensor]:
+    """ZeRO-0 bf16 (DeepSpeed's FP16_UnfusedOptimizer): the fp32 master of each module parameter, by ``id``;
+    the ZeRO stages expose theirs through ``deepspeed.utils.safe_{get,set}_full_fp32_param``."""
+    opt = engine.optimizer
+    if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")) or hasattr(opt, "params_in_partition") \
+            or engine.zero_optimization_stage() != 0:
+        return {}
+    return {id(p16): p32 for g16, g32 in zip(opt.fp16_groups, opt.fp32_groups) for p16, p32 in zip(g16, g32)}
+
+
 def compile_wanted(setting: str, device: torch.device) -> bool:
     """``train.compile`` resolved for ``device``: ``auto`` compiles on CUDA only; ``yes`` where inductor cannot run
     is refused with the reason."""
@@ -154,15 +165,30 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     rank = tdist.get_rank() if rank is None and tdist.is_initialized() else (rank or 0)
     device = device or torch.device("cpu")
     precision = resolve_precision(cfg.train.precision, device)
-    model = build_model(cfg.model, cfg.train.seed, cfg.moe)
-    if weights is not None:
-        model.load_state_dict(weights, strict=True)
+    if weights is not None:  # copied (the engine updates its parameters in place), in fp32 like a seeded model
+        weights = {k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype, copy=True)
+                   for k, v in weights.items()}
+    model = build_model(cfg.model, cfg.train.seed, cfg.moe, weights=weights)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
     model.to(device)
     if compile_wanted(cfg.train.compile, device):
         compile_blocks(model)
+    # DeepSpeed casts the module to bf16 before it copies the fp32 master weights: given weights would lose their
+    # low bits, so their fp32 values are set into the masters afterwards.
+    masters = {id(p): p.detach().clone() for p in model.parameters()} if weights is not None and \
+        precision != "fp32" else None
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,
                         load_universal=load_universal)
+    if masters is not None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        unfused = _unfused_masters(engine)
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                if id(p) in unfused:
+                    unfused[id(p)].copy_(masters[id(p)])
+                else:
+                    safe_set_full_fp32_param(p, masters[id(p)])
     return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)

@@ -131,6 +131,11 @@ class Tracker:
         if self._client:
             self._client.log_text(self.run_id, json.dumps(obj, indent=1, sort_keys=True), artifact_file)
 
+    def log_file(self, path: Path, artifact_dir: str) -> None:
+        """Upload the file ``path`` as an artifact under ``artifact_dir``."""
+        if self._client:
+            self._client.log_artifact(self.run_id, str(path), artifact_dir)
+
     def register_checkpoint(self, path: Path, manifest: dict) -> None:
         """A committed checkpoint: its manifest (without the per-file list) as an artifact, plus tags."""
         if not self._client:
