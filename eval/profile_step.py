@@ -14,8 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from eval.bench_common import micro_batch_module, random_batches, train_step_fn
 from pretrain.config import load_config
 

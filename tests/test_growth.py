@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import MoEConfig, load_config
+from pretrain.config import load_config
 from pretrain.model import build_model
 from pretrain.model.growth import add_noise, grow_depth, grow_width, resolve_count, upcycle
 

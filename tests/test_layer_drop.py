@@ -11,7 +11,7 @@ import torch
 
 from pretrain.config import ConfigError, LayerDropConfig, load_config
 from pretrain.model import build_model
-from pretrain.model.layerdrop import (base_rate, executed_blocks, inference_scales, keep_decisions, layer_rates,
+from pretrain.model.layerdrop import (base_rate, inference_scales, keep_decisions, layer_rates,
                                       select_blocks, training_gates)
 from tests.distributed import run_distributed, train_jobs
 

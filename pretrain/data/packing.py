@@ -97,7 +97,6 @@ class Masker:
         self.is_special = torch.zeros(vocab, dtype=torch.bool)
         self.is_special[special] = True
         self.random_ids = torch.nonzero(~self.is_special).flatten()
-        self.special_ids = special
 
     def __call__(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -165,10 +165,6 @@ class _Axis:
 
         return dims(q_src, heads), dims(kv_src, kv_heads)
 
-    @property
-    def identity(self) -> bool:
-        return self.index.numel() == self.count.numel()
-
 
 def _grow_matrix(w: torch.Tensor, out_axis: _Axis | None, in_axis: _Axis | None) -> torch.Tensor:
     """Rows copied along ``out_axis``; columns copied along ``in_axis`` and divided by their copy counts (so a

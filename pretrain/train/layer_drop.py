@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pretrain.config import RunConfig
-from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, keep_decisions, training_gates
+from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, training_gates
 from pretrain.model.layers import skips
 from pretrain.train.trainer import Callback, Trainer
 
@@ -71,8 +71,3 @@ class LayerDropCallback(Callback):
         active = self.executed_sum / max(self.steps, 1)
         self.executed_sum, self.steps = 0.0, 0
         return {"train/active_layers": active, "layer_drop/rate": base_rate(self.ld, self.step)}
-
-
-def drop_pattern(cfg: RunConfig, steps: int) -> list[list[tuple[bool, bool]]]:
-    """``layer`` mode: which (attention, FFN) sub-layers run in each of the first ``steps`` steps (for reports)."""
-    return [keep_decisions(cfg.layer_drop, cfg.train.seed, s, cfg.model.num_layers) for s in range(steps)]
