@@ -152,16 +152,6 @@ def _options(argv: list[str], valid: set[str], usage: str) -> dict[str, str]:
     return opts
 
 
-def held_back_loss(cfg: RunConfig, state: StateDict, batch: dict[str, torch.Tensor]) -> float:
-    """Loss of the model ``cfg.model`` holding ``state`` on one batch (CPU, fp32, eval mode)."""
-    from pretrain.model import build_model
-
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    model = build_model(cfg.model, 0, cfg.moe, weights=state)
-    with torch.no_grad():
-        return float(model.eval()(batch["input_ids"], labels=batch["labels"]).loss)
-
-
 def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     from pretrain.data import validation_batches
 
@@ -185,7 +175,7 @@ def grow(argv: list[str]) -> int:
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
     from pretrain.model.growth import apply_growth, count_parameters
-    from pretrain.train.growth import grown_config
+    from pretrain.train.growth import check_growth_loss, grown_config, held_back_loss
 
     opts = _options(argv, GROW_KEYS, "grow")
     step_opt = opts.pop("step", None)
@@ -202,13 +192,11 @@ def grow(argv: list[str]) -> int:
         raise ConfigError(f"grow: {e}") from None
     new_cfg = grown_config(cfg, grown.model, grown.moe)
     new_cfg = dataclasses.replace(new_cfg, name=f"{cfg.name}-grown")
-    batch = _held_back_batch(parent)
-    before, after = held_back_loss(cfg, sd, batch), held_back_loss(new_cfg, grown.state, batch)
-    rel = abs(after - before) / max(abs(before), 1e-12)
-    print(f"[grow] {grown.operator}: held-back loss {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
-    if grown.exact and entry.noise == 0 and rel > cfg.growth.check_tolerance:
-        raise ckpt_io.CheckpointError(f"grow: {grown.operator} should preserve the function but changed the held-back "
-                                      f"loss {before:.6f} -> {after:.6f}")
+    batch, cpu = [_held_back_batch(parent)], torch.device("cpu")
+    before, after = held_back_loss(cfg, sd, batch, cpu), held_back_loss(new_cfg, grown.state, batch, cpu)
+    rel = check_growth_loss(before, after, exact=grown.exact and entry.noise == 0,
+                            tolerance=cfg.growth.check_tolerance, operator=grown.operator, at_step=parent.ckpt.step)
+    print(f"[grow] {grown.operator}: held-back loss (fp32) {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
     run_id, path = derive_run(parent, new_cfg, grown.state,
                               {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
                                "growth.operator": grown.operator}, "growth",

@@ -268,7 +268,7 @@ COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cm
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
 # checkpoint is wrong (exit 2), or the run ended by a rule the user set (exit 1); either is one line, no traceback.
-_EXIT_CODES = {"NonFiniteWeightsError": 1, "StabilityHaltError": 1, "ExportError": 1,
+_EXIT_CODES = {"NonFiniteWeightsError": 1, "StabilityHaltError": 1, "ExportError": 1, "GrowthCheckError": 1,
                "ConfigError": 2, "BadRecordError": 2, "CheckpointError": 2}
 
 

@@ -359,7 +359,9 @@ class RunConfig:
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "cluster.max_failures": c.max_failures, "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
-            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at, "growth.check_tolerance": self.growth.check_tolerance,
+            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at,
+            "growth.check_tolerance": self.growth.check_tolerance,
+            "zero.param_persistence_threshold": self.zero.param_persistence_threshold,
         }
         for key, value in nonneg.items():
             if value < 0:

@@ -52,12 +52,8 @@ def _local_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.
                 device: torch.device) -> tuple[float, float]:
     """(token-weighted loss sum, token count) of a plain fp32 model ``cfg.model`` holding ``state`` (a full state
     dict) on ``batches``, in eval mode on ``device``; no collectives."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, 0, cfg.moe)
-    model.to_empty(device=device)
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    model.tie_weights()
-    model.reset_buffers()
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    model = build_model(cfg.model, 0, cfg.moe, weights=fp32).to(device)
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     model.eval()
     loss_sum = count = 0.0
