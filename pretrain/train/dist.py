@@ -67,13 +67,17 @@ def setup(use_gpu: str) -> DistContext:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     else:
-        if "WORLD_SIZE" not in os.environ:  # plain single process
+        alone = "WORLD_SIZE" not in os.environ  # a plain single process
+        if alone:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        dist.init_process_group("nccl" if want_gpu else "gloo", rank=rank, world_size=world)
+        # Alone, the rendezvous is an in-memory store: no TCP port to listen on, so no race for a "free" port
+        # that another process took in the meantime (EADDRINUSE).
+        store = dist.HashStore() if alone else None
+        dist.init_process_group("nccl" if want_gpu else "gloo", rank=rank, world_size=world, store=store)
     if want_gpu:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
