@@ -1,7 +1,8 @@
 """The TrainModule: model, DeepSpeed engine (optimizer, ZeRO partitions, expert groups) and LR schedule of one
 run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> apply expert
-parallelism -> parameter groups -> ``deepspeed.initialize``" that training, evaluation, benchmarks and tests
-use.
+parallelism -> parameter groups -> ``deepspeed.initialize``" that training (and its validation), growth's
+rebuilds, the benchmarks and the tests use. Export and offline evaluation, which need no optimizer, load a
+checkpoint's full weights into :func:`pretrain.model.build_model` (``weights=``), the model construction used here.
 
 It can hand out the full model state dict (gathered from any ZeRO stage and expert layout, on every rank), and
 rebuild itself inside a running job on a new model config plus given weights (and, for an unchanged shape,
