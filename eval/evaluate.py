@@ -9,10 +9,12 @@ sequences and MLM masks as training's validation, see :func:`pretrain.data.valid
 config (``pretrain_export.json``), so a checkpoint and its export are scored on identical ids; for
 any other HF directory ``--data`` is required.
 
-Metrics (all sums in float64 over every predicted token):
+Metrics (the one scorer, ``pretrain/model/score.py``, which training's validation and growth's check use too:
+each batch's fp32 mean cross-entropy weighted by its predicted tokens, summed in float64):
 
 * decoders -- ``loss``: mean next-token cross-entropy in nats over the predicted tokens (positions
-  1..T-1 of every packed sequence, separators included); ``ppl = exp(loss)``; ``bits_per_byte``:
+  1..T-1 of every packed sequence, separators included); ``ppl = exp(loss)`` (the loss capped at 50 nats);
+  ``bits_per_byte``:
   ``sum of those nats / (ln 2 * B)`` where ``B`` is the number of UTF-8 bytes of the text those
   predicted tokens spell (a token's bytes; special tokens such as the document separator spell 0
   bytes). It does not depend on the tokenizer's vocabulary: it prices the text, not the tokens. Exact
@@ -33,7 +35,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,11 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
-
-LN2 = math.log(2.0)
+from pretrain.model.score import score_batches
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,35 +103,14 @@ def token_byte_lengths(tokenizer, size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def score(logits_fn: Callable[[torch.Tensor], torch.Tensor], batches: list[dict[str, torch.Tensor]], kind: str,
           byte_lengths: torch.Tensor | None = None) -> dict[str, float]:
-    """Metrics of the module docstring over ``batches`` ({"input_ids", "labels"}, labels -100 = ignore)."""
-    nll = 0.0
-    count = correct = nbytes = 0
-    for mb in batches:
-        logits = logits_fn(mb["input_ids"]).float()
-        labels = mb["labels"]
-        if kind == "decoder":
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        keep = labels != -100
-        target = labels[keep]
-        picked = logits[keep]
-        nll += float(F.cross_entropy(picked, target, reduction="none").double().sum())
-        count += int(target.numel())
-        if kind == "encoder":
-            correct += int((picked.argmax(-1) == target).sum())
-        elif byte_lengths is not None:
-            nbytes += int(byte_lengths[target].sum())
-    if count == 0:
-        raise ValueError("evaluation data has no predicted tokens")
-    loss = nll / count
-    out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count}
-    if kind == "encoder":
-        out["mlm_acc"] = correct / count
-    else:
-        out["bits_per_byte"] = nll / (LN2 * nbytes) if nbytes else float("nan")
-        out["bytes"] = nbytes
+    """Metrics of the module docstring over ``batches`` ({"input_ids", "labels"}, labels -100 = ignore): the one
+    scorer (``pretrain/model/score.py``, as training's validation and growth's check), plus the counts."""
+    sums = score_batches(lambda ids, labels: logits_fn(ids), batches, kind, byte_lengths)
+    out: dict[str, Any] = {**sums.metrics(kind, with_bytes=True), "tokens": int(sums.tokens)}
+    if kind == "decoder":
+        out["bytes"] = int(sums.bytes)
     return out
 
 

@@ -215,7 +215,7 @@ Z3_GATHERS = [Z3, VARIANTS[4], [*Z3, "model.kind=encoder", "model.norm_placement
 
 def test_zero3_layer_mode_turns_prefetch_off():
     """The fix the test below checks: DeepSpeed's trace-based prefetch would gather skipped blocks."""
-    from pretrain.config.plan import make_plan
+    from pretrain.config import make_plan
     from pretrain.train.engine import deepspeed_config
 
     def zero(*extra):
@@ -352,37 +352,39 @@ def test_prune_of_an_inverted_model_keeps_weights_and_config():
 
 
 class _Trainer:
-    """What ``HealthCallback.on_step_end`` reads of the trainer."""
+    """What ``LayerDropCallback.on_step_start`` and ``HealthCallback.on_step_end`` use of the trainer."""
 
-    def __init__(self, callbacks: list, step: int) -> None:
+    def __init__(self, cfg, step: int = 0) -> None:
         from types import SimpleNamespace
 
-        self.callbacks, self.state, self.logged = callbacks, SimpleNamespace(step=step), []
-        self.tracker = SimpleNamespace(log_metrics=lambda metrics, step: self.logged.append((metrics, step)))
+        from pretrain.train.trainer import Shared
 
-    def find(self, kind: type):
-        return next((c for c in self.callbacks if isinstance(c, kind)), None)
+        self.shared, self.state, self.logged = Shared(), SimpleNamespace(step=step), []
+        self.module = SimpleNamespace(cfg=cfg)
+        self.tracker = SimpleNamespace(log_metrics=lambda metrics, step: self.logged.append((metrics, step)))
 
 
 def test_health_metrics_are_logged_for_executed_blocks_only():
+    """Layer dropout publishes the skipped blocks on the trainer's blackboard; health reads them there."""
     from pretrain.train.callbacks import HealthCallback
     from pretrain.train.layer_drop import LayerDropCallback
 
     cfg = _cfg()
     layer_drop = LayerDropCallback(cfg, 0, [0])
-    step = next(s for s in range(1, 50) if (layer_drop.on_step_start(None, s) or True) and layer_drop.skipped_blocks())
+    trainer = _Trainer(cfg)
+    step = next(s for s in range(1, 50) if (layer_drop.on_step_start(trainer, s) or True) and layer_drop.skipped_blocks())
     skipped = layer_drop.skipped_blocks()
-    assert skipped and len(skipped) < 6
+    assert skipped and len(skipped) < 6 and trainer.shared.skipped_blocks == skipped
     health = HealthCallback(every=1)
     health.health = {f"{name}/block{i:02d}": 1.0 for i in range(6) for name in ("grad_norm", "act_rms")}
     health.health["grad_norm/embed"] = 2.0
-    trainer = _Trainer([layer_drop, health], step)
+    trainer.state.step = step
     health.on_step_end(trainer, None)
     (metrics, at), = trainer.logged
     assert at == step and metrics["grad_norm/embed"] == 2.0
     assert {k for k in metrics if "/block" in k} == {f"{name}/block{i:02d}" for i in range(6) if i not in skipped
                                                     for name in ("grad_norm", "act_rms")}
-    alone = _Trainer([health], step)  # no layer dropout: every block's metrics
+    alone = _Trainer(cfg, step)  # no layer dropout: every block's metrics
     health.on_step_end(alone, None)
     assert sum("/block" in k for k in alone.logged[0][0]) == 12
 

@@ -516,7 +516,7 @@ def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_r
     assert spike["step"] == 24 and math.isfinite(spike["final_train_loss"]) and math.isfinite(spike["val_loss"])
     run_dir = Path(fault_runs["jobs"]["spike"].run_dir)
     state = json.loads((run_dir / "step_00000024" / "trainer_state.json").read_text())
-    assert state["sequences"] == (24 + 6) * 8 and state["faults_fired"] == ["loss_spike"]
+    assert state["sequences"] == (24 + 6) * 8 and state["callbacks"]["faults_fired"] == {"fired": ["loss_spike"]}
     assert [Path(p).parent.name for p in rb["abandoned"]] == ["abandoned"]  # the old step_12
     from mlflow import MlflowClient
 

@@ -17,7 +17,7 @@ from pretrain.config.loading import (
     split_args,
     to_dict,
 )
-from pretrain.config.plan import RunPlan, layout, make_plan
+from pretrain.config.plan import RunPlan, layout
 from pretrain.config.tree import (
     CheckpointConfig,
     ClusterConfig,
@@ -35,6 +35,7 @@ from pretrain.config.tree import (
     TrackingConfig,
     TrainConfig,
     ZeroConfig,
+    make_plan,
 )
 
 __all__ = [

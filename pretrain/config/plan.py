@@ -11,7 +11,9 @@ backwards (ZeRO and expert-parallel collectives stay matched). Gradients are sca
 update is the mean over the real micro-batches, whatever the layout.
 
 Nothing else re-derives these numbers: the step, the data, the DeepSpeed config, the progress
-output and MLflow all read them from the plan.
+output and MLflow all read them from the plan. This module knows no config class (it sits below ``tree.py``):
+``make_plan(cfg, world_size)``, which reads the config and is the last step of ``RunConfig.validate()``, is
+defined in ``tree.py`` and exported by ``pretrain.config``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pretrain.config.tree import ConfigError, RunConfig
+from pretrain.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -117,20 +119,10 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return best
 
 
-def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
-    """The plan of ``cfg`` on ``world_size`` workers; a layout that cannot work is refused with a
-    :class:`ConfigError` naming what to set."""
-    t = cfg.train
-    plan = layout(world_size=world_size, global_batch=t.global_batch_size, micro_cap=t.micro_batch_size,
-                  num_streams=cfg.data.num_streams, seq_len=cfg.model.max_seq_len, val_sequences=t.val_sequences)
-    cfg.moe.check_world_size(world_size)
-    return plan
-
-
 def layout(*, world_size: int, global_batch: int, micro_cap: int, num_streams: int, seq_len: int,
            val_sequences: int = 0) -> RunPlan:
-    """The batch layout behind :func:`make_plan` (also what data-only tools, e.g. the data throughput probe,
-    plan with); errors name the config keys."""
+    """The batch layout behind ``make_plan(cfg, world_size)`` (in ``tree.py``, beside the config it reads; also
+    what data-only tools, e.g. the data throughput probe, plan with); errors name the config keys."""
     if world_size < 1:
         raise ConfigError(f"cluster.num_workers: must be >= 1, got {world_size}")
     if world_size > num_streams:

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pretrain.config.capabilities import GrowthConfig, GrowthStep, LayerDropConfig, MoEConfig
 from pretrain.config.errors import ConfigError
+from pretrain.config.plan import RunPlan, layout
 
 
 BYTE_LEVEL_VOCAB = 260
@@ -408,9 +409,7 @@ class RunConfig:
         self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
         self.layer_drop.validate()
         self._validate_growth()
-        from pretrain.config.plan import make_plan  # the worker-count rules live with the derived numbers
-
-        make_plan(self, c.num_workers)
+        make_plan(self, c.num_workers)  # the worker-count rules live with the derived numbers
         return self
 
     def _validate_vocab(self) -> None:
@@ -479,3 +478,13 @@ class RunConfig:
         if m.embedding_scale < 0:
             raise ConfigError(f"model.embedding_scale: must be >= 0 (0 means sqrt(hidden_size)), "
                               f"got {m.embedding_scale}")
+
+
+def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
+    """The plan of ``cfg`` on ``world_size`` workers (see ``plan.py``); a layout that cannot work is refused with a
+    :class:`ConfigError` naming what to set."""
+    t = cfg.train
+    plan = layout(world_size=world_size, global_batch=t.global_batch_size, micro_cap=t.micro_batch_size,
+                  num_streams=cfg.data.num_streams, seq_len=cfg.model.max_seq_len, val_sequences=t.val_sequences)
+    cfg.moe.check_world_size(world_size)
+    return plan

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache, skips
 from pretrain.model.moe import MoEFeedForward, moe_layers
+from pretrain.model.score import mean_cross_entropy
 
 
 class ModelOutput(NamedTuple):
@@ -268,15 +269,9 @@ class Transformer(nn.Module):
         return (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1.0)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """fp32 mean CE over labels != -100 (decoders predict token t+1 from position t)."""
-        if self.causal:
-            logits, labels = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
-        flat = labels.reshape(-1)
-        total = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=-100,
-                                reduction="sum")
-        # A micro-batch without any target gives 0 (not NaN) so it cannot poison accumulation.
-        count = (flat != -100).sum().clamp(min=1)
-        return total / count
+        """fp32 mean CE over labels != -100 (decoders predict token t+1 from position t); a micro-batch without
+        any target gives 0 (not NaN) so it cannot poison accumulation. The scorer's definition (``score.py``)."""
+        return mean_cross_entropy(logits, labels, self.causal)
 
 
 def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None,

@@ -39,7 +39,10 @@ from pretrain.config import RunConfig, RunPlan, config_hash, dump_yaml
 from pretrain.model.moe import max_shares, routing_metrics
 from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
+from pretrain.train.growth import GrowthCallback
 from pretrain.train.health import HealthProbe, nonfinite_params
+from pretrain.train.layer_drop import LayerDropCallback
+from pretrain.train.profiling import ProfilerCallback
 from pretrain.train.resume import engine_state_dir
 from pretrain.train.stability import Decision, StabilityControl
 from pretrain.train.step import StepResult, evaluate
@@ -74,9 +77,11 @@ class SpeedMonitor(Callback):
 
 
 class StabilityCallback(Callback):
-    """The stability guard of every update and the actions of its decisions (see ``stability.py``)."""
+    """The stability guard of every update and the actions of its decisions (see ``stability.py``). Publishes the
+    step of the latest event (``trainer.shared.last_event_step``) and keeps its rollback target from pruning."""
 
     order = 10
+    name = "stability"
 
     def __init__(self, control: StabilityControl) -> None:
         self.control = control
@@ -85,6 +90,7 @@ class StabilityCallback(Callback):
     def on_run_start(self, trainer: Trainer) -> None:
         if trainer.last_checkpoint is not None:  # resumed: that checkpoint is a rollback candidate
             self.monitor.note_checkpoint(trainer.state.step, str(trainer.last_checkpoint), trainer.state.sequences)
+        trainer.shared.last_event_step = self.monitor.s.last_event_step
 
     def lr_factor(self, step: int) -> float:
         return self.monitor.lr_factor(step)
@@ -97,6 +103,7 @@ class StabilityCallback(Callback):
         self.control.record(step, result.loss, result.grad_norm)
         for event in self.monitor.router_collapse(step, max_shares(result.moe)) if result.moe else ():
             self.control.report(event, urgent=False)
+        trainer.shared.last_event_step = self.monitor.s.last_event_step
         if result.decision is not None and result.decision.event is not None:  # the plot shows the spike
             trainer.tracker.log_metrics({"train/loss": result.loss, "train/grad_norm": result.grad_norm}, step)
         if self.act(trainer, result.decision):
@@ -104,6 +111,9 @@ class StabilityCallback(Callback):
             return
         if step % trainer.cfg.train.log_every == 0 or _last(trainer):
             self.control.flush()
+
+    def on_model_changed(self, trainer: Trainer) -> None:
+        self.monitor.restart()  # no rollback across a growth; spike statistics of the new model only
 
     def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
         self.monitor.note_checkpoint(trainer.state.step, str(path), trainer.state.sequences)
@@ -129,8 +139,14 @@ class StabilityCallback(Callback):
     def extra_metrics(self) -> dict[str, float]:
         return self.monitor.counters()
 
-    def state_dict(self) -> None:  # kept in TrainerState.stability (see CheckpointCallback)
-        return None
+    def protected_paths(self) -> set[str]:
+        return self.monitor.protected_paths()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state)
 
 
 class StabilityReport(Callback):
@@ -183,35 +199,36 @@ class HealthCallback(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if not self.health:
             return
-        stability = trainer.find(StabilityCallback)
-        since = stability.monitor.steps_since_event(trainer.state.step) if stability else trainer.state.step
+        since = max(0, trainer.state.step - trainer.shared.last_event_step)
         health = self.health
-        skipped = [f"block{i:02d}" for i in _skipped_blocks(trainer)]
+        skipped = [f"block{i:02d}" for i in sorted(trainer.shared.skipped_blocks)]
         if skipped:  # per-layer metrics count executed layers only
             health = {k: v for k, v in health.items() if not k.endswith(tuple(skipped))}
         trainer.tracker.log_metrics({**health, "health/steps_since_event": float(since)}, trainer.state.step)
 
 
-def _skipped_blocks(trainer: Trainer) -> set[int]:
-    from pretrain.train.layer_drop import LayerDropCallback
-
-    layer_drop = trainer.find(LayerDropCallback)
-    return layer_drop.skipped_blocks() if layer_drop is not None else set()
-
-
 class FaultInjection(Callback):
-    """Test-only ``faults.*`` hooks; each fires once per run (remembered in the trainer state)."""
+    """Test-only ``faults.*`` hooks; each fires once per run (the fired ones are saved in every checkpoint, so
+    neither a rollback nor a resume replays them)."""
 
     order = 20
+    name = "faults_fired"  # the top-level key of trainer_state.json before callbacks owned their state
 
     def __init__(self, cfg: RunConfig) -> None:
         self.faults = cfg.faults
         self.spike = self.poison = False
+        self.fired: list[str] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": list(self.fired)}
+
+    def load_state_dict(self, state: dict[str, Any] | list[str]) -> None:
+        self.fired = list(state["fired"] if isinstance(state, dict) else state)  # a list: an older checkpoint
 
     def _fire(self, trainer: Trainer, name: str, at_step: int, step: int) -> bool:
-        if at_step != step or name in trainer.state.faults_fired:
+        if at_step != step or name in self.fired:
             return False
-        trainer.state.faults_fired.append(name)
+        self.fired.append(name)
         trainer.progress.say(f"[fault] {name} injected at step {step}")
         return True
 
@@ -260,8 +277,8 @@ class _NaNGrad(torch.autograd.Function):
 
 
 class MetricsLogger(Callback):
-    """Every ``train.log_every`` steps (and the last): the progress line and ``train/*`` metrics (plus other
-    callbacks' ``extra_metrics``) to MLflow, and the MoE routing metrics."""
+    """Every ``train.log_every`` steps (and the last): the progress line and ``train/*`` metrics (plus every
+    callback's ``extra_metrics``) to MLflow, and the MoE routing metrics."""
 
     order = 30
 
@@ -280,8 +297,8 @@ class MetricsLogger(Callback):
                    "train/tokens_per_s": trainer.progress.window_tokens_per_s(),
                    "train/tokens_seen": float(trainer.state.tokens_seen),
                    "train/loss_avg": sum(self.window) / len(self.window) if self.window else float("nan")}
-        for cb in trainer.callbacks:
-            metrics.update(getattr(cb, "extra_metrics", dict)())
+        for extra in trainer.gather("extra_metrics"):
+            metrics.update(extra)
         self.window.clear()
         trainer.progress.line(step, metrics)
         trainer.tracker.log_metrics(metrics, step)
@@ -351,7 +368,7 @@ class Checkpointer:
         self.count = 0
 
     def save(self, module, batches, state, protect: set[str] = frozenset()) -> Path | None:
-        """``protect``: checkpoint paths pruning must keep (the stability rollback target)."""
+        """``protect``: checkpoint paths pruning must keep (every callback's ``protected_paths``)."""
         t0 = time.perf_counter()
         try:
             return self._save(module, batches, state, protect)
@@ -406,11 +423,8 @@ class CheckpointCallback(Callback):
         self.checkpointer = checkpointer
 
     def save(self, trainer: Trainer) -> None:
-        stability = trainer.find(StabilityCallback)
-        if stability is not None:
-            trainer.state.stability = stability.monitor.state_dict()
         trainer.collect_state()
-        protect = stability.monitor.protected_paths() if stability is not None else set()
+        protect = set().union(*trainer.gather("protected_paths"))
         try:
             saved = self.checkpointer.save(trainer.module, trainer.batches, trainer.state, protect)
         except NonFiniteWeightsError:
@@ -470,13 +484,8 @@ class RunSummary(Callback):
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
                        tracking_uri: str, plan: RunPlan, rank: int) -> list[Callback]:
     """The callbacks of a training run: the standard ones, plus those of the enabled features."""
-    from pretrain.train.growth import GrowthCallback
-    from pretrain.train.layer_drop import LayerDropCallback
-
     features: list[Callback] = []
     if trainer_cfg.train.profile_at:
-        from pretrain.train.profiling import ProfilerCallback
-
         features.append(ProfilerCallback(trainer_cfg.train.profile_at, trainer_cfg.train.profile_steps))
     if trainer_cfg.growth.schedule:
         features.append(GrowthCallback(trainer_cfg))

@@ -14,8 +14,8 @@ from pretrain.config import RunConfig
 from pretrain.model import build_model
 from pretrain.model.growth import StateDict, apply_growth, count_parameters
 from pretrain.model.layerdrop import inference_scales
+from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
-from pretrain.train.callbacks import StabilityCallback
 from pretrain.train.optimizer_state import MOMENTS, gather_moments, load_moments
 from pretrain.train.trainer import Callback, Trainer
 
@@ -48,41 +48,35 @@ def _fp32_math(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _local_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
-                device: torch.device) -> tuple[float, float]:
-    """(token-weighted loss sum, token count) of a plain fp32 model ``cfg.model`` holding ``state`` (a full state
-    dict) on ``batches``, in eval mode on ``device``; no collectives."""
+def _local_sums(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
+                device: torch.device) -> ScoreSums:
+    """The scorer's sums of a plain fp32 model ``cfg.model`` holding ``state`` (a full state dict) on ``batches``,
+    in eval mode on ``device``; no collectives."""
     fp32 = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     model = build_model(cfg.model, 0, cfg.moe, weights=fp32).to(device)
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     model.eval()
-    loss_sum = count = 0.0
     with _fp32_math(device):
-        for mb in batches:
-            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
-            out = model(ids, labels=labels)
-            targets = labels[:, 1:] if cfg.model.kind == "decoder" else labels
-            n = float((targets != -100).sum())
-            loss_sum += float(out.loss) * n
-            count += n
-    return loss_sum, count
+        return score_batches(lambda ids, labels: model(ids, labels=labels).logits, batches, cfg.model.kind,
+                             device=device)
 
 
 def held_back_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
                    device: torch.device) -> float:
-    """Token-weighted loss of ``state`` in fp32 (whatever ``train.precision`` is) over every rank's ``batches``
-    (a rank may have none). Collective (one all-reduce), so every rank gets the same value and decision; computed
-    on ``device``, or on the CPU where a full fp32 copy of the model does not fit there."""
+    """Token-weighted loss (the one scorer, ``pretrain/model/score.py``) of ``state`` in fp32 (whatever
+    ``train.precision`` is) over every rank's ``batches`` (a rank may have none). Collective (one all-reduce), so
+    every rank gets the same value and decision; computed on ``device``, or on the CPU where a full fp32 copy of
+    the model does not fit there."""
     try:
-        local = _local_loss(cfg, state, batches, device) if batches else (0.0, 0.0)
+        local = _local_sums(cfg, state, batches, device) if batches else ScoreSums()
     except torch.cuda.OutOfMemoryError:  # a full fp32 copy next to the engine: use host memory
         torch.cuda.empty_cache()
-        local = _local_loss(cfg, state, batches, torch.device("cpu"))
-    loss_sum, count = dist.all_reduce_sum(list(local), device)
-    if count == 0:
+        local = _local_sums(cfg, state, batches, torch.device("cpu"))
+    sums = ScoreSums.from_list(dist.all_reduce_sum(local.as_list(), device))
+    if sums.tokens == 0:
         raise GrowthCheckError("growth: no held-back validation tokens to check the growth on (train.val_sequences, "
                                "data.val_holdout / data.val_sources)")
-    return loss_sum / count
+    return sums.metrics(cfg.model.kind)["loss"]
 
 
 def grown_config(cfg: RunConfig, model, moe) -> RunConfig:
@@ -151,8 +145,6 @@ class GrowthCallback(Callback):
             load_moments(module, {"step": moments["step"], **{
                 k: apply_growth(cfg.model, cfg.moe, moments[k], exact, seed=seed).state for k in MOMENTS}})
         trainer.cfg = new_cfg
-        stability = trainer.find(StabilityCallback)
-        if stability is not None:  # no rollback across a growth; spike statistics of the new model only
-            stability.monitor.restart()
+        trainer.emit("on_model_changed")
         self.applied.append(index)
         self.last_growth_step = entry.at_step

@@ -38,6 +38,8 @@ class LayerDropCallback(Callback):
             self.gates, self.executed = None, list(range(self.layers))
         self.executed_sum += len(self.executed)
         self.steps += 1
+        if trainer is not None:
+            trainer.shared.skipped_blocks = frozenset(self.skipped_blocks())
 
     def forward_kwargs(self, module, index: int) -> dict[str, Any]:
         if self.ld.mode == "layer":

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -94,5 +93,4 @@ def restore(module, batches: TrainBatches, ckpt: ckpt_io.CommittedCheckpoint, so
     raw = json.loads((ckpt.path / "trainer_state.json").read_text())
     if "sequences" not in raw:  # written before stability control: no rollback ever moved the data
         raw["sequences"] = int(ckpt.manifest.get("data_position", {}).get("global_sequences", 0))
-    known = {f.name for f in fields(TrainerState)}
-    return TrainerState(**{k: v for k, v in raw.items() if k in known})
+    return TrainerState.from_dict(raw)

@@ -360,15 +360,15 @@ def event_line(event: dict[str, Any]) -> str:
 
 class StabilityControl:
     """The trainer's side (a thin impure shell, driven by ``StabilityCallback``): events to progress and MLflow,
-    halts and rollbacks. The decisions come from :class:`StabilityMonitor`, identical on all ranks. ``state`` is
-    the trainer's ``TrainerState`` (step, sequences, stability)."""
+    halts and rollbacks. The decisions come from :class:`StabilityMonitor`, identical on all ranks; its state is
+    ``StabilityCallback``'s (saved and restored under the callback's name). ``state`` is the trainer's
+    ``TrainerState`` (step, sequences)."""
 
     def __init__(self, cfg: RunConfig, state: Any, ctx: dist.DistContext, run_dir: Path, tracker: Tracker,
                  progress: Progress):
         self.cfg, self.state, self.ctx, self.run_dir = cfg, state, ctx, run_dir
         self.tracker, self.progress = tracker, progress
         self.monitor = StabilityMonitor(cfg.stability, cfg.moe)
-        self.monitor.load_state_dict(state.stability)
         self.history: list[tuple[int, float, float]] = []  # (step, loss, grad norm): the plot without MLflow
         self._dirty = False
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pretrain.model.moe import moe_layers
+from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.health import grad_signals
 from pretrain.train.stability import StepSignals
@@ -206,29 +207,17 @@ def update_suppressed(engine, suppress: bool):
 
 @torch.no_grad()
 def evaluate(module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Token-weighted validation loss (and MLM accuracy for encoders) over all ranks' shares. Every rank runs
-    as many forwards as the rank with the most batches (ZeRO-3 and expert-parallel forwards are collective):
-    the others pad with batches without targets. Collective."""
+    """``val/loss``, ``val/ppl`` (and ``val/mlm_acc`` for encoders) of the one scorer (``pretrain/model/score.py``)
+    over all ranks' shares. Every rank runs as many forwards as the rank with the most batches (ZeRO-3 and
+    expert-parallel forwards are collective): the others pad with batches without targets. Collective."""
     engine, device, kind = module.engine, module.device, module.cfg.model.kind
     forwards = int(-dist.all_reduce_min([-float(len(batches))], device)[0])
     if batches:
         batches = batches + [_padding(batches[0])] * (forwards - len(batches))
     engine.eval()
-    loss_sum = count = correct = 0.0
-    for mb in batches:
-        mb = {k: v.to(device) for k, v in mb.items()}
-        out = engine(mb["input_ids"], labels=mb["labels"])
-        labels = mb["labels"][:, 1:] if kind == "decoder" else mb["labels"]
-        n = float((labels != -100).sum())
-        loss_sum += out.loss.float().item() * n
-        count += n
-        if kind == "encoder":
-            pred = out.logits.argmax(-1)
-            correct += float(((pred == labels) & (labels != -100)).sum())
-    engine.train()
-    loss_sum, count, correct = dist.all_reduce_sum([loss_sum, count, correct], device)
-    loss = loss_sum / max(count, 1.0)
-    metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
-    if kind == "encoder":
-        metrics["val/mlm_acc"] = correct / max(count, 1.0)
-    return metrics
+    try:
+        sums = score_batches(lambda ids, labels: engine(ids, labels=labels).logits, batches, kind, device=device)
+    finally:
+        engine.train()
+    sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))
+    return {f"val/{k}": v for k, v in sums.metrics(kind, allow_empty=True).items()}

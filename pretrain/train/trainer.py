@@ -9,19 +9,22 @@ Events, in the order a run emits them (every callback sees each event, callbacks
                    before_forward / after_forward / objective per micro-batch, decide, before/after_update
                on_step_end(trainer, result)       counters already advanced; a callback may end the step's
                                                   events early (``trainer.end_step()``, e.g. after a rollback)
+    on_model_changed(trainer)                     the module was rebuilt on another architecture (growth)
     on_validation(trainer, metrics)               whenever validation ran (ValidationCallback)
     on_checkpoint(trainer, path)                  whenever a checkpoint was committed (CheckpointCallback)
     on_nonfinite_weights(trainer, step)           a save found NaN/Inf weights (nothing was written)
     on_run_end(trainer, final)                    ``final``: the summary dict, callbacks add to it
 
 A new behaviour at step N (a growth schedule, a layer-drop schedule) is a new callback plus a config section;
-the loop does not change (see docs/architecture.md).
+the loop does not change (see docs/architecture.md). Callbacks never look each other up: what one offers the others
+goes through the trainer — the :class:`Shared` blackboard, the events above (``on_model_changed``), and the
+aggregated answers of :meth:`Trainer.gather` (``extra_metrics``, ``protected_paths``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +48,31 @@ class TrainerState:
     last_val: dict[str, float] = field(default_factory=dict)
     sequences: int = 0
     """Global sequences consumed (the data position; more than step * batch after a rollback)."""
-    stability: dict[str, Any] = field(default_factory=dict)
-    """``StabilityMonitor.state_dict()``: rolling statistics, counters, checkpoints, skipped windows, events."""
-    faults_fired: list[str] = field(default_factory=list)
-    """One-shot fault hooks already fired (so a rollback does not replay them)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
-    """``state_dict()`` of every other stateful callback, by its ``name``."""
+    """``state_dict()`` of every stateful callback, by its ``name``."""
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainerState:
+        """The state saved as ``raw`` (``asdict`` of a TrainerState). A top-level key that is not a counter comes
+        from a checkpoint written before callbacks owned their state (``stability``, ``faults_fired``): it moves
+        under ``callbacks`` by its own name, where the callback of that name finds it."""
+        known = {f.name for f in fields(cls)}
+        callbacks = dict(raw.get("callbacks") or {})
+        for key, value in raw.items():
+            if key not in known and value is not None:
+                callbacks.setdefault(key, value)
+        return cls(**{k: v for k, v in raw.items() if k in known and k != "callbacks"}, callbacks=callbacks)
+
+
+@dataclass
+class Shared:
+    """What callbacks publish for each other, typed (a callback never looks another up by type). Each field has
+    one writer; any callback may read it."""
+
+    skipped_blocks: frozenset[int] = frozenset()
+    """Blocks that do no work in the current step (layer dropout in ``layer`` mode; set at ``on_step_start``)."""
+    last_event_step: int = 0
+    """Step of the latest stability event, 0 before any (the stability guard; current from its ``on_step_end``)."""
 
 
 class Callback(StepHooks):
@@ -69,6 +91,9 @@ class Callback(StepHooks):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
 
+    def on_model_changed(self, trainer: Trainer) -> None:
+        """``trainer.module`` now holds another architecture (``trainer.cfg`` is the new config)."""
+
     def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
 
     def on_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
@@ -76,6 +101,14 @@ class Callback(StepHooks):
     def on_nonfinite_weights(self, trainer: Trainer, step: int) -> None: ...
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None: ...
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Metrics this callback adds to each logged ``train/*`` line (``MetricsLogger`` gathers them)."""
+        return {}
+
+    def protected_paths(self) -> set[str]:
+        """Committed checkpoints that pruning must keep (``CheckpointCallback`` gathers them)."""
+        return set()
 
     def state_dict(self) -> dict[str, Any] | None:
         return None
@@ -95,6 +128,7 @@ class Trainer:
         self.tracker, self.progress, self.run_dir = tracker, progress, run_dir
         self.callbacks = sorted(callbacks, key=lambda c: c.order)  # stable: equal orders keep their order
         self.last_checkpoint = last_checkpoint
+        self.shared = Shared()
         self.stop_reason = ""
         self._step_ended = False
         for cb in self.callbacks:
@@ -103,9 +137,9 @@ class Trainer:
 
     # -- for callbacks ---------------------------------------------------------------------------------
 
-    def find(self, kind: type) -> Any:
-        """The callback of type ``kind`` (or None)."""
-        return next((c for c in self.callbacks if isinstance(c, kind)), None)
+    def gather(self, hook: str, *args: Any) -> list[Any]:
+        """Every callback's answer to ``hook`` (a :class:`Callback` method), in callback order."""
+        return [getattr(cb, hook)(*args) for cb in self.callbacks]
 
     def end_step(self) -> None:
         """Skip the remaining callbacks' ``on_step_end`` of this step (after a rollback restored an older step)."""
