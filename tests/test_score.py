@@ -97,3 +97,31 @@ def test_one_perplexity_cap_and_empty_data():
     assert ScoreSums().metrics("encoder", allow_empty=True) == {"loss": 0.0, "ppl": 1.0, "mlm_acc": 0.0}
     # A micro-batch without targets scores 0 (not NaN): it cannot poison a sum.
     assert mean_cross_entropy(torch.randn(1, 4, 5), torch.full((1, 4), -100), causal=True).item() == 0.0
+
+
+def _engine_paths(rank: int, world: int, kind: str) -> tuple[dict, float, dict]:
+    """Training's validation through a real DeepSpeed engine, growth's check and eval on its full weights."""
+    from pretrain.train.module import build_module
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [*TINY, f"model.kind={kind}", "train.precision=fp32", "zero.stage=1",
+                             "train.global_batch_size=8", "train.micro_batch_size=2", "data.num_streams=1"])
+    module = build_module(cfg)
+    state = module.full_state_dict()
+    batches = _batches(kind)
+    val = evaluate(module, batches)
+    growth = held_back_loss(cfg, state, batches, torch.device("cpu"))
+    model = build_model(cfg.model, 0, cfg.moe, weights=state).eval()
+    ev = score(lambda ids: model(ids).logits, batches, kind)
+    module.engine.destroy()
+    return val, growth, ev
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_the_three_paths_agree_through_a_real_engine(kind):
+    from tests.distributed import run_distributed
+
+    (val, growth, ev), = run_distributed(_engine_paths, 1, kind)
+    assert val["val/loss"] == growth == ev["loss"] and val["val/ppl"] == ev["ppl"]
+    assert val.get("val/mlm_acc") == ev.get("mlm_acc")
