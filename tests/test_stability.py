@@ -282,11 +282,11 @@ def _engine_cfg(stage: int, world: int, precision: str):
 
 def _snapshot(engine) -> list[torch.Tensor]:
     """This rank's parameters, master weights and optimizer state."""
+    from pretrain.ds_adapter import base_optimizer
     from pretrain.train.health import param_views
-    from pretrain.train.step import _base_optimizer
 
     out = [t.detach().clone() for _, t in param_views(engine)[0]]
-    for state in _base_optimizer(engine.optimizer).state.values():
+    for state in base_optimizer(engine.optimizer).state.values():
         out += [v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)) for _, v in sorted(state.items())]
     for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
         out += [t.detach().clone() for t in getattr(engine.optimizer, name, None) or []]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain import ds_adapter
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.export.moe import check_experts_complete, expert_parallel_state_dict
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales
@@ -114,10 +115,10 @@ def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
     """
     ds = ckpt_path / ckpt_io.DS_DIR
     if zero_stage == 0:
-        files = sorted((ds / ckpt_io.DS_TAG).glob("mp_rank_*_model_states.pt"))
+        files = ds_adapter.module_state_files(ds / ckpt_io.DS_TAG)
         if not files:
             raise ckpt_io.CheckpointError(f"{ckpt_path}: no DeepSpeed model state in {ds / ckpt_io.DS_TAG}")
-        sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        sd = ds_adapter.load_module_state(files[0], weights_only=False)
     else:
         if not torch.cuda.is_available():  # consolidation is CPU work; skips DeepSpeed's "no GPU" warning
             os.environ.setdefault("DS_ACCELERATOR", "cpu")

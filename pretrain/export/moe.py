@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain import ds_adapter
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.export.families import LLAMA, Rule, StateDict, _llama_config, _llama_rules, apply_rules
 
@@ -129,11 +130,11 @@ def expert_parallel_state_dict(ds_tag_dir: Path) -> StateDict:
     plus DeepSpeed's one file per expert (``layer_{l}_expert_{e}_mp_rank_00_model_states.pt``, keys already
     carrying the global expert id). Values are the module weights in the training dtype (exact fp32 for fp32
     runs); DeepSpeed's ``zero_to_fp32`` does not understand expert-partitioned optimizer state."""
-    main = sorted(ds_tag_dir.glob("mp_rank_*_model_states.pt"))
+    main = ds_adapter.module_state_files(ds_tag_dir)
     if not main:
         raise FileNotFoundError(f"no DeepSpeed model state in {ds_tag_dir}")
-    sd = dict(torch.load(main[0], map_location="cpu", weights_only=True)["module"])
-    files = sorted(ds_tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
+    sd = dict(ds_adapter.load_module_state(main[0]))
+    files = ds_adapter.expert_state_files(ds_tag_dir)
     if not files:
         raise FileNotFoundError(f"no per-expert files (layer_*_expert_*) in {ds_tag_dir}")
     for f in files:

@@ -11,7 +11,8 @@ expert-parallel rank r of ``ep_size``, experts [r*E/ep, (r+1)*E/ep) only, and ro
 expert, through ``exchange`` (the all-to-all to the workers holding the experts and back); with ``ep_size`` 1
 they run on the local experts.
 
-State-dict keys follow DeepSpeed's MoE names (which its checkpoint code keys on):
+State-dict keys follow DeepSpeed's MoE names (its MoE checkpoint format requires them; they are our module names,
+model code reads no DeepSpeed attribute):
 ``deepspeed_moe.gate.wg.weight`` (router, (E, D)) and
 ``deepspeed_moe.experts.deepspeed_experts.{e}.{gate,up,down}_proj.weight`` with global expert ids e.
 """
@@ -77,6 +78,10 @@ class MoEFeedForward(nn.Module):
         self.exchange: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """(layer, tokens sorted by global expert, per-expert counts) -> expert outputs in the same order;
         required when ep_size > 1 (see pretrain/train/expert_parallel.py)."""
+        self.grouped_experts = True
+        """Whether the local experts may run as one grouped GEMM (where device and dtype support it) rather than
+        module by module; the training side turns it off when the expert weights are partitioned (ZeRO-3 gathers
+        a weight only when its own module runs)."""
         self.aux_loss: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
         self.pending_stats: torch.Tensor | None = None
@@ -141,12 +146,10 @@ class MoEFeedForward(nn.Module):
 
         One grouped matmul per projection over all local experts (``torch.nn.functional.grouped_mm``) where the
         device and dtype support it, else a loop over the experts (same results within fp32 rounding: tested)."""
-        # ZeRO-3 gathers a partitioned weight only when its own module runs: those experts run as modules.
-        partitioned = hasattr(self.experts[0].up_proj.weight, "ds_id")
         # grouped_mm wants 16-byte aligned row strides (e.g. fp32 sizes that are multiples of 4)
         sizes = (tokens.shape[-1], self.experts[0].up_proj.out_features)
         aligned = all(n * tokens.element_size() % 16 == 0 for n in sizes)
-        if not partitioned and aligned and grouped_mm_supported(tokens.device, tokens.dtype):
+        if self.grouped_experts and aligned and grouped_mm_supported(tokens.device, tokens.dtype):
             return grouped_ffn(self.experts, tokens, counts)
         return loop_ffn(self.experts, tokens, counts)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pretrain import ds_adapter
+
 MANIFEST = "manifest.json"
 DS_DIR = "ds"
 DS_TAG = "state"
@@ -227,22 +229,11 @@ def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     """DeepSpeed universal form of ``ckpt`` (for resuming with a different worker count), converted once
     and cached under ``cache_root``; staged and renamed so an interrupted conversion is never used.
     Returns the directory to pass to ``engine.load_checkpoint(..., tag=DS_TAG)``."""
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    from deepspeed.checkpoint.ds_to_universal import parse_arguments
-
     final = cache_root / f"universal-{step_dir_name(ckpt.step)}"
     if (final / DS_TAG).is_dir():
         return final
     stage = cache_root / f".tmp-universal-{step_dir_name(ckpt.step)}-{new_nonce()}"
-    import sys
-
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(ckpt.path / DS_DIR / DS_TAG),
-                                "--output_folder", str(stage / DS_TAG), "--num_extract_workers", "1",
-                                "--num_merge_workers", "1", "--inject_missing_state"]
-    try:
-        ds_to_universal(parse_arguments())
-    finally:
-        sys.argv = argv
+    ds_adapter.convert_to_universal(ckpt.path / DS_DIR / DS_TAG, stage / DS_TAG)
     os.replace(stage, final)
     _fsync_dir(cache_root)
     return final

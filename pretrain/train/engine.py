@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pretrain import ds_adapter
 from pretrain.config import RunConfig, RunPlan
 
 
@@ -63,9 +64,9 @@ def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Opt
 def expert_param_groups(param_groups: list[dict]) -> list[dict]:
     """Split expert-parallel parameters into their own groups (``moe: True``, named by EP group) as DeepSpeed
     requires, so ZeRO reduces and partitions them over the expert-data-parallel group only."""
-    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    if not any(is_moe_param(p) for g in param_groups for p in g["params"]):
+    if not any(ds_adapter.is_expert_param(p) for g in param_groups for p in g["params"]):
         return param_groups
     named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(param_groups)]
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
@@ -81,36 +82,8 @@ def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig,
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
         config=deepspeed_config(cfg, plan, precision, load_universal), dist_init_required=False)
-    _use_weights_only_loading(engine)
+    ds_adapter.use_weights_only_loading(engine)  # a checkpoint file cannot run code
     return engine
-
-
-# The only non-tensor globals in DeepSpeed's ZeRO checkpoint files (torch.serialization's
-# get_unsafe_globals_in_checkpoint on ZeRO-1/2/3 model and optimizer states).
-_DS_CHECKPOINT_GLOBALS = (
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-)
-
-
-def _use_weights_only_loading(engine) -> None:
-    """DeepSpeed's checkpoint engine unpickles with ``weights_only=False``; load with
-    ``weights_only=True`` and an explicit allowlist instead, so a checkpoint cannot run code."""
-    import importlib
-
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
-        return  # another engine (e.g. async/Nebula) was configured: leave it alone
-    allowed = [getattr(importlib.import_module(mod), name) for mod, name in _DS_CHECKPOINT_GLOBALS]
-
-    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location=map_location, weights_only=True)
-
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
 
 
 def set_lr(engine, lr: float) -> None:

@@ -3,7 +3,7 @@
 :func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank (the model is
 built with all of them, so every layout has the same expert weights) and turns every such MoE layer into a DeepSpeed MoE layer (the
 instance's class becomes a subclass that is also ``deepspeed.moe.layer.MoE``, the way FSDP2's ``fully_shard``
-swaps classes) and tags its expert parameters as DeepSpeed does (``allreduce = False``, ``group_name``). The
+swaps classes) and tags its expert parameters as DeepSpeed does (both in :mod:`pretrain.ds_adapter`). The
 DeepSpeed engine then
 
 * calls ``set_deepspeed_parallelism``: the expert-parallel / expert-data-parallel groups are created (consecutive
@@ -22,12 +22,8 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
+from pretrain import ds_adapter
 from pretrain.model.moe import MoEFeedForward, moe_layers
-
-
-def group_name(ep_size: int) -> str:
-    """DeepSpeed's key of the expert-parallel groups of one size."""
-    return f"ep_size_{ep_size}"
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,27 +77,15 @@ class AllToAllExchange:
         return result
 
 
-def _set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-    """Called by the DeepSpeed engine: create (once) and adopt the expert-parallel process groups."""
-    from deepspeed.utils import groups
-
-    name = group_name(self.ep_size)
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(
-            self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-    rank = groups._get_expert_parallel_rank(name)
-    if rank != self.ep_rank:
-        raise RuntimeError(f"expert layout mismatch: layer built for EP rank {self.ep_rank}, DeepSpeed says {rank}")
-    self.exchange = AllToAllExchange(groups._get_expert_parallel_group(name))
+def _adopt_group(layer: MoEFeedForward, group) -> None:
+    """The engine created the expert-parallel groups: exchange this layer's tokens on its EP group."""
+    layer.exchange = AllToAllExchange(group)
 
 
 @lru_cache(maxsize=1)
 def _deepspeed_moe_class() -> type:
     """``MoEFeedForward`` that is also a ``deepspeed.moe.layer.MoE`` (what the engine's MoE handling keys on)."""
-    from deepspeed.moe.layer import MoE
-
-    return type("ExpertParallelMoE", (MoEFeedForward, MoE),
-                {"__module__": __name__, "set_deepspeed_parallelism": _set_deepspeed_parallelism})
+    return ds_adapter.deepspeed_moe_subclass(MoEFeedForward, _adopt_group, "ExpertParallelMoE", __name__)
 
 
 def expert_parallel_rank(rank: int, ep_size: int) -> int:
@@ -131,10 +115,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> int:
     for _, layer in moe_layers(model):
         shard_experts(layer, ep_size, expert_parallel_rank(rank, ep_size))
         layer.__class__ = _deepspeed_moe_class()
-        layer.expert_group_name = group_name(layer.ep_size)  # read by DeepSpeed's checkpoint code
-        for p in layer.experts.parameters():
-            p.allreduce = False
-            p.group_name = layer.expert_group_name
+        ds_adapter.tag_expert_layer(layer, layer.experts, layer.ep_size)
         converted += 1
     return converted
 
@@ -142,13 +123,11 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> int:
 def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (this worker's state dict, experts under local ids) with every expert of every sharded MoE
     layer under its global id, all-gathered over the expert-parallel group (collective on that group)."""
-    from deepspeed.utils import groups
-
     out = dict(state)
     for block, layer in moe_layers(model):
         if layer.ep_size == 1:
             continue
-        group = groups._get_expert_parallel_group(group_name(layer.ep_size))
+        group = ds_adapter.expert_parallel_group(layer.ep_size)
         prefix = f"blocks.{block}.ffn.deepspeed_moe.experts.deepspeed_experts."
         local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         for key in list(out):

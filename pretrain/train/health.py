@@ -6,14 +6,9 @@ ratios, activation RMS and max (forward hooks on the first micro-batch), the att
 q.k^T, see ``Attention.probe_logits``), the output logit mean square and the z-loss term, and
 non-finite gradient counts.
 
-Where the numbers live depends on the ZeRO stage, at the accumulation boundary before ``engine.step()``:
-
-* stage 0 (fp32): full averaged gradients on ``p.grad``, identical on every rank;
-* bf16 without ZeRO: full fp32 gradients in ``BF16_Optimizer.fp32_groups_gradients``;
-* stages 1/2: this rank's partition in ``optimizer.averaged_gradients[group]``, aligned with
-  ``optimizer.params_in_partition[group]`` (padding tensors are marked ``_zero_padding``);
-* stage 3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
-  ``optimizer.fp16_groups[group]``; parameters are partitioned too (``p.ds_tensor``).
+Where the numbers live depends on the ZeRO stage (at the accumulation boundary before ``engine.step()``): this
+rank's gradient and parameter partitions under ZeRO, the full tensors otherwise; :mod:`pretrain.ds_adapter`
+(``grad_views``, ``local_param_views``) finds them.
 
 Replicated tensors (identical on every rank) are counted once before a sum all-reduce: on rank 0, or for an
 expert-parallel weight on the first rank of its expert-data-parallel group, so every layout gives the same
@@ -27,6 +22,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as tdist
+
+from pretrain import ds_adapter
 
 Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
 
@@ -43,10 +40,8 @@ def _owner(p: torch.nn.Parameter) -> bool:
     """Whether this rank counts replicated ``p`` in a cross-rank sum: rank 0 for dense weights; for an
     expert-parallel weight (DeepSpeed's ``allreduce = False``) the first rank of its expert-data-parallel group,
     since each expert-parallel rank holds other experts."""
-    if getattr(p, "allreduce", True) is False and tdist.is_initialized():
-        from deepspeed.utils import groups
-
-        return groups._get_expert_data_parallel_rank(p.group_name) == 0
+    if ds_adapter.is_expert_param(p) and tdist.is_initialized():
+        return ds_adapter.expert_data_parallel_rank(p) == 0
     return _rank() == 0
 
 
@@ -65,37 +60,13 @@ def block_key(name: str) -> str:
 def grad_views(engine) -> Views:
     """(parameter, gradient) pairs this rank contributes to cross-rank sums: its ZeRO partition, or the replicated
     gradients it owns (see :func:`_owner`)."""
-    opt = engine.optimizer
-    groups = getattr(opt, "averaged_gradients", None)
-    if groups is not None and hasattr(opt, "params_in_partition") and not getattr(opt, "cpu_offload", False):
-        views: Views = []
-        for i, params in enumerate(opt.params_in_partition):  # ZeRO-1/2
-            grads = [g for g in (groups.get(i) or []) if not getattr(g, "_zero_padding", False)]
-            views += zip(params, grads)
-        return views
-    if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
-        views = []
-        for i, params in enumerate(opt.fp16_groups):  # ZeRO-3
-            views += zip(params, groups.get(i) or [])
-        return views
-    # Below, every rank holds full (replicated) gradients: each counts the ones it owns (see _owner).
-    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
-        return _owned([(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)])
-    if engine.zero_optimization_stage() == 0:
-        return _owned([(p, p.grad) for p in engine.module.parameters() if p.grad is not None])
-    # Offloaded optimizer states: per-parameter collective, slow but exact (every rank calls it).
-    from deepspeed.utils import safe_get_full_grad
-
-    full = [(p, safe_get_full_grad(p)) for p in engine.module.parameters() if p.requires_grad]
-    return _owned([(p, g) for p, g in full if g is not None])
+    views, replicated = ds_adapter.grad_views(engine)
+    return _owned(views) if replicated else views
 
 
 def param_views(engine) -> tuple[Views, bool]:
     """(parameter, this rank's values of it): ZeRO-3 partitions, else the full (replicated) tensors."""
-    params = list(engine.module.parameters())
-    if params and hasattr(params[0], "ds_tensor"):
-        return [(p, p.ds_tensor) for p in params], False
-    return [(p, p.detach()) for p in params], True
+    return ds_adapter.local_param_views(engine)
 
 
 def counted_param_views(engine) -> Views:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain import ds_adapter
 from pretrain.config import RunConfig
 from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, training_gates
 from pretrain.model.layers import skips
@@ -58,11 +59,9 @@ class LayerDropCallback(Callback):
                   if skips(gate) for p in blocks[i].branch_parameters(branch)}
         if not unused:
             return
-        opt = module.engine.optimizer
-        for group, params in enumerate(opt.fp16_groups):
-            for p, grad in zip(params, opt.averaged_gradients.get(group) or []):
-                if id(p) in unused:
-                    grad.zero_()
+        for p, grad in ds_adapter.zero3_grad_partitions(module.engine.optimizer):
+            if id(p) in unused:
+                grad.zero_()
 
     def skipped_blocks(self) -> set[int]:
         """Blocks that did no work in the current step (``layer`` mode)."""

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from pretrain import ds_adapter
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
 from pretrain.model.compile import compile_blocks, compile_supported
 from pretrain.model.layerdrop import inference_scales
+from pretrain.model.moe import moe_layers
 from pretrain.train.checkpoint import DS_TAG, CheckpointError
 from pretrain.train.engine import initialize, resolve_precision, set_lr
 from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
@@ -68,7 +70,7 @@ class TrainModule:
         rank must call it. ZeRO-3 partitions are gathered; under bf16 the fp32 master weights are returned."""
         model = self.model
         params = list(model.parameters())
-        if params and hasattr(params[0], "ds_id"):  # ZeRO-3: gather the partitions
+        if params and ds_adapter.is_partitioned(params[0]):  # ZeRO-3: gather the partitions
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -79,7 +81,7 @@ class TrainModule:
             from deepspeed.utils import safe_get_full_fp32_param
 
             names = {id(p): n for n, p in model.named_parameters()}
-            unfused = _unfused_masters(self.engine)
+            unfused = ds_adapter.unfused_fp32_masters(self.engine)
             for p in params:
                 full = safe_get_full_fp32_param(p) if id(p) not in unfused else unfused[id(p)]
                 if full is not None:
@@ -99,8 +101,7 @@ class TrainModule:
             opt.load_state_dict(state)
             return
         world = tdist.get_world_size() if tdist.is_initialized() else 1
-        # DeepSpeed takes every rank's saved partition and picks its own by data-parallel rank.
-        opt.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
+        ds_adapter.load_partitioned_optimizer_state(opt, state, world)
 
     def save(self, directory: Path) -> None:
         """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective)."""
@@ -108,7 +109,7 @@ class TrainModule:
 
     def load(self, directory: Path, universal: bool = False) -> None:
         """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""
-        self.engine._config.load_universal_checkpoint = universal  # DeepSpeed reads it at load time
+        ds_adapter.set_universal_load(self.engine, universal)
         load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True)
         if load_path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load the engine state")
@@ -131,16 +132,6 @@ class TrainModule:
         if optimizer_state is not None:
             new.load_optimizer_state(optimizer_state)
         self.cfg, self.plan, self.engine, self.precision = new.cfg, new.plan, new.engine, new.precision
-
-
-def _unfused_masters(engine) -> dict[int, torch.Tensor]:
-    """ZeRO-0 bf16 (DeepSpeed's FP16_UnfusedOptimizer): the fp32 master of each module parameter, by ``id``;
-    the ZeRO stages expose theirs through ``deepspeed.utils.safe_{get,set}_full_fp32_param``."""
-    opt = engine.optimizer
-    if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")) or hasattr(opt, "params_in_partition") \
-            or engine.zero_optimization_stage() != 0:
-        return {}
-    return {id(p16): p32 for g16, g32 in zip(opt.fp16_groups, opt.fp32_groups) for p16, p32 in zip(g16, g32)}
 
 
 def compile_wanted(setting: str, device: torch.device) -> bool:
@@ -185,11 +176,14 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     if masters is not None:
         from deepspeed.utils import safe_set_full_fp32_param
 
-        unfused = _unfused_masters(engine)
+        unfused = ds_adapter.unfused_fp32_masters(engine)
         with torch.no_grad():
             for p in engine.module.parameters():
                 if id(p) in unfused:
                     unfused[id(p)].copy_(masters[id(p)])
                 else:
                     safe_set_full_fp32_param(p, masters[id(p)])
+    # ZeRO-3 gathers a partitioned weight only when its own module runs: such experts run module by module.
+    for _, layer in moe_layers(engine.module):
+        layer.grouped_experts = not any(ds_adapter.is_partitioned(p) for p in layer.experts.parameters())
     return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pretrain import ds_adapter
 from pretrain.model.moe import moe_layers
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
@@ -174,13 +175,6 @@ def reduce_moe_stats(model, device: torch.device) -> dict[int, torch.Tensor]:
     return {i: part.cpu() for (i, _), part in zip(layers, flat.split([r.numel() for r in rows]))}
 
 
-def _base_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside DeepSpeed's wrappers (ZeRO, BF16_Optimizer), which all call its step."""
-    while not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 @contextmanager
 def update_suppressed(engine, suppress: bool):
     """Run ``engine.step()`` without an update: the wrapped torch optimizer's ``step`` is a no-op.
@@ -191,18 +185,18 @@ def update_suppressed(engine, suppress: bool):
     if not suppress:
         yield
         return
-    opt = _base_optimizer(engine.optimizer)
+    opt = ds_adapter.base_optimizer(engine.optimizer)
     wrapper = engine.optimizer
     # ZeRO-1/2 link optimizer-state fragments once, after the first step; a skipped first step must
     # not link them to the still-empty state.
-    linked = getattr(wrapper, "_hp_optimizer_states_linked", None)
+    linked = ds_adapter.hp_states_linked(wrapper)
     opt.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
     try:
         yield
     finally:
         del opt.step
         if linked is False:
-            wrapper._hp_optimizer_states_linked = False
+            ds_adapter.unlink_hp_optimizer_states(wrapper)
 
 
 @torch.no_grad()

@@ -1,0 +1,311 @@
+"""The one module that touches DeepSpeed's private attributes and undocumented internals.
+
+Everything else uses DeepSpeed's documented API only (``deepspeed.initialize``, the engine's public methods,
+``deepspeed.zero.GatheredParameters``, the ``deepspeed.utils.safe_*`` accessors, ``zero_to_fp32``,
+``deepspeed.moe.layer.MoE``); ``tests/test_ds_adapter.py`` fails when another module reads a DeepSpeed internal. A
+DeepSpeed upgrade is checked here: each function says which behaviour it relies on. Written and tested against
+DeepSpeed 0.19.8 (``requirements.lock``); "0.19" below means that version.
+
+It knows nothing of our packages (engines, optimizers and parameters come in as plain objects), so every layer that
+holds DeepSpeed objects can use it: it sits in the lowest tier of ``.importlinter`` beside ``pretrain.model`` and
+``pretrain.data``, and ``pretrain.model`` may not import it (its DeepSpeed imports are forbidden there).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
+
+# -- parameters (ZeRO-3 partitioning) -----------------------------------------------------------------------------
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 parameter (its data is this rank's partition, gathered by DeepSpeed's module
+    hooks when its own module runs). 0.19: ``deepspeed.initialize`` under stage 3 converts every module parameter
+    (``zero.Init``'s ``_convert_to_deepspeed_param``), which gives it ``ds_id`` — persistent small ones too."""
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's full shape: ``ds_shape`` for a ZeRO-3 parameter (its ``shape`` is the empty placeholder
+    between gathers, 0.19), else its shape."""
+    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
+def local_param_views(engine) -> tuple[Views, bool]:
+    """(parameter, the values this rank holds) of every module parameter, and whether they are replicated (the full
+    tensor on every rank). ZeRO-3: this rank's flat partition ``p.ds_tensor`` (0.19), not replicated."""
+    params = list(engine.module.parameters())
+    if params and hasattr(params[0], "ds_tensor"):
+        return [(p, p.ds_tensor) for p in params], False
+    return [(p, p.detach()) for p in params], True
+
+
+# -- gradients at the accumulation boundary (before engine.step()) ------------------------------------------------
+
+
+def grad_views(engine) -> tuple[Views, bool]:
+    """(parameter, gradient) pairs of this rank, and whether they are replicated (every rank holds the same full
+    gradients, so a cross-rank sum must count each once). Where 0.19 keeps them after the last backward:
+
+    * ZeRO-1/2: this rank's partition in ``optimizer.averaged_gradients[group]`` (a dict), aligned with
+      ``optimizer.params_in_partition[group]``; padding tensors carry ``_zero_padding``;
+    * ZeRO-3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
+      ``optimizer.fp16_groups[group]``;
+    * bf16 without ZeRO (``BF16_Optimizer``): full fp32 gradients in ``fp32_groups_gradients`` beside
+      ``bf16_groups`` (replicated);
+    * stage 0 fp32: full averaged gradients on ``p.grad`` (replicated);
+    * offloaded optimizer states: ``deepspeed.utils.safe_get_full_grad`` per parameter (public, collective;
+      replicated)."""
+    opt = engine.optimizer
+    groups = getattr(opt, "averaged_gradients", None)
+    if groups is not None and hasattr(opt, "params_in_partition") and not getattr(opt, "cpu_offload", False):
+        views: Views = []
+        for i, params in enumerate(opt.params_in_partition):  # ZeRO-1/2
+            grads = [g for g in (groups.get(i) or []) if not getattr(g, "_zero_padding", False)]
+            views += zip(params, grads)
+        return views, False
+    if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
+        return zero3_grad_partitions(opt), False
+    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
+        return [(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)], True
+    if engine.zero_optimization_stage() == 0:
+        return [(p, p.grad) for p in engine.module.parameters() if p.grad is not None], True
+    from deepspeed.utils import safe_get_full_grad
+
+    full = [(p, safe_get_full_grad(p)) for p in engine.module.parameters() if p.requires_grad]
+    return [(p, g) for p, g in full if g is not None], True
+
+
+def zero3_grad_partitions(optimizer) -> Views:
+    """ZeRO-3: (parameter, this rank's gradient partition) per parameter, from ``optimizer.fp16_groups[group]`` and
+    ``optimizer.averaged_gradients[group]`` (0.19). The partitions are the buffers ``engine.step()`` reads: zeroing
+    one zeroes that gradient. 0.19 keeps a parameter's partition from the last step in which it had a gradient."""
+    views: Views = []
+    for i, params in enumerate(optimizer.fp16_groups):
+        views += zip(params, optimizer.averaged_gradients.get(i) or [])
+    return views
+
+
+# -- optimizers -----------------------------------------------------------------------------------------------------
+
+
+def base_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO stages, ``BF16_Optimizer``, ``FP16_UnfusedOptimizer``):
+    each keeps the optimizer it was given in ``.optimizer`` and calls its ``step`` (0.19)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def unfused_fp32_masters(engine) -> dict[int, torch.Tensor]:
+    """ZeRO-0 bf16 (0.19's ``FP16_UnfusedOptimizer``: ``fp16_groups`` / ``fp32_groups``, no ``params_in_partition``):
+    the fp32 master of each module parameter, by ``id``; empty for the other optimizers, whose masters
+    ``deepspeed.utils.safe_{get,set}_full_fp32_param`` reach."""
+    opt = engine.optimizer
+    if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")) or hasattr(opt, "params_in_partition") \
+            or engine.zero_optimization_stage() != 0:
+        return {}
+    return {id(p16): p32 for g16, g32 in zip(opt.fp16_groups, opt.fp32_groups) for p16, p32 in zip(g16, g32)}
+
+
+def hp_states_linked(optimizer) -> bool | None:
+    """Whether a ZeRO-1/2 or bf16 wrapper has linked each parameter to its optimizer-state fragment (0.19:
+    ``_hp_optimizer_states_linked``, set once by ``_lazy_init_hp_params_optimizer_state`` after the first step);
+    None for optimizers without that lazy link."""
+    return getattr(optimizer, "_hp_optimizer_states_linked", None)
+
+
+def unlink_hp_optimizer_states(optimizer) -> None:
+    """Mark the fragments unlinked, so the wrapper links them again after its next step (0.19: resets
+    ``_hp_optimizer_states_linked``). Used after a step whose update was skipped: the link made then points at
+    a still-empty optimizer state."""
+    optimizer._hp_optimizer_states_linked = False
+
+
+def relink_hp_optimizer_states(optimizer) -> None:
+    """Link every parameter to its optimizer-state fragment again, now. 0.19's ZeRO-1/2 link right after the first
+    optimizer step of the *first* parameter group, before the other groups have state, so the fragments of the
+    others stay empty (no ``exp_avg``) until this. No-op for optimizers without the lazy link."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def full_optimizer_state(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """The full optimizer state ``key`` (e.g. ``exp_avg``) of ``param`` in its full shape. Uses the public
+    ``deepspeed.utils.safe_get_full_optimizer_state`` (collective); 0.19 returns ZeRO-3 state flat."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return safe_get_full_optimizer_state(param, key).reshape(full_shape(param))
+
+
+def set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+    """Set the full optimizer state ``key`` of ``param`` (a tensor of its full shape) through the public
+    ``deepspeed.utils.safe_set_full_optimizer_state``; 0.19's ZeRO-3 copy expects the flat form."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    safe_set_full_optimizer_state(param, value.flatten() if is_partitioned(param) else value, key)
+
+
+def load_partitioned_optimizer_state(optimizer, state: dict, world_size: int) -> None:
+    """Load one rank's ``optimizer.state_dict()`` into a ZeRO optimizer of the same layout. 0.19's ZeRO
+    ``load_state_dict`` takes every rank's saved state (a list) and picks its own by data-parallel rank, so this
+    rank's state is given for all of them; the fp32 masters come from that state."""
+    optimizer.load_state_dict([state] * world_size, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+# -- engine and checkpoints ---------------------------------------------------------------------------------------
+
+
+def set_universal_load(engine, universal: bool) -> None:
+    """Whether the engine's next ``load_checkpoint`` reads DeepSpeed's universal form (another worker count). 0.19
+    reads it from the engine's config at load time (``engine.load_universal_checkpoint()`` returns
+    ``engine._config.load_universal_checkpoint``); the config key ``checkpoint.load_universal`` only sets it at
+    ``initialize``."""
+    engine._config.load_universal_checkpoint = universal
+
+
+# The only non-tensor globals in 0.19's ZeRO checkpoint files (torch.serialization's
+# get_unsafe_globals_in_checkpoint on ZeRO-1/2/3 model and optimizer states).
+CHECKPOINT_GLOBALS = (
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+)
+
+
+def checkpoint_safe_globals() -> list:
+    """The classes of :data:`CHECKPOINT_GLOBALS`, for ``torch.serialization.safe_globals`` around a
+    ``torch.load(..., weights_only=True)`` of a DeepSpeed checkpoint file."""
+    return [getattr(importlib.import_module(mod), name) for mod, name in CHECKPOINT_GLOBALS]
+
+
+def use_weights_only_loading(engine) -> None:
+    """Make the engine unpickle its checkpoint files with ``weights_only=True`` and the allowlist of
+    :func:`checkpoint_safe_globals` (0.19's ``TorchCheckpointEngine.load`` uses ``weights_only=False``), so a
+    checkpoint cannot run code. Replaces ``engine.checkpoint_engine`` (built from ``engine._config``) by a
+    subclass; another configured engine (async, Nebula) is left alone."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        return
+    allowed = checkpoint_safe_globals()
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+
+
+def module_state_files(tag_dir: Path) -> list[Path]:
+    """The per-rank module state files of one checkpoint tag directory, rank 0 first. 0.19's layout:
+    ``mp_rank_{mp:02d}_model_states.pt`` (ZeRO-3: ``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt``),
+    each a dict whose ``module`` entry is the module state dict (ZeRO-3: placeholders)."""
+    return sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+
+
+def expert_state_files(tag_dir: Path) -> list[Path]:
+    """0.19's one file per expert of an expert-parallel checkpoint,
+    ``layer_{l}_expert_{e}_mp_rank_{mp:02d}_model_states.pt``: a plain state dict whose keys carry the global
+    expert id."""
+    return sorted(tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
+
+
+def load_module_state(path: Path, weights_only: bool = True) -> dict:
+    """The module state dict in one of :func:`module_state_files` (its ``module`` entry), on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=weights_only)["module"]
+
+
+def convert_to_universal(input_folder: Path, output_folder: Path) -> None:
+    """Convert one DeepSpeed checkpoint tag directory into the universal form in ``output_folder`` (single process;
+    missing optimizer state injected). 0.19 has no function API for it: this runs the ``ds_to_universal`` script's
+    ``main`` on its own argument parser."""
+    from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
+
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(input_folder),
+                                "--output_folder", str(output_folder), "--num_extract_workers", "1",
+                                "--num_merge_workers", "1", "--inject_missing_state"]
+    try:
+        main(parse_arguments())
+    finally:
+        sys.argv = argv
+
+
+# -- Mixture of Experts (expert parallelism) ----------------------------------------------------------------------
+
+
+def expert_group_name(ep_size: int) -> str:
+    """0.19's key of the expert-parallel process groups of one size (``deepspeed.utils.groups``)."""
+    return f"ep_size_{ep_size}"
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is tagged as an expert-parallel parameter (``allreduce = False``: 0.19's
+    ``deepspeed.moe.utils.is_moe_param``; its gradient is reduced over the expert-data-parallel group only)."""
+    return hasattr(param, "allreduce") and not param.allreduce
+
+
+def tag_expert_layer(layer: torch.nn.Module, experts: torch.nn.Module, ep_size: int) -> None:
+    """Tag ``layer`` (a :func:`deepspeed_moe_subclass` instance) and its ``experts``' parameters as 0.19's MoE layer
+    does: ``layer.expert_group_name`` (read by the engine's checkpoint code to name the per-expert files) and,
+    per parameter, ``allreduce = False`` and ``group_name`` (the engine's gradient reduction and the optimizer
+    groups of ``split_params_into_different_moe_groups_for_optimizer`` key on them)."""
+    layer.expert_group_name = expert_group_name(ep_size)
+    for p in experts.parameters():
+        p.allreduce = False
+        p.group_name = layer.expert_group_name
+
+
+def expert_data_parallel_rank(param: torch.Tensor) -> int:
+    """This rank's index in the expert-data-parallel group of expert parameter ``param`` (0.19:
+    ``groups._get_expert_data_parallel_rank`` by the parameter's ``group_name``)."""
+    from deepspeed.utils import groups
+
+    return groups._get_expert_data_parallel_rank(param.group_name)
+
+
+def expert_parallel_group(ep_size: int):
+    """The expert-parallel process group of this rank for ``ep_size`` (0.19: ``groups._get_expert_parallel_group``);
+    the groups exist once the engine has called the layers' ``set_deepspeed_parallelism``."""
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_group(expert_group_name(ep_size))
+
+
+def _set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+    """0.19's engine calls this on every module that has it during ``initialize``: create (once) the expert-parallel
+    and expert-data-parallel groups of ``self.ep_size`` (consecutive ranks form an EP group), check this layer's
+    ``ep_rank`` against DeepSpeed's and hand the EP group to the class's ``adopt_group``."""
+    from deepspeed.utils import groups
+
+    name = expert_group_name(self.ep_size)
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(
+            self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+    rank = groups._get_expert_parallel_rank(name)
+    if rank != self.ep_rank:
+        raise RuntimeError(f"expert layout mismatch: layer built for EP rank {self.ep_rank}, DeepSpeed says {rank}")
+    self.adopt_group(groups._get_expert_parallel_group(name))
+
+
+@functools.cache
+def deepspeed_moe_subclass(base: type, adopt_group: Callable[[Any, Any], None], name: str, module: str) -> type:
+    """A subclass of ``base`` (with attributes ``ep_size``, ``ep_rank``) that is also ``deepspeed.moe.layer.MoE``
+    (public class; what 0.19's engine keys its MoE handling on: expert checkpoint files, ``has_moe_layers``), with
+    the engine's parallelism hook: ``adopt_group(layer, expert_parallel_group)`` runs once the groups exist. An
+    instance's ``__class__`` is swapped to it (``base.__init__`` must not call ``MoE.__init__``)."""
+    from deepspeed.moe.layer import MoE
+
+    return type(name, (base, MoE), {"__module__": module, "set_deepspeed_parallelism": _set_deepspeed_parallelism,
+                                    "adopt_group": adopt_group})
