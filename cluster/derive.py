@@ -187,7 +187,8 @@ def grow(argv: list[str]) -> int:
     cfg = parent.config
     sd = parent.state_dict(inference=False)
     try:
-        grown = apply_growth(cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step)
+        grown = apply_growth(cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step,
+                             layer_drop=cfg.layer_drop)
     except ValueError as e:
         raise ConfigError(f"grow: {e}") from None
     new_cfg = grown_config(cfg, grown.model, grown.moe)

@@ -172,6 +172,53 @@ def test_depth_identity_is_exact_and_stack_interleave_copy_blocks(placement):
     _grown(c, m, inter)
 
 
+@pytest.mark.parametrize("placement, extra", [("pre", ["model.bias=true"]), ("sandwich", []),
+                                              ("pre", ARCHS["moe"])])
+def test_depth_growth_of_a_rho_linear_model_keeps_each_blocks_inference_scale(placement, extra):
+    """``layer_drop.scaling: rho`` with ``by_depth: linear``: rho of block l is 1 - rate (l + 1) / L, so the same
+    weights at a new depth get other inference scales. Growth folds the parent's scales and divides by the child's:
+    identity depth growth (with tiled width too) stays exact at inference; every copied block keeps the effective
+    scale of its source; ``by_depth: uniform`` leaves the weights as the plain operator gives them."""
+    from pretrain.config import GrowthStep
+    from pretrain.model.growth import apply_growth
+    from pretrain.model.layerdrop import inference_scales
+
+    run = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                             "model.max_seq_len=16", f"model.norm_placement={placement}", *extra,
+                             "layer_drop.rate=0.8", "layer_drop.scaling=rho", "layer_drop.by_depth=linear"])
+    cfg, moe, ld = run.model, run.moe, run.layer_drop
+    model = build_model(cfg, 0, moe)
+    with torch.no_grad():  # trained-size branches, so the scales matter
+        g = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.eval().branch_scales = inference_scales(ld, 2)
+    ids, sd = _ids(), model.state_dict()
+    want = _logits(model, ids)
+    for entry in (GrowthStep(depth="2x", depth_op="identity", noise=0.0),
+                  GrowthStep(depth="+1", depth_op="identity", width="2x", noise=0.0)):
+        grown = apply_growth(cfg, moe, sd, entry, seed=0, layer_drop=ld)
+        child = _grown(grown.model, grown.moe, grown.state)
+        child.branch_scales = inference_scales(ld, grown.model.num_layers)
+        torch.testing.assert_close(_logits(child, ids), want, rtol=1e-5, atol=1e-5)
+        plain = apply_growth(cfg, moe, sd, entry, seed=0)  # without the fold: what growth did before
+        stale = _grown(plain.model, plain.moe, plain.state)
+        stale.branch_scales = child.branch_scales
+        assert not torch.allclose(_logits(stale, ids), want, atol=1e-3), "the scales matter"
+    stacked = apply_growth(cfg, moe, sd, GrowthStep(depth="4", depth_op="stack", noise=0.0), seed=0, layer_drop=ld)
+    old, new = inference_scales(ld, 2), inference_scales(ld, 4)  # rho (0.6, 0.2) -> (0.8, 0.6, 0.4, 0.2)
+    for i in range(4):
+        ratio = old[i % 2][0] / new[i][0]
+        q = "attn.q_proj.weight"
+        torch.testing.assert_close(stacked.state[f"blocks.{i}.{q}"], sd[f"blocks.{i % 2}.{q}"], rtol=0, atol=0)
+        out = "norm_out1.weight" if placement == "sandwich" else "attn.o_proj.weight"
+        torch.testing.assert_close(stacked.state[f"blocks.{i}.{out}"], sd[f"blocks.{i % 2}.{out}"] * ratio)
+    uniform = dataclasses.replace(ld, by_depth="uniform")
+    entry = GrowthStep(depth="2x", depth_op="identity", noise=0.0)
+    a, b = apply_growth(cfg, moe, sd, entry, seed=0, layer_drop=uniform), apply_growth(cfg, moe, sd, entry, seed=0)
+    assert all(torch.equal(a.state[k], b.state[k]) for k in b.state)
+
+
 def test_depth_identity_refused_where_it_cannot_be_exact_and_moe_layers_follow():
     cfg, moe = _cfg("model.norm_placement=post")
     with pytest.raises(ValueError, match="pre-norm and sandwich"):

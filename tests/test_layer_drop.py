@@ -114,6 +114,79 @@ def test_gates_skip_scale_and_do_no_work(placement):
     assert torch.equal(model(ids, gates=ones).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "deepnorm"])
+def test_skipped_parameters_are_exactly_those_without_a_gradient(placement):
+    """What ``after_backward`` zeroes under ZeRO-3: every parameter a skip leaves without a gradient, and only those
+    (a skipped block's norms too for post-norm and DeepNorm; a skipped post-norm sub-layer still applies its norm)."""
+    cfg = _cfg(f"model.norm_placement={placement}", "model.bias=true", "model.norm=layernorm").model
+    model = build_model(cfg, 0).train()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    block = model.blocks[3]
+    names = {id(p): name for name, p in block.named_parameters()}
+    for gates in ((0.0, 0.0), (0.0, None), (None, 0.0), (None, None)):
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, gates=[gates if i == 3 else (None, None) for i in range(6)]).loss.backward()
+        no_grad = {name for name, p in block.named_parameters() if p.grad is None}
+        assert {names[id(p)] for p in block.skipped_parameters(*gates)} == no_grad, gates
+        if gates == (0.0, 0.0):
+            assert no_grad == set(names.values())
+
+
+@pytest.mark.parametrize("placement", ["post", "deepnorm"])
+def test_post_norm_dropped_sublayer_keeps_its_norm_dropped_block_skips_both(placement):
+    """The rule documented next to eq. 95 in docs/growth.md: a dropped post-norm (or DeepNorm) sub-layer leaves
+    LN(alpha x), a dropped block leaves x. Training, the rho-scaled eval forward and ``prune`` all follow it."""
+    cfg = _cfg(f"model.norm_placement={placement}", "layer_drop.granularity=sublayer").model
+    block = build_model(cfg, 0).blocks[0].eval()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = block.norm1(block.alpha * x)
+        want = block.norm2(block.alpha * h + block.ffn(h))
+        torch.testing.assert_close(block(x, None, 0.0, None), want, rtol=0, atol=0)
+        h = block.norm1(block.alpha * x + 0.5 * block.attn(x, None))
+        torch.testing.assert_close(block(x, None, 0.5, 0.0), block.norm2(block.alpha * h), rtol=0, atol=0)
+    model = build_model(cfg, 0).eval()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    mask = [i != 2 for i in range(6)]
+    skipped = [(None, None) if i != 2 else (0.0, 0.0) for i in range(6)]
+    assert torch.equal(model(ids, gates=skipped).logits, model(ids, layer_mask=mask).logits), "a block: identity"
+
+
+def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
+    """``rho`` scaling under a ``linear`` / ``progressive`` schedule: validation during training scales each branch by
+    the keep probability 1 - r(t) of the step just trained; the last step's validation (and a run stopped early, at
+    its end) by the final one, like ``eval`` of the checkpoint, export, prune and growth."""
+    from types import SimpleNamespace
+
+    from pretrain.train.layer_drop import LayerDropCallback
+
+    for schedule in (["layer_drop.schedule=linear", "layer_drop.warmup_steps=4"],
+                     ["layer_drop.schedule=progressive", "layer_drop.gamma=0.5"]):
+        cfg = _cfg("layer_drop.scaling=rho", "layer_drop.by_depth=linear", *schedule)
+        ld = cfg.layer_drop
+        model = build_model(cfg.model, 0)
+        model.branch_scales = inference_scales(ld, 6)  # what build_module sets: the final rho
+        trainer = SimpleNamespace(module=SimpleNamespace(model=model, cfg=cfg), cfg=cfg, state=SimpleNamespace(step=0))
+        cb = LayerDropCallback(cfg, 0, [0])
+        ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))
+        for step in range(1, STEPS + 1):
+            cb.on_step_start(trainer, step)
+            trainer.state.step = step
+            cb.on_step_end(trainer, None)
+            keep = [1.0 - r for r in layer_rates(ld, 6, base_rate(ld, step - 1 if step < STEPS else 10**6))]
+            assert [s for pair in model.branch_scales for s in pair] == pytest.approx([k for k in keep for _ in "af"])
+            if step == 2:
+                assert keep[-1] > 1.0 - ld.rate + 0.05, "the schedule has not reached the final rate"
+                with torch.no_grad():
+                    torch.testing.assert_close(model.eval()(ids).logits,
+                                               model(ids, gates=[(k, k) for k in keep]).logits, rtol=0, atol=0)
+        assert model.branch_scales == inference_scales(ld, 6)
+        cb.on_step_start(trainer, 3)
+        trainer.state.step = 3
+        cb.on_run_end(trainer, {})  # stopped early at step 3: its final validation is the finished model's
+        assert model.branch_scales == inference_scales(ld, 6)
+
+
 def test_rho_scaling_applies_at_inference_only():
     model = build_model(_cfg().model, 0)
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -42,7 +42,8 @@ import re
 
 import torch
 
-from pretrain.config import ModelConfig, MoEConfig
+from pretrain.config import LayerDropConfig, ModelConfig, MoEConfig
+from pretrain.model.layerdrop import fold_branch_scales, inference_scales
 
 StateDict = dict[str, torch.Tensor]
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
@@ -337,13 +338,25 @@ class Grown:
     """A short description, e.g. ``depth 4->8 stack; width 256->512 tile``."""
 
 
-def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed: int) -> Grown:
-    """Apply one ``GrowthStep`` (depth, then width, then upcycling, then noise) to a full state dict."""
+def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed: int,
+                 layer_drop: LayerDropConfig | None = None) -> Grown:
+    """Apply one ``GrowthStep`` (depth, then width, then upcycling, then noise) to a full state dict.
+
+    ``layer_drop`` (the run's): with ``scaling: rho`` and ``by_depth: linear`` the inference scale of a block
+    depends on the depth (eq. 95's rho = 1 - rate (l + 1) / L), so a depth growth is done on the weights with the
+    parent's scales folded in (as ``prune`` does), and the grown weights are divided by the child's scales: every
+    block keeps the effective scale of the block it copies and the grown model, scaled at inference, is the
+    parent's function wherever the operator is exact."""
     from pretrain.model.transformer import resolved_ffn_size
 
+    target = resolve_count(step.depth, cfg.num_layers) if step.depth else cfg.num_layers
+    old_scales = inference_scales(layer_drop, cfg.num_layers) if layer_drop is not None else None
+    new_scales = inference_scales(layer_drop, target) if layer_drop is not None else None
+    rescale = bool(old_scales and new_scales and len(set(old_scales + new_scales)) > 1)
+    if rescale:  # grown (and noised, against the folded parent) in the folded space; unfolded at the end
+        state = fold_branch_scales(state, cfg.norm_placement, old_scales)
     new_cfg, new_moe, sd, exact, ops = cfg, moe, state, True, []
     if step.depth:
-        target = resolve_count(step.depth, cfg.num_layers)
         new_cfg, new_moe, sd = grow_depth(new_cfg, new_moe, sd, target, step.depth_op)
         exact &= step.depth_op == "identity"
         ops.append(f"depth {cfg.num_layers}->{target} {step.depth_op}")
@@ -363,4 +376,6 @@ def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed:
         new_cfg, new_moe, sd = upcycle(new_cfg, new_moe, sd, step.experts, step.top_k)
         ops.append(f"experts {step.experts} top-{step.top_k} upcycle")
     sd = add_noise(state, sd, step.noise, seed)
+    if rescale:
+        sd = fold_branch_scales(sd, new_cfg.norm_placement, [(1.0 / a, 1.0 / f) for a, f in new_scales])
     return Grown(new_cfg, new_moe, sd, exact, "; ".join(ops) + (f"; noise {step.noise:g}" if step.noise else ""))

@@ -84,12 +84,16 @@ def training_gates(cfg: LayerDropConfig, seed: int, step: int, num_layers: int,
     return gates
 
 
-def inference_scales(cfg: LayerDropConfig, num_layers: int) -> list[tuple[float, float]] | None:
-    """``rho`` scaling: each sub-layer's output times rho = 1 - its final drop rate at inference (eq. 95);
+def inference_scales(cfg: LayerDropConfig, num_layers: int,
+                     step: int | None = None) -> list[tuple[float, float]] | None:
+    """``rho`` scaling: each sub-layer's output times rho = 1 - its drop rate at inference (eq. 95): the final rate
+    (the finished model: export, prune, growth, ``eval`` of a checkpoint), or with ``step`` the schedule's rate at
+    that 0-based step (validation during training: the keep probability 1 - r(t) the weights are trained under).
     None when nothing is scaled (``inverted``, or no layer dropout)."""
     if not cfg.enabled or cfg.scaling != "rho":
         return None
-    return [(1.0 - r, 1.0 - r) for r in layer_rates(cfg, num_layers, cfg.rate)]
+    rate = cfg.rate if step is None else base_rate(cfg, step)
+    return [(1.0 - r, 1.0 - r) for r in layer_rates(cfg, num_layers, rate)]
 
 
 def executed_blocks(gates: Gates) -> list[int]:

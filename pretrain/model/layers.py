@@ -166,6 +166,15 @@ class Block(nn.Module):
             mods += [m for m in (getattr(self, f"norm{i}"), getattr(self, f"norm_out{i}", None)) if m is not None]
         return [p for m in mods for p in m.parameters()]
 
+    def skipped_parameters(self, attn_gate, ffn_gate) -> list[nn.Parameter]:
+        """The parameters that get no gradient when the block runs with these gates: all of them when both
+        sub-layers skip (the model does not call the block, so post-norm and DeepNorm norms do not run either),
+        else the skipped sub-layers' :meth:`branch_parameters`."""
+        if skips(attn_gate) and skips(ffn_gate):
+            return list(self.parameters())
+        return [p for branch, gate in (("attn", attn_gate), ("ffn", ffn_gate)) if skips(gate)
+                for p in self.branch_parameters(branch)]
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attn_gate=None, ffn_gate=None) -> torch.Tensor:
         """x: (B, T, D) -> (B, T, D). A gate multiplies a sub-layer's residual branch: None runs it as is, 0.0 skips

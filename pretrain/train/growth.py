@@ -126,7 +126,7 @@ class GrowthCallback(Callback):
         full = module.full_state_dict()  # fp32 (the masters under bf16)
         before = held_back_loss(cfg, full, probe, module.device)
         seed = cfg.train.seed + entry.at_step
-        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed)
+        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed, layer_drop=cfg.layer_drop)
         moments = gather_moments(module) if self.keep_optimizer else None
         new_cfg = grown_config(cfg, grown.model, grown.moe)
         after = held_back_loss(new_cfg, grown.state, probe, module.device)

@@ -7,8 +7,8 @@ from typing import Any
 
 from pretrain import ds_adapter
 from pretrain.config import RunConfig
-from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, training_gates
-from pretrain.model.layers import skips
+from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, inference_scales, training_gates
+from pretrain.train.step import StepResult
 from pretrain.train.trainer import Callback, Trainer
 
 
@@ -32,6 +32,7 @@ class LayerDropCallback(Callback):
         self.step = step - 1
         if trainer is not None:  # growth may have changed the depth
             self.layers = trainer.module.cfg.model.num_layers
+            self._validate_with(trainer, self.step)
         if self.ld.mode == "layer":
             self.gates = training_gates(self.ld, self.seed, self.step, self.layers)
             self.executed = executed_blocks(self.gates)
@@ -42,6 +43,21 @@ class LayerDropCallback(Callback):
         if trainer is not None:
             trainer.shared.skipped_blocks = frozenset(self.skipped_blocks())
 
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if trainer.state.step >= trainer.cfg.train.max_steps:  # the last validation is the finished model's
+            self._validate_with(trainer, None)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        self._validate_with(trainer, None)  # a run that stops early is validated at its end, finished
+
+    def _validate_with(self, trainer: Trainer, step: int | None) -> None:
+        """``rho`` scaling: the scales of the model's eval forwards (validation) are eq. 95's rho of the keep
+        probability the weights are being trained under, 1 - r(step) at 0-based ``step`` (a ``linear`` or
+        ``progressive`` schedule has not reached the final rate yet), or the final rate (``step`` None) for the
+        finished model, as ``eval``, export, prune and growth use."""
+        if self.ld.scaling == "rho":
+            trainer.module.model.branch_scales = inference_scales(self.ld, self.layers, step)
+
     def forward_kwargs(self, module, index: int) -> dict[str, Any]:
         if self.ld.mode == "layer":
             return {"gates": self.gates}
@@ -50,13 +66,13 @@ class LayerDropCallback(Callback):
 
     def after_backward(self, module) -> None:
         """ZeRO-3 keeps each parameter's gradient partition from the last step in which it had a gradient and
-        reuses it for a parameter that got none: zero the partitions of the skipped sub-layers, so a skipped
-        sub-layer sees a zero gradient under every ZeRO stage (as ZeRO-1/2 and plain data parallelism give)."""
+        reuses it for a parameter that got none: zero the partitions of every parameter a skip left without one
+        (a skipped sub-layer's; all of a skipped block's, post-norm and DeepNorm norms included), so it sees a
+        zero gradient under every ZeRO stage (as ZeRO-1/2 and plain data parallelism give)."""
         if self.gates is None or module.zero_stage != 3:
             return
         blocks = module.model.blocks
-        unused = {id(p) for i, gates in enumerate(self.gates) for branch, gate in zip(("attn", "ffn"), gates)
-                  if skips(gate) for p in blocks[i].branch_parameters(branch)}
+        unused = {id(p) for i, (attn, ffn) in enumerate(self.gates) for p in blocks[i].skipped_parameters(attn, ffn)}
         if not unused:
             return
         for p, grad in ds_adapter.zero3_grad_partitions(module.engine.optimizer):
