@@ -425,6 +425,42 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     assert "MixtralForCausalLM" in report
 
 
+@pytest.mark.slow
+def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and_offline(tmp_path):
+    """``layer_drop.scaling: rho`` with ``by_depth: linear`` (rate 0.8: rho 0.6, 0.2 at depth 2, 0.8, 0.6, 0.4, 0.2
+    at depth 4): identity depth growth keeps the held-back loss in the job (``growth.schedule``, checked by the run
+    itself and logged) and with ``grow`` on the committed checkpoint. Recomputing rho for the new depth instead
+    moved the loss by 8e-4 (in the job) and 2.7e-3 (offline) here: each block keeps the parent's scale."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    from tests.conftest import PYTHON, ROOT, cli_env
+
+    def cli(*args):
+        proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout
+
+    rho = ["layer_drop.rate=0.8", "layer_drop.scaling=rho", "layer_drop.by_depth=linear", "train.lr=1e-2"]
+    base = [o for o in GROW if not o.startswith("growth.")] + rho + [
+        "train.max_steps=4", "cluster.num_workers=1", "checkpoint.every_steps=4",
+        "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}]"]
+    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
+    parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    m = client.get_run(parent).data.metrics
+    print(f"in the job: {m['growth/loss_before']:.6f} -> {m['growth/loss_after']:.6f}")
+    assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=2e-6)
+    out = cli("grow", parent, "depth=2x", "depth_op=identity", "noise=0")
+    child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
+    m = client.get_run(child).data.metrics
+    print(f"offline: {m['growth/loss_before']:.6f} -> {m['growth/loss_after']:.6f}")
+    assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=2e-6)
+    assert "8 blocks" in out
+
+
 def test_schedule_targets_accept_yaml_ints_and_unquoted_increments(tmp_path):
     """``depth: 8`` (a YAML int) is a total; ``depth: +4`` (YAML 1.1 would read the int 4) is kept as the
     increment '+4', like the quoted form; int keys still read ``+N`` as N; bad targets name their key path."""

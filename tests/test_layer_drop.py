@@ -282,6 +282,9 @@ VARIANTS = [
     ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu"],
 ]
 MOE_EP = ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu", "moe.ep_size=2"]
+# Block dropout on post-norm and DeepNorm: a skipped block's norms get no gradient either (ZeRO-3 must zero them).
+POST_DEEP = [(["zero.stage=1", *arch], [*Z3, *arch]) for arch in (
+    ["model.kind=encoder", "model.norm_placement=post", "model.position=learned"], ["model.norm_placement=deepnorm"])]
 Z3_GATHERS = [Z3, VARIANTS[4], [*Z3, "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
                                 "layer_drop.granularity=sublayer"]]
 
@@ -323,8 +326,9 @@ def test_zero3_gathers_only_the_sublayers_that_run():
 def test_layer_drop_is_rank_consistent_and_matches_one_worker():
     """2 workers under ZeRO-1/2/3, sub-layer and sample modes, MoE with expert parallelism 2: no hang (the
     launcher's timeout fails the test), ranks agree, and the per-step losses equal 1 worker with the same drops;
-    ZeRO-3 (every parameter partitioned) equals ZeRO-1 and never gathers a skipped sub-layer."""
-    two = run_distributed(_train, 2, VARIANTS + [MOE_EP], timeout=600)
+    ZeRO-3 (every parameter partitioned) equals ZeRO-1 and never gathers a skipped sub-layer, also for block
+    dropout on a post-norm encoder and a DeepNorm decoder (a skipped block's norms get a zero gradient too)."""
+    two = run_distributed(_train, 2, VARIANTS + [MOE_EP] + [v for pair in POST_DEEP for v in pair], timeout=900)
     one = run_distributed(_train, 1, VARIANTS, timeout=600)[0]
     assert two[0] == two[1]
     for extra in VARIANTS:
@@ -340,6 +344,11 @@ def test_layer_drop_is_rank_consistent_and_matches_one_worker():
     assert max(abs(a - b) for a, b in zip(z1, z3)) < 1e-5, "ZeRO-3 gives skipped blocks a zero gradient too"
     sub1, sub3 = (two[0][" ".join(v)]["losses"] for v in VARIANTS[3:5])  # the two sub-layer variants
     assert max(abs(a - b) for a, b in zip(sub1, sub3)) < 1e-5, "... and skipped sub-layers"
+    for z1, z3 in POST_DEEP:  # every parameter of a skipped block, post-norm and DeepNorm norms included
+        diff = max(abs(a - b) for a, b in zip(two[0][" ".join(z1)]["losses"], two[0][" ".join(z3)]["losses"]))
+        print(f"{' '.join(z3)}: ZeRO-3 vs ZeRO-1, max |diff| {diff:.2e}")
+        assert diff < 1e-5, f"ZeRO-3 gives a skipped block's norms a zero gradient too: {' '.join(z3)}"
+        _assert_gathers_only_what_runs(two[0][" ".join(z3)], " ".join(z3))
     ep, ref = two[0][" ".join(MOE_EP)]["losses"], one[" ".join(VARIANTS[-1])]["losses"]
     assert max(abs(a - b) for a, b in zip(ep, ref)) < 1e-5, "expert parallelism 2 = experts on one worker"
 
