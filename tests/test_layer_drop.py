@@ -156,8 +156,6 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
     """``rho`` scaling under a ``linear`` / ``progressive`` schedule: validation during training scales each branch by
     the keep probability 1 - r(t) of the step just trained; the last step's validation (and a run stopped early, at
     its end) by the final one, like ``eval`` of the checkpoint, export, prune and growth."""
-    from types import SimpleNamespace
-
     from pretrain.train.layer_drop import LayerDropCallback
 
     for schedule in (["layer_drop.schedule=linear", "layer_drop.warmup_steps=4"],
@@ -166,7 +164,8 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
         ld = cfg.layer_drop
         model = build_model(cfg.model, 0)
         model.branch_scales = inference_scales(ld, 6)  # what build_module sets: the final rho
-        trainer = SimpleNamespace(module=SimpleNamespace(model=model, cfg=cfg), cfg=cfg, state=SimpleNamespace(step=0))
+        trainer = _Trainer(cfg)
+        trainer.module.model, trainer.cfg = model, cfg
         cb = LayerDropCallback(cfg, 0, [0])
         ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))
         for step in range(1, STEPS + 1):
