@@ -429,13 +429,18 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
 def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and_offline(tmp_path):
     """``layer_drop.scaling: rho`` with ``by_depth: linear`` (rate 0.8: rho 0.6, 0.2 at depth 2, 0.8, 0.6, 0.4, 0.2
     at depth 4): identity depth growth keeps the held-back loss in the job (``growth.schedule``, checked by the run
-    itself and logged) and with ``grow`` on the committed checkpoint. Recomputing rho for the new depth instead
-    moved the loss by 8e-4 (in the job) and 2.7e-3 (offline) here: each block keeps the parent's scale."""
+    itself and logged) and with ``grow`` on the committed checkpoint; the same growth with rho recomputed for the
+    new depth (the weights not rescaled) moves the loss on the same batch past the growth check's tolerance."""
     import subprocess
 
     from mlflow import MlflowClient
 
-    from tests.conftest import PYTHON, ROOT, cli_env
+    from cluster.derive import _held_back_batch
+    from pretrain.config import GrowthStep
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.model.growth import apply_growth
+    from pretrain.train.growth import grown_config, held_back_loss
+    from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
 
     def cli(*args):
         proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
@@ -459,6 +464,15 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
     print(f"offline: {m['growth/loss_before']:.6f} -> {m['growth/loss_after']:.6f}")
     assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=2e-6)
     assert "8 blocks" in out
+    with in_workdir(tmp_path):  # the bug: the plain operator, rho recomputed for the child's depth
+        ckpt = resolve_checkpoint(parent)  # the latest committed checkpoint of the run (step 4)
+        cfg, sd = ckpt.config, ckpt.state_dict(inference=False)
+        plain = apply_growth(cfg.model, cfg.moe, sd, GrowthStep(depth="2x", depth_op="identity", noise=0.0), seed=0)
+        batch = [_held_back_batch(ckpt)]
+        stale = held_back_loss(grown_config(cfg, plain.model, plain.moe), plain.state, batch, torch.device("cpu"))
+    rel = abs(stale - m["growth/loss_before"]) / m["growth/loss_before"]
+    print(f"offline without the fold: {m['growth/loss_before']:.6f} -> {stale:.6f} (relative {rel:.1e})")
+    assert rel > cfg.growth.check_tolerance, "the scales matter"
 
 
 def test_schedule_targets_accept_yaml_ints_and_unquoted_increments(tmp_path):
