@@ -9,10 +9,11 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from pretrain import timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.dist import free_port
 from pretrain.train.callbacks import SUMMARY_FILE
@@ -119,7 +120,9 @@ def read_summary(job: Job) -> dict[str, Any]:
 def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     """Run ``job`` with the configured backend and return the final metrics."""
     if cluster.use_ray:
-        return run_with_ray(job, cluster)
+        timeline.enter("ray")  # until the worker's training function starts (worker start-up and imports included)
+        return run_with_ray(replace(job, startup=timeline.marks()), cluster)
+    job = replace(job, startup=timeline.marks())
     # No Ray: this process is the worker (a world of one, or one rank of a torchrun launch).
     sys.stdout.flush()
     return train_loop(asdict(job))

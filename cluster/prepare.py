@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pretrain import timeline
 from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus
@@ -149,9 +150,11 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
         _adopt_hf_model(cfg)
     _warn_if_not_exportable(cfg)
     tok_dir = run_dir / "tokenizer"
+    timeline.enter("tokenizer")
     tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
     if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained
         tokenizer.save_pretrained(str(tok_dir))
+    timeline.enter("run_preparation")
     cfg.data.tokenizer = str(tok_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = _round_up(len(tokenizer), cfg.model.vocab_multiple)

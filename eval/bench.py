@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 from eval.bench_common import bench_tokens, interleaved_best
+from eval.bench_loop import loop_benchmark
 from eval.bench_common import micro_batch_module, train_step_fn
 from eval.bench_common import random_batches as _batches
 from eval.bench_common import sync as _sync
 from pretrain.config import RunConfig, load_config
+from pretrain.train.timing import LOOP_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,6 +249,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
+    p.add_argument("--no-loop", action="store_true", help="skip the real training loop (python -m pretrain train)")
+    p.add_argument("--loop-steps", type=int, default=40,
+                   help="steps of the real training loop (the first %d are left out of loop_tokens_per_s)"
+                   % LOOP_WARMUP_STEPS)
     p.add_argument("--growth", action="store_true",
                    help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
     p.add_argument("--layer-drop", action="store_true",
@@ -284,12 +290,17 @@ def measure(a: argparse.Namespace) -> dict:
                          "train.precision=bf16", "model.vocab_size=50304", "data.sources=[{path: demo}]",
                          "data.num_streams=8", "data.tokenizer_vocab_size=8192", *overrides]
     cfg = load_config(path, overrides)
+    global_batch = cfg.train.global_batch_size
     # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     cfg.data.num_streams = 1
     cfg.moe.ep_size = 1  # all experts on the one worker (the MoE part measures expert parallelism separately)
     steps = a.steps or (20 if gpu else 8)
     result = run_bench(cfg, steps, a.rounds)
+    if not a.no_loop:  # the loop a user runs, on the same model, batch and threads as the step just timed
+        result.update(loop_benchmark(str(path), overrides, step_tokens_per_s=result["tokens_per_s"],
+                                     steps=a.loop_steps, threads=torch.get_num_threads(),
+                                     micro_batch=cfg.train.micro_batch_size, global_batch=global_batch))
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
     if a.layer_drop:

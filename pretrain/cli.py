@@ -33,6 +33,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
 
 
@@ -65,22 +66,26 @@ def _print_summary(final: dict, job, uri: str) -> None:
 def cmd_train(args: list[str]) -> int:
     path, overrides = split_args(args)
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
+    timeline.start()
 
     from cluster.prepare import prepare_new
     from pretrain.train.tracking import tracking_uri
 
+    timeline.enter("run_preparation")
     job = prepare_new(cfg)
     print(f"[pretrain] run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}", flush=True)
     return _run_job(job, cfg.cluster, tracking_uri())
 
 
 def cmd_resume(args: list[str]) -> int:
+    timeline.start()
     from pretrain.config import from_dict
     from cluster.prepare import prepare_resume
     from pretrain.train.tracking import tracking_uri
 
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")
+    timeline.enter("run_preparation")
     job = prepare_resume(args[0], args[1:])
     cfg = from_dict(job.config)
     print(f"[pretrain] resuming run {job.run_id} into {job.run_dir}", flush=True)

@@ -285,6 +285,47 @@ def roundtrip(state: dict) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_prefetch_keeps_batches_and_the_state_of_the_batches_taken(tmp_path, tok, kind):
+    """``prefetch()`` (the trainer's, while a step computes) changes no batch and no order; with a batch ahead,
+    ``state_dict()`` and the bad-record counts are still those of the batches taken, so a checkpoint resumes at the
+    next untrained batch; the end of the data (repeat off) surfaces at the same step."""
+    paths = resume_sources(tmp_path)
+    cfg = DataConfig(sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],
+                     num_streams=4, val_holdout=0.05)
+    plain, ahead = batches(cfg, tok, kind=kind), batches(cfg, tok, kind=kind)
+    for n in range(30):
+        a, b = plain.next_step(), ahead.next_step()
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "labels")), n
+        ahead.prefetch()
+        ahead.prefetch()  # idempotent: still one batch ahead
+        assert ahead.state_dict() == plain.state_dict(), n
+        assert ahead.bad_record_summary() == plain.bad_record_summary(), n
+    state = roundtrip(ahead.state_dict())  # a checkpoint with a batch in flight
+    fresh = batches(cfg, tok, kind=kind)
+    fresh.load_state_dict(state)
+    for _ in range(5):
+        a, b, c = plain.next_step(), ahead.next_step(), fresh.next_step()
+        assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in ("input_ids", "labels"))
+        ahead.prefetch()
+    ahead.load_state_dict(state)  # a resume drops the batch ahead
+    assert ahead.state_dict() == state
+
+    small = write_txt(tmp_path / "small.txt", make_docs(30, "s", seed=3))
+    ends = []
+    for prefetch in (False, True):
+        tb = batches(data_cfg(small, num_streams=2, repeat=False), tok, G=2, kind=kind)
+        taken = 0
+        with pytest.raises(StopIteration):
+            while True:
+                tb.next_step()
+                taken += 1
+                if prefetch:
+                    tb.prefetch()
+        ends.append((taken, tb.state_dict()))
+    assert ends[0] == ends[1]
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
 def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
     paths = resume_sources(tmp_path)
     cfg = DataConfig(sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],

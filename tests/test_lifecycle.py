@@ -316,6 +316,15 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 2
     trace = json.loads((run_dir / "profile" / "rank0_steps1-2.json").read_text())
     assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
-    assert "aten::" in (run_dir / "profile" / "rank0_steps1-2.txt").read_text()
+    table = (run_dir / "profile" / "rank0_steps1-2.txt").read_text()
+    assert "aten::" in table
+    loop = table.split("\n\n")[0]  # the loop's own table first: the window's wall time per range
+    for row in ("run_step", "next_batch", "MetricsLogger.on_step_end", "(outside the ranges)"):
+        assert f"\n{row} " in loop, row
+    # the speed of the loop and the start-up of this worker (built outside a command: from its setup on)
+    assert final["loop_tokens_per_s"] > 0 and final["loop_steps_timed"] == 1 and final["loop_window"] == 10
+    phases = final["startup_phases_s"]
+    assert list(phases) == ["worker_setup", "engine_build", "trainer_setup", "first_batch", "first_step"]
+    assert final["time_to_first_step_s"] == pytest.approx(sum(phases.values())) and min(phases.values()) >= 0
     artifacts = {a.path for a in MlflowClient().list_artifacts(job.run_id, "profile")}
     assert artifacts == {"profile/rank0_steps1-2.json", "profile/rank0_steps1-2.txt"}

@@ -12,12 +12,19 @@ source, mixture draws, document index, epoch), the packer buffer, the sequences 
 bad-record counters. ``load_state_dict`` takes the union of the workers' states (see
 :func:`merge_states`) and restores the streams this worker owns, so resuming with another worker
 count is exact.
+
+``prefetch()`` fetches the next step's batch in a background thread (the trainer calls it while the step
+computes); ``next_step`` then returns that batch. The batches and their order do not change, and
+``state_dict()`` / ``bad_record_summary()`` stay those of the batches *taken* (a snapshot from before the
+prefetch), so a checkpoint never counts a batch the loop has not trained on.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -77,6 +84,8 @@ class TrainBatches:
         self._separator = separator_id(tokenizer)
         self._masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
         self._streams = {s: self._make_stream(s) for s in self.owned}
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: Future | None = None  # -> (state before the batch, batch or None, StopIteration or None)
 
     def _make_stream(self, s: int, state: dict | None = None) -> _Stream:
         return _Stream(s, self._sources, self.cfg, self.seed, self.cfg.num_streams, self._encode,
@@ -89,7 +98,34 @@ class TrainBatches:
         return self.next_step()
 
     def next_step(self) -> dict[str, torch.Tensor]:
-        """This worker's ``G/W`` sequences of the next step; StopIteration when the data ends (repeat off)."""
+        """This worker's ``G/W`` sequences of the next step (the prefetched one if any); StopIteration when the
+        data ends (repeat off)."""
+        if self._ahead is not None:
+            _, batch, ended = self._take_ahead()
+            if ended is not None:
+                raise ended
+            return batch
+        return self._fetch()
+
+    def prefetch(self) -> None:
+        """Start fetching the next step's batch in a background thread (no-op when one is already ahead)."""
+        if self._ahead is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+            self._ahead = self._pool.submit(self._fetch_ahead)
+
+    def _fetch_ahead(self) -> tuple[dict, dict[str, torch.Tensor] | None, StopIteration | None]:
+        state = copy.deepcopy(self._state_now())  # the resume point of the batches taken so far
+        try:
+            return state, self._fetch(), None
+        except StopIteration as e:
+            return state, None, e
+
+    def _take_ahead(self) -> tuple[dict, dict[str, torch.Tensor] | None, StopIteration | None]:
+        ahead, self._ahead = self._ahead, None
+        return ahead.result()  # an error of the fetch (not the end of the data) is raised here
+
+    def _fetch(self) -> dict[str, torch.Tensor]:
         T, n = self.seq_len, self.plan.per_stream
         ended = False
         for s in self.owned:  # fill first: a step is either served whole or not at all
@@ -115,7 +151,13 @@ class TrainBatches:
                 "kind": self.kind}
 
     def state_dict(self) -> dict:
-        """JSON-serializable state of this worker's streams (each stream also carries the metadata)."""
+        """JSON-serializable state of this worker's streams (each stream also carries the metadata): the position
+        after the batches taken, not counting a prefetched one."""
+        if self._ahead is not None:
+            return copy.deepcopy(self._ahead.result()[0])
+        return self._state_now()
+
+    def _state_now(self) -> dict:
         meta = self._meta()
         return {**meta, "streams": {str(s): {**meta, **self._streams[s].state_dict()} for s in self.owned}}
 
@@ -126,6 +168,8 @@ class TrainBatches:
         missing = [s for s in self.owned if str(s) not in streams]
         if missing:
             raise ValueError(f"data state: no state for streams {missing} (merge all workers' states)")
+        if self._ahead is not None:
+            self._take_ahead()  # a prefetched batch of the old position is dropped
         meta = self._meta()
         for where, part in [("", state)] + [(f"streams.{s}.", streams[str(s)]) for s in self.owned]:
             for key, mine in meta.items():
@@ -134,7 +178,16 @@ class TrainBatches:
         self._streams = {s: self._make_stream(s, streams[str(s)]) for s in self.owned}
 
     def bad_record_summary(self) -> dict:
-        return summarize_bad_records([self._streams[s].bad for s in self.owned])
+        """Bad records of the batches taken (a prefetched batch's are not counted)."""
+        if self._ahead is None:
+            return summarize_bad_records([self._streams[s].bad for s in self.owned])
+        streams = self._ahead.result()[0]["streams"]
+        counters = []
+        for s in self.owned:
+            bad = BadRecords(self.cfg.bad_records)
+            bad.load_state_dict(streams[str(s)]["bad"])
+            counters.append(bad)
+        return summarize_bad_records(counters)
 
 
 def merge_states(states: list[dict]) -> dict:

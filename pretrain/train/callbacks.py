@@ -46,6 +46,7 @@ from pretrain.train.profiling import ProfilerCallback
 from pretrain.train.resume import engine_state_dir
 from pretrain.train.stability import Decision, StabilityControl
 from pretrain.train.step import StepResult, evaluate
+from pretrain.train.timing import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.trainer import Callback, Trainer
 
 SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
@@ -58,22 +59,6 @@ def _last(trainer: Trainer) -> bool:
 
 def _stopped_early(trainer: Trainer) -> bool:
     return 0 < trainer.state.step < trainer.cfg.train.max_steps
-
-
-class SpeedMonitor(Callback):
-    order = 0
-
-    def __init__(self) -> None:
-        self._t0 = 0.0
-
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        trainer.progress.add_step(time.perf_counter() - self._t0)
-
-    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
-        final.update(tokens_per_s=trainer.progress.tokens_per_s(), train_seconds=trainer.progress.train_seconds)
 
 
 class StabilityCallback(Callback):

@@ -5,13 +5,15 @@ run plan, the :class:`~pretrain.train.module.TrainModule`, the data and the call
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pretrain import timeline
 from pretrain.config import from_dict, make_plan
 from pretrain.data import TrainBatches, load_or_train_tokenizer, validation_batches
 from pretrain.model.compile import is_compiled
@@ -39,6 +41,9 @@ class Job:
     init_weights: str = ""
     """A full model state dict (``torch.save``, loaded with ``weights_only``) to start from instead of the seeded
     init, e.g. converted from ``model.init_from_hf`` by the driver; a resumed checkpoint overrides it."""
+    startup: list = field(default_factory=list)
+    """The driver's start-up marks (:func:`pretrain.timeline.marks`), continued by the worker up to its first
+    step; empty when the job was not started by a command (the worker's timeline then starts at its setup)."""
 
 
 def train_loop(job: dict[str, Any]) -> dict[str, Any]:
@@ -50,6 +55,11 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     """This worker's :class:`Trainer` for ``job``: the plan, the module (resumed when a committed checkpoint
     exists), the data, the standard callbacks, those of the enabled features and ``extra_callbacks``."""
     job_ = Job(**job)
+    if job_.startup:
+        timeline.adopt(job_.startup)
+        timeline.enter("worker_setup")
+    else:
+        timeline.start("worker_setup", at=time.time())
     cfg = from_dict(job_.config)
     ctx = dist.setup(cfg.cluster.use_gpu)
     # Divide the node's CPUs among its local workers (Ray would otherwise leave one thread each).
@@ -65,8 +75,10 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         cfg = checkpoint_architecture(cfg, resume)
     source = engine_state_dir(resume, run_dir, ctx) if resume is not None else None
     weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
+    timeline.enter("engine_build")
     module = build_module(cfg, plan, rank=ctx.rank, device=ctx.device, weights=weights,
                           load_universal=source is not None and source[1])
+    timeline.enter("trainer_setup")  # data, validation set, resume, callbacks
     batches = TrainBatches(cfg.data, kind=cfg.model.kind, tokenizer=tokenizer, plan=plan, rank=ctx.rank,
                            seed=cfg.train.seed)
     val_set = validation_batches(cfg.data, kind=cfg.model.kind, seq_len=plan.seq_len, tokenizer=tokenizer,

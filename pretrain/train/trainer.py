@@ -33,6 +33,7 @@ import torch
 from pretrain.config import RunConfig, RunPlan
 from pretrain.data import TrainBatches
 from pretrain.train import dist
+from pretrain.train.ranges import loop_range
 from pretrain.train.progress import Progress
 from pretrain.train.step import StepHooks, StepInput, StepResult, run_step, step_seed
 from pretrain.train.tracking import Tracker
@@ -153,7 +154,8 @@ class Trainer:
         for cb in self.callbacks:
             if event == "on_step_end" and self._step_ended:
                 break
-            getattr(cb, event)(self, *args)
+            with loop_range(f"{type(cb).__name__}.{event}"):
+                getattr(cb, event)(self, *args)
 
     def collect_state(self) -> None:
         """Put every stateful callback's state into ``state`` (before a checkpoint is written)."""
@@ -171,17 +173,21 @@ class Trainer:
         self.emit("on_run_start")
         while state.step < t.max_steps and not self.stop_reason:
             torch.manual_seed(step_seed(t.seed, state.step, self.ctx.rank))
-            batch = self._next_batch()
+            with loop_range("next_batch"):
+                batch = self._next_batch()
             if batch is None:
                 self.progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
                 break
+            if state.step + 1 < t.max_steps:  # the next batch is fetched while this step computes
+                self.batches.prefetch()
             step_no = state.step + 1
             self.emit("on_step_start", step_no)
             lr = self.module.lr_at(state.step)
             for cb in self.callbacks:
                 lr *= cb.lr_factor(step_no)
             seeds = [step_seed(t.seed, state.step, mid) for mid in micro_ids]
-            result = run_step(self.module, StepInput(step_no, batch, lr, seeds), self.callbacks)
+            with loop_range("run_step"):
+                result = run_step(self.module, StepInput(step_no, batch, lr, seeds), self.callbacks)
             state.step += 1
             state.tokens_seen += plan.tokens_per_step
             state.sequences += plan.global_batch

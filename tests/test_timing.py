@@ -1,0 +1,60 @@
+"""The loop's speed measures (fast): the start-up timeline's phases add up to the time to the first step, and the
+loop's steady-state tokens/s (mean and best window) leave out the warm-up and count everything between steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pretrain import timeline
+from pretrain.train.timing import LOOP_WARMUP_STEPS, cycle, loop_rates
+
+
+def test_process_start_is_this_process_start():
+    start = timeline.process_start()
+    assert time.time() - 600 < start <= time.time()
+    assert start <= timeline._IMPORTED_AT + 0.05, "the process started before it imported this module"
+
+
+def test_phases_add_up_and_repeated_phases_sum():
+    marks = [("imports", 100.0), ("run_preparation", 101.0), ("tokenizer", 103.0), ("run_preparation", 103.5),
+             ("ray", 104.0), ("first_step", 110.0)]
+    got = timeline.phases(marks, 111.0)
+    assert got == {"imports": 1.0, "run_preparation": 2.5, "tokenizer": 0.5, "ray": 6.0, "first_step": 1.0}
+    assert list(got) == ["imports", "run_preparation", "tokenizer", "ray", "first_step"]
+    assert sum(got.values()) == 111.0 - 100.0
+
+
+def test_timeline_is_a_noop_until_started_and_a_worker_adopts_the_drivers_marks():
+    timeline.finish()
+    timeline.enter("tokenizer")  # library use outside a command: nothing recorded
+    assert timeline.marks() == []
+    timeline.start()
+    timeline.enter("run_preparation")
+    driver = timeline.marks()
+    assert [p for p, _ in driver] == ["imports", "run_preparation"] and driver[0][1] <= driver[1][1]
+    timeline.adopt([list(m) for m in driver])  # the same process (no Ray): nothing changes
+    assert timeline.marks() == driver
+    timeline.finish()
+    timeline.adopt([list(m) for m in driver])  # a worker process: continues the driver's timeline
+    timeline.enter("worker_setup")
+    assert [p for p, _ in timeline.marks()] == ["imports", "run_preparation", "worker_setup"]
+    timeline.finish()
+    assert timeline.marks() == []
+
+
+def test_loop_rates_leave_out_warmup_and_count_periodic_work():
+    tokens = 1000
+    ends = [0.0, 5.0, 6.0, 7.0, 8.0, 9.0]  # a slow first step, then 1 s per step
+    ends += [ends[-1] + 1.0 * (i + 1) + 0.5 * ((i + 1) // 10) for i in range(40)]  # every 10th step 0.5 s more
+    mean, best, steps = loop_rates(ends, tokens, window=10)
+    assert steps == len(ends) - 1 - LOOP_WARMUP_STEPS
+    assert mean == pytest.approx(steps * tokens / (ends[-1] - ends[LOOP_WARMUP_STEPS]))
+    assert best == pytest.approx(10 * tokens / 10.5), "every 10-step window holds one periodic cost"
+    assert loop_rates([0.0, 1.0], tokens, window=10) == (1000.0, 1000.0, 1)  # too short for a warm-up
+    assert loop_rates([3.0], tokens, window=10) == (0.0, 0.0, 0)
+
+
+def test_window_is_a_whole_number_of_logging_and_health_cycles():
+    assert cycle(10, 10) == 10 and cycle(10, 4) == 20 and cycle(5, 0) == 5 and cycle(1, 1) == 1
