@@ -1,6 +1,9 @@
 """Throughput benchmark, measured in one run: our training step (DeepSpeed engine, as configured)
 against a bare PyTorch loop on the same model, batch and optimizer, the overhead of the stability
-health metrics at their default interval (``health_overhead_frac``), plus data-pipeline throughput.
+health metrics at their default interval (``health_overhead_frac``), plus data-pipeline throughput; then the
+real training loop of the same config (``python -m pretrain train``: data, callbacks, health, logging, MLflow, Ray)
+on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` and ``time_to_first_step_s``
+with its phases (:mod:`eval.bench_loop`; ``--no-loop`` skips it).
 
 Our step is timed without and with compiled blocks (``train.compile``), with the one-time compile cost.
 MFU = model FLOPs/s over the matmul peak this device measurably reaches in the run's precision (fp32 on CPU,
@@ -8,7 +11,7 @@ bf16 on GPUs), and on known GPUs also over the datasheet dense bf16 peak (``mfu_
 
 CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs/gpt-125m.yaml model) in bf16.
 
-    ./launch.sh bench [--json] [--steps N] [CONFIG] [key=value ...]
+    ./launch.sh bench [--json] [--steps N] [--loop-steps N] [--no-loop] [CONFIG] [key=value ...]
 """
 
 from __future__ import annotations

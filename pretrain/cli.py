@@ -5,7 +5,9 @@
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [--no-moe] [--layer-drop] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense,
-                                                  all-to-all, data; --layer-drop: tokens/s at rates 0, 0.25, 0.5
+                                                  all-to-all, data, the real training loop (loop_vs_step_ratio,
+                                                  time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
+                                                  at rates 0, 0.25, 0.5
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy

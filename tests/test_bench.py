@@ -1,4 +1,5 @@
-"""``./launch.sh bench --json`` is one JSON object on stdout with the keys the README documents (no timing asserted)."""
+"""``./launch.sh bench --json`` is one JSON object on stdout with the keys the README documents (no timing asserted),
+the real training loop's (``python -m pretrain train`` through Ray, as users run it) included."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from tests.conftest import PYTHON, cli_env
 
 
 @pytest.mark.slow
-def test_bench_json_reports_mfu_ratios_compile_cost_and_layer_drop_speeds(tmp_path):
+def test_bench_json_reports_mfu_ratios_compile_cost_layer_drop_speeds_and_the_real_loop(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--json", "--no-moe", "--layer-drop", "--steps", "2",
-                           "--rounds", "1",
+                           "--rounds", "1", "--loop-steps", "12",
                            "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
                            "train.micro_batch_size=4", "data.tokenizer_vocab_size=512", "model.vocab_size=512"],
                           cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
@@ -27,6 +28,15 @@ def test_bench_json_reports_mfu_ratios_compile_cost_and_layer_drop_speeds(tmp_pa
     speeds = result["layer_drop_tokens_per_s"]  # --layer-drop: rates 0, 0.25 and 0.5 in layer mode
     assert set(speeds) == {"0", "0.25", "0.5"} and all(v > 0 for v in speeds.values())
     assert result["layer_drop_speedup"]["0"] == 1.0
+    # the real loop: steady-state tokens/s over the step's, and the start-up per phase (adding up)
+    assert result["loop_tokens_per_s"] > 0 and result["loop_mean_tokens_per_s"] > 0
+    assert result["loop_vs_step_ratio"] == result["loop_tokens_per_s"] / result["tokens_per_s"]
+    assert result["loop_steps_timed"] == 12 - 1 - 5  # the first 5 steps are warm-up
+    phases = result["time_to_first_step_phases_s"]
+    assert list(phases) == ["imports", "run_preparation", "tokenizer", "ray", "worker_setup", "engine_build",
+                            "trainer_setup", "first_batch", "first_step"]
+    assert result["time_to_first_step_s"] > 0 and min(phases.values()) >= 0
+    assert abs(sum(phases.values()) - result["time_to_first_step_s"]) < 1e-6
     for rate, key in ((0.25, "0.25"), (0.5, "0.5")):
         ratio = result["layer_drop_vs_ideal"][key]  # speed-up over the ideal 1 / (1 - rate)
         assert ratio == result["layer_drop_speedup"][key] * (1 - rate) and ratio > 0

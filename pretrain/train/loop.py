@@ -4,6 +4,7 @@ run plan, the :class:`~pretrain.train.module.TrainModule`, the data and the call
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,7 +49,15 @@ class Job:
 
 def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     """Train per ``job`` (a ``Job`` as dict). Returns the final metrics (rank 0's view)."""
-    return build_trainer(job).fit()
+    trainer = build_trainer(job)
+    try:
+        final = trainer.fit()
+    except BaseException:
+        with contextlib.suppress(Exception):  # what was logged before the error; the error itself comes first
+            trainer.tracker.flush()
+        raise
+    trainer.tracker.flush()  # metrics are logged asynchronously
+    return final
 
 
 def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ()) -> Trainer:
@@ -67,7 +76,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     torch.set_num_threads(threads)
     plan = make_plan(cfg, ctx.world_size)
     run_dir = Path(job_.run_dir)
-    tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id)
+    tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id, asynchronous=True)
 
     tokenizer = load_or_train_tokenizer(cfg.data)
     resume = find_resume_point(cfg, run_dir, ctx)

@@ -421,6 +421,7 @@ class StabilityControl:
         path = self.run_dir / "training.png"
         try:
             if self.tracker.enabled:  # the whole run from MLflow, resumed parts included; logged there too
+                self.tracker.flush()  # the metrics queued so far
                 out = plot_run(tracking_uri, self.tracker.run_id, path)
             else:
                 series = {"train/loss": [(s, x) for s, x, _ in self.history],

@@ -86,23 +86,38 @@ def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/co
 class Tracker:
     """Rank-0 metric logger for one run. A no-op when ``uri`` is empty (tracking disabled)."""
 
-    def __init__(self, uri: str, run_id: str):
-        self.uri, self.run_id = uri, run_id
+    def __init__(self, uri: str, run_id: str, asynchronous: bool = False):
+        """``asynchronous``: metrics are queued (the training loop's tracker; see :meth:`log_metrics`)."""
+        self.uri, self.run_id, self.asynchronous = uri, run_id, asynchronous
         self._client = _client(uri) if uri else None
+        self._pending: list = []  # MLflow's futures of metrics logged asynchronously
 
     @property
     def enabled(self) -> bool:
         return self._client is not None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Asynchronous trackers queue them: MLflow's background thread writes them (batched) and the loop does
+        not wait on the store; :meth:`flush` waits for all (the training function does at its end; a failed write
+        raises there)."""
         if not self._client:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if len(self._pending) >= 64:
+            self.flush()  # bounded: a store slower than the loop is waited for, and its errors surface
         for i in range(0, len(batch), 500):  # MLflow takes at most 1000 metrics per request
-            self._client.log_batch(self.run_id, metrics=batch[i:i + 500], synchronous=True)
+            op = self._client.log_batch(self.run_id, metrics=batch[i:i + 500], synchronous=not self.asynchronous)
+            if op is not None:
+                self._pending.append(op)
+
+    def flush(self) -> None:
+        """Wait until every metric logged so far is in the store."""
+        pending, self._pending = self._pending, []
+        for op in pending:
+            op.wait()
 
     def log_params(self, params: dict[str, Any]) -> bool:
         """Log params; False (nothing logged) when one of them already exists with another value (MLflow params
@@ -149,6 +164,7 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._client:
+            self.flush()
             self._client.set_terminated(self.run_id, status=status)
 
 
