@@ -13,13 +13,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from pretrain import timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.dist import free_port
 from pretrain.train.callbacks import SUMMARY_FILE
 from pretrain.train.loop import Job, train_loop
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
 _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -36,8 +35,8 @@ def worker_env() -> dict[str, str]:
     # Ray Train re-routes print() through its logger and also tees it: every progress line twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
-    pythonpath = os.environ.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + pythonpath if pythonpath else "")
+    # No PYTHONPATH: workers import the project installed in their environment (./launch.sh setup, the Dockerfile).
+    # An embedded local Ray's workers inherit this process's environment, PYTHONPATH included (tests, launch.sh).
     return env
 
 
@@ -57,7 +56,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # The dashboard process also serves Ray's State API, which Train's placement-group cleaner
         # polls; it binds to 127.0.0.1 only.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
+        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  logging_level=logging.WARNING, configure_logging=True)
     return True
@@ -81,6 +80,7 @@ def _ray_address(cluster: ClusterConfig) -> str:
 
 
 def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
+    check_local_layout(cluster)  # before Ray starts (preflight checked it too; derived runs come straight here)
     _ray_address(cluster)
     import ray
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -90,6 +90,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         use_gpu = cluster.use_gpu == "yes" or (cluster.use_gpu == "auto" and gpus >= cluster.num_workers)
+        wait_for_placement(cluster, use_gpu, say=lambda line: print(line, flush=True))
         trainer = TorchTrainer(
             train_loop,
             train_loop_config=asdict(job),

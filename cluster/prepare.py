@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.placement import check_local_layout
 from pretrain import timeline
 from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
@@ -91,6 +92,7 @@ def preflight(cfg: RunConfig) -> None:
     too few for a document-level split, and says so in one line."""
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
     _check_gpu_request(cfg)
+    check_local_layout(cfg.cluster)
     m, d = cfg.model, cfg.data
     if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:
         raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer this run trains (at least "

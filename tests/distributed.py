@@ -1,6 +1,6 @@
-"""Tests use the library's real-process launcher (see ``pretrain/train/procs.py``)."""
+"""Tests use the benchmarks' real-process launcher (``eval/procs.py``)."""
 
-from pretrain.train.procs import run_distributed
+from eval.procs import run_distributed
 
 __all__ = ["run_distributed", "train_jobs"]
 

@@ -10,12 +10,21 @@ import torch
 
 from pretrain.config import GrowthStep, load_config
 from pretrain.model import build_model, param_groups
-from pretrain.model.compile import compile_blocks, compile_counters, is_compiled
+from pretrain.model.compile import compile_blocks, is_compiled
 from pretrain.model.growth import apply_growth
 from pretrain.model.layerdrop import training_gates
 
 SMALL = ["model.vocab_size=101", "model.num_layers=3", "model.hidden_size=32", "model.num_heads=4",
          "model.num_kv_heads=2", "model.max_seq_len=16", "model.dropout=0.0", "train.precision=fp32"]
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's process-wide counts: ``graphs`` compiled so far and ``recompiles`` (a guard failed and a cached
+    graph was compiled again for new inputs)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": int(sum(counters["recompiles"].values()))}
 
 
 def _cfg(*extra: str):

@@ -230,8 +230,9 @@ class ClusterConfig:
     """Training workers (processes). Each gets ``cpus_per_worker`` CPUs and one GPU when ``use_gpu``."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """``auto`` uses GPUs when the cluster has them."""
-    cpus_per_worker: int = 1
-    """CPUs reserved per worker in Ray."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker in Ray. A fraction (e.g. 0.5) lets more workers than CPUs share a machine: Ray
+    places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads`` threads)."""
     address: str = ""
     """Ray address of an existing cluster; empty uses ``RAY_ADDRESS`` or starts an embedded local Ray."""
     max_failures: int = 0
@@ -241,6 +242,10 @@ class ClusterConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement of the workers: PACK fills nodes first; SPREAD / STRICT_SPREAD put them on
     different nodes."""
+    start_timeout: float = 600.0
+    """Seconds a job on a Ray cluster (``address`` / ``RAY_ADDRESS``) waits for the cluster to place all its
+    workers, saying every few seconds what is missing, before it ends with one line (exit 2); 0 waits without
+    limit (an autoscaler slow to add nodes). An embedded local Ray refuses a layout it cannot place at once."""
 
 
 @dataclass(kw_only=True)
@@ -358,7 +363,8 @@ class RunConfig:
             "train.val_every": t.val_every, "train.val_sequences": t.val_sequences,
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
-            "cluster.max_failures": c.max_failures, "train.num_threads": t.num_threads,
+            "cluster.max_failures": c.max_failures, "cluster.start_timeout": c.start_timeout,
+            "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
             "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at,
             "growth.check_tolerance": self.growth.check_tolerance,
@@ -367,6 +373,9 @@ class RunConfig:
         for key, value in nonneg.items():
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if c.cpus_per_worker > 1 and not float(c.cpus_per_worker).is_integer():
+            raise ConfigError(f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "
+                              f"got {c.cpus_per_worker:g}")
         if t.global_batch_size > MAX_GLOBAL_BATCH:
             raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is more than {MAX_GLOBAL_BATCH:,} "
                               f"sequences per step")

@@ -31,15 +31,6 @@ def is_compiled(model: nn.Module) -> bool:
     return any(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
 
 
-def compile_counters() -> dict[str, int]:
-    """Dynamo's process-wide counts: ``graphs`` compiled so far and ``recompiles`` (a guard failed and a cached
-    graph was compiled again for new inputs)."""
-    from torch._dynamo.utils import counters
-
-    return {"graphs": int(counters["stats"]["unique_graphs"]),
-            "recompiles": int(sum(counters["recompiles"].values()))}
-
-
 def compile_supported(device: torch.device) -> tuple[bool, str]:
     """Whether ``torch.compile``'s inductor backend can run here, and why not (it needs a C++ compiler on CPU
     and Triton on CUDA)."""

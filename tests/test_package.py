@@ -1,0 +1,168 @@
+"""The project as an installed package, and the locked stack on every machine: the ``pretrain`` console command,
+the build configuration, Ray workers without PYTHONPATH, the two locks (CPU and CUDA) with the same versions,
+and the image both cluster manifests name (fast: no build, no install)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import PYTHON, ROOT, cli_env
+
+LOCKS = {"cpu": ROOT / "requirements.lock", "cuda": ROOT / "requirements-cuda.lock"}
+
+
+# -- the package ----------------------------------------------------------------------------------------------
+
+
+def test_console_script_is_python_m_pretrain(tmp_path):
+    """``./launch.sh setup`` installed the project: the venv has a ``pretrain`` command, declared in pyproject.toml
+    and installed from it, and ``pretrain --help`` prints what ``python -m pretrain --help`` prints."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"] == {"pretrain": "pretrain.__main__:main"}
+    (entry,) = importlib.metadata.entry_points(group="console_scripts", name="pretrain")
+    assert entry.value == "pretrain.__main__:main", "the venv's install is stale: ./launch.sh setup"
+    script = Path(PYTHON).parent / "pretrain"
+    assert script.is_file(), f"{script} is missing: ./launch.sh setup installs the project"
+    env = cli_env(tmp_path)
+    command = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
+    module = subprocess.run([PYTHON, "-m", "pretrain", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert command.returncode == module.returncode == 0, command.stderr + module.stderr
+    assert command.stdout == module.stdout and "train [CONFIG.yaml]" in command.stdout
+    unknown = subprocess.run([str(script), "nosuchcommand"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown command 'nosuchcommand'")
+
+
+def test_build_lists_the_three_packages_and_builds_offline():
+    """setuptools builds the project without fetching anything (it is in both locks; setup builds without
+    isolation); the install holds ``pretrain`` (with the exported model's remote code), ``cluster`` and ``eval``,
+    never ``tests``."""
+    from setuptools import find_packages
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    system = project["build-system"]
+    assert system["build-backend"] == "setuptools.build_meta"
+    (req,) = system["requires"]
+    assert req.startswith("setuptools")
+    for lock in LOCKS.values():
+        assert re.search(r"^setuptools==", lock.read_text(), re.M), f"{lock.name}: the build backend is not locked"
+    found = set(find_packages(str(ROOT), include=project["tool"]["setuptools"]["packages"]["find"]["include"]))
+    assert {"pretrain", "pretrain.export.remote_code", "pretrain.train", "cluster", "eval"} <= found
+    top = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert {p.split(".")[0] for p in found} == top - {"tests"} == {"pretrain", "cluster", "eval"}
+
+
+def test_ray_workers_get_no_pythonpath(monkeypatch):
+    """Workers import the installed package: the worker environment carries no PYTHONPATH (an embedded local Ray's
+    workers still inherit the driver's, which is how tests run their checkout's code)."""
+    from cluster.launch import worker_env
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = worker_env()
+    assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_installed_code_imports_nothing_from_tests():
+    """Test helpers live under tests/ (the real-process launcher the MoE benchmark also uses is eval/procs.py):
+    no module of the three packages imports ``tests``, and none is only there for the tests."""
+    for path in [*ROOT.glob("pretrain/**/*.py"), *ROOT.glob("cluster/**/*.py"), *ROOT.glob("eval/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), path
+    assert not (ROOT / "pretrain" / "train" / "procs.py").exists()
+
+
+# -- the locks ------------------------------------------------------------------------------------------------
+
+
+def _lock(path: Path) -> dict[str, tuple[str, int]]:
+    """name -> (version, number of hashes)."""
+    out: dict[str, tuple[str, int]] = {}
+    name = None
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if m:
+            name = m.group(1).lower().replace("_", "-")
+            out[name] = (m.group(2), 0)
+        elif name and "--hash=sha256:" in line:
+            out[name] = (out[name][0], out[name][1] + 1)
+    return out
+
+
+def test_cpu_and_cuda_locks_pin_the_same_versions():
+    """``./launch.sh lock`` wrote both from the current inputs; every package they share has one version; torch is
+    the CPU build in one and the index's CUDA build of the same version (with its nvidia-* libraries) in the other;
+    every file of both is hash-checked."""
+    import hashlib
+
+    inputs = hashlib.sha256((ROOT / "requirements-torch.txt").read_bytes()
+                            + (ROOT / "requirements.txt").read_bytes()).hexdigest()
+    for lock in LOCKS.values():
+        assert lock.read_text().startswith(f"# inputs-sha256: {inputs} "), f"{lock.name} is stale: ./launch.sh lock"
+    cpu, cuda = _lock(LOCKS["cpu"]), _lock(LOCKS["cuda"])
+    shared = set(cpu) & set(cuda)
+    differ = {n: (cpu[n][0], cuda[n][0]) for n in shared - {"torch"} if cpu[n][0] != cuda[n][0]}
+    assert not differ, f"the locks disagree: {differ}"
+    assert set(cpu) <= set(cuda), f"only in the CPU lock: {set(cpu) - set(cuda)}"
+    torch_cpu, torch_cuda = cpu["torch"][0], cuda["torch"][0]
+    assert torch_cpu.endswith("+cpu") and torch_cuda == torch_cpu.removesuffix("+cpu"), (torch_cpu, torch_cuda)
+    extra = set(cuda) - set(cpu)
+    assert "triton" in extra and any(n.startswith("nvidia-nccl") for n in extra), extra
+    assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in extra), extra
+    assert not any(n.startswith("nvidia-") for n in cpu)
+    for name, lock in (("cpu", cpu), ("cuda", cuda)):
+        assert all(hashes for _, hashes in lock.values()), [n for n, (_, h) in lock.items() if not h]
+
+
+def test_setup_picks_the_lock_and_refuses_an_unknown_choice():
+    """``PRETRAIN_TORCH`` other than cuda|cpu: one line, exit 2, before the venv is touched; the stamp of this
+    venv names the lock it was made from."""
+    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "setup"], env={"PATH": "/usr/bin:/bin",
+                          "PRETRAIN_TORCH": "rocm", "HOME": str(Path.home())}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "[setup] error: PRETRAIN_TORCH must be cuda or cpu, got 'rocm'", proc.stderr
+    stamp = Path(PYTHON).parent.parent / ".pretrain-setup"
+    if stamp.is_file():  # a venv made by ./launch.sh setup (not, e.g., a CI image's)
+        first = stamp.read_text().splitlines()[0]
+        assert re.fullmatch(r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64}", first), first
+    text = (ROOT / "launch.sh").read_text()
+    assert "/proc/driver/nvidia/version" in text and "nvidia-smi" in text
+
+
+def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
+    docker = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", docker, re.M).group(1)
+    assert "gpu" in base or "cuda" in base, base
+    assert re.search(r"^ENV PRETRAIN_TORCH=cuda", docker, re.M) and "DS_BUILD_OPS=0" in docker
+    assert "./launch.sh setup" in docker and "requirements-cuda.lock" in docker
+    job = [d for d in yaml.safe_load_all((ROOT / "cluster/manifests/kuberay-rayjob.yaml").read_text()) if d]
+    images = {c["image"] for d in job for node in _walk(d) for c in node.get("containers", [])}
+    launcher = yaml.safe_load((ROOT / "cluster/manifests/cluster-launcher-aws.yaml").read_text())
+    assert images == {launcher["docker"]["image"]} == {"REGISTRY/pretrain:VERSION"}, images
+    (rayjob,) = [d for d in job if d["kind"] == "RayJob"]
+    assert "PYTHONPATH" not in yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
+    doc = (ROOT / "docs" / "multi-node.md").read_text()
+    assert "docker build -t REGISTRY/pretrain:VERSION ." in doc and "docker push REGISTRY/pretrain:VERSION" in doc
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
