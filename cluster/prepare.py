@@ -87,7 +87,8 @@ def _check_gpu_request(cfg: RunConfig) -> None:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """The driver's checks before anything is created (paths already absolute): directories, then the
+    """The driver's checks before anything is created (paths already absolute): directories, the worker layout
+    (an embedded local Ray must be able to place it: :func:`cluster.placement.check_local_layout`), then the
     corpus (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
     too few for a document-level split, and says so in one line."""
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")

@@ -3,6 +3,7 @@ trainer (ordered callbacks, a new behaviour without editing the loop)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,22 +143,37 @@ def test_rebuild_with_given_weights_zero2_and_bf16_masters_keep_them_exactly():
 
 
 @pytest.mark.slow
-def test_default_demo_runs_on_1_to_4_workers(tmp_path):
-    """``cluster.num_workers`` 1-4 with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven
-    6/6/4 shares padded to equal passes): the same global batches, so the same losses up to float rounding."""
-    from cluster.prepare import prepare_new
+def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
+    """``./launch.sh train cluster.num_workers=W`` for W = 1-4, as users run it (the CLI, Ray Train on an embedded
+    local Ray), with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven 6/6/4 shares padded to
+    equal passes): every rank runs as a Ray Train worker, none waits for placement (more workers than CPUs take a
+    fractional ``cluster.cpus_per_worker``, as the refusal of a whole CPU each says), and the same global batches
+    give the same losses up to float rounding."""
+    import json
+    import math
+    import os
+    import subprocess
+
+    from tests.conftest import PYTHON, cli_env
 
     steps = ["train.max_steps=3", "train.log_every=1", "train.val_every=0", "train.val_sequences=12",
-             "checkpoint.every_steps=0", "data.tokenizer_train_docs=3000", "cluster.use_ray=false",
-             "stability.plot_at_end=false", "tracking.enabled=false"]
-    finals = {}
-    with in_workdir(tmp_path):
-        tok = None
-        for workers in (1, 3, 4, 2):
-            cfg = load_config(DEMO, steps + [f"cluster.num_workers={workers}"] + (tok or []))
-            job = prepare_new(cfg)
-            tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
-            finals[workers] = run_distributed(train_jobs, workers, [asdict(job)], timeout=900)[0][0]
+             "checkpoint.every_steps=0", "data.tokenizer_train_docs=3000", "stability.plot_at_end=false",
+             "tracking.enabled=false"]
+    cpus = os.cpu_count() or 1
+    finals, tok = {}, []
+    for workers in (1, 3, 4, 2):
+        share = min(1.0, math.floor(cpus / workers * 100) / 100)
+        proc = subprocess.run([PYTHON, "-m", "pretrain", "train", str(DEMO), *steps, *tok,
+                               f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={share:g}"],
+                              cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_dir = Path(proc.stdout.split("checkpoints in ", 1)[1].split()[0])
+        ranks = {int(r) for r in re.findall(rf"^\[train\] rank (\d)/{workers} on Ray node", proc.stdout, re.M)}
+        assert ranks == set(range(workers)), (workers, proc.stdout[-3000:])
+        assert f"plan: {workers} worker(s), global batch 16" in proc.stdout
+        assert "waiting for the cluster" not in proc.stdout
+        tok = tok or [f"data.tokenizer={run_dir / 'tokenizer'}"]
+        finals[workers] = json.loads((run_dir / "summary.json").read_text())
     ref = finals[1]
     assert ref["step"] == 3 and ref["checkpoint"]
     for workers, final in finals.items():

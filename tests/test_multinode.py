@@ -80,25 +80,43 @@ def _node_ranks(text: str) -> set[str]:
 
 
 def test_two_nodes_match_single_node_and_survive_node_loss(cluster, tmp_path, reference):
-    """Workers spread over two nodes give the single-node losses bitwise. Killing the worker node
-    mid-run (documented behaviour): Ray marks the node dead, the worker group fails, and Train restarts
-    it (cluster.max_failures) once capacity exists again, from the last committed checkpoint."""
-    cluster.add_node()
+    """Never a silent wait: on the 1-CPU head alone, 2 workers on 2 nodes (STRICT_SPREAD) cannot be placed; the job
+    says what it waits for and, after cluster.start_timeout, ends with one line (exit 2). Started again, it waits
+    (saying so) until a second node joins, then trains. Workers spread over two nodes give the single-node losses
+    bitwise. Killing the worker node mid-run (documented behaviour): Ray marks the node dead, the worker group
+    fails, and Train restarts it (cluster.max_failures) once capacity exists again, from the last committed
+    checkpoint."""
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
-    job = subprocess.Popen([PYTHON, "-m", "pretrain", "train", CONFIG, *TINY, "cluster.max_failures=2",
-                            "cluster.placement_strategy=STRICT_SPREAD"], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    spread = [CONFIG, *TINY, "cluster.placement_strategy=STRICT_SPREAD"]
+    waiting = ("[pretrain] waiting for the cluster to place 2 worker(s) of {CPU: 1} (STRICT_SPREAD): 1/2 fit its "
+               "free resources, missing CPU 1; giving up in ")
+    short = subprocess.run([PYTHON, "-m", "pretrain", "train", *spread, "cluster.start_timeout=6"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in short.stderr.splitlines() if ln.strip()]
+    assert short.returncode == 2 and len(errors) == 1, short.stdout[-2000:] + short.stderr[-2000:]
+    assert errors[0].startswith("error: cluster.start_timeout: the cluster placed no group of 2 worker(s) of "
+                                "{CPU: 1} (STRICT_SPREAD) in 6 s (1/2 fit its free resources; missing CPU 1)"), errors
+    assert waiting in short.stdout and "Traceback" not in short.stdout + short.stderr
+
+    job = subprocess.Popen([PYTHON, "-m", "pretrain", "train", *spread, "cluster.max_failures=2"], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     early: list[str] = []
     try:
-        run_id = None
+        run_id, added = None, False
         deadline = time.time() + 300
         while time.time() < deadline and job.poll() is None:
             line = job.stdout.readline()
             early.append(line)
             if line.startswith("[pretrain] run "):
                 run_id = line.split()[2].rstrip(":")
+            if line.startswith(waiting) and not added:
+                cluster.add_node()  # the job waits for its second node: it comes
+                added = True
             if run_id and (tmp_path / "checkpoints" / run_id / "step_00000004" / "manifest.json").is_file():
                 break
+        assert added, "the job did not say that it waits for a node:\n" + "".join(early)
+        assert any(ln.startswith("[pretrain] the cluster placed 2/2 worker(s) after ") for ln in early), early
         assert run_id and job.poll() is None, "job ended before the node could be killed"
         cluster.kill_node(0)  # the worker node dies (SIGKILL of its raylet and workers)
         cluster.add_node()  # capacity returns
