@@ -61,10 +61,11 @@ PYEOF
   rm -rf "$tmp"
 }
 
-uv_sources() {  # $1=all|lock|index. uv reads no pip configuration: pass it the package sources pip uses here
-  # (pip.conf files, PIP_* variables). "lock" leaves out extra indexes (local mirrors), so that the lock records the
-  # main index's hashes of every file; find-links stays (this machine's CPU torch wheel). "index": the main index
-  # only (the CUDA lock: torch's default build, never a local +cpu wheel). Skipped if UV_* are set.
+uv_sources() {  # $1=all|lock|cuda|cuda-lock. uv reads no pip configuration: pass it the package sources pip uses
+  # here (pip.conf files, PIP_* variables). "lock" leaves out extra indexes (local mirrors), so that the lock records
+  # the main index's hashes of every file; find-links stays (this machine's CPU torch wheel). The cuda kinds leave out
+  # find-links: torch==X also matches a local X+cpu wheel there, and the CUDA lock wants the index's default build.
+  # Skipped if UV_* are set.
   [[ -n "${UV_INDEX_URL:-}${UV_DEFAULT_INDEX:-}${UV_INDEX:-}${UV_EXTRA_INDEX_URL:-}${UV_FIND_LINKS:-}" ]] && return 0
   "$PY" - "$1" <<'PYEOF'
 import ast, subprocess, sys
@@ -81,8 +82,8 @@ def get(name):  # pip's precedence: PIP_* variables, then [install], then [globa
         if f"{section}.{name}" in conf:
             return str(conf[f"{section}.{name}"]).split()
     return []
-names = ["index-url"] + (["find-links"] if sys.argv[1] != "index" else []) \
-    + (["extra-index-url"] if sys.argv[1] == "all" else [])
+names = {"all": ["index-url", "find-links", "extra-index-url"], "lock": ["index-url", "find-links"],
+         "cuda": ["index-url", "extra-index-url"], "cuda-lock": ["index-url"]}[sys.argv[1]]
 for name in names:
     for value in get(name):
         print(f"--{name}={value}")
@@ -91,7 +92,7 @@ for value in get("cert")[:1]:
 PYEOF
 }
 
-run_uv() {  # run_uv all|lock ARGS...: uv with pip's package sources and CA bundle
+run_uv() {  # run_uv SOURCES ARGS... (SOURCES: see uv_sources): uv with pip's package sources and CA bundle
   local kind="$1" line args=() env=()
   shift
   while IFS= read -r line; do
@@ -127,7 +128,7 @@ lock() {
   [[ -n "$torch" ]] || { echo "[lock] error: requirements-torch.txt pins no torch==VERSION+cpu" >&2; exit 1; }
   tmp="$(mktemp -d)"
   sed -n 's/^\([A-Za-z0-9][A-Za-z0-9._-]*==[^ ]*\) .*/\1/p' "$LOCK" | grep -v '^torch==' >"$tmp/shared.txt"
-  compile_lock index "$CUDA_LOCK" "$torch" "$ROOT/requirements.txt" -c "$tmp/shared.txt"
+  compile_lock cuda-lock "$CUDA_LOCK" "$torch" "$ROOT/requirements.txt" -c "$tmp/shared.txt"
   sed -i "s#-c $tmp/shared.txt#-c requirements.lock (its versions)#" "$CUDA_LOCK"  # the same text on every lock
   rm -rf "$tmp"
   echo "[lock] ./launch.sh setup installs one of them (PRETRAIN_TORCH=cuda|cpu, default: cuda with an NVIDIA driver)" >&2
@@ -163,8 +164,8 @@ setup() {
     # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the
     # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there. Bytecode compiled now like
     # pip does (~30 s): with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile what it imports.
-    run_uv all pip sync -q --python "$VENV/bin/python" --require-hashes --compile-bytecode \
-      --build-constraints "$lock" "$lock"
+    run_uv "$([[ "$kind" == cuda ]] && echo cuda || echo all)" pip sync -q --python "$VENV/bin/python" \
+      --require-hashes --compile-bytecode --build-constraints "$lock" "$lock"
   fi
   # This project, editable and without dependencies (the lock has them), built by the lock's setuptools: the
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
