@@ -6,71 +6,53 @@ evaluates, resumes and exports like any other. ``prune`` keeps a subset of the b
     ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other     # or layers=first:4, layers=[0,2,5]
     ./launch.sh grow RUN_ID|CHECKPOINT depth=2x width=2x       # depth_op, width_op, heads, ffn, experts, noise
 
-The checkpoint is written by this process as a world of one (a fresh optimizer state: the reshaped model has
-other parameters); resuming it on more workers re-shards it like any elastic resume.
+The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed
+engine on the driver; without optimizer moments the resumed run starts a fresh optimizer state, the reshaped model
+has other parameters); it resumes on any worker count and expert layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cluster.prepare import resolve_paths
-from pretrain.config import ConfigError, RunConfig, dump_yaml
+from cluster.prepare import create_run, resolve_paths
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+from pretrain.config import ConfigError, RunConfig
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
-from pretrain.train import checkpoint as ckpt_io
-from pretrain.train import dist, tracking
-from pretrain.train.callbacks import Checkpointer
-from pretrain.train.module import build_module
-from pretrain.train.trainer import TrainerState
+from pretrain.train import tracking
 
 StateDict = dict[str, torch.Tensor]
 
 
-class _ParentData:
-    """The parent's data position (the union of its workers' stream states), written as this checkpoint's."""
-
-    def __init__(self, ckpt: ckpt_io.CommittedCheckpoint):
-        self.state, _ = ckpt_io.load_rank_state(ckpt.path, 0)
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
-               what: str, metrics: dict[str, float] | None = None) -> tuple[str, Path]:
-    """Write ``weights`` (a full state dict of ``cfg.model``) as the first checkpoint of a new run, child of the
-    parent's run, continuing the parent's step, tokens and data position. Returns (run id, checkpoint path)."""
+               what: str, metrics: dict[str, float] | None = None,
+               moments: dict[str, Any] | None = None) -> tuple[str, Path]:
+    """Write ``weights`` (a full state dict of ``cfg.model``) and, when given, ``moments`` (AdamW moments of those
+    weights by name, see ``pretrain/checkpoint/weights.py``) as the first checkpoint of a new run, child of the
+    parent's run, continuing the parent's step, tokens and data position. The checkpoint holds full weights:
+    written here without an engine, resumed on any worker count and expert layout. Returns (run id, path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
-    cfg.data.tokenizer = str(parent.ckpt.path / "tokenizer")
-    if cfg.moe.enabled and cfg.moe.ep_size > 1:
-        cfg.moe.ep_size = 1  # written by one process; set moe.ep_size again when resuming on more workers
-    cfg.validate()
-    uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
+    cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
                 "pretrain.parent_checkpoint": str(parent.ckpt.path)}
     if parent.run_id:
         all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
-    run_id = tracking.start_run(uri, cfg, all_tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
-    run_dir = Path(cfg.checkpoint.dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    run_id, run_dir, uri = create_run(cfg, all_tags)
     tracker = tracking.Tracker(uri, run_id)
-    tracker.set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
     if metrics:
         tracker.log_metrics(metrics, parent.ckpt.step)
-    ctx = dist.setup("no")
-    module = build_module(cfg, rank=0, device=ctx.device, weights=weights)
-    raw = json.loads((parent.ckpt.path / "trainer_state.json").read_text())
-    state = TrainerState(step=int(raw.get("step", parent.ckpt.step)), tokens_seen=int(raw.get("tokens_seen", 0)),
-                         sequences=int(raw.get("sequences", 0)), last_train_loss=float("nan"))
-    path = Checkpointer(cfg, run_dir, ctx, tracker).save(module, _ParentData(parent.ckpt), state)
+    raw = parent.trainer_state()
+    state = {"step": int(raw.get("step", parent.ckpt.step)), "tokens_seen": int(raw.get("tokens_seen", 0)),
+             "sequences": int(raw.get("sequences", 0)), "last_train_loss": float("nan")}
+    writer = CheckpointWriter(run_dir, LocalWorld(), run_id, keep_last=cfg.checkpoint.keep_last,
+                              register=lambda path, manifest: tracker.register_checkpoint(path, manifest.to_dict()))
+    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=parent.data_position(),
+                                model=FullWeights(weights, moments)))
     tracker.finish("FINISHED")
     return run_id, path
 

@@ -15,18 +15,19 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.placement import check_local_layout
 from pretrain import timeline
-from pretrain.config import ConfigError, RunConfig, dump_yaml, load_config, to_dict
+from pretrain.checkpoint import layout
+from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus
 from pretrain.train import tracking
 
 if TYPE_CHECKING:
-    from pretrain.train import checkpoint as ckpt_io
     from pretrain.train.loop import Job
 
 
@@ -136,39 +137,55 @@ def _warn_if_not_exportable(cfg: RunConfig) -> None:
         print(f"[pretrain] note: Hugging Face export: {reason}", flush=True)
 
 
-def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
-    """A fresh run: check it (:func:`preflight`), create the MLflow run, train or load the tokenizer, resolve
-    the vocab size."""
-    cfg = resolve_paths(cfg)
-    preflight(cfg)
-    from pretrain.data import load_or_train_tokenizer
-    from pretrain.train.loop import Job
-
+def create_run(cfg: RunConfig, tags: dict[str, str] | None = None,
+               complete: Callable[[Path], None] | None = None) -> tuple[str, Path, str]:
+    """The one way a run comes to exist (new, resumed from a checkpoint directory, derived by ``grow``/``prune``):
+    its MLflow run (a local id when tracking is off) and its directory under ``checkpoint.dir``; then
+    ``complete(run_dir)`` settles what needs the directory (tokenizer, vocab size), the config is validated and
+    written as the run's config, logged to MLflow, and the run records its checkpoint root (how a run id finds
+    its checkpoints). Returns (run id, run directory, tracking URI or "")."""
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
-    root = Path(cfg.checkpoint.dir)
     run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
-    run_dir = root / run_id
+    run_dir = Path(cfg.checkpoint.dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.model.init_from_hf:
-        _adopt_hf_model(cfg)
-    _warn_if_not_exportable(cfg)
-    tok_dir = run_dir / "tokenizer"
-    timeline.enter("tokenizer")
-    tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
-    if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained
-        tokenizer.save_pretrained(str(tok_dir))
-    timeline.enter("run_preparation")
-    cfg.data.tokenizer = str(tok_dir)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = _round_up(len(tokenizer), cfg.model.vocab_multiple)
-    elif cfg.model.vocab_size < len(tokenizer):
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+    if complete is not None:
+        complete(run_dir)
     cfg.validate()
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
+    (run_dir / layout.RUN_CONFIG).write_text(dump_yaml(cfg))
     if uri:
         tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
         tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
+    return run_id, run_dir, uri
+
+
+def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
+    """A fresh run: check it (:func:`preflight`), create the run (:func:`create_run`) with its tokenizer (trained
+    or copied into the run directory) and vocab size."""
+    cfg = resolve_paths(cfg)
+    preflight(cfg)
+    from pretrain.train.loop import Job
+
+    def complete(run_dir: Path) -> None:
+        from pretrain.data import load_or_train_tokenizer
+
+        if cfg.model.init_from_hf:
+            _adopt_hf_model(cfg)
+        _warn_if_not_exportable(cfg)
+        tok_dir = run_dir / layout.RUN_TOKENIZER
+        timeline.enter("tokenizer")
+        tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
+        if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained
+            tokenizer.save_pretrained(str(tok_dir))
+        timeline.enter("run_preparation")
+        cfg.data.tokenizer = str(tok_dir)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = _round_up(len(tokenizer), cfg.model.vocab_multiple)
+        elif cfg.model.vocab_size < len(tokenizer):
+            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer "
+                              f"({len(tokenizer)})")
+
+    run_id, run_dir, uri = create_run(cfg, tags, complete)
+    init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     return Job(config=to_dict(cfg), run_id=run_id, run_dir=str(run_dir), tracking_uri=uri, init_weights=init_weights)
 
 
@@ -178,43 +195,35 @@ def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
 
     from pretrain.export.hf import import_hf
 
-    path = run_dir / "init_weights.pt"
+    path = run_dir / layout.INIT_WEIGHTS
     torch.save(import_hf(cfg.model.init_from_hf, max_seq_len=cfg.model.max_seq_len)[1], path)
     return str(path)
-
-
-def _config_from_checkpoint(ckpt: ckpt_io.CommittedCheckpoint, overrides: list[str]) -> RunConfig:
-    import yaml
-
-    base = yaml.safe_load((ckpt.path / "config.yaml").read_text())
-    cfg = load_config(None, overrides, base=base)
-    cfg.data.tokenizer = str(ckpt.path / "tokenizer")
-    return cfg
 
 
 def prepare_resume(target: str, overrides: list[str]) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
     or run directory (a new run that records where it came from)."""
-    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
+    from pretrain.checkpoint.reader import read_config
     from pretrain.train.loop import Job
 
     uri = tracking.tracking_uri()
     path = Path(target)
     if not path.exists():
         root = tracking.run_checkpoint_root(uri, target)
-        ckpt = ckpt_io.latest_committed(root)
+        ckpt = latest_committed(root)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
-        ckpt_io.verify_or_point_back(ckpt)  # here, before Ray: a damaged one names the newest that verifies
-        cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
+        verify_or_point_back(ckpt)  # here, before Ray: a damaged one names the newest that verifies
+        cfg = resolve_paths(read_config(ckpt, overrides))
         cfg.validate()
         preflight(cfg)
         if cfg.tracking.enabled:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
         return Job(config=to_dict(cfg), run_id=target, run_dir=str(root),
                    tracking_uri=uri if cfg.tracking.enabled else "")
-    ckpt = ckpt_io.resolve(path)
-    cfg = resolve_paths(_config_from_checkpoint(ckpt, overrides))
+    ckpt = resolve(path)
+    cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)
     job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)})
     return job

@@ -63,7 +63,9 @@ def measure(steps: int, every: int) -> dict:
         if not head_was_up:
             _pretrain("cluster", "down")
     summary = {}
-    for path in (Path.cwd() / "checkpoints").glob(f"{run_id}/summary.json"):
+    from pretrain.checkpoint.layout import SUMMARY
+
+    for path in (Path.cwd() / "checkpoints").glob(f"{run_id}/{SUMMARY}"):
         summary = json.loads(path.read_text())
     train_s, ckpt_s = summary.get("train_seconds"), summary.get("checkpoint_seconds")
     return {"job_status": status, "run_id": run_id, "submit_to_first_step_s": first_step,

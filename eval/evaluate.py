@@ -142,7 +142,9 @@ class EvalSource:
 
 
 def _is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+    from pretrain.checkpoint.store import is_checkpoint_dir
+
+    return (path / "config.json").is_file() and not is_checkpoint_dir(path)
 
 
 def _hf_kind(config) -> str:

@@ -115,7 +115,7 @@ def _run_job(job, cluster, uri: str) -> int:
 
 
 def cmd_runs(args: list[str]) -> int:
-    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.checkpoint import list_committed
     from pretrain.train import tracking
 
     uri = tracking.tracking_uri()
@@ -135,9 +135,9 @@ def cmd_runs(args: list[str]) -> int:
             print(f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
                   f"{run.data.tags['pretrain.stability.last_event']}")
         print(f"  {'step':>8} {'tokens':>12} {'train loss':>10} {'val loss':>9}  path")
-        for c in ckpt_io.list_committed(Path(root)) if root else []:
-            m = c.manifest.get("metrics", {})
-            print(f"  {c.step:>8} {c.manifest.get('tokens_seen', 0):>12,} {m.get('train/loss', float('nan')):>10.4f} "
+        for c in list_committed(Path(root)) if root else []:
+            m = c.manifest.metrics
+            print(f"  {c.step:>8} {c.manifest.tokens_seen:>12,} {m.get('train/loss', float('nan')):>10.4f} "
                   f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}")
         if plot:
             from pretrain.train.plot import plot_run

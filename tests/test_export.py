@@ -31,7 +31,9 @@ from pretrain.export.hf import (
     read_hf_state_dict,
 )
 from pretrain.model import build_model
-from pretrain.train import checkpoint as ck
+from pretrain.checkpoint import layout as ly
+from pretrain.checkpoint import store as ck
+from pretrain.checkpoint.manifest import Manifest
 from tests.conftest import PYTHON, SHARED, cli_env
 
 V, D, L, T = 512, 32, 2, 16
@@ -99,13 +101,13 @@ def write_checkpoint(run_dir: Path, cfg: RunConfig, sd: dict, tokenizer_dir: Pat
                      run_id: str = "local-test") -> Path:
     """A committed single-process checkpoint in DeepSpeed's stage-0 layout (module state of rank 0)."""
     assert cfg.zero.stage == 0
-    stage = ck.staging_dir(run_dir, step, ck.new_nonce())
-    (stage / ck.DS_DIR / ck.DS_TAG).mkdir(parents=True)
-    torch.save({"module": sd}, stage / ck.DS_DIR / ck.DS_TAG / "mp_rank_00_model_states.pt")
-    ck.save_rank_state(stage, 0, {"streams": {}}, {"torch": torch.get_rng_state()})
-    (stage / "config.yaml").write_text(dump_yaml(cfg))
-    shutil.copytree(tokenizer_dir, stage / "tokenizer")
-    return ck.commit(stage, run_dir, step, {"run_id": run_id}, world_size=1)
+    stage = ly.staging_dir(run_dir, step, ck.new_nonce())
+    (stage / ly.DS_DIR / ly.DS_TAG).mkdir(parents=True)
+    torch.save({"module": sd}, stage / ly.DS_DIR / ly.DS_TAG / "mp_rank_00_model_states.pt")
+    ck.write_json(stage / ly.data_file(0), {"streams": {}})
+    (stage / ly.CONFIG).write_text(dump_yaml(cfg))
+    shutil.copytree(tokenizer_dir, stage / ly.TOKENIZER)
+    return ck.commit(stage, run_dir, Manifest(step=step, world_size=1, run_id=run_id))
 
 
 def run_cli(cwd: Path, *args: str, ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -548,9 +550,9 @@ def _zero_worker(rank: int, world: int, jobs: list[tuple[str, str, str]], step_c
         engine.eval()
         with torch.no_grad():  # (ZeRO-3 gathers the partitioned weights for the forward)
             logits = engine(parity_batch(cfg.model, seed=3)).logits.clone()
-        stage = ck.staging_dir(Path(run_dir), step_count, nonce)
-        module.save(stage / ck.DS_DIR)
-        ck.save_rank_state(stage, rank, {"streams": {}}, {"torch": torch.get_rng_state()})
+        stage = ly.staging_dir(Path(run_dir), step_count, nonce)
+        module.save(stage / ly.DS_DIR)
+        ck.write_json(stage / ly.data_file(rank), {"streams": {}})
         tdist.barrier()
         # Plain lists: a tensor would travel as a shared-memory handle that dies with this process.
         out.append(logits.tolist() if rank == 0 else None)
@@ -588,10 +590,11 @@ def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path
     engine_logits = run_distributed(_zero_worker, 2, jobs, 2)[0]
     ckpts = []
     for (rdir, cfg_yaml, nonce), c in zip(jobs, (cfg, enc_cfg)):
-        stage = ck.staging_dir(Path(rdir), 2, nonce)
-        (stage / "config.yaml").write_text(cfg_yaml)
-        shutil.copytree(tokenizer_dir, stage / "tokenizer")
-        ckpts.append(ck.commit(stage, Path(rdir), 2, {"run_id": run_id if c is cfg else "local-enc"}, world_size=2))
+        stage = ly.staging_dir(Path(rdir), 2, nonce)
+        (stage / ly.CONFIG).write_text(cfg_yaml)
+        shutil.copytree(tokenizer_dir, stage / ly.TOKENIZER)
+        ckpts.append(ck.commit(stage, Path(rdir), Manifest(step=2, world_size=2,
+                                                           run_id=run_id if c is cfg else "local-enc")))
         assert len(list((ckpts[-1] / "ds" / "state").glob("*optim_states.pt"))) == 2  # really partitioned
 
     # Consolidation gives the weights the engines computed with.

@@ -1,6 +1,7 @@
 """The package import arrows go one way: the import-linter contracts in ``.importlinter`` (repository root).
 
-    pretrain.cli > eval > cluster > pretrain.export > pretrain.train > pretrain.model | pretrain.data > pretrain.config
+    pretrain.cli > eval > cluster > pretrain.export > pretrain.train > pretrain.checkpoint > pretrain.model | pretrain.data
+    > pretrain.config
 
 plus the single-device model rule (``pretrain.model`` imports neither DeepSpeed nor Ray), and, checked here on
 the source, neither ``torch.distributed`` nor a rank or world size in any signature of the model package.

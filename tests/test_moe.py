@@ -246,17 +246,21 @@ def test_router_collapse_is_flagged_once_per_streak():
 
 
 def test_resuming_expert_parallel_state_into_another_layout_is_refused(tmp_path):
-    from pretrain.train import checkpoint as ckpt_io
+    from pretrain.checkpoint import store as ckpt_io
+    from pretrain.checkpoint.manifest import Manifest
     from pretrain.train.resume import check_expert_layout
 
-    ckpt = ckpt_io.CommittedCheckpoint(tmp_path, 8, {"world_size": 2, "moe_ep_size": 2})
+    ckpt = ckpt_io.CommittedCheckpoint(tmp_path, 8, Manifest(step=8, world_size=2, moe_ep_size=2))
     check_expert_layout(ckpt, _small("moe.ep_size=2", "cluster.num_workers=2"), 2)
-    check_expert_layout(ckpt_io.CommittedCheckpoint(tmp_path, 8, {"world_size": 2, "moe_ep_size": 1}),
+    check_expert_layout(ckpt_io.CommittedCheckpoint(tmp_path, 8, Manifest(step=8, world_size=2, moe_ep_size=1)),
                         _small(), 1)  # ep_size 1 is elastic like a dense model
     with pytest.raises(ckpt_io.CheckpointError, match="moe.ep_size=2 on 2 workers"):
         check_expert_layout(ckpt, _small("cluster.num_workers=2"), 2)
     with pytest.raises(ckpt_io.CheckpointError, match="same layout"):
         check_expert_layout(ckpt, _small("moe.ep_size=2", "cluster.num_workers=4", "data.num_streams=4", "train.micro_batch_size=2"), 4)
+    full = ckpt_io.CommittedCheckpoint(tmp_path, 8, Manifest(step=8, world_size=1, moe_ep_size=2, format="full"))
+    check_expert_layout(full, _small("moe.ep_size=2", "cluster.num_workers=4", "data.num_streams=4",
+                                     "train.micro_batch_size=2"), 4)  # full weights (a derived run): any layout
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
 from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
-from pretrain.export.checkpoints import _strip_module_prefix, resolve_checkpoint
+from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
 
@@ -134,7 +134,7 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
     import transformers
     from transformers.initialization import no_init_weights
 
-    sd = _strip_module_prefix(sd)
+    sd = strip_module_prefix(sd)
     moe = moe or MoEConfig()
     family, _ = find_family(model_cfg) if not moe.enabled else (None, [])
     if moe.enabled and moe_target(model_cfg, moe)[0] is not None:
@@ -181,7 +181,7 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
 def our_model(model_cfg: ModelConfig, sd: StateDict, moe: MoEConfig | None = None) -> Transformer:
     """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init); MoE layers hold every
     expert (``ep_size`` 1)."""
-    return build_model(model_cfg, 0, moe, weights=_strip_module_prefix(sd)).eval()
+    return build_model(model_cfg, 0, moe, weights=strip_module_prefix(sd)).eval()
 
 
 def parity_batch(model_cfg: ModelConfig, batch: int = 2, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
@@ -477,14 +477,14 @@ def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, 
     """Export a committed checkpoint (path or run id) to ``out``; optionally register it."""
     loaded = resolve_checkpoint(source, step)
     cfg, ckpt = loaded.config, loaded.ckpt
-    world = ckpt.manifest.get("world_size", "?")
+    world = ckpt.manifest.world_size
     log(f"[export] {ckpt.path} (step {ckpt.step}, ZeRO-{cfg.zero.stage}, {world} worker(s))")
     hf_class, reason = export_target(cfg.model, cfg.moe)
     log(f"[export] target: {reason}")
     sd = loaded.state_dict()
     tokenizer = loaded.tokenizer()
     meta = {"source": {"checkpoint": str(ckpt.path), "step": ckpt.step, "run_id": loaded.run_id or
-                       ckpt.manifest.get("run_id")},
+                       ckpt.manifest.run_id or None},
             "data": to_dict(cfg.data), "seed": cfg.train.seed, "val_sequences": cfg.train.val_sequences,
             "max_seq_len": cfg.model.max_seq_len}
     report = export_model(cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log,

@@ -1,6 +1,5 @@
-"""Mixture-of-Experts export: exact maps to Mixtral and Qwen3-MoE, remote-code fields, and consolidation of
-expert-parallel checkpoints (pure functions of config and state dict, except :func:`expert_parallel_state_dict`,
-which reads DeepSpeed's files).
+"""Mixture-of-Experts export: exact maps to Mixtral and Qwen3-MoE and remote-code fields (pure functions of config
+and state dict; gathering the experts of an expert-parallel checkpoint is ``pretrain/checkpoint/weights.py``'s).
 
 Both HF routers are softmax -> top-k (-> renormalize) and both sum ``w_e * down(silu(gate(x)) * up(x))`` over the
 chosen experts in expert order, which is our dropless inference path. For a Llama-style decoder (see
@@ -16,17 +15,12 @@ as remote code.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 
-from pretrain import ds_adapter
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.export.families import LLAMA, Rule, StateDict, _llama_config, _llama_rules, apply_rules
 
 MOE_KEY = ".ffn.deepspeed_moe."
-_EXPERT = re.compile(r"^(blocks\.\d+\.ffn\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
 def _decoder_violations(cfg: ModelConfig, family: str) -> list[str]:
@@ -123,35 +117,3 @@ def remote_moe_fields(cfg: ModelConfig, moe: MoEConfig) -> dict:
     return {"moe_num_experts": moe.num_experts, "moe_top_k": moe.top_k, "moe_ffn_size": moe.ffn_size,
             "moe_normalize_top_k": moe.normalize_top_k,
             "moe_layers": [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]}
-
-
-def expert_parallel_state_dict(ds_tag_dir: Path) -> StateDict:
-    """Full state dict of an expert-parallel DeepSpeed checkpoint: the module state of rank 0 (dense weights)
-    plus DeepSpeed's one file per expert (``layer_{l}_expert_{e}_mp_rank_00_model_states.pt``, keys already
-    carrying the global expert id). Values are the module weights in the training dtype (exact fp32 for fp32
-    runs); DeepSpeed's ``zero_to_fp32`` does not understand expert-partitioned optimizer state."""
-    main = ds_adapter.module_state_files(ds_tag_dir)
-    if not main:
-        raise FileNotFoundError(f"no DeepSpeed model state in {ds_tag_dir}")
-    sd = dict(ds_adapter.load_module_state(main[0]))
-    files = ds_adapter.expert_state_files(ds_tag_dir)
-    if not files:
-        raise FileNotFoundError(f"no per-expert files (layer_*_expert_*) in {ds_tag_dir}")
-    for f in files:
-        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
-            sd[key] = value
-    return sd
-
-
-def check_experts_complete(sd: StateDict, cfg: ModelConfig, moe: MoEConfig) -> None:
-    """Every MoE block has experts 0..E-1 (guards consolidation of a partial checkpoint)."""
-    seen: dict[str, set[int]] = {}
-    for key in sd:
-        m = _EXPERT.match(key[len("module."):] if key.startswith("module.") else key)
-        if m:
-            seen.setdefault(m.group(1), set()).add(int(m.group(2)))
-    for i in range(cfg.num_layers):
-        if moe.is_moe_layer(i):
-            got = seen.get(f"blocks.{i}{MOE_KEY}experts.deepspeed_experts.", set())
-            if got != set(range(moe.num_experts)):
-                raise ValueError(f"block {i}: experts {sorted(got)} in the checkpoint, expected 0..{moe.num_experts - 1}")

@@ -26,31 +26,31 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pretrain.config import RunConfig, RunPlan, config_hash, dump_yaml
+from pretrain.checkpoint import layout
+from pretrain.checkpoint.store import write_json
+from pretrain.config import RunConfig, RunPlan
 from pretrain.model.moe import max_shares, routing_metrics
-from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist
+from pretrain.train.checkpointing import Checkpointer, NonFiniteWeightsError
 from pretrain.train.growth import GrowthCallback
-from pretrain.train.health import HealthProbe, nonfinite_params
+from pretrain.train.health import HealthProbe
 from pretrain.train.layer_drop import LayerDropCallback
 from pretrain.train.profiling import ProfilerCallback
-from pretrain.train.resume import engine_state_dir
+from pretrain.train.resume import rollback_loader
 from pretrain.train.stability import Decision, StabilityControl
 from pretrain.train.step import StepResult, evaluate
 from pretrain.train.timing import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.trainer import Callback, Trainer
 
 SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = layout.SUMMARY
 
 
 def _last(trainer: Trainer) -> bool:
@@ -116,8 +116,7 @@ class StabilityCallback(Callback):
             raise self.control.halt(decision.event)
         if decision.action == "rollback":
             trainer.last_checkpoint = self.control.rollback(
-                lambda c: trainer.module.load(*engine_state_dir(c, trainer.run_dir, trainer.ctx)),
-                decision.event["step"])
+                rollback_loader(trainer.module, trainer.run_dir, trainer.ctx), decision.event["step"])
             return True
         return False
 
@@ -340,65 +339,6 @@ class EarlyStop(Callback):
             trainer.stop("train.stop_at_val_loss")
 
 
-class NonFiniteWeightsError(ckpt_io.CheckpointError):
-    """The weights hold NaN/Inf: the checkpoint was not written."""
-
-
-class Checkpointer:
-    """Writes committed checkpoints of this run (collective: every rank calls ``save``)."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker):
-        self.cfg, self.run_dir, self.ctx, self.tracker = cfg, run_dir, ctx, tracker
-        self.seconds = 0.0  # wall time spent in save (write + verify + commit)
-        self.count = 0
-
-    def save(self, module, batches, state, protect: set[str] = frozenset()) -> Path | None:
-        """``protect``: checkpoint paths pruning must keep (every callback's ``protected_paths``)."""
-        t0 = time.perf_counter()
-        try:
-            return self._save(module, batches, state, protect)
-        finally:  # the loop stalls for the whole write + commit: measured for `bench --cluster`
-            self.seconds += time.perf_counter() - t0
-            self.count += 1
-
-    def _save(self, module, batches, state, protect: set[str]) -> Path | None:
-        cfg, ctx = module.cfg, self.ctx  # the module's config: the architecture as of this step (growth)
-        # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
-        if dist.all_reduce_sum([nonfinite_params(module.engine)], ctx.device)[0] > 0:
-            raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
-        nonce = dist.broadcast_object(ckpt_io.new_nonce() if ctx.is_main else None)
-        stage = ckpt_io.staging_dir(self.run_dir, state.step, nonce)
-        stage.mkdir(parents=True, exist_ok=True)
-        module.save(stage / ckpt_io.DS_DIR)
-        ckpt_io.save_rank_state(stage, ctx.rank, batches.state_dict(), {"torch": torch.get_rng_state()})
-        if ctx.is_main:
-            (stage / "config.yaml").write_text(dump_yaml(cfg))
-            ckpt_io.write_json(stage / "trainer_state.json", asdict(state))
-            shutil.copytree(cfg.data.tokenizer, stage / "tokenizer")
-        dist.barrier()
-        final, error = None, None
-        if ctx.is_main:
-            manifest = {
-                "run_id": self.tracker.run_id, "tokens_seen": state.tokens_seen,
-                "config_hash": config_hash(cfg), "model_kind": cfg.model.kind,
-                "moe_ep_size": cfg.moe.ep_size if cfg.moe.enabled else 0,
-                "data_position": {"global_sequences": state.sequences, "num_streams": cfg.data.num_streams},
-                "rng": {"scheme": "torch.manual_seed(crc32(seed:step:rank)) each step", "states": "rng/rank_R.pt"},
-                "metrics": {"train/loss": state.last_train_loss, **state.last_val},
-            }
-            try:
-                final = ckpt_io.commit(stage, self.run_dir, state.step, manifest, ctx.world_size)
-                self.tracker.register_checkpoint(final, ckpt_io.read_manifest(final))
-                ckpt_io.prune(self.run_dir, cfg.checkpoint.keep_last, protect)
-            except Exception as e:  # tell the other ranks instead of leaving them in a barrier
-                error = f"{type(e).__name__}: {e}"
-        # Every rank learns the committed path: the stability state (rollback targets) must be identical.
-        error, final = dist.broadcast_object((error, final))
-        if error:
-            raise ckpt_io.CheckpointError(f"checkpoint at step {state.step} failed: {error}")
-        return final
-
-
 class CheckpointCallback(Callback):
     """Committed checkpoints every ``checkpoint.every_steps``, at the last step, and when a run stops early."""
 
@@ -463,7 +403,7 @@ class RunSummary(Callback):
         tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, step)
         tracker.log_json(bad, "data/bad_records.json")
         tracker.log_json(final, SUMMARY_FILE)
-        ckpt_io.write_json(Path(trainer.run_dir) / SUMMARY_FILE, final)
+        write_json(Path(trainer.run_dir) / SUMMARY_FILE, final)
 
 
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,

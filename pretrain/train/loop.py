@@ -19,10 +19,11 @@ from pretrain.config import from_dict, make_plan
 from pretrain.data import TrainBatches, load_or_train_tokenizer, validation_batches
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
-from pretrain.train.callbacks import Checkpointer, RunSummary, standard_callbacks
+from pretrain.train.callbacks import RunSummary, standard_callbacks
+from pretrain.train.checkpointing import Checkpointer
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
-from pretrain.train.resume import checkpoint_architecture, engine_state_dir, find_resume_point, restore
+from pretrain.train.resume import checkpoint_architecture, find_resume_point, restore, resume_source
 from pretrain.train.stability import StabilityControl
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 from pretrain.train.tracking import Tracker
@@ -82,11 +83,13 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     resume = find_resume_point(cfg, run_dir, ctx)
     if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
         cfg = checkpoint_architecture(cfg, resume)
-    source = engine_state_dir(resume, run_dir, ctx) if resume is not None else None
+    source = resume_source(resume, run_dir, ctx) if resume is not None else None
     weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
+    if source is not None and source.weights is not None:  # a full-weights checkpoint (a derived run)
+        weights = source.weights
     timeline.enter("engine_build")
     module = build_module(cfg, plan, rank=ctx.rank, device=ctx.device, weights=weights,
-                          load_universal=source is not None and source[1])
+                          load_universal=source is not None and source.universal)
     timeline.enter("trainer_setup")  # data, validation set, resume, callbacks
     batches = TrainBatches(cfg.data, kind=cfg.model.kind, tokenizer=tokenizer, plan=plan, rank=ctx.rank,
                            seed=cfg.train.seed)
@@ -96,7 +99,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
 
     state = TrainerState()
     if resume is not None:
-        state = restore(module, batches, resume, source, ctx)
+        state = restore(module, batches, source, ctx)
     progress = Progress(cfg.train.max_steps, state.step, plan.tokens_per_step, ctx.is_main)
     if resume is not None:
         progress.say(f"resumed from {resume.path} (step {state.step}, {state.tokens_seen:,} tokens)")

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as tdist
 
 from pretrain import ds_adapter
+from pretrain.checkpoint.layout import DS_TAG
+from pretrain.checkpoint.store import CheckpointError
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
 from pretrain.model.compile import compile_blocks, compile_supported
 from pretrain.model.layerdrop import inference_scales
 from pretrain.model.moe import moe_layers
-from pretrain.train.checkpoint import DS_TAG, CheckpointError
 from pretrain.train.engine import initialize, resolve_precision, set_lr
 from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
 from pretrain.train.schedule import lr_at

@@ -28,15 +28,15 @@ Actions per ``stability.policy`` (the event kind -> action table is :data:`ACTIO
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint import store as ckpt_store
+from pretrain.checkpoint.store import CommittedCheckpoint
 from pretrain.config import MoEConfig, RunConfig, StabilityConfig
-from pretrain.train import checkpoint as ckpt_io
 from pretrain.train import dist, tracking
 from pretrain.train.progress import Progress
 from pretrain.train.tracking import Tracker
@@ -392,21 +392,21 @@ class StabilityControl:
         err = self.monitor.halt(event)
         if self.ctx.is_main:
             path = self.run_dir / REPORT_FILE
-            ckpt_io.write_json(path, err.report)
+            ckpt_store.write_json(path, err.report)
             self.tracker.log_json(err.report, "stability/report.json")
             self.flush(force=True)
             self.progress.say(f"HALT: {err}; report: {path}")
         return err
 
-    def rollback(self, load: Callable[[ckpt_io.CommittedCheckpoint], None], step: int) -> Path:
+    def rollback(self, load: Callable[[CommittedCheckpoint], None], step: int) -> Path:
         """Restore the newest good checkpoint (``load`` puts its engine state in place); the data stream
         stays where it is, so the window since that checkpoint is skipped; later checkpoints of the
         abandoned trajectory move to ``abandoned/``."""
         target = self.monitor.rollback_target()
         assert target is not None, "decide() only rolls back to an existing good checkpoint"
         path = Path(target["path"])
-        load(ckpt_io.CommittedCheckpoint(path, target["step"], ckpt_io.read_manifest(path)))
-        abandoned = _abandon_after(self.run_dir, target["step"]) if self.ctx.is_main else None
+        load(ckpt_store.open_committed(path))
+        abandoned = ckpt_store.abandon_after(self.run_dir, target["step"]) if self.ctx.is_main else None
         abandoned = dist.broadcast_object(abandoned)
         event = self.monitor.rolled_back(step, target, target["sequences"], self.state.sequences, abandoned)
         self.state.step = target["step"]
@@ -440,15 +440,3 @@ class StabilityControl:
             self.history.append((step, loss, grad_norm))
             if len(self.history) > 100_000:
                 self.history = self.history[::2]
-
-
-def _abandon_after(run_dir: Path, step: int) -> list[str]:
-    """Move committed checkpoints newer than ``step`` to ``run_dir/abandoned/`` (out of resume's sight)."""
-    moved = []
-    for c in ckpt_io.list_committed(run_dir):
-        if c.step > step:
-            dest = run_dir / "abandoned" / f"{c.path.name}-{ckpt_io.new_nonce()[:6]}"
-            dest.parent.mkdir(exist_ok=True)
-            os.replace(c.path, dest)
-            moved.append(str(dest))
-    return moved

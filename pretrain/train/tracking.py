@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint import layout
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 
 # Tags that make checkpoints discoverable from a run id.
@@ -159,7 +160,7 @@ class Tracker:
         small["num_files"] = len(manifest.get("files", {}))
         small["bytes"] = sum(f["bytes"] for f in manifest.get("files", {}).values())
         small["path"] = str(path)
-        self.log_json(small, f"checkpoints/{path.name}/manifest.json")
+        self.log_json(small, f"checkpoints/{path.name}/{layout.MANIFEST}")
         self.set_tags({TAG_CKPT_LATEST: str(path), TAG_CKPT_STEP: manifest["step"]})
 
     def finish(self, status: str = "FINISHED") -> None:

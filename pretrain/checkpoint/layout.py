@@ -1,0 +1,101 @@
+"""The on-disk layout of a run directory and of one committed checkpoint: every file and directory name, here
+and nowhere else (``tests/test_checkpoint_layout.py`` fails when one is spelled outside this package).
+
+A run directory (``checkpoint.dir / RUN_ID``)::
+
+    config.yaml              the run's resolved config (written at run creation)
+    tokenizer/               the run's tokenizer
+    init_weights.pt          ``model.init_from_hf`` weights converted by the driver (when set)
+    summary.json             the end-of-run summary
+    step_NNNNNNNN/           committed checkpoints (below)
+    .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
+
+One committed checkpoint::
+
+    step_00000100/
+      manifest.json          the typed manifest (``manifest.Manifest``): step, counters, format, file checksums
+      config.yaml            the resolved config as of this step (growth may have changed the architecture)
+      trainer_state.json     loop counters and the callbacks' state
+      data/rank_R.json       each rank's data stream state (union = the global data position)
+      rng/rank_R.pt          each rank's torch RNG state
+      tokenizer/             the run's tokenizer (so a checkpoint is self-contained for export)
+      ds/state/...           format "deepspeed": the DeepSpeed engine state (model, optimizer shards per rank)
+      weights.safetensors    format "full": the full model weights (fp32, our parameter names)
+      optimizer.safetensors  format "full", optional: AdamW moments by parameter name (see ``weights.py``)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+CONFIG = "config.yaml"
+TRAINER_STATE = "trainer_state.json"
+TOKENIZER = "tokenizer"
+DATA_DIR = "data"
+RNG_DIR = "rng"
+DS_DIR = "ds"
+DS_TAG = "state"
+WEIGHTS = "weights.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+
+# Run-directory entries beside the checkpoints.
+RUN_CONFIG = CONFIG
+RUN_TOKENIZER = TOKENIZER
+INIT_WEIGHTS = "init_weights.pt"
+SUMMARY = "summary.json"
+ABANDONED = "abandoned"
+
+STEP_PREFIX = "step_"
+STAGING_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".old-"
+UNIVERSAL_PREFIX = "universal-"
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{8}})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a committed checkpoint directory's name, or None for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_file(rank: int) -> str:
+    """Relative path of rank ``rank``'s data position."""
+    return f"{DATA_DIR}/rank_{rank}.json"
+
+
+def rng_file(rank: int) -> str:
+    """Relative path of rank ``rank``'s RNG state."""
+    return f"{RNG_DIR}/rank_{rank}.pt"
+
+
+DATA_GLOB = "rank_*.json"
+RNG_PATTERN = rng_file(0).replace("0", "R")  # documented in the manifest
+
+
+def staging_dir(run_dir: Path, step: int, nonce: str) -> Path:
+    """Temporary directory for the checkpoint of ``step``; ``nonce`` must be the same on all ranks."""
+    return run_dir / f"{STAGING_PREFIX}{step_dir_name(step)}-{nonce}"
+
+
+def replaced_dir(run_dir: Path, step: int, nonce: str) -> Path:
+    """Where a committed checkpoint of the same step goes while it is replaced (then deleted)."""
+    return run_dir / f"{REPLACED_PREFIX}{step_dir_name(step)}-{nonce}"
+
+
+def universal_dir(cache_root: Path, step: int) -> Path:
+    return cache_root / f"{UNIVERSAL_PREFIX}{step_dir_name(step)}"
+
+
+def universal_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
+    return cache_root / f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}{step_dir_name(step)}-{nonce}"
+
+
+LEFTOVER_PREFIXES = (f"{STAGING_PREFIX}{STEP_PREFIX}", f"{REPLACED_PREFIX}{STEP_PREFIX}",
+                     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}")
+"""Names of interrupted saves and conversions, removed by rank 0 at the start of a job."""

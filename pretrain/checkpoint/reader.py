@@ -1,0 +1,161 @@
+"""Reading a committed checkpoint: its config, trainer state, tokenizer, data position and RNG, and its model as
+one full fp32 state dict whatever the format (merged from any ZeRO stage and worker count, every expert of an
+expert-parallel run gathered). :func:`open_checkpoint` finds and verifies one by path; resolving an MLflow run id
+to its checkpoint directory is the caller's (``pretrain/export/checkpoints.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.checkpoint import layout, store, weights
+from pretrain.checkpoint.manifest import FORMAT_FULL
+from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
+from pretrain.config import ConfigError, RunConfig, load_config
+
+StateDict = dict[str, torch.Tensor]
+
+
+def config_dict(ckpt: CommittedCheckpoint) -> dict[str, Any]:
+    """The checkpoint's resolved config as a plain dict (CheckpointError when it has none)."""
+    import yaml
+
+    path = ckpt.path / layout.CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt.path}: no {layout.CONFIG}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def read_config(ckpt: CommittedCheckpoint, overrides: list[str] | None = None) -> RunConfig:
+    """The checkpoint's config (``overrides`` applied), its tokenizer set to the checkpoint's own."""
+    cfg = load_config(None, overrides or [], base=config_dict(ckpt))
+    cfg.data.tokenizer = str(tokenizer_dir(ckpt))
+    return cfg
+
+
+def tokenizer_dir(ckpt: CommittedCheckpoint) -> Path:
+    return ckpt.path / layout.TOKENIZER
+
+
+def read_trainer_state(ckpt: CommittedCheckpoint) -> dict[str, Any]:
+    """The saved trainer state (counters and callback state) as written, migrated to the current keys."""
+    raw = json.loads((ckpt.path / layout.TRAINER_STATE).read_text())
+    if "sequences" not in raw:  # written before stability control: no rollback ever moved the data
+        raw["sequences"] = ckpt.manifest.global_sequences
+    return raw
+
+
+def read_data_position(ckpt_path: Path) -> dict[str, Any]:
+    """The merged data state of all ranks (the global data position; any worker count can resume it)."""
+    from pretrain.data import merge_states  # the data package is heavy to import; only resumes need it
+
+    files = sorted((ckpt_path / layout.data_file(0)).parent.glob(layout.DATA_GLOB))
+    return merge_states([json.loads(f.read_text()) for f in files])
+
+
+def read_rng_state(ckpt_path: Path, rank: int) -> dict[str, torch.Tensor] | None:
+    """Rank ``rank``'s RNG state, or None when the checkpoint has none for it (another worker count)."""
+    path = ckpt_path / layout.rng_file(rank)
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
+def load_rank_state(ckpt_path: Path, rank: int) -> tuple[dict, dict | None]:
+    """(merged data state of all ranks, this rank's RNG state or None if the world size changed)."""
+    return read_data_position(ckpt_path), read_rng_state(ckpt_path, rank)
+
+
+def is_full_weights(ckpt: CommittedCheckpoint) -> bool:
+    return ckpt.manifest.format == FORMAT_FULL
+
+
+def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
+    """The model's full fp32 training weights (our names, every expert under its global id; checked)."""
+    moe = cfg.moe
+    if is_full_weights(ckpt):
+        sd = weights.load_full_weights(ckpt.path)
+    elif moe.enabled and (ckpt.manifest.moe_ep_size or moe.ep_size) > 1:
+        ds_tag = weights.ds_engine_dir(ckpt.path) / layout.DS_TAG
+        sd = weights.strip_module_prefix(weights.expert_parallel_state_dict(ds_tag))
+        sd = {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
+    else:
+        sd = weights.consolidated_state_dict(ckpt.path, cfg.zero.stage)
+    if moe.enabled:
+        weights.check_experts_complete(sd, cfg.model.num_layers, moe)
+    return sd
+
+
+@dataclass
+class LoadedCheckpoint:
+    ckpt: CommittedCheckpoint
+    config: RunConfig
+    run_id: str | None = None
+    """The MLflow run of the checkpoint when it is in the current tracking store, else None."""
+
+    def state_dict(self, inference: bool = True) -> StateDict:
+        """Full fp32 state dict; expert-parallel checkpoints hold every expert (checked). ``inference``: with
+        layer dropout's ``rho`` scaling folded into the weights (what evaluation and export use); False gives the
+        training weights (to continue training from, e.g. after pruning)."""
+        from pretrain.model.layerdrop import fold_branch_scales, inference_scales
+
+        sd = full_state_dict(self.ckpt, self.config)
+        scales = inference_scales(self.config.layer_drop, self.config.model.num_layers)
+        if inference and scales is not None:
+            sd = fold_branch_scales(sd, self.config.model.norm_placement, scales)
+        return sd
+
+    def trainer_state(self) -> dict[str, Any]:
+        return read_trainer_state(self.ckpt)
+
+    def data_position(self) -> dict[str, Any]:
+        return read_data_position(self.ckpt.path)
+
+    def tokenizer_dir(self) -> Path:
+        return tokenizer_dir(self.ckpt)
+
+    def tokenizer(self):
+        from pretrain.data import load_or_train_tokenizer
+
+        tok_dir = tokenizer_dir(self.ckpt)
+        if not tok_dir.is_dir():
+            raise CheckpointError(f"{self.ckpt.path}: no {layout.TOKENIZER}/ directory")
+        return load_or_train_tokenizer(dataclasses.replace(self.config.data, tokenizer=str(tok_dir)))
+
+
+def pick_step(run_dir: Path, step: int) -> CommittedCheckpoint:
+    """The committed checkpoint of ``step`` in ``run_dir``, verified (ConfigError naming the steps there)."""
+    found = store.list_committed(run_dir)
+    for c in found:
+        if c.step == step:
+            store.verify(c.path, c.manifest)
+            return c
+    steps = ", ".join(str(c.step) for c in found) or "none"
+    raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+
+
+def find_checkpoint(path: Path, step: int | None = None) -> CommittedCheckpoint:
+    """A checkpoint directory, or a run directory (its latest, or ``step``), verified."""
+    if step is not None and not store.is_checkpoint_dir(path):
+        return pick_step(path.resolve(), step)
+    ckpt = store.resolve(path)
+    if step is not None and ckpt.step != step:
+        raise ConfigError(f"--step {step}: {ckpt.path} is the checkpoint of step {ckpt.step}")
+    return ckpt
+
+
+def latest_verified(run_dir: Path, what: str) -> CommittedCheckpoint:
+    """The latest committed checkpoint of ``run_dir``, verified (ConfigError naming ``what`` when there is none)."""
+    latest = store.latest_committed(run_dir)
+    if latest is None:
+        raise ConfigError(f"{what}: no committed checkpoint in {run_dir}")
+    store.verify(latest.path, latest.manifest)
+    return latest
+
+
+def load(ckpt: CommittedCheckpoint, run_id: str | None = None) -> LoadedCheckpoint:
+    """``ckpt`` with its config (checkpoint and config errors exit 2)."""
+    return LoadedCheckpoint(ckpt=ckpt, config=load_config(None, base=config_dict(ckpt)), run_id=run_id)

@@ -1,0 +1,224 @@
+"""Committed checkpoints on disk: the commit protocol (checksums, manifest, fsync, rename), discovery, verification,
+pruning and cleanup. Only a directory named ``step_NNNNNNNN`` holding a manifest that parses is committed; resume,
+listing and MLflow registration only ever see committed ones. Collective writing is in ``writer.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint import layout
+from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+def new_nonce() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fsync_file(path)
+    except OSError:  # some filesystems (and Windows) cannot fsync a directory
+        pass
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def hash_files(root: Path, paths: list[Path] | None = None) -> dict[str, FileEntry]:
+    """Size and sha256 of ``paths`` (default: every file under ``root``), keyed by POSIX path relative to
+    ``root``; each file is fsynced first. A writer may call it per rank on the files that rank wrote and merge."""
+    entries: dict[str, FileEntry] = {}
+    for path in sorted(paths if paths is not None else (p for p in root.rglob("*") if p.is_file())):
+        fsync_file(path)
+        entries[path.relative_to(root).as_posix()] = FileEntry(path.stat().st_size, sha256_file(path))
+    return entries
+
+
+def missing_parts(stage: Path, manifest: Manifest) -> list[str]:
+    """What a complete checkpoint of ``manifest.world_size`` ranks and ``manifest.format`` lacks in ``stage``."""
+    missing = [layout.data_file(r) for r in range(manifest.world_size) if not (stage / layout.data_file(r)).is_file()]
+    if manifest.format == FORMAT_DEEPSPEED:
+        if not (stage / layout.DS_DIR / layout.DS_TAG).is_dir():
+            missing.append(f"{layout.DS_DIR}/{layout.DS_TAG}/")
+    elif not (stage / layout.WEIGHTS).is_file():
+        missing.append(layout.WEIGHTS)
+    return missing
+
+
+def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, FileEntry] | None = None) -> Path:
+    """Commit a fully written ``stage`` as the checkpoint of ``manifest.step`` (one process, after every writer
+    finished): check completeness, checksum (unless ``files`` already holds every file's entry), fsync, write the
+    manifest last and rename the directory into place. Returns the committed path."""
+    missing = missing_parts(stage, manifest)
+    if missing:
+        raise CheckpointError(f"{stage}: incomplete checkpoint, missing {', '.join(missing)}")
+    manifest.files = files if files is not None else hash_files(stage)
+    for d in sorted({p.parent for p in stage.rglob("*")} | {stage}):
+        fsync_dir(d)
+    manifest.committed_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_json(stage / layout.MANIFEST, manifest.to_dict())
+    fsync_file(stage / layout.MANIFEST)
+    final = run_dir / layout.step_dir_name(manifest.step)
+    if final.exists():  # a re-run of the same step (e.g. after a restart): replace atomically-ish
+        trash = layout.replaced_dir(run_dir, manifest.step, new_nonce())
+        os.replace(final, trash)
+        os.replace(stage, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(stage, final)
+    fsync_dir(run_dir)
+    return final
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    path: Path
+    step: int
+    manifest: Manifest
+
+
+def read_manifest(path: Path) -> Manifest:
+    try:
+        raw = json.loads((path / layout.MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a committed checkpoint (no {layout.MANIFEST})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}/{layout.MANIFEST}: corrupt manifest ({e})") from None
+    try:
+        return Manifest.from_dict(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}/{layout.MANIFEST}: corrupt manifest ({type(e).__name__}: {e})") from None
+
+
+def open_committed(path: Path) -> CommittedCheckpoint:
+    """The committed checkpoint at ``path`` (manifest read, not verified)."""
+    manifest = read_manifest(path)
+    return CommittedCheckpoint(path, manifest.step, manifest)
+
+
+def verify(path: Path, manifest: Manifest | None = None) -> None:
+    """Check every file listed in the manifest exists with the recorded size and checksum."""
+    manifest = manifest or read_manifest(path)
+    for rel, meta in manifest.files.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: missing file {rel}")
+        if f.stat().st_size != meta.bytes or sha256_file(f) != meta.sha256:
+            raise CheckpointError(f"{path}: checksum mismatch for {rel}")
+
+
+def verify_or_point_back(ckpt: CommittedCheckpoint) -> None:
+    """:func:`verify` ``ckpt``; when it fails, the error also names the newest older checkpoint of the same run
+    directory that verifies, and how to resume from it (a new run starting from that checkpoint)."""
+    try:
+        verify(ckpt.path, ckpt.manifest)
+    except CheckpointError as e:
+        older = [c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]
+        for candidate in reversed(older):
+            try:
+                verify(candidate.path, candidate.manifest)
+            except CheckpointError:
+                continue
+            raise CheckpointError(f"{e}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
+                                  f"with ./launch.sh resume {candidate.path}") from None
+        raise CheckpointError(f"{e}; no older checkpoint of this run verifies") from None
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """``path`` holds a manifest (a committed checkpoint, as opposed to a run directory)."""
+    return (path / layout.MANIFEST).is_file()
+
+
+def list_committed(run_dir: Path) -> list[CommittedCheckpoint]:
+    """Committed checkpoints of a run directory, oldest first (staging dirs and bad manifests are ignored)."""
+    out = []
+    if not run_dir.is_dir():
+        return out
+    for child in run_dir.iterdir():
+        step = layout.step_of(child.name)
+        if step is not None and is_checkpoint_dir(child):
+            try:
+                out.append(CommittedCheckpoint(child, step, read_manifest(child)))
+            except CheckpointError:
+                continue
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
+    found = list_committed(run_dir)
+    return found[-1] if found else None
+
+
+def resolve(path: Path) -> CommittedCheckpoint:
+    """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified."""
+    path = path.resolve()
+    if is_checkpoint_dir(path):
+        ckpt = open_committed(path)
+    else:
+        ckpt = latest_committed(path)
+        if ckpt is None:
+            raise CheckpointError(f"{path}: no committed checkpoint found")
+    verify_or_point_back(ckpt)
+    return ckpt
+
+
+def cleanup_staging(run_dir: Path) -> None:
+    """Remove leftovers of interrupted saves (rank 0, at start)."""
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            if child.name.startswith(layout.LEFTOVER_PREFIXES):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def prune(run_dir: Path, keep_last: int, protect: set[str] | frozenset[str] = frozenset()) -> None:
+    """Delete committed checkpoints beyond the newest ``keep_last`` (0 keeps all), never one in ``protect``."""
+    if keep_last <= 0:
+        return
+    for ckpt in list_committed(run_dir)[:-keep_last]:
+        if str(ckpt.path) not in protect:
+            shutil.rmtree(ckpt.path, ignore_errors=True)
+
+
+def abandon_after(run_dir: Path, step: int) -> list[str]:
+    """Move committed checkpoints newer than ``step`` to ``run_dir/abandoned/`` (out of resume's sight)."""
+    moved = []
+    for c in list_committed(run_dir):
+        if c.step > step:
+            dest = run_dir / layout.ABANDONED / f"{c.path.name}-{new_nonce()[:6]}"
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(c.path, dest)
+            moved.append(str(dest))
+    return moved

@@ -1,0 +1,163 @@
+"""The collective checkpoint writer: every rank stages its files into one temporary directory, then one commit
+(rank 0: completeness, checksums, manifest, fsync, rename) makes the checkpoint visible, registers it (a callable,
+e.g. MLflow) and prunes old ones. ``stage`` -> ``write`` -> ``commit`` are separate calls so a caller can put
+work between them (an asynchronous save commits at a later step boundary); ``save`` runs all three.
+
+The model state is written either by a callable (a DeepSpeed engine's own save, per rank: format ``deepspeed``) or
+as full weights plus optional optimizer moments (format ``full``, rank 0 only), which needs no engine: derived runs
+(``grow``, ``prune``) write their first checkpoint this way on the driver, in a :class:`LocalWorld`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pretrain.checkpoint import layout, store, weights
+from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
+from pretrain.config import RunConfig, config_hash, dump_yaml
+
+RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
+
+
+class World(Protocol):
+    """The processes writing one checkpoint together (rank 0 commits)."""
+
+    rank: int
+    world_size: int
+
+    def barrier(self) -> None: ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+
+
+class LocalWorld:
+    """A world of one process (the driver writing a derived run): no process group needed."""
+
+    rank, world_size = 0, 1
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+
+@dataclass
+class EngineState:
+    """Format ``deepspeed``: ``save(directory)`` writes this rank's engine state into ``directory`` (collective)."""
+
+    save: Callable[[Path], None]
+
+
+@dataclass
+class FullWeights:
+    """Format ``full``: the full model weights and, optionally, AdamW moments by parameter name (rank 0 writes)."""
+
+    weights: dict[str, torch.Tensor]
+    moments: dict[str, Any] | None = None
+
+
+@dataclass
+class Contents:
+    """What one rank puts into a checkpoint. ``cfg``, ``trainer_state`` and the tokenizer are written by rank 0."""
+
+    cfg: RunConfig
+    """The config as of this step (growth may have changed the architecture)."""
+    trainer_state: dict[str, Any]
+    """Loop counters (``step``, ``tokens_seen``, ``sequences``, ``last_train_loss``, ``last_val``) and callback state."""
+    data_state: dict[str, Any]
+    """This rank's data stream state (the union over ranks is the data position)."""
+    model: EngineState | FullWeights
+    rng_state: dict[str, torch.Tensor] = field(default_factory=lambda: {"torch": torch.get_rng_state()})
+
+    @property
+    def format(self) -> str:
+        return FORMAT_DEEPSPEED if isinstance(self.model, EngineState) else FORMAT_FULL
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint being written: its staging directory (the same on every rank) and step."""
+
+    path: Path
+    step: int
+
+
+def describe(contents: Contents, run_id: str, world_size: int) -> Manifest:
+    """The manifest of ``contents`` (files are added at commit)."""
+    cfg, state = contents.cfg, contents.trainer_state
+    return Manifest(
+        step=int(state["step"]), world_size=world_size, format=contents.format, run_id=run_id,
+        tokens_seen=int(state.get("tokens_seen", 0)), config_hash=config_hash(cfg), model_kind=cfg.model.kind,
+        moe_ep_size=cfg.moe.ep_size if cfg.moe.enabled else 0,
+        data_position={"global_sequences": int(state.get("sequences", 0)), "num_streams": cfg.data.num_streams},
+        rng={"scheme": RNG_SCHEME, "states": layout.RNG_PATTERN},
+        metrics={"train/loss": state.get("last_train_loss", float("nan")), **state.get("last_val", {})})
+
+
+class CheckpointWriter:
+    """Writes committed checkpoints into ``run_dir`` (collective: every rank of ``world`` makes the same calls).
+    ``register(path, manifest)`` runs on rank 0 after each commit (MLflow registration); ``keep_last`` prunes."""
+
+    def __init__(self, run_dir: Path, world: World, run_id: str, *, keep_last: int = 0,
+                 register: Callable[[Path, Manifest], None] | None = None):
+        self.run_dir, self.world, self.run_id = Path(run_dir), world, run_id
+        self.keep_last, self.register = keep_last, register
+
+    def stage(self, step: int) -> Staged:
+        """Create the staging directory of ``step`` (collective: rank 0 picks the name)."""
+        nonce = self.world.broadcast(store.new_nonce() if self.world.rank == 0 else None)
+        path = layout.staging_dir(self.run_dir, step, nonce)
+        path.mkdir(parents=True, exist_ok=True)
+        return Staged(path, step)
+
+    def write(self, staged: Staged, contents: Contents) -> None:
+        """This rank's files: its data position and RNG state, its part of the model state, and on rank 0 the
+        config, trainer state and tokenizer."""
+        rank, stage = self.world.rank, staged.path
+        if isinstance(contents.model, EngineState):
+            contents.model.save(weights.ds_engine_dir(stage))
+        elif rank == 0:
+            weights.save_full_weights(stage, contents.model.weights)
+            if contents.model.moments is not None:
+                weights.save_optimizer_moments(stage, contents.model.moments)
+        store.write_json(stage / layout.data_file(rank), contents.data_state)
+        (stage / layout.rng_file(rank)).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(contents.rng_state, stage / layout.rng_file(rank))
+        if rank == 0:
+            (stage / layout.CONFIG).write_text(dump_yaml(contents.cfg))
+            store.write_json(stage / layout.TRAINER_STATE, contents.trainer_state)
+            shutil.copytree(contents.cfg.data.tokenizer, stage / layout.TOKENIZER)
+
+    def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset()) -> Path:
+        """Make ``staged`` a committed checkpoint once every rank has written (collective). Rank 0 commits,
+        registers and prunes (never a path in ``protect``); every rank returns the committed path, or raises
+        the same :class:`store.CheckpointError`."""
+        self.world.barrier()
+        final, error = None, None
+        if self.world.rank == 0:
+            try:
+                final = store.commit(staged.path, self.run_dir, manifest)
+                if self.register is not None:
+                    self.register(final, manifest)
+                store.prune(self.run_dir, self.keep_last, protect)
+            except Exception as e:  # tell the other ranks instead of leaving them in a barrier
+                error = f"{type(e).__name__}: {e}"
+        error, final = self.world.broadcast((error, final))
+        if error:
+            raise store.CheckpointError(f"checkpoint at step {staged.step} failed: {error}")
+        return final
+
+    def save(self, contents: Contents, protect: set[str] | frozenset[str] = frozenset()) -> Path:
+        """Stage, write and commit ``contents`` (collective)."""
+        staged = self.stage(int(contents.trainer_state["step"]))
+        self.write(staged, contents)
+        return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect)
+
