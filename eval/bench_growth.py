@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.layout import RUN_TOKENIZER
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,7 +96,7 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
             if name != "scratch":  # same total FLOPs: fewer steps after the growth
                 cfg.train.max_steps = small_steps + int(round((steps * f_big - small_steps * f_small) / f_big))
             job = prepare_new(cfg)
-            tok = tok or [f"data.tokenizer={Path(job.run_dir) / 'tokenizer'}"]
+            tok = tok or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
             print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
             run(job, cfg.cluster)
             results["run_ids"][name] = job.run_id
