@@ -50,7 +50,7 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
     state = {"step": int(raw.get("step", parent.ckpt.step)), "tokens_seen": int(raw.get("tokens_seen", 0)),
              "sequences": int(raw.get("sequences", 0)), "last_train_loss": float("nan")}
     writer = CheckpointWriter(run_dir, LocalWorld(), run_id, keep_last=cfg.checkpoint.keep_last,
-                              register=lambda path, manifest: tracker.register_checkpoint(path, manifest.to_dict()))
+                              register=tracker.register_checkpoint)
     path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=parent.data_position(),
                                 model=FullWeights(weights, moments)))
     tracker.finish("FINISHED")

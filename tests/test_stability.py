@@ -376,7 +376,7 @@ def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir
 def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
     """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged."""
     from pretrain.train import dist
-    from pretrain.train.callbacks import Checkpointer, NonFiniteWeightsError
+    from pretrain.train.checkpointing import Checkpointer, NonFiniteWeightsError
     from pretrain.train.trainer import TrainerState
     from pretrain.train.tracking import Tracker
 

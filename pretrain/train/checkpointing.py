@@ -9,7 +9,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint.manifest import Manifest
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState
 from pretrain.config import RunConfig
@@ -39,12 +38,8 @@ class Checkpointer:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker):
         self.ctx = ctx
-
-        def register(path: Path, manifest: Manifest) -> None:
-            tracker.register_checkpoint(path, manifest.to_dict())
-
         self.writer = CheckpointWriter(run_dir, DistWorld(ctx), tracker.run_id, keep_last=cfg.checkpoint.keep_last,
-                                       register=register)
+                                       register=tracker.register_checkpoint)
         self.seconds = 0.0  # wall time spent in save (write + verify + commit)
         self.count = 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import layout
+from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 
 # Tags that make checkpoints discoverable from a run id.
@@ -152,16 +153,14 @@ class Tracker:
         if self._client:
             self._client.log_artifact(self.run_id, str(path), artifact_dir)
 
-    def register_checkpoint(self, path: Path, manifest: dict) -> None:
+    def register_checkpoint(self, path: Path, manifest: Manifest) -> None:
         """A committed checkpoint: its manifest (without the per-file list) as an artifact, plus tags."""
         if not self._client:
             return
-        small = {k: v for k, v in manifest.items() if k != "files"}
-        small["num_files"] = len(manifest.get("files", {}))
-        small["bytes"] = sum(f["bytes"] for f in manifest.get("files", {}).values())
-        small["path"] = str(path)
+        small = manifest.to_dict(with_files=False)
+        small.update(num_files=len(manifest.files), bytes=manifest.total_bytes, path=str(path))
         self.log_json(small, f"checkpoints/{path.name}/{layout.MANIFEST}")
-        self.set_tags({TAG_CKPT_LATEST: str(path), TAG_CKPT_STEP: manifest["step"]})
+        self.set_tags({TAG_CKPT_LATEST: str(path), TAG_CKPT_STEP: manifest.step})
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._client:
