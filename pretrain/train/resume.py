@@ -99,6 +99,8 @@ class ResumeSource:
 
 
 def resume_source(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> ResumeSource:
+    """What ``ckpt`` holds, ready to restore: its full weights and moments, or where its engine state is (for
+    another worker count: the universal form, see :func:`engine_state_dir`)."""
     if reader.is_full_weights(ckpt):
         return ResumeSource(ckpt, weights=weights.load_full_weights(ckpt.path),
                             moments=weights.load_optimizer_moments(ckpt.path))
