@@ -146,7 +146,8 @@ def _contents(tokenizer_dir, step=3, moments=None):
     cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=16", "model.num_heads=2",
                              "model.num_kv_heads=2", "model.vocab_size=64", "model.max_seq_len=8",
                              f"data.tokenizer={tokenizer_dir}"])
-    weights = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
+    a = torch.randn(3, 4)
+    weights = {"a.weight": a, "b.bias": torch.randn(5), "tied.weight": a}  # tied weights share one tensor
     state = {"step": step, "tokens_seen": 96, "sequences": 12, "last_train_loss": 2.5, "last_val": {"val/loss": 2.0}}
     return Contents(cfg=cfg, trainer_state=state, data_state={"streams": {"0": {"pos": 12}}},
                     model=FullWeights(weights, moments))

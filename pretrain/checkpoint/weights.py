@@ -39,8 +39,14 @@ def strip_module_prefix(sd: StateDict) -> StateDict:
 def save_full_weights(directory: Path, weights: StateDict) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in weights.items()}, str(directory / layout.WEIGHTS))
+    out, storages = {}, set()
+    for key, value in weights.items():
+        t = value.detach().to("cpu", torch.float32 if value.is_floating_point() else value.dtype).contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # tied weights (lm_head = embeddings): safetensors stores
+            t = t.clone()                                # no shared memory, so each name gets its own copy
+        storages.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    save_file(out, str(directory / layout.WEIGHTS))
 
 
 def load_full_weights(ckpt_path: Path) -> StateDict:
