@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pretrain.checkpoint.layout import SUMMARY
 from pretrain.timeline import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def run_training(config: str | None, overrides: list[str], timeout: float = 1800
         args = [sys.executable, "-m", "pretrain", "train", *([config] if config else []), *overrides,
                 f"checkpoint.dir={run_root}"]
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-        summaries = sorted(run_root.glob("*/summary.json"))
+        summaries = sorted(run_root.glob(f"*/{SUMMARY}"))
         if proc.returncode != 0 or not summaries:
             tail = (proc.stdout + proc.stderr)[-3000:]
             raise RuntimeError(f"bench: the training run failed (exit {proc.returncode}):\n{tail}")
