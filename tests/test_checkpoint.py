@@ -214,7 +214,7 @@ def _full_weights_resume(rank: int, world: int, work: str) -> dict:
     (Path(work) / "tok").mkdir()
     cfg = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
                              "model.num_heads=4", "model.max_seq_len=16", "zero.stage=1", "train.global_batch_size=4",
-                             "train.micro_batch_size=4", "train.lr=1e-2", "train.warmup_steps=1",
+                             "train.micro_batch_size=4", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
                              "train.precision=fp32", f"data.tokenizer={work}/tok"])
     g = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 101, (4, 16), generator=g) for _ in range(3)]
