@@ -192,8 +192,9 @@ class GrowthConfig:
     """Growths, each at its ``at_step``."""
     optimizer: Literal["reset", "grow"] = "reset"
     """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments
-    grown with the weights by the same operator: tiled and divided alike, copied with copied blocks; zero where the
-    weights start at zero). ``grow`` needs ``moe.ep_size`` 1."""
+    transformed like the grown model's gradients, m' = T(m) and v' = T^2(v): for ``tile`` by k, g/k for internal
+    matrices, embeddings, norms and biases, g for the LM head and routers; copied with stacked blocks; zero for new
+    ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``moe.ep_size`` 1."""
     rewarm_steps: int = 0
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
     check_tolerance: float = 1e-4

@@ -13,10 +13,11 @@ import torch
 from pretrain.config import RunConfig
 from pretrain.model import build_model
 from pretrain.model.growth import StateDict, apply_growth, count_parameters
+from pretrain.model.growth_moments import grow_moments
 from pretrain.model.layerdrop import inference_scales
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
-from pretrain.train.optimizer_state import MOMENTS, gather_moments, load_moments
+from pretrain.train.optimizer_state import gather_moments, load_moments
 from pretrain.train.trainer import Callback, Trainer
 
 
@@ -140,10 +141,9 @@ class GrowthCallback(Callback):
         check_growth_loss(before, after, exact=grown.exact and entry.noise == 0, tolerance=self.tolerance,
                           operator=grown.operator, at_step=entry.at_step)
         module.rebuild(new_cfg, grown.state)
-        if moments and moments["step"]:  # the same operator on the moments (no noise)
-            exact = dataclasses.replace(entry, noise=0.0)
-            load_moments(module, {"step": moments["step"], **{
-                k: apply_growth(cfg.model, cfg.moe, moments[k], exact, seed=seed).state for k in MOMENTS}})
+        if moments and moments["step"]:  # transformed like the grown model's gradients (model/growth_moments.py)
+            load_moments(module, {"step": moments["step"],
+                                  **grow_moments(cfg.model, cfg.moe, moments, entry, seed=seed)})
         trainer.cfg = new_cfg
         trainer.emit("on_model_changed")
         self.applied.append(index)
