@@ -230,12 +230,15 @@ def test_depth_identity_refused_where_it_cannot_be_exact_and_moe_layers_follow()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_upcycling_preserves_the_function(arch):
+@pytest.mark.parametrize("top_k,experts", [(2, 4), (1, 4), (1, 3)])
+def test_upcycling_preserves_the_function(arch, top_k, experts):
+    """Top-2: renormalized weights 1/2 each; top-1 (Switch: weight = the chosen probability 1/E at the zero router):
+    the experts' output projections start multiplied by E."""
     cfg, moe = _cfg(*ARCHS[arch])
     model = build_model(cfg, 0, moe).eval()
     ids = _ids()
-    c, m, sd = upcycle(cfg, moe, model.state_dict(), num_experts=4, top_k=2)
-    assert m.num_experts == 4 and m.is_moe_layer(0) and m.is_moe_layer(1)
+    c, m, sd = upcycle(cfg, moe, model.state_dict(), num_experts=experts, top_k=top_k)
+    assert m.num_experts == experts and m.is_moe_layer(0) and m.is_moe_layer(1)
     torch.testing.assert_close(_logits(_grown(c, m, sd), ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
 
 

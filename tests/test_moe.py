@@ -57,6 +57,22 @@ def test_routing_matches_per_token_reference(k, normalize):
     torch.testing.assert_close(layer(x), _naive(layer, x), rtol=0, atol=1e-6)
 
 
+def _router_lm_grad(k: int) -> float:
+    """Norm of the routers' gradient from the language-model loss alone (auxiliary and z losses off)."""
+    cfg = _small(f"moe.top_k={k}", "moe.aux_loss_weight=0", "moe.router_z_loss_weight=0")
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids).loss.backward()
+    return math.sqrt(sum(float(layer.router.weight.grad.square().sum()) for _, layer in moe_layers(model)))
+
+
+def test_top1_router_learns_from_the_lm_loss():
+    """Top-1 with the default normalize_top_k: renormalizing one weight gives p/p = 1 and no router gradient; top-1
+    uses Switch's weight (the chosen expert's probability) instead, so the router learns from the loss."""
+    top1, top2 = _router_lm_grad(1), _router_lm_grad(2)
+    assert top1 > 0.05 * top2 > 0, (top1, top2)
+
+
 @pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
 def test_grouped_experts_equal_the_expert_loop(activation, bias):
     """One grouped GEMM per projection gives the per-expert loop's outputs and gradients, empty experts included."""
@@ -500,7 +516,7 @@ MIXTRAL_LIKE = dict(kind="decoder", vocab_size=300, hidden_size=32, num_layers=2
 
 @pytest.mark.parametrize("model_kw,moe_kw,expected", [
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2), "MixtralForCausalLM"),
-    (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "MixtralForCausalLM"),
+    (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "PretrainTransformerForCausalLM"),  # top-1: Switch's weight p
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, every=2), "PretrainTransformerForCausalLM"),
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, normalize_top_k=False), "PretrainTransformerForCausalLM"),
     ({**MIXTRAL_LIKE, "qk_norm": True}, dict(num_experts=4, top_k=2, every=2), "Qwen3MoeForCausalLM"),

@@ -30,7 +30,9 @@ class MoEConfig:
     micro-batch; assignments beyond it are dropped (the token keeps its residual), first choices before
     second. 0 = dropless. Evaluation and exported models are always dropless."""
     normalize_top_k: bool = True
-    """Renormalize the top-k router probabilities to sum to 1 (Mixtral); false keeps the softmax values (OLMoE)."""
+    """Renormalize the top-k router probabilities to sum to 1 (Mixtral); false keeps the softmax values (OLMoE).
+    Not with ``top_k: 1``, whatever this says: one renormalized weight is p/p = 1, which gives the router no
+    gradient from the loss; top-1 weights each token's expert by its probability (Switch Transformer)."""
     aux_loss_weight: float = 0.01
     """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers."""
     router_z_loss_weight: float = 0.001
@@ -47,6 +49,11 @@ class MoEConfig:
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def renormalizes(self) -> bool:
+        """Whether the top-k weights are renormalized (``normalize_top_k``, never for top-1: see there)."""
+        return self.normalize_top_k and self.top_k > 1
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has an MoE FFN."""

@@ -33,8 +33,9 @@ def mixtral_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
     dense = [i for i in range(cfg.num_layers) if not moe.is_moe_layer(i)]
     if dense:
         out.append(f"blocks {dense} are dense (Mixtral has an MoE FFN in every block)")
-    if not moe.normalize_top_k:
-        out.append("moe.normalize_top_k=false (Mixtral renormalizes the top-k router weights)")
+    if not moe.renormalizes:
+        out.append("moe.normalize_top_k=false (Mixtral renormalizes the top-k router weights)" if moe.top_k > 1 else
+                   "moe.top_k=1 weights by the chosen expert's probability (Mixtral renormalizes it to 1)")
     if cfg.qk_norm:
         out.append("model.qk_norm=true (Mixtral has no query/key norms)")
     return out
@@ -74,7 +75,7 @@ def _hf_config(cfg: ModelConfig, moe: MoEConfig, special: dict, target: str) -> 
         layers = [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]
         explicit = bool(moe.layers)
         kw.update(intermediate_size=dense_ffn, moe_intermediate_size=moe.ffn_size or dense_ffn,
-                  num_experts=moe.num_experts, norm_topk_prob=moe.normalize_top_k, attention_bias=False,
+                  num_experts=moe.num_experts, norm_topk_prob=moe.renormalizes, attention_bias=False,
                   use_sliding_window=False, decoder_sparse_step=1 if explicit else moe.every,
                   mlp_only_layers=[i for i in range(cfg.num_layers) if i not in layers] if explicit else [])
     return kw
@@ -115,5 +116,5 @@ def remote_moe_fields(cfg: ModelConfig, moe: MoEConfig) -> dict:
     if not moe.enabled:
         return {}
     return {"moe_num_experts": moe.num_experts, "moe_top_k": moe.top_k, "moe_ffn_size": moe.ffn_size,
-            "moe_normalize_top_k": moe.normalize_top_k,
+            "moe_normalize_top_k": moe.renormalizes,
             "moe_layers": [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]}

@@ -28,7 +28,8 @@ Width (hidden size, FFN size, heads with the head size fixed):
                     not a multiple of g is refused.
 
 Dense -> MoE upcycling (``experts=E``): every expert is a copy of the block's dense FFN and the router starts at
-zero, so all experts get equal probability and, with normalized top-k, the output is the dense FFN's exactly.
+zero, so all experts get equal probability 1/E and the output is the dense FFN's exactly: top-k > 1 renormalizes the
+weights to 1/k, top-1 (weighted by the probability, Switch) starts with the experts' ``down_proj`` multiplied by E.
 
 ``noise`` > 0 adds N(0, (noise * std(W))^2) to every grown or copied weight matrix (symmetry breaking: tiled copies
 would otherwise receive identical gradients forever); the function is then preserved within the noise.
@@ -275,7 +276,9 @@ def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, f
 def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int,
             top_k: int = 2) -> tuple[ModelConfig, MoEConfig, StateDict]:
     """Every dense FFN becomes an MoE layer of ``num_experts`` copies of it with a zero router (Komatsuzaki et al.
-    2023, sparse upcycling): with normalized top-k the output equals the dense FFN's at the start."""
+    2023, sparse upcycling): the output equals the dense FFN's at the start. Top-k > 1 renormalizes the k equal
+    probabilities 1/E to 1/k each; top-1 weights by the probability itself (Switch), 1/E, so each expert's output
+    projection (``down_proj``, weight and bias) starts multiplied by E."""
     if moe.enabled:
         raise ValueError("experts: the model is already a Mixture-of-Experts")
     if not 1 <= top_k <= num_experts:
@@ -285,8 +288,9 @@ def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int
         m = _BLOCK.match(key)
         if m and m.group(2).startswith("ffn."):
             rest = m.group(2)[len("ffn."):]
+            scale = num_experts if top_k == 1 and rest.startswith("down_proj.") else 1
             for e in range(num_experts):
-                out[f"blocks.{m.group(1)}.ffn.deepspeed_moe.experts.deepspeed_experts.{e}.{rest}"] = w.clone()
+                out[f"blocks.{m.group(1)}.ffn.deepspeed_moe.experts.deepspeed_experts.{e}.{rest}"] = w * scale
             continue
         out[key] = w
     for i in range(cfg.num_layers):

@@ -70,7 +70,7 @@ class MoEFeedForward(nn.Module):
         self.num_local_experts = moe.num_experts
         self.top_k = moe.top_k
         self.capacity_factor = moe.capacity_factor
-        self.normalize_top_k = moe.normalize_top_k
+        self.normalize_top_k = moe.renormalizes  # top-1: Switch's weight p (p/p = 1 would starve the router)
         self.aux_loss_weight = moe.aux_loss_weight
         self.router_z_loss_weight = moe.router_z_loss_weight
         self.ffn_size = ffn_size
