@@ -229,6 +229,29 @@ def test_depth_identity_refused_where_it_cannot_be_exact_and_moe_layers_follow()
     _grown(c, m, sd)
 
 
+@pytest.mark.parametrize("op", ["stack", "interleave"])
+def test_deepnorm_depth_growth_keeps_every_copied_block_and_width_tile_stays_exact(op):
+    """DeepNorm blocks compute norm(alpha * x + f(x)) with alpha = (2N)^(1/4) and weights initialized with
+    beta = (8N)^(-1/4): depth growth keeps the parent's N (``model.deepnorm_depth``), so every block of the grown
+    model computes exactly the block it copies (recomputing alpha for the new depth would change every block); a
+    later tiled width growth keeps the whole function."""
+    cfg, moe = _cfg("model.norm_placement=deepnorm", "model.bias=true")
+    model = build_model(cfg, 0, moe).eval()
+    c, m, sd = grow_depth(cfg, moe, model.state_dict(), 4, op)
+    assert (c.num_layers, c.deepnorm_depth) == (4, 2)
+    grown = _grown(c, m, sd)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    rope = (model.rope_cos[:16], model.rope_sin[:16]) if model.rope_cos is not None else None
+    source = [0, 1, 0, 1] if op == "stack" else [0, 0, 1, 1]
+    with torch.no_grad():
+        for i, src in enumerate(source):
+            assert torch.equal(grown.blocks[i](x, rope), model.blocks[src](x, rope)), (op, i)
+    c2, m2, sd2 = grow_width(c, m, sd, hidden=64)
+    assert c2.deepnorm_depth == 2
+    ids = _ids()
+    torch.testing.assert_close(_logits(_grown(c2, m2, sd2), ids), _logits(grown, ids), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 @pytest.mark.parametrize("top_k,experts", [(2, 4), (1, 4), (1, 3)])
 def test_upcycling_preserves_the_function(arch, top_k, experts):

@@ -53,6 +53,10 @@ class ModelConfig:
     """``pre``: x + f(norm(x)). ``post``: norm(x + f(x)) (BERT). ``deepnorm``: norm(alpha*x + f(x))
     with DeepNet's alpha/beta init scaling (Wang et al. 2022). ``sandwich``: x + norm(f(norm(x)))
     (sub-LN style extra output norm, as in CogView/NormFormer)."""
+    deepnorm_depth: int = 0
+    """``deepnorm``: the depth N of DeepNet's constants, alpha = (2N)^(1/4) in every block and the init gain
+    beta = (8N)^(-1/4); 0 means ``num_layers``. Depth growth sets it to the parent's N, so a copied block keeps
+    computing exactly its source block's function (see docs/growth.md)."""
     norm_eps: float = 1e-5
     """Epsilon of every norm layer."""
     position: Literal["learned", "rotary"] = "rotary"
@@ -367,7 +371,7 @@ class RunConfig:
             "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
             "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at,
-            "growth.check_tolerance": self.growth.check_tolerance,
+            "growth.check_tolerance": self.growth.check_tolerance, "model.deepnorm_depth": m.deepnorm_depth,
             "zero.param_persistence_threshold": self.zero.param_persistence_threshold,
         }
         for key, value in nonneg.items():

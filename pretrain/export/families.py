@@ -174,7 +174,7 @@ def expand_kv_heads(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, ModelCo
 
 def deepnorm_alpha(cfg: ModelConfig) -> float:
     """The residual scale of :class:`pretrain.model.layers.Block` (1 unless DeepNorm)."""
-    return (2.0 * cfg.num_layers) ** 0.25 if cfg.norm_placement == "deepnorm" else 1.0
+    return (2.0 * (cfg.deepnorm_depth or cfg.num_layers)) ** 0.25 if cfg.norm_placement == "deepnorm" else 1.0
 
 
 def fold_deepnorm(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, ModelConfig]:

@@ -6,8 +6,10 @@ Depth (any target: ``2x``, ``+N``, ``N``):
     ``interleave``  each block duplicated in place: block i copies block floor(i * L / N). Not function-preserving.
     ``identity``    the trained blocks, then new blocks (copies of the last one) whose residual branches start at
                     zero output (attention ``o_proj`` and FFN ``down_proj`` zeroed; a ``sandwich`` block's output
-                    norms zeroed): exactly function-preserving for pre-norm and sandwich blocks. Post-norm blocks
-                    apply a norm even to a zero branch, and DeepNorm's alpha depends on the depth: refused.
+                    norms zeroed): exactly function-preserving for pre-norm and sandwich blocks. Post-norm and
+                    DeepNorm blocks apply a norm even to a zero branch: refused.
+DeepNorm keeps the parent's depth N in alpha = (2N)^(1/4) (``model.deepnorm_depth``) under every depth operator, so
+each copied block computes exactly its source block's function.
 
 Width (hidden size, FFN size, heads with the head size fixed):
     ``tile``        eq. (111) of the reference text: an integer factor k on a dimension tiles every vector along it
@@ -108,7 +110,9 @@ def grow_depth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int,
     if moe.enabled:
         layers = [i for i, src in enumerate(source) if moe.is_moe_layer(src)]
         new_moe = dataclasses.replace(moe, layers=layers, every=1)
-    return dataclasses.replace(cfg, num_layers=target), new_moe, out
+    # DeepNorm: keep the parent's N (alpha, beta), so every copied block computes its source block's function
+    kept = (cfg.deepnorm_depth or n) if cfg.norm_placement == "deepnorm" else cfg.deepnorm_depth
+    return dataclasses.replace(cfg, num_layers=target, deepnorm_depth=kept), new_moe, out
 
 
 def _is_branch_output(name: str, placement: str) -> bool:

@@ -140,6 +140,11 @@ class FeedForward(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
+def deepnorm_depth(cfg: ModelConfig) -> int:
+    """N of DeepNet's alpha = (2N)^(1/4) and beta = (8N)^(-1/4): ``model.deepnorm_depth``, else the depth."""
+    return cfg.deepnorm_depth or cfg.num_layers
+
+
 class Block(nn.Module):
     """One Transformer layer; ``cfg.norm_placement`` picks how norms wrap the two sublayers."""
 
@@ -147,7 +152,7 @@ class Block(nn.Module):
         super().__init__()
         self.placement = cfg.norm_placement
         # DeepNet residual up-weighting; a plain float so an exporter can fold it.
-        self.alpha: float = (2.0 * cfg.num_layers) ** 0.25 if self.placement == "deepnorm" else 1.0
+        self.alpha: float = (2.0 * deepnorm_depth(cfg)) ** 0.25 if self.placement == "deepnorm" else 1.0
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.norm2 = make_norm(cfg)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig, MoEConfig
-from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, make_norm, rope_cache, skips
+from pretrain.model.layers import (Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache,
+                                   skips)
 from pretrain.model.moe import MoEFeedForward, moe_layers
 from pretrain.model.score import mean_cross_entropy
 
@@ -137,7 +138,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         std = cfg.init_std
         deepnorm = cfg.norm_placement == "deepnorm"
-        beta = (8.0 * cfg.num_layers) ** -0.25
+        beta = (8.0 * deepnorm_depth(cfg)) ** -0.25
         residual_std = std / math.sqrt(2.0 * cfg.num_layers)
         done: set[int] = set()  # a tied weight is initialized once (as the embedding)
         for module in self.modules():
@@ -190,7 +191,7 @@ class Transformer(nn.Module):
         (others are drawn into scratch tensors), so every expert-parallel layout has the same weights."""
         cfg = self.cfg
         deepnorm = cfg.norm_placement == "deepnorm"
-        std, beta = cfg.init_std, (8.0 * cfg.num_layers) ** -0.25
+        std, beta = cfg.init_std, (8.0 * deepnorm_depth(cfg)) ** -0.25
         residual_std = std / math.sqrt(2.0 * cfg.num_layers)
         template = moe.experts[0]
         for g in range(moe.num_experts):

@@ -25,7 +25,7 @@ _FIELDS = {
     "num_kv_heads": 0, "ffn_size": 1024, "activation": "gelu", "norm": "layernorm", "norm_placement": "pre",
     "norm_eps": 1e-5, "position": "rotary", "rope_theta": 10000.0, "tie_embeddings": True, "bias": False,
     "dropout": 0.0, "attention_dropout": 0.0, "init_std": 0.02, "embedding_norm": False, "final_norm": True,
-    "mlm_head_transform": False,
+    "mlm_head_transform": False, "deepnorm_depth": 0,
     # Mixture-of-Experts (``pretrain.config.MoEConfig``): blocks listed in moe_layers have an MoE FFN.
     "moe_num_experts": 0, "moe_top_k": 2, "moe_layers": [], "moe_ffn_size": 0, "moe_normalize_top_k": True,
 }
@@ -183,7 +183,7 @@ class Block(nn.Module):
     def __init__(self, cfg, causal: bool, moe: bool = False) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
-        self.alpha = (2.0 * cfg.num_layers) ** 0.25 if self.placement == "deepnorm" else 1.0
+        self.alpha = (2.0 * (cfg.deepnorm_depth or cfg.num_layers)) ** 0.25 if self.placement == "deepnorm" else 1.0
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.norm2 = make_norm(cfg)
