@@ -31,11 +31,13 @@ StateDict = dict[str, torch.Tensor]
 
 def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
                what: str, metrics: dict[str, float] | None = None,
-               moments: dict[str, Any] | None = None) -> tuple[str, Path]:
+               moments: dict[str, Any] | None = None, grown: bool = False) -> tuple[str, Path]:
     """Write ``weights`` (a full state dict of ``cfg.model``) and, when given, ``moments`` (AdamW moments of those
     weights by name, see ``pretrain/checkpoint/weights.py``) as the first checkpoint of a new run, child of the
     parent's run, continuing the parent's step, tokens and data position. The checkpoint holds full weights:
-    written here without an engine, resumed on any worker count and expert layout. Returns (run id, path)."""
+    written here without an engine, resumed on any worker count and expert layout. ``grown``: the checkpoint records
+    a growth at the parent's step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the
+    growth callback's state, as after an in-job growth). Returns (run id, path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
@@ -49,6 +51,9 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
     raw = parent.trainer_state()
     state = {"step": int(raw.get("step", parent.ckpt.step)), "tokens_seen": int(raw.get("tokens_seen", 0)),
              "sequences": int(raw.get("sequences", 0)), "last_train_loss": float("nan")}
+    if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
+        applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
+        state["callbacks"] = {"growth": {"applied": applied, "last_growth_step": state["step"]}}
     writer = CheckpointWriter(run_dir, LocalWorld(), run_id, keep_last=cfg.checkpoint.keep_last,
                               register=tracker.register_checkpoint)
     path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=parent.data_position(),
@@ -148,19 +153,30 @@ def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-GROW_KEYS = {"depth", "depth_op", "width", "width_op", "heads", "ffn", "experts", "top_k", "noise", "step"}
+GROW_KEYS = {"depth", "depth_op", "width", "width_op", "heads", "ffn", "experts", "top_k", "noise", "step", "rewarm"}
+
+
+def _rewarm_steps(cfg: RunConfig, option: str | None) -> int:
+    """The child's ``growth.rewarm_steps``: ``rewarm=N``, else the parent's re-warm, else its LR warm-up: a grown
+    model starts with fresh AdamW moments, which at the parent's LR make the first updates far too large."""
+    if option is None:
+        return cfg.growth.rewarm_steps or cfg.train.warmup_steps
+    if not option.isdigit():
+        raise ConfigError(f"grow rewarm: {option!r}: expected a number of steps (0: continue at the schedule's LR)")
+    return int(option)
 
 
 def grow(argv: list[str]) -> int:
     """``grow RUN_ID|CHECKPOINT [depth=..] [depth_op=..] [width=..] [width_op=..] [heads=..] [ffn=..] [experts=E]
-    [top_k=K] [noise=X] [step=N]``: a new child run whose first checkpoint is the grown parent."""
+    [top_k=K] [noise=X] [step=N] [rewarm=N]``: a new child run whose first checkpoint is the grown parent; the child
+    re-warms its LR over ``growth.rewarm_steps`` (``rewarm``; recorded in its config) from the growth step."""
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
     from pretrain.model.growth import apply_growth, count_parameters
     from pretrain.train.growth import check_growth_loss, grown_config, held_back_loss
 
     opts = _options(argv, GROW_KEYS, "grow")
-    step_opt = opts.pop("step", None)
+    step_opt, rewarm_opt = opts.pop("step", None), opts.pop("rewarm", None)
     typed = {k: (int(v) if k in ("experts", "top_k") else float(v) if k == "noise" else v) for k, v in opts.items()}
     entry = build_section(GrowthStep, typed, "grow")
     if not (entry.depth or entry.width or entry.heads or entry.ffn or entry.experts):
@@ -174,7 +190,9 @@ def grow(argv: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(f"grow: {e}") from None
     new_cfg = grown_config(cfg, grown.model, grown.moe)
-    new_cfg = dataclasses.replace(new_cfg, name=f"{cfg.name}-grown")
+    rewarm = _rewarm_steps(cfg, rewarm_opt)
+    new_cfg = dataclasses.replace(new_cfg, name=f"{cfg.name}-grown",
+                                  growth=dataclasses.replace(new_cfg.growth, rewarm_steps=rewarm))
     batch, cpu = [_held_back_batch(parent)], torch.device("cpu")
     before, after = held_back_loss(cfg, sd, batch, cpu), held_back_loss(new_cfg, grown.state, batch, cpu)
     rel = check_growth_loss(before, after, exact=grown.exact and entry.noise == 0,
@@ -183,10 +201,13 @@ def grow(argv: list[str]) -> int:
     run_id, path = derive_run(parent, new_cfg, grown.state,
                               {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
                                "growth.operator": grown.operator}, "growth",
-                              metrics={"growth/loss_before": before, "growth/loss_after": after})
+                              metrics={"growth/loss_before": before, "growth/loss_after": after}, grown=True)
     params = count_parameters(grown.state, grown.model.tie_embeddings)
     print(f"[grow] new run {run_id}: {new_cfg.model.num_layers} blocks, hidden {new_cfg.model.hidden_size}, "
           f"{new_cfg.moe.num_experts or 'no'} experts, {params:,} parameters; checkpoint {path}")
+    if rewarm:
+        print(f"[grow] the new run starts with fresh AdamW moments and re-warms its LR from 0 over {rewarm} steps "
+              f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)")
     print(f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"
           f"  export:  ./launch.sh export {run_id} --out exported/{run_id}")
     return 0

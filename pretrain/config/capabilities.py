@@ -203,7 +203,9 @@ class GrowthConfig:
     matrices, embeddings, norms and biases, g for the LM head and routers; copied with stacked blocks; zero for new
     ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``moe.ep_size`` 1."""
     rewarm_steps: int = 0
-    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues."""
+    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues. A run
+    derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else the
+    parent's ``train.warmup_steps``) and re-warms from its first step."""
     check_tolerance: float = 1e-4
     """A function-preserving growth without noise must change the loss on the held-back batch (computed in fp32) by
     at most this (relative), or the run stops with an error. A schedule needs held-back data:

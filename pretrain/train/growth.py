@@ -89,7 +89,8 @@ def grown_config(cfg: RunConfig, model, moe) -> RunConfig:
 
 class GrowthCallback(Callback):
     """Grows before the first step after each entry's ``at_step``, so an uninterrupted run and one resumed from the
-    checkpoint of that step grow at the same point. Applied entries are remembered in the checkpoint."""
+    checkpoint of that step grow at the same point. Applied entries are remembered in the checkpoint, with the step
+    of the last growth, from which the LR re-warms (also after an offline ``grow``: its checkpoint records it)."""
 
     order = 3
     name = "growth"
