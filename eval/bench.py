@@ -35,38 +35,9 @@ from eval.bench_common import random_batches as _batches
 from eval.bench_common import sync as _sync
 from pretrain.config import RunConfig, load_config
 from pretrain.train.timing import LOOP_WARMUP_STEPS
+from pretrain.model.peak import datasheet_peak, measured_matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA datasheets.
-_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
-
-
-def _datasheet_peak(name: str) -> float | None:
-    for key, value in _PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value * 1e12
-    return None
-
-
-def measured_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
-    """FLOP/s of a large square matmul in ``dtype``: what this device actually reaches (n = 8192 on GPUs, 2048 on
-    CPUs; repeated for about ``seconds``)."""
-    n = 8192 if device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    _sync(device)
-    reps, t0 = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-        if reps % 4 == 0:
-            _sync(device)
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
-
 
 def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     """The reference: a plain PyTorch step (autocast for bf16, clip, AdamW)."""
@@ -217,7 +188,7 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
     result["measured_matmul_peak_tflops"] = measured / 1e12
     result["mfu"] = fpt * result["tokens_per_s"] / measured  # against what this device's matmul reaches
     result["bare_pytorch_mfu"] = fpt * result["bare_pytorch_tokens_per_s"] / measured
-    sheet = _datasheet_peak(result["device"]) if device.type == "cuda" and precision == "bf16" else None
+    sheet = datasheet_peak(result["device"]) if device.type == "cuda" and precision == "bf16" else None
     if sheet:
         result["datasheet_peak_tflops"] = sheet / 1e12
         result["mfu_vs_datasheet"] = fpt * result["tokens_per_s"] / sheet

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pretrain.config.capabilities import GrowthConfig, GrowthStep, LayerDropConfig, MoEConfig
 from pretrain.config.errors import ConfigError
+from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
 
 
@@ -106,7 +107,9 @@ class SourceConfig:
     weight: float = 1.0
     """Relative sampling weight in a mixture of several sources."""
     name: str = ""
-    """Display name (defaults to the path); used in bad-record reports and metrics."""
+    """Name in metrics (``val/<name>/loss``) and MLflow datasets; empty: the path's stem (``data/web.jsonl`` ->
+    ``web``). Letters, digits, ``_-.``; unique over ``data.sources`` and ``data.val_sources``. Bad-record reports
+    show it, or the path."""
     split: str = "train"
     """Split to stream for hub datasets."""
 
@@ -116,7 +119,8 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig(path="demo")])
     """Training sources, mixed by weight."""
     val_sources: list[SourceConfig] = field(default_factory=list)
-    """Validation sources; empty means hold out ``val_holdout`` of the training documents."""
+    """Validation sources; empty means hold out ``val_holdout`` of the training documents. ``val/loss`` is over
+    all of them; with several, each is also logged as ``val/<name>/loss``."""
     val_holdout: float = 0.01
     """Fraction of training documents (chosen by a hash of their text) held out for validation when
     ``val_sources`` is empty. 0 disables validation."""
@@ -260,6 +264,9 @@ class TrackingConfig:
     """MLflow run name; empty uses the config name."""
     enabled: bool = True
     """Log to MLflow (the URI comes from ``MLFLOW_TRACKING_URI``, default ``sqlite:///mlflow.db``)."""
+    system_metrics: bool = False
+    """Also log MLflow's own system metrics (CPU, memory, disk, network, GPU: ``system/*``, sampled every 10 s)
+    from rank 0 while the run trains."""
 
 
 @dataclass(kw_only=True)
@@ -405,6 +412,7 @@ class RunConfig:
         for i, s in enumerate([*d.sources, *d.val_sources]):
             if s.weight <= 0:
                 raise ConfigError(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+        check_source_names(d.sources, d.val_sources)
         if t.stop_at_val_loss < 0:
             raise ConfigError(f"train.stop_at_val_loss: must be >= 0, got {t.stop_at_val_loss}")
         if t.lr <= 0:

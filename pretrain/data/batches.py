@@ -22,13 +22,14 @@ prefetch), so a checkpoint never counts a batch the loop has not trained on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pretrain.config import DataConfig, RunPlan, layout
+from pretrain.config import DataConfig, RunPlan, layout, source_name
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
 from pretrain.data.sources import BadRecords, summarize_bad_records, training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
@@ -256,6 +257,29 @@ def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, v
     return [{"input_ids": torch.stack([x for x, _ in seqs[i:i + micro_batch]]),
              "labels": torch.stack([y for _, y in seqs[i:i + micro_batch]])}
             for i in range(0, len(seqs), micro_batch)]
+
+
+def source_validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int,
+                              micro_batch: int, seed: int, part: slice = slice(None)
+                              ) -> tuple[dict[str, list[dict[str, torch.Tensor]]], list[str]]:
+    """One validation set per source, by name (:func:`pretrain.config.source_name`): each ``data.val_sources``
+    entry, or without them each training source's own held-out share — built exactly as the aggregate set is,
+    from that source alone (``val_sequences`` sequences each, this ``part``). With a single source the set is
+    the aggregate one: nothing is returned for it (the caller reuses ``val/*``). Also returns the names of
+    sources too small for one sequence (skipped)."""
+    group, field = (cfg.val_sources, "val_sources") if cfg.val_sources else (cfg.sources, "sources")
+    if len(group) < 2 or val_sequences <= 0 or not (cfg.val_sources or cfg.val_holdout > 0):
+        return {}, []
+    sets, skipped = {}, []
+    for src in group:
+        name = source_name(src.path, src.name)
+        one = dataclasses.replace(cfg, **{field: [dataclasses.replace(src, weight=1.0)]})
+        try:
+            sets[name] = validation_batches(one, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
+                                            val_sequences=val_sequences, micro_batch=micro_batch, seed=seed, part=part)
+        except ValueError:  # fewer held-out tokens than one sequence: only the aggregate covers this source
+            skipped.append(name)
+    return sets, skipped
 
 
 # ----------------------------------------------------------------------------------------------

@@ -492,6 +492,13 @@ def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, 
     log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
     log(f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
         f"{', trust_remote_code=True' if not report.standard else ''})")
+    if loaded.run_id:  # a run of the tracking store (resolve_checkpoint checked): its Logged models section
+        from pretrain.train.mlflow_records import log_exported_model
+        from pretrain.train.tracking import tracking_uri
+
+        model_id = log_exported_model(tracking_uri(), loaded.run_id, report.out, step=ckpt.step,
+                                      checkpoint=ckpt.path, hf_class=report.hf_class)
+        log(f"[export] logged model {model_id} of run {loaded.run_id}")
     if register:
         report.registered_version = register_model(register, report.out, run_id=loaded.run_id, step=ckpt.step,
                                                    checkpoint=ckpt.path, hf_class=report.hf_class)

@@ -42,6 +42,7 @@ from pretrain.train.checkpointing import Checkpointer, NonFiniteWeightsError
 from pretrain.train.growth import GrowthCallback
 from pretrain.train.health import HealthProbe
 from pretrain.train.layer_drop import LayerDropCallback
+from pretrain.train.monitors import MemoryMonitor, SystemMetrics, ThroughputMonitor
 from pretrain.train.profiling import ProfilerCallback
 from pretrain.train.resume import rollback_loader
 from pretrain.train.stability import Decision, StabilityControl
@@ -300,15 +301,16 @@ class ValidationCallback(Callback):
 
     order = 40
 
-    def __init__(self) -> None:
+    def __init__(self, byte_lengths: torch.Tensor | None = None) -> None:
         self.validated_at = -1
+        self.byte_lengths = byte_lengths  # decoders: val/bits_per_byte
 
     def run(self, trainer: Trainer) -> None:
         state = trainer.state
         if not trainer.val_set or self.validated_at == state.step:
             return
         self.validated_at = state.step
-        state.last_val = evaluate(trainer.module, trainer.val_set)
+        state.last_val = evaluate(trainer.module, trainer.val_set, self.byte_lengths)
         trainer.tracker.log_metrics(state.last_val, state.step)
         trainer.progress.say(f"step {state.step} validation: "
                              + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
@@ -407,8 +409,10 @@ class RunSummary(Callback):
 
 
 def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
-                       tracking_uri: str, plan: RunPlan, rank: int) -> list[Callback]:
-    """The callbacks of a training run: the standard ones, plus those of the enabled features."""
+                       tracking_uri: str, plan: RunPlan, rank: int,
+                       byte_lengths: torch.Tensor | None = None) -> list[Callback]:
+    """The callbacks of a training run: the standard ones, plus those of the enabled features. ``byte_lengths``
+    (decoders): UTF-8 bytes of every token id, for ``val/bits_per_byte``."""
     features: list[Callback] = []
     if trainer_cfg.train.profile_at:
         features.append(ProfilerCallback(trainer_cfg.train.profile_at, trainer_cfg.train.profile_steps))
@@ -416,6 +420,8 @@ def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkp
         features.append(GrowthCallback(trainer_cfg))
     if trainer_cfg.layer_drop.enabled:
         features.append(LayerDropCallback(trainer_cfg, rank, plan.micro_batch_ids(rank)))
-    return features + [SpeedMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
+    if trainer_cfg.tracking.system_metrics:
+        features.append(SystemMetrics())
+    return features + [SpeedMonitor(), ThroughputMonitor(), MemoryMonitor(), StabilityCallback(control), StabilityReport(control, tracking_uri),
             HealthCallback(trainer_cfg.stability.health_every), FaultInjection(trainer_cfg), MetricsLogger(),
-            ValidationCallback(), EarlyStop(trainer_cfg.train.stop_at_val_loss), CheckpointCallback(checkpointer)]
+            ValidationCallback(byte_lengths), EarlyStop(trainer_cfg.train.stop_at_val_loss), CheckpointCallback(checkpointer)]

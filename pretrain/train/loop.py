@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from pretrain import timeline
-from pretrain.config import from_dict, make_plan
-from pretrain.data import TrainBatches, load_or_train_tokenizer, validation_batches
+from pretrain.config import from_dict, make_plan, source_name
+from pretrain.data import (TrainBatches, load_or_train_tokenizer, source_validation_batches, token_byte_lengths,
+                           validation_batches)
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
 from pretrain.train.callbacks import RunSummary, standard_callbacks
 from pretrain.train.checkpointing import Checkpointer
+from pretrain.train.evaluators import SourceValidation
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, find_resume_point, restore, resume_source
@@ -97,6 +99,14 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
                                  val_sequences=plan.val_sequences, micro_batch=plan.micro_batch, seed=cfg.train.seed,
                                  part=plan.val_part(ctx.rank))
 
+    per_source, skipped = source_validation_batches(
+        cfg.data, kind=cfg.model.kind, seq_len=plan.seq_len, tokenizer=tokenizer, val_sequences=plan.val_sequences,
+        micro_batch=plan.micro_batch, seed=cfg.train.seed, part=plan.val_part(ctx.rank))
+    group = cfg.data.val_sources or cfg.data.sources
+    only = source_name(group[0].path, group[0].name) if val_set and len(group) == 1 else ""
+    byte_lengths = (token_byte_lengths(tokenizer, max(cfg.model.vocab_size, len(tokenizer)))
+                    if cfg.model.kind == "decoder" else None)
+
     state = TrainerState()
     if resume is not None:
         state = restore(module, batches, source, ctx)
@@ -106,13 +116,15 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     progress.say(f"{ctx.world_size} worker(s), device {ctx.device.type}, {module.precision}, ZeRO-{cfg.zero.stage}, "
                  f"{threads} thread(s)/worker, compiled blocks {'on' if is_compiled(module.model) else 'off'}")
     progress.say(plan.describe())
+    if skipped:
+        progress.say(f"per-source validation: {', '.join(skipped)} too small for one sequence (only in val/loss)")
     if not tracker.log_params(plan.params()):  # resumed on another layout: params are immutable
         tracker.log_json(plan.params(), f"plan/step_{state.step:08d}.json")
 
     control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
-    callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank)
-    callbacks.append(RunSummary(tokenizer, job_.run_id))
+    callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank, byte_lengths)
+    callbacks += [SourceValidation(per_source, only, byte_lengths), RunSummary(tokenizer, job_.run_id)]
     return Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
                    tracker=tracker, progress=progress, run_dir=run_dir, callbacks=[*callbacks, *extra_callbacks],
                    last_checkpoint=resume.path if resume is not None else None)

@@ -200,9 +200,10 @@ def update_suppressed(engine, suppress: bool):
 
 
 @torch.no_grad()
-def evaluate(module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """``val/loss``, ``val/ppl`` (and ``val/mlm_acc`` for encoders) of the one scorer (``pretrain/model/score.py``)
-    over all ranks' shares. Every rank runs as many forwards as the rank with the most batches (ZeRO-3 and
+def evaluate(module, batches: list[dict[str, torch.Tensor]], byte_lengths: torch.Tensor | None = None,
+             prefix: str = "val/") -> dict[str, float]:
+    """``val/loss``, ``val/ppl`` (and ``val/mlm_acc`` for encoders; ``val/bits_per_byte`` for decoders given the
+    UTF-8 ``byte_lengths`` of every token id) of the one scorer (``pretrain/model/score.py``) over all ranks' shares. Every rank runs as many forwards as the rank with the most batches (ZeRO-3 and
     expert-parallel forwards are collective): the others pad with batches without targets. Collective."""
     engine, device, kind = module.engine, module.device, module.cfg.model.kind
     forwards = int(-dist.all_reduce_min([-float(len(batches))], device)[0])
@@ -210,8 +211,10 @@ def evaluate(module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]
         batches = batches + [_padding(batches[0])] * (forwards - len(batches))
     engine.eval()
     try:
-        sums = score_batches(lambda ids, labels: engine(ids, labels=labels).logits, batches, kind, device=device)
+        sums = score_batches(lambda ids, labels: engine(ids, labels=labels).logits, batches, kind,
+                             byte_lengths=byte_lengths, device=device)
     finally:
         engine.train()
     sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))
-    return {f"val/{k}": v for k, v in sums.metrics(kind, allow_empty=True).items()}
+    metrics = sums.metrics(kind, with_bytes=byte_lengths is not None, allow_empty=True)
+    return {f"{prefix}{k}": v for k, v in metrics.items()}

@@ -70,6 +70,9 @@ def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> s
     run = client.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.name,
                             tags={TAG_KIND: cfg.model.kind, **(tags or {})})
     log_config(uri, run.info.run_id, cfg)
+    from pretrain.train.mlflow_records import log_datasets
+
+    log_datasets(uri, run.info.run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
     return run.info.run_id
 
 

@@ -23,6 +23,7 @@ aggregated answers of :meth:`Trainer.gather` (``extra_metrics``, ``protected_pat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -74,6 +75,8 @@ class Shared:
     """Blocks that do no work in the current step (layer dropout in ``layer`` mode; set at ``on_step_start``)."""
     last_event_step: int = 0
     """Step of the latest stability event, 0 before any (the stability guard; current from its ``on_step_end``)."""
+    data_wait_s: float = 0.0
+    """Seconds the current step waited for its batch (the trainer; set before ``on_step_start``)."""
 
 
 class Callback(StepHooks):
@@ -173,8 +176,10 @@ class Trainer:
         self.emit("on_run_start")
         while state.step < t.max_steps and not self.stop_reason:
             torch.manual_seed(step_seed(t.seed, state.step, self.ctx.rank))
+            t_fetch = time.perf_counter()
             with loop_range("next_batch"):
                 batch = self._next_batch()
+            self.shared.data_wait_s = time.perf_counter() - t_fetch
             if batch is None:
                 self.progress.say(f"data exhausted at step {state.step} (data.repeat=false): stopping")
                 break

@@ -1,0 +1,35 @@
+"""Names of data sources in metrics (``val/<name>/loss``) and in MLflow's Datasets: a source's ``name``, else the
+stem of its path (``data/web.jsonl`` -> ``web``, ``demo`` -> ``demo``, hub ``allenai/c4`` -> ``c4``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+from pretrain.config.errors import ConfigError
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def source_name(path: str, name: str = "") -> str:
+    """The metric name of a source with ``path`` and the configured ``name`` (empty: the path's stem, with
+    characters MLflow metric keys do not take replaced by ``_``)."""
+    if name:
+        return name
+    stem = PurePosixPath(path.rstrip("/").split("://")[-1]).stem or path
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "source"
+
+
+def check_source_names(sources, val_sources) -> None:
+    """Names are valid metric keys and unique over ``data.sources`` and ``data.val_sources`` together."""
+    seen: dict[str, str] = {}
+    for key, group in (("data.sources", sources), ("data.val_sources", val_sources)):
+        for i, s in enumerate(group):
+            where = f"{key}[{i}].name"
+            if s.name and not _NAME.fullmatch(s.name):
+                raise ConfigError(f"{where}: {s.name!r}: use letters, digits, '_', '-' and '.' only")
+            name = source_name(s.path, s.name)
+            if name in seen:
+                raise ConfigError(f"{where}: {name!r} is also the name of {seen[name]}; give the sources distinct "
+                                  f"names (set name)")
+            seen[name] = f"{key}[{i}]"

@@ -1,0 +1,59 @@
+"""The FLOP/s a device can reach, shared by ``./launch.sh bench`` and training's ``train/mfu``: MFU is model
+FLOPs/s (:func:`pretrain.model.flops_per_token` x tokens/s) over this peak.
+
+* :func:`measured_matmul_peak`: a large square matmul in the run's dtype (what the device measurably reaches);
+* :func:`datasheet_peak`: NVIDIA's dense bf16 tensor-core peak of known GPUs;
+* :func:`device_peak`: the one training uses — the datasheet peak on a known GPU in bf16, else the measured one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA datasheets."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    """FLOP/s of the datasheet bf16 peak of a GPU whose name contains a known model, else None."""
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return value * 1e12
+    return None
+
+
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """FLOP/s of a large square matmul in ``dtype``: what this device actually reaches (n = 8192 on GPUs, 2048 on
+    CPUs; repeated for about ``seconds``). Uses its own RNG: the global one is untouched."""
+    n = 8192 if device.type == "cuda" else 2048
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+        if reps % 4 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def device_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> tuple[float, str]:
+    """(FLOP/s, ``"datasheet"`` or ``"measured"``): the datasheet peak of a known GPU in bf16, else the measured
+    matmul peak (CPUs, unknown GPUs, fp32)."""
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        sheet = datasheet_peak(torch.cuda.get_device_name(device))
+        if sheet:
+            return sheet, "datasheet"
+    return measured_matmul_peak(device, dtype, seconds), "measured"

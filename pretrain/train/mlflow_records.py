@@ -1,0 +1,88 @@
+"""What a run shows in MLflow's Datasets and Logged models sections (nothing large goes through the server).
+
+* :func:`log_datasets`: each data source as an MLflow dataset input of the run — a ``MetaDataset`` (metadata
+  only: no rows are read or uploaded) named like its metrics (:func:`pretrain.config.source_name`), whose source
+  is the files' location (a hub dataset: its URL) and whose digest fingerprints the resolved files (paths, sizes,
+  modification times; a hub dataset: name and split). Context ``training`` for ``data.sources`` (with the split
+  tag ``train``, and ``val_holdout`` as a tag), ``validation`` for ``data.val_sources``.
+* :func:`log_exported_model`: a Hugging Face export as a logged model of its run, external (MLflow records the
+  export directory; the weights stay there), with step, checkpoint and class as params and tags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from pretrain.config import RunConfig, SourceConfig, source_name
+
+CONTEXT_TAG = "mlflow.data.context"
+EXPORT_DIR_TAG = "pretrain.export_dir"
+
+
+def _client(uri: str):
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _dataset(src: SourceConfig, cfg: RunConfig):
+    """The MLflow dataset of one source (resolved as training resolves it)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    from pretrain.data.sources import resolve_source
+
+    resolved = resolve_source(src, cfg.data.cache_dir)
+    h = hashlib.sha256()
+    if resolved.format == "hub":
+        h.update(f"{resolved.hub_path}\0{resolved.split}".encode())
+        url = resolved.hub_path if "://" in resolved.hub_path else f"https://huggingface.co/datasets/{resolved.hub_path}"
+        source = HTTPDatasetSource(url)
+    else:
+        for f in resolved.files:
+            st = Path(f).stat()
+            h.update(f"{Path(f).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        root = resolved.files[0] if len(resolved.files) == 1 else os.path.commonpath(resolved.files)
+        source = resolve_dataset_source(str(Path(root).resolve()))
+    return MetaDataset(source, name=source_name(src.path, src.name), digest=h.hexdigest()[:12])
+
+
+def log_datasets(uri: str, run_id: str, cfg: RunConfig) -> int:
+    """Log every source of ``cfg.data`` as a dataset input of ``run_id``; returns how many."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = []
+    for context, group in (("training", cfg.data.sources), ("validation", cfg.data.val_sources)):
+        for src in group:
+            tags = [InputTag(CONTEXT_TAG, context), InputTag("split", src.split if context == "training" else "val")]
+            if context == "training" and not cfg.data.val_sources and cfg.data.val_holdout > 0:
+                tags.append(InputTag("val_holdout", f"{cfg.data.val_holdout:g}"))
+            inputs.append(DatasetInput(_dataset(src, cfg)._to_mlflow_entity(), tags))
+    if inputs:
+        _client(uri).log_inputs(run_id, datasets=inputs)
+    return len(inputs)
+
+
+def log_exported_model(uri: str, run_id: str, out: Path, *, step: int, checkpoint: Path, hf_class: str) -> str:
+    """Record the export directory ``out`` as an external logged model of ``run_id`` (READY); returns its id."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.models.utils import get_external_mlflow_model_spec
+    from mlflow.utils.file_utils import TempDir
+
+    client = _client(uri)
+    run = client.get_run(run_id)
+    out = Path(out).resolve()
+    model = client.create_logged_model(
+        run.info.experiment_id, name=f"{out.name}-step{step}", source_run_id=run_id, model_type="huggingface",
+        tags={EXPORT_DIR_TAG: str(out), "pretrain.checkpoint": str(checkpoint), "pretrain.hf_class": hf_class},
+        params={"step": str(step), "hf_class": hf_class, "export_dir": str(out)})
+    with TempDir() as tmp:  # the MLmodel stub of an external model (a few hundred bytes), as MLflow's own does
+        get_external_mlflow_model_spec(model).save(tmp.path("MLmodel"))
+        client.log_model_artifacts(model.model_id, tmp.path())
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    return model.model_id

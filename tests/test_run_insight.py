@@ -1,0 +1,110 @@
+"""What a run tells its user (issue 22, criteria 1-2): MFU, data wait and peak memory on every logged step,
+per-source validation and bits per byte, the sources as MLflow datasets and an export as a logged model — from a
+short real CPU run against a real local sqlite MLflow store (no mocks)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import ConfigError, load_config, source_name
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo-decoder.yaml"
+RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
+       "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=2000", "train.global_batch_size=4",
+       "train.micro_batch_size=4", "data.num_streams=4", "train.max_steps=4", "train.warmup_steps=1", "train.log_every=2",
+       "train.val_every=4", "train.val_sequences=6", "checkpoint.every_steps=4", "cluster.use_ray=false",
+       "stability.plot_at_end=false", "data.val_holdout=0.2"]
+
+
+def _two_sources(work: Path) -> list[str]:
+    """The demo corpus split into two files, ``web.txt`` and ``code.txt``: two training sources."""
+    from pretrain.data.demo_corpus import demo_corpus_text
+
+    lines = demo_corpus_text().splitlines()
+    (work / "web.txt").write_text("\n".join(lines[0::2]) + "\n")
+    (work / "code.txt").write_text("\n".join(lines[1::2]) + "\n")
+    return [f"data.sources=[{{path: {work / 'web.txt'}}}, {{path: {work / 'code.txt'}}}]"]
+
+
+def test_source_names_default_to_the_stem_and_must_be_unique(tmp_path):
+    assert [source_name(p) for p in ("demo", "data/web.jsonl", "corpus/code/", "allenai/c4")] == \
+        ["demo", "web", "code", "c4"]
+    assert source_name("data/web.jsonl", "web-en") == "web-en"
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].name: 'web' is also the name of data.sources\[0\]"):
+        load_config(DEMO, ["data.sources=[{path: a/web.jsonl}, {path: b/web.jsonl}]"])
+    with pytest.raises(ConfigError, match=r"data.val_sources\[0\].name: 'a b'"):
+        load_config(DEMO, ["data.val_sources=[{path: x.txt, name: a b}]"])
+    with pytest.raises(ConfigError, match="tracking.system_metrics: expected bool"):
+        load_config(DEMO, ["tracking.system_metrics=maybe"])
+
+
+def test_bad_new_field_is_one_line_exit_2_before_ray(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(DEMO), "data.sources=[{path: demo, name: 'a/b'}]"],
+                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "data.sources[0].name" in proc.stderr
+    assert "ray" not in proc.stdout.lower()
+
+
+def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(workdir):
+    from mlflow import MlflowClient
+
+    from cluster.prepare import prepare_new
+    from pretrain.export.hf import export_checkpoint
+    from pretrain.train.loop import build_trainer
+
+    job = prepare_new(load_config(DEMO, RUN + _two_sources(workdir)))
+    trainer = build_trainer(asdict(job))
+    final = trainer.fit()
+    client = MlflowClient()
+    run = client.get_run(job.run_id)
+    metrics = run.data.metrics
+
+    def history(key):
+        return {m.step: m.value for m in client.get_metric_history(job.run_id, key)}
+
+    # criterion 1: on every logged step (2 and 4), MFU in (0, 1], the data-wait share in [0, 1), the peak RSS
+    for key in ("train/mfu", "train/data_wait_frac", "sys/peak_rss_gb"):
+        assert sorted(history(key)) == [2, 4], key
+    assert all(0 < v <= 1 for v in history("train/mfu").values())
+    assert all(0 <= v < 1 for v in history("train/data_wait_frac").values())
+    assert all(0.05 < v < 64 for v in history("sys/peak_rss_gb").values())  # a python + torch process
+    assert float(run.data.params["mfu_peak_tflops_per_worker"]) > 0 and run.data.params["mfu_peak_source"] == "measured"
+
+    # criterion 2: each source's held-out share beside the aggregate; bits per byte for the aggregate and per source
+    for name in ("web", "code"):
+        assert math.isfinite(metrics[f"val/{name}/loss"]) and metrics[f"val/{name}/bits_per_byte"] > 0
+    assert metrics[f"val/web/loss"] != metrics[f"val/code/loss"]
+    assert metrics["val/bits_per_byte"] > 0 and final["val_loss"] == metrics["val/loss"]
+    # bits per byte is the loss priced per byte: nats / (ln 2 * bytes) with bytes > 0 tokens' worth of text
+    assert metrics["val/bits_per_byte"] < metrics["val/loss"] / math.log(2)
+
+    # criterion 1: the two sources as datasets of the run (training context, a digest, the split)
+    inputs = run.inputs.dataset_inputs
+    assert sorted(d.dataset.name for d in inputs) == ["code", "web"]
+    for d in inputs:
+        tags = {t.key: t.value for t in d.tags}
+        assert tags["mlflow.data.context"] == "training" and tags["split"] == "train" and tags["val_holdout"] == "0.2"
+        assert len(d.dataset.digest) == 12 and str(workdir) in d.dataset.source
+
+    # criterion 1: an export is a logged model of its run (external: MLflow records the directory only)
+    report = export_checkpoint(job.run_id, workdir / "exported")
+    models = client.search_logged_models([run.info.experiment_id])
+    assert len(models) == 1
+    model = models[0]
+    assert model.source_run_id == job.run_id and model.status.to_int() == model.status.READY.to_int() \
+        if hasattr(model.status, "to_int") else str(model.status).endswith("READY")
+    assert model.tags["pretrain.export_dir"] == str(report.out) and model.params["step"] == "4"
+    outputs = client.get_run(job.run_id).outputs.model_outputs
+    assert [o.model_id for o in outputs] == [model.model_id]
