@@ -108,3 +108,94 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     assert model.tags["pretrain.export_dir"] == str(report.out) and model.params["step"] == "4"
     outputs = client.get_run(job.run_id).outputs.model_outputs
     assert [o.model_id for o in outputs] == [model.model_id]
+
+
+# -- criterion 3: downstream tasks ----------------------------------------------------------------------------
+
+class _CharTokenizer:
+    """One token per character (id = code point mod 97 + 3); id 1 is the mask token."""
+
+    mask_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 97 + 3 for c in text]}
+
+
+TASK = [{"context": "the cat sat on the", "choices": [" mat", " a", " sofa"], "answer": 0},
+        {"context": "one two three", "choices": [" four", " five!"], "answer": 1},
+        {"context": "abc", "choices": [" x", " yz"], "answer": 1, "type": "multiple_choice"}]
+
+
+def _tiny(kind):
+    from pretrain.model import build_model
+
+    cfg = load_config(DEMO, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
+                             "model.num_heads=4", "model.max_seq_len=32", f"model.kind={kind}"])
+    torch.manual_seed(3)
+    return build_model(cfg.model, 0, cfg.moe).eval()
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder"])
+def test_task_scores_match_a_hand_computation(tmp_path, kind):
+    """acc = argmax of the summed log-probabilities of each continuation (decoders) or of the masked-LM
+    pseudo-log-likelihood of its tokens (encoders); acc_norm divides by the continuation's UTF-8 bytes."""
+    import json
+
+    from pretrain.data.tasks import load_jsonl_task
+    from pretrain.train.evaluators import prepare_tasks, task_metrics
+
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TASK))
+    task = load_jsonl_task(path, max_examples=10)
+    model, tok = _tiny(kind), _CharTokenizer()
+    got = task_metrics(lambda ids, labels: model(ids).logits, prepare_tasks([task], tok, kind, 32), kind,
+                       torch.device("cpu"))
+
+    correct = correct_norm = 0
+    with torch.no_grad():
+        for ex in TASK:
+            ctx = tok(ex["context"])["input_ids"]
+            scores = []
+            for choice in ex["choices"]:
+                cont = tok(choice)["input_ids"]
+                ids = ctx + cont
+                if kind == "decoder":
+                    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+                    scores.append(sum(float(logp[len(ctx) + j - 1, t]) for j, t in enumerate(cont)))
+                else:  # mask one continuation token at a time
+                    total = 0.0
+                    for j, t in enumerate(cont):
+                        masked = list(ids)
+                        masked[len(ctx) + j] = 1
+                        logp = torch.log_softmax(model(torch.tensor([masked])).logits[0].double(), -1)
+                        total += float(logp[len(ctx) + j, t])
+                    scores.append(total)
+            best = max(range(len(scores)), key=lambda i: scores[i])
+            norm = [s / len(c.encode()) for s, c in zip(scores, ex["choices"])]
+            correct += best == ex["answer"]
+            correct_norm += max(range(len(norm)), key=lambda i: norm[i]) == ex["answer"]
+    assert got == pytest.approx({"eval/toy/acc": correct / 3, "eval/toy/acc_norm": correct_norm / 3})
+
+
+def test_heldout_lastword_is_deterministic_and_holds_the_true_word():
+    from pretrain.data.tasks import heldout_lastword
+
+    docs = ["The quick brown fox jumps over the lazy dog. A small bird sang in the early morning light. "
+            "We walked along the river until the sun went down."] * 3
+    a = heldout_lastword(docs, max_examples=5, num_choices=3, seed=1)
+    b = heldout_lastword(docs, max_examples=5, num_choices=3, seed=1)
+    assert a == b and a.cloze and len(a.examples) == 5
+    ex = a.examples[0]
+    assert ex.context == "The quick brown fox jumps over the lazy" and ex.choices[ex.answer] == " dog"
+    assert len(set(ex.choices)) == 3
+
+
+def test_bad_task_values_are_one_line_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\]: 'nope.jsonl' is neither heldout_lastword"):
+        load_config(DEMO, ["eval.tasks=[nope.jsonl]"])
+    with pytest.raises(ConfigError, match="eval.every: must be >= 0"):
+        load_config(DEMO, ["eval.every=-1"])
+    with pytest.raises(ConfigError, match="eval.num_choices: must be >= 2"):
+        load_config(DEMO, ["eval.num_choices=1"])
+    with pytest.raises(ConfigError, match="heldout_lastword needs held-out text"):
+        load_config(DEMO, ["eval.tasks=[heldout_lastword]", "data.val_holdout=0"])

@@ -17,6 +17,7 @@ from pretrain.config.loading import (
     split_args,
     to_dict,
 )
+from pretrain.config.evaluation import BUILTIN_TASK, EvalConfig
 from pretrain.config.names import source_name
 from pretrain.config.plan import RunPlan, layout
 from pretrain.config.tree import (
@@ -42,5 +43,5 @@ from pretrain.config.tree import (
 __all__ = [
     "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "GrowthConfig", "GrowthStep", "LayerDropConfig", "ModelConfig", "MoEConfig",
     "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
-    "RunPlan", "layout", "source_name", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
+    "RunPlan", "layout", "source_name", "EvalConfig", "BUILTIN_TASK", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
 ]

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pretrain.config.capabilities import GrowthConfig, GrowthStep, LayerDropConfig, MoEConfig
 from pretrain.config.errors import ConfigError
+from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
 
@@ -351,6 +352,7 @@ class RunConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     layer_drop: LayerDropConfig = field(default_factory=LayerDropConfig)
     growth: GrowthConfig = field(default_factory=GrowthConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "RunConfig":
         """Cross-field checks; raises ConfigError naming the offending key."""
@@ -430,6 +432,7 @@ class RunConfig:
         self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
         self.layer_drop.validate()
         self._validate_growth()
+        self.eval.validate(bool(self.data.val_sources) or self.data.val_holdout > 0)
         make_plan(self, c.num_workers)  # the worker-count rules live with the derived numbers
         return self
 

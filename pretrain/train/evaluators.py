@@ -6,12 +6,21 @@ The sets come from :func:`pretrain.data.source_validation_batches`: each ``data.
 training source's held-out share. With one source its set *is* the aggregate one, so its metrics are the
 aggregate's (no extra forward). Like validation, every rank runs as many forwards per set as the rank with
 the most batches (collectives matched); the aggregate ``val/loss`` is untouched (golden runs).
+
+Downstream tasks (``eval.tasks``, :class:`TaskEvaluation`): :func:`task_metrics` scores multiple-choice and
+cloze examples (pretrain/data/tasks.py) with the same scorer, in training on all ranks and offline in
+``./launch.sh eval RUN_ID --tasks ...``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pretrain.data.tasks import Task, choice_rows
+from pretrain.model.score import Forward, score_batches
+from pretrain.train import dist
 from pretrain.train.step import evaluate
 from pretrain.train.trainer import Callback, Trainer
 
@@ -43,3 +52,105 @@ class SourceValidation(Callback):
     def on_run_end(self, trainer: Trainer, final: dict) -> None:
         if self.last:
             final["val_per_source"] = dict(self.last)
+
+
+# -- downstream tasks ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedTask:
+    """This rank's examples of one task, tokenized: per example, per choice, its scoring rows."""
+
+    name: str
+    cloze: bool
+    rows: list[list[list[dict[str, torch.Tensor]]]]
+    answers: list[int]
+    choice_bytes: list[list[int]]
+
+    @property
+    def forwards(self) -> int:
+        return sum(len(rows) for example in self.rows for rows in example)
+
+
+def prepare_tasks(tasks: list[Task], tokenizer, kind: str, max_len: int, rank: int = 0,
+                  world: int = 1) -> list[PreparedTask]:
+    """Rank ``rank``'s share (examples ``rank::world``) of every task, as scoring rows."""
+    out = []
+    for task in tasks:
+        mine = task.examples[rank::world]
+        out.append(PreparedTask(task.name, task.cloze, [choice_rows(e, tokenizer, kind, max_len) for e in mine],
+                                [e.answer for e in mine], [[len(c.encode("utf-8")) for c in e.choices] for e in mine]))
+    return out
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=lambda i: (values[i], -i))  # ties: the first, as numpy's argmax
+
+
+@torch.no_grad()
+def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device: torch.device) -> dict[str, float]:
+    """``eval/<task>/acc`` (and ``acc_norm`` for multiple-choice) over all ranks' examples. A choice's score is
+    its log-likelihood, minus the summed nats the one scorer gives its rows (decoders: the continuation's
+    log-probability given the context; encoders: the masked-LM pseudo-log-likelihood of its tokens);
+    ``acc``: the answer has the highest score, ``acc_norm``: the highest score per UTF-8 byte of the choice
+    (lm-evaluation-harness). Every rank runs as many forwards as the rank with the most rows (padding rows
+    without targets). Collective."""
+    mine = sum(t.forwards for t in tasks)
+    forwards = int(-dist.all_reduce_min([-float(mine)], device)[0])
+    sums: list[float] = []
+    for task in tasks:
+        correct = correct_norm = 0.0
+        for rows, answer, nbytes in zip(task.rows, task.answers, task.choice_bytes):
+            scores = [-score_batches(forward, r, kind, device=device).nats for r in rows]
+            correct += float(_argmax(scores) == answer)
+            correct_norm += float(_argmax([s / max(b, 1) for s, b in zip(scores, nbytes)]) == answer)
+        sums += [correct, correct_norm, float(len(task.answers))]
+    if forwards > mine:  # keep the collectives of ZeRO-3 / expert-parallel forwards matched
+        blank = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.full((1, 2), -100)}
+        score_batches(forward, [blank] * (forwards - mine), kind, device=device)
+    sums = dist.all_reduce_sum(sums, device)
+    out: dict[str, float] = {}
+    for i, task in enumerate(tasks):
+        correct, correct_norm, n = sums[3 * i:3 * i + 3]
+        out[f"eval/{task.name}/acc"] = correct / max(n, 1.0)
+        if not task.cloze:
+            out[f"eval/{task.name}/acc_norm"] = correct_norm / max(n, 1.0)
+    return out
+
+
+class TaskEvaluation(Callback):
+    """``eval.tasks`` every ``eval.every`` steps (0: with validation) and at the last step, on all ranks."""
+
+    order = 42
+
+    def __init__(self, tasks: list[PreparedTask], every: int) -> None:
+        self.tasks, self.every = tasks, every
+        self.done_at = -1
+        self.last: dict[str, float] = {}
+
+    def run(self, trainer: Trainer) -> None:
+        if not self.tasks or self.done_at == trainer.state.step:
+            return
+        self.done_at = trainer.state.step
+        engine = trainer.module.engine
+        engine.eval()
+        try:
+            self.last = task_metrics(lambda ids, labels: engine(ids, labels=labels).logits, self.tasks,
+                                     trainer.cfg.model.kind, trainer.module.device)
+        finally:
+            engine.train()
+        trainer.tracker.log_metrics(self.last, trainer.state.step)
+        trainer.progress.say(f"step {trainer.state.step} tasks: "
+                             + ", ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in self.last.items()))
+
+    def on_step_end(self, trainer: Trainer, result) -> None:
+        step, t = trainer.state.step, trainer.cfg.train
+        every = self.every or t.val_every
+        if step == t.max_steps or (every and step % every == 0):
+            self.run(trainer)
+
+    def on_run_end(self, trainer: Trainer, final: dict) -> None:
+        if 0 < trainer.state.step < trainer.cfg.train.max_steps:
+            self.run(trainer)
+        if self.last:
+            final["tasks"] = dict(self.last)

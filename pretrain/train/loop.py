@@ -20,9 +20,10 @@ from pretrain.data import (TrainBatches, load_or_train_tokenizer, source_validat
                            validation_batches)
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
+from pretrain.data.tasks import load_tasks
 from pretrain.train.callbacks import RunSummary, standard_callbacks
 from pretrain.train.checkpointing import Checkpointer
-from pretrain.train.evaluators import SourceValidation
+from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, find_resume_point, restore, resume_source
@@ -107,6 +108,10 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     byte_lengths = (token_byte_lengths(tokenizer, max(cfg.model.vocab_size, len(tokenizer)))
                     if cfg.model.kind == "decoder" else None)
 
+    tasks = prepare_tasks(load_tasks(cfg.eval.tasks, cfg.data, max_examples=cfg.eval.max_examples,
+                                     num_choices=cfg.eval.num_choices, seed=cfg.train.seed),
+                          tokenizer, cfg.model.kind, plan.seq_len, ctx.rank, ctx.world_size)
+
     state = TrainerState()
     if resume is not None:
         state = restore(module, batches, source, ctx)
@@ -124,7 +129,8 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
     callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank, byte_lengths)
-    callbacks += [SourceValidation(per_source, only, byte_lengths), RunSummary(tokenizer, job_.run_id)]
+    callbacks += [SourceValidation(per_source, only, byte_lengths), TaskEvaluation(tasks, cfg.eval.every),
+                  RunSummary(tokenizer, job_.run_id)]
     return Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
                    tracker=tracker, progress=progress, run_dir=run_dir, callbacks=[*callbacks, *extra_callbacks],
                    last_checkpoint=resume.path if resume is not None else None)

@@ -1,0 +1,49 @@
+"""The ``eval`` section: downstream tasks evaluated inside training (see pretrain/data/tasks.py, docs/tasks.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrain.config.errors import ConfigError
+
+BUILTIN_TASK = "heldout_lastword"
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    tasks: list[str] = field(default_factory=list)
+    """Downstream tasks evaluated every ``eval.every`` steps on all ranks and logged as ``eval/<task>/acc`` (and
+    ``acc_norm`` for multiple-choice): paths of local JSONL task files (docs/tasks.md; the task's name is the
+    file stem) and/or ``heldout_lastword`` (built from the run's held-out text: no download)."""
+    every: int = 0
+    """Evaluate the tasks every this many steps (and at the last step); 0: at every validation step
+    (``train.val_every``)."""
+    max_examples: int = 200
+    """Examples per task (the first ones of a file; the built-in task builds this many)."""
+    num_choices: int = 4
+    """Choices per example of the built-in ``heldout_lastword`` task (the true word and distractors)."""
+
+    def validate(self, has_heldout: bool) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every: must be >= 0, got {self.every}")
+        if self.max_examples <= 0:
+            raise ConfigError(f"eval.max_examples: must be > 0, got {self.max_examples}")
+        if self.num_choices < 2:
+            raise ConfigError(f"eval.num_choices: must be >= 2, got {self.num_choices}")
+        names: set[str] = set()
+        for i, spec in enumerate(self.tasks):
+            if spec == BUILTIN_TASK:
+                if not has_heldout:
+                    raise ConfigError(f"eval.tasks[{i}]: {BUILTIN_TASK} needs held-out text: set data.val_holdout "
+                                      f"> 0 or data.val_sources")
+                name = spec
+            else:
+                path = Path(spec).expanduser()
+                if path.suffix != ".jsonl" or not path.is_file():
+                    raise ConfigError(f"eval.tasks[{i}]: {spec!r} is neither {BUILTIN_TASK} nor an existing .jsonl "
+                                      f"task file")
+                name = path.stem
+            if name in names:
+                raise ConfigError(f"eval.tasks[{i}]: a second task named {name!r}")
+            names.add(name)
