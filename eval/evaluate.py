@@ -276,6 +276,28 @@ def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), 
     return result
 
 
+def evaluate_tasks(src: EvalSource, specs: list[str], *, data: list[str] | tuple[str, ...] = (),
+                   max_examples: int = 200, num_choices: int = 4, track: bool = True) -> dict[str, float]:
+    """``eval/<task>/acc`` (``acc_norm``) of ``src`` on ``specs`` (task files or ``heldout_lastword``, built from
+    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process."""
+    from pretrain.config import EvalConfig
+    from pretrain.data.tasks import load_tasks
+    from pretrain.train.evaluators import prepare_tasks, task_metrics
+
+    dcfg = data_config(src, list(data))
+    EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices).validate(
+        bool(dcfg.val_sources) or dcfg.val_holdout > 0)
+    tasks = load_tasks(specs, dcfg, max_examples=max_examples, num_choices=num_choices, seed=src.seed)
+    metrics = task_metrics(lambda ids, labels: src.logits_fn(ids), prepare_tasks(tasks, src.tokenizer, src.kind,
+                                                                                 src.seq_len),
+                           src.kind, torch.device("cpu"))
+    if track and src.run_id and src.step is not None:
+        from pretrain.train.tracking import Tracker, tracking_uri
+
+        Tracker(tracking_uri(), src.run_id).log_metrics(metrics, src.step)
+    return metrics
+
+
 def print_table(r: dict[str, Any]) -> None:
     print(f"eval: {r['source']}")
     print(f"  data: {r['data']}; {r['sequences']} sequences x {r['seq_len']} tokens, {r['tokens']:,} predicted tokens"
@@ -290,6 +312,8 @@ def print_table(r: dict[str, Any]) -> None:
     if "sample" in r:
         s = r["sample"]
         print(f"  {'greedy sample':<14} {s['prompt']!r} -> {s['continuation']!r}")
+    for k, v in r.get("tasks", {}).items():
+        print(f"  {k[len('eval/'):]:<14} {v:.4f}")
     if "mlflow_run_id" in r:
         print(f"  logged eval/* metrics to MLflow run {r['mlflow_run_id']} at step {r['step']}")
 
@@ -310,12 +334,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--harness", default=None, metavar="TASKS", help="lm-evaluation-harness tasks (comma-separated)")
+    p.add_argument("--tasks", default=None, metavar="TASKS",
+                   help="downstream tasks, comma-separated: JSONL task files (docs/tasks.md) and/or heldout_lastword")
+    p.add_argument("--max-examples", type=int, default=200, help="examples per task (default 200)")
     p.add_argument("--no-sample", action="store_true", help="skip the greedy sample")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     src = open_source(a.source, a.step)
     result = evaluate_source(src, data=a.data, sequences=a.sequences, seq_len=a.seq_len, batch_size=a.batch_size,
                              sample=not a.no_sample)
+    if a.tasks:
+        result["tasks"] = evaluate_tasks(src, [t.strip() for t in a.tasks.split(",") if t.strip()], data=a.data,
+                                         max_examples=a.max_examples)
     line = None
     if a.harness:
         line, tasks = run_harness(src, a.harness)

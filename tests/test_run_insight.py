@@ -19,7 +19,8 @@ RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model
        "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=2000", "train.global_batch_size=4",
        "train.micro_batch_size=4", "data.num_streams=4", "train.max_steps=4", "train.warmup_steps=1", "train.log_every=2",
        "train.val_every=4", "train.val_sequences=6", "checkpoint.every_steps=4", "cluster.use_ray=false",
-       "stability.plot_at_end=false", "data.val_holdout=0.2"]
+       "stability.plot_at_end=false", "data.val_holdout=0.2", "eval.tasks=[heldout_lastword]",
+       "eval.max_examples=12"]
 
 
 def _two_sources(work: Path) -> list[str]:
@@ -98,13 +99,20 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
         assert tags["mlflow.data.context"] == "training" and tags["split"] == "train" and tags["val_holdout"] == "0.2"
         assert len(d.dataset.digest) == 12 and str(workdir) in d.dataset.source
 
+    # criterion 3: the built-in task on every validation step; offline `eval --tasks` gives the same numbers
+    from eval.evaluate import evaluate_tasks, open_source
+
+    acc = history("eval/heldout_lastword/acc")
+    assert sorted(acc) == [4] and 0 <= acc[4] <= 1 and "eval/heldout_lastword/acc_norm" not in metrics
+    offline = evaluate_tasks(open_source(job.run_id), ["heldout_lastword"], max_examples=12, track=False)
+    assert offline == {"eval/heldout_lastword/acc": acc[4]}
+
     # criterion 1: an export is a logged model of its run (external: MLflow records the directory only)
     report = export_checkpoint(job.run_id, workdir / "exported")
     models = client.search_logged_models([run.info.experiment_id])
     assert len(models) == 1
     model = models[0]
-    assert model.source_run_id == job.run_id and model.status.to_int() == model.status.READY.to_int() \
-        if hasattr(model.status, "to_int") else str(model.status).endswith("READY")
+    assert model.source_run_id == job.run_id and str(model.status).endswith("READY")
     assert model.tags["pretrain.export_dir"] == str(report.out) and model.params["step"] == "4"
     outputs = client.get_run(job.run_id).outputs.model_outputs
     assert [o.model_id for o in outputs] == [model.model_id]

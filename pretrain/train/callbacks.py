@@ -5,6 +5,8 @@ checkpoints, and test-only fault injection. Each does one thing; ``order`` fixes
 order  callback              what it does
 =====  ====================  ===========================================================================
 0      SpeedMonitor          times each step (tokens/s excludes validation and checkpoints)
+2      ThroughputMonitor     ``train/mfu``, ``train/data_wait_frac`` (monitors.py)
+2      MemoryMonitor         peak memory per rank, ``sys/*`` (monitors.py; collective at logged steps)
 3      GrowthCallback        ``growth.schedule``: grows the model (rebuilds the module) at the given steps
 5      LayerDropCallback     ``layer_drop``: the gates of every training forward
 10     StabilityCallback     decides each update (skip / roll back / halt), records events, LR cool-down
@@ -12,6 +14,8 @@ order  callback              what it does
 20     FaultInjection        ``faults.*`` hooks (kill a worker, NaN gradient, LR spike, stop early)
 30     MetricsLogger         progress line and MLflow metrics every ``train.log_every`` steps
 40     ValidationCallback    validation every ``train.val_every`` steps and at the end
+41     SourceValidation      ``val/<source>/*`` after each validation (evaluators.py; added by the loop)
+42     TaskEvaluation        ``eval.tasks`` every ``eval.every`` steps (evaluators.py; added by the loop)
 45     EarlyStop             ``train.stop_at_val_loss``: ends the run at a good enough validation
 50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
 190    StabilityReport       stability summary, timeline and plot at the end of the run
