@@ -76,13 +76,14 @@ def load_jsonl_task(path: str | Path, max_examples: int) -> Task:
     return Task(path.stem, examples, cloze=types == {"cloze"})
 
 
-def heldout_lastword(documents, max_examples: int, num_choices: int, seed: int, max_docs: int = 20_000) -> Task:
+def heldout_lastword(documents, max_examples: int, num_choices: int, seed: int, min_docs: int = 200) -> Task:
     """The built-in cloze task from held-out ``documents`` (an iterable of texts): for each sentence of at least
     six words ending in an alphabetic word, the context is the sentence without that word and the choices are
-    the word and ``num_choices - 1`` other words of the held-out text (seeded per example: deterministic)."""
+    the word and ``num_choices - 1`` other words of the held-out text (seeded per example: deterministic).
+    Reads documents until it has ``max_examples`` examples and a vocabulary from at least ``min_docs`` documents."""
     pairs, vocab = [], set()
     for i, doc in enumerate(documents):
-        if i == max_docs:
+        if len(pairs) >= max_examples and i >= min_docs:
             break
         for sentence in _SENTENCE_END.split(doc):
             words = sentence.strip().rstrip(".!?").split()
