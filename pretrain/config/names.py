@@ -21,9 +21,10 @@ def source_name(path: str, name: str = "") -> str:
 
 
 def check_source_names(sources, val_sources) -> None:
-    """Names are valid metric keys and unique over ``data.sources`` and ``data.val_sources`` together."""
-    seen: dict[str, str] = {}
+    """Names are valid metric keys, unique within ``data.sources`` and within ``data.val_sources`` (only one of
+    the two groups is logged per source: the val sources when there are any)."""
     for key, group in (("data.sources", sources), ("data.val_sources", val_sources)):
+        seen: dict[str, str] = {}
         for i, s in enumerate(group):
             where = f"{key}[{i}].name"
             if s.name and not _NAME.fullmatch(s.name):

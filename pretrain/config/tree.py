@@ -109,8 +109,8 @@ class SourceConfig:
     """Relative sampling weight in a mixture of several sources."""
     name: str = ""
     """Name in metrics (``val/<name>/loss``) and MLflow datasets; empty: the path's stem (``data/web.jsonl`` ->
-    ``web``). Letters, digits, ``_-.``; unique over ``data.sources`` and ``data.val_sources``. Bad-record reports
-    show it, or the path."""
+    ``web``). Letters, digits, ``_-.``; unique within ``data.sources`` and within ``data.val_sources``.
+    Bad-record reports show it, or the path."""
     split: str = "train"
     """Split to stream for hub datasets."""
 
