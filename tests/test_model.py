@@ -327,13 +327,14 @@ def test_all_false_layer_mask_is_embeddings_norm_head(position):
         model(ids, layer_mask=[True])
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("kind", ["decoder", "encoder"])
-def test_activation_checkpointing_matches_plain(kind):
+def test_activation_checkpointing_matches_plain(kind, mode):
     cfg = tiny(kind=kind, dropout=0.1, attention_dropout=0.1, activation="swiglu", num_kv_heads=2)
     ids = tokens()
     labels = ids if kind == "decoder" else mlm_labels(ids)
     results = []
-    for ckpt in (False, True):
+    for ckpt in ("none", mode):
         model = build_model(cfg, seed=0).train()
         model.activation_checkpointing = ckpt
         calls = []
@@ -343,7 +344,7 @@ def test_activation_checkpointing_matches_plain(kind):
         loss = model(ids, labels=labels).loss
         loss.backward()
         # Recomputation runs every block a second time during backward.
-        assert len(calls) == (2 * L if ckpt else L)
+        assert len(calls) == (2 * L if ckpt != "none" else L)
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (l0, g0), (l1, g1) = results
     assert torch.equal(l0, l1)
@@ -352,7 +353,37 @@ def test_activation_checkpointing_matches_plain(kind):
 
 
 def test_activation_checkpointing_default_off():
-    assert build_model(tiny(), 0).activation_checkpointing is False
+    assert build_model(tiny(), 0).activation_checkpointing == "none"
+
+
+def test_selective_recomputation_keeps_matmuls_and_recomputes_the_rest():
+    """``selective`` re-runs no matmul or attention in the backward, ``full`` re-runs them all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pretrain.model.recompute import SAVED_OPS
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.saved = self.other = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in SAVED_OPS:
+                self.saved += 1
+            else:
+                self.other += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for mode in ("none", "full", "selective"):
+        model = build_model(tiny(activation="swiglu"), seed=0).train()
+        model.activation_checkpointing = mode
+        loss = model(tokens(), labels=tokens()).loss
+        with Count() as c:
+            loss.backward()
+        counts[mode] = (c.saved, c.other)
+    assert counts["selective"][0] == counts["none"][0] < counts["full"][0]  # no matmul forward is redone
+    assert counts["none"][1] < counts["selective"][1]  # the elementwise work is
 
 
 # ----------------------------------------------------------------------------------------------

@@ -169,8 +169,16 @@ class TrainConfig:
     """Final learning rate as a fraction of the peak."""
     warmup_steps: int = 30
     """Linear warm-up steps."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay from peak to ``min_lr_ratio * lr`` after warm-up."""
+    decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Shape of the decay from peak to ``min_lr_ratio * lr`` after warm-up. ``wsd`` (warmup-stable-decay): the
+    peak until the last ``decay_steps`` (or ``decay_fraction``) steps, then ``decay_shape`` down to the floor; a
+    stable-phase checkpoint can be annealed later (``./launch.sh anneal``), so the run length is decided late."""
+    decay_steps: int = 0
+    """``decay: wsd``: steps of the decay phase at the end of the run; 0 uses ``decay_fraction``."""
+    decay_fraction: float = 0.2
+    """``decay: wsd`` with ``decay_steps: 0``: the decay phase as a fraction of ``max_steps``, in (0, 1]."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """``decay: wsd``: shape of the decay phase (``1-sqrt``: lr = peak - (peak - floor) * sqrt(progress))."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases, norms and embeddings)."""
     beta1: float = 0.9
@@ -191,8 +199,10 @@ class TrainConfig:
     """Validation sequences (global, split across workers; the same set whatever the worker count)."""
     num_threads: int = 0
     """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
-    activation_checkpointing: bool = False
-    """Recompute block activations in the backward pass to save memory."""
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    """Recompute activations in the backward pass to save memory: ``full`` recomputes whole blocks (only their
+    inputs are kept), ``selective`` keeps the matmul and attention outputs and recomputes the cheap elementwise and
+    norm work (``pretrain/model/recompute.py``), ``none`` keeps everything. Booleans: true = full, false = none."""
     compile: Literal["auto", "yes", "no"] = "auto"
     """Compile each Transformer block with ``torch.compile`` (regional: embeddings, loss, optimizer stay eager).
     ``auto``: on for CUDA, off on CPU, where it costs a one-time compile of seconds per block shape and gains
@@ -204,6 +214,10 @@ class TrainConfig:
     per rank in ``RUN_DIR/profile/`` (rank 0's also in MLflow); 0 never."""
     profile_steps: int = 3
     """How many steps ``profile_at`` profiles."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # the former boolean field
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
 
 
 @dataclass(kw_only=True)
@@ -426,6 +440,7 @@ class RunConfig:
             raise ConfigError(f"model.rope_theta: must be > 0, got {m.rope_theta}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+        self._validate_decay()
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
@@ -435,6 +450,16 @@ class RunConfig:
         self.eval.validate(bool(self.data.val_sources) or self.data.val_holdout > 0)
         make_plan(self, c.num_workers)  # the worker-count rules live with the derived numbers
         return self
+
+    def _validate_decay(self) -> None:
+        t = self.train
+        if t.decay_steps < 0:
+            raise ConfigError(f"train.decay_steps: must be >= 0, got {t.decay_steps}")
+        if not 0.0 < t.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
+        if t.decay == "wsd" and t.decay_steps > t.max_steps - t.warmup_steps:
+            raise ConfigError(f"train.decay_steps: {t.decay_steps} is more than the {t.max_steps - t.warmup_steps} "
+                              f"steps after warm-up (train.max_steps - train.warmup_steps)")
 
     def _validate_vocab(self) -> None:
         m, d = self.model, self.data

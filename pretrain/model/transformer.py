@@ -16,12 +16,12 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import (Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache,
                                    skips)
 from pretrain.model.moe import MoEFeedForward, moe_layers
+from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy
 
 
@@ -84,7 +84,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
-        self.activation_checkpointing: bool = False
+        self.activation_checkpointing: str = "none"  # none | full | selective (pretrain/model/recompute.py)
         # Per block (attention, FFN) output scales used when no gates are given and not training: eq. 95's rho
         # for layer dropout with ``rho`` scaling (set from the training side; an exporter folds them).
         self.branch_scales: list[tuple[float, float]] | None = None
@@ -233,7 +233,7 @@ class Transformer(nn.Module):
         rope = None
         if self.rope_cos is not None and self.rope_sin is not None:
             rope = (self.rope_cos[:t], self.rope_sin[:t])  # (T, hd) each
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else "none"
         moe_terms = []
         for i, block in enumerate(self.blocks):
             if layer_mask is not None and not bool(layer_mask[i]):
@@ -241,10 +241,7 @@ class Transformer(nn.Module):
             attn_gate, ffn_gate = gates[i] if gates is not None else (None, None)
             if skips(attn_gate) and skips(ffn_gate):
                 continue  # a dropped block: no work at all
-            if recompute:
-                x = checkpoint(block, x, rope, attn_gate, ffn_gate, use_reentrant=False)
-            else:
-                x = block(x, rope, attn_gate, ffn_gate)  # (B, T, D)
+            x = run_block(recompute, block, x, rope, attn_gate, ffn_gate)  # (B, T, D)
             if isinstance(block.ffn, MoEFeedForward) and not skips(ffn_gate):
                 moe_terms.append(block.ffn.aux_loss)
                 block.ffn.commit_stats()
