@@ -236,10 +236,62 @@ def test_aux_losses_and_metrics():
     (["moe.every=3"], "moe.every: 3 selects no block"),
     (["moe.capacity_factor=-1"], "moe.capacity_factor"),
     (["moe.top_k=x"], "moe.top_k: expected int"),
+    (["moe.balance=loss"], "moe.balance: expected one of aux_loss, bias, both"),
+    (["moe.balance=bias", "moe.bias_rate=0"], "moe.bias_rate: must be > 0 with moe.balance=bias"),
+    (["moe.bias_rate=-1"], "moe.bias_rate: must be >= 0"),
 ])
 def test_bad_moe_config_is_named(over, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _small(*over)
+
+
+def test_loss_free_balancing_evens_a_skewed_router_without_an_aux_loss():
+    """moe.balance=bias: with the router frozen and skewed towards expert 0, the selection bias alone brings the
+    busiest expert's share from ~0.5 towards uniform (0.25) within 80 steps; the combine weights stay the router's
+    probabilities of the chosen experts; no Switch loss enters the objective."""
+    cfg = _small("moe.balance=bias", "moe.bias_rate=0.01", "moe.top_k=1", "moe.normalize_top_k=false",
+                 "moe.router_z_loss_weight=0")
+    layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1].train()
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(32, generator=g)
+    u /= u.norm()
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.3, generator=g)
+        layer.router.weight[0] += 2 * u
+    shares = []
+    for _ in range(80):
+        x = torch.randn(4, 16, 32, generator=g) + u
+        layer(x)
+        assert float(layer.aux_loss) == 0.0
+        layer.commit_stats()
+        routed = layer.take_stats()[:4]
+        shares.append(float(routed.max() / routed.sum()))
+        layer.update_bias(routed)
+    first, last = sum(shares[:5]) / 5, sum(shares[-10:]) / 10
+    print(f"\nmax expert share: first 5 steps {first:.3f}, last 10 steps {last:.3f}; bias {layer.selection_bias}")
+    assert first > 0.45 and last < 0.35
+    assert layer.selection_bias[0] < 0 < layer.selection_bias[1:].min()
+    h = x.reshape(-1, 32)  # the last batch: chosen by probs + bias, weighted by probs alone
+    probs = layer.router(h).float().softmax(-1)
+    chosen = (probs + layer.selection_bias).topk(1).indices
+    ref = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for e in sorted(chosen[t].tolist()):
+            ref[t] += probs[t, e] * layer.experts[e](h[t:t + 1])[0]
+    torch.testing.assert_close(layer(x).reshape(-1, 32), ref, rtol=0, atol=1e-6)
+    assert not torch.equal(chosen, probs.topk(1).indices), "the bias changed some choices"
+
+
+def test_loss_free_balancing_bias_is_saved_grown_and_bf16_safe():
+    cfg = _small("moe.balance=both")
+    model = build_model(cfg.model, 0, cfg.moe)
+    key = "blocks.0.ffn.deepspeed_moe.gate.expert_bias"
+    assert torch.equal(model.state_dict()[key], torch.zeros(4))
+    assert key not in build_model(_small().model, 0, _small().moe).state_dict()  # aux_loss: checkpoints unchanged
+    sd = {**model.state_dict(), key: torch.tensor([0.1, -0.2, 0.3, -0.4])}
+    assert torch.equal(build_model(cfg.model, 0, cfg.moe, weights=sd).state_dict()[key], sd[key])
+    layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1]
+    assert layer.aux_loss_weight == cfg.moe.aux_loss_weight  # both: the Switch loss stays
 
 
 def test_zero3_with_ep1_and_presets_validate():
@@ -298,10 +350,11 @@ def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = M
 
     torch.set_num_threads(1)
     out = {}
-    for ep, k, stage, cap in variants:
+    for variant in variants:
+        ep, k, stage, cap, balance = (*variant, "aux_loss")[:5]
         cfg = _small(f"cluster.num_workers={world}", f"moe.ep_size={ep}", f"moe.top_k={k}", f"zero.stage={stage}",
                      f"moe.capacity_factor={cap}", f"data.num_streams={world}", f"train.micro_batch_size={micro}",
-                     "train.seed=3")
+                     "train.seed=3", f"moe.balance={balance}", "moe.bias_rate=0.05")
         module = build_module(cfg)
         per = GLOBAL // world
         assert module.plan.micro_batch == micro and module.plan.shares == (per,) * world
@@ -313,8 +366,10 @@ def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = M
             health.health = {}
             r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step)),
                          [health])
-            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}, health.health))
-        out[(ep, k, stage, cap)] = res
+            biases = [layer.selection_bias.tolist() for _, layer in moe_layers(module.engine.module)
+                      if layer.selection_bias is not None]
+            res.append((r.loss, r.grad_norm, {i: s.tolist() for i, s in r.moe.items()}, health.health, biases))
+        out[tuple(variant)] = res
     return out
 
 
@@ -330,9 +385,10 @@ def _same_health(ref: dict, got: dict) -> None:
 def test_expert_parallel_equals_replicated_experts():
     """2 gloo workers: EP=2 (2 experts each, all-to-all) vs EP=1 (all 4 experts on each worker), same data,
     ZeRO-1 and 2, top-1 and top-2, dropless and with token dropping: losses, grad norms, routing counts.
-    And ZeRO-3 with ep_size 1 trains the MoE model like ZeRO-1."""
+    And ZeRO-3 with ep_size 1 trains the MoE model like ZeRO-1. Loss-free balancing (moe.balance=bias): the
+    selection biases, updated from the all-reduced load, are the same on both ranks and for EP=2 and EP=1."""
     cases = [(1, 1, 1, 0.0), (2, 1, 1, 0.0), (2, 1, 2, 0.0), (1, 2, 1, 0.0), (2, 2, 1, 0.0), (2, 2, 2, 0.0),
-             (1, 2, 2, 1.0), (2, 2, 2, 1.0), (1, 2, 3, 0.0)]
+             (1, 2, 2, 1.0), (2, 2, 2, 1.0), (1, 2, 3, 0.0), (1, 2, 1, 0.0, "bias"), (2, 2, 1, 0.0, "bias")]
     ranks = run_distributed(_train_variants, 2, cases)
     assert ranks[0] == ranks[1], "every rank reports the same reduced values"
     res = ranks[0]
@@ -346,6 +402,12 @@ def test_expert_parallel_equals_replicated_experts():
         assert loss_diff < 1e-4 and norm_diff < 1e-4
         assert [x[2] for x in ref][0] == [x[2] for x in got][0], "same routing on the first step"
         _same_health(ref[-1][3], got[-1][3])
+    ref, got = res[(1, 2, 1, 0.0, "bias")], res[(2, 2, 1, 0.0, "bias")]
+    assert max(abs(a[0] - b[0]) for a, b in zip(ref, got)) < 1e-4
+    assert [x[4] for x in ref] == [x[4] for x in got], "EP=2 applies the same bias updates as EP=1"
+    assert [x[2] for x in ref][0] == [x[2] for x in got][0] and any(b != 0 for b in ref[0][4][0])
+    assert ref[-1][4] != ref[0][4], "the bias moves with the load"
+    assert all(not x[4] for x in res[(1, 2, 1, 0.0)]), "aux_loss keeps no bias"
     zero3 = max(abs(a[0] - b[0]) for a, b in zip(res[(1, 2, 1, 0.0)], res[(1, 2, 3, 0.0)]))
     print(f"ZeRO-3 (moe.ep_size=1: experts sharded like dense weights) vs ZeRO-1: max |loss diff| {zero3:.2e}")
     assert zero3 < 1e-5
@@ -507,6 +569,9 @@ def _perturbed(cfg, moe, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for _, layer in moe_layers(model):
+            if layer.selection_bias is not None:  # large enough to change the chosen experts
+                layer.selection_bias.copy_(torch.randn(layer.num_experts, generator=g) * 0.3)
     return model.state_dict()
 
 
@@ -520,6 +585,7 @@ MIXTRAL_LIKE = dict(kind="decoder", vocab_size=300, hidden_size=32, num_layers=2
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "PretrainTransformerForCausalLM"),  # top-1: Switch's weight p
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, every=2), "PretrainTransformerForCausalLM"),
     (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, normalize_top_k=False), "PretrainTransformerForCausalLM"),
+    (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, balance="bias"), "PretrainTransformerForCausalLM"),
     ({**MIXTRAL_LIKE, "qk_norm": True}, dict(num_experts=4, top_k=2, every=2), "Qwen3MoeForCausalLM"),
     ({**MIXTRAL_LIKE, "qk_norm": True, "num_layers": 3}, dict(num_experts=4, top_k=2, layers=[0, 2],
                                                              normalize_top_k=False), "Qwen3MoeForCausalLM"),

@@ -34,7 +34,15 @@ class MoEConfig:
     Not with ``top_k: 1``, whatever this says: one renormalized weight is p/p = 1, which gives the router no
     gradient from the loss; top-1 weights each token's expert by its probability (Switch Transformer)."""
     aux_loss_weight: float = 0.01
-    """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers."""
+    """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers (not
+    applied with ``balance: bias``)."""
+    balance: Literal["aux_loss", "bias", "both"] = "aux_loss"
+    """How the load is balanced: ``aux_loss`` (the Switch loss above), ``bias`` (auxiliary-loss-free, DeepSeek-V3:
+    a per-expert bias added to the router probabilities for the top-k selection only, not to the combine weights,
+    nudged after every step by ``bias_rate * sign(mean load - load_e)`` from the load summed over all ranks; a
+    buffer saved with the model) or ``both``."""
+    bias_rate: float = 0.001
+    """``balance: bias|both``: the per-step bias update (DeepSeek-V3's gamma; the biases add to probabilities)."""
     router_z_loss_weight: float = 0.001
     """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE)."""
     ep_size: int = 1
@@ -54,6 +62,11 @@ class MoEConfig:
     def renormalizes(self) -> bool:
         """Whether the top-k weights are renormalized (``normalize_top_k``, never for top-1: see there)."""
         return self.normalize_top_k and self.top_k > 1
+
+    @property
+    def selection_bias(self) -> bool:
+        """Whether MoE layers carry the auxiliary-loss-free routing bias (``balance: bias|both``)."""
+        return self.enabled and self.balance != "aux_loss"
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has an MoE FFN."""
@@ -80,9 +93,11 @@ class MoEConfig:
         for key, value in (("moe.ffn_size", self.ffn_size), ("moe.capacity_factor", self.capacity_factor),
                            ("moe.aux_loss_weight", self.aux_loss_weight),
                            ("moe.router_z_loss_weight", self.router_z_loss_weight),
-                           ("moe.collapse_steps", self.collapse_steps)):
+                           ("moe.collapse_steps", self.collapse_steps), ("moe.bias_rate", self.bias_rate)):
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
+        if self.balance != "aux_loss" and self.bias_rate <= 0:
+            raise ConfigError(f"moe.bias_rate: must be > 0 with moe.balance={self.balance}, got {self.bias_rate}")
         if not 0.0 < self.collapse_share <= 1.0:
             raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
         if self.ep_size < 1 or self.num_experts % self.ep_size:

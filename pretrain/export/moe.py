@@ -10,7 +10,9 @@ chosen experts in expert order, which is our dropless inference path. For a Llam
   (``decoder_sparse_step`` / ``mlp_only_layers``), renormalized or not (``norm_topk_prob``).
 
 Everything else with MoE (encoders, other norms/positions, interleaved blocks without query/key norms) exports
-as remote code.
+as remote code, and so does auxiliary-loss-free balancing (``moe.balance: bias|both``): its per-expert bias
+changes which experts are chosen but not their weights, so it cannot be folded into a router matrix; the
+bundled modeling file holds it as the buffer ``gate.expert_bias``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def qwen3_moe_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
 
 def moe_target(cfg: ModelConfig, moe: MoEConfig) -> tuple[str | None, list[str]]:
     """(the exact standard MoE class, []) or (None, why neither Mixtral nor Qwen3-MoE is exact)."""
+    if moe.selection_bias:
+        return None, ["moe.balance uses a selection bias (gate.expert_bias), which changes the chosen experts "
+                      "without entering the weights: the Mixtral and Qwen3-MoE routers cannot hold it"]
     why = []
     for name, check in (("MixtralForCausalLM", mixtral_violations), ("Qwen3MoeForCausalLM", qwen3_moe_violations)):
         bad = check(cfg, moe)
@@ -116,5 +121,5 @@ def remote_moe_fields(cfg: ModelConfig, moe: MoEConfig) -> dict:
     if not moe.enabled:
         return {}
     return {"moe_num_experts": moe.num_experts, "moe_top_k": moe.top_k, "moe_ffn_size": moe.ffn_size,
-            "moe_normalize_top_k": moe.renormalizes,
+            "moe_normalize_top_k": moe.renormalizes, "moe_selection_bias": moe.selection_bias,
             "moe_layers": [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]}

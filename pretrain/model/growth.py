@@ -267,6 +267,8 @@ def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, f
         return w[hid.index].clone()
     if key.endswith("gate.wg.weight"):  # MoE router (E, D)
         return _grow_matrix(w, None, hid)
+    if key.endswith("gate.expert_bias"):  # per expert (E,): not a hidden-size axis
+        return w.clone()
     if key.startswith("head_transform.dense."):
         return _grow_matrix(w, hid, hid) if leaf == "weight" else w[hid.index].clone()
     if w.dim() == 1:  # norms over the hidden size (weights and biases)
@@ -299,6 +301,8 @@ def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int
         out[key] = w
     for i in range(cfg.num_layers):
         out[f"blocks.{i}.ffn.deepspeed_moe.gate.wg.weight"] = torch.zeros(num_experts, cfg.hidden_size)
+        if moe.balance != "aux_loss":  # the selection bias of moe.balance: bias|both starts at zero
+            out[f"blocks.{i}.ffn.deepspeed_moe.gate.expert_bias"] = torch.zeros(num_experts)
     from pretrain.model.transformer import resolved_ffn_size
 
     new_moe = dataclasses.replace(moe, num_experts=num_experts, top_k=top_k, every=1, layers=[],

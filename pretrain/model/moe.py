@@ -36,9 +36,11 @@ sum of load-balancing loss and router z-loss values over forwards (the last two 
 
 
 class _Gate(nn.Module):
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, selection_bias: bool = False) -> None:
         super().__init__()
         self.wg = nn.Linear(hidden, num_experts, bias=False)
+        if selection_bias:  # auxiliary-loss-free balancing: saved with the model, updated outside autograd
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
 
 
 class _Experts(nn.Module):
@@ -48,9 +50,10 @@ class _Experts(nn.Module):
 
 
 class _Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn_size: int, num_experts: int, local: int) -> None:
+    def __init__(self, cfg: ModelConfig, ffn_size: int, num_experts: int, local: int,
+                 selection_bias: bool = False) -> None:
         super().__init__()
-        self.gate = _Gate(cfg.hidden_size, num_experts)
+        self.gate = _Gate(cfg.hidden_size, num_experts, selection_bias)
         self.experts = _Experts(cfg, ffn_size, local)
 
 
@@ -71,10 +74,12 @@ class MoEFeedForward(nn.Module):
         self.top_k = moe.top_k
         self.capacity_factor = moe.capacity_factor
         self.normalize_top_k = moe.renormalizes  # top-1: Switch's weight p (p/p = 1 would starve the router)
-        self.aux_loss_weight = moe.aux_loss_weight
+        # balance: bias drops the Switch loss; its selection bias lives on the gate (see _Gate)
+        self.aux_loss_weight = moe.aux_loss_weight if moe.balance != "bias" else 0.0
+        self.bias_rate = moe.bias_rate
         self.router_z_loss_weight = moe.router_z_loss_weight
         self.ffn_size = ffn_size
-        self.deepspeed_moe = _Inner(cfg, ffn_size, moe.num_experts, self.num_local_experts)
+        self.deepspeed_moe = _Inner(cfg, ffn_size, moe.num_experts, self.num_local_experts, moe.selection_bias)
         self.exchange: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """(layer, tokens sorted by global expert, per-expert counts) -> expert outputs in the same order;
         required when ep_size > 1 (see pretrain/train/expert_parallel.py)."""
@@ -91,6 +96,21 @@ class MoEFeedForward(nn.Module):
         return self.deepspeed_moe.gate.wg
 
     @property
+    def selection_bias(self) -> torch.Tensor | None:
+        """(E,) fp32 bias added to the router probabilities for choosing experts (``moe.balance: bias|both``)."""
+        return getattr(self.deepspeed_moe.gate, "expert_bias", None)
+
+    @torch.no_grad()
+    def update_bias(self, routed: torch.Tensor) -> None:
+        """DeepSeek-V3's update b_e += rate * sign(mean load - load_e) from one step's routed assignments per
+        expert (summed over all ranks, so every rank applies the same update)."""
+        bias = self.selection_bias
+        if bias is None or not float(routed.sum()):
+            return
+        load = routed.to(device=bias.device, dtype=bias.dtype)
+        bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
+
+    @property
     def experts(self) -> nn.ModuleList:
         return self.deepspeed_moe.experts.deepspeed_experts
 
@@ -103,7 +123,12 @@ class MoEFeedForward(nn.Module):
         n, e, k = h.shape[0], self.num_experts, self.top_k
         logits = self.router(h).float()  # (N, E)
         probs = logits.softmax(dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)  # (N, k)
+        bias = self.selection_bias
+        if bias is None:
+            weights, chosen = probs.topk(k, dim=-1)  # (N, k)
+        else:  # the bias picks the experts; the combine weights stay the router's probabilities
+            chosen = (probs + bias.float()).topk(k, dim=-1).indices
+            weights = probs.gather(-1, chosen)
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         expert = chosen.t().reshape(-1)  # (kN,) first choices of all tokens, then second choices
@@ -245,6 +270,14 @@ def routing_metrics(stats: dict[int, torch.Tensor]) -> dict[str, float]:
         out[prefix + "aux_loss"] = named["balance"] / forwards
         out[prefix + "router_z_loss"] = named["z"] / forwards
     return out
+
+
+def update_balance_biases(model: nn.Module, stats: dict[int, torch.Tensor]) -> None:
+    """After an optimizer step: nudge every MoE layer's selection bias by the step's load (``stats``: block ->
+    reduced ``take_stats`` row, whose first E entries are the routed assignments per expert)."""
+    for block, layer in moe_layers(model):
+        if layer.selection_bias is not None and block in stats:
+            layer.update_bias(stats[block][:layer.num_experts])
 
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:

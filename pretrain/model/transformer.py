@@ -158,6 +158,8 @@ class Transformer(nn.Module):
                     done.add(id(lin.weight))
             elif isinstance(module, MoEFeedForward):
                 self._init_experts(module, generator, done)
+                if module.selection_bias is not None:
+                    module.selection_bias.zero_()  # balanced start; draws nothing
             elif isinstance(module, FeedForward) and id(module.up_proj.weight) in done:
                 pass  # an expert, initialized with its MoE layer
             elif isinstance(module, FeedForward) and deepnorm:

@@ -172,8 +172,13 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     # low bits, so their fp32 values are set into the masters afterwards.
     masters = {id(p): p.detach().clone() for p in model.parameters()} if weights is not None and \
         precision != "fp32" else None
+    # MoE selection biases stay fp32 (DeepSpeed's bf16 cast would lose the small per-step updates)
+    biases = [(layer, layer.selection_bias.clone()) for _, layer in moe_layers(model)
+              if layer.selection_bias is not None]
     engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,
                         load_universal=load_universal)
+    for layer, bias in biases:
+        layer.deepspeed_moe.gate.expert_bias = bias
     if masters is not None:
         from deepspeed.utils import safe_set_full_fp32_param
 

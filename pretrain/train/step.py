@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pretrain import ds_adapter
-from pretrain.model.moe import moe_layers
+from pretrain.model.moe import moe_layers, update_balance_biases
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.health import grad_signals
@@ -159,6 +159,8 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
         h.before_update(module)
     with update_suppressed(engine, not applied):
         engine.step()  # the boundary: clip, update (or not), zero the gradients
+    if applied and moe:
+        update_balance_biases(engine.module, moe)  # from the all-reduced load: the same update on every rank
     for h in hooks:
         h.after_update(module)
     return StepResult(loss, grad_norm, applied, decision, moe)

@@ -28,6 +28,7 @@ _FIELDS = {
     "mlm_head_transform": False, "deepnorm_depth": 0,
     # Mixture-of-Experts (``pretrain.config.MoEConfig``): blocks listed in moe_layers have an MoE FFN.
     "moe_num_experts": 0, "moe_top_k": 2, "moe_layers": [], "moe_ffn_size": 0, "moe_normalize_top_k": True,
+    "moe_selection_bias": False,
 }
 
 
@@ -157,6 +158,8 @@ class MoEFeedForward(nn.Module):
         self.deepspeed_moe = _Holder()
         self.deepspeed_moe.gate = _Holder()
         self.deepspeed_moe.gate.wg = nn.Linear(cfg.hidden_size, cfg.moe_num_experts, bias=False)
+        if cfg.moe_selection_bias:  # auxiliary-loss-free balancing: chooses the experts, not their weights
+            self.deepspeed_moe.gate.register_buffer("expert_bias", torch.zeros(cfg.moe_num_experts))
         self.deepspeed_moe.experts = _Holder()
         self.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(
             FeedForward(cfg, cfg.moe_ffn_size or cfg.ffn_size) for _ in range(cfg.moe_num_experts))
@@ -164,7 +167,12 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])
         probs = self.deepspeed_moe.gate.wg(h).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        bias = getattr(self.deepspeed_moe.gate, "expert_bias", None)
+        if bias is None:
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        else:
+            chosen = (probs + bias.float()).topk(self.top_k, dim=-1).indices
+            weights = probs.gather(-1, chosen)
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         expert = chosen.t().reshape(-1)
