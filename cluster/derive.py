@@ -31,13 +31,15 @@ StateDict = dict[str, torch.Tensor]
 
 def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
                what: str, metrics: dict[str, float] | None = None,
-               moments: dict[str, Any] | None = None, grown: bool = False) -> tuple[str, Path]:
+               moments: dict[str, Any] | None = None, grown: bool = False,
+               data: dict | None = None) -> tuple[str, Path]:
     """Write ``weights`` (a full state dict of ``cfg.model``) and, when given, ``moments`` (AdamW moments of those
     weights by name, see ``pretrain/checkpoint/weights.py``) as the first checkpoint of a new run, child of the
     parent's run, continuing the parent's step, tokens and data position. The checkpoint holds full weights:
     written here without an engine, resumed on any worker count and expert layout. ``grown``: the checkpoint records
     a growth at the parent's step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the
-    growth callback's state, as after an in-job growth). Returns (run id, path)."""
+    growth callback's state, as after an in-job growth). ``data``: another data position than the parent's (e.g.
+    fresh streams of another mixture). Returns (run id, path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
@@ -56,7 +58,8 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
         state["callbacks"] = {"growth": {"applied": applied, "last_growth_step": state["step"]}}
     writer = CheckpointWriter(run_dir, LocalWorld(), run_id, keep_last=cfg.checkpoint.keep_last,
                               register=tracker.register_checkpoint)
-    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=parent.data_position(),
+    data_state = data if data is not None else parent.data_position()
+    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state,
                                 model=FullWeights(weights, moments)))
     tracker.finish("FINISHED")
     return run_id, path

@@ -14,6 +14,8 @@
     prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
     grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
          [heads=..] [ffn=..] [experts=E] [top_k=K] [noise=X] [step=N]       grow the model: a new child run
+    anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]   decay the LR of a (WSD) checkpoint to the floor
+                                                  over N steps, optionally on other data: a new child run
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
     submit [--address URL] [CONFIG] [key=value ...]  submit a training job (Ray Jobs API); prints job + run id
     jobs [--address URL]                          jobs on the cluster
@@ -168,8 +170,10 @@ def _lineage(tags: dict[str, str]) -> list[str]:
     derived = tags.get("pretrain.derived")
     if derived:
         parent = tags.get("mlflow.parentRunId") or tags.get("pretrain.parent_checkpoint", "?")
-        step = tags.get("growth.parent_step") or tags.get("prune.parent_step", "?")
-        what = tags.get("growth.operator") or f"kept blocks {tags.get('prune.layers', '?')}"
+        step = tags.get("growth.parent_step") or tags.get("prune.parent_step") or tags.get("anneal.parent_step", "?")
+        what = tags.get("growth.operator") or (
+            f"LR decay to the floor over {tags['anneal.steps']} steps ({tags.get('anneal.shape', '?')})"
+            if "anneal.steps" in tags else f"kept blocks {tags.get('prune.layers', '?')}")
         out.append(f"{derived} of run {parent} at step {step}: {what}")
     grown = sorted((int(k.split(".")[1]), v) for k, v in tags.items()
                    if k.startswith("growth.") and k.endswith(".operator") and k.split(".")[1].isdigit())
@@ -231,6 +235,12 @@ def cmd_prune(args: list[str]) -> int:
     return prune(args)
 
 
+def cmd_anneal(args: list[str]) -> int:
+    from cluster.anneal import anneal
+
+    return anneal(args)
+
+
 def cmd_cluster(args: list[str]) -> int:
     from cluster import head
 
@@ -268,7 +278,7 @@ def cmd_stop(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow,
+            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow, "anneal": cmd_anneal,
             "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
             "logs": cmd_logs, "stop": cmd_stop}
 

@@ -1,0 +1,73 @@
+"""Annealing a warmup-stable-decay run: a child run that decays the LR from a checkpoint's value to the floor.
+
+    ./launch.sh anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]
+
+The child (``pretrain.derived: anneal``, an MLflow child of the parent run) starts from the parent's weights
+at step S and trains N more steps with ``train.decay: wsd`` whose decay phase is exactly those N steps: the LR
+goes from the LR the parent would have used at step S down to the parent's floor ``lr * min_lr_ratio`` in
+``train.decay_shape``. ``key=value`` overrides the child's config (e.g. another data mixture:
+``data.sources=[...]``; any data change starts fresh streams of the new mixture, otherwise the parent's data
+position is carried on). Written through the derived-run path of ``grow``/``prune`` (a fresh optimizer state);
+the child resumes (``./launch.sh resume CHILD``), evaluates and exports like any run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cluster.derive import derive_run
+from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
+from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.train.schedule import lr_at
+
+USAGE = "anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]"
+
+
+def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: list[str] = ()) -> RunConfig:
+    """The child's config: ``parent`` with ``overrides``, then a WSD schedule whose decay phase is the ``steps``
+    steps after ``at_step``, from the parent's LR at ``at_step`` down to the (overridden) floor."""
+    cfg = load_config(None, list(overrides), base=to_dict(parent))
+    start = lr_at(at_step, parent.train)
+    floor = cfg.train.lr * cfg.train.min_lr_ratio
+    train = dataclasses.replace(cfg.train, decay="wsd", decay_steps=steps, max_steps=at_step + steps,
+                                warmup_steps=0, lr=start, min_lr_ratio=min(1.0, floor / start))
+    return dataclasses.replace(cfg, train=train, name=f"{parent.name}-anneal{at_step}").validate()
+
+
+def fresh_data_position(cfg: RunConfig, parent: LoadedCheckpoint) -> dict:
+    """Fresh streams of the child's (changed) data config, as the first checkpoint's data position."""
+    from pretrain.data.batches import TrainBatches
+
+    return TrainBatches(cfg.data, kind=cfg.model.kind, tokenizer=parent.tokenizer(), plan=make_plan(cfg, 1),
+                        rank=0, seed=cfg.train.seed).state_dict()
+
+
+def anneal(argv: list[str]) -> int:
+    """``anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]``: a new child run annealing the parent."""
+    if not argv or "=" in argv[0]:
+        raise ConfigError(f"{USAGE}: give a run id or a checkpoint directory first")
+    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a and "." not in a.split("=", 1)[0])
+    overrides = [a for a in argv[1:] if "=" in a and "." in a.split("=", 1)[0]]
+    bad = [a for a in argv[1:] if "=" not in a] + sorted(set(opts) - {"steps", "step"})
+    if bad:
+        raise ConfigError(f"anneal: unknown option(s) {bad} (valid: steps=N, step=S, dotted config keys)")
+    if not opts.get("steps", "").isdigit() or int(opts["steps"]) <= 0:
+        raise ConfigError(f"anneal: steps=N (the length of the decay, > 0) is required, got {opts.get('steps')!r}")
+    if "step" in opts and not opts["step"].isdigit():
+        raise ConfigError(f"anneal: step=S must be a checkpoint step, got {opts['step']!r}")
+    steps = int(opts["steps"])
+    parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
+    at = parent.ckpt.step
+    cfg = annealed_config(parent.config, at, steps, overrides)
+    data = fresh_data_position(cfg, parent) if to_dict(cfg.data) != to_dict(parent.config.data) else None
+    run_id, path = derive_run(parent, cfg, parent.state_dict(inference=False),
+                              {"anneal.parent_run_id": parent.run_id or "", "anneal.parent_step": at,
+                               "anneal.steps": steps, "anneal.shape": cfg.train.decay_shape,
+                               "anneal.overrides": " ".join(overrides)}, "anneal", data=data)
+    t = cfg.train
+    print(f"[anneal] from {parent.ckpt.path} (step {at}): LR {t.lr:.3g} -> {t.lr * t.min_lr_ratio:.3g} over "
+          f"{steps} steps ({t.decay_shape}){'; fresh streams of the new data mixture' if data else ''}")
+    print(f"[anneal] new run {run_id}: checkpoint {path}")
+    print(f"  train:   ./launch.sh resume {run_id}\n  eval:    ./launch.sh eval {run_id}\n"
+          f"  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+    return 0
