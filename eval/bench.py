@@ -12,6 +12,7 @@ bf16 on GPUs), and on known GPUs also over the datasheet dense bf16 peak (``mfu_
 CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs/gpt-125m.yaml model) in bf16.
 
     ./launch.sh bench [--json] [--steps N] [--loop-steps N] [--no-loop] [CONFIG] [key=value ...]
+    ./launch.sh bench --recompute [CONFIG] [key=value ...]   activation checkpointing none/full/selective
 """
 
 from __future__ import annotations
@@ -231,6 +232,9 @@ def main(argv: list[str]) -> int:
                    help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
     p.add_argument("--layer-drop", action="store_true",
                    help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
+    p.add_argument("--recompute", action="store_true",
+                   help="only activation recomputation: peak memory and step time of none, full, selective on the "
+                        "config's model and a larger one (eval/bench_recompute.py)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     result_out = sys.stdout
@@ -255,6 +259,11 @@ def measure(a: argparse.Namespace) -> dict:
         from eval.bench_growth import growth_bench, summary
 
         return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
+    if a.recompute:
+        from eval.bench_recompute import recompute_bench
+
+        path = next((r for r in a.rest if "=" not in r), ROOT / "configs" / "demo-decoder.yaml")
+        return recompute_bench(path, [r for r in a.rest if "=" in r], a.steps or 4, min(a.rounds, 3))
     path = next((r for r in a.rest if "=" not in r), None)
     overrides = [r for r in a.rest if "=" in r]
     if path is None:
