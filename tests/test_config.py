@@ -83,7 +83,8 @@ def test_int_accepted_for_float_and_hash_ignores_storage():
     assert config_hash(a) != config_hash(load_config(None, ["train.lr=2"]))
 
 
-@pytest.mark.parametrize("args", [["model.num_layerz=3"], ["configs/nope.yaml"], ["train.max_steps=ten"]])
+@pytest.mark.parametrize("args", [["model.num_layerz=3"], ["configs/nope.yaml"], ["train.max_steps=ten"],
+                                  ["moe.num_experts=4", "moe.balance=bias", "moe.bias_rate=0"]])
 def test_cli_config_errors_exit_2_with_one_line(tmp_path, args):
     proc = subprocess.run([PYTHON, "-m", "pretrain", "train", *args], cwd=ROOT, env=cli_env(tmp_path),
                           capture_output=True, text=True, timeout=120)

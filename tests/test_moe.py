@@ -389,7 +389,7 @@ def test_expert_parallel_equals_replicated_experts():
     selection biases, updated from the all-reduced load, are the same on both ranks and for EP=2 and EP=1."""
     cases = [(1, 1, 1, 0.0), (2, 1, 1, 0.0), (2, 1, 2, 0.0), (1, 2, 1, 0.0), (2, 2, 1, 0.0), (2, 2, 2, 0.0),
              (1, 2, 2, 1.0), (2, 2, 2, 1.0), (1, 2, 3, 0.0), (1, 2, 1, 0.0, "bias"), (2, 2, 1, 0.0, "bias")]
-    ranks = run_distributed(_train_variants, 2, cases)
+    ranks = run_distributed(_train_variants, 2, cases, timeout=900)
     assert ranks[0] == ranks[1], "every rank reports the same reduced values"
     res = ranks[0]
     for k, stage, cap in [(1, 1, 0.0), (1, 2, 0.0), (2, 1, 0.0), (2, 2, 0.0), (2, 2, 1.0)]:
