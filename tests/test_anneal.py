@@ -13,7 +13,7 @@ from pretrain.train.schedule import lr_at
 from tests.conftest import PYTHON, ROOT, cli_env
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.max_seq_len=32",
-        "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=3000", "data.num_streams=2",
+        "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=500", "data.num_streams=2",
         "train.global_batch_size=8", "train.micro_batch_size=8", "train.lr=1e-2", "train.min_lr_ratio=0.1",
         "train.warmup_steps=2", "train.log_every=1", "train.val_every=0", "train.val_sequences=8",
         "checkpoint.every_steps=2", "cluster.num_workers=1", "cluster.use_ray=false", "stability.plot_at_end=false"]
@@ -55,7 +55,7 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
 
     def cli(*args, code=0):
         proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=900)
         assert proc.returncode == code, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 
