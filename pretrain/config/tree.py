@@ -1,6 +1,6 @@
 """The config tree: one dataclass per section (the capability sections moe, layer_drop, growth are in
-capabilities.py), a docstring on every field, cross-field rules in
-:meth:`RunConfig.validate` (and ``MoEConfig.validate``). Strict loading lives in ``loading.py``."""
+capabilities.py; zero, checkpoint, cluster, tracking, faults and stability in runtime.py), a docstring on
+every field, cross-field rules in :meth:`RunConfig.validate` (and ``MoEConfig.validate``). Strict loading lives in ``loading.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pretrain.config.errors import ConfigError
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
+from pretrain.config.runtime import (
+    CheckpointConfig, ClusterConfig, FaultsConfig, StabilityConfig, TrackingConfig, ZeroConfig)
 
 
 BYTE_LEVEL_VOCAB = 260
@@ -218,136 +220,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # the former boolean field
             self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
-
-
-@dataclass(kw_only=True)
-class ZeroConfig:
-    stage: int = 1
-    """DeepSpeed ZeRO stage: 0 (plain data parallel), 1, 2 or 3."""
-    offload_optimizer: bool = False
-    """Offload optimizer state to CPU memory (stages 1-3, GPU runs)."""
-    reduce_bucket_size: int = 50_000_000
-    """Elements per gradient reduction bucket."""
-    overlap_comm: bool = False
-    """Overlap gradient reduction with backward (GPU)."""
-    param_persistence_threshold: int = 100_000
-    """ZeRO-3: parameters with at most this many elements are not partitioned (kept whole on every rank);
-    DeepSpeed's default. 0 partitions every parameter (tests use it to exercise the gathers at demo sizes)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    dir: str = "checkpoints"
-    """Root of checkpoints; each run writes ``DIR/RUN_ID/step_NNNNNNNN``. Must be shared by all nodes."""
-    every_steps: int = 100
-    """Commit a checkpoint every N steps (and always at the end); 0 only at the end."""
-    keep_last: int = 0
-    """Delete older committed checkpoints beyond the newest N; 0 keeps all."""
-    resume_from: str = ""
-    """A committed checkpoint directory to resume from (set by ``resume``)."""
-
-
-@dataclass(kw_only=True)
-class ClusterConfig:
-    num_workers: int = 1
-    """Training workers (processes). Each gets ``cpus_per_worker`` CPUs and one GPU when ``use_gpu``."""
-    use_gpu: Literal["auto", "yes", "no"] = "auto"
-    """``auto`` uses GPUs when the cluster has them."""
-    cpus_per_worker: float = 1.0
-    """CPUs reserved per worker in Ray. A fraction (e.g. 0.5) lets more workers than CPUs share a machine: Ray
-    places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads`` threads)."""
-    address: str = ""
-    """Ray address of an existing cluster; empty uses ``RAY_ADDRESS`` or starts an embedded local Ray."""
-    max_failures: int = 0
-    """Times Ray restarts a failed worker group (from the latest committed checkpoint)."""
-    use_ray: bool = True
-    """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """Ray placement of the workers: PACK fills nodes first; SPREAD / STRICT_SPREAD put them on
-    different nodes."""
-    start_timeout: float = 600.0
-    """Seconds a job on a Ray cluster (``address`` / ``RAY_ADDRESS``) waits for the cluster to place all its
-    workers, saying every few seconds what is missing, before it ends with one line (exit 2); 0 waits without
-    limit (an autoscaler slow to add nodes). An embedded local Ray refuses a layout it cannot place at once."""
-
-
-@dataclass(kw_only=True)
-class TrackingConfig:
-    experiment: str = "pretrain"
-    """MLflow experiment name."""
-    run_name: str = ""
-    """MLflow run name; empty uses the config name."""
-    enabled: bool = True
-    """Log to MLflow (the URI comes from ``MLFLOW_TRACKING_URI``, default ``sqlite:///mlflow.db``)."""
-    system_metrics: bool = False
-    """Also log MLflow's own system metrics (CPU, memory, disk, network, GPU: ``system/*``, sampled every 10 s)
-    from rank 0 while the run trains."""
-
-
-@dataclass(kw_only=True)
-class FaultsConfig:
-    """Fault injection for tests of fault tolerance (all off by default)."""
-
-    kill_worker_at_step: int = -1
-    """The worker of rank 1 (rank 0 in a world of one) kills itself with SIGKILL once, when it is about
-    to run this step (1-based). -1 disables."""
-    stop_after_step: int = -1
-    """End training cleanly after this step (validation and a committed checkpoint), as if the job had
-    been stopped there; ``resume`` continues it. -1 disables."""
-    nan_grad_at_step: int = -1
-    """The worker of rank 1 (rank 0 in a world of one) turns its gradient of this step (1-based) into NaN
-    (the loss stays finite), once per run. Exercises ``stability`` non-finite detection. -1 disables."""
-    loss_spike_at_step: int = -1
-    """The update of this step (1-based) uses 1000x the scheduled LR on every worker, once per run, so the
-    following steps' loss spikes. Exercises ``stability`` spike detection and rollback. -1 disables."""
-
-
-@dataclass(kw_only=True)
-class StabilityConfig:
-    """Training-stability monitoring and control (see ``pretrain/train/stability.py``).
-
-    Every step, the all-reduced loss and pre-clipping gradient norm are checked before the optimizer
-    step: non-finite values, spikes against rolling median/MAD statistics, and a rising loss trend.
-    ``policy`` decides what an event does; every event is recorded in MLflow and the progress output."""
-
-    policy: Literal["log", "skip", "rollback", "halt"] = "skip"
-    """What a detected event does. ``log``: record only. ``skip``: drop the update of a non-finite or
-    spiking step (weights and optimizer state untouched, the batch is consumed); a divergence is only
-    logged. ``rollback``: skip non-finite steps; on a spike or divergence (or too many consecutive skips)
-    restore the last good checkpoint, continue from the current data position (skipping the data window
-    since that checkpoint) with a cooled-down LR. ``halt``: stop at the first event with a report.
-    Default ``skip``, as OLMo-core's skip-step optimizer: cheap, and a false positive costs one batch."""
-    health_every: int = 10
-    """Log health metrics (per-block gradient/parameter norms, update/parameter ratios, activation RMS and
-    max, attention logit max, output logit mean square, non-finite counts) every N steps; 0 disables."""
-    window: int = 128
-    """Rolling window (healthy steps) of the loss and gradient-norm statistics."""
-    spike_threshold: float = 6.0
-    """A loss or gradient norm more than this many robust sigmas (1.4826 * MAD) above the window median
-    is a spike."""
-    warmup_steps: int = 100
-    """No spike or divergence detection during the first N steps (losses fall fast and LR warms up);
-    non-finite values are always detected."""
-    detect_grad_spikes: bool = True
-    """Also treat gradient-norm spikes as events (not only loss spikes)."""
-    divergence_window: int = 256
-    """Slow divergence: the least-squares trend of the last N healthy losses; 0 disables."""
-    divergence_threshold: float = 0.05
-    """Divergence when the fitted loss trend rises by more than this fraction of the window's mean loss
-    over the window."""
-    max_consecutive_skips: int = 10
-    """After this many consecutive skipped steps escalate: ``rollback`` rolls back, ``skip`` halts."""
-    max_rollbacks: int = 3
-    """Halt when a run needs more rollbacks than this."""
-    good_after_steps: int = 20
-    """A committed checkpoint becomes a rollback target ("good") after this many healthy steps past it
-    without a spike or divergence."""
-    lr_cooldown_factor: float = 0.5
-    """After a rollback the LR is multiplied by this factor for ``lr_cooldown_steps`` steps (1 disables)."""
-    lr_cooldown_steps: int = 50
-    """Length of the LR cool-down after a rollback, in steps (0 disables)."""
-    plot_at_end: bool = True
-    """Rank 0 draws loss, gradient norm and events into a PNG in the run directory (and MLflow) at the end."""
 
 
 @dataclass(kw_only=True)

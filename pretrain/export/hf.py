@@ -14,14 +14,13 @@ Export (``./launch.sh export RUN_ID_OR_CHECKPOINT --out DIR [--step N] [--regist
 6. ``--register NAME``: a new version in the MLflow Model Registry whose source is the exported
    directory (no weights go through MLflow), linked to the run, tagged with step and checkpoint.
 
-Import: :func:`import_hf` turns an HF directory of a supported family back into our config fields and
+Import (:mod:`pretrain.export.hf_import`): :func:`import_hf` turns an HF directory of a supported family back into our config fields and
 state dict (export -> import -> export is bitwise lossless).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -33,8 +32,10 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
-from pretrain.export.families import FAMILIES, FAMILY_BY_MODEL_TYPE, Family, StateDict, find_family, invert_rules
+from pretrain.export.families import StateDict, find_family
 from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
+from pretrain.export.hf_import import (  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
+    REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict)
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
 
@@ -42,7 +43,6 @@ PARITY_TOLERANCE = 1e-4
 METADATA_FILE = "pretrain_export.json"
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_code"
 REMOTE_MODULE = "modeling_pretrain"
-REMOTE_MODEL_TYPE = "pretrain_transformer"
 REMOTE_CLASSES = {"decoder": "PretrainTransformerForCausalLM", "encoder": "PretrainTransformerForMaskedLM"}
 
 # Texts whose ids must be identical under the training tokenizer and the exported one.
@@ -345,121 +345,6 @@ def register_model(name: str, out: Path, *, run_id: str | None, step: int, check
     mv = client.create_model_version(name, source=Path(out).resolve().as_uri(), run_id=run_id, tags=tags,
                                      description=f"{hf_class} export of step {step} ({checkpoint})")
     return int(mv.version)
-
-
-# ----------------------------------------------------------------------------------------------
-# Import
-# ----------------------------------------------------------------------------------------------
-
-
-def read_hf_state_dict(hf_dir: Path) -> StateDict:
-    """All tensors of an HF directory: (sharded) safetensors, else (sharded) ``pytorch_model.bin``."""
-    from safetensors.torch import load_file
-
-    hf_dir = Path(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: StateDict = {}
-        for f in files:
-            out.update(load_file(str(hf_dir / f)))
-        return out
-    if (hf_dir / "model.safetensors").is_file():
-        return load_file(str(hf_dir / "model.safetensors"))
-    bins = sorted(hf_dir.glob("pytorch_model*.bin"))
-    if bins:
-        out = {}
-        for f in bins:
-            out.update(torch.load(f, map_location="cpu", weights_only=True))
-        return out
-    raise ValueError(f"{hf_dir}: no model.safetensors[.index.json] or pytorch_model.bin")
-
-
-def _normalize_hf_keys(hf_sd: StateDict, family: Family) -> StateDict:
-    """Old BERT checkpoints name LayerNorm parameters gamma/beta; base-model checkpoints lack the prefix."""
-    out = {}
-    for k, v in hf_sd.items():
-        k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        out[k] = v
-    prefix = {"llama": "model.", "gpt2": "transformer.", "bert": "bert."}[family.name]
-    if not any(k.startswith(prefix) for k in out):
-        out = {(k if k.startswith(("lm_head.", "cls.")) else prefix + k): v for k, v in out.items()}
-    return out
-
-
-def _complete_biases(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, ModelConfig]:
-    """All-zero biases -> ``bias=False`` (dropped); otherwise ``bias=True`` and missing biases are zeros."""
-    biases = [k for k in sd if k.endswith(".bias")]
-    if biases and all(not torch.any(sd[k] != 0) for k in biases):
-        return {k: v for k, v in sd.items() if not k.endswith(".bias")}, dataclasses.replace(cfg, bias=False)
-    if not biases:
-        return sd, dataclasses.replace(cfg, bias=False)
-    cfg = dataclasses.replace(cfg, bias=True)
-    with torch.device("meta"):
-        expected = Transformer(cfg).state_dict()
-    out = dict(sd)
-    for k, v in expected.items():
-        if k not in out and k.endswith(".bias"):
-            out[k] = torch.zeros(v.shape, dtype=torch.float32)  # e.g. GPT-2's bias-free LM head
-    return out, cfg
-
-
-def import_hf(hf_dir: str | Path, max_seq_len: int | None = None) -> tuple[dict[str, Any], StateDict]:
-    """(our ModelConfig fields, our state dict) from an HF directory of a supported family.
-
-    Supported: ``llama`` (LlamaForCausalLM), ``gpt2`` (GPT2LMHeadModel, exact-GELU only), ``bert``
-    (BertForMaskedLM), and our own ``pretrain_transformer`` remote-code exports. ``max_seq_len`` (e.g.
-    the run's sequence length) replaces the HF maximum: rotary models just take it, learned position
-    tables keep their first ``max_seq_len`` rows. Raises ValueError for anything not exactly
-    representable.
-    """
-    hf_dir = Path(hf_dir).expanduser()
-    cfg_file = hf_dir / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{hf_dir}: not a Hugging Face model directory (no config.json)")
-    hf = json.loads(cfg_file.read_text())
-    model_type = hf.get("model_type")
-    if model_type == "mixtral" or hf.get("moe_num_experts"):
-        raise ValueError(f"{hf_dir}: importing Mixture-of-Experts models (model.init_from_hf, eval of an HF "
-                         f"directory through our model) is not supported; export and eval of MoE checkpoints are")
-    hf_sd = read_hf_state_dict(hf_dir)
-    if model_type == REMOTE_MODEL_TYPE:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        cfg = ModelConfig(**{k: v for k, v in hf.items() if k in fields and k != "init_from_hf"})
-        sd = {k: v for k, v in hf_sd.items()}
-        if cfg.tie_embeddings:
-            sd["lm_head.weight"] = sd["embed_tokens.weight"]
-    else:
-        family = FAMILY_BY_MODEL_TYPE.get(model_type)
-        if family is None:
-            known = ", ".join([f.model_type for f in FAMILIES] + [REMOTE_MODEL_TYPE])
-            raise ValueError(f"{hf_dir}: model_type {model_type!r} is not supported for import (supported: {known})")
-        cfg = ModelConfig(**family.config_from_hf(hf))
-        sd, consts = invert_rules(_normalize_hf_keys(hf_sd, family), family.rules(cfg), cfg)
-        sd = family.absorb_consts(sd, consts)
-        sd, cfg = _complete_biases(sd, cfg)
-    if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
-        if cfg.position == "learned":
-            if max_seq_len > cfg.max_seq_len:
-                raise ValueError(f"max_seq_len {max_seq_len} exceeds the {cfg.max_seq_len} learned positions of {hf_dir}")
-            sd["embed_positions.weight"] = sd["embed_positions.weight"][:max_seq_len].contiguous()
-        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
-    cfg = dataclasses.replace(cfg, vocab_multiple=1)
-    with torch.device("meta"):
-        expected = set(Transformer(cfg).state_dict())
-    if set(sd) != expected:
-        raise ValueError(f"{hf_dir}: weights do not match the architecture (missing {sorted(expected - set(sd))[:5]}, "
-                         f"unexpected {sorted(set(sd) - expected)[:5]})")
-    return to_dict(cfg), {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
-
-
-def model_config_from_hf(hf_dir: str | Path, base: ModelConfig,
-                         max_seq_len: int | None = None) -> tuple[ModelConfig, StateDict]:
-    """For ``model.init_from_hf``: the architecture of ``hf_dir`` with the training choices of ``base``
-    (dropout, attention_dropout, init_std, init_from_hf) and its weights."""
-    fields, sd = import_hf(hf_dir, max_seq_len=max_seq_len)
-    keep = {k: getattr(base, k) for k in ("dropout", "attention_dropout", "init_std", "init_from_hf")}
-    return ModelConfig(**{**fields, **keep}), sd
 
 
 # ----------------------------------------------------------------------------------------------
