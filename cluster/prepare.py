@@ -214,7 +214,9 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         ckpt = latest_committed(root)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
-        verify_or_point_back(ckpt)  # here, before Ray: a damaged one names the newest that verifies
+        # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
+        # a damaged one names the newest that verifies.
+        verify_or_point_back(ckpt, full=False)
         cfg = resolve_paths(read_config(ckpt, overrides))
         cfg.validate()
         preflight(cfg)
@@ -222,7 +224,7 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
         return Job(config=to_dict(cfg), run_id=target, run_dir=str(root),
                    tracking_uri=uri if cfg.tracking.enabled else "")
-    ckpt = resolve(path)
+    ckpt = resolve(path, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)
     job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)})

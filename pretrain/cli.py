@@ -10,6 +10,8 @@
                                                   at rates 0, 0.25, 0.5
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
+    verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
+                                                  bad file); a run: its latest committed checkpoint
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
     prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
     grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
@@ -214,6 +216,26 @@ def cmd_export(args: list[str]) -> int:
     return export_main(args)
 
 
+def cmd_verify(args: list[str]) -> int:
+    """Full check of a checkpoint: every file's size and sha256 against its manifest (a resume hashes only what
+    each rank loads; this reads everything). A run id or run directory checks its latest committed checkpoint."""
+    from pretrain.checkpoint import latest_committed, open_committed, store
+    from pretrain.train import tracking
+
+    if len(args) != 1:
+        raise ConfigError("verify: give one run id or checkpoint directory")
+    path = Path(args[0])
+    if not path.exists():
+        path = tracking.run_checkpoint_root(tracking.tracking_uri(), args[0])
+    ckpt = open_committed(path) if store.is_checkpoint_dir(path) else latest_committed(path)
+    if ckpt is None:
+        raise ConfigError(f"verify: no committed checkpoint in {path}")
+    store.verify_or_point_back(ckpt)
+    m = ckpt.manifest
+    print(f"verify: OK {ckpt.path} (step {m.step}, {len(m.files)} files, {m.total_bytes / 1e6:.1f} MB)")
+    return 0
+
+
 def cmd_eval(args: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -278,7 +300,7 @@ def cmd_stop(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow, "anneal": cmd_anneal,
+            "export": cmd_export, "verify": cmd_verify, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow, "anneal": cmd_anneal,
             "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
             "logs": cmd_logs, "stop": cmd_stop}
 

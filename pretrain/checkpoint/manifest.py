@@ -18,7 +18,8 @@ FORMATS = (FORMAT_DEEPSPEED, FORMAT_FULL)
 
 @dataclass
 class FileEntry:
-    bytes: int
+    bytes: int | None
+    """Size; None in a manifest that did not record it (checked for presence only)."""
     sha256: str
 
 
@@ -49,7 +50,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.bytes for f in self.files.values())
+        return sum(f.bytes or 0 for f in self.files.values())
 
     @property
     def global_sequences(self) -> int:
@@ -72,6 +73,6 @@ class Manifest:
                 kwargs[name] = int(kwargs[name] or 0)
         if kwargs.get("format", FORMAT_DEEPSPEED) not in FORMATS:
             raise ValueError(f"unknown checkpoint format {kwargs['format']!r} (known: {', '.join(FORMATS)})")
-        files = {str(k): FileEntry(int(v["bytes"]), str(v["sha256"])) for k, v in (raw.get("files") or {}).items()}
+        files = {str(k): FileEntry(None if v.get("bytes") is None else int(v["bytes"]), str(v["sha256"])) for k, v in (raw.get("files") or {}).items()}
         extra = {k: v for k, v in raw.items() if k not in known and k != "files"}
         return cls(**kwargs, files=files, extra=extra)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -67,6 +68,17 @@ def hash_files(root: Path, paths: list[Path] | None = None) -> dict[str, FileEnt
     return entries
 
 
+def merge_digests(parts: list[dict[str, FileEntry]]) -> dict[str, FileEntry]:
+    """One entry per file from every rank's :func:`hash_files` (a file claimed by two ranks is a writer bug)."""
+    merged: dict[str, FileEntry] = {}
+    for part in parts:
+        twice = merged.keys() & part.keys()
+        if twice:
+            raise CheckpointError(f"files hashed by two ranks: {', '.join(sorted(twice))}")
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
 def missing_parts(stage: Path, manifest: Manifest) -> list[str]:
     """What a complete checkpoint of ``manifest.world_size`` ranks and ``manifest.format`` lacks in ``stage``."""
     missing = [layout.data_file(r) for r in range(manifest.world_size) if not (stage / layout.data_file(r)).is_file()]
@@ -80,11 +92,17 @@ def missing_parts(stage: Path, manifest: Manifest) -> list[str]:
 
 def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, FileEntry] | None = None) -> Path:
     """Commit a fully written ``stage`` as the checkpoint of ``manifest.step`` (one process, after every writer
-    finished): check completeness, checksum (unless ``files`` already holds every file's entry), fsync, write the
-    manifest last and rename the directory into place. Returns the committed path."""
+    finished): check completeness, checksum (unless ``files`` already holds every file's entry: the writers' own
+    digests, so the committing process reads no file), fsync, write the manifest last and rename the directory
+    into place. Returns the committed path."""
     missing = missing_parts(stage, manifest)
     if missing:
         raise CheckpointError(f"{stage}: incomplete checkpoint, missing {', '.join(missing)}")
+    if files is not None:  # names only (no file is read): every file written must have been hashed by its writer
+        unhashed = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()
+                          if p.relative_to(stage).as_posix() not in files)
+        if unhashed:
+            raise CheckpointError(f"{stage}: files no rank hashed: {', '.join(unhashed)}")
     manifest.files = files if files is not None else hash_files(stage)
     for d in sorted({p.parent for p in stage.rglob("*")} | {stage}):
         fsync_dir(d)
@@ -129,32 +147,64 @@ def open_committed(path: Path) -> CommittedCheckpoint:
     return CommittedCheckpoint(path, manifest.step, manifest)
 
 
-def verify(path: Path, manifest: Manifest | None = None) -> None:
-    """Check every file listed in the manifest exists with the recorded size and checksum."""
-    manifest = manifest or read_manifest(path)
+def check_present(path: Path, manifest: Manifest, only: set[str] | None = None) -> None:
+    """Every file listed in the manifest (or its subset ``only``) exists with the recorded size (no file is read;
+    old manifests without a size are checked for presence)."""
     for rel, meta in manifest.files.items():
+        if only is not None and rel not in only:
+            continue
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"{path}: missing file {rel}")
-        if f.stat().st_size != meta.bytes or sha256_file(f) != meta.sha256:
+        if meta.bytes is not None and f.stat().st_size != meta.bytes:
+            raise CheckpointError(f"{path}: size mismatch for {rel} ({f.stat().st_size} bytes, manifest says "
+                                  f"{meta.bytes})")
+
+
+def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None = None) -> None:
+    """Check every file listed in the manifest (or its subset ``only``) exists with the recorded size and
+    checksum; the error names the first bad file."""
+    manifest = manifest or read_manifest(path)
+    check_present(path, manifest, only)
+    for rel, meta in manifest.files.items():
+        if (only is None or rel in only) and sha256_file(path / rel) != meta.sha256:
             raise CheckpointError(f"{path}: checksum mismatch for {rel}")
 
 
-def verify_or_point_back(ckpt: CommittedCheckpoint) -> None:
-    """:func:`verify` ``ckpt``; when it fails, the error also names the newest older checkpoint of the same run
-    directory that verifies, and how to resume from it (a new run starting from that checkpoint)."""
+def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True) -> None:
+    """:func:`verify` ``ckpt`` (``full=False``: :func:`check_present` only, reading no file: the driver's early
+    check, the ranks verify checksums of what they load); when it fails, the error also names the newest older
+    checkpoint of the same run directory that verifies (at the same level), and how to resume from it (a new run
+    starting from that checkpoint)."""
+    check = verify if full else check_present
     try:
-        verify(ckpt.path, ckpt.manifest)
+        check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
         older = [c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]
         for candidate in reversed(older):
             try:
-                verify(candidate.path, candidate.manifest)
+                check(candidate.path, candidate.manifest)
             except CheckpointError:
                 continue
             raise CheckpointError(f"{e}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
                                   f"with ./launch.sh resume {candidate.path}") from None
         raise CheckpointError(f"{e}; no older checkpoint of this run verifies") from None
+
+
+_RANK_FILE = re.compile(r"(?:^|/)(?:\w*_)?pp_rank_(\d+)_|(?:^|/)rank_(\d+)\.")
+
+
+def verifying_rank(rel: str, world_size: int) -> int:
+    """The rank that verifies file ``rel`` at resume: a per-rank file (its data position, RNG state, ZeRO
+    optimizer partition) the rank of its number (modulo ``world_size``: another worker count), every shared file
+    rank 0. Each file has one verifier, so a resume hashes each byte once."""
+    m = _RANK_FILE.search(rel)
+    return int(m.group(1) or m.group(2)) % world_size if m else 0
+
+
+def verify_share(path: Path, manifest: Manifest, rank: int, world_size: int) -> None:
+    """:func:`verify` the files of ``path`` that ``rank`` of ``world_size`` verifies (:func:`verifying_rank`)."""
+    verify(path, manifest, {rel for rel in manifest.files if verifying_rank(rel, world_size) == rank})
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -182,8 +232,9 @@ def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
     return found[-1] if found else None
 
 
-def resolve(path: Path) -> CommittedCheckpoint:
-    """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified."""
+def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
+    """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
+    presence and sizes only, see :func:`verify_or_point_back`)."""
     path = path.resolve()
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)
@@ -191,7 +242,7 @@ def resolve(path: Path) -> CommittedCheckpoint:
         ckpt = latest_committed(path)
         if ckpt is None:
             raise CheckpointError(f"{path}: no committed checkpoint found")
-    verify_or_point_back(ckpt)
+    verify_or_point_back(ckpt, full)
     return ckpt
 
 

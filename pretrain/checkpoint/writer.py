@@ -1,5 +1,5 @@
 """The collective checkpoint writer: every rank stages its files into one temporary directory, then one commit
-(rank 0: completeness, checksums, manifest, fsync, rename) makes the checkpoint visible, registers it (a callable,
+(rank 0: completeness, the checksums every rank computed of its own files, manifest, fsync, rename) makes the checkpoint visible, registers it (a callable,
 e.g. MLflow) and prunes old ones. ``stage`` -> ``write`` -> ``commit`` are separate calls so a caller can put
 work between them (an asynchronous save commits at a later step boundary); ``save`` runs all three.
 
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from pretrain.checkpoint import layout, store, weights
-from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
+from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, FileEntry, Manifest
 from pretrain.config import RunConfig, config_hash, dump_yaml
 
 RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
@@ -36,6 +36,9 @@ class World(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (on rank 0; other ranks may get anything)."""
+
 
 class LocalWorld:
     """A world of one process (the driver writing a derived run): no process group needed."""
@@ -48,12 +51,16 @@ class LocalWorld:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
 
 @dataclass
 class EngineState:
-    """Format ``deepspeed``: ``save(directory)`` writes this rank's engine state into ``directory`` (collective)."""
+    """Format ``deepspeed``: ``save(directory)`` writes this rank's engine state into ``directory`` (collective)
+    and returns the files this rank wrote there."""
 
-    save: Callable[[Path], None]
+    save: Callable[[Path], list[Path]]
 
 
 @dataclass
@@ -118,33 +125,43 @@ class CheckpointWriter:
         path.mkdir(parents=True, exist_ok=True)
         return Staged(path, step)
 
-    def write(self, staged: Staged, contents: Contents) -> None:
+    def write(self, staged: Staged, contents: Contents) -> dict[str, FileEntry]:
         """This rank's files: its data position and RNG state, its part of the model state, and on rank 0 the
-        config, trainer state and tokenizer."""
+        config, trainer state and tokenizer. Returns their sizes and checksums, hashed here right after writing
+        (every rank in parallel, each only its own files) for :meth:`commit`."""
         rank, stage = self.world.rank, staged.path
+        written: list[Path] = []
         if isinstance(contents.model, EngineState):
-            contents.model.save(weights.ds_engine_dir(stage))
+            written += contents.model.save(weights.ds_engine_dir(stage))
         elif rank == 0:
             weights.save_full_weights(stage, contents.model.weights)
+            written.append(stage / layout.WEIGHTS)
             if contents.model.moments is not None:
                 weights.save_optimizer_moments(stage, contents.model.moments)
+                written.append(stage / layout.OPTIMIZER)
         store.write_json(stage / layout.data_file(rank), contents.data_state)
         (stage / layout.rng_file(rank)).parent.mkdir(parents=True, exist_ok=True)
         torch.save(contents.rng_state, stage / layout.rng_file(rank))
+        written += [stage / layout.data_file(rank), stage / layout.rng_file(rank)]
         if rank == 0:
             (stage / layout.CONFIG).write_text(dump_yaml(contents.cfg))
             store.write_json(stage / layout.TRAINER_STATE, contents.trainer_state)
             shutil.copytree(contents.cfg.data.tokenizer, stage / layout.TOKENIZER)
+            written += [stage / layout.CONFIG, stage / layout.TRAINER_STATE]
+            written += [p for p in (stage / layout.TOKENIZER).rglob("*") if p.is_file()]
+        return store.hash_files(stage, written)
 
-    def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset()) -> Path:
-        """Make ``staged`` a committed checkpoint once every rank has written (collective). Rank 0 commits,
-        registers and prunes (never a path in ``protect``); every rank returns the committed path, or raises
-        the same :class:`store.CheckpointError`."""
-        self.world.barrier()
+    def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset(),
+               written: dict[str, FileEntry] | None = None) -> Path:
+        """Make ``staged`` a committed checkpoint once every rank has written (collective). Rank 0 gathers every
+        rank's ``written`` digests (from :meth:`write`) into the manifest, commits, registers and prunes (never a
+        path in ``protect``); every rank returns the committed path, or raises the same
+        :class:`store.CheckpointError`."""
+        parts = self.world.gather(written or {})
         final, error = None, None
         if self.world.rank == 0:
             try:
-                final = store.commit(staged.path, self.run_dir, manifest)
+                final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests(parts))
                 if self.register is not None:
                     self.register(final, manifest)
                 store.prune(self.run_dir, self.keep_last, protect)
@@ -158,6 +175,6 @@ class CheckpointWriter:
     def save(self, contents: Contents, protect: set[str] | frozenset[str] = frozenset()) -> Path:
         """Stage, write and commit ``contents`` (collective)."""
         staged = self.stage(int(contents.trainer_state["step"]))
-        self.write(staged, contents)
-        return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect)
+        written = self.write(staged, contents)
+        return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect, written)
 

@@ -32,6 +32,9 @@ class DistWorld:
     def broadcast(self, obj: Any) -> Any:
         return dist.broadcast_object(obj)
 
+    def gather(self, obj: Any) -> list[Any]:
+        return dist.gather_object(obj)
+
 
 class Checkpointer:
     """Writes committed checkpoints of this run (collective: every rank calls ``save``)."""

@@ -108,6 +108,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_object(obj, dst: int = 0) -> list:
+    """Every rank's ``obj`` in rank order on ``dst`` (other ranks get an empty list)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out or []
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -104,9 +104,25 @@ class TrainModule:
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         ds_adapter.load_partitioned_optimizer_state(opt, state, world)
 
-    def save(self, directory: Path) -> None:
-        """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective)."""
-        self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+    def save(self, directory: Path) -> list[Path]:
+        """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective).
+        Returns the files this rank wrote (for it to hash them itself): every file DeepSpeed's checkpoint engine
+        saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory."""
+        written: list[Path] = []
+        ds_save = self.engine.checkpoint_engine.save
+
+        def recording_save(state_dict, path, *args, **kwargs):
+            written.append(Path(path))
+            return ds_save(state_dict, path, *args, **kwargs)
+
+        self.engine.checkpoint_engine.save = recording_save
+        try:
+            self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+        finally:
+            del self.engine.checkpoint_engine.save  # the class's method again
+        if self.engine.global_rank == 0:  # only rank 0 writes at the top of the DeepSpeed directory
+            written += [p for p in Path(directory).iterdir() if p.is_file()]
+        return written
 
     def load(self, directory: Path, universal: bool = False) -> None:
         """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""

@@ -19,18 +19,35 @@ from pretrain.train.trainer import TrainerState
 
 
 def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> CommittedCheckpoint | None:
-    """The run's latest committed checkpoint, else ``checkpoint.resume_from``; verified (checksums, layout).
+    """The run's latest committed checkpoint, else ``checkpoint.resume_from``; verified (layout; file presence and
+    sizes; checksums with every rank hashing its share of the files in parallel, see :func:`verify_in_parallel`).
     Rank 0 first removes leftovers of interrupted saves."""
     if ctx.is_main:
         store.cleanup_staging(run_dir)
     dist.barrier()
     resume = store.latest_committed(run_dir)
     if resume is None and cfg.checkpoint.resume_from:
-        resume = store.resolve(Path(cfg.checkpoint.resume_from))
+        resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
     if resume is not None:
-        store.verify_or_point_back(resume)
+        store.verify_or_point_back(resume, full=False)
         check_expert_layout(resume, cfg, ctx.world_size)
+        verify_in_parallel(resume, ctx)
     return resume
+
+
+def verify_in_parallel(ckpt: CommittedCheckpoint, ctx: dist.DistContext) -> None:
+    """Every rank hashes its share of the checkpoint's files (:func:`store.verifying_rank`: its own per-rank files,
+    rank 0 the shared ones), in parallel; all ranks then raise the same one-line error naming the first bad file,
+    or none, before anything is loaded (a rank may load a file another rank verified)."""
+    try:
+        store.verify_share(ckpt.path, ckpt.manifest, ctx.rank, ctx.world_size)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in dist.gather_object(error) if e]
+    error = dist.broadcast_object(errors[0] if errors else None)
+    if error:
+        raise CheckpointError(error)
 
 
 def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunConfig:
