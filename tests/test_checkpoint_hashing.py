@@ -154,5 +154,5 @@ def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
     rel = "trainer_state.json"
     with open(ckpt / rel, "a") as f:
         f.write(" ")
-    with pytest.raises(store.CheckpointError, match=f"size mismatch for {rel}"):
+    with pytest.raises(store.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
         store.resolve(ckpt, full=False)

@@ -157,8 +157,7 @@ def check_present(path: Path, manifest: Manifest, only: set[str] | None = None) 
         if not f.is_file():
             raise CheckpointError(f"{path}: missing file {rel}")
         if meta.bytes is not None and f.stat().st_size != meta.bytes:
-            raise CheckpointError(f"{path}: size mismatch for {rel} ({f.stat().st_size} bytes, manifest says "
-                                  f"{meta.bytes})")
+            raise CheckpointError(f"{path}: checksum mismatch for {rel}")  # today's wording: a size is a checksum
 
 
 def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None = None) -> None:
