@@ -156,3 +156,20 @@ def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
         f.write(" ")
     with pytest.raises(store.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
         store.resolve(ckpt, full=False)
+
+
+@pytest.mark.slow
+def test_resume_finds_a_flipped_byte_in_the_worker(tmp_path):
+    """Same size, other bytes: the driver's presence/size check passes it, the rank that loads the file finds it:
+    one line, exit 2, naming the file."""
+    ckpt = shutil.copytree(OLD, tmp_path / "old" / OLD.name)
+    rel = "rng/rank_0.pt"
+    data = bytearray((ckpt / rel).read_bytes())
+    data[-1] ^= 0xFF
+    (ckpt / rel).write_bytes(bytes(data))
+    proc = subprocess.run([PYTHON, "-m", "pretrain", "resume", str(ckpt), "train.max_steps=4",
+                           f"checkpoint.dir={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"],
+                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [f"error: {ckpt}: checksum mismatch for {rel}"], proc.stderr[-3000:]
