@@ -30,7 +30,7 @@ def _client(uri: str):
 
 def _dataset(src: SourceConfig, cfg: RunConfig):
     """The MLflow dataset of one source (resolved as training resolves it)."""
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.dataset_source_registry import get_registered_sources
     from mlflow.data.http_dataset_source import HTTPDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
@@ -47,7 +47,10 @@ def _dataset(src: SourceConfig, cfg: RunConfig):
             st = Path(f).stat()
             h.update(f"{Path(f).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         root = resolved.files[0] if len(resolved.files) == 1 else os.path.commonpath(resolved.files)
-        source = resolve_dataset_source(str(Path(root).resolve()))
+        # MLflow registers its local-file source twice (schemes '' and 'file'): resolving a path warns that it
+        # "can be interpreted in multiple ways" on stderr. Both are the same class of source; take the first.
+        local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+        source = local(str(Path(root).resolve()))
     return MetaDataset(source, name=source_name(src.path, src.name), digest=h.hexdigest()[:12])
 
 
