@@ -13,8 +13,10 @@ holds DeepSpeed objects can use it: it sits in the lowest tier of ``.importlinte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -187,6 +189,36 @@ def checkpoint_safe_globals() -> list:
     """The classes of :data:`CHECKPOINT_GLOBALS`, for ``torch.serialization.safe_globals`` around a
     ``torch.load(..., weights_only=True)`` of a DeepSpeed checkpoint file."""
     return [getattr(importlib.import_module(mod), name) for mod, name in CHECKPOINT_GLOBALS]
+
+
+_RANK_STATE_FILE = re.compile(r"(?:^|/)(?:\w*_)?pp_rank_(\d+)_")
+
+
+def rank_of_state_file(rel: str) -> int | None:
+    """The data-parallel rank whose partition a DeepSpeed checkpoint file holds (0.19 names them
+    ``[bf16_]zero_pp_rank_R_mp_rank_00_{optim,model}_states.pt``), or None for a shared file."""
+    m = _RANK_STATE_FILE.search(rel)
+    return int(m.group(1)) if m else None
+
+
+@contextlib.contextmanager
+def recording_checkpoint_files(engine):
+    """Within the block, every file the engine's checkpoint engine saves is appended to the yielded list (so the
+    rank that wrote a file can hash it itself). Wraps ``engine.checkpoint_engine.save`` (0.19: every model,
+    optimizer and expert file of ``save_checkpoint`` goes through it) on the instance, restored afterwards."""
+    written: list[Path] = []
+    ckpt_engine = engine.checkpoint_engine
+    ds_save = ckpt_engine.save
+
+    def recording_save(state_dict, path, *args, **kwargs):
+        written.append(Path(path))
+        return ds_save(state_dict, path, *args, **kwargs)
+
+    ckpt_engine.save = recording_save
+    try:
+        yield written
+    finally:
+        del ckpt_engine.save  # the class's method again
 
 
 def use_weights_only_loading(engine) -> None:

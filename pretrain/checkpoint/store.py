@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
 
@@ -190,7 +191,7 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True) -> None:
         raise CheckpointError(f"{e}; no older checkpoint of this run verifies") from None
 
 
-_RANK_FILE = re.compile(r"(?:^|/)(?:\w*_)?pp_rank_(\d+)_|(?:^|/)rank_(\d+)\.")
+_RANK_FILE = re.compile(r"(?:^|/)rank_(\d+)\.")  # ours: data/rank_R.json, rng/rank_R.pt
 
 
 def verifying_rank(rel: str, world_size: int) -> int:
@@ -198,7 +199,8 @@ def verifying_rank(rel: str, world_size: int) -> int:
     optimizer partition) the rank of its number (modulo ``world_size``: another worker count), every shared file
     rank 0. Each file has one verifier, so a resume hashes each byte once."""
     m = _RANK_FILE.search(rel)
-    return int(m.group(1) or m.group(2)) % world_size if m else 0
+    rank = int(m.group(1)) if m else ds_adapter.rank_of_state_file(rel)
+    return rank % world_size if rank is not None else 0
 
 
 def verify_share(path: Path, manifest: Manifest, rank: int, world_size: int) -> None:

@@ -108,18 +108,8 @@ class TrainModule:
         """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective).
         Returns the files this rank wrote (for it to hash them itself): every file DeepSpeed's checkpoint engine
         saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory."""
-        written: list[Path] = []
-        ds_save = self.engine.checkpoint_engine.save
-
-        def recording_save(state_dict, path, *args, **kwargs):
-            written.append(Path(path))
-            return ds_save(state_dict, path, *args, **kwargs)
-
-        self.engine.checkpoint_engine.save = recording_save
-        try:
+        with ds_adapter.recording_checkpoint_files(self.engine) as written:
             self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
-        finally:
-            del self.engine.checkpoint_engine.save  # the class's method again
         if self.engine.global_rank == 0:  # only rank 0 writes at the top of the DeepSpeed directory
             written += [p for p in Path(directory).iterdir() if p.is_file()]
         return written
