@@ -108,7 +108,8 @@ def test_each_rank_hashes_only_its_own_files(tmp_path):
     assert any("zero_pp_rank_1_" in rel for rel in results[1]["resumed"])
     # a flipped byte in rank 1's partition: found by rank 1, the same one-line error on both ranks
     (victim,) = [r for r in manifest if "zero_pp_rank_1_" in r]
-    assert results[0]["error"] == results[1]["error"] == f"{final}: checksum mismatch for {victim}"
+    assert results[0]["error"] == results[1]["error"] == (f"{final}: checksum mismatch for {victim}; "
+                                                          "no older checkpoint of this run verifies")
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -172,4 +173,5 @@ def test_resume_finds_a_flipped_byte_in_the_worker(tmp_path):
                           cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert errors == [f"error: {ckpt}: checksum mismatch for {rel}"], proc.stderr[-3000:]
+    assert errors == [f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"], \
+        proc.stderr[-3000:]

@@ -180,15 +180,21 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True) -> None:
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
-        older = [c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]
-        for candidate in reversed(older):
-            try:
-                check(candidate.path, candidate.manifest)
-            except CheckpointError:
-                continue
-            raise CheckpointError(f"{e}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
-                                  f"with ./launch.sh resume {candidate.path}") from None
-        raise CheckpointError(f"{e}; no older checkpoint of this run verifies") from None
+        raise CheckpointError(point_back(ckpt, str(e), full)) from None
+
+
+def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
+    """``error`` (about ``ckpt``) followed by the newest older checkpoint of the same run directory that verifies
+    (``full``: every checksum; else presence and sizes) and how to resume from it."""
+    check = verify if full else check_present
+    for candidate in reversed([c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]):
+        try:
+            check(candidate.path, candidate.manifest)
+        except CheckpointError:
+            continue
+        return (f"{error}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
+                f"with ./launch.sh resume {candidate.path}")
+    return f"{error}; no older checkpoint of this run verifies"
 
 
 _RANK_FILE = re.compile(r"(?:^|/)rank_(\d+)\.")  # ours: data/rank_R.json, rng/rank_R.pt

@@ -45,7 +45,9 @@ def verify_in_parallel(ckpt: CommittedCheckpoint, ctx: dist.DistContext) -> None
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in dist.gather_object(error) if e]
-    error = dist.broadcast_object(errors[0] if errors else None)
+    # Rank 0 names the newest older checkpoint that verifies in full, as the driver's early check does for a
+    # missing or truncated file (a same-size corruption only shows here).
+    error = dist.broadcast_object(store.point_back(ckpt, errors[0]) if errors else None)
     if error:
         raise CheckpointError(error)
 
