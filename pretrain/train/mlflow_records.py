@@ -21,7 +21,8 @@ CONTEXT_TAG = "mlflow.data.context"
 EXPORT_DIR_TAG = "pretrain.export_dir"
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
+    """An MLflow client of ``uri`` (telemetry off unless the user turned it on)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
 
@@ -66,7 +67,7 @@ def log_datasets(uri: str, run_id: str, cfg: RunConfig) -> int:
                 tags.append(InputTag("val_holdout", f"{cfg.data.val_holdout:g}"))
             inputs.append(DatasetInput(_dataset(src, cfg)._to_mlflow_entity(), tags))
     if inputs:
-        _client(uri).log_inputs(run_id, datasets=inputs)
+        mlflow_client(uri).log_inputs(run_id, datasets=inputs)
     return len(inputs)
 
 
@@ -76,7 +77,7 @@ def log_exported_model(uri: str, run_id: str, out: Path, *, step: int, checkpoin
     from mlflow.models.utils import get_external_mlflow_model_spec
     from mlflow.utils.file_utils import TempDir
 
-    client = _client(uri)
+    client = mlflow_client(uri)
     run = client.get_run(run_id)
     out = Path(out).resolve()
     model = client.create_logged_model(

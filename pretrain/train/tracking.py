@@ -17,6 +17,8 @@ from typing import Any
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
+from pretrain.train.mlflow_records import mlflow_client as _client
+from pretrain.train.mlflow_records import log_datasets
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"
@@ -31,13 +33,6 @@ def tracking_uri() -> str:
     if uri:
         return uri
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
-
-
-def _client(uri: str):
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
 
 
 def _local_artifact_root(uri: str) -> str | None:
@@ -70,7 +65,6 @@ def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> s
     run = client.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.name,
                             tags={TAG_KIND: cfg.model.kind, **(tags or {})})
     log_config(uri, run.info.run_id, cfg)
-    from pretrain.train.mlflow_records import log_datasets
 
     log_datasets(uri, run.info.run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
     return run.info.run_id
