@@ -5,6 +5,7 @@ short real CPU run against a real local sqlite MLflow store (no mocks)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -207,3 +208,34 @@ def test_bad_task_values_are_one_line_config_errors(tmp_path):
         load_config(DEMO, ["eval.num_choices=1"])
     with pytest.raises(ConfigError, match="heldout_lastword needs held-out text"):
         load_config(DEMO, ["eval.tasks=[heldout_lastword]", "data.val_holdout=0"])
+
+
+def test_system_metrics_switch_logs_mlflows_own_samples(tmp_path, monkeypatch):
+    """``tracking.system_metrics``: the callback runs MLflow's own sampler for the run on rank 0, which logs
+    ``system/*`` metrics into a real sqlite store, and stops it at the end of the run."""
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from pretrain.train.monitors import SystemMetrics
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("sys", artifact_location=str(tmp_path / "art"))).info.run_id
+    trainer = SimpleNamespace(ctx=SimpleNamespace(is_main=True), state=SimpleNamespace(step=0),
+                              tracker=SimpleNamespace(enabled=True, run_id=run_id, uri=uri))
+    callback = SystemMetrics()
+    callback.on_run_start(trainer)
+    assert callback.monitor is not None
+    time.sleep(2.0)
+    callback.on_run_end(trainer, {})
+    assert callback.monitor is None
+    logged = set(client.get_run(run_id).data.metrics)
+    assert any(k.startswith("system/cpu") for k in logged), logged
+    assert any(k.startswith("system/system_memory") for k in logged), logged
+    # rank != 0 starts nothing
+    other = SystemMetrics()
+    other.on_run_start(SimpleNamespace(ctx=SimpleNamespace(is_main=False), tracker=trainer.tracker, state=trainer.state))
+    assert other.monitor is None

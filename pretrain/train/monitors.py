@@ -90,7 +90,7 @@ def peak_rss_gb() -> float:
 class MemoryMonitor(Callback):
     """Collective in ``extra_metrics`` (every rank logs the same steps)."""
 
-    order = 2  # after the profiler (1): it times the steps, we only read clocks
+    order = 2  # reads the allocator's / the process's peaks; resets them per logging interval
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -128,7 +128,7 @@ class MemoryMonitor(Callback):
 class SystemMetrics(Callback):
     """``tracking.system_metrics``: MLflow's own sampler (``system/*`` metrics) on rank 0 while the run trains."""
 
-    order = 2  # after the profiler (1): it times the steps, we only read clocks
+    order = 2  # a background sampler: starts before and stops after the steps, independent of their order
 
     def __init__(self) -> None:
         self.monitor: Any = None
