@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from tests.conftest import PYTHON, ROOT, cli_env
+from tests.test_cluster import _walk
 
 LOCKS = {"cpu": ROOT / "requirements.lock", "cuda": ROOT / "requirements-cuda.lock"}
 
@@ -155,14 +156,3 @@ def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
     assert "PYTHONPATH" not in yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
     doc = (ROOT / "docs" / "multi-node.md").read_text()
     assert "docker build -t REGISTRY/pretrain:VERSION ." in doc and "docker push REGISTRY/pretrain:VERSION" in doc
-
-
-def _walk(node):
-    if isinstance(node, dict):
-        yield node
-        for v in node.values():
-            yield from _walk(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _walk(v)
-
