@@ -72,9 +72,11 @@ def reference(tmp_path_factory):
     """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the e2e and multi-node
     tests reproduce (resumed, killed, elastic, spread over nodes)."""
     work = tmp_path_factory.mktemp("e2e")
-    from tests.test_train_e2e import CONFIG, TINY, _cli, _losses, _run_id
+    from tests.test_train_e2e import CONFIG, TASKS, TINY, _cli, _losses, _run_id
 
-    proc = _cli(work, "train", CONFIG, *TINY)
+    # with a downstream task (scored on both ranks at validation): the runs that reproduce it have none, so their
+    # equal losses also show that task evaluation leaves training untouched
+    proc = _cli(work, "train", CONFIG, *TINY, *TASKS)
     assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
     run_id = _run_id(proc.stdout)
     losses = _losses(work, run_id)

@@ -24,6 +24,8 @@ TINY = [
     "checkpoint.every_steps=2", "cluster.num_workers=2", "model.dropout=0.1", "train.decay=constant",
 ]
 
+TASKS = ["eval.tasks=[heldout_lastword]", "eval.max_examples=16"]
+
 
 def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
@@ -122,6 +124,23 @@ def test_elastic_resume_two_one_two_workers(reference):
     assert sorted(losses) == [5, 6, 7, 8]
     for s in losses:  # 1 worker accumulates 2 micro-batches where 2 workers all-reduce: same math, other order
         assert abs(losses[s] - ref[s]) < 1e-5, (s, losses[s], ref[s])
+
+
+def test_tasks_on_two_workers_match_offline_eval(reference):
+    """``eval.tasks`` in the 2-worker run (each rank scores its share of the examples, the counts are all-reduced)
+    gives what ``eval --tasks`` gives in one process on the same checkpoint."""
+    import json
+
+    from mlflow import MlflowClient
+
+    work, run_id = reference["work"], reference["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    in_loop = {m.step: m.value for m in client.get_metric_history(run_id, "eval/heldout_lastword/acc")}
+    assert sorted(in_loop) == [4, 8], in_loop
+    out = _cli(work, "eval", str(reference["run_dir"] / "step_00000008"), "--tasks", "heldout_lastword",
+               "--max-examples", "16", "--no-sample", "--json")
+    offline = json.loads(out.stdout)["tasks"]
+    assert offline == {"eval/heldout_lastword/acc": in_loop[8]}, (offline, in_loop)
 
 
 def test_bad_records_fail_policy_is_one_line(tmp_path):
