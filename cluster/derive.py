@@ -8,19 +8,24 @@ evaluates, resumes and exports like any other. ``prune`` keeps a subset of the b
 
 The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed
 engine on the driver; without optimizer moments the resumed run starts a fresh optimizer state, the reshaped model
-has other parameters); it resumes on any worker count and expert layout.
+has other parameters); it resumes on any worker count and expert layout. ``anneal`` (cluster/anneal.py) keeps the
+model, so its child carries the parent's engine state, AdamW moments included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cluster.prepare import create_run, resolve_paths
-from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+from pretrain.checkpoint import weights as ckpt_weights
+from pretrain.checkpoint import reader
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld
 from pretrain.config import ConfigError, RunConfig
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
@@ -29,17 +34,17 @@ from pretrain.train import tracking
 StateDict = dict[str, torch.Tensor]
 
 
-def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tags: dict[str, Any],
-               what: str, metrics: dict[str, float] | None = None,
-               moments: dict[str, Any] | None = None, grown: bool = False,
+def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, model: FullWeights | EngineState, tags: dict[str, Any],
+               what: str, metrics: dict[str, float] | None = None, grown: bool = False,
                data: dict | None = None) -> tuple[str, Path]:
-    """Write ``weights`` (a full state dict of ``cfg.model``) and, when given, ``moments`` (AdamW moments of those
-    weights by name, see ``pretrain/checkpoint/weights.py``) as the first checkpoint of a new run, child of the
-    parent's run, continuing the parent's step, tokens and data position. The checkpoint holds full weights:
-    written here without an engine, resumed on any worker count and expert layout. ``grown``: the checkpoint records
-    a growth at the parent's step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the
-    growth callback's state, as after an in-job growth). ``data``: another data position than the parent's (e.g.
-    fresh streams of another mixture). Returns (run id, path)."""
+    """Write ``model`` as the first checkpoint of a new run, child of the parent's run, continuing the parent's
+    step, tokens and data position: full weights of ``cfg.model`` (and, when given, AdamW moments of those weights
+    by name, see ``pretrain/checkpoint/weights.py``), written here without an engine and resumed on any worker count
+    and expert layout; or the parent's own engine state (:func:`parent_engine_state`: the model is unchanged), then
+    recorded as written by the parent's worker count. ``grown``: the checkpoint records a growth at the parent's
+    step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the growth callback's state,
+    as after an in-job growth). ``data``: another data position than the parent's (e.g. fresh streams of another
+    mixture). Returns (run id, path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
@@ -56,13 +61,38 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, weights: StateDict, tag
     if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
         applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
         state["callbacks"] = {"growth": {"applied": applied, "last_growth_step": state["step"]}}
-    writer = CheckpointWriter(run_dir, LocalWorld(), run_id, keep_last=cfg.checkpoint.keep_last,
+    world = LocalWorld()
+    if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
+        world.world_size = parent.ckpt.manifest.world_size
+    writer = CheckpointWriter(run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last,
                               register=tracker.register_checkpoint)
     data_state = data if data is not None else parent.data_position()
-    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state,
-                                model=FullWeights(weights, moments)))
+    rng = reader.read_rng_state(parent.ckpt.path, 0) or {"torch": torch.get_rng_state()}
+    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state, model=model, rng_state=rng))
     tracker.finish("FINISHED")
     return run_id, path
+
+
+def parent_engine_state(parent: LoadedCheckpoint) -> EngineState | FullWeights:
+    """The parent's model state unchanged, optimizer state included, for a child of the same model (``anneal``):
+    its DeepSpeed engine files hard-linked (a committed checkpoint is never modified; copied where the filesystem
+    cannot link), or its full weights with their AdamW moments."""
+    if reader.is_full_weights(parent.ckpt):
+        return FullWeights(ckpt_weights.load_full_weights(parent.ckpt.path),
+                           ckpt_weights.load_optimizer_moments(parent.ckpt.path))
+    src = ckpt_weights.ds_engine_dir(parent.ckpt.path)
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    def save(directory: Path) -> list[Path]:
+        shutil.copytree(src, directory, copy_function=link, dirs_exist_ok=True)
+        return [p for p in directory.rglob("*") if p.is_file()]
+
+    return EngineState(save)
 
 
 def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateDict]:
@@ -116,7 +146,7 @@ def prune(argv: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(f"prune layers: {e}") from None
     cfg, weights = pruned(parent, keep)
-    run_id, path = derive_run(parent, cfg, weights, {"prune.parent_run_id": parent.run_id or "",
+    run_id, path = derive_run(parent, cfg, FullWeights(weights), {"prune.parent_run_id": parent.run_id or "",
                                                      "prune.parent_step": parent.ckpt.step,
                                                      "prune.layers": ",".join(map(str, keep))}, "prune")
     print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
@@ -201,7 +231,7 @@ def grow(argv: list[str]) -> int:
     rel = check_growth_loss(before, after, exact=grown.exact and entry.noise == 0,
                             tolerance=cfg.growth.check_tolerance, operator=grown.operator, at_step=parent.ckpt.step)
     print(f"[grow] {grown.operator}: held-back loss (fp32) {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
-    run_id, path = derive_run(parent, new_cfg, grown.state,
+    run_id, path = derive_run(parent, new_cfg, FullWeights(grown.state),
                               {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
                                "growth.operator": grown.operator}, "growth",
                               metrics={"growth/loss_before": before, "growth/loss_after": after}, grown=True)

@@ -27,10 +27,10 @@ def test_annealed_schedule_decays_from_the_checkpoint_lr_to_the_floor():
     lrs = [lr_at(s, t) for s in range(400, 450)]
     assert lrs[0] == pytest.approx(1e-2 - 0.9e-2 / 50) and lrs[-1] == pytest.approx(1e-3)
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
-    # from a point of a cosine run: from that run's LR at the step, to the same absolute floor
+    # from a point of a cosine run: from the LR of the checkpoint's last step (49), to the same absolute floor
     cos = load_config(None, TINY + ["train.max_steps=100"])
     t = annealed_config(cos, 50, 10).train
-    assert t.lr == pytest.approx(lr_at(50, cos.train)) and lr_at(59, t) == pytest.approx(1e-3)
+    assert t.lr == pytest.approx(lr_at(49, cos.train)) and lr_at(59, t) == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -50,7 +50,8 @@ def test_bad_anneal_arguments_are_one_line(args, message):
 def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
     """A WSD run (stable after a 2-step warm-up), annealed from its step-4 checkpoint over 3 steps with a config
     override: a child MLflow run with lineage tags whose LR falls from the peak to the floor, carrying the
-    parent's data position; it trains (resume), evaluates lower than the parent's checkpoint and exports."""
+    parent's data position; it trains (resume) and exports. A second child, annealed where the parent's own decay
+    starts, retraces the parent's losses: the optimizer state is carried, not restarted."""
     from mlflow import MlflowClient
 
     def cli(*args, code=0):
@@ -59,8 +60,8 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
         assert proc.returncode == code, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 
-    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *TINY, "train.max_steps=8",
-              "train.decay=wsd", "train.decay_steps=2")
+    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *TINY, "train.max_steps=10",
+              "train.decay=wsd", "train.decay_steps=4")
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
     err = cli("anneal", parent, "steps=3", "step=4", "train.decay_shape=sqrt", code=2)
     assert "train.decay_shape: expected one of linear, cosine, 1-sqrt" in err and "Traceback" not in err
@@ -80,3 +81,16 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
     assert parent_lr[5] == parent_lr[6] == pytest.approx(1e-2), "the parent's stable phase"
     report = cli("export", child, "--out", str(tmp_path / "hf"))
     assert "parity" in report
+
+    # the child continues the parent's optimization (weights, AdamW moments and step, data position): annealed at
+    # the start of the parent's own decay over its length, it retraces the parent (the floor LR is recomputed from
+    # the checkpoint's LR: an ulp apart at most)
+    err = cli("anneal", parent, "steps=4", "step=6", "model.hidden_size=64", code=2)
+    assert "anneal: model cannot change" in err and "Traceback" not in err
+    out = cli("anneal", parent, "steps=4", "step=6")
+    twin = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[anneal] new run"))
+    cli("resume", twin)
+    ref = {x.step: x.value for x in client.get_metric_history(parent, "train/loss")}
+    got = {x.step: x.value for x in client.get_metric_history(twin, "train/loss")}
+    assert sorted(got) == [7, 8, 9, 10]
+    assert all(abs(got[s] - ref[s]) <= 1e-6 * ref[s] for s in got), ({s: ref[s] for s in got}, got)
