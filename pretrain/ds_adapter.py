@@ -221,6 +221,31 @@ def recording_checkpoint_files(engine):
         del ckpt_engine.save  # the class's method again
 
 
+@contextlib.contextmanager
+def capturing_checkpoint_files(engine, host_copy: Callable[[Any], Any]):
+    """Within the block, the engine's checkpoint engine writes nothing: every file it would save is appended to
+    the yielded list as ``(path, host_copy(state_dict), write)``, and ``write(state, path)`` (the engine's own
+    save: ``torch.save`` with its serialization setting) writes it later, e.g. from a background thread. 0.19's
+    ``save_checkpoint`` passes every model, optimizer and expert file through ``checkpoint_engine.save`` (its
+    collectives and directory creation still run here; only rank 0's recovery scripts are copied directly, at
+    once); ZeRO's ``optimizer.state_dict()`` holds the live tensors, which is why ``host_copy`` copies them."""
+    captured: list[tuple[Path, Any, Callable[[Any, Path], None]]] = []
+    ckpt_engine = engine.checkpoint_engine
+    ds_save = ckpt_engine.save
+
+    def write(state: Any, path: Path) -> None:
+        ds_save(state, str(path))
+
+    def capture(state_dict, path, *args, **kwargs):
+        captured.append((Path(path), host_copy(state_dict), write))
+
+    ckpt_engine.save = capture
+    try:
+        yield captured
+    finally:
+        del ckpt_engine.save  # the class's method again
+
+
 def use_weights_only_loading(engine) -> None:
     """Make the engine unpickle its checkpoint files with ``weights_only=True`` and the allowlist of
     :func:`checkpoint_safe_globals` (0.19's ``TorchCheckpointEngine.load`` uses ``weights_only=False``), so a

@@ -1,7 +1,9 @@
 """The collective checkpoint writer: every rank stages its files into one temporary directory, then one commit
 (rank 0: completeness, the checksums every rank computed of its own files, manifest, fsync, rename) makes the checkpoint visible, registers it (a callable,
 e.g. MLflow) and prunes old ones. ``stage`` -> ``write`` -> ``commit`` are separate calls so a caller can put
-work between them (an asynchronous save commits at a later step boundary); ``save`` runs all three.
+work between them: an asynchronous save takes a :meth:`CheckpointWriter.snapshot` (host memory) instead of
+``write``, writes it in a background thread (``snapshot.py``) and commits at a later step boundary; ``save``
+runs all three at once.
 
 The model state is written either by a callable (a DeepSpeed engine's own save, per rank: format ``deepspeed``) or
 as full weights plus optional optimizer moments (format ``full``, rank 0 only), which needs no engine: derived runs
@@ -13,6 +15,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +23,7 @@ import torch
 
 from pretrain.checkpoint import layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, FileEntry, Manifest
+from pretrain.checkpoint.snapshot import FileJob, HostCopy, Snapshot
 from pretrain.config import RunConfig, config_hash, dump_yaml
 
 RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
@@ -58,9 +62,12 @@ class LocalWorld:
 @dataclass
 class EngineState:
     """Format ``deepspeed``: ``save(directory)`` writes this rank's engine state into ``directory`` (collective)
-    and returns the files this rank wrote there."""
+    and returns the files this rank wrote there; ``snapshot(directory, host_copy)`` (for an asynchronous save)
+    holds the same files in host memory instead: it returns the files written at once and the jobs that write
+    the others later."""
 
     save: Callable[[Path], list[Path]]
+    snapshot: Callable[[Path, HostCopy], tuple[list[Path], list[FileJob]]] | None = None
 
 
 @dataclass
@@ -129,42 +136,64 @@ class CheckpointWriter:
         """This rank's files: its data position and RNG state, its part of the model state, and on rank 0 the
         config, trainer state and tokenizer. Returns their sizes and checksums, hashed here right after writing
         (every rank in parallel, each only its own files) for :meth:`commit`."""
-        rank, stage = self.world.rank, staged.path
-        written: list[Path] = []
-        if isinstance(contents.model, EngineState):
-            written += contents.model.save(weights.ds_engine_dir(stage))
+        return self.snapshot(staged, contents, in_memory=False).write()
+
+    def snapshot(self, staged: Staged, contents: Contents, in_memory: bool = True) -> Snapshot:
+        """:meth:`write`'s files as a :class:`Snapshot` (collective): with ``in_memory``, the model state is
+        copied to host memory (``EngineState.snapshot``; full weights copied), to be written by
+        :meth:`Snapshot.write` later, e.g. in a :class:`BackgroundWrite`; otherwise it is written now. Every
+        other file's content is fixed here too (copied or serialized), so the caller may go on training."""
+        rank, stage, model = self.world.rank, staged.path, contents.model
+        host_copy = HostCopy()
+        snap = Snapshot(stage)
+        if isinstance(model, EngineState):
+            if in_memory and model.snapshot is not None:
+                written, jobs = model.snapshot(weights.ds_engine_dir(stage), host_copy)
+                snap.written += written
+                snap.jobs += jobs
+            else:
+                snap.written += model.save(weights.ds_engine_dir(stage))
         elif rank == 0:
-            weights.save_full_weights(stage, contents.model.weights)
-            written.append(stage / layout.WEIGHTS)
-            if contents.model.moments is not None:
-                weights.save_optimizer_moments(stage, contents.model.moments)
-                written.append(stage / layout.OPTIMIZER)
-        store.write_json(stage / layout.data_file(rank), contents.data_state)
-        (stage / layout.rng_file(rank)).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(contents.rng_state, stage / layout.rng_file(rank))
-        written += [stage / layout.data_file(rank), stage / layout.rng_file(rank)]
+            full = host_copy(model.weights) if in_memory else model.weights
+            snap.jobs.append(FileJob([stage / layout.WEIGHTS], partial(weights.save_full_weights, stage, full)))
+            if model.moments is not None:
+                moments = host_copy(model.moments) if in_memory else model.moments
+                snap.jobs.append(FileJob([stage / layout.OPTIMIZER],
+                                         partial(weights.save_optimizer_moments, stage, moments)))
+        data_path, rng_path = stage / layout.data_file(rank), stage / layout.rng_file(rank)
+        snap.jobs.append(FileJob([data_path], partial(store.write_json, data_path, host_copy(contents.data_state))))
+        snap.jobs.append(FileJob([rng_path], partial(_save_tensors, rng_path, host_copy(contents.rng_state))))
         if rank == 0:
-            (stage / layout.CONFIG).write_text(dump_yaml(contents.cfg))
-            store.write_json(stage / layout.TRAINER_STATE, contents.trainer_state)
-            shutil.copytree(contents.cfg.data.tokenizer, stage / layout.TOKENIZER)
-            written += [stage / layout.CONFIG, stage / layout.TRAINER_STATE]
-            written += [p for p in (stage / layout.TOKENIZER).rglob("*") if p.is_file()]
-        return store.hash_files(stage, written)
+            cfg_text, tokenizer = dump_yaml(contents.cfg), Path(contents.cfg.data.tokenizer)
+            snap.jobs.append(FileJob([stage / layout.CONFIG], partial((stage / layout.CONFIG).write_text, cfg_text)))
+            snap.jobs.append(FileJob([stage / layout.TRAINER_STATE], partial(
+                store.write_json, stage / layout.TRAINER_STATE, host_copy(contents.trainer_state))))
+            files = sorted(p.relative_to(tokenizer) for p in tokenizer.rglob("*") if p.is_file())
+            snap.jobs.append(FileJob([stage / layout.TOKENIZER / f for f in files],
+                                     partial(shutil.copytree, tokenizer, stage / layout.TOKENIZER)))
+        snap.nbytes = host_copy.nbytes
+        return snap
 
     def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset(),
-               written: dict[str, FileEntry] | None = None) -> Path:
+               written: dict[str, FileEntry] | None = None, failed: str | None = None) -> Path:
         """Make ``staged`` a committed checkpoint once every rank has written (collective). Rank 0 gathers every
         rank's ``written`` digests (from :meth:`write`) into the manifest, commits, registers and prunes (never a
         path in ``protect``); every rank returns the committed path, or raises the same
-        :class:`store.CheckpointError`."""
-        parts = self.world.gather(written or {})
+        :class:`store.CheckpointError` — also when a rank's write ``failed`` (its one-line error): then nothing
+        is committed."""
+        parts = self.world.gather((written or {}, failed))
         final, error = None, None
         if self.world.rank == 0:
             try:
-                final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests(parts))
+                bad = [(r, e) for r, (_, e) in enumerate(parts) if e]
+                if bad:
+                    raise _WriteFailed(f"rank {bad[0][0]}: {bad[0][1]}" if self.world.world_size > 1 else bad[0][1])
+                final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
                 if self.register is not None:
                     self.register(final, manifest)
                 store.prune(self.run_dir, self.keep_last, protect)
+            except _WriteFailed as e:
+                error = str(e)
             except Exception as e:  # tell the other ranks instead of leaving them in a barrier
                 error = f"{type(e).__name__}: {e}"
         error, final = self.world.broadcast((error, final))
@@ -173,8 +202,27 @@ class CheckpointWriter:
         return final
 
     def save(self, contents: Contents, protect: set[str] | frozenset[str] = frozenset()) -> Path:
-        """Stage, write and commit ``contents`` (collective)."""
+        """Stage, write and commit ``contents`` (collective). A rank's failure to write is reported by
+        :meth:`commit` on every rank (one :class:`store.CheckpointError`), as an asynchronous save's is."""
         staged = self.stage(int(contents.trainer_state["step"]))
-        written = self.write(staged, contents)
-        return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect, written)
+        snap = self.snapshot(staged, contents, in_memory=False)
+        written, failed = write_reporting(snap)
+        return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect, written, failed)
+
+
+class _WriteFailed(Exception):
+    """A rank could not write its files (the message names the rank and the error)."""
+
+
+def write_reporting(snap: Snapshot) -> tuple[dict[str, FileEntry], str | None]:
+    """:meth:`Snapshot.write`, its failure as a one-line error (for :meth:`CheckpointWriter.commit`)."""
+    try:
+        return snap.write(), None
+    except Exception as e:
+        return {}, f"{type(e).__name__}: {e}"
+
+
+def _save_tensors(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pretrain.config.runtime import YAML_KEY
 from pretrain.config.tree import ConfigError, RunConfig
 
 # The config `train` and `submit` use when none is given (absolute: repository root / configs).
@@ -31,6 +32,12 @@ def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """The key users write for field ``f``: its name, or its ``YAML_KEY`` metadata (``checkpoint.async`` is the
+    field ``async_``, ``async`` being a Python keyword)."""
+    return f.metadata.get(YAML_KEY, f.name)
 
 
 def _describe(value: Any) -> str:
@@ -103,17 +110,18 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 def _build(cls: type, data: dict, path: str) -> Any:
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {key_of(f) for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
             raise ConfigError(f"{where}: unknown key (valid: {', '.join(sorted(names))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{path}.{f.name}" if path else f.name)
+        key = key_of(f)
+        if key in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[key], f"{path}.{key}" if path else key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{path}.{f.name}: required key is missing" if path else f"{f.name}: required")
+            raise ConfigError(f"{path}.{key}: required key is missing" if path else f"{key}: required")
     return cls(**kwargs)
 
 
@@ -129,8 +137,15 @@ def from_dict(data: dict) -> RunConfig:
     return _build(RunConfig, data, "").validate()
 
 
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> Any:
+    """A config dataclass as plain data under the keys users write (:func:`key_of`); :func:`from_dict` reads it."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {key_of(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -140,12 +155,13 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node = tree
     for i, key in enumerate(keys):
         path = ".".join(keys[: i + 1])
-        if not dataclasses.is_dataclass(cls) or key not in {f.name for f in dataclasses.fields(cls)}:
+        by_key = {key_of(f): f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if key not in by_key:
             raise ConfigError(f"{path}: unknown key")
         if i == len(keys) - 1:
             node[key] = value
             return
-        cls = _hints(cls)[key]
+        cls = _hints(cls)[by_key[key]]
         child = node.get(key)
         if not isinstance(child, dict):
             child = {}

@@ -3,8 +3,11 @@ fault injection and stability control (a docstring on every field; cross-field r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+YAML_KEY = "yaml_key"
+"""Field metadata: the key users write when it differs from the field name (a Python keyword: ``async``)."""
 
 
 @dataclass(kw_only=True)
@@ -32,6 +35,14 @@ class CheckpointConfig:
     """Delete older committed checkpoints beyond the newest N; 0 keeps all."""
     resume_from: str = ""
     """A committed checkpoint directory to resume from (set by ``resume``)."""
+    async_: bool = field(default=True, metadata={YAML_KEY: "async"})
+    """``checkpoint.async``: the loop stalls only while each rank copies its state to host memory; writing,
+    hashing and fsync run in a background thread while training continues, and the checkpoint is committed
+    (manifest, rename, MLflow, pruning) at the first step boundary after every rank has finished. At most one
+    save is in flight (the next waits); a background failure ends the run at the next step boundary; the last
+    checkpoint is committed before the run ends. Default on: the same files, checksums and atomic commit as a
+    synchronous save at a fraction of its stall, for one extra host copy of this rank's state. False writes and
+    commits inside the save (the loop waits for the disk)."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +98,12 @@ class FaultsConfig:
     loss_spike_at_step: int = -1
     """The update of this step (1-based) uses 1000x the scheduled LR on every worker, once per run, so the
     following steps' loss spikes. Exercises ``stability`` spike detection and rollback. -1 disables."""
+    slow_checkpoint_at_step: int = -1
+    """Every rank's background write of the checkpoint of this step (``checkpoint.async``) first sleeps
+    ``slow_checkpoint_s`` seconds, once per run (across restarts), so a test can act while a save is in flight.
+    -1 disables."""
+    slow_checkpoint_s: float = 60.0
+    """The sleep of ``slow_checkpoint_at_step``."""
 
 
 @dataclass(kw_only=True)

@@ -262,6 +262,7 @@ class RunConfig:
             "train.val_every": t.val_every, "train.val_sequences": t.val_sequences,
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
+            "faults.slow_checkpoint_s": self.faults.slow_checkpoint_s,
             "cluster.max_failures": c.max_failures, "cluster.start_timeout": c.start_timeout,
             "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,

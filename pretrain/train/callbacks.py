@@ -120,6 +120,7 @@ class StabilityCallback(Callback):
         if decision.action == "halt":
             raise self.control.halt(decision.event)
         if decision.action == "rollback":
+            trainer.emit("on_rollback")  # a save in flight is committed first (its target may be that one)
             trainer.last_checkpoint = self.control.rollback(
                 rollback_loader(trainer.module, trainer.run_dir, trainer.ctx), decision.event["step"])
             return True
@@ -346,7 +347,9 @@ class EarlyStop(Callback):
 
 
 class CheckpointCallback(Callback):
-    """Committed checkpoints every ``checkpoint.every_steps``, at the last step, and when a run stops early."""
+    """Checkpoints every ``checkpoint.every_steps``, at the last step, and when a run stops early. An asynchronous
+    save (``checkpoint.async``) is committed at the first step boundary after every rank has written it, before a
+    stability rollback, before the next save, and at the end of the run."""
 
     order = 50
 
@@ -355,27 +358,37 @@ class CheckpointCallback(Callback):
 
     def save(self, trainer: Trainer) -> None:
         trainer.collect_state()
-        protect = set().union(*trainer.gather("protected_paths"))
         try:
-            saved = self.checkpointer.save(trainer.module, trainer.batches, trainer.state, protect)
+            path = self.checkpointer.save(trainer.module, trainer.batches, trainer.state,
+                                          lambda: set().union(*trainer.gather("protected_paths")))
         except NonFiniteWeightsError:
             trainer.emit("on_nonfinite_weights", trainer.state.step)
             return
-        if saved is not None:
-            trainer.last_checkpoint = saved
-            trainer.emit("on_checkpoint", saved)
-        trainer.progress.say(f"checkpoint committed: step {trainer.state.step}")
+        trainer.emit("on_checkpoint", path)  # its state is fixed: a rollback target once it proves good
+        if self.checkpointer.in_flight is None:
+            self.committed(trainer, path)
+
+    def committed(self, trainer: Trainer, path: Path | None) -> None:
+        if path is not None:
+            trainer.last_checkpoint = path
+            trainer.progress.say(f"checkpoint committed: step {layout.step_of(path.name)}")
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self.committed(trainer, self.checkpointer.poll())
         every = trainer.cfg.checkpoint.every_steps
         if _last(trainer) or (every and trainer.state.step % every == 0):
             self.save(trainer)
 
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.committed(trainer, self.checkpointer.finish())
+
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        self.committed(trainer, self.checkpointer.finish())
         last = trainer.last_checkpoint
         if _stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
             self.save(trainer)
-        final.update(checkpoint_seconds=self.checkpointer.seconds, checkpoints=self.checkpointer.count,
+            self.committed(trainer, self.checkpointer.finish())
+        final.update(self.checkpointer.summary(),
                      checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")
 
 

@@ -1,19 +1,34 @@
 """The training side of checkpointing: the :class:`Checkpointer` that ``CheckpointCallback`` calls. It checks the
 weights, then hands the run's state to the checkpoint layer's collective writer (``pretrain/checkpoint/writer.py``)
-with the engine's own save as the model state; registration in MLflow is the writer's hook."""
+with the engine's own save as the model state; registration in MLflow is the writer's hook.
+
+Synchronous (``checkpoint.async: false``): :meth:`Checkpointer.save` writes, hashes and commits; the loop waits.
+Asynchronous (the default): ``save`` copies this rank's state to host memory (the only stall) and starts a
+:class:`~pretrain.checkpoint.snapshot.BackgroundWrite`; at every later step boundary :meth:`Checkpointer.poll`
+all-reduces one small "done / failed" pair, so every rank sees the same answer at the same step, and once all
+ranks are done the commit runs as a synchronous save's does (rank 0: manifest, fsync, rename, MLflow, pruning), or
+every rank raises the same one-line :class:`CheckpointError`. :meth:`Checkpointer.finish` waits for the save in
+flight (before the next save: at most one host snapshot exists; before a rollback; at the end of the run).
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint import layout
+from pretrain.checkpoint.manifest import Manifest
+from pretrain.checkpoint.snapshot import BackgroundWrite
 from pretrain.checkpoint.store import CheckpointError
-from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, Staged, describe
 from pretrain.config import RunConfig
 from pretrain.train import dist
 from pretrain.train.health import nonfinite_params
+
+GB = 1e9
 
 
 class NonFiniteWeightsError(CheckpointError):
@@ -36,27 +51,138 @@ class DistWorld:
         return dist.gather_object(obj)
 
 
+@dataclass
+class SaveRecord:
+    """The cost of one save, as logged (``ckpt/*`` metrics at its step) and listed in the summary."""
+
+    step: int
+    stall_s: float = 0.0
+    """Loop time this save took: the snapshot (or the whole synchronous save), waits for it, the commit."""
+    snapshot_s: float = 0.0
+    """The copy to host memory (asynchronous) or the whole write + commit (synchronous)."""
+    commit_s: float = 0.0
+    """Asynchronous: the commit at a later step boundary (the gather, rank 0's manifest, rename, MLflow)."""
+    snapshot_gb: float = 0.0
+    """Host memory of the snapshot: the largest over ranks (0 when synchronous)."""
+    write_s: float = 0.0
+    """Asynchronous: the background write, hash and fsync, the slowest rank."""
+
+    def metrics(self) -> dict[str, float]:
+        return {f"ckpt/{k}": float(v) for k, v in asdict(self).items() if k != "step"}
+
+
+@dataclass
+class InFlight:
+    """An asynchronous save between its snapshot and its commit."""
+
+    staged: Staged
+    manifest: Manifest
+    write: BackgroundWrite
+    record: SaveRecord
+    protect: Callable[[], set[str]] = field(default=set)
+
+
 class Checkpointer:
-    """Writes committed checkpoints of this run (collective: every rank calls ``save``)."""
+    """Writes committed checkpoints of this run (collective: every rank makes the same calls at the same steps)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker):
-        self.ctx = ctx
+        self.ctx, self.run_dir, self.tracker = ctx, Path(run_dir), tracker
+        self.asynchronous = cfg.checkpoint.async_
+        self.faults = cfg.faults
         self.writer = CheckpointWriter(run_dir, DistWorld(ctx), tracker.run_id, keep_last=cfg.checkpoint.keep_last,
                                        register=tracker.register_checkpoint)
-        self.seconds = 0.0  # wall time spent in save (write + verify + commit)
+        self.seconds = 0.0  # loop time spent in checkpointing (``stall_s`` summed): `bench --cluster` reads it
         self.count = 0
+        self.records: list[SaveRecord] = []
+        self.in_flight: InFlight | None = None
 
-    def save(self, module, batches, state, protect: set[str] = frozenset()) -> Path | None:
-        """``protect``: checkpoint paths pruning must keep (every callback's ``protected_paths``)."""
+    def save(self, module, batches, state, protect: Callable[[], set[str]] = set) -> Path:
+        """Save the state of this step: committed on return (synchronous) or in flight (asynchronous: committed
+        by a later :meth:`poll` or :meth:`finish`). Returns the path the checkpoint is committed at.
+        ``protect()``: checkpoint paths pruning must keep (asked at the commit)."""
+        self.finish()  # at most one save in flight: the next one waits for it
         t0 = time.perf_counter()
+        record = SaveRecord(step=state.step)
         try:
             # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
             if dist.all_reduce_sum([nonfinite_params(module.engine)], self.ctx.device)[0] > 0:
                 raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
             # The module's config: the architecture as of this step (growth).
             contents = Contents(cfg=module.cfg, trainer_state=asdict(state), data_state=batches.state_dict(),
-                                model=EngineState(module.save))
-            return self.writer.save(contents, protect)
-        finally:  # the loop stalls for the whole write + commit: measured for `bench --cluster`
-            self.seconds += time.perf_counter() - t0
+                                model=EngineState(module.save, module.snapshot))
+            if not self.asynchronous:
+                path = self.writer.save(contents, protect())
+                self.tracker.log_metrics({"ckpt/stall_s": time.perf_counter() - t0}, state.step)
+                return path
+            # Asynchronous: the loop waits only for this (collective: the same staging directory everywhere).
+            staged = self.writer.stage(state.step)
+            snap = self.writer.snapshot(staged, contents)
+            manifest = describe(contents, self.writer.run_id, self.ctx.world_size)
+            write = BackgroundWrite(snap, state.step, self._fault_delay(state.step))
+            self.in_flight = InFlight(staged, manifest, write, record, protect)
+            return self.run_dir / layout.step_dir_name(state.step)
+        finally:  # the loop stalls for this part: measured for `bench --cluster` and `bench --checkpoint`
+            record.snapshot_s = time.perf_counter() - t0
+            self._account(record, record.snapshot_s)
+            self.records.append(record)
             self.count += 1
+
+    def poll(self) -> Path | None:
+        """At a step boundary (every rank): commit the save in flight if every rank has finished writing it, or
+        raise its failure; the committed path, or None (nothing in flight, or still writing). One small
+        all-reduce while a save is in flight, so the decision is the same on every rank."""
+        if self.in_flight is None:
+            return None
+        t0 = time.perf_counter()
+        w = self.in_flight.write
+        finished = w.done()
+        done, failed = dist.all_reduce_sum([float(finished), float(finished and w.error is not None)],
+                                           self.ctx.device)
+        self._account(self.in_flight.record, time.perf_counter() - t0)
+        if done < self.ctx.world_size and not failed:
+            return None
+        return self.finish()
+
+    def finish(self) -> Path | None:
+        """Wait until the save in flight is written on every rank and commit it (collective); its path, or None
+        when none was in flight. Raises the save's one-line :class:`CheckpointError` when a rank failed."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return None
+        t0 = time.perf_counter()
+        record, write = flight.record, flight.write
+        write.wait()
+        gb, seconds = dist.all_reduce_min([-write.nbytes / GB, -write.seconds], self.ctx.device)  # max over ranks
+        record.snapshot_gb, record.write_s = -gb, -seconds
+        try:
+            path = self.writer.commit(flight.staged, flight.manifest, flight.protect(), write.digests, write.error)
+        finally:
+            record.commit_s = time.perf_counter() - t0
+            self._account(record, record.commit_s)
+        self.tracker.log_metrics(record.metrics(), record.step)
+        return path
+
+    def _account(self, record: SaveRecord, seconds: float) -> None:
+        record.stall_s += seconds
+        self.seconds += seconds
+
+    def _fault_delay(self, step: int) -> float:
+        """``faults.slow_checkpoint_at_step``: the delay of this step's background write, once per run (a marker
+        per rank in the run directory survives restarts)."""
+        if self.faults.slow_checkpoint_at_step != step:
+            return 0.0
+        marker = self.run_dir / ".faults" / f"slow_checkpoint_at_step_{step}_rank_{self.ctx.rank}"
+        if marker.exists():
+            return 0.0
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{self.faults.slow_checkpoint_s} s\n")
+        print(f"[fault] rank {self.ctx.rank}: the background write of step {step}'s checkpoint sleeps "
+              f"{self.faults.slow_checkpoint_s:g} s first", flush=True)
+        return self.faults.slow_checkpoint_s
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's checkpoint fields (``summary.json``): totals and one record per save."""
+        return {"checkpoint_seconds": self.seconds, "checkpoints": self.count, "checkpoint_async": self.asynchronous,
+                "checkpoint_stall_s_max": max((r.stall_s for r in self.records), default=0.0),
+                "checkpoint_snapshot_gb_max": max((r.snapshot_gb for r in self.records), default=0.0),
+                "checkpoint_saves": [asdict(r) for r in self.records]}

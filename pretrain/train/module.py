@@ -11,6 +11,7 @@ the optimizer state), re-initializing DeepSpeed without restarting the process o
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.distributed as tdist
 
 from pretrain import ds_adapter
 from pretrain.checkpoint.layout import DS_TAG
+from pretrain.checkpoint.snapshot import FileJob, HostCopy
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
@@ -113,6 +115,16 @@ class TrainModule:
         if self.engine.global_rank == 0:  # only rank 0 writes at the top of the DeepSpeed directory
             written += [p for p in Path(directory).iterdir() if p.is_file()]
         return written
+
+    def snapshot(self, directory: Path, host_copy: HostCopy) -> tuple[list[Path], list[FileJob]]:
+        """:meth:`save` with the files held in host memory (``host_copy``) instead of written (collective): the
+        files already written (rank 0's recovery scripts) and one job per engine file, to run later (in the
+        background) while training continues. The same files as :meth:`save`, byte for byte."""
+        with ds_adapter.capturing_checkpoint_files(self.engine, host_copy) as captured:
+            self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+        written = [p for p in Path(directory).iterdir() if p.is_file()] if self.engine.global_rank == 0 else []
+        jobs = [FileJob([path], functools.partial(write, state, path)) for path, state, write in captured]
+        return written, jobs
 
     def load(self, directory: Path, universal: bool = False) -> None:
         """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""

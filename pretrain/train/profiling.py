@@ -72,7 +72,8 @@ class ProfilerCallback(Callback):
             trainer.progress.say(f"profiled steps {self.first}-{last}: {trace} (operator table: {table.name})")
 
 
-_NESTED = (".on_validation", ".on_checkpoint", ".on_nonfinite_weights")  # emitted inside another callback's event
+# Emitted inside another callback's event.
+_NESTED = (".on_validation", ".on_checkpoint", ".on_nonfinite_weights", ".on_rollback")
 
 
 def loop_table(averages, wall: float, steps: int) -> str:

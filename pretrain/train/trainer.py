@@ -11,7 +11,11 @@ Events, in the order a run emits them (every callback sees each event, callbacks
                                                   events early (``trainer.end_step()``, e.g. after a rollback)
     on_model_changed(trainer)                     the module was rebuilt on another architecture (growth)
     on_validation(trainer, metrics)               whenever validation ran (ValidationCallback)
-    on_checkpoint(trainer, path)                  whenever a checkpoint was committed (CheckpointCallback)
+    on_checkpoint(trainer, path)                  whenever a checkpoint was saved (CheckpointCallback): its
+                                                  contents are fixed; committed at ``path`` now (synchronous)
+                                                  or at a later step boundary (``checkpoint.async``)
+    on_rollback(trainer)                          a stability rollback is about to restore a committed
+                                                  checkpoint (a save in flight is committed first)
     on_nonfinite_weights(trainer, step)           a save found NaN/Inf weights (nothing was written)
     on_run_end(trainer, final)                    ``final``: the summary dict, callbacks add to it
 
@@ -100,7 +104,11 @@ class Callback(StepHooks):
 
     def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
 
-    def on_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        """A checkpoint of this step was saved; ``trainer.last_checkpoint`` is the newest committed one."""
+
+    def on_rollback(self, trainer: Trainer) -> None:
+        """A committed checkpoint is about to be restored into the running job (a stability rollback)."""
 
     def on_nonfinite_weights(self, trainer: Trainer, step: int) -> None: ...
 

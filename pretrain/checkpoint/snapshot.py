@@ -1,0 +1,151 @@
+"""Asynchronous saving: a rank's checkpoint files held in host memory (a :class:`Snapshot`), then written, hashed
+and fsynced by a :class:`BackgroundWrite` thread while training continues. The writer (``writer.py``) builds the
+snapshot at the save step; the commit stays collective and happens later (see ``pretrain/train/checkpointing.py``).
+
+The copy is what makes a background write safe: the optimizer updates its tensors in place at the next step, so
+every tensor reachable from a state dict is copied into fresh host memory at the save step (on the CPU, where
+``.cpu()`` returns the same tensor, a real copy), sharing storages as the originals do, so ``torch.save`` writes the
+same file it would have written synchronously.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.checkpoint import store
+from pretrain.checkpoint.manifest import FileEntry
+
+
+class HostCopy:
+    """Copies nested state (dicts, lists, tuples, tensors, plain objects) into host memory, one file's state per
+    call. Within a call an object met twice is copied once, and tensors that share a storage share its copy (views
+    and tied weights stay tied), so ``torch.save`` writes the copy as it would have written the original;
+    ``nbytes`` counts the bytes copied over all calls."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._storages: dict[tuple[str, int | None, int], torch.UntypedStorage] = {}
+        self._memo: dict[int, Any] = {}
+
+    def __call__(self, obj: Any) -> Any:
+        # Identities are only meaningful while ``obj`` keeps its parts alive: memos last one call (DeepSpeed frees
+        # one file's state before it builds the next, whose objects may reuse the addresses).
+        self._storages, self._memo = {}, {}
+        try:
+            return self._copy(obj)
+        finally:
+            self._storages, self._memo = {}, {}
+
+    def _copy(self, obj: Any) -> Any:
+        seen = self._memo.get(id(obj))
+        if seen is not None:  # the same object twice stays one object (pickle writes it once, as before)
+            return seen
+        if isinstance(obj, torch.Tensor):
+            out = self._tensor(obj)
+        elif isinstance(obj, dict):
+            out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict)
+            self._memo[id(obj)] = out
+            for k, v in obj.items():
+                out[k] = self._copy(v)
+        elif isinstance(obj, list):
+            out = []
+            self._memo[id(obj)] = out
+            out.extend(self._copy(v) for v in obj)
+        elif isinstance(obj, tuple):
+            items = [self._copy(v) for v in obj]
+            if all(a is b for a, b in zip(items, obj)):
+                out = obj  # immutable all the way down: itself, as copy.deepcopy does
+            else:
+                out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        else:
+            return copy.deepcopy(obj, self._memo)
+        self._memo[id(obj)] = out
+        return out
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        src = t.untyped_storage()
+        key = (src.device.type, src.device.index, src.data_ptr())
+        dst = self._storages.get(key) if src.nbytes() else None
+        if dst is None:
+            dst = torch.UntypedStorage(src.nbytes(), device="cpu")
+            dst.copy_(src)
+            self._storages[key] = dst
+            self.nbytes += src.nbytes()
+        out = torch.empty((0,), dtype=t.dtype).set_(dst, t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        if t.requires_grad:  # torch.save records the flag (of a leaf or not): the file stays the same
+            out.requires_grad_(True)
+        return out
+
+
+@dataclass
+class FileJob:
+    """Writes some of a snapshot's files from host memory (``run`` is called once, in the background)."""
+
+    paths: list[Path]
+    run: Callable[[], None]
+
+
+@dataclass
+class Snapshot:
+    """One rank's files of one checkpoint: those already on disk (``written``) and those still in host memory
+    (``jobs``); ``nbytes`` is the host memory they hold (the tensors copied)."""
+
+    stage: Path
+    written: list[Path] = field(default_factory=list)
+    jobs: list[FileJob] = field(default_factory=list)
+    nbytes: int = 0
+
+    def write(self) -> dict[str, FileEntry]:
+        """Write every job's files (each job's memory is released once written), then size, sha256 and fsync
+        every file of this rank (``store.hash_files``)."""
+        written = list(self.written)
+        while self.jobs:
+            job = self.jobs.pop(0)
+            job.run()
+            written += job.paths
+            del job
+        self.nbytes = 0
+        return store.hash_files(self.stage, written)
+
+
+class BackgroundWrite:
+    """:meth:`Snapshot.write` in a daemon thread (a killed job leaves only its staging directory, which no reader
+    sees). ``delay_s`` sleeps first (``faults.slow_checkpoint_at_step``). After :meth:`done`, ``digests`` holds
+    the result or ``error`` the one-line failure."""
+
+    def __init__(self, snapshot: Snapshot, step: int, delay_s: float = 0.0) -> None:
+        self.snapshot, self.step, self.delay_s = snapshot, step, delay_s
+        self.nbytes = snapshot.nbytes
+        self.digests: dict[str, FileEntry] = {}
+        self.error: str | None = None
+        self.seconds = 0.0  # the write, hash and fsync (the delay excluded)
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-write-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            t0 = time.perf_counter()
+            self.digests = self.snapshot.write()
+            self.seconds = time.perf_counter() - t0
+        except Exception as e:  # reported at the next step boundary, on every rank
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.snapshot = None  # type: ignore[assignment]  # the host copy is freed with the thread's frame
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
