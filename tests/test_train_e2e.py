@@ -3,6 +3,7 @@ training, exact resume from a checkpoint, and resume of a killed job by run id."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,6 +96,47 @@ def test_killed_job_resumes_by_run_id(reference):
     assert reference["run_id"] in listing and run_id in listing
     detail = _cli(work, "runs", run_id).stdout
     assert "step_00000008" in detail and "step_00000004" in detail
+
+
+def test_sigkill_during_a_background_write_resumes_from_the_last_commit_bitwise(reference):
+    """``checkpoint.async`` (the default): step 6's checkpoint is written in the background (slowed to 600 s by the
+    fault hook) while training goes on to step 8, whose save waits for it; the whole job SIGKILLed there resumes
+    from step 4, the last committed checkpoint, and reproduces the uninterrupted run's losses bitwise. The
+    reference run itself saved asynchronously: its summary reports each save's stall and host snapshot."""
+    work, ref = reference["work"], reference["losses"]
+    summary = json.loads((reference["run_dir"] / "summary.json").read_text())
+    saves = summary["checkpoint_saves"]
+    assert summary["checkpoint_async"] and [s["step"] for s in saves] == [2, 4, 6, 8]
+    assert all(s["snapshot_gb"] > 0 and s["write_s"] > 0 and s["stall_s"] >= s["snapshot_s"] for s in saves)
+    proc = subprocess.Popen([PYTHON, "-m", "pretrain", "train", CONFIG, *TINY, "faults.slow_checkpoint_at_step=6",
+                             "faults.slow_checkpoint_s=600"], cwd=work, env=cli_env(work), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run_id, seen = None, []
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if line.startswith("[pretrain] run "):
+            run_id = line.split()[2].rstrip(":")
+        if "step 8/8" in line:  # trained past step 6 while its checkpoint was being written
+            break
+    assert run_id and proc.poll() is None, "".join(seen[-40:])
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    run_dir = work / "checkpoints" / run_id
+    assert [p.name for p in sorted(run_dir.glob("step_*"))] == ["step_00000002", "step_00000004"]
+    assert list(run_dir.glob(".tmp-step_00000006-*")), "".join(seen[-40:])  # the write in flight, uncommitted
+    out = "".join(seen)
+    assert "background write of step 6's checkpoint sleeps 600 s" in out
+    assert "checkpoint committed: step 4" in out and "checkpoint committed: step 6" not in out
+    resumed = _cli(work, "resume", run_id)
+    assert f"resumed from {run_dir / 'step_00000004'}" in resumed.stdout, resumed.stdout[-2000:]
+    assert "checkpoint committed: step 6" in resumed.stdout and "sleeps" not in resumed.stdout  # fired once
+    losses = _losses(work, run_id)
+    assert all(losses[s] == ref[s] for s in range(1, 9)), (losses, ref)
+    a, b = _final_weights(reference["run_dir"]), _final_weights(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_worker_sigkill_restarts_from_last_commit_bitwise(reference):
