@@ -364,9 +364,9 @@ class CheckpointCallback(Callback):
         except NonFiniteWeightsError:
             trainer.emit("on_nonfinite_weights", trainer.state.step)
             return
-        trainer.emit("on_checkpoint", path)  # its state is fixed: a rollback target once it proves good
-        if self.checkpointer.in_flight is None:
+        if self.checkpointer.in_flight is None:  # synchronous: committed already
             self.committed(trainer, path)
+        trainer.emit("on_checkpoint", path)  # its state is fixed: a rollback target once it proves good
 
     def committed(self, trainer: Trainer, path: Path | None) -> None:
         if path is not None:
