@@ -13,6 +13,8 @@ CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs
 
     ./launch.sh bench [--json] [--steps N] [--loop-steps N] [--no-loop] [CONFIG] [key=value ...]
     ./launch.sh bench --recompute [CONFIG] [key=value ...]   activation checkpointing none/full/selective
+    ./launch.sh bench --vs-hf [--corpus PATH] [--loop-steps N] [CONFIG] [key=value ...]   ours vs HF Trainer
+    ./launch.sh bench --no-moe --workers 2 zero.stage=2    the loop on 2 workers (ZeRO-1/2), its ratio to its step
 """
 
 from __future__ import annotations
@@ -225,9 +227,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
     p.add_argument("--no-loop", action="store_true", help="skip the real training loop (python -m pretrain train)")
-    p.add_argument("--loop-steps", type=int, default=40,
-                   help="steps of the real training loop (the first %d are left out of loop_tokens_per_s)"
-                   % LOOP_WARMUP_STEPS)
+    p.add_argument("--loop-steps", type=int, default=0,
+                   help="steps of the real training loop, default 40 (60 with --vs-hf); the first %d are left out "
+                        "of the loop's tokens/s" % LOOP_WARMUP_STEPS)
+    p.add_argument("--workers", type=int, default=1,
+                   help="workers of the real training loop (the step benchmark stays one process; "
+                        "loop_vs_own_step_ratio compares the loop with its own steps)")
+    p.add_argument("--vs-hf", action="store_true",
+                   help="only the comparison with Hugging Face Trainer: ./launch.sh train and Trainer on the same "
+                        "model, tokenizer, token stream, batch, steps, fp32 and threads (eval/bench_vs_hf.py)")
+    p.add_argument("--corpus", default=None,
+                   help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
+                        "else the built-in demo corpus)")
     p.add_argument("--growth", action="store_true",
                    help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
     p.add_argument("--layer-drop", action="store_true",
@@ -242,6 +253,10 @@ def main(argv: list[str]) -> int:
         result = measure(a)
     if a.json:
         print(json.dumps(result, indent=1), file=result_out)
+    elif a.vs_hf:
+        from eval.bench_vs_hf import format_table
+
+        print(format_table(result), file=result_out)
     else:
         for k, v in result.items():
             if isinstance(v, dict):
@@ -266,6 +281,11 @@ def measure(a: argparse.Namespace) -> dict:
         return recompute_bench(path, [r for r in a.rest if "=" in r], a.steps or 4, min(a.rounds, 3))
     path = next((r for r in a.rest if "=" not in r), None)
     overrides = [r for r in a.rest if "=" in r]
+    if a.vs_hf:
+        from eval.bench_vs_hf import vs_hf_bench
+
+        return vs_hf_bench(path or ROOT / "configs" / "demo-decoder.yaml", overrides, corpus=a.corpus,
+                           steps=a.loop_steps or 60)
     if path is None:
         path = ROOT / "configs" / ("gpt-125m.yaml" if gpu else "demo-decoder.yaml")
         if gpu:  # benchmark one GPU: same model, one worker's micro-batch
@@ -282,8 +302,9 @@ def measure(a: argparse.Namespace) -> dict:
     result = run_bench(cfg, steps, a.rounds)
     if not a.no_loop:  # the loop a user runs, on the same model, batch and threads as the step just timed
         result.update(loop_benchmark(str(path), overrides, step_tokens_per_s=result["tokens_per_s"],
-                                     steps=a.loop_steps, threads=torch.get_num_threads(),
-                                     micro_batch=cfg.train.micro_batch_size, global_batch=global_batch))
+                                     steps=a.loop_steps or 40, threads=torch.get_num_threads(),
+                                     micro_batch=cfg.train.micro_batch_size, global_batch=global_batch,
+                                     workers=a.workers))
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
     if a.layer_drop:

@@ -13,6 +13,7 @@ Summary keys (``summary.json``, the CLI's ``final``):
   consecutive steps, ``loop_window`` being a whole number of logging and health cycles (lcm of
   ``train.log_every`` and ``stability.health_every``) so every window holds their costs in full — the measure
   the step benchmark's best-of-rounds compares with;
+* ``torch_threads``: the intra-op threads this worker trained with (``train.num_threads`` or its CPU share);
 * ``time_to_first_step_s`` and ``startup_phases_s``: from the command's start (the process start) to the end of
   this process's first step, per phase (they add up to the total).
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 import math
 import time
 from typing import Any
+
+import torch
 
 from pretrain import timeline
 from pretrain.train.step import StepResult
@@ -95,6 +98,6 @@ class SpeedMonitor(Callback):
         mean, best, steps = loop_rates(self.ends, trainer.plan.tokens_per_step, window)
         final.update(tokens_per_s=trainer.progress.tokens_per_s(), train_seconds=trainer.progress.train_seconds,
                      loop_tokens_per_s=best, loop_mean_tokens_per_s=mean, loop_window=window,
-                     loop_steps_timed=steps)
+                     loop_steps_timed=steps, torch_threads=torch.get_num_threads())
         if self.startup:
             final.update(time_to_first_step_s=sum(self.startup.values()), startup_phases_s=dict(self.startup))

@@ -1,0 +1,109 @@
+"""``./launch.sh bench --vs-hf``: both sides train the same architecture from the same weights on the same token
+stream (fast), and the bench mode runs end to end on a tiny model in a few steps (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eval import bench_vs_hf
+from tests.conftest import PYTHON, ROOT, cli_env
+
+SPECIAL = SimpleNamespace(bos_token_id=0, eos_token_id=0, pad_token_id=1)
+
+
+def _demo_cfg(*extra: str):
+    overrides = bench_vs_hf.comparison_overrides("demo", steps=60, batch=16, threads=2)
+    return bench_vs_hf.comparison_config(ROOT / "configs" / "demo-decoder.yaml",
+                                         [*overrides, "model.vocab_size=4096", *extra])
+
+
+def test_hf_side_is_the_demo_architecture_with_the_same_weights():
+    from pretrain.model import num_parameters
+
+    cfg = _demo_cfg()
+    ours, hf = bench_vs_hf.build_pair(cfg, SPECIAL)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    c = hf.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == \
+        (4, 256, 4, 2, 4096)
+    assert c.tie_word_embeddings and num_parameters(ours) == hf.num_parameters() > 3_000_000
+    ids = torch.randint(0, 4096, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same function: our init carried over exactly (fp32 rounding only)
+        diff = (ours.eval()(ids).logits - hf(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-4
+    with torch.no_grad():  # and a loss on the same labels (both shift them inside)
+        a = ours(ids, labels=ids).loss.item()
+        b = hf(input_ids=ids, labels=ids).loss.item()
+    assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_comparison_fixes_batch_steps_precision_threads_and_one_worker():
+    cfg = _demo_cfg()
+    t = cfg.train
+    assert (t.max_steps, t.global_batch_size, t.micro_batch_size, t.precision, t.num_threads) == (60, 16, 16, "fp32", 2)
+    assert cfg.cluster.num_workers == 1 and cfg.data.sources[0].path == "demo"
+    with pytest.raises(Exception, match="num_workers=1"):
+        _demo_cfg("cluster.num_workers=2")
+
+
+def test_corpus_defaults_to_the_shared_wikitext_else_the_demo(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_vs_hf, "SHARED_CORPUS", tmp_path / "absent.txt")
+    assert bench_vs_hf.default_corpus() == "demo"
+    text = tmp_path / "wiki.txt"
+    text.write_text("a line\n")
+    monkeypatch.setattr(bench_vs_hf, "SHARED_CORPUS", text)
+    assert bench_vs_hf.default_corpus() == str(text)
+    src = bench_vs_hf.comparison_overrides(str(text), 60, 16, 2)[0]
+    assert src == f"data.sources=[{{path: '{text.resolve()}'}}]"
+
+
+def test_token_stream_is_our_first_steps_in_order():
+    from pretrain.config import make_plan
+    from pretrain.data import TrainBatches, load_or_train_tokenizer
+
+    cfg = _demo_cfg("data.tokenizer_vocab_size=512", "model.vocab_size=512", "data.tokenizer_train_docs=300")
+    tok = load_or_train_tokenizer(cfg.data)
+    ids = bench_vs_hf.token_stream(cfg, tok, steps=3)
+    assert ids.shape == (48, 128) and ids.dtype == torch.int64
+    batches = TrainBatches(cfg.data, kind="decoder", tokenizer=tok, plan=make_plan(cfg, 1), rank=0, seed=cfg.train.seed)
+    assert torch.equal(ids[32:], [batches.next_step() for _ in range(3)][2]["input_ids"])
+
+
+def test_table_shows_both_sides_and_the_targets():
+    side = {"tokens_per_s": 1000.0, "best_window_tokens_per_s": 1100.0, "wall_s": 50.0, "steps_timed": 55,
+            "threads": 2, "final_loss": 6.0}
+    r = {"config": "demo-decoder", "hf_class": "LlamaForCausalLM", "corpus": "demo", "steps": 60, "batch": 16,
+         "seq_len": 128, "threads": 2, "precision": "fp32", "warmup_steps_excluded": 5, "hf": side,
+         "ours": {**side, "tokens_per_s": 1200.0, "wall_s": 55.0, "time_to_first_step_s": 9.0},
+         "tokens_per_s_ratio": 1.2, "tokens_per_s_target": 1.0, "wall_ratio": 1.1, "wall_target": 1.2,
+         "meets_targets": True}
+    table = bench_vs_hf.format_table(r)
+    assert "1.20  target >= 1.0" in table and "1.10  target <= 1.2" in table and "first 5 out" in table
+    assert "meets both targets: yes" in table
+
+
+@pytest.mark.slow
+def test_bench_vs_hf_runs_both_commands(tmp_path):
+    """A tiny decoder, 8 steps: both commands run, the JSON has both sides and the ratios."""
+    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--vs-hf", "--json", "--loop-steps", "8",
+                           "--corpus", "demo", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+                           "model.num_kv_heads=2", "model.max_seq_len=32", "train.warmup_steps=2",
+                           "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=2000", "train.log_every=2",
+                           "stability.health_every=2", "train.val_sequences=8"],
+                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["hf_class"] == "LlamaForCausalLM" and r["steps"] == 8 and r["corpus"] == "demo"
+    for side in ("hf", "ours"):
+        s = r[side]
+        assert s["steps"] == 8 and s["threads"] == 2 and s["steps_timed"] == 3, (side, s)
+        assert s["tokens_per_s"] > 0 and s["wall_s"] > 0 and s["final_loss"] < 7.0, (side, s)
+    assert r["tokens_per_s_ratio"] == pytest.approx(r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"])
+    assert r["wall_ratio"] == pytest.approx(r["ours"]["wall_s"] / r["hf"]["wall_s"])
+    assert not list(Path(tmp_path).glob("checkpoints"))  # the runs went to temporary directories
