@@ -107,3 +107,10 @@ def test_bench_vs_hf_runs_both_commands(tmp_path):
     assert r["tokens_per_s_ratio"] == pytest.approx(r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"])
     assert r["wall_ratio"] == pytest.approx(r["ours"]["wall_s"] / r["hf"]["wall_s"])
     assert not list(Path(tmp_path).glob("checkpoints"))  # the runs went to temporary directories
+
+
+def test_a_missing_corpus_is_one_line_before_anything_runs(tmp_path):
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--corpus .* does not exist"):
+        bench_vs_hf.vs_hf_bench(ROOT / "configs" / "demo-decoder.yaml", [], corpus=str(tmp_path / "none.txt"))
