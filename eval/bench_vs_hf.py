@@ -142,11 +142,11 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
 
     from pretrain.data import load_or_train_tokenizer
 
-    if importlib.util.find_spec("accelerate") is None:  # Trainer's own error would come after the tokenizer
-        raise ConfigError("bench --vs-hf: Hugging Face Trainer needs accelerate (in requirements.lock): ./launch.sh setup")
     corpus = corpus or default_corpus()
     if corpus != "demo" and not Path(corpus).expanduser().exists():
         raise ConfigError(f"bench --vs-hf: --corpus {corpus} does not exist")
+    if importlib.util.find_spec("accelerate") is None:  # Trainer's own error would come after the tokenizer
+        raise ConfigError("bench --vs-hf: Hugging Face Trainer needs accelerate (in requirements.lock): ./launch.sh setup")
     overrides = [*comparison_overrides(corpus, steps, batch, threads), *user_overrides]
     cfg = comparison_config(config, overrides)
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-vs-hf-") as tmp:
