@@ -284,6 +284,36 @@ def load_module_state(path: Path, weights_only: bool = True) -> dict:
     return torch.load(path, map_location="cpu", weights_only=weights_only)["module"]
 
 
+def zero_optimizer_files(tag_dir: Path) -> list[Path]:
+    """The ZeRO-1/2 optimizer files of one checkpoint tag directory, one per data-parallel rank in rank order (0.19:
+    ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``, R the rank in the dense data-parallel group)."""
+    files = [f for f in tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")]
+    return sorted(files, key=lambda f: rank_of_state_file(f.name))
+
+
+def zero_partitions(path: Path) -> list[dict[str, Any]]:
+    """The partitions one rank's ZeRO-1/2 optimizer file holds, one per optimizer parameter group:
+    ``{"partitions": n, "moe": bool, "step": int, "fp32" | "exp_avg" | "exp_avg_sq": flat tensor,
+    "slices": {parameter name: (start, numel)}}``. 0.19's ``optimizer_state_dict`` keeps per group the flat fp32
+    partition (``single_partition_of_fp32_groups``), the torch optimizer's state of it (``base_optimizer_state``,
+    unless ``elastic_checkpoint``), the group's partition count (the size of its data-parallel group: the
+    expert-data-parallel group for ``moe`` groups) and ``param_slice_mappings``: each module parameter (its name in
+    the engine's module, experts under local ids) with a fragment in this partition -> ``fragment_address``."""
+    with torch.serialization.safe_globals(checkpoint_safe_globals()):
+        sd = torch.load(path, map_location="cpu", weights_only=True)["optimizer_state_dict"]
+    base = sd["base_optimizer_state"]
+    if not isinstance(base, dict):
+        raise ValueError(f"{path.name}: elastic ZeRO optimizer state is not supported")
+    groups = []
+    for i, fp32 in enumerate(sd["single_partition_of_fp32_groups"]):
+        state = base["state"][base["param_groups"][i]["params"][0]]
+        groups.append({"partitions": int(sd["partition_count"][i]), "moe": bool(base["param_groups"][i].get("moe")),
+                       "step": int(state["step"]), "fp32": fp32, "exp_avg": state["exp_avg"],
+                       "exp_avg_sq": state["exp_avg_sq"],
+                       "slices": {name: (a.start, a.numel) for name, a in sd["param_slice_mappings"][i].items()}})
+    return groups
+
+
 def convert_to_universal(input_folder: Path, output_folder: Path) -> None:
     """Convert one DeepSpeed checkpoint tag directory into the universal form in ``output_folder`` (single process;
     missing optimizer state injected). 0.19 has no function API for it: this runs the ``ds_to_universal`` script's

@@ -231,7 +231,7 @@ def _full_weights_resume(rank: int, world: int, work: str) -> dict:
                          model=FullWeights(module.full_state_dict(), gather_moments(module))))
     ckpt = ck.resolve(Path(work) / "run")
     ctx = dist.DistContext(0, 1, 0, 1, torch.device("cpu"), False)
-    source = resume_source(ckpt, Path(work) / "run", ctx)
+    source = resume_source(ckpt, Path(work) / "run", ctx, 0)
     resumed = build_module(cfg, weights=source.weights)
     load_model_state(resumed, source, built=True)
     rolled = build_module(cfg)  # another trajectory, then a rollback to the checkpoint

@@ -9,6 +9,8 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     summary.json             the end-of-run summary
     step_NNNNNNNN/           committed checkpoints (below)
     .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
+    universal-step_N/        a checkpoint's DeepSpeed universal form (resumed on another worker count)
+    full-step_N-KEY/         a checkpoint's full form (resumed on another expert-parallel layout)
 
 One committed checkpoint::
 
@@ -51,6 +53,7 @@ STEP_PREFIX = "step_"
 STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".old-"
 UNIVERSAL_PREFIX = "universal-"
+RESHARDED_PREFIX = "full-"
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{8}})$")
 
 
@@ -96,6 +99,16 @@ def universal_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
     return cache_root / f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}{step_dir_name(step)}-{nonce}"
 
 
+def resharded_dir(cache_root: Path, step: int, key: str) -> Path:
+    """The full form (weights and moments) of the checkpoint of ``step`` whose manifest hashes to ``key``, converted
+    for another expert-parallel layout (``reader.resharded_full_form``)."""
+    return cache_root / f"{RESHARDED_PREFIX}{step_dir_name(step)}-{key}"
+
+
+def resharded_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
+    return cache_root / f"{STAGING_PREFIX}{RESHARDED_PREFIX}{step_dir_name(step)}-{nonce}"
+
+
 LEFTOVER_PREFIXES = (f"{STAGING_PREFIX}{STEP_PREFIX}", f"{REPLACED_PREFIX}{STEP_PREFIX}",
-                     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}")
+                     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}", f"{STAGING_PREFIX}{RESHARDED_PREFIX}")
 """Names of interrupted saves and conversions, removed by rank 0 at the start of a job."""

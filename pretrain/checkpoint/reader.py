@@ -6,7 +6,9 @@ to its checkpoint directory is the caller's (``pretrain/export/checkpoints.py``)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,41 @@ def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
     if moe.enabled:
         weights.check_experts_complete(sd, cfg.model.num_layers, moe)
     return sd
+
+
+def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
+    """``ckpt``'s DeepSpeed state (ZeRO-1/2, any expert layout) as format ``full`` — every weight as its fp32 master
+    and AdamW's moments and step, experts under their global ids — to resume on another expert-parallel layout,
+    which DeepSpeed's own loading (and its universal form) cannot. Converted once (single process) and cached
+    under ``cache_root``, keyed by the manifest's hash; staged and renamed so an interrupted conversion is never
+    used. Returns the directory to read with :func:`weights.load_full_weights` / ``load_optimizer_moments``."""
+    key = hashlib.sha256((ckpt.path / layout.MANIFEST).read_bytes()).hexdigest()[:12]
+    final = layout.resharded_dir(cache_root, ckpt.step, key)
+    if (final / layout.OPTIMIZER).is_file():
+        return final
+    cfg = load(ckpt).config
+    if cfg.zero.stage not in (1, 2):
+        raise CheckpointError(f"{ckpt.path}: re-sharding experts needs a ZeRO-1/2 checkpoint (this one: ZeRO-"
+                              f"{cfg.zero.stage}); resume with moe.ep_size={ckpt.manifest.moe_ep_size} "
+                              f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}")
+    sd = full_state_dict(ckpt, cfg)  # buffers (and shapes) from the module state
+    masters, moments = weights.gathered_optimizer_state(ckpt.path, cfg.moe.num_experts)
+    unknown = sorted(set(masters) - set(sd))
+    if unknown:
+        raise CheckpointError(f"{ckpt.path}: optimizer state of unknown parameters {unknown[:3]}")
+    for name, flat in masters.items():
+        sd[name] = flat.view(sd[name].shape)
+        for key in weights.MOMENTS:
+            moments[key][name] = moments[key][name].view(sd[name].shape)
+    if cfg.model.tie_embeddings and "lm_head.weight" in sd:
+        sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    stage = layout.resharded_staging_dir(cache_root, ckpt.step, store.new_nonce())
+    stage.mkdir(parents=True)
+    weights.save_full_weights(stage, sd)
+    weights.save_optimizer_moments(stage, moments)
+    os.replace(stage, final)
+    store.fsync_dir(cache_root)
+    return final
 
 
 @dataclass

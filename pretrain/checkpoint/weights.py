@@ -138,6 +138,38 @@ def expert_parallel_state_dict(ds_tag_dir: Path) -> StateDict:
     return sd
 
 
+def _global_expert_name(name: str, offset: int) -> str:
+    """``name`` with its expert id (a local id on an expert-parallel rank) shifted by ``offset``."""
+    m = _EXPERT.match(name)
+    return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}" if m and offset else name
+
+
+def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDict, dict[str, Any]]:
+    """(fp32 master weights, AdamW moments) by parameter name, flat, merged from every rank's ZeRO-1/2 partitions
+    of a DeepSpeed checkpoint of any expert layout (experts under their global ids). A group partitioned over
+    ``n`` of the ``W`` ranks (dense: all; experts: the expert-data-parallel group of ``W / n`` = ep_size
+    consecutive-rank EP groups) holds on rank ``r`` partition ``r // (W / n)``, and its experts are those of
+    expert-parallel rank ``r % (W / n)``; a parameter is the concatenation of its fragments in partition order."""
+    files = ds_adapter.zero_optimizer_files(ds_engine_dir(ckpt_path) / layout.DS_TAG)
+    if not files:
+        raise CheckpointError(f"{ckpt_path}: no ZeRO-1/2 optimizer state to re-shard")
+    world, step = len(files), 0
+    pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *MOMENTS)}
+    for path in files:
+        rank = ds_adapter.rank_of_state_file(path.name)
+        for group in ds_adapter.zero_partitions(path):
+            ep = world // group["partitions"]
+            offset = (rank % ep) * (num_experts // ep) if group["moe"] else 0
+            step = max(step, group["step"])
+            for name, (start, numel) in group["slices"].items():
+                name = _global_expert_name(name, offset)
+                for key, by_name in pieces.items():
+                    by_name.setdefault(name, {})[rank // ep] = group[key][start:start + numel]
+    merged = {key: {name: torch.cat([parts[i] for i in sorted(parts)]).float() for name, parts in by_name.items()}
+              for key, by_name in pieces.items()}
+    return merged["fp32"], {"step": step, **{key: merged[key] for key in MOMENTS}}
+
+
 def check_experts_complete(sd: StateDict, num_layers: int, moe) -> None:
     """Every MoE block has experts 0..E-1 (guards consolidation of a partial checkpoint)."""
     seen: dict[str, set[int]] = {}

@@ -142,6 +142,21 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
+def global_param_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> its name in a full state dict, for the experts of every sharded MoE layer (local id ->
+    global id: consecutive experts per EP rank, as :func:`shard_experts` keeps them); other names are unchanged."""
+    out = {}
+    for block, layer in moe_layers(model):
+        if layer.ep_size == 1:
+            continue
+        prefix = f"blocks.{block}.ffn.deepspeed_moe.experts.deepspeed_experts."
+        for name, _ in model.named_parameters():
+            if name.startswith(prefix):
+                e, rest = name[len(prefix):].split(".", 1)
+                out[name] = f"{prefix}{layer.ep_rank * layer.num_local_experts + int(e)}.{rest}"
+    return out
+
+
 def exchanges(model: nn.Module) -> list[AllToAllExchange]:
     """The installed all-to-all exchanges (for timing)."""
     return [layer.exchange for _, layer in moe_layers(model) if isinstance(layer.exchange, AllToAllExchange)]

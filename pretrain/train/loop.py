@@ -26,7 +26,7 @@ from pretrain.train.checkpointing import Checkpointer
 from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
-from pretrain.train.resume import checkpoint_architecture, find_resume_point, restore, resume_source
+from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
 from pretrain.train.stability import StabilityControl
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 from pretrain.train.tracking import Tracker
@@ -86,7 +86,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     resume = find_resume_point(cfg, run_dir, ctx)
     if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
         cfg = checkpoint_architecture(cfg, resume)
-    source = resume_source(resume, run_dir, ctx) if resume is not None else None
+    source = resume_source(resume, run_dir, ctx, ep_size_of(cfg)) if resume is not None else None
     weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
     if source is not None and source.weights is not None:  # a full-weights checkpoint (a derived run)
         weights = source.weights

@@ -4,8 +4,9 @@ ZeRO stage — what growth transforms when ``growth.optimizer: grow`` keeps the 
 ``gather_moments(module)`` -> ``{"step": n, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}`` (every rank,
 collective); ``load_moments(module, moments)`` sets them (for the module's own shapes) and the step count. Uses
 DeepSpeed's ``safe_get/set_full_optimizer_state`` (ZeRO-1/2/3, through :mod:`pretrain.ds_adapter`) or the torch
-optimizer's state (stage 0). Not under expert parallelism (an expert's moments live on its expert-parallel ranks
-only).
+optimizer's state (stage 0). ``gather_moments`` is not for expert parallelism (an expert's moments live on its
+expert-parallel ranks only); ``load_moments`` is: each rank sets the moments of the experts it holds (by their
+global names), which is how a checkpoint resumes on another expert layout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from pretrain import ds_adapter
+from pretrain.train.expert_parallel import global_param_names
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -53,22 +55,23 @@ def gather_moments(module) -> dict[str, Any]:
 
 
 def load_moments(module, moments: dict[str, Any]) -> None:
-    """Set the moments (full tensors of this module's shapes) and the step count. A fresh optimizer has no state yet:
+    """Set the moments (full tensors by full-state-dict name: experts under global ids) and the step count; under
+    expert parallelism each rank takes those of its own experts. A fresh optimizer has no state yet:
     one step with zero gradients at LR 0 creates it without moving a weight (AdamW: zero moments, a zero update,
     weight decay scaled by the LR). Collective."""
     from pretrain.train.step import StepInput, run_step
 
     if not moments.get("step"):
         return
-    _check(module)
     base = _base(module)
     if not base.state:
         ids = torch.zeros(module.plan.shares[module.rank], module.cfg.model.max_seq_len, dtype=torch.long)
         run_step(module, StepInput(0, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, 0.0))
     _link_all_groups(module)
+    names = global_param_names(module.model)
     for name, p in module.model.named_parameters():
         for key in MOMENTS:
-            value = moments[key][name].to(module.device, torch.float32)
+            value = moments[key][names.get(name, name)].to(module.device, torch.float32)
             if module.zero_stage == 0:
                 base.state[p][key].copy_(value.view_as(base.state[p][key]))
             else:

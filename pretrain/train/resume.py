@@ -1,7 +1,8 @@
 """Where a worker starts from: the committed checkpoint to resume (a restart, ``resume RUN_ID``, or
 ``checkpoint.resume_from``), checked for its expert layout, and restored into module, data and counters.
 A checkpoint holds either DeepSpeed engine state (loaded into the engine, re-sharded for another worker count) or
-full weights and optimizer moments (derived runs: the module is built from them, on any layout)."""
+full weights and optimizer moments (derived runs: the module is built from them, on any layout). Expert-parallel
+engine state resumed on another expert layout is converted to the full form first, so it too resumes anywhere."""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> C
         resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
     if resume is not None:
         store.verify_or_point_back(resume, full=False)
-        check_expert_layout(resume, cfg, ctx.world_size)
         verify_in_parallel(resume, ctx)
     return resume
 
@@ -66,22 +66,32 @@ def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunCon
     return from_dict(merged)
 
 
-def check_expert_layout(ckpt: CommittedCheckpoint, cfg: RunConfig, world_size: int) -> None:
-    """Expert-parallel engine state resumes only into the same layout: DeepSpeed partitions the experts' ZeRO state
-    over the expert-data-parallel group, which changes with ``moe.ep_size`` and the worker count. Full weights
-    (every expert under its global id) resume on any layout."""
-    if reader.is_full_weights(ckpt):
-        return
-    saved_ep = ckpt.manifest.moe_ep_size
-    saved_world = ckpt.manifest.world_size
-    ep = cfg.moe.ep_size if cfg.moe.enabled else 0
-    if max(saved_ep, ep) <= 1:
-        return  # dense or ep_size 1: experts are ordinary data-parallel weights, any worker count works
-    if saved_ep != ep or saved_world != world_size:
-        raise CheckpointError(
-            f"{ckpt.path}: saved with moe.ep_size={saved_ep} on {saved_world} workers; resuming expert-parallel "
-            f"state needs the same layout (got moe.ep_size={ep} on {world_size} workers). Resume with "
-            f"moe.ep_size={saved_ep} cluster.num_workers={saved_world}")
+def expert_layout_changed(ckpt: CommittedCheckpoint, ep_size: int, world_size: int) -> bool:
+    """Whether ``ckpt`` holds expert-parallel engine state of another layout than ``ep_size`` (0: no MoE) on
+    ``world_size`` workers. DeepSpeed partitions the experts' ZeRO state over the expert-data-parallel group, which
+    changes with ``moe.ep_size`` and the worker count, and loads it (also its universal form) only into the same
+    groups: such a checkpoint resumes through its full form (:func:`reader.resharded_full_form`). Full weights, dense
+    checkpoints and ``ep_size`` 1 on both sides (experts are then ordinary data-parallel weights, re-sharded for
+    another worker count by the universal form) need no conversion."""
+    saved_ep, saved_world = ckpt.manifest.moe_ep_size, ckpt.manifest.world_size
+    if reader.is_full_weights(ckpt) or saved_ep == 0 or max(saved_ep, ep_size) <= 1:
+        return False
+    return saved_ep != ep_size or saved_world != world_size
+
+
+def _converted(ctx: dist.DistContext, convert, what: str) -> Path:
+    """``convert()`` run once by rank 0 (a checkpoint conversion cached in the run directory); its path, or the same
+    one-line error, on every rank."""
+    error, path = None, None
+    if ctx.is_main:
+        try:
+            path = convert()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"{what} ({e})" if not isinstance(e, CheckpointError) else str(e)
+    error, path = dist.broadcast_object((error, path))
+    if error:
+        raise CheckpointError(error)
+    return path
 
 
 def engine_state_dir(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> tuple[Path, bool]:
@@ -91,18 +101,11 @@ def engine_state_dir(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistCon
     saved_world = ckpt.manifest.world_size
     if saved_world == ctx.world_size:
         return weights.ds_engine_dir(ckpt.path), False
-    error, path = None, None
     if ctx.is_main:
         print(f"[train] elastic resume: {saved_world} -> {ctx.world_size} workers, converting the ZeRO "
               f"state to a DeepSpeed universal checkpoint", flush=True)
-        try:
-            path = weights.universal_checkpoint(ckpt, run_dir)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"{ckpt.path}: cannot re-shard from {saved_world} to {ctx.world_size} workers ({e})"
-    error, path = dist.broadcast_object((error, path))
-    if error:
-        raise CheckpointError(error)
-    return path, True
+    return _converted(ctx, lambda: weights.universal_checkpoint(ckpt, run_dir),
+                      f"{ckpt.path}: cannot re-shard from {saved_world} to {ctx.world_size} workers"), True
 
 
 @dataclass
@@ -117,13 +120,27 @@ class ResumeSource:
     moments: dict | None = None
 
 
-def resume_source(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> ResumeSource:
-    """What ``ckpt`` holds, ready to restore: its full weights and moments, or where its engine state is (for
-    another worker count: the universal form, see :func:`engine_state_dir`)."""
-    if reader.is_full_weights(ckpt):
-        return ResumeSource(ckpt, weights=weights.load_full_weights(ckpt.path),
-                            moments=weights.load_optimizer_moments(ckpt.path))
-    return ResumeSource(ckpt, *engine_state_dir(ckpt, run_dir, ctx))
+def resume_source(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext, ep_size: int) -> ResumeSource:
+    """What ``ckpt`` holds, ready to restore into a module with expert parallelism ``ep_size`` (0: no MoE): its full
+    weights and moments (for expert-parallel engine state of another layout: its full form, see
+    :func:`expert_layout_changed`), or where its engine state is (for another worker count: the universal form, see
+    :func:`engine_state_dir`)."""
+    path = ckpt.path
+    if expert_layout_changed(ckpt, ep_size, ctx.world_size):
+        saved = f"moe.ep_size={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
+        if ctx.is_main:
+            print(f"[train] expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, "
+                  f"converting the checkpoint to full weights and optimizer moments", flush=True)
+        path = _converted(ctx, lambda: reader.resharded_full_form(ckpt, run_dir),
+                          f"{ckpt.path}: cannot re-shard the experts saved with {saved}")
+    elif not reader.is_full_weights(ckpt):
+        return ResumeSource(ckpt, *engine_state_dir(ckpt, run_dir, ctx))
+    return ResumeSource(ckpt, weights=weights.load_full_weights(path), moments=weights.load_optimizer_moments(path))
+
+
+def ep_size_of(cfg: RunConfig) -> int:
+    """The expert-parallel degree a module of ``cfg`` has (0: no MoE), what :func:`resume_source` resumes into."""
+    return cfg.moe.ep_size if cfg.moe.enabled else 0
 
 
 def load_model_state(module, source: ResumeSource, built: bool = False) -> None:
@@ -142,7 +159,7 @@ def load_model_state(module, source: ResumeSource, built: bool = False) -> None:
 
 def rollback_loader(module, run_dir: Path, ctx: dist.DistContext):
     """``load(ckpt)`` for a stability rollback: the checkpoint's model state into ``module``, either format."""
-    return lambda ckpt: load_model_state(module, resume_source(ckpt, run_dir, ctx))
+    return lambda ckpt: load_model_state(module, resume_source(ckpt, run_dir, ctx, ep_size_of(module.cfg)))
 
 
 def restore(module, batches: TrainBatches, source: ResumeSource, ctx: dist.DistContext) -> TrainerState:
