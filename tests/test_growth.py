@@ -409,8 +409,8 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
 def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_path):
     """`grow` on a run trained by 2 workers under ZeRO-3 (partitioned weights merged): identity depth + tiled width
     without noise (the held-back loss is unchanged, logged), a child MLflow run tagged with its parent that `runs`
-    shows, resumes (on 1 worker) and exports with a passing parity check; `grow experts=4` upcycles and exports as
-    Mixtral."""
+    shows, resumes (on 1 worker) and exports with a passing parity check; `grow experts=4` upcycles, trains with
+    expert parallelism (2 workers, moe.ep_size=2) and exports as Mixtral."""
     import json
     import subprocess
 
@@ -447,7 +447,12 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (4, 64, False)
     out = cli("grow", parent, "experts=4", "noise=0")
     moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
-    report = cli("export", moe_child, "--out", str(tmp_path / "hf_moe"))
+    # the upcycled child (written on 1 process) trains with expert parallelism on 2 workers
+    out = cli("resume", moe_child, "train.max_steps=6", "cluster.num_workers=2", "moe.ep_size=2", "zero.stage=1")
+    assert "2 worker(s)" in out
+    hist = {x.step for x in client.get_metric_history(moe_child, "train/loss")}
+    assert hist == {5, 6} and client.get_metric_history(moe_child, "moe/block0/expert3_tokens")
+    report = cli("export", moe_child, "--out", str(tmp_path / "hf_moe"))  # its EP=2 checkpoint
     assert "MixtralForCausalLM" in report
 
 

@@ -1,5 +1,5 @@
 """Where a worker starts from: the committed checkpoint to resume (a restart, ``resume RUN_ID``, or
-``checkpoint.resume_from``), checked for its expert layout, and restored into module, data and counters.
+``checkpoint.resume_from``), verified, and restored into module, data and counters.
 A checkpoint holds either DeepSpeed engine state (loaded into the engine, re-sharded for another worker count) or
 full weights and optimizer moments (derived runs: the module is built from them, on any layout). Expert-parallel
 engine state resumed on another expert layout is converted to the full form first, so it too resumes anywhere."""
