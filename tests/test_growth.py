@@ -447,8 +447,9 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (4, 64, False)
     out = cli("grow", parent, "experts=4", "noise=0")
     moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
-    # the upcycled child (written on 1 process) trains with expert parallelism on 2 workers
-    out = cli("resume", moe_child, "train.max_steps=6", "cluster.num_workers=2", "moe.ep_size=2", "zero.stage=1")
+    # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
+    out = cli("resume", moe_child, "train.max_steps=6", "cluster.use_ray=true", "cluster.num_workers=2", "moe.ep_size=2",
+              "zero.stage=1")
     assert "2 worker(s)" in out
     hist = {x.step for x in client.get_metric_history(moe_child, "train/loss")}
     assert hist == {5, 6} and client.get_metric_history(moe_child, "moe/block0/expert3_tokens")
