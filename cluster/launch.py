@@ -18,7 +18,7 @@ from pretrain import timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.dist import free_port
 from pretrain.train.callbacks import SUMMARY_FILE
-from pretrain.train.loop import Job, train_loop
+from pretrain.train.job import Job
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
 _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -26,6 +26,14 @@ _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFL
 
 
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def train_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """The training function of every worker: :func:`pretrain.train.loop.train_loop`, imported where it runs (Ray
+    pickles this function by reference), so that the driver never imports the training stack."""
+    from pretrain.train.loop import train_loop
+
+    return train_loop(job)
 
 
 def worker_env() -> dict[str, str]:
@@ -92,7 +100,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
         use_gpu = cluster.use_gpu == "yes" or (cluster.use_gpu == "auto" and gpus >= cluster.num_workers)
         wait_for_placement(cluster, use_gpu, say=lambda line: print(line, flush=True))
         trainer = TorchTrainer(
-            train_loop,
+            train_worker,
             train_loop_config=asdict(job),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
             scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu,
@@ -126,4 +134,4 @@ def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     job = replace(job, startup=timeline.marks())
     # No Ray: this process is the worker (a world of one, or one rank of a torchrun launch).
     sys.stdout.flush()
-    return train_loop(asdict(job))
+    return train_worker(asdict(job))

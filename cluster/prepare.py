@@ -28,7 +28,7 @@ from pretrain.data.sanity import check_corpus
 from pretrain.train import tracking
 
 if TYPE_CHECKING:
-    from pretrain.train.loop import Job
+    from pretrain.train.job import Job
 
 
 def _abs(path: str, base: Path) -> str:
@@ -163,26 +163,25 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
     or copied into the run directory) and vocab size."""
     cfg = resolve_paths(cfg)
     preflight(cfg)
-    from pretrain.train.loop import Job
+    from pretrain.train.job import Job
 
     def complete(run_dir: Path) -> None:
-        from pretrain.data import load_or_train_tokenizer
+        from pretrain.data.tokenizer_cache import run_tokenizer
 
         if cfg.model.init_from_hf:
             _adopt_hf_model(cfg)
         _warn_if_not_exportable(cfg)
         tok_dir = run_dir / layout.RUN_TOKENIZER
         timeline.enter("tokenizer")
-        tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
-        if cfg.data.tokenizer:  # a given tokenizer is copied so the run is self-contained
-            tokenizer.save_pretrained(str(tok_dir))
+        # a given tokenizer is copied, a trained one comes from the user's cache when the corpus is unchanged:
+        # either way the run directory has its own copy (runs stay self-contained)
+        length = run_tokenizer(cfg.data, tok_dir, say=lambda line: print(f"[pretrain] {line}", flush=True))
         timeline.enter("run_preparation")
         cfg.data.tokenizer = str(tok_dir)
         if cfg.model.vocab_size == 0:
-            cfg.model.vocab_size = _round_up(len(tokenizer), cfg.model.vocab_multiple)
-        elif cfg.model.vocab_size < len(tokenizer):
-            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer "
-                              f"({len(tokenizer)})")
+            cfg.model.vocab_size = _round_up(length, cfg.model.vocab_multiple)
+        elif cfg.model.vocab_size < length:
+            raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({length})")
 
     run_id, run_dir, uri = create_run(cfg, tags, complete)
     init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
@@ -205,7 +204,7 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     or run directory (a new run that records where it came from)."""
     from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
     from pretrain.checkpoint.reader import read_config
-    from pretrain.train.loop import Job
+    from pretrain.train.job import Job
 
     uri = tracking.tracking_uri()
     path = Path(target)

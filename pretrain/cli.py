@@ -1,6 +1,8 @@
 """Command line: ``python -m pretrain CMD ...`` (``./launch.sh CMD ...`` sets up .venv first).
 
-    train [CONFIG.yaml] [key.sub=value ...]      train (default config: configs/demo-decoder.yaml)
+    train [CONFIG.yaml] [key.sub=value ...] [--dry-run]   train (default config: configs/demo-decoder.yaml);
+                                                  --dry-run: check everything a run checks first and print its
+                                                  plan (model, tokenizer, batch, steps, workers...), start nothing
     resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
@@ -70,8 +72,13 @@ def _print_summary(final: dict, job, uri: str) -> None:
 
 
 def cmd_train(args: list[str]) -> int:
-    path, overrides = split_args(args)
+    dry = "--dry-run" in args
+    path, overrides = split_args([a for a in args if a != "--dry-run"])
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
+    if dry:  # the checks and the plan; nothing started or created
+        from cluster.dry_run import dry_run
+
+        return dry_run(cfg, path or str(DEFAULT_CONFIG))
     timeline.start()
 
     from cluster.prepare import prepare_new

@@ -22,6 +22,20 @@ os.environ.pop("RAY_ADDRESS", None)
 SHARED = ROOT.parent / "shared" / "corpora"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """The user-level cache (trained tokenizers) of this session: never ~/.cache; the processes tests start
+    inherit it. Entries are keyed by everything the tokenizer depends on, so a hit equals a fresh training and
+    tests stay independent of their order."""
+    old = os.environ.get("PRETRAIN_CACHE")
+    os.environ["PRETRAIN_CACHE"] = str(tmp_path_factory.mktemp("user_cache"))
+    yield Path(os.environ["PRETRAIN_CACHE"])
+    if old is None:
+        os.environ.pop("PRETRAIN_CACHE", None)
+    else:
+        os.environ["PRETRAIN_CACHE"] = old
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh working directory with its own sqlite MLflow store."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from pretrain.config import DataConfig
 from pretrain.data.sources import BadRecords, training_sources
@@ -22,6 +22,13 @@ from pretrain.data.stream import DocumentStream
 EOS, PAD, MASK, UNK = "<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>"
 SPECIAL_TOKENS = [EOS, PAD, MASK, UNK]
 TOKENIZER_DATA_SEED = 0
+MIN_FREQUENCY = 2
+TRAINER_SETTINGS = {"kind": "byte-level-bpe", "special_tokens": SPECIAL_TOKENS, "min_frequency": MIN_FREQUENCY,
+                    "add_prefix_space": False, "data_seed": TOKENIZER_DATA_SEED}
+"""What a trained tokenizer depends on besides the data config (part of its cache key: tokenizer_cache.py)."""
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built (a cached one is only copied)
+    from transformers import PreTrainedTokenizerFast
 
 
 def training_documents(cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: int | None = None,
@@ -34,12 +41,14 @@ def training_documents(cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: 
 
 
 def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"data.tokenizer_vocab_size: {vocab_size} is below the 260 of a byte-level BPE")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=MIN_FREQUENCY, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
@@ -48,6 +57,8 @@ def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
 
 def load_or_train_tokenizer(cfg: DataConfig, out_dir: Path | str | None = None) -> PreTrainedTokenizerFast:
     """``cfg.tokenizer`` (a local tokenizer directory) or a BPE trained on the training documents."""
+    from transformers import PreTrainedTokenizerFast
+
     if cfg.tokenizer:
         path = Path(cfg.tokenizer).expanduser()
         if not path.is_dir():

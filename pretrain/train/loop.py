@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from pretrain.train import dist
 from pretrain.data.tasks import load_tasks
 from pretrain.train.callbacks import RunSummary, standard_callbacks
 from pretrain.train.checkpointing import Checkpointer
+from pretrain.train.job import Job
 from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
@@ -30,26 +30,6 @@ from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resu
 from pretrain.train.stability import StabilityControl
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 from pretrain.train.tracking import Tracker
-
-@dataclass(kw_only=True)
-class Job:
-    """Everything a worker needs; plain data so it travels to Ray workers."""
-
-    config: dict
-    """The resolved config (``to_dict(RunConfig)``)."""
-    run_id: str
-    """MLflow run id (or a local id when tracking is disabled)."""
-    run_dir: str
-    """Absolute checkpoint directory of this run."""
-    tracking_uri: str = ""
-    """MLflow tracking URI; empty disables tracking."""
-    init_weights: str = ""
-    """A full model state dict (``torch.save``, loaded with ``weights_only``) to start from instead of the seeded
-    init, e.g. converted from ``model.init_from_hf`` by the driver; a resumed checkpoint overrides it."""
-    startup: list = field(default_factory=list)
-    """The driver's start-up marks (:func:`pretrain.timeline.marks`), continued by the worker up to its first
-    step; empty when the job was not started by a command (the worker's timeline then starts at its setup)."""
-
 
 def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     """Train per ``job`` (a ``Job`` as dict). Returns the final metrics (rank 0's view)."""

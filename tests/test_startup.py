@@ -1,0 +1,155 @@
+"""A first step in seconds: the tokenizer cache (trained once per corpus and settings, reused, rebuilt when
+damaged) and ``train --dry-run`` (the checks and the plan, nothing created)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from pretrain.config import DataConfig, SourceConfig
+from pretrain.data import tokenizer_cache
+from pretrain.data.tokenizer import TRAINER_SETTINGS
+from pretrain.data.tokenizer_cache import cache_key, lookup, run_tokenizer
+from tests.conftest import PYTHON, ROOT, cli_env
+from tests.test_bad_input import assert_refused
+from tests.test_data import make_docs, write_txt
+
+CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
+SAMPLE = "The tokenizer of an unchanged corpus is trained once — naïve café 東京 ☕"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "user-cache"
+    monkeypatch.setenv("PRETRAIN_CACHE", str(root))
+    monkeypatch.delenv("PRETRAIN_TOKENIZER_CACHE", raising=False)
+    return root
+
+
+def small_cfg(corpus: Path, **kw) -> DataConfig:
+    return DataConfig(sources=[SourceConfig(path=str(corpus))], tokenizer_vocab_size=400, tokenizer_train_docs=800,
+                      val_holdout=0.02, **kw)
+
+
+def tokenize(tok_dir: Path) -> tuple[dict, list[int]]:
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    return tok.get_vocab(), tok(SAMPLE, add_special_tokens=False)["input_ids"]
+
+
+def test_cache_hit_gives_the_same_tokenizer_changes_miss_damage_is_rebuilt(tmp_path, cache):
+    corpus = write_txt(tmp_path / "c.txt", make_docs(1200, "doc"))
+    cfg = small_cfg(corpus)
+    said: list[str] = []
+    assert run_tokenizer(cfg, tmp_path / "a", said.append) == 400
+    assert len(said) == 1 and said[0].startswith("tokenizer: trained (400 tokens), cached in ")
+    entry = cache / "tokenizers" / cache_key(cfg, TRAINER_SETTINGS)
+    assert entry.is_dir() and lookup(entry.name) == (entry, 400)
+
+    said.clear()
+    assert run_tokenizer(cfg, tmp_path / "b", said.append) == 400  # hit: copied, same vocab and ids
+    assert said == [f"tokenizer: reused from cache {entry}"]
+    assert tokenize(tmp_path / "b") == tokenize(tmp_path / "a")
+    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
+
+    # any setting the tokenizer depends on, or the corpus, gives another key
+    keys = {cache_key(cfg, TRAINER_SETTINGS)}
+    for changed in (small_cfg(corpus, bad_records="fail"), DataConfig(**{**vars(cfg), "tokenizer_vocab_size": 420}),
+                    DataConfig(**{**vars(cfg), "tokenizer_train_docs": 700}),
+                    DataConfig(**{**vars(cfg), "val_holdout": 0.05})):
+        keys.add(cache_key(changed, TRAINER_SETTINGS))
+    keys.add(cache_key(cfg, {**TRAINER_SETTINGS, "min_frequency": 3}))
+    assert len(keys) == 6
+    with corpus.open("a") as f:
+        f.write("one more document at the end of the corpus, which the tokenizer may now see\n")
+    said.clear()
+    run_tokenizer(cfg, tmp_path / "c", said.append)
+    assert said[0].startswith("tokenizer: trained")
+
+    # a damaged entry is ignored and rebuilt
+    corpus.write_text(corpus.read_text().rsplit("one more", 1)[0])
+    os.utime(corpus, ns=(0, 0))  # another identity than the first version; the same text
+    key = cache_key(cfg, TRAINER_SETTINGS)
+    run_tokenizer(cfg, tmp_path / "d", said.append)
+    damaged = cache / "tokenizers" / key / "tokenizer.json"
+    damaged.write_text(damaged.read_text()[:1000])
+    assert lookup(key) is None
+    said.clear()
+    assert run_tokenizer(cfg, tmp_path / "e", said.append) == 400
+    assert said[0].startswith("tokenizer: trained") and lookup(key) is not None
+    assert tokenize(tmp_path / "e") == tokenize(tmp_path / "a")
+    (cache / "tokenizers" / key / "meta.json").write_text("{")  # a partial meta.json: a miss too
+    assert lookup(key) is None
+    assert not [p for p in (cache / "tokenizers").iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_cache_can_be_disabled_and_hub_sources_are_not_cached(tmp_path, cache, monkeypatch):
+    corpus = write_txt(tmp_path / "c.txt", make_docs(600, "doc"))
+    monkeypatch.setenv("PRETRAIN_TOKENIZER_CACHE", "0")
+    said: list[str] = []
+    run_tokenizer(small_cfg(corpus), tmp_path / "a", said.append)
+    assert said == [] and not cache.exists()
+    assert cache_key(DataConfig(sources=[SourceConfig(path="someone/dataset", format="hub")]), TRAINER_SETTINGS) is None
+
+
+def test_demo_corpus_identity_is_its_content(tmp_path, cache):
+    """The generated demo corpus has the same key from any working directory (data.cache_dir)."""
+    one = DataConfig(cache_dir=str(tmp_path / "one"))
+    two = DataConfig(cache_dir=str(tmp_path / "two"))
+    assert cache_key(one, TRAINER_SETTINGS) == cache_key(two, TRAINER_SETTINGS)
+    assert cache_key(one, TRAINER_SETTINGS) != cache_key(DataConfig(**{**vars(one), "tokenizer_vocab_size": 999}),
+                                                         TRAINER_SETTINGS)
+
+
+def dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "pretrain", "train", CONFIG, *args, "--dry-run"], cwd=tmp_path,
+                          env={**cli_env(tmp_path), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
+    corpus = write_txt(tmp_path / "c.txt", make_docs(1200, "doc"))
+    args = (f"data.sources=[{{path: {corpus}}}]", "data.tokenizer_vocab_size=400", "data.tokenizer_train_docs=800",
+            "train.max_steps=7", "checkpoint.dir=ck", "cluster.num_workers=2", "cluster.cpus_per_worker=0.5")
+    proc = dry_run(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "preflight passed" in out and "nothing was started or created" in out
+    assert "4 layers x 256" in out and "vocab 448" in out and "M parameters" in out
+    assert "2 worker(s), global batch 16 x 128 tokens = 2,048 tokens/step; 8 sequences/worker" in out
+    assert "7 (14,336 tokens)" in out and "ZeRO-1" in out and f"{tmp_path / 'ck'}/RUN_ID" in out
+    assert "trained at start on 800 documents" in out and "not cached yet" in out
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "mlflow.db").exists() and not cache.exists()
+
+    # once the tokenizer is cached, the plan says so (and counts the model with its real vocabulary)
+    from pretrain.config import load_config
+
+    from cluster.prepare import preflight, resolve_paths
+
+    cfg = resolve_paths(load_config(CONFIG, list(args)), tmp_path)
+    preflight(cfg)
+    run_tokenizer(cfg.data, tmp_path / "tok", lambda _: None)
+    proc = dry_run(tmp_path, *args)
+    assert proc.returncode == 0 and "reused from cache" in proc.stdout and "(400 tokens)" in proc.stdout
+
+    # checks fail as a run's would: one line, exit 2
+    assert_refused(dry_run(tmp_path, "model.bogus=1"), "model.bogus")
+    assert_refused(dry_run(tmp_path, "checkpoint.dir=/proc/pretrain-x"), "checkpoint.dir")
+    assert_refused(dry_run(tmp_path, *args, f"data.sources=[{{path: {tmp_path / 'missing.txt'}}}]"), "missing.txt")
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_driver_imports_no_training_stack():
+    """Preparing a run and handing it to Ray needs neither DeepSpeed nor transformers in the driver (the
+    workers import them); a cached tokenizer is only copied."""
+    code = ("import sys; import cluster.prepare, cluster.launch, pretrain.data.tokenizer_cache, cluster.dry_run; "
+            "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.loop') "
+            "if m in sys.modules)))")
+    proc = subprocess.run([PYTHON, "-c", "import json; " + code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
