@@ -11,6 +11,8 @@
                                                   time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
                                                   at rates 0, 0.25, 0.5
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
+    bench --checkpoint [--json] [--sizes 256,512,1024]   checkpoint bytes, loop stall per save (sync/async), save
+                                                  vs raw write, per-rank hash seconds, resume to first step
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
@@ -209,6 +211,10 @@ def cmd_bench(args: list[str]) -> int:
         from eval.bench_cluster import main as cluster_bench
 
         return cluster_bench(args)
+    if "--checkpoint" in args:  # checkpoint cost as the model grows: real train/resume runs per size
+        from eval.bench_checkpoint import main as checkpoint_bench
+
+        return checkpoint_bench(args)
     from eval.bench import main as bench_main
 
     return bench_main(args)

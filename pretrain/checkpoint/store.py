@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,11 +29,37 @@ def new_nonce() -> str:
     return uuid.uuid4().hex[:12]
 
 
+@dataclass(frozen=True)
+class HashTally:
+    """Bytes this process has hashed with :func:`sha256_file` and the seconds it took (its checkpoint hashing:
+    saves and resume verification), so a run can report what each rank hashed (``bench --checkpoint``)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def __sub__(self, other: HashTally) -> HashTally:
+        return HashTally(self.bytes - other.bytes, self.seconds - other.seconds)
+
+
+_tally = HashTally()
+_tally_lock = threading.Lock()  # a background save hashes in another thread
+
+
+def hash_tally() -> HashTally:
+    """What this process has hashed so far; the difference of two readings is what was hashed in between."""
+    with _tally_lock:
+        return _tally
+
+
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    global _tally
+    h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+            n += len(chunk)
+    with _tally_lock:
+        _tally = HashTally(_tally.bytes + n, _tally.seconds + time.perf_counter() - t0)
     return h.hexdigest()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pretrain import timeline
+from pretrain.checkpoint import store
 from pretrain.config import from_dict, make_plan, source_name
 from pretrain.data import (TrainBatches, load_or_train_tokenizer, source_validation_batches, token_byte_lengths,
                            validation_batches)
@@ -21,6 +22,7 @@ from pretrain.model.compile import is_compiled
 from pretrain.train import dist
 from pretrain.data.tasks import load_tasks
 from pretrain.train.callbacks import RunSummary, standard_callbacks
+from pretrain.train.checkpoint_stats import CheckpointStats
 from pretrain.train.checkpointing import Checkpointer
 from pretrain.train.job import Job
 from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
@@ -48,6 +50,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     """This worker's :class:`Trainer` for ``job``: the plan, the module (resumed when a committed checkpoint
     exists), the data, the standard callbacks, those of the enabled features and ``extra_callbacks``."""
     job_ = Job(**job)
+    hashed_at_setup = store.hash_tally()  # what the resume verification hashes is counted from here
     if job_.startup:
         timeline.adopt(job_.startup)
         timeline.enter("worker_setup")
@@ -110,7 +113,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
     callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank, byte_lengths)
     callbacks += [SourceValidation(per_source, only, byte_lengths), TaskEvaluation(tasks, cfg.eval.every),
-                  RunSummary(tokenizer, job_.run_id)]
+                  CheckpointStats(hashed_at_setup), RunSummary(tokenizer, job_.run_id)]
     return Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
                    tracker=tracker, progress=progress, run_dir=run_dir, callbacks=[*callbacks, *extra_callbacks],
                    last_checkpoint=resume.path if resume is not None else None)
