@@ -4,14 +4,15 @@ through Ray), each in a temporary MLflow store and checkpoint root under ``--dir
 removed afterwards):
 
 1. a synchronous run (``checkpoint.async=false`` when the key exists): a save every ``--every`` steps, ``--saves``
-   of them before the last step; its summary gives the bytes per checkpoint, the loop stall of each save
-   (``checkpoint_stall_s``, the whole save when it is synchronous) and every rank's hash seconds per save;
+   of them before the last step (which saves too); its summary gives the bytes per checkpoint, the loop stall of
+   each save (the whole save when it is synchronous) and every rank's hash seconds per save;
 2. the raw write limit of the same bytes on the same filesystem, right after: one sequential write + fsync
    (:func:`raw_write_seconds`), against which the synchronous save is put (``sync_save_vs_raw``);
 3. ``resume RUN_ID`` of that run for one step: seconds from the command to its first step and the bytes each
    rank hashed before it (``resume_hashes_each_byte_once``: they add up to the checkpoint's bytes);
-4. the same run with ``checkpoint.async=true``: its loop stall per save (only the copy to host memory when the
-   save is asynchronous). Without the ``checkpoint.async`` key it is reported unavailable.
+4. the same run with ``checkpoint.async=true``: its loop stall per save (the copy to host memory, the commit at
+   a later step boundary, any wait for the previous save), its parts and the largest host snapshot of a rank.
+   Without the ``checkpoint.async`` key it is reported unavailable.
 
 Stalls are those of the saves before the last step (a run's final save is waited for at its end either way).
 
@@ -44,6 +45,9 @@ RUN = ["model.max_seq_len=64", "train.global_batch_size=2", "train.micro_batch_s
        "checkpoint.keep_last=2"]
 """What the bench sets on the config: tiny steps (a checkpoint's size does not depend on the batch), one
 validation at the end, the older checkpoints pruned (disk)."""
+ASYNC_PARTS = ("snapshot_s", "commit_s", "write_s")
+"""An asynchronous save's parts (the checkpointer's per-save record): the copy to host memory and the commit at a
+later step boundary stall the loop; the background write (write, hash, fsync) does not."""
 
 
 def size_overrides(hidden: int, layers: int, workers: int, zero_stage: int) -> list[str]:
@@ -109,11 +113,21 @@ class Session:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def before_last(summary: dict) -> list[float]:
-    """The loop stalls of the saves before the run's last step (all of them when there are none)."""
-    stalls = list(zip(summary.get("checkpoint_stall_steps", []), summary.get("checkpoint_stall_s", [])))
-    mid = [s for step, s in stalls if step < summary.get("step", 0)]
-    return mid or [s for _, s in stalls]
+def save_records(summary: dict) -> list[dict]:
+    """One dict per save of the run (``step``, ``stall_s``, ...): the checkpointer's ``checkpoint_saves``; from a
+    checkpointer without per-save records (synchronous saves only), every save at the mean of the loop time it
+    spent in them (``checkpoint_seconds`` over ``checkpoints``), at step 0."""
+    if "checkpoint_saves" in summary:
+        return list(summary["checkpoint_saves"])
+    n = int(summary.get("checkpoints", 0))
+    return [{"step": 0, "stall_s": summary["checkpoint_seconds"] / n}] * n if n else []
+
+
+def before_last(summary: dict, key: str = "stall_s") -> list[float]:
+    """``key`` (the loop stall) of the saves before the run's last step (all saves when there are none)."""
+    records = save_records(summary)
+    mid = [r[key] for r in records if r["step"] < summary.get("step", 0) and key in r]
+    return mid or [r[key] for r in records if key in r]
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -127,15 +141,14 @@ def size_row(hidden: int, sync: dict, resume: dict, raw_write_s: float, asyn: di
     nbytes = int(sync["checkpoint_bytes"])
     sync_stalls = before_last(sync)
     sync_stall = _mean(sync_stalls)
-    hash_s = sync.get("checkpoint_hash_s_per_rank", [])
     resume_bytes = resume.get("resume_hash_bytes_per_rank", [])
     row = {"hidden": hidden, "checkpoint_bytes": nbytes, "checkpoint_gb": nbytes / 1e9,
            "saves_timed": len(sync_stalls), "sync_stall_s": sync_stall, "sync_stall_s_each": sync_stalls,
            "sync_stall_s_per_gb": sync_stall / (nbytes / 1e9) if sync_stall is not None and nbytes else None,
            "raw_write_s": raw_write_s,
            "sync_save_vs_raw": sync_stall / raw_write_s if sync_stall is not None and raw_write_s > 0 else None,
-           "hash_s_per_rank": [_mean(h) for h in hash_s],
-           "hash_bytes_per_rank": [_mean(b) for b in sync.get("checkpoint_hash_bytes_per_rank", [])],
+           "hash_s_per_rank": sync.get("checkpoint_hash_s_per_rank", []),
+           "hash_bytes_per_rank": sync.get("checkpoint_hash_bytes_per_rank", []),
            "resume_time_to_first_step_s": resume.get("time_to_first_step_s"),
            "resume_hash_s_per_rank": resume.get("resume_hash_s_per_rank", []),
            "resume_hash_bytes_per_rank": resume_bytes,
@@ -147,7 +160,10 @@ def size_row(hidden: int, sync: dict, resume: dict, raw_write_s: float, asyn: di
         async_stall = _mean(async_stalls)
         row.update(async_stall_s=async_stall, async_stall_s_each=async_stalls,
                    async_stall_frac=async_stall / sync_stall if async_stall is not None and sync_stall else None,
-                   async_checkpoint_bytes=asyn.get("checkpoint_bytes"))
+                   async_checkpoint_bytes=asyn.get("checkpoint_bytes"),
+                   **{f"async_{k}": _mean(before_last(asyn, k)) for k in ASYNC_PARTS},
+                   async_snapshot_gb_max=asyn.get("checkpoint_snapshot_gb_max"),
+                   async_hash_s_per_rank=asyn.get("checkpoint_hash_s_per_rank", []))
     return row
 
 
@@ -165,8 +181,9 @@ def targets(rows: list[dict]) -> dict:
 def measure_size(config: str | Path, overrides: list[str], hidden: int, a: argparse.Namespace,
                  why_no_async: str) -> dict:
     """Run one size (see the module doc); its temporary directories are removed before returning."""
+    # The last step saves too, spaced like the others: the saves timed do not wait for it, nor it for them.
     over = [*RUN, *size_overrides(hidden, a.layers, a.workers, a.zero_stage), *overrides,
-            f"checkpoint.every_steps={a.every}", f"train.max_steps={a.every * a.saves + 1}"]
+            f"checkpoint.every_steps={a.every}", f"train.max_steps={a.every * (a.saves + 1)}"]
     mode = [] if why_no_async else ["checkpoint.async=false"]
     session = Session(Path(a.dir), a.timeout)
     try:
@@ -231,7 +248,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--zero-stage", type=int, default=2)
-    p.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
+    p.add_argument("--every", type=int, default=4, help="checkpoint.every_steps")
     p.add_argument("--saves", type=int, default=3, help="saves timed (before the last step's)")
     p.add_argument("--dir", default="checkpoints",
                    help="where the runs write (the filesystem measured); a temporary directory in it is removed")
