@@ -132,7 +132,8 @@ def test_bench_checkpoint_json_for_a_tiny_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     result = json.loads(proc.stdout)
     (row,) = result["sizes"]
-    assert row["hidden"] == 64 and row["checkpoint_bytes"] > 0 and row["saves_timed"] == 1
+    assert row["hidden"] == 64 and row["checkpoint_bytes"] > 0
+    assert row["saves_timed"] in (1, 2)  # 2: a checkpointer without per-save records gives the mean of both saves
     assert row["sync_stall_s"] > 0 and row["raw_write_s"] > 0 and row["sync_save_vs_raw"] > 0
     assert len(row["hash_s_per_rank"]) == 2 and all(s > 0 for s in row["hash_s_per_rank"])
     assert row["resume_hashes_each_byte_once"] and row["resume_time_to_first_step_s"] > 0
