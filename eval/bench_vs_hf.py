@@ -152,7 +152,7 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-vs-hf-") as tmp:
         tmp_dir = Path(tmp)
         print(f"[bench] training the shared tokenizer on {corpus} ...", file=sys.stderr)
-        tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tmp_dir / "tokenizer")
+        tokenizer = load_or_train_tokenizer(cfg.data, out_dir=tmp_dir / "bench-tokenizer")
         resolve_vocab(cfg, tokenizer)
         _, hf = build_pair(cfg, tokenizer)
         hf.save_pretrained(str(tmp_dir / "hf-init"))
@@ -160,7 +160,7 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
         print(f"[bench] Hugging Face Trainer ({type(hf).__name__}), {steps} steps ...", file=sys.stderr)
         hf_side = run_hf(cfg, tmp_dir / "hf-init", tmp_dir / "tokens.pt", tmp_dir, steps, threads)
         print(f"[bench] ./launch.sh train, {steps} steps ...", file=sys.stderr)
-        ours = run_ours(str(config), overrides, tmp_dir / "tokenizer")
+        ours = run_ours(str(config), overrides, tmp_dir / "bench-tokenizer")
     ratio = ours["tokens_per_s"] / hf_side["tokens_per_s"] if hf_side["tokens_per_s"] else None
     wall_ratio = ours["wall_s"] / hf_side["wall_s"] if hf_side["wall_s"] else None
     return {"config": cfg.name, "hf_class": type(hf).__name__, "corpus": corpus, "steps": steps,
