@@ -23,9 +23,9 @@ def exit_without_teardown(code: int) -> None:
     import atexit
     import threading
 
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    # The interpreter's own order: threading's exit hooks (they shut down thread pools, e.g. the data prefetcher's
+    # and MLflow's executors, whose workers would otherwise wait forever), joining non-daemon threads, then atexit.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
