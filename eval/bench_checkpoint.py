@@ -93,7 +93,7 @@ class Session:
 
     def __init__(self, parent: Path, timeout: float):
         parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="pretrain-bench-ckpt-", dir=parent))
+        self.dir = Path(tempfile.mkdtemp(prefix="pretrain-bench-ckpt-", dir=parent)).resolve()
         self.runs, self.timeout = self.dir / "runs", timeout
         path = os.environ.get("PYTHONPATH")
         self.env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{self.dir / 'mlflow.db'}",

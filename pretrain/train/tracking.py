@@ -29,10 +29,14 @@ TAG_KIND = "pretrain.model_kind"
 
 
 def tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if uri:
-        return uri
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    """``MLFLOW_TRACKING_URI`` (default ``sqlite:///mlflow.db`` here), with a relative local store made absolute:
+    workers (Ray's) run in other directories and must open the same store as the driver."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip() or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri[len("sqlite:///"):].startswith("/"):
+        return f"sqlite:///{(Path.cwd() / uri[len('sqlite:///'):]).resolve()}"
+    if "://" not in uri and not uri.startswith("file:") and not Path(uri).is_absolute():
+        return str(Path(uri).resolve())  # a local file store given as a relative path
+    return uri
 
 
 def _local_artifact_root(uri: str) -> str | None:
