@@ -147,17 +147,11 @@ def _engine_saves(rank: int, world: int, work: str) -> dict:
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step
     from pretrain.train.trainer import TrainerState as _State
+    from tests.test_checkpoint_hashing import tiny_zero2_config
 
     torch.set_num_threads(1)
     work_dir = Path(work)
-    tok = work_dir / "tok"
-    tok.mkdir(exist_ok=True)
-    (tok / "tokenizer.json").write_text("{}")
-    cfg = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
-                             "model.num_heads=4", "model.max_seq_len=16", "zero.stage=2", "train.global_batch_size=4",
-                             "train.micro_batch_size=2", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
-                             "train.precision=fp32", f"data.tokenizer={tok}", "faults.slow_checkpoint_at_step=1",
-                             f"faults.slow_checkpoint_s={0.5 + 1.5 * rank}"])
+    cfg = tiny_zero2_config(work_dir, "faults.slow_checkpoint_at_step=1", f"faults.slow_checkpoint_s={0.5 + 1.5 * rank}")
     module = build_module(cfg)
 
     def step(i: int) -> float:

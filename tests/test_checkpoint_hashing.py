@@ -21,6 +21,19 @@ from tests.distributed import run_distributed
 OLD = Path(__file__).resolve().parent / "fixtures" / "old_checkpoint" / "step_00000002"
 
 
+def tiny_zero2_config(work_dir: Path, *extra: str):
+    """A tiny fp32 decoder under ZeRO-2 for 2 ranks (micro-batch 2), with a placeholder tokenizer directory."""
+    from pretrain.config import load_config
+
+    tok = work_dir / "tok"
+    tok.mkdir(exist_ok=True)
+    (tok / "tokenizer.json").write_text("{}")
+    return load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
+                              "model.num_heads=4", "model.max_seq_len=16", "zero.stage=2", "train.global_batch_size=4",
+                              "train.micro_batch_size=2", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
+                              "train.precision=fp32", f"data.tokenizer={tok}", *extra])
+
+
 def _writer_rank(rel: str) -> int:
     """Which rank writes ``rel`` (DeepSpeed and our layout name per-rank files by rank; rank 0 writes the rest)."""
     return store.verifying_rank(rel, 1 << 30)
@@ -30,7 +43,6 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     """Two ranks save one ZeRO-2 engine checkpoint through the collective writer with the hashing spied on, then
     verify it in parallel as a resume does (intact, then with one byte of rank 1's optimizer partition flipped)."""
     from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState
-    from pretrain.config import load_config
     from pretrain.train import dist
     from pretrain.train.checkpointing import DistWorld
     from pretrain.train.module import build_module
@@ -39,13 +51,7 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
 
     torch.set_num_threads(1)
     work_dir = Path(work)
-    tok = work_dir / "tok"
-    tok.mkdir(exist_ok=True)
-    (tok / "tokenizer.json").write_text("{}")
-    cfg = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
-                             "model.num_heads=4", "model.max_seq_len=16", "zero.stage=2", "train.global_batch_size=4",
-                             "train.micro_batch_size=2", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
-                             "train.precision=fp32", f"data.tokenizer={tok}"])
+    cfg = tiny_zero2_config(work_dir)
     module = build_module(cfg)
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(rank))
     run_step(module, StepInput(1, {"input_ids": ids, "labels": ids}, module.lr_at(0)))
