@@ -202,9 +202,30 @@ def rank_of_state_file(rel: str) -> int | None:
 
 
 @contextlib.contextmanager
-def recording_checkpoint_files(engine):
+def without_zip_crc():
+    """``torch.save`` without the zip format's CRC-32 of every record (``torch.utils.serialization.config``,
+    torch >= 2.6): our checkpoint files carry a sha256 each, so the CRC is a second checksum of the same bytes,
+    ~40% of ``torch.save``'s CPU time here. ``torch.load`` reads such files as any other. The setting is
+    process-wide; only checkpoint writes (at most one at a time) run inside this block."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch < 2.6
+        config = None
+    save = getattr(config, "save", None)
+    if save is None or not hasattr(save, "compute_crc32"):
+        yield
+        return
+    before, save.compute_crc32 = save.compute_crc32, False
+    try:
+        yield
+    finally:
+        save.compute_crc32 = before
+
+
+@contextlib.contextmanager
+def recording_checkpoint_files(engine, on_saved: Callable[[Path], None] | None = None):
     """Within the block, every file the engine's checkpoint engine saves is appended to the yielded list (so the
-    rank that wrote a file can hash it itself). Wraps ``engine.checkpoint_engine.save`` (0.19: every model,
+    rank that wrote a file can hash it itself) and passed to ``on_saved`` once written. Wraps ``engine.checkpoint_engine.save`` (0.19: every model,
     optimizer and expert file of ``save_checkpoint`` goes through it) on the instance, restored afterwards."""
     written: list[Path] = []
     ckpt_engine = engine.checkpoint_engine
@@ -212,7 +233,11 @@ def recording_checkpoint_files(engine):
 
     def recording_save(state_dict, path, *args, **kwargs):
         written.append(Path(path))
-        return ds_save(state_dict, path, *args, **kwargs)
+        with without_zip_crc():
+            out = ds_save(state_dict, path, *args, **kwargs)
+        if on_saved is not None:
+            on_saved(Path(path))
+        return out
 
     ckpt_engine.save = recording_save
     try:
@@ -234,7 +259,8 @@ def capturing_checkpoint_files(engine, host_copy: Callable[[Any], Any]):
     ds_save = ckpt_engine.save
 
     def write(state: Any, path: Path) -> None:
-        ds_save(state, str(path))
+        with without_zip_crc():
+            ds_save(state, str(path))
 
     def capture(state_dict, path, *args, **kwargs):
         captured.append((Path(path), host_copy(state_dict), write))

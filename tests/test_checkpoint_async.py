@@ -15,7 +15,7 @@ import torch
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint import weights
-from pretrain.checkpoint.snapshot import BackgroundWrite, HostCopy
+from pretrain.checkpoint.snapshot import BackgroundWrite, HostBuffers, HostCopy
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld, describe
 from pretrain.config import ConfigError, from_dict, load_config, to_dict
 from tests.distributed import run_distributed
@@ -81,6 +81,32 @@ def test_background_write_of_a_snapshot_is_the_synchronous_save(tmp_path):
     final = writer.commit(staged, describe(contents, "r", 1), frozenset(), write.digests, write.error)
     assert _digests(final) == _digests(sync)
     assert torch.equal(weights.load_full_weights(final)["a.weight"], torch.arange(12.0).reshape(3, 4))
+
+
+def test_host_buffers_are_reused_by_the_next_snapshot_and_its_files_are_the_same(tmp_path):
+    """Two asynchronous saves sharing :class:`HostBuffers`: the second copies into the first's memory (no new
+    allocation) and still writes the files a synchronous save of its own state writes; only one snapshot's
+    storages are kept."""
+    tok = _tokenizer(tmp_path)
+    writer, buffers = CheckpointWriter(tmp_path / "async", LocalWorld(), "r"), HostBuffers()
+    saved = []
+    for step in (3, 4):
+        contents = _contents(tok, step)
+        contents.model.weights["a.weight"].add_(step)
+        staged = writer.stage(step)
+        snap = writer.snapshot(staged, contents, buffers=buffers)
+        ptrs, nbytes = sorted(st.data_ptr() for st in snap.storages), snap.nbytes
+        write = BackgroundWrite(snap, step)
+        write.wait()
+        assert write.error is None
+        buffers.release(write.storages)
+        saved.append((ptrs, writer.commit(staged, describe(contents, "r", 1), frozenset(), write.digests, None)))
+        sync_contents = _contents(tok, step)
+        sync_contents.model.weights["a.weight"].add_(step)
+        sync = CheckpointWriter(tmp_path / f"sync{step}", LocalWorld(), "r").save(sync_contents)
+        assert _digests(saved[-1][1]) == _digests(sync)
+    assert saved[0][0] == saved[1][0]  # the same host memory both times
+    assert buffers.nbytes == nbytes > 0  # one snapshot's worth kept
 
 
 def test_background_failure_is_the_synchronous_failure(tmp_path, monkeypatch):

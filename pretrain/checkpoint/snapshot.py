@@ -24,14 +24,80 @@ from pretrain.checkpoint import store
 from pretrain.checkpoint.manifest import FileEntry
 
 
+class HostBuffers:
+    """Host memory reused from one snapshot to the next: :meth:`release` hands back a written snapshot's storages
+    and :meth:`take` serves the next snapshot's copies from them by size, so a save copies into memory already
+    mapped (a fresh allocation faults in every page; on a GPU, pinned memory is slow to allocate). Holds at most
+    one snapshot's storages (``release`` drops what the last one did not reuse)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self._warming: threading.Thread | None = None
+
+    def warm(self, state: Any) -> None:
+        """Allocate and touch, in a background thread, host memory for a snapshot of ``state`` (nested tensors,
+        e.g. the engine's live state dicts: one buffer per distinct storage), so that even the first snapshot
+        copies into mapped memory. The first :meth:`take` waits for it."""
+        sizes: dict[int, tuple[int, bool]] = {}
+
+        def visit(obj: Any) -> None:
+            if isinstance(obj, torch.Tensor):
+                st = obj.untyped_storage()
+                if st.nbytes():
+                    sizes[st.data_ptr()] = (st.nbytes(), st.device.type == "cuda")
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    visit(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v)
+
+        visit(state)
+
+        def allocate() -> None:
+            for nbytes, pinned in sizes.values():
+                st = torch.UntypedStorage(nbytes, device="cpu")
+                st.fill_(0)  # fault every page in now, off the loop
+                self._free.setdefault((nbytes, pinned), []).append(st.pin_memory() if pinned else st)
+
+        self._warming = threading.Thread(target=allocate, name="checkpoint-host-buffers", daemon=True)
+        self._warming.start()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+        free = self._free.get((nbytes, pinned))
+        if free:
+            return free.pop()
+        storage = torch.UntypedStorage(nbytes, device="cpu")
+        return storage.pin_memory() if pinned else storage
+
+    def release(self, storages: list[torch.UntypedStorage]) -> None:
+        """Keep ``storages`` (nothing may use them any more) for the next snapshot; drop the rest."""
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+        self._free = {}
+        for st in storages:
+            self._free.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for free in self._free.values() for st in free)
+
+
 class HostCopy:
     """Copies nested state (dicts, lists, tuples, tensors, plain objects) into host memory, one file's state per
     call. Within a call an object met twice is copied once, and tensors that share a storage share its copy (views
     and tied weights stay tied), so ``torch.save`` writes the copy as it would have written the original;
-    ``nbytes`` counts the bytes copied over all calls."""
+    ``nbytes`` counts the bytes copied over all calls and ``storages`` holds the copies' storages (drawn from
+    ``buffers`` when given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: HostBuffers | None = None) -> None:
         self.nbytes = 0
+        self.buffers = buffers
+        self.storages: list[torch.UntypedStorage] = []
         self._storages: dict[tuple[str, int | None, int], torch.UntypedStorage] = {}
         self._memo: dict[int, Any] = {}
 
@@ -75,9 +141,12 @@ class HostCopy:
         key = (src.device.type, src.device.index, src.data_ptr())
         dst = self._storages.get(key) if src.nbytes() else None
         if dst is None:
-            dst = torch.UntypedStorage(src.nbytes(), device="cpu")
+            pinned = src.device.type == "cuda"  # a device-to-host copy from pinned memory is a plain DMA
+            dst = (self.buffers.take(src.nbytes(), pinned) if self.buffers is not None
+                   else torch.UntypedStorage(src.nbytes(), device="cpu"))
             dst.copy_(src)
             self._storages[key] = dst
+            self.storages.append(dst)
             self.nbytes += src.nbytes()
         out = torch.empty((0,), dtype=t.dtype).set_(dst, t.storage_offset(), t.size(), t.stride())
         if isinstance(t, torch.nn.Parameter):
@@ -104,18 +173,28 @@ class Snapshot:
     written: list[Path] = field(default_factory=list)
     jobs: list[FileJob] = field(default_factory=list)
     nbytes: int = 0
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    """The host memory the jobs' state lives in (for :meth:`HostBuffers.release` once written)."""
+    digests: store.Digests = field(init=False)
+    """Sizes, checksums and fsyncs of this rank's files, each started as soon as the file is written."""
+
+    def __post_init__(self) -> None:
+        self.digests = store.Digests(self.stage)
 
     def write(self) -> dict[str, FileEntry]:
-        """Write every job's files (each job's memory is released once written), then size, sha256 and fsync
-        every file of this rank (``store.hash_files``)."""
-        written = list(self.written)
-        while self.jobs:
-            job = self.jobs.pop(0)
-            job.run()
-            written += job.paths
-            del job
-        self.nbytes = 0
-        return store.hash_files(self.stage, written)
+        """Write every job's files (each job's memory is released once written); each written file is hashed and
+        fsynced while the next is written (:class:`store.Digests`). Returns every file's entry of this rank."""
+        try:
+            self.digests.add(self.written)
+            while self.jobs:
+                job = self.jobs.pop(0)
+                job.run()
+                self.digests.add(job.paths)
+                del job
+            self.nbytes = 0
+            return self.digests.result()
+        finally:
+            self.digests.close()
 
 
 class BackgroundWrite:
@@ -126,6 +205,7 @@ class BackgroundWrite:
     def __init__(self, snapshot: Snapshot, step: int, delay_s: float = 0.0) -> None:
         self.snapshot, self.step, self.delay_s = snapshot, step, delay_s
         self.nbytes = snapshot.nbytes
+        self.storages = snapshot.storages  # reusable once written (``done``)
         self.digests: dict[str, FileEntry] = {}
         self.error: str | None = None
         self.seconds = 0.0  # the write, hash and fsync (the delay excluded)

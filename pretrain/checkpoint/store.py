@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,14 +87,49 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+class Digests:
+    """Size, sha256 and fsync of files as their writer finishes them: each :meth:`add`\ ed file is hashed on one
+    background thread (CPU) and fsynced on another (disk), so the hashing overlaps both the fsync and the files
+    still being written, and a rank's save costs about its write, not its write plus a re-read. Only the rank that
+    wrote a file adds it. :meth:`result` waits for every file and returns their entries (or raises the first
+    failure)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
+        self._pending: dict[Path, tuple[Future, Future]] = {}
+
+    def add(self, paths: Path | list[Path]) -> None:
+        for path in [paths] if isinstance(paths, Path) else paths:
+            if path not in self._pending:
+                self._pending[path] = (self._syncer.submit(fsync_file, path), self._hasher.submit(sha256_file, path))
+
+    def result(self) -> dict[str, FileEntry]:
+        try:
+            entries: dict[str, FileEntry] = {}
+            for path in sorted(self._pending):
+                synced, digest = self._pending[path]
+                synced.result()
+                entries[path.relative_to(self.root).as_posix()] = FileEntry(path.stat().st_size, digest.result())
+            return entries
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the threads (waiting for the files already added)."""
+        self._hasher.shutdown()
+        self._syncer.shutdown()
+        self._pending = {}
+
+
 def hash_files(root: Path, paths: list[Path] | None = None) -> dict[str, FileEntry]:
     """Size and sha256 of ``paths`` (default: every file under ``root``), keyed by POSIX path relative to
-    ``root``; each file is fsynced first. A writer may call it per rank on the files that rank wrote and merge."""
-    entries: dict[str, FileEntry] = {}
-    for path in sorted(paths if paths is not None else (p for p in root.rglob("*") if p.is_file())):
-        fsync_file(path)
-        entries[path.relative_to(root).as_posix()] = FileEntry(path.stat().st_size, sha256_file(path))
-    return entries
+    ``root``; each file is fsynced too (:class:`Digests`). A writer may call it per rank on the files that rank
+    wrote and merge."""
+    digests = Digests(root)
+    digests.add(sorted(paths if paths is not None else (p for p in root.rglob("*") if p.is_file())))
+    return digests.result()
 
 
 def merge_digests(parts: list[dict[str, FileEntry]]) -> dict[str, FileEntry]:

@@ -23,7 +23,7 @@ import torch
 
 from pretrain.checkpoint import layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, FileEntry, Manifest
-from pretrain.checkpoint.snapshot import FileJob, HostCopy, Snapshot
+from pretrain.checkpoint.snapshot import FileJob, HostBuffers, HostCopy, Snapshot
 from pretrain.config import RunConfig, config_hash, dump_yaml
 
 RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
@@ -61,12 +61,13 @@ class LocalWorld:
 
 @dataclass
 class EngineState:
-    """Format ``deepspeed``: ``save(directory)`` writes this rank's engine state into ``directory`` (collective)
-    and returns the files this rank wrote there; ``snapshot(directory, host_copy)`` (for an asynchronous save)
+    """Format ``deepspeed``: ``save(directory, on_file)`` writes this rank's engine state into ``directory``
+    (collective), calls ``on_file(path)`` as each file is written (to hash it while the next is written) and
+    returns the files this rank wrote there; ``snapshot(directory, host_copy)`` (for an asynchronous save)
     holds the same files in host memory instead: it returns the files written at once and the jobs that write
     the others later."""
 
-    save: Callable[[Path], list[Path]]
+    save: Callable[[Path, Callable[[Path], None]], list[Path]]
     snapshot: Callable[[Path, HostCopy], tuple[list[Path], list[FileJob]]] | None = None
 
 
@@ -138,13 +139,15 @@ class CheckpointWriter:
         (every rank in parallel, each only its own files) for :meth:`commit`."""
         return self.snapshot(staged, contents, in_memory=False).write()
 
-    def snapshot(self, staged: Staged, contents: Contents, in_memory: bool = True) -> Snapshot:
+    def snapshot(self, staged: Staged, contents: Contents, in_memory: bool = True,
+                 buffers: HostBuffers | None = None) -> Snapshot:
         """:meth:`write`'s files as a :class:`Snapshot` (collective): with ``in_memory``, the model state is
         copied to host memory (``EngineState.snapshot``; full weights copied), to be written by
         :meth:`Snapshot.write` later, e.g. in a :class:`BackgroundWrite`; otherwise it is written now. Every
-        other file's content is fixed here too (copied or serialized), so the caller may go on training."""
+        other file's content is fixed here too (copied or serialized), so the caller may go on training. The
+        copies are drawn from ``buffers`` when given."""
         rank, stage, model = self.world.rank, staged.path, contents.model
-        host_copy = HostCopy()
+        host_copy = HostCopy(buffers)
         snap = Snapshot(stage)
         if isinstance(model, EngineState):
             if in_memory and model.snapshot is not None:
@@ -152,7 +155,7 @@ class CheckpointWriter:
                 snap.written += written
                 snap.jobs += jobs
             else:
-                snap.written += model.save(weights.ds_engine_dir(stage))
+                snap.written += model.save(weights.ds_engine_dir(stage), snap.digests.add)
         elif rank == 0:
             full = host_copy(model.weights) if in_memory else model.weights
             snap.jobs.append(FileJob([stage / layout.WEIGHTS], partial(weights.save_full_weights, stage, full)))
@@ -171,7 +174,7 @@ class CheckpointWriter:
             files = sorted(p.relative_to(tokenizer) for p in tokenizer.rglob("*") if p.is_file())
             snap.jobs.append(FileJob([stage / layout.TOKENIZER / f for f in files],
                                      partial(shutil.copytree, tokenizer, stage / layout.TOKENIZER)))
-        snap.nbytes = host_copy.nbytes
+        snap.nbytes, snap.storages = host_copy.nbytes, host_copy.storages
         return snap
 
     def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset(),
@@ -180,23 +183,35 @@ class CheckpointWriter:
         rank's ``written`` digests (from :meth:`write`) into the manifest, commits, registers and prunes (never a
         path in ``protect``); every rank returns the committed path, or raises the same
         :class:`store.CheckpointError` — also when a rank's write ``failed`` (its one-line error): then nothing
-        is committed."""
-        parts = self.world.gather((written or {}, failed))
-        final, error = None, None
-        if self.world.rank == 0:
-            try:
-                bad = [(r, e) for r, (_, e) in enumerate(parts) if e]
-                if bad:
-                    raise _WriteFailed(f"rank {bad[0][0]}: {bad[0][1]}" if self.world.world_size > 1 else bad[0][1])
-                final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
-                if self.register is not None:
-                    self.register(final, manifest)
-                store.prune(self.run_dir, self.keep_last, protect)
-            except _WriteFailed as e:
-                error = str(e)
-            except Exception as e:  # tell the other ranks instead of leaving them in a barrier
-                error = f"{type(e).__name__}: {e}"
-        error, final = self.world.broadcast((error, final))
+        is committed. The three collective parts, for a caller that runs rank 0's part in the background:
+        :meth:`gather`, :meth:`commit_gathered` (rank 0), :meth:`outcome`."""
+        parts = self.gather(written, failed)
+        return self.outcome(staged, self.commit_gathered(staged, manifest, protect, parts))
+
+    def gather(self, written: dict[str, FileEntry] | None, failed: str | None) -> list[Any]:
+        """Every rank's digests and failure, on rank 0 (collective)."""
+        return self.world.gather((written or {}, failed))
+
+    def commit_gathered(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str],
+                        parts: list[Any]) -> tuple[str | None, Path | None]:
+        """Rank 0's part of :meth:`commit` (other ranks: nothing): ``(error, None)`` or ``(None, committed path)``."""
+        if self.world.rank != 0:
+            return None, None
+        try:
+            bad = [(r, e) for r, (_, e) in enumerate(parts) if e]
+            if bad:
+                return (f"rank {bad[0][0]}: {bad[0][1]}" if self.world.world_size > 1 else bad[0][1]), None
+            final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
+            if self.register is not None:
+                self.register(final, manifest)
+            store.prune(self.run_dir, self.keep_last, protect)
+            return None, final
+        except Exception as e:  # tell the other ranks instead of leaving them in a barrier
+            return f"{type(e).__name__}: {e}", None
+
+    def outcome(self, staged: Staged, result: tuple[str | None, Path | None]) -> Path:
+        """Rank 0's :meth:`commit_gathered` result on every rank (collective): the path, or the one-line error."""
+        error, final = self.world.broadcast(result)
         if error:
             raise store.CheckpointError(f"checkpoint at step {staged.step} failed: {error}")
         return final
@@ -208,10 +223,6 @@ class CheckpointWriter:
         snap = self.snapshot(staged, contents, in_memory=False)
         written, failed = write_reporting(snap)
         return self.commit(staged, describe(contents, self.run_id, self.world.world_size), protect, written, failed)
-
-
-class _WriteFailed(Exception):
-    """A rank could not write its files (the message names the rank and the error)."""
 
 
 def write_reporting(snap: Snapshot) -> tuple[dict[str, FileEntry], str | None]:

@@ -43,6 +43,10 @@ class CheckpointConfig:
     checkpoint is committed before the run ends. Default on: the same files, checksums and atomic commit as a
     synchronous save at a fraction of its stall, for one extra host copy of this rank's state. False writes and
     commits inside the save (the loop waits for the disk)."""
+    keep_host_buffers: bool = True
+    """Asynchronous saves: keep the host memory of one snapshot from a save to the next and copy the next
+    snapshot into it (a fresh allocation faults in every page: the copy took ~4x as long here; on a GPU the
+    memory is pinned, which is slow to allocate). False frees it once each save is written."""
 
 
 @dataclass(kw_only=True)

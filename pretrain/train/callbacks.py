@@ -374,6 +374,7 @@ class CheckpointCallback(Callback):
             trainer.progress.say(f"checkpoint committed: step {layout.step_of(path.name)}")
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self.checkpointer.warm(trainer.module)
         self.committed(trainer, self.checkpointer.poll())
         every = trainer.cfg.checkpoint.every_steps
         if _last(trainer) or (every and trainer.state.step % every == 0):

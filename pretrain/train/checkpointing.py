@@ -13,6 +13,7 @@ flight (before the next save: at most one host snapshot exists; before a rollbac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import Manifest
-from pretrain.checkpoint.snapshot import BackgroundWrite
+from pretrain.checkpoint.snapshot import BackgroundWrite, HostBuffers
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, Staged, describe
 from pretrain.config import RunConfig
@@ -61,7 +62,12 @@ class SaveRecord:
     snapshot_s: float = 0.0
     """The copy to host memory (asynchronous) or the whole write + commit (synchronous)."""
     commit_s: float = 0.0
-    """Asynchronous: the commit at a later step boundary (the gather, rank 0's manifest, rename, MLflow)."""
+    """Asynchronous: the loop's part of the commit at later step boundaries (the all-reduces, the gather of the
+    digests, sharing the outcome; rank 0's manifest, rename, MLflow registration and pruning run in the
+    background unless the run waits for them)."""
+    wait_s: float = 0.0
+    """Asynchronous: waiting for this save's background write or commit, when the next save, a rollback or the
+    end of the run came before they finished (the save interval is shorter than the write)."""
     snapshot_gb: float = 0.0
     """Host memory of the snapshot: the largest over ranks (0 when synchronous)."""
     write_s: float = 0.0
@@ -80,6 +86,14 @@ class InFlight:
     write: BackgroundWrite
     record: SaveRecord
     protect: Callable[[], set[str]] = field(default=set)
+    committing: threading.Thread | None = None
+    """Rank 0's commit (other ranks: an empty thread), started once every rank has written."""
+    result: tuple[str | None, Path | None] = (None, None)
+    """Rank 0's commit outcome: (one-line error, committed path)."""
+
+
+def _nothing() -> None:
+    pass
 
 
 class Checkpointer:
@@ -88,6 +102,8 @@ class Checkpointer:
     def __init__(self, cfg: RunConfig, run_dir: Path, ctx: dist.DistContext, tracker):
         self.ctx, self.run_dir, self.tracker = ctx, Path(run_dir), tracker
         self.asynchronous = cfg.checkpoint.async_
+        self.buffers = HostBuffers() if self.asynchronous and cfg.checkpoint.keep_host_buffers else None
+        self._warmed = False
         self.faults = cfg.faults
         self.writer = CheckpointWriter(run_dir, DistWorld(ctx), tracker.run_id, keep_last=cfg.checkpoint.keep_last,
                                        register=tracker.register_checkpoint)
@@ -95,6 +111,13 @@ class Checkpointer:
         self.count = 0
         self.records: list[SaveRecord] = []
         self.in_flight: InFlight | None = None
+
+    def warm(self, module) -> None:
+        """Once, after the first optimizer step (when the optimizer state exists): prepare the host memory of the
+        first asynchronous snapshot in the background (:meth:`HostBuffers.warm`)."""
+        if self.buffers is not None and not self._warmed:
+            self._warmed = True
+            self.buffers.warm(module.live_state())
 
     def save(self, module, batches, state, protect: Callable[[], set[str]] = set) -> Path:
         """Save the state of this step: committed on return (synchronous) or in flight (asynchronous: committed
@@ -116,55 +139,89 @@ class Checkpointer:
                 return path
             # Asynchronous: the loop waits only for this (collective: the same staging directory everywhere).
             staged = self.writer.stage(state.step)
-            snap = self.writer.snapshot(staged, contents)
+            snap = self.writer.snapshot(staged, contents, buffers=self.buffers)
             manifest = describe(contents, self.writer.run_id, self.ctx.world_size)
             write = BackgroundWrite(snap, state.step, self._fault_delay(state.step))
             self.in_flight = InFlight(staged, manifest, write, record, protect)
             return self.run_dir / layout.step_dir_name(state.step)
         finally:  # the loop stalls for this part: measured for `bench --cluster` and `bench --checkpoint`
-            record.snapshot_s = time.perf_counter() - t0
-            self._account(record, record.snapshot_s)
+            self._account(record, time.perf_counter() - t0, "snapshot_s")
             self.records.append(record)
             self.count += 1
 
     def poll(self) -> Path | None:
-        """At a step boundary (every rank): commit the save in flight if every rank has finished writing it, or
-        raise its failure; the committed path, or None (nothing in flight, or still writing). One small
-        all-reduce while a save is in flight, so the decision is the same on every rank."""
-        if self.in_flight is None:
+        """At a step boundary (every rank): advance the save in flight; the committed path once it is committed,
+        else None (nothing in flight, still writing, or still committing); raises its failure. One small
+        all-reduce per step while a save is in flight, so every decision is the same on every rank: once every
+        rank has written, the digests are gathered and rank 0 commits in the background (manifest, fsync,
+        rename, MLflow, pruning); a later boundary sees the commit done and shares its outcome."""
+        flight = self.in_flight
+        if flight is None:
             return None
         t0 = time.perf_counter()
-        w = self.in_flight.write
-        finished = w.done()
-        done, failed = dist.all_reduce_sum([float(finished), float(finished and w.error is not None)],
-                                           self.ctx.device)
-        self._account(self.in_flight.record, time.perf_counter() - t0)
-        if done < self.ctx.world_size and not failed:
+        if flight.committing is None:
+            w = flight.write
+            finished = w.done()
+            done, failed = dist.all_reduce_sum([float(finished), float(finished and w.error is not None)],
+                                               self.ctx.device)
+            if done == self.ctx.world_size or failed:
+                self._start_commit(flight, background=True)
+            self._account(flight.record, time.perf_counter() - t0, "commit_s")
             return None
-        return self.finish()
+        finished = not flight.committing.is_alive()
+        done = dist.all_reduce_sum([float(finished)], self.ctx.device)[0]
+        self._account(flight.record, time.perf_counter() - t0, "commit_s")
+        return self.finish() if done == self.ctx.world_size else None
 
     def finish(self) -> Path | None:
-        """Wait until the save in flight is written on every rank and commit it (collective); its path, or None
+        """Wait until the save in flight is written on every rank and committed (collective); its path, or None
         when none was in flight. Raises the save's one-line :class:`CheckpointError` when a rank failed."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return None
+        if flight.committing is None:
+            self._start_commit(flight, background=False)
         t0 = time.perf_counter()
-        record, write = flight.record, flight.write
-        write.wait()
-        gb, seconds = dist.all_reduce_min([-write.nbytes / GB, -write.seconds], self.ctx.device)  # max over ranks
-        record.snapshot_gb, record.write_s = -gb, -seconds
+        flight.committing.join()
+        self._account(flight.record, time.perf_counter() - t0, "wait_s")
+        t0 = time.perf_counter()
         try:
-            path = self.writer.commit(flight.staged, flight.manifest, flight.protect(), write.digests, write.error)
+            path = self.writer.outcome(flight.staged, flight.result)
         finally:
-            record.commit_s = time.perf_counter() - t0
-            self._account(record, record.commit_s)
-        self.tracker.log_metrics(record.metrics(), record.step)
+            self._account(flight.record, time.perf_counter() - t0, "commit_s")
+        self.tracker.log_metrics(flight.record.metrics(), flight.record.step)
         return path
 
-    def _account(self, record: SaveRecord, seconds: float) -> None:
+    def _start_commit(self, flight: InFlight, background: bool) -> None:
+        """Every rank has written (or one failed): wait for this rank's write, gather the digests and start rank
+        0's commit, in a thread when ``background`` (other ranks: a thread with nothing to do)."""
+        record, write = flight.record, flight.write
+        t0 = time.perf_counter()
+        write.wait()
+        self._account(record, time.perf_counter() - t0, "wait_s")
+        t0 = time.perf_counter()
+        if self.buffers is not None:  # written: the next snapshot copies into the same memory
+            self.buffers.release(write.storages)
+        write.storages = []
+        gb, seconds = dist.all_reduce_min([-write.nbytes / GB, -write.seconds], self.ctx.device)  # max over ranks
+        record.snapshot_gb, record.write_s = -gb, -seconds
+        parts = self.writer.gather(write.digests, write.error)
+
+        def commit() -> None:
+            flight.result = self.writer.commit_gathered(flight.staged, flight.manifest, flight.protect(), parts)
+
+        if not background:
+            commit()
+        flight.committing = threading.Thread(target=commit if background else _nothing, daemon=True,
+                                             name=f"checkpoint-commit-{record.step}")
+        flight.committing.start()  # not background: nothing left to do, ``join`` returns at once
+        self._account(record, time.perf_counter() - t0, "commit_s")
+
+    def _account(self, record: SaveRecord, seconds: float, part: str | None = None) -> None:
         record.stall_s += seconds
         self.seconds += seconds
+        if part is not None:
+            setattr(record, part, getattr(record, part) + seconds)
 
     def _fault_delay(self, step: int) -> float:
         """``faults.slow_checkpoint_at_step``: the delay of this step's background write, once per run (a marker

@@ -12,6 +12,7 @@ the optimizer state), re-initializing DeepSpeed without restarting the process o
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,18 @@ class TrainModule:
         world = tdist.get_world_size() if tdist.is_initialized() else 1
         ds_adapter.load_partitioned_optimizer_state(opt, state, world)
 
-    def save(self, directory: Path) -> list[Path]:
+    def live_state(self) -> tuple[dict, dict | None]:
+        """The engine's module and optimizer state dicts as they are (live tensors, nothing copied): what an
+        asynchronous snapshot will copy, for sizing its host memory."""
+        opt = self.engine.optimizer
+        return self.engine.module_state_dict(), (opt.state_dict() if opt is not None else None)
+
+    def save(self, directory: Path, on_file: Callable[[Path], None] | None = None) -> list[Path]:
         """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective).
         Returns the files this rank wrote (for it to hash them itself): every file DeepSpeed's checkpoint engine
-        saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory."""
-        with ds_adapter.recording_checkpoint_files(self.engine) as written:
+        saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory.
+        ``on_file(path)`` is called as each engine file is written."""
+        with ds_adapter.recording_checkpoint_files(self.engine, on_file) as written:
             self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
         if self.engine.global_rank == 0:  # only rank 0 writes at the top of the DeepSpeed directory
             written += [p for p in Path(directory).iterdir() if p.is_file()]
