@@ -31,16 +31,31 @@ def user_line(line: str) -> str | None:
 
 class QuietConsole:
     """``with QuietConsole(path):`` everything written to fd 1 and 2 lands in ``path``; user lines also on the
-    terminal (all lines when ``verbose``)."""
+    terminal (all lines when ``verbose``). ``path`` may be given later (:meth:`set_log`: the run directory exists
+    only once the run is created, while Ray already starts); lines until then are held and written first."""
 
-    def __init__(self, log_path: Path, verbose: bool | None = None):
-        self.log_path = Path(log_path)
+    def __init__(self, log_path: Path | None, verbose: bool | None = None):
+        self.log_path = Path(log_path) if log_path is not None else None
         self.verbose = os.environ.get("PRETRAIN_VERBOSE", "") not in ("", "0") if verbose is None else verbose
         self._saved: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._held: list[bytes] = []
+        self._log = None
+
+    def set_log(self, log_path: Path) -> None:
+        """Write the lines held so far, and every later line, to ``log_path``."""
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self.log_path, self._log = log_path, open(log_path, "ab")
+            self._log.write(b"".join(self._held))
+            self._log.flush()
+            self._held = []
 
     def __enter__(self) -> QuietConsole:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_path is not None:
+            self.set_log(self.log_path)
         sys.stdout.flush()
         sys.stderr.flush()
         self._saved = (os.dup(1), os.dup(2))
@@ -54,10 +69,14 @@ class QuietConsole:
 
     def _pump(self, read: int) -> None:
         terminal = self._saved[0]
-        with open(read, "rb", buffering=0) as pipe, open(self.log_path, "ab") as log:
+        with open(read, "rb", buffering=0) as pipe:
             for raw in iter(pipe.readline, b""):
-                log.write(raw)
-                log.flush()
+                with self._lock:
+                    if self._log is None:
+                        self._held.append(raw)
+                    else:
+                        self._log.write(raw)
+                        self._log.flush()
                 line = raw.decode("utf-8", errors="replace")
                 shown = line if self.verbose else user_line(line)
                 if shown is not None:
@@ -75,3 +94,5 @@ class QuietConsole:
         self._thread.join(timeout=5)
         os.close(out)
         os.close(err)
+        if not self._thread.is_alive() and self._log is not None:  # else the pump still writes to it
+            self._log.close()

@@ -194,7 +194,7 @@ def _port_free(port: int) -> bool:
 
 
 def _free_port(avoid: set[int]) -> int:
-    from pretrain.train.dist import free_port  # lazily: torch is not needed to run a head
+    from pretrain.ports import free_port
 
     try:
         return free_port(avoid | set(_WORKER_PORTS))

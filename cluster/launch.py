@@ -9,15 +9,16 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from pretrain import timeline
 from pretrain.config import ClusterConfig
-from pretrain.train.dist import free_port
-from pretrain.train.callbacks import SUMMARY_FILE
+from pretrain.ports import free_port
 from pretrain.train.job import Job
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
@@ -26,6 +27,8 @@ _FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFL
 
 
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+T = TypeVar("T")
 
 
 def train_worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +71,50 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
                  dashboard_port=free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  logging_level=logging.WARNING, configure_logging=True)
     return True
+
+
+def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -> tuple[T, bool]:
+    """``prepare()`` (creating the run: MLflow, tokenizer, config) in a thread while this thread starts Ray — Ray
+    keeps the thread that starts it, since its servers are tied to it. With ``cluster.use_ray=false`` or a Ray
+    already running, just ``prepare()``. Returns its result and whether Ray was started here (the caller shuts it
+    down: :func:`stop_ray`); when either fails, Ray started here is shut down and the failure raised (the
+    preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
+    ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
+    if not cluster.use_ray:
+        return prepare(), False
+    check_local_layout(cluster)  # before anything starts
+    _ray_address(cluster)
+    with ThreadPoolExecutor(1, thread_name_prefix="run-preparation") as pool:
+        prepared = pool.submit(timeline.quietly, lambda: _prepare_then_import(prepare))
+        timeline.enter("ray")
+        started = False
+        try:
+            started = ensure_ray(cluster)
+            timeline.enter("run_preparation")
+            result = prepared.result()
+        except BaseException:
+            if prepared.done() and prepared.exception() is not None:
+                stop_ray(started)
+                raise prepared.exception() from None
+            stop_ray(started)
+            raise
+    timeline.enter("ray")
+    return result, started
+
+
+def _prepare_then_import(prepare: Callable[[], T]) -> T:
+    result = prepare()
+    import torch  # noqa: F401  (Ray Train's TorchTrainer imports it next: here it overlaps Ray's start)
+
+    return result
+
+
+def stop_ray(started: bool) -> None:
+    """Shut down the Ray this process started (a no-op otherwise)."""
+    if started:
+        import ray
+
+        ray.shutdown()
 
 
 def _ray_address(cluster: ClusterConfig) -> str:
@@ -122,7 +169,9 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
 
 def read_summary(job: Job) -> dict[str, Any]:
     """The final metrics rank 0 wrote into the run directory (shared storage)."""
-    path = Path(job.run_dir) / SUMMARY_FILE
+    from pretrain.checkpoint.layout import SUMMARY  # here: the driver imports torch in the run's preparation
+
+    path = Path(job.run_dir) / SUMMARY
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

@@ -158,11 +158,13 @@ def create_run(cfg: RunConfig, tags: dict[str, str] | None = None,
     return run_id, run_dir, uri
 
 
-def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None) -> Job:
-    """A fresh run: check it (:func:`preflight`), create the run (:func:`create_run`) with its tokenizer (trained
-    or copied into the run directory) and vocab size."""
-    cfg = resolve_paths(cfg)
-    preflight(cfg)
+def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: bool = False) -> Job:
+    """A fresh run: check it (:func:`preflight`; ``checked``: the caller did, on :func:`resolve_paths`' result),
+    create the run (:func:`create_run`) with its tokenizer (trained or copied into the run directory) and vocab
+    size."""
+    if not checked:
+        cfg = resolve_paths(cfg)
+        preflight(cfg)
     from pretrain.train.job import Job
 
     def complete(run_dir: Path) -> None:

@@ -83,47 +83,56 @@ def cmd_train(args: list[str]) -> int:
         return dry_run(cfg, path or str(DEFAULT_CONFIG))
     timeline.start()
 
-    from cluster.prepare import prepare_new
-    from pretrain.train.tracking import tracking_uri
+    from cluster.prepare import prepare_new, preflight, resolve_paths
 
     timeline.enter("run_preparation")
-    job = prepare_new(cfg)
-    print(f"[pretrain] run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}", flush=True)
-    return _run_job(job, cfg.cluster, tracking_uri())
+    cfg = resolve_paths(cfg)
+    preflight(cfg)  # a bad corpus or directory is refused before Ray starts (and before the imports below)
+    from cluster.launch import prepare_while_ray_starts
+
+    # The run is created (MLflow, tokenizer) while Ray starts.
+    return _run_job(lambda: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True)),
+                    lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}")
 
 
 def cmd_resume(args: list[str]) -> int:
     timeline.start()
-    from pretrain.config import from_dict
     from cluster.prepare import prepare_resume
-    from pretrain.train.tracking import tracking_uri
 
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")
     timeline.enter("run_preparation")
-    job = prepare_resume(args[0], args[1:])
-    cfg = from_dict(job.config)
-    print(f"[pretrain] resuming run {job.run_id} into {job.run_dir}", flush=True)
-    return _run_job(job, cfg.cluster, tracking_uri())
+    return _run_job(lambda: (prepare_resume(args[0], args[1:]), False),
+                    lambda job: f"resuming run {job.run_id} into {job.run_dir}")
 
 
-def _run_job(job, cluster, uri: str) -> int:
+def _run_job(prepare, announce) -> int:
+    """``prepare()`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
+    it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
+    run exists). ``announce(job)``: the line that names the run."""
     from cluster.console import QuietConsole
-    from cluster.launch import run
-    from pretrain.train.tracking import Tracker
+    from cluster.launch import run, stop_ray
+    from pretrain.config import from_dict
+    from pretrain.train.tracking import Tracker, tracking_uri
 
-    log = Path(job.run_dir) / "logs" / "driver.log"
-    print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
-    tracker = Tracker(job.tracking_uri, job.run_id)
-    try:
-        with QuietConsole(log):
-            final = run(job, cluster)
-    except BaseException as e:
-        tracker.finish("FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED")
-        e.add_note(f"full log: {log}")
-        raise
-    tracker.finish("FINISHED")
-    _print_summary(final, job, uri)
+    with QuietConsole(None) as console:
+        job, ray_started = prepare()
+        log = Path(job.run_dir) / "logs" / "driver.log"
+        console.set_log(log)
+        print(f"[pretrain] {announce(job)}", flush=True)
+        print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
+        tracker = Tracker(job.tracking_uri, job.run_id)
+        try:
+            try:
+                final = run(job, from_dict(job.config).cluster)
+            finally:
+                stop_ray(ray_started)
+        except BaseException as e:
+            tracker.finish("FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED")
+            e.add_note(f"full log: {log}")
+            raise
+        tracker.finish("FINISHED")
+    _print_summary(final, job, tracking_uri())
     return 0
 
 

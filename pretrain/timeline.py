@@ -12,11 +12,15 @@ machine; across nodes they are as good as the clocks' sync.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 _IMPORTED_AT = time.time()
 
 _marks: list[tuple[str, float]] = []
+_quiet = threading.local()
 
 PHASES = ("imports", "run_preparation", "tokenizer", "ray", "worker_setup", "engine_build", "trainer_setup",
           "first_batch", "first_step")
@@ -43,9 +47,19 @@ def start(name: str = "imports", at: float | None = None) -> None:
 
 
 def enter(phase: str) -> None:
-    """Phase ``phase`` begins now (the previous one ends); a no-op outside a timeline (library use, tests)."""
-    if _marks:
+    """Phase ``phase`` begins now (the previous one ends); a no-op outside a timeline (library use, tests) and in
+    work running alongside another phase (:func:`quietly`)."""
+    if _marks and not getattr(_quiet, "on", False):
         _marks.append((phase, time.time()))
+
+
+def quietly(fn: Callable[[], Any]) -> Any:
+    """``fn()`` without marking phases (in a thread, overlapping the phase the main thread is in)."""
+    _quiet.on = True
+    try:
+        return fn()
+    finally:
+        _quiet.on = False
 
 
 def finish() -> None:

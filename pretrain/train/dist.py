@@ -4,11 +4,12 @@ under torchrun (env vars), or as one plain process (a world of one, so DeepSpeed
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pretrain.ports import free_port  # noqa: F401  (re-exported: dist.free_port)
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
-    """A free TCP port on 127.0.0.1 that is not in ``avoid``."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
-    raise OSError("could not find a free local port")
 
 
 def _ray_context():

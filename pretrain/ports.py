@@ -1,0 +1,16 @@
+"""Local TCP ports (no heavy imports: the driver asks for one before it imports torch)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """A free TCP port on 127.0.0.1 that is not in ``avoid``."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError("could not find a free local port")
