@@ -43,6 +43,46 @@ def test_quiet_console_keeps_everything_in_the_log(tmp_path, capfd):
     assert "after the block" not in text
 
 
+def test_lines_before_the_log_exists_are_held_and_written_first(tmp_path, capfd):
+    """The run's log is known only once the run is created, while Ray already starts: what came before is held
+    and opens the log; user lines reach the terminal at once either way."""
+    log = tmp_path / "run" / "logs" / "driver.log"
+    with QuietConsole(None, verbose=False) as console:
+        os.write(2, b"WARNING Token authentication is enabled\n")
+        os.write(1, b"[pretrain] tokenizer: reused\n")
+        time.sleep(0.2)
+        assert not log.exists()
+        console.set_log(log)
+        os.write(1, b"[train] step 1\n")
+    out, _ = capfd.readouterr()
+    assert out.splitlines() == ["[pretrain] tokenizer: reused", "[train] step 1"]
+    assert log.read_text().splitlines() == ["WARNING Token authentication is enabled", "[pretrain] tokenizer: reused",
+                                            "[train] step 1"]
+
+
+@pytest.mark.slow
+def test_a_failed_preparation_stops_the_ray_it_started_and_is_the_error():
+    """``prepare_while_ray_starts``: the run's preparation fails (a user error) while Ray starts in this thread:
+    that error is raised and the Ray started for it is shut down (the success path: every CLI test through Ray)."""
+    import ray
+
+    from cluster.launch import prepare_while_ray_starts, stop_ray
+    from pretrain.config import ConfigError, load_config
+
+    cluster = load_config(None, []).cluster
+
+    def bad():
+        time.sleep(0.5)
+        raise ConfigError("data.sources[0]: not text")
+
+    try:
+        with pytest.raises(ConfigError, match="not text"):
+            prepare_while_ray_starts(cluster, bad)
+        assert not ray.is_initialized()
+    finally:
+        stop_ray(ray.is_initialized())
+
+
 # -- errors through the CLI ------------------------------------------------------------------------------------
 
 
