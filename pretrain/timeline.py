@@ -24,7 +24,9 @@ _quiet = threading.local()
 
 PHASES = ("imports", "run_preparation", "tokenizer", "ray", "worker_setup", "engine_build", "trainer_setup",
           "first_batch", "first_step")
-"""The phases a training command goes through, in order (``ray`` only when it runs through Ray)."""
+"""The phases a training command goes through, in order (``ray`` only when it runs through Ray; then the run's
+preparation, ``tokenizer`` included, overlaps Ray's start and only a wait for its end counts as
+``run_preparation``)."""
 
 
 def process_start() -> float:
