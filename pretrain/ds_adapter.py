@@ -225,8 +225,9 @@ def without_zip_crc():
 @contextlib.contextmanager
 def recording_checkpoint_files(engine, on_saved: Callable[[Path], None] | None = None):
     """Within the block, every file the engine's checkpoint engine saves is appended to the yielded list (so the
-    rank that wrote a file can hash it itself) and passed to ``on_saved`` once written. Wraps ``engine.checkpoint_engine.save`` (0.19: every model,
-    optimizer and expert file of ``save_checkpoint`` goes through it) on the instance, restored afterwards."""
+    rank that wrote a file can hash it itself) and passed to ``on_saved`` once written. Wraps
+    ``engine.checkpoint_engine.save`` (0.19: every model, optimizer and expert file of ``save_checkpoint`` goes
+    through it) on the instance, restored afterwards."""
     written: list[Path] = []
     ckpt_engine = engine.checkpoint_engine
     ds_save = ckpt_engine.save

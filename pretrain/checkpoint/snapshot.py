@@ -63,10 +63,14 @@ class HostBuffers:
         self._warming = threading.Thread(target=allocate, name="checkpoint-host-buffers", daemon=True)
         self._warming.start()
 
-    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+    def _settle(self) -> None:
+        """Wait for :meth:`warm`'s allocation, if any (it fills ``_free``)."""
         if self._warming is not None:
             self._warming.join()
             self._warming = None
+
+    def take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
+        self._settle()
         free = self._free.get((nbytes, pinned))
         if free:
             return free.pop()
@@ -75,9 +79,7 @@ class HostBuffers:
 
     def release(self, storages: list[torch.UntypedStorage]) -> None:
         """Keep ``storages`` (nothing may use them any more) for the next snapshot; drop the rest."""
-        if self._warming is not None:
-            self._warming.join()
-            self._warming = None
+        self._settle()
         self._free = {}
         for st in storages:
             self._free.setdefault((st.nbytes(), st.is_pinned()), []).append(st)
