@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from pretrain import timeline
 from pretrain.config import ClusterConfig
-from pretrain.ports import free_port
 from pretrain.train.job import Job
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
@@ -39,8 +38,14 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     return train_loop(job)
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(reuse_host_memory: bool = False) -> dict[str, str]:
+    """The environment of Ray's worker processes; with ``reuse_host_memory`` (``train.reuse_host_memory``, for the
+    training workers) glibc's malloc settings too (:func:`pretrain.train.host_memory.worker_malloc_env`)."""
     env = {k: os.environ[k] for k in _FORWARD_ENV if k in os.environ}
+    if reuse_host_memory:
+        from pretrain.train.host_memory import worker_malloc_env
+
+        env.update(worker_malloc_env(dict(os.environ)))
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Ray Train re-routes print() through its logger and also tees it: every progress line twice.
@@ -64,12 +69,14 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
-        # The dashboard process also serves Ray's State API, which Train's placement-group cleaner
-        # polls; it binds to 127.0.0.1 only.
+        # No dashboard: its head and module processes took ~half the CPU that Ray's processes take from the
+        # training worker on a 2-core machine. Its State API served only Train's placement-group cleaner, which
+        # an embedded Ray does not run (:func:`_trainer_class`).
+        # Nor Train's preemption watcher, an actor polling for the draining of cluster nodes every 5 s.
+        runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
         # address="local": always a fresh private instance, never a cluster that happens to run here.
-        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=free_port(), _node_ip_address="127.0.0.1", runtime_env=runtime_env,
-                 logging_level=logging.WARNING, configure_logging=True)
+        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env=runtime_env, logging_level=logging.WARNING, configure_logging=True)
     return True
 
 
@@ -139,8 +146,9 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     _ray_address(cluster)
     import ray
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    TorchTrainer = _trainer_class(embedded=not _ray_address(cluster))
     started = ensure_ray(cluster)
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -155,7 +163,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
                                          placement_strategy=cluster.placement_strategy),
             run_config=RunConfig(name=job.run_id, storage_path=str(Path(job.run_dir).parent / "_ray"),
                                  failure_config=FailureConfig(max_failures=cluster.max_failures),
-                                 worker_runtime_env={"env_vars": worker_env()},
+                                 worker_runtime_env={"env_vars": worker_env(_reuses_host_memory(job))},
                                  logging_config=LoggingConfig(log_level="WARNING")),
         )
         result = trainer.fit()
@@ -165,6 +173,31 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     finally:
         if started:
             ray.shutdown()
+
+
+def _trainer_class(embedded: bool):
+    """Ray Train's ``TorchTrainer``; on an embedded local Ray, one without two actors that serve nothing there
+    (every idle Ray actor wakes its main thread every 10 ms, ~0.7% of a core each here): the placement-group
+    cleaner, which polls Ray's State API (the dashboard) every second to free the run's placement group if the
+    controller dies — an embedded Ray is shut down with this process, its placement groups with it — and the
+    Ray Datasets manager (this trainer is given no Ray Datasets)."""
+    from ray.train.torch import TorchTrainer
+
+    if not embedded:
+        return TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class EmbeddedTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            unused = (PlacementGroupCleanerCallback, DatasetsCallback)
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+
+    return EmbeddedTorchTrainer
+
+
+def _reuses_host_memory(job: Job) -> bool:
+    return bool(job.config.get("train", {}).get("reuse_host_memory", True))
 
 
 def read_summary(job: Job) -> dict[str, Any]:

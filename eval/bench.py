@@ -173,6 +173,10 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
     device = ctx.device
     if device.type == "cpu":
         torch.set_num_threads(cfg.train.num_threads or len(os.sched_getaffinity(0)))
+    if cfg.train.reuse_host_memory:  # as the training worker does; the bare PyTorch step runs in this process too
+        from pretrain.train.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     precision = resolve_precision(cfg.train.precision, device)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple

@@ -201,6 +201,10 @@ class TrainConfig:
     """Validation sequences (global, split across workers; the same set whatever the worker count)."""
     num_threads: int = 0
     """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
+    reuse_host_memory: bool = True
+    """Keep freed host memory in each worker for the next step (glibc malloc thresholds, once per process) instead
+    of returning it to the kernel and faulting it in again: ~5% of a CPU step (``pretrain/train/host_memory.py``).
+    The worker then holds its peak host memory, which every step reaches anyway; no effect on GPU tensors."""
     activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
     """Recompute activations in the backward pass to save memory: ``full`` recomputes whole blocks (only their
     inputs are kept), ``selective`` keeps the matmul and attention outputs and recomputes the cheap elementwise and

@@ -26,6 +26,7 @@ from pretrain.train.checkpoint_stats import CheckpointStats
 from pretrain.train.checkpointing import Checkpointer
 from pretrain.train.job import Job
 from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
+from pretrain.train.host_memory import keep_freed_host_memory
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
@@ -61,6 +62,8 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     # Divide the node's CPUs among its local workers (Ray would otherwise leave one thread each).
     threads = cfg.train.num_threads or max(1, _cpu_count() // ctx.local_world_size)
     torch.set_num_threads(threads)
+    if cfg.train.reuse_host_memory:
+        keep_freed_host_memory()
     plan = make_plan(cfg, ctx.world_size)
     run_dir = Path(job_.run_dir)
     tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id, asynchronous=True)
