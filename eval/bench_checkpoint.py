@@ -45,10 +45,12 @@ RUN = ["model.max_seq_len=64", "train.global_batch_size=2", "train.micro_batch_s
        "checkpoint.keep_last=2"]
 """What the bench sets on the config: tiny steps (a checkpoint's size does not depend on the batch), one
 validation at the end, the older checkpoints pruned (disk)."""
-ASYNC_PARTS = ("snapshot_s", "commit_s", "wait_s", "write_s")
-"""An asynchronous save's parts (the checkpointer's per-save record): the copy to host memory, the loop's share of
-the commit at later step boundaries (rank 0's commit runs in the background) and any wait for a write the next save
-caught up with stall the loop; the background write (write, hash, fsync) does not."""
+ASYNC_PARTS = ("snapshot_s", "copy_wait_s", "commit_s", "wait_s", "copy_s", "write_s")
+"""An asynchronous save's parts (the checkpointer's per-save record): the snapshot (the copy to host memory, or
+with ``checkpoint.overlap_copy`` its structure only), the next update's wait for the background copy, the loop's
+share of the commit at later step boundaries (rank 0's commit runs in the background) and any wait for a write
+the next save caught up with stall the loop; the background copy (``copy_s``) and write (write, hash, fsync) do
+not."""
 
 
 def size_overrides(hidden: int, layers: int, workers: int, zero_stage: int) -> list[str]:

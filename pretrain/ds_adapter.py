@@ -205,8 +205,9 @@ def rank_of_state_file(rel: str) -> int | None:
 def without_zip_crc():
     """``torch.save`` without the zip format's CRC-32 of every record (``torch.utils.serialization.config``,
     torch >= 2.6): our checkpoint files carry a sha256 each, so the CRC is a second checksum of the same bytes,
-    ~40% of ``torch.save``'s CPU time here. ``torch.load`` reads such files as any other. The setting is
-    process-wide; only checkpoint writes (at most one at a time) run inside this block."""
+    ~40% of ``torch.save``'s CPU time here. ``torch.load`` reads such files as any other. The setting is the
+    calling thread's (torch's config module keeps overrides per thread): enter the block in the thread that
+    writes."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch < 2.6
@@ -222,53 +223,45 @@ def without_zip_crc():
         save.compute_crc32 = before
 
 
-@contextlib.contextmanager
-def recording_checkpoint_files(engine, on_saved: Callable[[Path], None] | None = None):
-    """Within the block, every file the engine's checkpoint engine saves is appended to the yielded list (so the
-    rank that wrote a file can hash it itself) and passed to ``on_saved`` once written. Wraps
-    ``engine.checkpoint_engine.save`` (0.19: every model, optimizer and expert file of ``save_checkpoint`` goes
-    through it) on the instance, restored afterwards."""
-    written: list[Path] = []
-    ckpt_engine = engine.checkpoint_engine
-    ds_save = ckpt_engine.save
+Save = Callable[[Any, Any], None]
+"""The checkpoint engine's own save of one file: ``save(state_dict, target)``, ``target`` a path or, when
+:func:`saves_into_files`, an open binary file."""
 
-    def recording_save(state_dict, path, *args, **kwargs):
-        written.append(Path(path))
-        with without_zip_crc():
-            out = ds_save(state_dict, path, *args, **kwargs)
-        if on_saved is not None:
-            on_saved(Path(path))
-        return out
 
-    ckpt_engine.save = recording_save
-    try:
-        yield written
-    finally:
-        del ckpt_engine.save  # the class's method again
+def saves_into_files(engine) -> bool:
+    """The engine's checkpoint engine saves with DeepSpeed's ``TorchCheckpointEngine.save``, which hands its target
+    to ``torch.save`` as is, so it can write into an open file (e.g. one that hashes what it is given). Ours is
+    a subclass that changes loading only (:func:`use_weights_only_loading`)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    return type(engine.checkpoint_engine).save is TorchCheckpointEngine.save
+
+
+def checkpoint_state_stays_live(engine) -> bool:
+    """The state dicts ``save_checkpoint`` hands to its checkpoint engine stay valid until the next step: no
+    checkpoint epilogue swaps the optimizer state out again (ZeRO-3 with NVMe offload has one). Only then may a
+    synchronous save write them after ``save_checkpoint`` returns (:func:`routing_checkpoint_files`)."""
+    return not engine._optimizer_has_ckpt_event_epilogue()
 
 
 @contextlib.contextmanager
-def capturing_checkpoint_files(engine, host_copy: Callable[[Any], Any]):
-    """Within the block, the engine's checkpoint engine writes nothing: every file it would save is appended to
-    the yielded list as ``(path, host_copy(state_dict), write)``, and ``write(state, path)`` (the engine's own
-    save: ``torch.save`` with its serialization setting) writes it later, e.g. from a background thread. 0.19's
-    ``save_checkpoint`` passes every model, optimizer and expert file through ``checkpoint_engine.save`` (its
-    collectives and directory creation still run here; only rank 0's recovery scripts are copied directly, at
-    once); ZeRO's ``optimizer.state_dict()`` holds the live tensors, which is why ``host_copy`` copies them."""
-    captured: list[tuple[Path, Any, Callable[[Any, Path], None]]] = []
+def routing_checkpoint_files(engine, route: Callable[[Any, Path, Save], None]):
+    """Within the block, every file the engine's checkpoint engine would save is handed to ``route(state_dict,
+    path, save)`` instead, ``save`` being the engine's own (``torch.save`` with its serialization setting) for the
+    route to call now, later or elsewhere (e.g. after copying the state to host memory for a background write).
+    Wraps ``engine.checkpoint_engine.save`` (0.19: every model, optimizer and expert file of ``save_checkpoint``
+    goes through it; its collectives and directory creation still run; only rank 0's recovery scripts are
+    copied directly, at once) on the instance, restored afterwards. ZeRO's ``optimizer.state_dict()`` holds the
+    live tensors."""
     ckpt_engine = engine.checkpoint_engine
     ds_save = ckpt_engine.save
 
-    def write(state: Any, path: Path) -> None:
-        with without_zip_crc():
-            ds_save(state, str(path))
+    def routed(state_dict, path, *args, **kwargs):
+        route(state_dict, Path(path), ds_save)
 
-    def capture(state_dict, path, *args, **kwargs):
-        captured.append((Path(path), host_copy(state_dict), write))
-
-    ckpt_engine.save = capture
+    ckpt_engine.save = routed
     try:
-        yield captured
+        yield
     finally:
         del ckpt_engine.save  # the class's method again
 

@@ -56,14 +56,20 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(rank))
     run_step(module, StepInput(1, {"input_ids": ids, "labels": ids}, module.lr_at(0)))
 
-    hashed: list[str] = []
-    real_sha = store.sha256_file
+    from pretrain.checkpoint import hashed_write
 
-    def spy(path: Path) -> str:
+    hashed: list[str] = []
+    real_sha, real_close = store.sha256_file, hashed_write.HashingFile.close
+
+    def spy(path: Path) -> str:  # a file read back and hashed
         hashed.append(str(path))
         return real_sha(path)
 
-    store.sha256_file = spy
+    def spy_close(self) -> str:  # a file hashed as it was written (the engine's large files)
+        hashed.append(str(self.path))
+        return real_close(self)
+
+    store.sha256_file, hashed_write.HashingFile.close = spy, spy_close
     ctx = dist.DistContext(rank, world, rank, world, torch.device("cpu"), False)
     writer = CheckpointWriter(work_dir / "run", DistWorld(ctx), "r")
     final = writer.save(Contents(cfg=cfg, trainer_state={"step": 1}, data_state={"rank": rank},
@@ -74,7 +80,7 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     ckpt = store.open_committed(final)
     verify_in_parallel(ckpt, ctx)
     resume_hashed = [Path(p).relative_to(final).as_posix() for p in hashed]
-    store.sha256_file = real_sha
+    store.sha256_file, hashed_write.HashingFile.close = real_sha, real_close
     # the gathered digests are the files' own (checked before the corruption below)
     wrong = [rel for rel, meta in ckpt.manifest.files.items()
              if (meta.bytes, meta.sha256) != (len(b := (final / rel).read_bytes()), hashlib.sha256(b).hexdigest())]

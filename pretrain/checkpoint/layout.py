@@ -87,7 +87,8 @@ def staging_dir(run_dir: Path, step: int, nonce: str) -> Path:
 
 
 def replaced_dir(run_dir: Path, step: int, nonce: str) -> Path:
-    """Where a committed checkpoint of the same step goes while it is replaced (then deleted)."""
+    """Where a committed checkpoint goes on its way out (replaced by a re-run of its step, or pruned) until it is
+    deleted."""
     return run_dir / f"{REPLACED_PREFIX}{step_dir_name(step)}-{nonce}"
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint import store
+from pretrain.checkpoint.hashed_write import HashingFile
 from pretrain.checkpoint.manifest import FileEntry
 
 
@@ -57,7 +58,7 @@ class HostBuffers:
         def allocate() -> None:
             for nbytes, pinned in sizes.values():
                 st = torch.UntypedStorage(nbytes, device="cpu")
-                st.fill_(0)  # fault every page in now, off the loop
+                _bytes_of(st).zero_()  # fault every page in now, off the loop (and without the GIL)
                 self._free.setdefault((nbytes, pinned), []).append(st.pin_memory() if pinned else st)
 
         self._warming = threading.Thread(target=allocate, name="checkpoint-host-buffers", daemon=True)
@@ -94,12 +95,15 @@ class HostCopy:
     call. Within a call an object met twice is copied once, and tensors that share a storage share its copy (views
     and tied weights stay tied), so ``torch.save`` writes the copy as it would have written the original;
     ``nbytes`` counts the bytes copied over all calls and ``storages`` holds the copies' storages (drawn from
-    ``buffers`` when given)."""
+    ``buffers`` when given). With ``deferred``, a call copies the structure and allocates the host memory but
+    leaves the bytes for :meth:`copy_pending` (e.g. in a background thread while the next forward and backward,
+    which change none of it, run)."""
 
-    def __init__(self, buffers: HostBuffers | None = None) -> None:
+    def __init__(self, buffers: HostBuffers | None = None, deferred: bool = False) -> None:
         self.nbytes = 0
-        self.buffers = buffers
+        self.buffers, self.deferred = buffers, deferred
         self.storages: list[torch.UntypedStorage] = []
+        self._pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
         self._storages: dict[tuple[str, int | None, int], torch.UntypedStorage] = {}
         self._memo: dict[int, Any] = {}
 
@@ -138,6 +142,13 @@ class HostCopy:
         self._memo[id(obj)] = out
         return out
 
+    def copy_pending(self) -> None:
+        """With ``deferred``: copy the bytes of every storage met so far into its host copy (the sources were
+        taken when met; until this returns, nothing may change them)."""
+        pending, self._pending = self._pending, []
+        for dst, src in pending:
+            _bytes_of(dst).copy_(_bytes_of(src))  # a tensor's copy_ releases the GIL (a storage's does not)
+
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         src = t.untyped_storage()
         key = (src.device.type, src.device.index, src.data_ptr())
@@ -146,7 +157,10 @@ class HostCopy:
             pinned = src.device.type == "cuda"  # a device-to-host copy from pinned memory is a plain DMA
             dst = (self.buffers.take(src.nbytes(), pinned) if self.buffers is not None
                    else torch.UntypedStorage(src.nbytes(), device="cpu"))
-            dst.copy_(src)
+            if self.deferred:  # the structure is copied now, the bytes by :meth:`copy_pending`
+                self._pending.append((dst, src))
+            else:
+                dst.copy_(src)
             self._storages[key] = dst
             self.storages.append(dst)
             self.nbytes += src.nbytes()
@@ -158,12 +172,33 @@ class HostCopy:
         return out
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` as a flat uint8 tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
 @dataclass
 class FileJob:
     """Writes some of a snapshot's files from host memory (``run`` is called once, in the background)."""
 
     paths: list[Path]
-    run: Callable[[], None]
+    run: Callable[[], Any]
+    hashes: bool = False
+    """``run`` returns the sha256 of the files it wrote, taken as it wrote them (:func:`save_hashed`), or None."""
+
+
+def save_hashed(save: Callable[[Any, Any], None], state: Any, path: Path, into_file: bool,
+                direct: bool = True) -> dict[Path, str] | None:
+    """``save(state, target)`` (a checkpoint engine's save of one file) into ``path``; when ``into_file`` (the
+    save accepts an open file), through a :class:`HashingFile` (with direct I/O when ``direct``), and then
+    returns ``{path: sha256}`` (hashed as it was written, never read back); otherwise into the path, returning
+    None."""
+    if not into_file:
+        save(state, str(path))
+        return None
+    with HashingFile(path, direct) as f:
+        save(state, f)
+        return {path: f.close()}
 
 
 @dataclass
@@ -177,21 +212,36 @@ class Snapshot:
     nbytes: int = 0
     storages: list[torch.UntypedStorage] = field(default_factory=list)
     """The host memory the jobs' state lives in (for :meth:`HostBuffers.release` once written)."""
+    deferred_copy: Callable[[], None] | None = None
+    """Copies into host memory left for later (:meth:`HostCopy.copy_pending`): :meth:`finish_copy` runs them."""
     digests: store.Digests = field(init=False)
     """Sizes, checksums and fsyncs of this rank's files, each started as soon as the file is written."""
+    copied: threading.Event = field(init=False)
+    """Set once the snapshot no longer reads the live state (its deferred copies are done, or failed)."""
 
     def __post_init__(self) -> None:
         self.digests = store.Digests(self.stage)
+        self.copied = threading.Event()
+
+    def finish_copy(self) -> None:
+        """Run the deferred copies, if any (then the live state may change again: :attr:`copied`)."""
+        try:
+            if self.deferred_copy is not None:
+                self.deferred_copy()
+                self.deferred_copy = None
+        finally:
+            self.copied.set()
 
     def write(self) -> dict[str, FileEntry]:
         """Write every job's files (each job's memory is released once written); each written file is hashed and
         fsynced while the next is written (:class:`store.Digests`). Returns every file's entry of this rank."""
         try:
+            self.finish_copy()
             self.digests.add(self.written)
             while self.jobs:
                 job = self.jobs.pop(0)
-                job.run()
-                self.digests.add(job.paths)
+                hashed = job.run()
+                self.digests.add(job.paths, hashed if job.hashes else None)
                 del job
             self.nbytes = 0
             return self.digests.result()
@@ -211,11 +261,16 @@ class BackgroundWrite:
         self.digests: dict[str, FileEntry] = {}
         self.error: str | None = None
         self.seconds = 0.0  # the write, hash and fsync (the delay excluded)
+        self.copy_s = 0.0  # the deferred copies to host memory
+        self.copied = snapshot.copied
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-write-{step}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            t0 = time.perf_counter()
+            self.snapshot.finish_copy()  # first: the loop's next update waits for it, not for the delay
+            self.copy_s = time.perf_counter() - t0
             if self.delay_s:
                 time.sleep(self.delay_s)
             t0 = time.perf_counter()
@@ -228,6 +283,10 @@ class BackgroundWrite:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def wait_copied(self) -> None:
+        """Until the snapshot no longer reads the live state (its deferred copies are done)."""
+        self.copied.wait()
 
     def wait(self) -> None:
         self._thread.join()

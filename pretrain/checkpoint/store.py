@@ -32,7 +32,7 @@ def new_nonce() -> str:
 
 @dataclass(frozen=True)
 class HashTally:
-    """Bytes this process has hashed with :func:`sha256_file` and the seconds it took (its checkpoint hashing:
+    """Bytes this process has hashed (:func:`sha256_file`, or while writing: ``hashed_write``) and the seconds it took (its checkpoint hashing:
     saves and resume verification), so a run can report what each rank hashed (``bench --checkpoint``)."""
 
     bytes: int = 0
@@ -53,15 +53,20 @@ def hash_tally() -> HashTally:
 
 
 def sha256_file(path: Path) -> str:
-    global _tally
     h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
             n += len(chunk)
-    with _tally_lock:
-        _tally = HashTally(_tally.bytes + n, _tally.seconds + time.perf_counter() - t0)
+    count_hashed(n, time.perf_counter() - t0)
     return h.hexdigest()
+
+
+def count_hashed(nbytes: int, seconds: float) -> None:
+    """Add to :func:`hash_tally` (a file hashed elsewhere, e.g. while it was written)."""
+    global _tally
+    with _tally_lock:
+        _tally = HashTally(_tally.bytes + nbytes, _tally.seconds + seconds)
 
 
 def fsync_file(path: Path) -> None:
@@ -88,9 +93,10 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 class Digests:
-    """Size, sha256 and fsync of files as their writer finishes them: each :meth:`add`\ ed file is hashed on one
-    background thread (CPU) and fsynced on another (disk), so the hashing overlaps both the fsync and the files
-    still being written, and a rank's save costs about its write, not its write plus a re-read. Only the rank that
+    """Size, sha256 and fsync of files as their writer finishes them: each :meth:`add`\ ed file is fsynced on a
+    background thread (disk) and, unless it was hashed while written (``hashed_write.HashingFile``: the large
+    engine files), hashed on another (CPU), so the hashing overlaps both the fsync and the files still being written,
+    and a rank's save costs about its write, not its write plus a re-read. Only the rank that
     wrote a file adds it. :meth:`result` waits for every file and returns their entries (or raises the first
     failure)."""
 
@@ -99,11 +105,21 @@ class Digests:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-fsync")
         self._pending: dict[Path, tuple[Future, Future]] = {}
+        self._lock = threading.Lock()  # files may be added from several writing threads
 
-    def add(self, paths: Path | list[Path]) -> None:
+    def add(self, paths: Path | list[Path], hashed: dict[Path, str] | None = None) -> None:
+        """Hash (unless ``hashed`` holds the file's digest, taken while it was written) and fsync ``paths``."""
         for path in [paths] if isinstance(paths, Path) else paths:
-            if path not in self._pending:
-                self._pending[path] = (self._syncer.submit(fsync_file, path), self._hasher.submit(sha256_file, path))
+            with self._lock:
+                if path in self._pending:
+                    continue
+                digest = hashed.get(path) if hashed else None
+                if digest is None:
+                    digest_f = self._hasher.submit(sha256_file, path)
+                else:
+                    digest_f = Future()
+                    digest_f.set_result(digest)
+                self._pending[path] = (self._syncer.submit(fsync_file, path), digest_f)
 
     def result(self) -> dict[str, FileEntry]:
         try:
@@ -324,13 +340,31 @@ def cleanup_staging(run_dir: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
-def prune(run_dir: Path, keep_last: int, protect: set[str] | frozenset[str] = frozenset()) -> None:
-    """Delete committed checkpoints beyond the newest ``keep_last`` (0 keeps all), never one in ``protect``."""
+def prune(run_dir: Path, keep_last: int, protect: set[str] | frozenset[str] = frozenset(),
+          delete: bool = True) -> list[Path]:
+    """Remove committed checkpoints beyond the newest ``keep_last`` (0 keeps all), never one in ``protect``: each
+    is renamed out of sight at once (a leftover name, which :func:`cleanup_staging` also removes) and then
+    deleted, or, with ``delete=False``, left for the caller to delete (:func:`delete_trees`, e.g. in a thread:
+    deleting a large checkpoint takes a while). Returns the renamed directories."""
     if keep_last <= 0:
-        return
+        return []
+    trash = []
     for ckpt in list_committed(run_dir)[:-keep_last]:
         if str(ckpt.path) not in protect:
-            shutil.rmtree(ckpt.path, ignore_errors=True)
+            gone = layout.replaced_dir(run_dir, ckpt.step, new_nonce())
+            try:
+                os.replace(ckpt.path, gone)
+            except OSError:
+                continue
+            trash.append(gone)
+    if delete:
+        delete_trees(trash)
+    return trash
+
+
+def delete_trees(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def abandon_after(run_dir: Path, step: int) -> list[str]:

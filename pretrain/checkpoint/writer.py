@@ -13,6 +13,7 @@ as full weights plus optional optimizer moments (format ``full``, rank 0 only), 
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -125,6 +126,7 @@ class CheckpointWriter:
                  register: Callable[[Path, Manifest], None] | None = None):
         self.run_dir, self.world, self.run_id = Path(run_dir), world, run_id
         self.keep_last, self.register = keep_last, register
+        self._deleting: threading.Thread | None = None  # rank 0: pruned checkpoints being deleted
 
     def stage(self, step: int) -> Staged:
         """Create the staging directory of ``step`` (collective: rank 0 picks the name)."""
@@ -140,14 +142,16 @@ class CheckpointWriter:
         return self.snapshot(staged, contents, in_memory=False).write()
 
     def snapshot(self, staged: Staged, contents: Contents, in_memory: bool = True,
-                 buffers: HostBuffers | None = None) -> Snapshot:
+                 buffers: HostBuffers | None = None, defer_copies: bool = False) -> Snapshot:
         """:meth:`write`'s files as a :class:`Snapshot` (collective): with ``in_memory``, the model state is
         copied to host memory (``EngineState.snapshot``; full weights copied), to be written by
         :meth:`Snapshot.write` later, e.g. in a :class:`BackgroundWrite`; otherwise it is written now. Every
         other file's content is fixed here too (copied or serialized), so the caller may go on training. The
-        copies are drawn from ``buffers`` when given."""
+        copies are drawn from ``buffers`` when given. With ``defer_copies`` the bytes of the tensors are copied
+        later, by :meth:`Snapshot.finish_copy` (a :class:`BackgroundWrite` runs it first): until then the caller
+        must leave the live state unchanged."""
         rank, stage, model = self.world.rank, staged.path, contents.model
-        host_copy = HostCopy(buffers)
+        host_copy = HostCopy(buffers, deferred=defer_copies and in_memory)
         snap = Snapshot(stage)
         if isinstance(model, EngineState):
             if in_memory and model.snapshot is not None:
@@ -175,6 +179,8 @@ class CheckpointWriter:
             snap.jobs.append(FileJob([stage / layout.TOKENIZER / f for f in files],
                                      partial(shutil.copytree, tokenizer, stage / layout.TOKENIZER)))
         snap.nbytes, snap.storages = host_copy.nbytes, host_copy.storages
+        if host_copy.deferred:
+            snap.deferred_copy = host_copy.copy_pending
         return snap
 
     def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset(),
@@ -204,10 +210,27 @@ class CheckpointWriter:
             final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
             if self.register is not None:
                 self.register(final, manifest)
-            store.prune(self.run_dir, self.keep_last, protect)
+            self._prune(protect)
             return None, final
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
             return f"{type(e).__name__}: {e}", None
+
+    def _prune(self, protect: set[str] | frozenset[str]) -> None:
+        """:func:`store.prune` now (out of sight at once); the deletion of the pruned directories in a thread
+        (a large checkpoint takes a while to delete: the loop need not wait for it)."""
+        self.settle()
+        trash = store.prune(self.run_dir, self.keep_last, protect, delete=False)
+        if trash:
+            self._deleting = threading.Thread(target=store.delete_trees, args=(trash,), name="checkpoint-prune",
+                                              daemon=True)
+            self._deleting.start()
+
+    def settle(self) -> None:
+        """Wait until pruned checkpoints are deleted (a run's end; a killed run leaves them under leftover names,
+        removed at the next start)."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def outcome(self, staged: Staged, result: tuple[str | None, Path | None]) -> Path:
         """Rank 0's :meth:`commit_gathered` result on every rank (collective): the path, or the one-line error."""

@@ -389,6 +389,7 @@ class CheckpointCallback(Callback):
         if _stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
             self.save(trainer)
             self.committed(trainer, self.checkpointer.finish())
+        self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
         final.update(self.checkpointer.summary(),
                      checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")
 

@@ -13,6 +13,7 @@ flight (before the next save: at most one host snapshot exists; before a rollbac
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -60,11 +61,15 @@ class SaveRecord:
     stall_s: float = 0.0
     """Loop time this save took: the snapshot (or the whole synchronous save), waits for it, the commit."""
     snapshot_s: float = 0.0
-    """The copy to host memory (asynchronous) or the whole write + commit (synchronous)."""
+    """The snapshot (asynchronous: the copy to host memory, or with ``checkpoint.overlap_copy`` only its
+    structure and memory, the bytes being copied in the background) or the whole write + commit (synchronous)."""
     commit_s: float = 0.0
     """Asynchronous: the loop's part of the commit at later step boundaries (the all-reduces, the gather of the
     digests, sharing the outcome; rank 0's manifest, rename, MLflow registration and pruning run in the
     background unless the run waits for them)."""
+    copy_wait_s: float = 0.0
+    """Asynchronous with ``checkpoint.overlap_copy``: the next update waiting for the copy to host memory, which
+    runs in the background during the next forward and backward."""
     wait_s: float = 0.0
     """Asynchronous: waiting for this save's background write or commit, when the next save, a rollback or the
     end of the run came before they finished (the save interval is shorter than the write)."""
@@ -72,6 +77,9 @@ class SaveRecord:
     """Host memory of the snapshot: the largest over ranks (0 when synchronous)."""
     write_s: float = 0.0
     """Asynchronous: the background write, hash and fsync, the slowest rank."""
+    copy_s: float = 0.0
+    """Asynchronous with ``checkpoint.overlap_copy``: the copy to host memory in the background, the slowest rank
+    (the loop waits only for ``copy_wait_s`` of it)."""
 
     def metrics(self) -> dict[str, float]:
         return {f"ckpt/{k}": float(v) for k, v in asdict(self).items() if k != "step"}
@@ -103,6 +111,7 @@ class Checkpointer:
         self.ctx, self.run_dir, self.tracker = ctx, Path(run_dir), tracker
         self.asynchronous = cfg.checkpoint.async_
         self.buffers = HostBuffers() if self.asynchronous and cfg.checkpoint.keep_host_buffers else None
+        self.overlap_copy = self.asynchronous and cfg.checkpoint.overlap_copy
         self._warmed = False
         self.faults = cfg.faults
         self.writer = CheckpointWriter(run_dir, DistWorld(ctx), tracker.run_id, keep_last=cfg.checkpoint.keep_last,
@@ -139,9 +148,11 @@ class Checkpointer:
                 return path
             # Asynchronous: the loop waits only for this (collective: the same staging directory everywhere).
             staged = self.writer.stage(state.step)
-            snap = self.writer.snapshot(staged, contents, buffers=self.buffers)
+            snap = self.writer.snapshot(staged, contents, buffers=self.buffers, defer_copies=self.overlap_copy)
             manifest = describe(contents, self.writer.run_id, self.ctx.world_size)
             write = BackgroundWrite(snap, state.step, self._fault_delay(state.step))
+            if self.overlap_copy:  # the next update (or any change of the state) waits for the copy
+                module.hold(functools.partial(self._wait_copied, write, record))
             self.in_flight = InFlight(staged, manifest, write, record, protect)
             return self.run_dir / layout.step_dir_name(state.step)
         finally:  # the loop stalls for this part: measured for `bench --cluster` and `bench --checkpoint`
@@ -203,8 +214,9 @@ class Checkpointer:
         if self.buffers is not None:  # written: the next snapshot copies into the same memory
             self.buffers.release(write.storages)
         write.storages = []
-        gb, seconds = dist.all_reduce_min([-write.nbytes / GB, -write.seconds], self.ctx.device)  # max over ranks
-        record.snapshot_gb, record.write_s = -gb, -seconds
+        gb, seconds, copy_s = dist.all_reduce_min([-write.nbytes / GB, -write.seconds, -write.copy_s],
+                                                  self.ctx.device)  # max over ranks
+        record.snapshot_gb, record.write_s, record.copy_s = -gb, -seconds, -copy_s
         parts = self.writer.gather(write.digests, write.error)
 
         def commit() -> None:
@@ -216,6 +228,11 @@ class Checkpointer:
                                              name=f"checkpoint-commit-{record.step}")
         flight.committing.start()  # not background: nothing left to do, ``join`` returns at once
         self._account(record, time.perf_counter() - t0, "commit_s")
+
+    def _wait_copied(self, write: BackgroundWrite, record: SaveRecord) -> None:
+        t0 = time.perf_counter()
+        write.wait_copied()
+        self._account(record, time.perf_counter() - t0, "copy_wait_s")
 
     def _account(self, record: SaveRecord, seconds: float, part: str | None = None) -> None:
         record.stall_s += seconds

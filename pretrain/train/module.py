@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.distributed as tdist
 
 from pretrain import ds_adapter
 from pretrain.checkpoint.layout import DS_TAG
-from pretrain.checkpoint.snapshot import FileJob, HostCopy
+from pretrain.checkpoint.snapshot import FileJob, HostCopy, save_hashed
 from pretrain.checkpoint.store import CheckpointError
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
@@ -42,6 +43,22 @@ class TrainModule:
                  precision: str):
         self.cfg, self.plan, self.engine = cfg, plan, engine
         self.rank, self.device, self.precision = rank, device, precision
+        self._readers: list[Callable[[], None]] = []
+
+    # -- background readers of the live state -------------------------------------------------------------
+
+    def hold(self, wait: Callable[[], None]) -> None:
+        """Register a background reader of the live engine state: ``wait()`` returns once it no longer reads
+        it (an asynchronous checkpoint copying its snapshot to host memory while the next forward and backward
+        run, which change none of it). Whatever changes the state calls :meth:`settle` first: the optimizer
+        update (:func:`~pretrain.train.step.run_step`), loading and rebuilding."""
+        self._readers.append(wait)
+
+    def settle(self) -> None:
+        """Wait for every background reader of the live state (:meth:`hold`)."""
+        readers, self._readers = self._readers, []
+        for wait in readers:
+            wait()
 
     @property
     def model(self) -> Transformer:
@@ -100,6 +117,7 @@ class TrainModule:
 
     def load_optimizer_state(self, state: dict) -> None:
         """Restore :meth:`optimizer_state` of a module with the same shapes and layout (this rank's part)."""
+        self.settle()
         opt = self.engine.optimizer
         if self.zero_stage == 0 and isinstance(opt, torch.optim.Optimizer):
             opt.load_state_dict(state)
@@ -113,13 +131,40 @@ class TrainModule:
         opt = self.engine.optimizer
         return self.engine.module_state_dict(), (opt.state_dict() if opt is not None else None)
 
-    def save(self, directory: Path, on_file: Callable[[Path], None] | None = None) -> list[Path]:
+    def save(self, directory: Path, on_file: Callable[[Path, dict[Path, str] | None], None] | None = None
+             ) -> list[Path]:
         """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective).
         Returns the files this rank wrote (for it to hash them itself): every file DeepSpeed's checkpoint engine
         saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory.
-        ``on_file(path)`` is called as each engine file is written."""
-        with ds_adapter.recording_checkpoint_files(self.engine, on_file) as written:
-            self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+        ``on_file(path, hashed)`` is called as each engine file is written, with its sha256 (``{path: hex}``)
+        when it was hashed as it was written (DeepSpeed's own checkpoint engine), else None. The engine files
+        are written two at a time, as ``save_checkpoint`` hands them over (the state it hands over stays as it
+        is until the next step, unless an optimizer's checkpoint epilogue swaps it out: then one at a time,
+        within ``save_checkpoint``): a rank writing several files (rank 0: the model states besides its
+        optimizer partition) is not the one all others wait for."""
+        into_file, direct = ds_adapter.saves_into_files(self.engine), self.cfg.checkpoint.direct_io
+        deferred = ds_adapter.checkpoint_state_stays_live(self.engine)
+        written: list[Path] = []
+        pending: list[Future] = []
+
+        def write(state: Any, path: Path, save: ds_adapter.Save) -> None:
+            hashed = _save_without_crc(save, state, path, into_file, direct)
+            if on_file is not None:
+                on_file(path, hashed)
+
+        with ThreadPoolExecutor(2, thread_name_prefix="ckpt-write") as pool:
+
+            def route(state: Any, path: Path, save: ds_adapter.Save) -> None:
+                written.append(path)
+                if deferred:
+                    pending.append(pool.submit(write, state, path, save))
+                else:
+                    write(state, path, save)
+
+            with ds_adapter.routing_checkpoint_files(self.engine, route):
+                self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
+            for done in pending:
+                done.result()
         if self.engine.global_rank == 0:  # only rank 0 writes at the top of the DeepSpeed directory
             written += [p for p in Path(directory).iterdir() if p.is_file()]
         return written
@@ -127,15 +172,22 @@ class TrainModule:
     def snapshot(self, directory: Path, host_copy: HostCopy) -> tuple[list[Path], list[FileJob]]:
         """:meth:`save` with the files held in host memory (``host_copy``) instead of written (collective): the
         files already written (rank 0's recovery scripts) and one job per engine file, to run later (in the
-        background) while training continues. The same files as :meth:`save`, byte for byte."""
-        with ds_adapter.capturing_checkpoint_files(self.engine, host_copy) as captured:
+        background) while training continues. The same files as :meth:`save`, byte for byte; each job returns
+        its file's sha256 when it hashed it as it wrote it."""
+        into_file, direct = ds_adapter.saves_into_files(self.engine), self.cfg.checkpoint.direct_io
+        captured: list[tuple[Path, Any, ds_adapter.Save]] = []
+        with ds_adapter.routing_checkpoint_files(self.engine, lambda state, path, save: captured.append(
+                (path, host_copy(state), save))):
             self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
         written = [p for p in Path(directory).iterdir() if p.is_file()] if self.engine.global_rank == 0 else []
-        jobs = [FileJob([path], functools.partial(write, state, path)) for path, state, write in captured]
+        jobs = [FileJob([path], functools.partial(_save_without_crc, save, state, path, into_file, direct),
+                        hashes=into_file)
+                for path, state, save in captured]
         return written, jobs
 
     def load(self, directory: Path, universal: bool = False) -> None:
         """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""
+        self.settle()
         ds_adapter.set_universal_load(self.engine, universal)
         load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True)
         if load_path is None:
@@ -149,6 +201,7 @@ class TrainModule:
         ``weights`` (a full state dict, e.g. a transformed :meth:`full_state_dict`; default: the current
         weights) and a fresh DeepSpeed engine; ``optimizer_state`` (:meth:`optimizer_state` of a module with
         the same shapes) restores the optimizer too, otherwise it starts empty. Collective."""
+        self.settle()
         cfg = cfg or self.cfg
         if weights is None:
             weights = self.full_state_dict()
@@ -219,3 +272,11 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     for _, layer in moe_layers(engine.module):
         layer.grouped_experts = not any(ds_adapter.is_partitioned(p) for p in layer.experts.parameters())
     return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)
+
+
+def _save_without_crc(save: ds_adapter.Save, state: Any, path: Path, into_file: bool,
+                      direct: bool) -> dict[Path, str] | None:
+    """:func:`save_hashed` of one engine file, without the zip CRC (a per-thread setting: set in the writing
+    thread)."""
+    with ds_adapter.without_zip_crc():
+        return save_hashed(save, state, path, into_file, direct)

@@ -155,6 +155,7 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     for h in hooks:
         decision = h.decide(StepSignals(inp.step, loss, grad_norm)) if decision is None else decision
     applied = decision is None or bool(decision.apply)
+    module.settle()  # a checkpoint still copying the state it saved finishes before the update changes it
     for h in hooks:
         h.before_update(module)
     with update_suppressed(engine, not applied):
