@@ -19,6 +19,9 @@ import torch.nn as nn
 def compile_blocks(model: nn.Module, **options) -> int:
     """Compile every not yet compiled block of ``model.blocks`` in place (``nn.Module.compile``); returns how many
     were compiled. ``options`` go to ``torch.compile`` (default: inductor, static shapes first)."""
+    from pretrain.model.moe import keep_experts_eager
+
+    keep_experts_eager()
     compiled = 0
     for block in model.blocks:
         if getattr(block, "_compiled_call_impl", None) is None:

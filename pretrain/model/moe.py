@@ -155,8 +155,7 @@ class MoEFeedForward(nn.Module):
             self.pending_stats = self._stats_row(routed, counts, n, probs, balance, z)
         return out.view_as(x)
 
-    # Eager even inside a compiled block: the token counts are data, and grouped_mm has no CPU fp32 meta kernel.
-    @torch.compiler.disable
+    # Eager even inside a compiled block (see :func:`keep_experts_eager`).
     def _run_experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.exchange is not None:
             return self.exchange(self, tokens, counts)
@@ -287,3 +286,15 @@ def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:
         e = row.numel() - len(STAT_FIELDS) - 1
         out[block] = float(row[:e].max()) / max(float(row[e]), 1.0)  # row[e]: routed assignments
     return out
+
+
+def keep_experts_eager() -> None:
+    """Run the experts eagerly inside compiled blocks (``torch.compiler.disable`` on
+    :meth:`MoEFeedForward._run_experts`): the token counts are data, and grouped_mm has no CPU fp32 meta kernel.
+    Called before a block is compiled (:func:`pretrain.model.compile.compile_blocks`), not at import: the decorator
+    imports ``torch._dynamo`` (1.3-1.7 s here), which an eager run never needs. Idempotent; in eager mode the
+    disabled method runs as the plain one."""
+    if not getattr(MoEFeedForward._run_experts, "_eager_under_compile", False):
+        eager = torch.compiler.disable(MoEFeedForward._run_experts)
+        eager._eager_under_compile = True
+        MoEFeedForward._run_experts = eager

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.layers import (Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache,
@@ -124,8 +125,12 @@ class Transformer(nn.Module):
         """(Re)compute the fp32 RoPE tables on the device of the parameters."""
         if self.cfg.position != "rotary":
             return
-        cos, sin = rope_cache(self.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                              device=self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":  # shapes only (meta kernels of the math would import torch._dynamo)
+            shape = (self.cfg.max_seq_len, self.head_dim)
+            self.rope_cos, self.rope_sin = torch.empty(shape, device=device), torch.empty(shape, device=device)
+            return
+        cos, sin = rope_cache(self.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=device)
         self.rope_cos, self.rope_sin = cos, sin  # (S, hd) each
 
     @torch.no_grad()
@@ -286,7 +291,7 @@ def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None,
     local generator, or assigned ``weights``.
     """
     device = torch.get_default_device()
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInitOnMeta():
         model = Transformer(cfg, moe)
     if weights is not None:
         if cfg.tie_embeddings and "lm_head.weight" not in weights and "embed_tokens.weight" in weights:
@@ -339,13 +344,27 @@ def active_parameters(model: Transformer, exclude_embeddings: bool = False) -> i
     return n
 
 
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Skips ``torch.nn.init`` calls on meta tensors (a module's default init while it is built on the meta
+    device): they would draw nothing anyway, but their meta kernels are torch's Python references, whose wrappers
+    import ``torch._dynamo`` (1.3-1.7 s of every worker's start) for an eager model that never needs it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
     """Training FLOPs per token, 6N + 12*L*D*T (PaLM appendix B).
 
     N counts the active non-embedding parameters (top-k experts per MoE layer) plus the LM-head matmul (V*D)
     even when it is tied to the embedding, because the matmul is computed either way.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInitOnMeta():
         model = Transformer(cfg, moe)
     n = active_parameters(model, exclude_embeddings=True)
     if cfg.tie_embeddings:
