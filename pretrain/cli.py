@@ -111,7 +111,7 @@ def _run_job(prepare, announce) -> int:
     it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
     run exists). ``announce(job)``: the line that names the run."""
     from cluster.console import QuietConsole
-    from cluster.launch import run, stop_ray
+    from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.train.tracking import Tracker, tracking_uri
 
@@ -125,8 +125,10 @@ def _run_job(prepare, announce) -> int:
         try:
             try:
                 final = run(job, from_dict(job.config).cluster)
-            finally:
+            except BaseException:
                 stop_ray(ray_started)
+                raise
+            end_ray_with_process(ray_started)  # the command ends right after the summary
         except BaseException as e:
             tracker.finish("FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED")
             e.add_note(f"full log: {log}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -168,3 +170,26 @@ def test_an_eager_model_never_imports_dynamo():
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.slow
+def test_an_embedded_ray_ends_with_the_command():
+    """After a finished run the CLI leaves the embedded Ray it started to end with its process (no graceful
+    shutdown's waits): every process of that Ray is gone soon after the command's exit."""
+    code = ("import os, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
+            "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
+            "ray.get(ray.remote(lambda: 1).remote()); "
+            "pids = [p.process.pid for ps in ray._private.worker._global_node.all_processes.values() for p in ps]; "
+            "print(started, *pids, flush=True); end_ray_with_process(started); "
+            "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)")
+    t0 = time.monotonic()
+    proc = subprocess.run([PYTHON, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    started, *pids = proc.stdout.split()
+    assert started == "True" and len(pids) >= 2  # at least GCS and raylet
+    alive = [int(p) for p in pids]
+    while alive and time.monotonic() - t0 < 60:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == []
