@@ -140,7 +140,8 @@ def test_async_is_the_yaml_key_and_on_by_default():
         load_config(None, ["checkpoint.async=2"])
     with pytest.raises(ConfigError, match=r"^checkpoint.async_: unknown key"):
         load_config(None, ["checkpoint.async_=true"])
-    with pytest.raises(ConfigError, match=r"^checkpoint.asink: unknown key \(valid: async, dir, direct_io, every_steps"):
+    with pytest.raises(ConfigError,
+                       match=r"^checkpoint.asink: unknown key \(valid: async, dir, direct_io, every_steps"):
         from_dict({"checkpoint": {"asink": True}})
 
 

@@ -32,8 +32,9 @@ def new_nonce() -> str:
 
 @dataclass(frozen=True)
 class HashTally:
-    """Bytes this process has hashed (:func:`sha256_file`, or while writing: ``hashed_write``) and the seconds it took (its checkpoint hashing:
-    saves and resume verification), so a run can report what each rank hashed (``bench --checkpoint``)."""
+    """Bytes this process has hashed (:func:`sha256_file`, or while writing: ``hashed_write``) and the seconds it
+    took (its checkpoint hashing: saves and resume verification), so a run can report what each rank hashed
+    (``bench --checkpoint``)."""
 
     bytes: int = 0
     seconds: float = 0.0

@@ -345,13 +345,13 @@ def active_parameters(model: Transformer, exclude_embeddings: bool = False) -> i
 
 
 class _SkipInitOnMeta(TorchFunctionMode):
-    """Skips ``torch.nn.init`` calls on meta tensors (a module's default init while it is built on the meta
-    device): they would draw nothing anyway, but their meta kernels are torch's Python references, whose wrappers
-    import ``torch._dynamo`` (1.3-1.7 s of every worker's start) for an eager model that never needs it."""
+    """Skips ``torch.nn.init``'s in-place inits of meta tensors (a module's default init while it is built on the
+    meta device): they would draw nothing anyway, but their meta kernels are torch's Python references, whose
+    wrappers import ``torch._dynamo`` (1.3-1.7 s of every worker's start) for an eager model that never needs it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
+        if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_"):  # in-place inits
             tensor = args[0] if args else kwargs.get("tensor")
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return tensor

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.checkpoint.snapshot import BackgroundWrite, HostBuffers
@@ -147,11 +148,14 @@ class Checkpointer:
                 self.tracker.log_metrics({"ckpt/stall_s": time.perf_counter() - t0}, state.step)
                 return path
             # Asynchronous: the loop waits only for this (collective: the same staging directory everywhere).
+            # The copy may overlap the next forward and backward only while the state handed over stays valid
+            # (not under an optimizer whose checkpoint epilogue swaps it out again: ZeRO-3 with NVMe offload).
+            overlap = self.overlap_copy and ds_adapter.checkpoint_state_stays_live(module.engine)
             staged = self.writer.stage(state.step)
-            snap = self.writer.snapshot(staged, contents, buffers=self.buffers, defer_copies=self.overlap_copy)
+            snap = self.writer.snapshot(staged, contents, buffers=self.buffers, defer_copies=overlap)
             manifest = describe(contents, self.writer.run_id, self.ctx.world_size)
             write = BackgroundWrite(snap, state.step, self._fault_delay(state.step))
-            if self.overlap_copy:  # the next update (or any change of the state) waits for the copy
+            if overlap:  # the next update (or any change of the state) waits for the copy
                 module.hold(functools.partial(self._wait_copied, write, record))
             self.in_flight = InFlight(staged, manifest, write, record, protect)
             return self.run_dir / layout.step_dir_name(state.step)
