@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+_END = b"\x00pretrain-console-end\x00\n"  # written by __exit__: the pump's last line (see there)
 _OURS = re.compile(r"^(\[(pretrain|train|fault|grow|prune)\]|error:|warning:)")
 _RAY_PREFIX = re.compile(r"^(?:\x1b\[[\d;]*m)?\([\w.:-]+ pid=\d+(?:, ip=[\w.:-]+)?\)(?:\x1b\[0m)? ?")
 
@@ -38,6 +39,7 @@ class QuietConsole:
         self.log_path = Path(log_path) if log_path is not None else None
         self.verbose = os.environ.get("PRETRAIN_VERBOSE", "") not in ("", "0") if verbose is None else verbose
         self._saved: tuple[int, int] | None = None
+        self._write: int | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: list[bytes] = []
@@ -62,7 +64,7 @@ class QuietConsole:
         read, write = os.pipe()
         os.dup2(write, 1)
         os.dup2(write, 2)
-        os.close(write)
+        self._write = write  # kept (not inherited by children) to end the pump: __exit__
         self._thread = threading.Thread(target=self._pump, args=(read,), name="quiet-console", daemon=True)
         self._thread.start()
         return self
@@ -71,6 +73,8 @@ class QuietConsole:
         terminal = self._saved[0]
         with open(read, "rb", buffering=0) as pipe:
             for raw in iter(pipe.readline, b""):
+                ended = raw.endswith(_END)
+                raw = raw[:-len(_END)] if ended else raw
                 with self._lock:
                     if self._log is None:
                         self._held.append(raw)
@@ -84,13 +88,21 @@ class QuietConsole:
                         os.write(terminal, shown.encode("utf-8", errors="replace"))
                     except OSError:  # the block has ended and the terminal fd is closed: the log has it
                         pass
+                if ended:
+                    return
 
     def __exit__(self, *exc) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         out, err = self._saved
-        os.dup2(out, 1)  # the pipe's last writers in this process are gone: the pump sees EOF (unless a
-        os.dup2(err, 2)  # child process still holds it, e.g. a lingering Ray server; then it stays a daemon)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        # The pump ends at this marker, after every line written before it, not at the pipe's end of file: that
+        # never came while anything else held a copy of the pipe — a child process (a lingering Ray server), or a
+        # descriptor a library duplicated and never closed (DeepSpeed's op probe keeps one of stderr), which made
+        # every in-process run wait the 5 s timeout below after its last line.
+        os.write(self._write, _END)
+        os.close(self._write)
         self._thread.join(timeout=5)
         os.close(out)
         os.close(err)

@@ -81,6 +81,8 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
     moe = f", MoE {cfg.moe.num_experts} experts top-{cfg.moe.top_k}" if getattr(cfg.moe, "num_experts", 0) else ""
     address = c.address or os.environ.get("RAY_ADDRESS", "")
     where = ("in this process (cluster.use_ray=false)" if not c.use_ray else
+             "in this process (one worker: nothing for Ray to do; cluster.ray_for_one_worker=true runs it through "
+             "an embedded local Ray)" if c.trains_in_process() else
              f"on the Ray cluster {address}" if address else "through an embedded local Ray")
     uri = ""
     if cfg.tracking.enabled:

@@ -78,20 +78,25 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # noticed (1.5 s measured after the last line); a poll is one small actor call.
         runtime_env["env_vars"].setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
                                            os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"))
+        # Nor the idle workers a raylet starts for its first driver (one per CPU): they have the default runtime
+        # environment and Train's actors never do (Train gives each one its own), so they were processes that
+        # imported Ray at start-up, while the controller and workers started, and were never used.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=runtime_env, logging_level=logging.WARNING, configure_logging=True)
+                 runtime_env=runtime_env, logging_level=logging.WARNING, configure_logging=True,
+                 _system_config={"prestart_worker_first_driver": False})
     return True
 
 
 def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -> tuple[T, bool]:
     """``prepare()`` (creating the run: MLflow, tokenizer, config) in a thread while this thread starts Ray — Ray
-    keeps the thread that starts it, since its servers are tied to it. With ``cluster.use_ray=false`` or a Ray
-    already running, just ``prepare()``. Returns its result and whether Ray was started here (the caller shuts it
+    keeps the thread that starts it, since its servers are tied to it. For a job that trains in this process
+    (``cluster.use_ray=false``, or one worker Ray would have nothing to do for:
+    :meth:`~pretrain.config.ClusterConfig.trains_in_process`) or with a Ray already running, just ``prepare()``. Returns its result and whether Ray was started here (the caller shuts it
     down: :func:`stop_ray`); when either fails, Ray started here is shut down and the failure raised (the
     preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
     ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
-    if not cluster.use_ray:
+    if cluster.trains_in_process():
         return prepare(), False
     check_local_layout(cluster)  # before anything starts
     _ray_address(cluster)
@@ -133,15 +138,32 @@ def end_ray_with_process(started: bool) -> None:
     to end with the process instead of shut down gracefully. Ray starts its local processes to die with their
     parent (fate sharing: ``prctl(PR_SET_PDEATHSIG)`` on Linux, so the CLI's exit ends them, and their workers
     with them); its graceful shutdown waited ~1.3 s here, process by process, after every command (issue 23:
-    whole-command wall time). Not on Linux, or when this process did not start Ray: :func:`stop_ray`."""
+    whole-command wall time). Not on Linux, or when this process did not start Ray: :func:`stop_ray`.
+
+    Fate sharing reaches only Ray's direct children (GCS, raylet, monitors): the raylet's agents (dashboard and
+    runtime-env agents), left without a raylet that ended by SIGKILL, took it for a crash and tried to report it
+    to the dead GCS for ~60 s before exiting (at ~5% of a core). So every process under this one is killed here
+    as fate sharing would, without waiting for any of them."""
     if started and sys.platform.startswith("linux"):
         import atexit
 
         import ray
 
         atexit.unregister(ray.shutdown)  # the graceful shutdown Ray registered for the interpreter's exit
+        _kill_descendants()
         return
     stop_ray(started)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process under this one (the embedded Ray's), children before their parents' own ends."""
+    import psutil  # a dependency of ray
+
+    for proc in reversed(psutil.Process().children(recursive=True)):
+        try:
+            proc.kill()
+        except psutil.Error:  # already gone
+            pass
 
 
 def _ray_address(cluster: ClusterConfig) -> str:
@@ -196,22 +218,13 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
 
 
 def _trainer_class(embedded: bool):
-    """Ray Train's ``TorchTrainer``; on an embedded local Ray, one without two actors that serve nothing there
-    (every idle Ray actor wakes its main thread every 10 ms, ~0.7% of a core each here): the placement-group
-    cleaner, which polls Ray's State API (the dashboard) every second to free the run's placement group if the
-    controller dies — an embedded Ray is shut down with this process, its placement groups with it — and the
-    Ray Datasets manager (this trainer is given no Ray Datasets)."""
-    from ray.train.torch import TorchTrainer
-
+    """Ray Train's ``TorchTrainer``; on an embedded local Ray, :class:`cluster.embedded.EmbeddedTorchTrainer`
+    (without the actors that serve nothing there)."""
     if not embedded:
-        return TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+        from ray.train.torch import TorchTrainer
 
-    class EmbeddedTorchTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            unused = (PlacementGroupCleanerCallback, DatasetsCallback)
-            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+        return TorchTrainer
+    from cluster.embedded import EmbeddedTorchTrainer
 
     return EmbeddedTorchTrainer
 
@@ -230,7 +243,7 @@ def read_summary(job: Job) -> dict[str, Any]:
 
 def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     """Run ``job`` with the configured backend and return the final metrics."""
-    if cluster.use_ray:
+    if not cluster.trains_in_process():
         timeline.enter("ray")  # until the worker's training function starts (worker start-up and imports included)
         return run_with_ray(replace(job, startup=timeline.marks()), cluster)
     job = replace(job, startup=timeline.marks())

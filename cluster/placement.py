@@ -43,8 +43,9 @@ def fits(total: float, share: float, workers: int) -> bool:
 
 def check_local_layout(cluster: ClusterConfig) -> None:
     """Refuse (one line naming what to set) the workers an embedded local Ray on this machine cannot place all
-    at once. A no-op with a cluster address, ``RAY_ADDRESS``, or ``cluster.use_ray=false``."""
-    if not cluster.use_ray or cluster.address or os.environ.get("RAY_ADDRESS"):
+    at once. A no-op with a cluster address, ``RAY_ADDRESS``, or a job that trains in this process
+    (:meth:`ClusterConfig.trains_in_process`)."""
+    if cluster.trains_in_process() or cluster.address or os.environ.get("RAY_ADDRESS"):
         return
     n, share, cpus = cluster.num_workers, cluster.cpus_per_worker, local_cpus()
     if not fits(cpus, share, n):

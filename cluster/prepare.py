@@ -81,7 +81,7 @@ def _check_gpu_request(cfg: RunConfig) -> None:
     """``cluster.use_gpu=yes`` on this machine (no cluster address) without a GPU driver cannot start a worker."""
     import os
 
-    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) or not cfg.cluster.use_ray
+    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) or cfg.cluster.trains_in_process()
     if cfg.cluster.use_gpu == "yes" and local and not any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/kfd")):
         raise ConfigError("cluster.use_gpu: yes, but this machine has no GPU driver (no /dev/nvidiactl or /dev/kfd) "
                           "and no cluster address is set; use auto (GPUs when there are) or no")

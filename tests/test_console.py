@@ -60,6 +60,35 @@ def test_lines_before_the_log_exists_are_held_and_written_first(tmp_path, capfd)
                                             "[train] step 1"]
 
 
+
+def test_a_leaked_copy_of_the_pipe_does_not_hold_the_end(tmp_path, capfd):
+    """A descriptor duplicated from stderr inside the block and never closed (DeepSpeed's op probe does this in
+    an in-process run), or a child process still holding the pipe, kept the pump from seeing the pipe's end:
+    every such block waited 5 s at its exit. Now the block ends at once, with every line written before the end
+    (a last line without a newline included), and the pump thread is gone."""
+    log = tmp_path / "logs" / "driver.log"
+    leaked = None
+    child = None
+    try:
+        with QuietConsole(log, verbose=False) as console:
+            leaked = os.dup(2)
+            child = subprocess.Popen(["sleep", "30"])  # inherits fds 1 and 2: the pipe
+            os.write(1, b"[train] last line\n")
+            os.write(2, b"no newline at the end")
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+    finally:
+        if child is not None:
+            child.kill()
+            child.wait()
+        if leaked is not None:
+            os.close(leaked)
+    assert took < 1.0, took
+    assert not console._thread.is_alive()
+    out, _ = capfd.readouterr()
+    assert out.splitlines() == ["[train] last line"]
+    assert log.read_text() == "[train] last line\nno newline at the end"
+
 @pytest.mark.slow
 def test_a_failed_preparation_stops_the_ray_it_started_and_is_the_error():
     """``prepare_while_ray_starts``: the run's preparation fails (a user error) while Ray starts in this thread:
@@ -123,7 +152,7 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     from tests.test_train_e2e import CONFIG, TINY, _losses, _run_id
 
     opts = [o for o in TINY if not o.startswith(("train.max_steps", "cluster.num_workers"))]
-    opts += ["train.max_steps=4", "cluster.num_workers=1"]
+    opts += ["train.max_steps=4", "cluster.num_workers=1", "cluster.ray_for_one_worker=true"]  # through Ray
 
     def cli(*args, timeout=300):
         return subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),

@@ -145,7 +145,8 @@ def test_rebuild_with_given_weights_zero2_and_bf16_masters_keep_them_exactly():
 @pytest.mark.slow
 def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
     """``./launch.sh train cluster.num_workers=W`` for W = 1-4, as users run it (the CLI, Ray Train on an embedded
-    local Ray), with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven 6/6/4 shares padded to
+    local Ray; one worker with ``cluster.ray_for_one_worker=true``, since by default it trains in the command's
+    process — ``tests/test_bench.py`` runs that path), with the demo's global batch 16 and micro-batch cap 16 (3 workers: uneven 6/6/4 shares padded to
     equal passes): every rank runs as a Ray Train worker, none waits for placement (more workers than CPUs take a
     fractional ``cluster.cpus_per_worker``, as the refusal of a whole CPU each says), and the same global batches
     give the same losses up to float rounding."""
@@ -164,7 +165,8 @@ def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
     for workers in (1, 3, 4, 2):
         share = min(1.0, math.floor(cpus / workers * 100) / 100)
         proc = subprocess.run([PYTHON, "-m", "pretrain", "train", str(DEMO), *steps, *tok,
-                               f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={share:g}"],
+                               f"cluster.num_workers={workers}", f"cluster.cpus_per_worker={share:g}",
+                               *(["cluster.ray_for_one_worker=true"] if workers == 1 else [])],
                               cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         run_dir = Path(proc.stdout.split("checkpoints in ", 1)[1].split()[0])

@@ -74,6 +74,31 @@ def test_local_layout_check_applies_to_an_embedded_ray_only(monkeypatch):
     assert placement.describe_shortfall({"CPU": 1.0}, 2, {"CPU": 2.0})[1].startswith("no resource in total")
 
 
+def test_one_worker_trains_in_process_unless_ray_has_something_to_do(monkeypatch):
+    """One worker, no cluster, no restarts: the command's own process trains (Ray would place, connect and restart
+    nothing); anything Ray is for — more workers, a cluster address or RAY_ADDRESS, restarts — or
+    ``cluster.ray_for_one_worker=true`` goes through Ray Train; ``use_ray=false`` is in-process whatever else."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def in_process(*overrides: str) -> bool:
+        return load_config(DEMO, list(overrides)).cluster.trains_in_process()
+
+    assert in_process()  # the demo: one worker
+    assert not in_process("cluster.num_workers=2")
+    assert not in_process("cluster.address=127.0.0.1:6379")
+    assert not in_process("cluster.max_failures=1")
+    assert not in_process("cluster.ray_for_one_worker=true")
+    assert in_process("cluster.use_ray=false", "cluster.num_workers=2", "cluster.ray_for_one_worker=true")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert not in_process()
+    assert load_config(DEMO, []).cluster.trains_in_process(ray_address="")
+    monkeypatch.delenv("RAY_ADDRESS")
+    placement.check_local_layout(load_config(DEMO, ["cluster.cpus_per_worker=4"]).cluster)  # no Ray: no placement
+    with pytest.raises(ConfigError, match="cluster.cpus_per_worker"):
+        placement.check_local_layout(load_config(DEMO, ["cluster.cpus_per_worker=4",
+                                                         "cluster.ray_for_one_worker=true"]).cluster)
+
+
 class _FakeRay:
     """Ray's placement-group calls on a cluster that places the group once ``place_at`` (fake) seconds passed."""
 

@@ -75,6 +75,11 @@ class ClusterConfig:
     """Times Ray restarts a failed worker group (from the latest committed checkpoint)."""
     use_ray: bool = True
     """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
+    ray_for_one_worker: bool = False
+    """Run a job of one worker through an embedded local Ray too. False (default): a job Ray would have nothing to
+    do for — one worker, no cluster (``address``, ``RAY_ADDRESS``), no restarts (``max_failures`` 0) — trains in
+    this process, as ``use_ray=false`` does. Starting Ray, its Train controller and a worker process cost such a
+    job ~10 s before its first step on a 2-core machine, and Ray's processes a few percent of every step."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement of the workers: PACK fills nodes first; SPREAD / STRICT_SPREAD put them on
     different nodes."""
@@ -82,6 +87,19 @@ class ClusterConfig:
     """Seconds a job on a Ray cluster (``address`` / ``RAY_ADDRESS``) waits for the cluster to place all its
     workers, saying every few seconds what is missing, before it ends with one line (exit 2); 0 waits without
     limit (an autoscaler slow to add nodes). An embedded local Ray refuses a layout it cannot place at once."""
+
+    def trains_in_process(self, ray_address: str | None = None) -> bool:
+        """Whether the job trains in this process instead of through Ray Train: ``use_ray`` false, or one worker
+        that Ray would have nothing to do for (see ``ray_for_one_worker``). ``ray_address``: the environment's
+        ``RAY_ADDRESS`` (None reads it)."""
+        if not self.use_ray:
+            return True
+        if ray_address is None:
+            import os
+
+            ray_address = os.environ.get("RAY_ADDRESS", "")
+        return (self.num_workers == 1 and not (self.address or ray_address) and self.max_failures == 0
+                and not self.ray_for_one_worker)
 
 
 @dataclass(kw_only=True)
