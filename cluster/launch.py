@@ -92,8 +92,9 @@ def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -
     """``prepare()`` (creating the run: MLflow, tokenizer, config) in a thread while this thread starts Ray — Ray
     keeps the thread that starts it, since its servers are tied to it. For a job that trains in this process
     (``cluster.use_ray=false``, or one worker Ray would have nothing to do for:
-    :meth:`~pretrain.config.ClusterConfig.trains_in_process`) or with a Ray already running, just ``prepare()``. Returns its result and whether Ray was started here (the caller shuts it
-    down: :func:`stop_ray`); when either fails, Ray started here is shut down and the failure raised (the
+    :meth:`~pretrain.config.ClusterConfig.trains_in_process`) or with a Ray already running, just ``prepare()``.
+    Returns its result and whether Ray was started here (the caller shuts it down: :func:`stop_ray`); when either
+    fails, Ray started here is shut down and the failure raised (the
     preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
     ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
     if cluster.trains_in_process():

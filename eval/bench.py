@@ -2,8 +2,9 @@
 against a bare PyTorch loop on the same model, batch and optimizer, the overhead of the stability
 health metrics at their default interval (``health_overhead_frac``), plus data-pipeline throughput; then the
 real training loop of the same config (``python -m pretrain train``: data, callbacks, health, logging, MLflow, Ray)
-on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` and ``time_to_first_step_s``
-with its phases (:mod:`eval.bench_loop`; ``--no-loop`` skips it).
+on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` (against the mean of the step
+timed before the loop and again after it: :func:`step_after_loop`) and ``time_to_first_step_s`` with its phases
+(:mod:`eval.bench_loop`; ``--no-loop`` skips it).
 
 Our step is timed without and with compiled blocks (``train.compile``), with the one-time compile cost.
 MFU = model FLOPs/s over the matmul peak this device measurably reaches in the run's precision (fp32 on CPU,
@@ -107,6 +108,19 @@ def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: 
     out["ratio_vs_bare_pytorch"] = out["tokens_per_s"] / bare
     out.update({"compile_s": compile_s, "steps_per_round": steps, "rounds": rounds})
     return out
+
+
+def step_after_loop(cfg: RunConfig, device: torch.device, before: dict, steps: int, rounds: int) -> dict:
+    """Our default step timed again, right after the real loop, as it was before it (``before``: the step and
+    loop results so far); the loop is then compared with the mean of the two. This machine's speed drifts by
+    5-10% over minutes (the same loop ran 4,714 and 5,155 tokens/s in two runs of one sitting), and the loop
+    runs between the two timings, so the mean is the step at the loop's time as near as one run can tell."""
+    step = _our_step_fn(cfg, device, before["compile_default"])
+    after = bench_tokens(cfg, steps) / interleaved_best([step], _batches(cfg, steps, device), device, rounds)[0]
+    reference = (before["tokens_per_s"] + after) / 2
+    return {"step_tokens_per_s_after_loop": after, "loop_step_reference_tokens_per_s": reference,
+            "loop_vs_step_ratio": before["loop_tokens_per_s"] / reference,
+            "loop_mean_vs_step_ratio": before["loop_mean_tokens_per_s"] / reference}
 
 
 def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs: int) -> dict:
@@ -309,6 +323,7 @@ def measure(a: argparse.Namespace) -> dict:
                                      steps=a.loop_steps or 40, threads=torch.get_num_threads(),
                                      micro_batch=cfg.train.micro_batch_size, global_batch=global_batch,
                                      workers=a.workers))
+        result.update(step_after_loop(cfg, torch.device("cuda" if gpu else "cpu"), result, steps, a.rounds))
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
     if a.layer_drop:

@@ -16,8 +16,9 @@ Both sides get the same:
   ``train.num_threads`` and Trainer's ``torch.set_num_threads``), AdamW hyper-parameters, warm-up + cosine to
   ``min_lr_ratio``, gradient clipping and logging interval.
 
-Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` through Ray, MLflow, final
-validation and checkpoint; HF: ``python -m eval.hf_trainer``, which also saves its model), and each one's
+Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one
+worker, so in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through
+an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m eval.hf_trainer``, which also saves its model), and each one's
 steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out on both sides
 (mean over the rest; also the best window of ``loop_window`` steps). Targets (issue 23): tokens/s ours/HF >= 1.0,
 wall time ours/HF <= 1.2.
@@ -124,7 +125,7 @@ def run_hf(cfg: RunConfig, model_dir: Path, tokens: Path, out: Path, steps: int,
 
 
 def run_ours(config: str, overrides: list[str], tokenizer_dir: Path) -> dict:
-    """``./launch.sh train`` as a subprocess (through Ray, MLflow in a temporary store): wall time and loop speed."""
+    """``./launch.sh train`` as a subprocess (MLflow in a temporary store): wall time and loop speed."""
     s = run_training(config, [*overrides, f"data.tokenizer={tokenizer_dir}"],
                      command=[str(ROOT / "launch.sh"), "train"])
     return {"wall_s": s["command_wall_s"], "tokens_per_s": float(s.get("loop_mean_tokens_per_s", 0.0)),
