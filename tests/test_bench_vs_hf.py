@@ -107,6 +107,9 @@ def test_bench_vs_hf_runs_both_commands(tmp_path):
         assert s["tokens_per_s"] > 0 and s["wall_s"] > 0 and s["final_loss"] < 7.0, (side, s)
     assert r["tokens_per_s_ratio"] == pytest.approx(r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"])
     assert r["wall_ratio"] == pytest.approx(r["ours"]["wall_s"] / r["hf"]["wall_s"])
+    runs = r["hf"]["runs"]  # Trainer before and after ours; its side is their mean
+    assert len(runs) == 2 and r["hf"]["wall_s"] == pytest.approx((runs[0]["wall_s"] + runs[1]["wall_s"]) / 2)
+    assert r["hf"]["tokens_per_s"] == pytest.approx((runs[0]["tokens_per_s"] + runs[1]["tokens_per_s"]) / 2)
     assert not list(Path(tmp_path).glob("checkpoints"))  # the runs went to temporary directories
 
 
@@ -115,3 +118,12 @@ def test_a_missing_corpus_is_one_line_before_anything_runs(tmp_path):
 
     with pytest.raises(ConfigError, match="--corpus .* does not exist"):
         bench_vs_hf.vs_hf_bench(ROOT / "configs" / "demo-decoder.yaml", [], corpus=str(tmp_path / "none.txt"))
+
+
+def test_trainer_side_is_the_mean_of_its_runs_before_and_after_ours():
+    a = {"wall_s": 30.0, "tokens_per_s": 4500.0, "best_window_tokens_per_s": 4800.0, "steps": 60, "threads": 2}
+    b = {**a, "wall_s": 34.0, "tokens_per_s": 5000.0, "best_window_tokens_per_s": 5200.0}
+    side = bench_vs_hf.mean_side([a, b])
+    assert (side["wall_s"], side["tokens_per_s"], side["best_window_tokens_per_s"]) == (32.0, 4750.0, 5000.0)
+    assert side["steps"] == 60 and side["runs"] == [{k: r[k] for k in ("wall_s", "tokens_per_s",
+                                                                       "best_window_tokens_per_s")} for r in (a, b)]
