@@ -1,6 +1,7 @@
 """The loop a user runs, timed in the same bench run as the step: ``python -m pretrain train`` as a subprocess
 (the path ``./launch.sh train`` takes: run preparation, tokenizer, Ray for more than one worker, the engine, the
-data pipeline, every callback, health probes, logging and MLflow), with its MLflow store and run directory in a temporary directory.
+data pipeline, every callback, health probes, logging and MLflow), with its MLflow store and run directory in a
+temporary directory.
 
 Its ``summary.json`` gives ``loop_tokens_per_s`` (steady state, see :mod:`pretrain.train.timing`) and the start-up
 (``time_to_first_step_s``, per phase); :func:`loop_benchmark` puts them beside the step benchmark's tokens/s of the

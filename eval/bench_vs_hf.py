@@ -21,8 +21,8 @@ Trainer runs twice, before and after ours (this machine's speed drifts by 5-10% 
 
 Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one
 worker, so in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through
-an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m eval.hf_trainer``, which also saves its model), and each one's
-steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out on both sides
+an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m eval.hf_trainer``, which
+also saves its model), and each one's steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out on both sides
 (mean over the rest; also the best window of ``loop_window`` steps). Targets (issue 23): tokens/s ours/HF >= 1.0,
 wall time ours/HF <= 1.2.
 """
