@@ -167,16 +167,16 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
         _, hf = build_pair(cfg, tokenizer)
         hf.save_pretrained(str(tmp_dir / "hf-init"))
         torch.save(token_stream(cfg, tokenizer, steps), tmp_dir / "tokens.pt")
-        hf_runs = []
-        for when in ("before", "after"):  # Trainer before and after ours: this machine's speed drifts over minutes
-            if when == "after":
-                print(f"[bench] ./launch.sh train, {steps} steps ...", file=sys.stderr)
-                ours = run_ours(str(config), overrides, tmp_dir / "bench-tokenizer")
+        def trainer(when: str) -> dict:  # before and after ours: this machine's speed drifts over minutes
             print(f"[bench] Hugging Face Trainer ({type(hf).__name__}), {steps} steps, {when} ours ...",
                   file=sys.stderr)
             (tmp_dir / when).mkdir()
-            hf_runs.append(run_hf(cfg, tmp_dir / "hf-init", tmp_dir / "tokens.pt", tmp_dir / when, steps, threads))
-        hf_side = mean_side(hf_runs)
+            return run_hf(cfg, tmp_dir / "hf-init", tmp_dir / "tokens.pt", tmp_dir / when, steps, threads)
+
+        before = trainer("before")
+        print(f"[bench] ./launch.sh train, {steps} steps ...", file=sys.stderr)
+        ours = run_ours(str(config), overrides, tmp_dir / "bench-tokenizer")
+        hf_side = mean_side([before, trainer("after")])
     ratio = ours["tokens_per_s"] / hf_side["tokens_per_s"] if hf_side["tokens_per_s"] else None
     wall_ratio = ours["wall_s"] / hf_side["wall_s"] if hf_side["wall_s"] else None
     return {"config": cfg.name, "hf_class": type(hf).__name__, "corpus": corpus, "steps": steps,
