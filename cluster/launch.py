@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
-from pretrain import timeline
+from pretrain import startup_gc, timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.job import Job
 
@@ -36,6 +36,16 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
     from pretrain.train.loop import train_loop
 
     return train_loop(job)
+
+
+def ray_train_worker(job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`train_worker` in a Ray worker process: its start-up with the garbage collector paused (see
+    :mod:`pretrain.startup_gc`; resumed after the first step, or when the function ends before one)."""
+    startup_gc.pause()
+    try:
+        return train_worker(job)
+    finally:
+        startup_gc.resume()
 
 
 def worker_env(reuse_host_memory: bool = False) -> dict[str, str]:
@@ -198,7 +208,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
         use_gpu = cluster.use_gpu == "yes" or (cluster.use_gpu == "auto" and gpus >= cluster.num_workers)
         wait_for_placement(cluster, use_gpu, say=lambda line: print(line, flush=True))
         trainer = TorchTrainer(
-            train_worker,
+            ray_train_worker,
             train_loop_config=asdict(job),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
             scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu,
@@ -246,6 +256,7 @@ def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     """Run ``job`` with the configured backend and return the final metrics."""
     if not cluster.trains_in_process():
         timeline.enter("ray")  # until the worker's training function starts (worker start-up and imports included)
+        startup_gc.resume()  # this process now waits for the workers for the whole run
         return run_with_ray(replace(job, startup=timeline.marks()), cluster)
     job = replace(job, startup=timeline.marks())
     # No Ray: this process is the worker (a world of one, or one rank of a torchrun launch).

@@ -9,9 +9,19 @@ def main() -> int:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if pauses_collection():  # until the first step (or Ray's workers take over)
+        from pretrain import startup_gc
+
+        startup_gc.pause()
     from pretrain.cli import main as cli_main
 
     exit_without_teardown(cli_main())
+
+
+def pauses_collection() -> bool:
+    """Whether this command trains (in this process, or through Ray): its start-up runs with the garbage
+    collector paused (:mod:`pretrain.startup_gc`)."""
+    return sys.argv[1:2] in (["train"], ["resume"])
 
 
 def exit_without_teardown(code: int) -> None:

@@ -272,11 +272,13 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
     """The real trainer of a 1-worker run with a recording callback added: the documented event order (step hooks
     inside the step, validation and checkpoint inside the step's end, run end last), EarlyStop ending the run at
     its first good validation, ProfilerCallback writing a trace of its steps, RunSummary writing the summary."""
+    import gc
     import json
 
     from mlflow import MlflowClient
 
     from cluster.prepare import prepare_new
+    from pretrain import startup_gc
     from pretrain.train.loop import build_trainer
     from pretrain.train.trainer import Callback
 
@@ -285,12 +287,14 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
 
         def __init__(self):
             self.events: list[str] = []
+            self.gc_on: list[bool] = []
 
         def on_run_start(self, trainer):
             self.events.append("run_start")
 
         def on_step_start(self, trainer, step):
             self.events.append(f"step_start {step}")
+            self.gc_on.append(gc.isenabled())
 
         def before_forward(self, module, index):
             self.events.append(f"forward {index}")
@@ -319,10 +323,15 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
     job = prepare_new(load_config(DEMO, RUN + ["train.stop_at_val_loss=100", "train.profile_at=1",
                                                "train.profile_steps=2"]))
     recorder = Recorder()
-    trainer = build_trainer(asdict(job), [recorder])
-    names = [type(c).__name__ for c in trainer.callbacks]
-    assert names[:2] == ["SpeedMonitor", "ProfilerCallback"] and names[-2:] == ["RunSummary", "Recorder"]
-    final = trainer.fit()
+    startup_gc.pause()  # as a command's process does: collection resumes after the first step
+    try:
+        trainer = build_trainer(asdict(job), [recorder])
+        names = [type(c).__name__ for c in trainer.callbacks]
+        assert names[:2] == ["SpeedMonitor", "ProfilerCallback"] and names[-2:] == ["RunSummary", "Recorder"]
+        final = trainer.fit()
+    finally:
+        startup_gc.resume()
+    assert recorder.gc_on == [False, True] and gc.isenabled()
     step = ["forward 0", "forward 1", "after_backward", "before_update", "after_update"]  # grad accum 2
     assert recorder.events == [
         "run_start",

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pretrain import timeline
+from pretrain import startup_gc, timeline
 from pretrain.train.step import StepResult
 from pretrain.train.trainer import Callback, Trainer
 
@@ -83,6 +83,7 @@ class SpeedMonitor(Callback):
     def _first_step(self, trainer: Trainer, end: float) -> None:
         marks = timeline.marks()
         timeline.finish()
+        startup_gc.resume()  # start-up is over (a no-op unless this process paused the collector)
         if not marks:
             return
         self.startup = timeline.phases(marks, end)
