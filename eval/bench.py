@@ -14,7 +14,7 @@ CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs
 
     ./launch.sh bench [--json] [--steps N] [--loop-steps N] [--no-loop] [CONFIG] [key=value ...]
     ./launch.sh bench --recompute [CONFIG] [key=value ...]   activation checkpointing none/full/selective
-    ./launch.sh bench --vs-hf [--corpus PATH] [--loop-steps N] [CONFIG] [key=value ...]   ours vs HF Trainer
+    ./launch.sh bench --vs-hf [--repeats N] [--corpus PATH] [--loop-steps N] [CONFIG] [key=value ...]   ours vs HF Trainer
     ./launch.sh bench --no-moe --workers 2 zero.stage=2    the loop on 2 workers (ZeRO-1/2), its ratio to its step
 """
 
@@ -257,6 +257,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--corpus", default=None,
                    help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
                         "else the built-in demo corpus)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--vs-hf: runs of ours, alternating with N + 1 of Trainer; each side is the mean of its runs")
     p.add_argument("--growth", action="store_true",
                    help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
     p.add_argument("--layer-drop", action="store_true",
@@ -303,7 +305,7 @@ def measure(a: argparse.Namespace) -> dict:
         from eval.bench_vs_hf import vs_hf_bench
 
         return vs_hf_bench(path or ROOT / "configs" / "demo-decoder.yaml", overrides, corpus=a.corpus,
-                           steps=a.loop_steps or 60)
+                           steps=a.loop_steps or 60, repeats=a.repeats)
     if path is None:
         path = ROOT / "configs" / ("gpt-125m.yaml" if gpu else "demo-decoder.yaml")
         if gpu:  # benchmark one GPU: same model, one worker's micro-batch

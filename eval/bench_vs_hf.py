@@ -1,5 +1,5 @@
 """Our ``./launch.sh train`` against Hugging Face Trainer, as a user would compare them
-(``./launch.sh bench --vs-hf [--corpus PATH] [--loop-steps N] [--json] [CONFIG] [key=value ...]``).
+(``./launch.sh bench --vs-hf [--repeats N] [--corpus PATH] [--loop-steps N] [--json] [CONFIG] [key=value ...]``).
 
 Both sides get the same:
 
@@ -16,8 +16,10 @@ Both sides get the same:
   ``train.num_threads`` and Trainer's ``torch.set_num_threads``), AdamW hyper-parameters, warm-up + cosine to
   ``min_lr_ratio``, gradient clipping and logging interval.
 
-Trainer runs twice, before and after ours (this machine's speed drifts by 5-10% over minutes: Trainer alone ran at
-4,511-5,008 tokens/s in one sitting), and its side is the mean of the two (``hf.runs`` has each).
+Trainer runs before and after ours (this machine's speed drifts by 5-10% over minutes: Trainer alone ran at
+4,678-5,234 tokens/s in one sitting), and its side is the mean of its runs (``hf.runs`` has each). ``--repeats N``
+alternates N runs of ours with N + 1 of Trainer (each side the mean of its runs; ``paired_*_ratios``: each run of
+ours over the Trainer runs just before and after it), for an answer that one drifting run cannot swing.
 
 Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one
 worker, so in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through
@@ -127,10 +129,20 @@ def run_hf(cfg: RunConfig, model_dir: Path, tokens: Path, out: Path, steps: int,
             "threads": rep["threads"], "steps": rep["steps"], "final_loss": rep["losses"][-1] if rep["losses"] else None}
 
 
-def mean_side(runs: list[dict]) -> dict:
-    """Trainer's side as the mean of its runs (before and after ours) in tokens/s and wall time, with each run."""
-    mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("wall_s", "tokens_per_s", "best_window_tokens_per_s")}
+SIDE_KEYS = ("wall_s", "tokens_per_s", "best_window_tokens_per_s")
+
+
+def mean_side(runs: list[dict], keys: tuple[str, ...] = SIDE_KEYS) -> dict:
+    """One side as the mean of its runs in ``keys`` (tokens/s, wall time), with each run's ``keys`` in ``runs``."""
+    keys = tuple(k for k in keys if all(isinstance(r.get(k), (int, float)) for r in runs))
+    mean = {k: sum(r[k] for r in runs) / len(runs) for k in keys}
     return {**runs[0], **mean, "runs": [{k: r[k] for k in mean} for r in runs]}
+
+
+def paired_ratios(ours: list[dict], hf: list[dict], key: str) -> list[float]:
+    """Each run of ours over the mean of the Trainer runs just before and after it (``hf`` alternates with
+    ``ours``: one more run, first and last), so drift over minutes hits both sides of every pair alike."""
+    return [o[key] / ((before[key] + after[key]) / 2) for o, before, after in zip(ours, hf, hf[1:])]
 
 
 def run_ours(config: str, overrides: list[str], tokenizer_dir: Path) -> dict:
@@ -146,8 +158,11 @@ def run_ours(config: str, overrides: list[str], tokenizer_dir: Path) -> dict:
 
 
 def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | None = None, steps: int = 60,
-                batch: int = 16, threads: int = 2) -> dict:
-    """Both commands on the same model, tokenizer, token stream, batch, steps, precision and threads."""
+                batch: int = 16, threads: int = 2, repeats: int = 1) -> dict:
+    """Both commands on the same model, tokenizer, token stream, batch, steps, precision and threads; ours
+    ``repeats`` times, Trainer before the first and after each (alternating), each side the mean of its runs."""
+    if repeats < 1:
+        raise ConfigError(f"bench --vs-hf: --repeats must be at least 1, not {repeats}")
     import importlib.util
 
     from pretrain.data import load_or_train_tokenizer
@@ -173,17 +188,22 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
             (tmp_dir / when).mkdir()
             return run_hf(cfg, tmp_dir / "hf-init", tmp_dir / "tokens.pt", tmp_dir / when, steps, threads)
 
-        before = trainer("before")
-        print(f"[bench] ./launch.sh train, {steps} steps ...", file=sys.stderr)
-        ours = run_ours(str(config), overrides, tmp_dir / "bench-tokenizer")
-        hf_side = mean_side([before, trainer("after")])
+        hf_runs, our_runs = [trainer("before")], []
+        for i in range(repeats):
+            print(f"[bench] ./launch.sh train, {steps} steps ({i + 1}/{repeats}) ...", file=sys.stderr)
+            our_runs.append(run_ours(str(config), overrides, tmp_dir / "bench-tokenizer"))
+            hf_runs.append(trainer("after" if i == 0 else f"after-{i + 1}"))
+    hf_side = mean_side(hf_runs)
+    ours = mean_side(our_runs, (*SIDE_KEYS, "time_to_first_step_s", "step_tokens_per_s"))
     ratio = ours["tokens_per_s"] / hf_side["tokens_per_s"] if hf_side["tokens_per_s"] else None
     wall_ratio = ours["wall_s"] / hf_side["wall_s"] if hf_side["wall_s"] else None
     return {"config": cfg.name, "hf_class": type(hf).__name__, "corpus": corpus, "steps": steps,
             "batch": batch, "seq_len": cfg.model.max_seq_len, "threads": threads, "precision": "fp32",
             "warmup_steps_excluded": LOOP_WARMUP_STEPS, "hf": hf_side, "ours": ours,
             "tokens_per_s_ratio": ratio, "tokens_per_s_target": TOKENS_PER_S_TARGET,
-            "wall_ratio": wall_ratio, "wall_target": WALL_TARGET,
+            "wall_ratio": wall_ratio, "wall_target": WALL_TARGET, "repeats": repeats,
+            "paired_tokens_per_s_ratios": paired_ratios(our_runs, hf_runs, "tokens_per_s"),
+            "paired_wall_ratios": paired_ratios(our_runs, hf_runs, "wall_s"),
             "meets_targets": bool(ratio and wall_ratio and ratio >= TOKENS_PER_S_TARGET and wall_ratio <= WALL_TARGET)}
 
 
@@ -208,8 +228,13 @@ def format_table(r: dict) -> str:
              row("time to first step (s)", "time_to_first_step_s", ".1f"),
              row("steps timed", "steps_timed", "d"),
              row("torch threads", "threads", "d"),
-             row("final train loss (HF: last log's mean)", "final_loss", ".3f"),
-             f"meets both targets: {'yes' if r['meets_targets'] else 'no'}"]
+             row("final train loss (HF: last log's mean)", "final_loss", ".3f")]
+    if r.get("repeats", 1) > 1:
+        fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+        lines += [f"runs: ours {r['repeats']}, Trainer {r['repeats'] + 1} (alternating); each side is the mean of its runs",
+                  f"each run of ours over the Trainer runs around it: tokens/s {fmt(r['paired_tokens_per_s_ratios'])}; "
+                  f"wall {fmt(r['paired_wall_ratios'])}"]
+    lines.append(f"meets both targets: {'yes' if r['meets_targets'] else 'no'}")
     return "\n".join(lines)
 
 

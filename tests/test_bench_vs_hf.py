@@ -110,6 +110,7 @@ def test_bench_vs_hf_runs_both_commands(tmp_path):
     runs = r["hf"]["runs"]  # Trainer before and after ours; its side is their mean
     assert len(runs) == 2 and r["hf"]["wall_s"] == pytest.approx((runs[0]["wall_s"] + runs[1]["wall_s"]) / 2)
     assert r["hf"]["tokens_per_s"] == pytest.approx((runs[0]["tokens_per_s"] + runs[1]["tokens_per_s"]) / 2)
+    assert r["repeats"] == 1 and r["paired_tokens_per_s_ratios"] == [pytest.approx(r["tokens_per_s_ratio"])]
     assert not list(Path(tmp_path).glob("checkpoints"))  # the runs went to temporary directories
 
 
@@ -127,3 +128,19 @@ def test_trainer_side_is_the_mean_of_its_runs_before_and_after_ours():
     assert (side["wall_s"], side["tokens_per_s"], side["best_window_tokens_per_s"]) == (32.0, 4750.0, 5000.0)
     assert side["steps"] == 60 and side["runs"] == [{k: r[k] for k in ("wall_s", "tokens_per_s",
                                                                        "best_window_tokens_per_s")} for r in (a, b)]
+    ours = bench_vs_hf.mean_side([{**a, "time_to_first_step_s": 7.0}, {**b, "time_to_first_step_s": 9.0}],
+                                 (*bench_vs_hf.SIDE_KEYS, "time_to_first_step_s", "step_tokens_per_s"))
+    assert ours["time_to_first_step_s"] == 8.0 and "step_tokens_per_s" not in ours["runs"][0]  # absent: not averaged
+
+
+def test_each_run_of_ours_is_paired_with_the_trainer_runs_around_it():
+    hf = [{"tokens_per_s": t} for t in (4000.0, 5000.0, 6000.0)]  # drifting up
+    ours = [{"tokens_per_s": 4950.0}, {"tokens_per_s": 5500.0}]
+    assert bench_vs_hf.paired_ratios(ours, hf, "tokens_per_s") == [4950 / 4500, 5500 / 5500]
+
+
+def test_repeats_below_one_are_refused():
+    from pretrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--repeats must be at least 1"):
+        bench_vs_hf.vs_hf_bench(ROOT / "configs" / "demo-decoder.yaml", [], corpus="demo", repeats=0)
