@@ -231,7 +231,8 @@ def format_table(r: dict) -> str:
              row("final train loss (HF: last log's mean)", "final_loss", ".3f")]
     if r.get("repeats", 1) > 1:
         fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-        lines += [f"runs: ours {r['repeats']}, Trainer {r['repeats'] + 1} (alternating); each side is the mean of its runs",
+        lines += [f"runs: ours {r['repeats']}, Trainer {r['repeats'] + 1} (alternating); each side is the mean of its "
+                  "runs",
                   f"each run of ours over the Trainer runs around it: tokens/s {fmt(r['paired_tokens_per_s_ratios'])}; "
                   f"wall {fmt(r['paired_wall_ratios'])}"]
     lines.append(f"meets both targets: {'yes' if r['meets_targets'] else 'no'}")

@@ -86,7 +86,10 @@ def test_table_shows_both_sides_and_the_targets():
          "meets_targets": True}
     table = bench_vs_hf.format_table(r)
     assert "1.20  target >= 1.0" in table and "1.10  target <= 1.2" in table and "first 5 out" in table
-    assert "meets both targets: yes" in table
+    assert "meets both targets: yes" in table and "alternating" not in table
+    table = bench_vs_hf.format_table({**r, "repeats": 2, "paired_tokens_per_s_ratios": [1.25, 1.15],
+                                      "paired_wall_ratios": [1.05, 1.15]})
+    assert "runs: ours 2, Trainer 3 (alternating)" in table and "tokens/s 1.25, 1.15; wall 1.05, 1.15" in table
 
 
 @pytest.mark.slow
