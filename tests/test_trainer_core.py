@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
+from pretrain.checkpoint import layout
 from pretrain.config import load_config
 from pretrain.train.callbacks import CheckpointCallback, FaultInjection, MetricsLogger, StabilityCallback
 from pretrain.train.stability import StabilityMonitor, StepSignals
@@ -80,6 +81,49 @@ def test_callbacks_publish_through_the_trainer():
     assert trainer.shared.last_event_step == stability.monitor.s.last_event_step
     trainer.emit("on_model_changed")  # growth: no rollback to checkpoints of the old architecture
     assert trainer.gather("protected_paths") == [set(), set(), set()]
+
+
+class _SlowCommits:
+    """A checkpointer whose commits never finish between steps: each save stays in flight until the next
+    :meth:`finish` (what the real :class:`~pretrain.train.checkpointing.Checkpointer` does when committing takes
+    longer than the steps between saves, as on a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.in_flight: Path | None = None
+        self.writer = SimpleNamespace(settle=lambda: None)
+
+    def summary(self) -> dict:
+        return {}
+
+    def warm(self, module) -> None:
+        pass
+
+    def poll(self) -> None:
+        return None
+
+    def finish(self) -> Path | None:
+        flight, self.in_flight = self.in_flight, None
+        return flight
+
+    def save(self, module, batches, state, protect) -> Path:
+        self.finish()  # as the real one: at most one save in flight
+        self.in_flight = Path(layout.step_dir_name(state.step))
+        return self.in_flight
+
+
+def test_a_save_still_in_flight_when_the_next_starts_is_committed_and_said():
+    said: list[str] = []
+    callback = CheckpointCallback(_SlowCommits())
+    trainer = _trainer([callback], TrainerState())
+    trainer.progress = SimpleNamespace(say=said.append)
+    trainer.cfg = load_config(None, ["train.max_steps=6", "checkpoint.every_steps=2"])
+    for step in range(1, 7):
+        trainer.state.step = step
+        callback.on_step_end(trainer, None)
+    assert said == ["checkpoint committed: step 2", "checkpoint committed: step 4"]
+    assert trainer.last_checkpoint == Path(layout.step_dir_name(4))
+    callback.on_run_end(trainer, final := {})
+    assert said[-1] == "checkpoint committed: step 6" and final["checkpoint"] == layout.step_dir_name(6)
 
 
 def _imported(node: ast.AST) -> list[str]:

@@ -357,6 +357,9 @@ class CheckpointCallback(Callback):
         self.checkpointer = checkpointer
 
     def save(self, trainer: Trainer) -> None:
+        # At most one save in flight: the one still in flight (its commit slower than the steps since) is
+        # committed first, and said, before this one starts.
+        self.committed(trainer, self.checkpointer.finish())
         trainer.collect_state()
         try:
             path = self.checkpointer.save(trainer.module, trainer.batches, trainer.state,
