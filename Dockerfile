@@ -24,6 +24,7 @@ COPY --chown=ray:users launch.sh pyproject.toml requirements.txt requirements-to
 COPY --chown=ray:users pretrain/__init__.py pretrain/
 COPY --chown=ray:users cluster/__init__.py cluster/
 COPY --chown=ray:users eval/__init__.py eval/
+COPY --chown=ray:users benchmarks/__init__.py benchmarks/
 RUN ./launch.sh setup && rm -rf /home/ray/.cache/uv \
     && .venv/bin/python -c "import torch; assert torch.version.cuda, torch.__version__"
 

@@ -31,9 +31,9 @@ T = TypeVar("T")
 
 
 def train_worker(job: dict[str, Any]) -> dict[str, Any]:
-    """The training function of every worker: :func:`pretrain.train.loop.train_loop`, imported where it runs (Ray
+    """The training function of every worker: :func:`pretrain.train.worker.train_loop`, imported where it runs (Ray
     pickles this function by reference), so that the driver never imports the training stack."""
-    from pretrain.train.loop import train_loop
+    from pretrain.train.worker import train_loop
 
     return train_loop(job)
 

@@ -261,7 +261,7 @@ def submit(argv: list[str]) -> int:
         _check_job_id(a.job_id)
     client = connect(address)  # unreachable / authentication: one line before anything else
     if local:
-        from cluster.prepare import resolve_paths
+        from pretrain.config.paths import resolve_paths
 
         cfg = resolve_paths(cfg, Path.cwd())  # same filesystem: checkpoints/caches where the user is
     elif not Path(cfg.checkpoint.dir).is_absolute():

@@ -47,7 +47,6 @@ from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
 from pretrain.data.token_bytes import token_byte_lengths
 from pretrain.model.score import score_batches
 
-
 # ----------------------------------------------------------------------------------------------
 # Scoring (the functional core: logits function + batches -> metrics)
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +281,7 @@ def evaluate_tasks(src: EvalSource, specs: list[str], *, data: list[str] | tuple
     the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process."""
     from pretrain.config import EvalConfig
     from pretrain.data.tasks import load_tasks
-    from pretrain.train.evaluators import prepare_tasks, task_metrics
+    from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
 
     dcfg = data_config(src, list(data))
     EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices).validate(

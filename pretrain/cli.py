@@ -78,12 +78,13 @@ def cmd_train(args: list[str]) -> int:
     path, overrides = split_args([a for a in args if a != "--dry-run"])
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
     if dry:  # the checks and the plan; nothing started or created
-        from cluster.dry_run import dry_run
+        from pretrain.driver.dry_run import dry_run
 
         return dry_run(cfg, path or str(DEFAULT_CONFIG))
     timeline.start()
 
-    from cluster.prepare import prepare_new, preflight, resolve_paths
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.prepare import preflight, prepare_new
 
     timeline.enter("run_preparation")
     cfg = resolve_paths(cfg)
@@ -97,7 +98,7 @@ def cmd_train(args: list[str]) -> int:
 
 def cmd_resume(args: list[str]) -> int:
     timeline.start()
-    from cluster.prepare import prepare_resume
+    from pretrain.driver.prepare import prepare_resume
 
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")
@@ -110,9 +111,9 @@ def _run_job(prepare, announce) -> int:
     """``prepare()`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
     it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
     run exists). ``announce(job)``: the line that names the run."""
-    from cluster.console import QuietConsole
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
+    from pretrain.driver.console import QuietConsole
     from pretrain.train.tracking import Tracker, tracking_uri
 
     with QuietConsole(None) as console:
@@ -219,14 +220,14 @@ def cmd_ui(args: list[str]) -> int:
 
 def cmd_bench(args: list[str]) -> int:
     if "--cluster" in args:  # submit-to-first-step latency and checkpoint share on the local head
-        from eval.bench_cluster import main as cluster_bench
+        from benchmarks.cluster_jobs import main as cluster_bench
 
         return cluster_bench(args)
     if "--checkpoint" in args:  # checkpoint cost as the model grows: real train/resume runs per size
-        from eval.bench_checkpoint import main as checkpoint_bench
+        from benchmarks.checkpoint import main as checkpoint_bench
 
         return checkpoint_bench(args)
-    from eval.bench import main as bench_main
+    from benchmarks.step import main as bench_main
 
     return bench_main(args)
 
@@ -270,19 +271,19 @@ def cmd_eval(args: list[str]) -> int:
 
 
 def cmd_grow(args: list[str]) -> int:
-    from cluster.derive import grow
+    from pretrain.driver.derive import grow
 
     return grow(args)
 
 
 def cmd_prune(args: list[str]) -> int:
-    from cluster.derive import prune
+    from pretrain.driver.derive import prune
 
     return prune(args)
 
 
 def cmd_anneal(args: list[str]) -> int:
-    from cluster.anneal import anneal
+    from pretrain.driver.anneal import anneal
 
     return anneal(args)
 

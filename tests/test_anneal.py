@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from cluster.anneal import anneal, annealed_config
 from pretrain.config import ConfigError, load_config
+from pretrain.driver.anneal import anneal, annealed_config
 from pretrain.train.schedule import lr_at
 from tests.conftest import PYTHON, ROOT, cli_env
 

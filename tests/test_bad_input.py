@@ -1,5 +1,5 @@
 """Bad input, from config to corpus to checkpoint: the driver's corpus sanity (pretrain/data/sanity.py), the
-driver's file-system checks (cluster/prepare.py), the sequence-level fallback for a corpus of too few
+driver's file-system checks (pretrain/driver/prepare.py), the sequence-level fallback for a corpus of too few
 documents, and the CLI's one-line refusals (exit 2, no traceback, no Ray, within 2 seconds)."""
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def test_pieces_train_and_validate_deterministically_on_any_worker_count(huge_se
 
 
 def test_checkpoint_dir_must_be_creatable_and_writable(tmp_path):
-    from cluster.prepare import check_writable_dir
+    from pretrain.driver.prepare import check_writable_dir
 
     check_writable_dir(str(tmp_path / "new" / "deeper"), "checkpoint.dir")
     assert not (tmp_path / "new").exists()  # nothing created by the check
@@ -357,7 +357,8 @@ def test_cli_trains_a_single_huge_document(tmp_path):
 
 
 def test_preflight_checks_directories_and_the_vocab_size(tmp_path):
-    from cluster.prepare import preflight, resolve_paths
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.prepare import preflight
 
     corpus = tmp_path / "docs.txt"
     corpus.write_text("\n".join(words(30, i) for i in range(100)) + "\n")

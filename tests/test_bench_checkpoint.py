@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval import bench_checkpoint as bc
+from benchmarks import checkpoint as bc
 from pretrain.checkpoint import store
 from tests.conftest import PYTHON, cli_env
 
@@ -55,7 +55,7 @@ def test_checkpoint_stats_report_resume_and_save_hashing_per_rank(tmp_path):
     """A world of one: what was hashed from worker setup to the loop is the resume's (here a full verification
     of a committed checkpoint: each byte once), what was hashed in the loop its saves' (in any thread, as an
     asynchronous save hashes), per save."""
-    from pretrain.train.checkpoint_stats import CheckpointStats
+    from pretrain.train.callbacks.checkpoint_stats import CheckpointStats
 
     trainer = SimpleNamespace(ctx=SimpleNamespace(is_main=True), tracker=_Tracker(), state=SimpleNamespace(step=2),
                               last_checkpoint=OLD)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eval import bench_vs_hf
-from pretrain.train.timing import LOOP_WARMUP_STEPS
+from benchmarks import vs_hf as bench_vs_hf
+from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 from tests.conftest import PYTHON, ROOT, cli_env
 
 SPECIAL = SimpleNamespace(bos_token_id=0, eos_token_id=0, pad_token_id=1)

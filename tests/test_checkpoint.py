@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from pretrain.checkpoint import layout as ly
-from pretrain.checkpoint import reader
+from pretrain.checkpoint import reader, weights
 from pretrain.checkpoint import store as ck
-from pretrain.checkpoint import weights
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
 from tests.distributed import run_distributed

@@ -170,7 +170,7 @@ def _engine_saves(rank: int, world: int, work: str) -> dict:
     from dataclasses import replace
 
     from pretrain.train import dist
-    from pretrain.train.checkpointing import Checkpointer
+    from pretrain.train.checkpointer import Checkpointer
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step
     from pretrain.train.trainer import TrainerState as _State

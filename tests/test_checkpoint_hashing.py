@@ -44,7 +44,7 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     verify it in parallel as a resume does (intact, then with one byte of rank 1's optimizer partition flipped)."""
     from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState
     from pretrain.train import dist
-    from pretrain.train.checkpointing import DistWorld
+    from pretrain.train.checkpointer import DistWorld
     from pretrain.train.module import build_module
     from pretrain.train.resume import verify_in_parallel
     from pretrain.train.step import StepInput, run_step

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch

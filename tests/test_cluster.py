@@ -160,7 +160,8 @@ def test_multinode_doc_covers_the_essentials():
 
 
 def test_commands_registered():
-    from pretrain.cli import COMMANDS, __doc__ as doc
+    from pretrain.cli import COMMANDS
+    from pretrain.cli import __doc__ as doc
 
     for name in ("cluster", "submit", "jobs", "status", "logs", "stop"):
         assert name in COMMANDS

@@ -143,7 +143,7 @@ def test_compiled_training_job_resumes_exactly(tmp_path, capfd):
 
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
     from tests.distributed import run_distributed, train_jobs
 

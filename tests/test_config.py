@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from pretrain.config import (ConfigError, RunConfig, config_hash, dump_yaml, from_dict, load_config, to_dict)
+from pretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, from_dict, load_config, to_dict
 from tests.conftest import PYTHON, ROOT, cli_env
 
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))

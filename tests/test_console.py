@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster.console import QuietConsole, user_line
+from pretrain.driver.console import QuietConsole, user_line
 from tests.conftest import PYTHON, cli_env
 
 

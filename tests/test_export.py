@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpoint import layout as ly
+from pretrain.checkpoint import store as ck
+from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ModelConfig, RunConfig, dump_yaml, load_config
 from pretrain.export import families as fam
 from pretrain.export.hf import (
@@ -31,9 +34,6 @@ from pretrain.export.hf import (
     read_hf_state_dict,
 )
 from pretrain.model import build_model
-from pretrain.checkpoint import layout as ly
-from pretrain.checkpoint import store as ck
-from pretrain.checkpoint.manifest import Manifest
 from tests.conftest import PYTHON, SHARED, cli_env
 
 V, D, L, T = 512, 32, 2, 16
@@ -526,9 +526,8 @@ def test_cli_export_from_checkpoint_and_errors(tokenizer_dir, workdir, capsys):
 def _zero_worker(rank: int, world: int, jobs: list[tuple[str, str, str]], step_count: int) -> list:
     """For each (run_dir, config YAML, nonce): train ``step_count`` steps with DeepSpeed, save the engine
     into the staging dir, and return the engine's logits on a probe batch (rank 0)."""
-    import yaml
-
     import torch.distributed as tdist
+    import yaml
 
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step

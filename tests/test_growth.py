@@ -304,7 +304,7 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
     import yaml
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
     from tests.distributed import run_distributed, train_jobs
 
@@ -356,7 +356,7 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
     import yaml
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
     from tests.distributed import run_distributed, train_jobs
 
@@ -467,11 +467,11 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
 
     from mlflow import MlflowClient
 
-    from cluster.derive import _held_back_batch
     from pretrain.config import GrowthStep
+    from pretrain.driver.derive import _held_back_batch
     from pretrain.export.checkpoints import resolve_checkpoint
     from pretrain.model.growth import apply_growth
-    from pretrain.train.growth import grown_config, held_back_loss
+    from pretrain.train.callbacks.growth import grown_config, held_back_loss
     from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
 
     def cli(*args):
@@ -590,7 +590,7 @@ def test_schedule_needs_held_back_data(override, key):
 
 
 def test_growth_check_stops_an_exact_growth_that_changed_the_loss():
-    from pretrain.train.growth import GrowthCheckError, check_growth_loss
+    from pretrain.train.callbacks.growth import GrowthCheckError, check_growth_loss
 
     with pytest.raises(GrowthCheckError, match=r"^growth at step 5 \(depth 2->4 identity\) should preserve the "
                                                r"function but changed the held-back loss \(fp32\) 4\.000000 -> "
@@ -607,7 +607,7 @@ def test_growth_check_stops_an_exact_growth_that_changed_the_loss():
 def test_held_back_loss_is_fp32_whatever_the_ambient_precision():
     """The growth check's loss: a plain fp32 model, autocast off (even inside a bf16 autocast region), token-weighted
     over the batches; no batches anywhere is an error, not a silently skipped check."""
-    from pretrain.train.growth import GrowthCheckError, held_back_loss
+    from pretrain.train.callbacks.growth import GrowthCheckError, held_back_loss
 
     cfg = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
                              "model.num_heads=4", "model.num_kv_heads=2", "model.max_seq_len=16"])

@@ -11,8 +11,14 @@ import torch
 
 from pretrain.config import ConfigError, LayerDropConfig, load_config
 from pretrain.model import build_model
-from pretrain.model.layerdrop import (base_rate, inference_scales, keep_decisions, layer_rates,
-                                      select_blocks, training_gates)
+from pretrain.model.layerdrop import (
+    base_rate,
+    inference_scales,
+    keep_decisions,
+    layer_rates,
+    select_blocks,
+    training_gates,
+)
 from tests.distributed import run_distributed, train_jobs
 
 STEPS, GLOBAL = 6, 8
@@ -156,7 +162,7 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
     """``rho`` scaling under a ``linear`` / ``progressive`` schedule: validation during training scales each branch by
     the keep probability 1 - r(t) of the step just trained; the last step's validation (and a run stopped early, at
     its end) by the final one, like ``eval`` of the checkpoint, export, prune and growth."""
-    from pretrain.train.layer_drop import LayerDropCallback
+    from pretrain.train.callbacks.layer_drop import LayerDropCallback
 
     for schedule in (["layer_drop.schedule=linear", "layer_drop.warmup_steps=4"],
                      ["layer_drop.schedule=progressive", "layer_drop.gamma=0.5"]):
@@ -229,7 +235,7 @@ def _spy_gathers(model: torch.nn.Module, log: set[int]) -> None:
 
 def _train(rank: int, world: int, variants: list[list[str]]) -> dict:
     from pretrain.model.layers import skips
-    from pretrain.train.layer_drop import LayerDropCallback
+    from pretrain.train.callbacks.layer_drop import LayerDropCallback
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step, step_seed
 
@@ -381,7 +387,7 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
     """``prune`` of a ``rho`` model with ``by_depth: linear``: the pruned model is the parent evaluated with the other
     blocks skipped and each kept block scaled by its rho *in the parent* (8 blocks, rate 0.5, every_other: 0.9375,
     0.8125, 0.6875, 0.5625), not by rho recomputed for the child's depth (0.875, 0.75, 0.625, 0.5)."""
-    from cluster.derive import prune_blocks
+    from pretrain.driver.derive import prune_blocks
 
     cfg = _cfg("model.num_layers=8", f"model.norm_placement={placement}", "layer_drop.scaling=rho",
                "layer_drop.by_depth=linear", *extra)
@@ -417,7 +423,7 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
 
 
 def test_prune_of_an_inverted_model_keeps_weights_and_config():
-    from cluster.derive import prune_blocks
+    from pretrain.driver.derive import prune_blocks
 
     cfg = _cfg("layer_drop.by_depth=linear")
     sd = build_model(cfg.model, 0).state_dict()
@@ -447,8 +453,8 @@ class _Trainer:
 
 def test_health_metrics_are_logged_for_executed_blocks_only():
     """Layer dropout publishes the skipped blocks on the trainer's blackboard; health reads them there."""
-    from pretrain.train.callbacks import HealthCallback
-    from pretrain.train.layer_drop import LayerDropCallback
+    from pretrain.train.callbacks.health import HealthCallback
+    from pretrain.train.callbacks.layer_drop import LayerDropCallback
 
     cfg = _cfg()
     layer_drop = LayerDropCallback(cfg, 0, [0])
@@ -515,7 +521,7 @@ def test_layer_drop_end_to_end(tmp_path):
 
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
 
     cfg_path = ROOT / "configs" / "demo-decoder.yaml"

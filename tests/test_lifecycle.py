@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, load_config, make_plan
-from tests.conftest import ROOT, in_workdir
-from tests.distributed import run_distributed, train_jobs
+from tests.conftest import ROOT
+from tests.distributed import run_distributed
 
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 
@@ -192,8 +192,14 @@ def test_callbacks_run_in_order_and_early_stop_ends_the_run():
     to stop at the first validation at or below its target, and only before the last step."""
     from types import SimpleNamespace
 
-    from pretrain.train.callbacks import (CheckpointCallback, EarlyStop, HealthCallback, MetricsLogger,
-                                          SpeedMonitor, StabilityCallback, StabilityReport, ValidationCallback)
+    from pretrain.train.callbacks.checkpoint import CheckpointCallback
+    from pretrain.train.callbacks.early_stop import EarlyStop
+    from pretrain.train.callbacks.health import HealthCallback
+    from pretrain.train.callbacks.metrics import MetricsLogger
+    from pretrain.train.callbacks.speed import SpeedMonitor
+    from pretrain.train.callbacks.stability import StabilityCallback
+    from pretrain.train.callbacks.stability_report import StabilityReport
+    from pretrain.train.callbacks.validation import ValidationCallback
     from pretrain.train.trainer import Trainer
 
     order = [SpeedMonitor, StabilityCallback, HealthCallback, MetricsLogger, ValidationCallback, EarlyStop,
@@ -277,10 +283,10 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
 
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
     from pretrain import startup_gc
-    from pretrain.train.loop import build_trainer
+    from pretrain.driver.prepare import prepare_new
     from pretrain.train.trainer import Callback
+    from pretrain.train.worker import build_trainer
 
     class Recorder(Callback):
         order = 1000

@@ -344,7 +344,7 @@ def _batches():
 
 
 def _train_variants(rank: int, world: int, variants: list[tuple], micro: int = MICRO) -> dict:
-    from pretrain.train.callbacks import HealthCallback
+    from pretrain.train.callbacks.health import HealthCallback
     from pretrain.train.health import HealthProbe
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step
@@ -451,7 +451,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "mode
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory):
     """A 12-step EP=2 run on 2 real gloo workers, and the same run resumed from its step-8 checkpoint."""
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare_new(load_config(ROOT / "configs" / "demo-moe.yaml", TINY))
@@ -524,8 +524,8 @@ def test_expert_layout_changes_on_resume_keep_the_losses(tmp_path):
     experts and their AdamW moments and step re-sharded), whose step-8 checkpoint resumes with EP=1 on 2 workers
     under ZeRO-2; every step's loss of both (5-12, 9-12) is within 1e-5 of the uninterrupted EP=1 run's. The conversion is cached and
     carries the optimizer state (moments and step), not a fresh one."""
-    from cluster.prepare import prepare_new
     from pretrain.checkpoint.weights import load_optimizer_moments
+    from pretrain.driver.prepare import prepare_new
 
     base = [o for o in TINY if not o.startswith(("moe.ep_size", "cluster.num_workers", "moe.collapse"))]
     cfg = ROOT / "configs" / "demo-moe.yaml"
@@ -581,7 +581,8 @@ def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs,
 def test_demo_moe_through_the_cli_and_ray_with_ep2_then_export_and_eval(tmp_path):
     """The real CLI and Ray Train (2 workers, EP=2) on configs/demo-moe.yaml (shrunk), then `export` (Mixtral,
     parity checked) and `eval` of the checkpoint, which agrees with the run's own final validation loss."""
-    from tests.test_train_e2e import TINY as E2E, _cli, _run_id
+    from tests.test_train_e2e import TINY as E2E
+    from tests.test_train_e2e import _cli, _run_id
 
     keep = ("model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads", "model.max_seq_len",
             "data.", "train.global_batch_size", "train.micro_batch_size", "train.warmup_steps", "cluster.")

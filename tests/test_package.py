@@ -43,7 +43,7 @@ def test_console_script_is_python_m_pretrain(tmp_path):
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown command 'nosuchcommand'")
 
 
-def test_build_lists_the_three_packages_and_builds_offline():
+def test_build_lists_the_four_packages_and_builds_offline():
     """setuptools builds the project without fetching anything (it is in both locks; setup builds without
     isolation); the install holds ``pretrain`` (with the exported model's remote code), ``cluster`` and ``eval``,
     never ``tests``."""
@@ -57,9 +57,10 @@ def test_build_lists_the_three_packages_and_builds_offline():
     for lock in LOCKS.values():
         assert re.search(r"^setuptools==", lock.read_text(), re.M), f"{lock.name}: the build backend is not locked"
     found = set(find_packages(str(ROOT), include=project["tool"]["setuptools"]["packages"]["find"]["include"]))
-    assert {"pretrain", "pretrain.export.remote_code", "pretrain.train", "cluster", "eval"} <= found
+    assert {"pretrain", "pretrain.export.remote_code", "pretrain.train", "pretrain.train.callbacks", "pretrain.driver",
+            "cluster", "eval", "benchmarks"} <= found
     top = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
-    assert {p.split(".")[0] for p in found} == top - {"tests"} == {"pretrain", "cluster", "eval"}
+    assert {p.split(".")[0] for p in found} == top - {"tests"} == {"pretrain", "cluster", "eval", "benchmarks"}
 
 
 def test_ray_workers_get_no_pythonpath(monkeypatch):
@@ -74,7 +75,7 @@ def test_ray_workers_get_no_pythonpath(monkeypatch):
 
 
 def test_installed_code_imports_nothing_from_tests():
-    """Test helpers live under tests/ (the real-process launcher the MoE benchmark also uses is eval/procs.py):
+    """Test helpers live under tests/ (the real-process launcher the MoE benchmark also uses is benchmarks/procs.py):
     no module of the three packages imports ``tests``, and none is only there for the tests."""
     for path in [*ROOT.glob("pretrain/**/*.py"), *ROOT.glob("cluster/**/*.py"), *ROOT.glob("eval/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):

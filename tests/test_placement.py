@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import time
 import types

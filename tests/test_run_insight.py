@@ -62,9 +62,9 @@ def test_bad_new_field_is_one_line_exit_2_before_ray(tmp_path):
 def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(workdir):
     from mlflow import MlflowClient
 
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
     from pretrain.export.hf import export_checkpoint
-    from pretrain.train.loop import build_trainer
+    from pretrain.train.worker import build_trainer
 
     job = prepare_new(load_config(DEMO, RUN + _two_sources(workdir)))
     trainer = build_trainer(asdict(job))
@@ -87,7 +87,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     # criterion 2: each source's held-out share beside the aggregate; bits per byte for the aggregate and per source
     for name in ("web", "code"):
         assert math.isfinite(metrics[f"val/{name}/loss"]) and metrics[f"val/{name}/bits_per_byte"] > 0
-    assert metrics[f"val/web/loss"] != metrics[f"val/code/loss"]
+    assert metrics["val/web/loss"] != metrics["val/code/loss"]
     assert metrics["val/bits_per_byte"] > 0 and final["val_loss"] == metrics["val/loss"]
     # bits per byte is the loss priced per byte: nats / (ln 2 * bytes) with bytes > 0 tokens' worth of text
     assert metrics["val/bits_per_byte"] < metrics["val/loss"] / math.log(2)
@@ -151,7 +151,7 @@ def test_task_scores_match_a_hand_computation(tmp_path, kind):
     import json
 
     from pretrain.data.tasks import load_jsonl_task
-    from pretrain.train.evaluators import prepare_tasks, task_metrics
+    from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
 
     path = tmp_path / "toy.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in TASK))
@@ -217,7 +217,7 @@ def test_system_metrics_switch_logs_mlflows_own_samples(tmp_path, monkeypatch):
 
     import mlflow
 
-    from pretrain.train.monitors import SystemMetrics
+    from pretrain.train.callbacks.system_metrics import SystemMetrics
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")

@@ -13,7 +13,7 @@ from eval.evaluate import score
 from pretrain.config import load_config
 from pretrain.model import build_model
 from pretrain.model.score import PPL_CAP_NATS, ScoreSums, mean_cross_entropy, score_batches
-from pretrain.train.growth import held_back_loss
+from pretrain.train.callbacks.growth import held_back_loss
 from pretrain.train.step import evaluate
 
 TINY = ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",

@@ -303,7 +303,8 @@ class _Verdict:
 
 
 def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir: str) -> dict:
-    from pretrain.train.callbacks import HealthCallback, _NaNGrad
+    from pretrain.train.callbacks.fault_injection import _NaNGrad
+    from pretrain.train.callbacks.health import HealthCallback
     from pretrain.train.health import HealthProbe
     from pretrain.train.module import build_module
     from pretrain.train.step import StepHooks, StepInput, run_step
@@ -376,9 +377,9 @@ def _skip_worker(rank: int, world: int, layouts: list[tuple[int, str]], ckpt_dir
 def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
     """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged."""
     from pretrain.train import dist
-    from pretrain.train.checkpointing import Checkpointer, NonFiniteWeightsError
-    from pretrain.train.trainer import TrainerState
+    from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
     from pretrain.train.tracking import Tracker
+    from pretrain.train.trainer import TrainerState
 
     if rank == 1:
         next(module.engine.module.parameters()).data.view(-1)[0] = float("nan")
@@ -463,7 +464,7 @@ def fault_runs(tmp_path_factory):
     """Four real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at
     step 5 (policy skip), LR x1000 at step 13 (policy rollback), and the rollback run resumed from its
     step-8 checkpoint (before the fault)."""
-    from cluster.prepare import prepare_new
+    from pretrain.driver.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("stability")) as work:
         clean = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", TINY))

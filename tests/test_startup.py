@@ -14,7 +14,6 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from pretrain.config import DataConfig, SourceConfig
-from pretrain.data import tokenizer_cache
 from pretrain.data.tokenizer import TRAINER_SETTINGS
 from pretrain.data.tokenizer_cache import cache_key, lookup, run_tokenizer
 from tests.conftest import PYTHON, ROOT, cli_env
@@ -132,8 +131,8 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
 
     # once the tokenizer is cached, the plan says so (and counts the model with its real vocabulary)
     from pretrain.config import load_config
-
-    from cluster.prepare import preflight, resolve_paths
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.prepare import preflight
 
     cfg = resolve_paths(load_config(CONFIG, list(args)), tmp_path)
     preflight(cfg)
@@ -151,8 +150,8 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
 def test_the_driver_imports_no_training_stack():
     """Preparing a run and handing it to Ray needs neither DeepSpeed nor transformers in the driver (the
     workers import them); a cached tokenizer is only copied."""
-    code = ("import sys; import cluster.prepare, cluster.launch, pretrain.data.tokenizer_cache, cluster.dry_run; "
-            "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.loop') "
+    code = ("import sys; import pretrain.driver.prepare, cluster.launch, pretrain.data.tokenizer_cache, pretrain.driver.dry_run; "
+            "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.worker') "
             "if m in sys.modules)))")
     proc = subprocess.run([PYTHON, "-c", "import json; " + code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -163,7 +162,7 @@ def test_the_driver_imports_no_training_stack():
 def test_an_eager_model_never_imports_dynamo():
     """``torch._dynamo`` costs 1.3-1.7 s of every worker's start: the training loop's imports and an eager MoE
     model's forward and backward do without it (only compiling blocks marks the experts eager for dynamo)."""
-    code = ("import sys, torch; import pretrain.train.loop; from pretrain.config import load_config; "
+    code = ("import sys, torch; import pretrain.train.worker; from pretrain.config import load_config; "
             "from pretrain.model import build_model; "
             "cfg = load_config(None, ['moe.num_experts=4', 'moe.top_k=2', 'model.hidden_size=32', "
             "'model.num_heads=2', 'model.num_kv_heads=1', 'model.num_layers=2', 'model.vocab_size=64']); "

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pretrain import timeline
-from pretrain.train.timing import LOOP_WARMUP_STEPS, cycle, loop_rates
+from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS, cycle, loop_rates
 
 
 def test_process_start_is_this_process_start():

@@ -12,7 +12,10 @@ from types import SimpleNamespace
 
 from pretrain.checkpoint import layout
 from pretrain.config import load_config
-from pretrain.train.callbacks import CheckpointCallback, FaultInjection, MetricsLogger, StabilityCallback
+from pretrain.train.callbacks.checkpoint import CheckpointCallback
+from pretrain.train.callbacks.fault_injection import FaultInjection
+from pretrain.train.callbacks.metrics import MetricsLogger
+from pretrain.train.callbacks.stability import StabilityCallback
 from pretrain.train.stability import StabilityMonitor, StepSignals
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 
@@ -85,7 +88,7 @@ def test_callbacks_publish_through_the_trainer():
 
 class _SlowCommits:
     """A checkpointer whose commits never finish between steps: each save stays in flight until the next
-    :meth:`finish` (what the real :class:`~pretrain.train.checkpointing.Checkpointer` does when committing takes
+    :meth:`finish` (what the real :class:`~pretrain.train.checkpointer.Checkpointer` does when committing takes
     longer than the steps between saves, as on a loaded machine)."""
 
     def __init__(self) -> None:
@@ -137,12 +140,16 @@ def _imported(node: ast.AST) -> list[str]:
 def lookups(train: Path) -> list[str]:
     """Back doors between callbacks in the modules of ``train``: ``trainer.find``, a function-level import of a
     module that defines callbacks, or ``getattr``/``hasattr``/``isinstance`` on the loop variable over callbacks."""
-    callback_modules = {f"pretrain.train.{f.stem}" for f in train.glob("*.py")
+    def module(f: Path) -> str:
+        return ".".join(("pretrain", "train", *f.relative_to(train).with_suffix("").parts))
+
+    callback_modules = {module(f) for f in train.rglob("*.py")
                         if any(isinstance(n, ast.ClassDef) and any(getattr(b, "id", "") == "Callback" for b in n.bases)
                                for n in ast.walk(ast.parse(f.read_text())))}
-    assert {"pretrain.train.callbacks", "pretrain.train.growth", "pretrain.train.layer_drop"} <= callback_modules
+    assert {"pretrain.train.callbacks.checkpoint", "pretrain.train.callbacks.growth",
+            "pretrain.train.callbacks.layer_drop", "pretrain.train.callbacks.metrics"} <= callback_modules
     offenders = []
-    for f in sorted(train.glob("*.py")):
+    for f in sorted(train.rglob("*.py")):
         tree = ast.parse(f.read_text())
         for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             offenders += [f"{f.name}:{n.lineno} lazy import of {m}" for n in ast.walk(fn) for m in _imported(n)

@@ -1,5 +1,5 @@
 """Corpus sanity on the driver: every source opened and a bounded prefix read before Ray, the workers or
-a model start (called by ``cluster/prepare.py``); light imports, so a bad corpus is refused in seconds.
+a model start (called by ``pretrain/driver/prepare.py``); light imports, so a bad corpus is refused in seconds.
 
 :func:`check_sources` resolves every source of ``data.sources`` and ``data.val_sources`` and reads its
 prefix: at most ``PREFIX_BYTES`` bytes and ``PREFIX_RECORDS`` records over its first ``PREFIX_FILES``
@@ -39,8 +39,15 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
-from pretrain.data.sources import (REASONS, BadRecordError, BadRecords, ResolvedSource, cut_pieces, parse_line,
-                                   resolve_source)
+from pretrain.data.sources import (
+    REASONS,
+    BadRecordError,
+    BadRecords,
+    ResolvedSource,
+    cut_pieces,
+    parse_line,
+    resolve_source,
+)
 from pretrain.data.stream import Mixture, is_holdout
 
 PREFIX_BYTES = 1 << 20

@@ -32,10 +32,9 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
-from pretrain.export.families import StateDict, find_family
 from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
-from pretrain.export.hf_import import (  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
-    REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict)
+from pretrain.export.families import StateDict, find_family
+from pretrain.export.hf_import import REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
 

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from pretrain.config import ModelConfig, MoEConfig
-from pretrain.model.layers import (Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache,
-                                   skips)
+from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache, skips
 from pretrain.model.moe import MoEFeedForward, moe_layers
 from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy

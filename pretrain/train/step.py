@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -17,8 +17,8 @@ from typing import Any
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
-from pretrain.train.mlflow_records import mlflow_client as _client
 from pretrain.train.mlflow_records import log_datasets
+from pretrain.train.mlflow_records import mlflow_client as _client
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"

@@ -38,8 +38,8 @@ import torch
 from pretrain.config import RunConfig, RunPlan
 from pretrain.data import TrainBatches
 from pretrain.train import dist
-from pretrain.train.ranges import loop_range
 from pretrain.train.progress import Progress
+from pretrain.train.ranges import loop_range
 from pretrain.train.step import StepHooks, StepInput, StepResult, run_step, step_seed
 from pretrain.train.tracking import Tracker
 
@@ -221,3 +221,13 @@ class Trainer:
         except StopIteration:
             batch, exhausted = None, 1.0
         return None if dist.all_reduce_sum([exhausted], self.ctx.device)[0] > 0 else batch
+
+
+def is_last_step(trainer: Trainer) -> bool:
+    """The run's final step (``train.max_steps``) has just run."""
+    return trainer.state.step == trainer.cfg.train.max_steps
+
+
+def stopped_early(trainer: Trainer) -> bool:
+    """The run ends before ``train.max_steps`` (a stop or an early stop), after at least one step."""
+    return 0 < trainer.state.step < trainer.cfg.train.max_steps

@@ -1,7 +1,7 @@
 """Layer-dropout quality on the demo corpus (README results): an 8-layer demo decoder trained for the same steps
 without and with layer dropout; validation loss of the full model and of its ``every_other`` pruned 4-layer model.
 
-    python -m eval.layer_drop_quality [--steps 200] [--rate 0.5] [key=value ...]
+    python -m benchmarks.layer_drop_quality [--steps 200] [--rate 0.5] [key=value ...]
 
 Runs the real CLI (``train``, ``prune``, ``eval``) in a scratch directory with its own MLflow store and prints one
 table row per variant; the numbers are whatever they are.
@@ -33,7 +33,7 @@ def _eval_loss(work: Path, target: str) -> float:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.layer_drop_quality")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_drop_quality")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("overrides", nargs="*")

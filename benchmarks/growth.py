@@ -74,8 +74,8 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
     from mlflow import MlflowClient
 
     from cluster.launch import run
-    from cluster.prepare import prepare_new
     from pretrain.config import load_config
+    from pretrain.driver.prepare import prepare_new
 
     base = [f"train.max_steps={steps}", f"train.val_every={val_every}", "train.val_sequences=32",
             "train.log_every=50", "checkpoint.every_steps=0", "cluster.use_ray=false", "cluster.num_workers=1",

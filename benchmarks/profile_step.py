@@ -1,4 +1,4 @@
-"""Where the time of one training step goes: ``python -m eval.profile_step [--compiled] [CONFIG] [key=value ...]``.
+"""Where the time of one training step goes: ``python -m benchmarks.profile_step [--compiled] [CONFIG] [key=value ...]``.
 
 Profiles a few steps of our step function (eager, or with compiled blocks) on the bench's fixed batches with the
 torch profiler and prints the self time by operator class (matmuls, attention, elementwise/norm, loss, optimizer,
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from eval.bench_common import micro_batch_module, random_batches, train_step_fn
+from benchmarks.common import micro_batch_module, random_batches, train_step_fn
 from pretrain.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,8 @@ def classify(name: str) -> str:
 
 
 def profile(cfg, compiled: bool, steps: int, trace: str = "") -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from pretrain.train import dist
 
@@ -62,7 +63,7 @@ def profile(cfg, compiled: bool, steps: int, trace: str = "") -> dict[str, float
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.profile_step")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
     p.add_argument("--compiled", action="store_true", help="with compiled blocks (train.compile=yes)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--trace", default="", help="also write a Chrome trace (JSON) here")

@@ -29,7 +29,7 @@ LARGER = ["model.num_layers=8", "model.hidden_size=512", "model.num_heads=8", "m
 
 def _measure(cfg: RunConfig, mode: str, steps: int, rounds: int) -> dict:
     """In this process: peak memory, best step time and first loss of ``mode`` on ``cfg``'s model."""
-    from eval.bench_common import random_batches, sync
+    from benchmarks.common import random_batches, sync
     from pretrain.model import build_model, param_groups
     from pretrain.train.engine import build_optimizer
 
@@ -70,7 +70,7 @@ def recompute_bench(path: str | Path, overrides: list[str], steps: int, rounds: 
     for name, extra in (("config", []), ("larger", LARGER)):
         rows = {}
         for mode in MODES:
-            args = [sys.executable, "-m", "eval.bench_recompute", str(path), str(steps), str(rounds), mode,
+            args = [sys.executable, "-m", "benchmarks.recompute", str(path), str(steps), str(rounds), mode,
                     *overrides, *extra]
             proc = subprocess.run(args, capture_output=True, text=True, check=False)
             if proc.returncode:
@@ -84,7 +84,7 @@ def recompute_bench(path: str | Path, overrides: list[str], steps: int, rounds: 
     return out
 
 
-if __name__ == "__main__":  # one (model, mode): python -m eval.bench_recompute CONFIG STEPS ROUNDS MODE [k=v ...]
+if __name__ == "__main__":  # one (model, mode): python -m benchmarks.recompute CONFIG STEPS ROUNDS MODE [k=v ...]
     config, n, r, m, *over = sys.argv[1:]
     c = load_config(config, over)
     c.model.vocab_size = c.model.vocab_size or c.data.tokenizer_vocab_size  # random tokens: no tokenizer needed

@@ -23,33 +23,13 @@ from cluster.placement import check_local_layout
 from pretrain import timeline
 from pretrain.checkpoint import layout
 from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
+from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus
 from pretrain.train import tracking
 
 if TYPE_CHECKING:
     from pretrain.train.job import Job
-
-
-def _abs(path: str, base: Path) -> str:
-    return str((base / path).resolve()) if path and not Path(path).is_absolute() else path
-
-
-def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
-    """Make every local path absolute (workers do not share the driver's working directory)."""
-    base = base or Path.cwd()
-    c = cfg
-    c.checkpoint.dir = _abs(c.checkpoint.dir, base)
-    c.checkpoint.resume_from = _abs(c.checkpoint.resume_from, base)
-    c.data.cache_dir = _abs(c.data.cache_dir, base)
-    c.data.tokenizer = _abs(c.data.tokenizer, base)
-    c.model.init_from_hf = _abs(c.model.init_from_hf, base)
-    for src in [*c.data.sources, *c.data.val_sources]:
-        if src.path != "demo" and src.format != "hub" and "://" not in src.path:
-            candidate = base / src.path
-            if not Path(src.path).is_absolute() and (candidate.exists() or any(ch in src.path for ch in "*?[")):
-                src.path = str(candidate.resolve()) if candidate.exists() else str(base / src.path)
-    return c
 
 
 def check_writable_dir(path: str, key: str) -> None:

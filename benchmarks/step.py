@@ -4,7 +4,7 @@ health metrics at their default interval (``health_overhead_frac``), plus data-p
 real training loop of the same config (``python -m pretrain train``: data, callbacks, health, logging, MLflow, Ray)
 on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` (against the mean of the step
 timed before the loop and again after it: :func:`step_after_loop`) and ``time_to_first_step_s`` with its phases
-(:mod:`eval.bench_loop`; ``--no-loop`` skips it).
+(:mod:`benchmarks.loop`; ``--no-loop`` skips it).
 
 Our step is timed without and with compiled blocks (``train.compile``), with the one-time compile cost.
 MFU = model FLOPs/s over the matmul peak this device measurably reaches in the run's precision (fp32 on CPU,
@@ -32,14 +32,13 @@ from pathlib import Path
 
 import torch
 
-from eval.bench_common import bench_tokens, interleaved_best
-from eval.bench_loop import loop_benchmark
-from eval.bench_common import micro_batch_module, train_step_fn
-from eval.bench_common import random_batches as _batches
-from eval.bench_common import sync as _sync
+from benchmarks.common import bench_tokens, interleaved_best, micro_batch_module, train_step_fn
+from benchmarks.common import random_batches as _batches
+from benchmarks.common import sync as _sync
+from benchmarks.loop import loop_benchmark
 from pretrain.config import RunConfig, load_config
-from pretrain.train.timing import LOOP_WARMUP_STEPS
 from pretrain.model.peak import datasheet_peak, measured_matmul_peak
+from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +126,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     """Cost of the health metrics at the default interval: our guarded step (stability checks on) with
     and without a :class:`HealthProbe`, interleaved; overhead = extra time of one health step spread over
     ``stability.health_every`` steps, as a fraction of the step time."""
-    from pretrain.train.callbacks import HealthCallback
+    from pretrain.train.callbacks.health import HealthCallback
     from pretrain.train.health import HealthProbe
     from pretrain.train.stability import StabilityMonitor
     from pretrain.train.step import StepHooks, StepInput, run_step
@@ -162,8 +161,8 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
 
 
 def data_benchmark(cfg: RunConfig, seconds: float) -> float:
+    from pretrain.config.paths import resolve_paths
     from pretrain.data import data_throughput, load_or_train_tokenizer
-    from cluster.prepare import resolve_paths
 
     cfg = resolve_paths(cfg)
     tok_dir = Path(cfg.data.cache_dir) / "bench-tokenizer"
@@ -179,7 +178,7 @@ def data_benchmark(cfg: RunConfig, seconds: float) -> float:
 
 
 def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
-    from pretrain.model import flops_per_token, num_parameters, build_model
+    from pretrain.model import build_model, flops_per_token, num_parameters
     from pretrain.train import dist
     from pretrain.train.engine import resolve_precision
 
@@ -218,8 +217,8 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
 
 
 def run_moe_bench(cfg: RunConfig, overrides: list[str], steps: int, rounds: int, gpu: bool) -> dict:
-    """The MoE part: the bench config when it is MoE, else configs/demo-moe.yaml (see eval/bench_moe.py)."""
-    from eval.bench_moe import all_to_all_share, moe_vs_dense
+    """The MoE part: the bench config when it is MoE, else configs/demo-moe.yaml (see benchmarks/moe.py)."""
+    from benchmarks.moe import all_to_all_share, moe_vs_dense
     from pretrain.train import dist
     from pretrain.train.engine import resolve_precision
 
@@ -253,7 +252,7 @@ def main(argv: list[str]) -> int:
                         "loop_vs_own_step_ratio compares the loop with its own steps)")
     p.add_argument("--vs-hf", action="store_true",
                    help="only the comparison with Hugging Face Trainer: ./launch.sh train and Trainer on the same "
-                        "model, tokenizer, token stream, batch, steps, fp32 and threads (eval/bench_vs_hf.py)")
+                        "model, tokenizer, token stream, batch, steps, fp32 and threads (benchmarks/vs_hf.py)")
     p.add_argument("--corpus", default=None,
                    help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
                         "else the built-in demo corpus)")
@@ -265,7 +264,7 @@ def main(argv: list[str]) -> int:
                    help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
     p.add_argument("--recompute", action="store_true",
                    help="only activation recomputation: peak memory and step time of none, full, selective on the "
-                        "config's model and a larger one (eval/bench_recompute.py)")
+                        "config's model and a larger one (benchmarks/recompute.py)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     result_out = sys.stdout
@@ -274,7 +273,7 @@ def main(argv: list[str]) -> int:
     if a.json:
         print(json.dumps(result, indent=1), file=result_out)
     elif a.vs_hf:
-        from eval.bench_vs_hf import format_table
+        from benchmarks.vs_hf import format_table
 
         print(format_table(result), file=result_out)
     else:
@@ -291,18 +290,18 @@ def measure(a: argparse.Namespace) -> dict:
     """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
     if a.growth:
-        from eval.bench_growth import growth_bench, summary
+        from benchmarks.growth import growth_bench, summary
 
         return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
     if a.recompute:
-        from eval.bench_recompute import recompute_bench
+        from benchmarks.recompute import recompute_bench
 
         path = next((r for r in a.rest if "=" not in r), ROOT / "configs" / "demo-decoder.yaml")
         return recompute_bench(path, [r for r in a.rest if "=" in r], a.steps or 4, min(a.rounds, 3))
     path = next((r for r in a.rest if "=" not in r), None)
     overrides = [r for r in a.rest if "=" in r]
     if a.vs_hf:
-        from eval.bench_vs_hf import vs_hf_bench
+        from benchmarks.vs_hf import vs_hf_bench
 
         return vs_hf_bench(path or ROOT / "configs" / "demo-decoder.yaml", overrides, corpus=a.corpus,
                            steps=a.loop_steps or 60, repeats=a.repeats)
@@ -329,7 +328,7 @@ def measure(a: argparse.Namespace) -> dict:
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
     if a.layer_drop:
-        from eval.bench_layer_drop import layer_drop_bench
+        from benchmarks.layer_drop import layer_drop_bench
 
         result.update(layer_drop_bench(cfg, torch.device("cuda" if gpu else "cpu"), steps, a.rounds))
     return result

@@ -23,7 +23,7 @@ ours over the Trainer runs just before and after it), for an answer that one dri
 
 Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one
 worker, so in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through
-an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m eval.hf_trainer``, which
+an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m benchmarks.hf_trainer``, which
 also saves its model), and each one's steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out on both sides
 (mean over the rest; also the best window of ``loop_window`` steps). Targets (issue 23): tokens/s ours/HF >= 1.0,
 wall time ours/HF <= 1.2.
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from eval.bench_loop import run_training
+from benchmarks.loop import run_training
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan
-from pretrain.train.timing import LOOP_WARMUP_STEPS, cycle, loop_rates
+from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS, cycle, loop_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_CORPUS = ROOT.parent / "shared" / "corpora" / "wikitext2-valid.txt"
@@ -108,10 +108,10 @@ def _env() -> dict[str, str]:
 
 
 def run_hf(cfg: RunConfig, model_dir: Path, tokens: Path, out: Path, steps: int, threads: int) -> dict:
-    """``python -m eval.hf_trainer`` as a subprocess: its wall time and steady-state tokens/s."""
+    """``python -m benchmarks.hf_trainer`` as a subprocess: its wall time and steady-state tokens/s."""
     t = cfg.train
     report = out / "hf_report.json"
-    args = [sys.executable, "-m", "eval.hf_trainer", str(model_dir), str(tokens), str(out / "hf-out"),
+    args = [sys.executable, "-m", "benchmarks.hf_trainer", str(model_dir), str(tokens), str(out / "hf-out"),
             f"--steps={steps}", f"--batch={t.micro_batch_size}", f"--threads={threads}", f"--lr={t.lr}",
             f"--min-lr-ratio={t.min_lr_ratio}", f"--warmup={t.warmup_steps}", f"--weight-decay={t.weight_decay}",
             "--betas", str(t.beta1), str(t.beta2), f"--eps={t.eps}", f"--grad-clip={t.grad_clip}",

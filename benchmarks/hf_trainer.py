@@ -1,6 +1,6 @@
 """The Hugging Face side of ``./launch.sh bench --vs-hf``: what a user would run instead of ``./launch.sh train``.
 
-``python -m eval.hf_trainer MODEL_DIR TOKENS.pt OUT_DIR [--steps ...]``: ``transformers.Trainer`` trains the model
+``python -m benchmarks.hf_trainer MODEL_DIR TOKENS.pt OUT_DIR [--steps ...]``: ``transformers.Trainer`` trains the model
 saved in ``MODEL_DIR`` (``from_pretrained``) on the packed sequences in ``TOKENS.pt`` (an int64 tensor
 ``[sequences, seq_len]``, in training order: served in order, no shuffling, labels = inputs, the model shifts),
 then saves the trained model to ``OUT_DIR`` (as our run writes its final checkpoint). ``--json-out`` gets the end
@@ -19,7 +19,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.hf_trainer")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_trainer")
     p.add_argument("model_dir")
     p.add_argument("tokens")
     p.add_argument("out_dir")

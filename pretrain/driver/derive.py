@@ -8,7 +8,7 @@ evaluates, resumes and exports like any other. ``prune`` keeps a subset of the b
 
 The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed
 engine on the driver; without optimizer moments the resumed run starts a fresh optimizer state, the reshaped model
-has other parameters); it resumes on any worker count and expert layout. ``anneal`` (cluster/anneal.py) keeps the
+has other parameters); it resumes on any worker count and expert layout. ``anneal`` (pretrain/driver/anneal.py) keeps the
 model, so its child carries the parent's engine state, AdamW moments included.
 """
 
@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from cluster.prepare import create_run, resolve_paths
-from pretrain.checkpoint import weights as ckpt_weights
 from pretrain.checkpoint import reader
+from pretrain.checkpoint import weights as ckpt_weights
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld
 from pretrain.config import ConfigError, RunConfig
+from pretrain.config.paths import resolve_paths
+from pretrain.driver.prepare import create_run
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
 from pretrain.train import tracking
@@ -206,7 +207,7 @@ def grow(argv: list[str]) -> int:
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
     from pretrain.model.growth import apply_growth, count_parameters
-    from pretrain.train.growth import check_growth_loss, grown_config, held_back_loss
+    from pretrain.train.callbacks.growth import check_growth_loss, grown_config, held_back_loss
 
     opts = _options(argv, GROW_KEYS, "grow")
     step_opt, rewarm_opt = opts.pop("step", None), opts.pop("rewarm", None)

@@ -16,23 +16,28 @@ import torch
 from pretrain import timeline
 from pretrain.checkpoint import store
 from pretrain.config import from_dict, make_plan, source_name
-from pretrain.data import (TrainBatches, load_or_train_tokenizer, source_validation_batches, token_byte_lengths,
-                           validation_batches)
+from pretrain.data import (
+    TrainBatches,
+    load_or_train_tokenizer,
+    source_validation_batches,
+    token_byte_lengths,
+    validation_batches,
+)
+from pretrain.data.tasks import load_tasks
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
-from pretrain.data.tasks import load_tasks
-from pretrain.train.callbacks import RunSummary, standard_callbacks
-from pretrain.train.checkpoint_stats import CheckpointStats
-from pretrain.train.checkpointing import Checkpointer
-from pretrain.train.job import Job
-from pretrain.train.evaluators import SourceValidation, TaskEvaluation, prepare_tasks
+from pretrain.train.callbacks.standard import standard_callbacks
+from pretrain.train.callbacks.task_evaluation import prepare_tasks
+from pretrain.train.checkpointer import Checkpointer
 from pretrain.train.host_memory import keep_freed_host_memory
+from pretrain.train.job import Job
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
 from pretrain.train.stability import StabilityControl
-from pretrain.train.trainer import Callback, Trainer, TrainerState
 from pretrain.train.tracking import Tracker
+from pretrain.train.trainer import Callback, Trainer, TrainerState
+
 
 def train_loop(job: dict[str, Any]) -> dict[str, Any]:
     """Train per ``job`` (a ``Job`` as dict). Returns the final metrics (rank 0's view)."""
@@ -114,9 +119,9 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
 
     control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
-    callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank, byte_lengths)
-    callbacks += [SourceValidation(per_source, only, byte_lengths), TaskEvaluation(tasks, cfg.eval.every),
-                  CheckpointStats(hashed_at_setup), RunSummary(tokenizer, job_.run_id)]
+    callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank,
+                                   run_id=job_.run_id, tokenizer=tokenizer, per_source=per_source, only_source=only,
+                                   tasks=tasks, hashed_at_setup=hashed_at_setup, byte_lengths=byte_lengths)
     return Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
                    tracker=tracker, progress=progress, run_dir=run_dir, callbacks=[*callbacks, *extra_callbacks],
                    last_checkpoint=resume.path if resume is not None else None)

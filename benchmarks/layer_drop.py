@@ -10,14 +10,14 @@ import itertools
 
 import torch
 
-from eval.bench_common import bench_tokens, interleaved_best, micro_batch_module, random_batches
+from benchmarks.common import bench_tokens, interleaved_best, micro_batch_module, random_batches
 from pretrain.config import RunConfig
 
 RATES = (0.0, 0.25, 0.5)
 
 
 def _step_fn(cfg: RunConfig, device: torch.device, steps: int):
-    from pretrain.train.layer_drop import LayerDropCallback
+    from pretrain.train.callbacks.layer_drop import LayerDropCallback
     from pretrain.train.step import StepInput, run_step
 
     module = micro_batch_module(cfg, device)

@@ -3,7 +3,7 @@
 data pipeline, every callback, health probes, logging and MLflow), with its MLflow store and run directory in a
 temporary directory.
 
-Its ``summary.json`` gives ``loop_tokens_per_s`` (steady state, see :mod:`pretrain.train.timing`) and the start-up
+Its ``summary.json`` gives ``loop_tokens_per_s`` (steady state, see :mod:`pretrain.train.callbacks.speed`) and the start-up
 (``time_to_first_step_s``, per phase); :func:`loop_benchmark` puts them beside the step benchmark's tokens/s of the
 same model, batch and threads (``loop_vs_step_ratio``).
 """

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks (:mod:`eval.bench`, :mod:`eval.bench_moe`): fixed random batches and
+"""Helpers shared by the benchmarks (:mod:`benchmarks.step`, :mod:`benchmarks.moe`): fixed random batches and
 interleaved best-of-N timing. Imports neither benchmark, so ``bench -> bench_moe -> bench_common`` has no cycle."""
 
 from __future__ import annotations

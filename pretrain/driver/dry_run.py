@@ -1,6 +1,6 @@
 """``train --dry-run``: the checks a run starts with and its plan, without starting it.
 
-The config is loaded and validated (by the CLI), then :func:`cluster.prepare.preflight` runs as a real run
+The config is loaded and validated (by the CLI), then :func:`pretrain.driver.prepare.preflight` runs as a real run
 runs it (checkpoint directory writable, worker layout placeable on an embedded Ray, given directories present,
 every corpus source opened and a prefix read, the holdout planned), and the plan is printed: model and its
 parameter count (a shape-only model on the meta device), tokenizer (given, reused from the cache, or to be
@@ -15,8 +15,9 @@ import json
 import os
 from pathlib import Path
 
-from cluster.prepare import _round_up, preflight, resolve_paths
 from pretrain.config import RunConfig, make_plan
+from pretrain.config.paths import resolve_paths
+from pretrain.driver.prepare import _round_up, preflight
 
 
 def _tokenizer_line(cfg: RunConfig) -> tuple[str, int]:
@@ -68,7 +69,7 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
     cfg = resolve_paths(cfg)
     preflight(cfg)
     if cfg.model.init_from_hf:
-        from cluster.prepare import _adopt_hf_model
+        from pretrain.driver.prepare import _adopt_hf_model
 
         _adopt_hf_model(cfg)
     tok, length = _tokenizer_line(cfg)

@@ -1,7 +1,7 @@
 """``run_distributed(fn, world_size, *args)``: run ``fn(rank, world_size, *args)`` in real processes
 joined by a real gloo process group; returns each rank's return value (rank order).
 
-Not part of training (jobs run through Ray or torchrun): the MoE benchmark (``eval/bench_moe.py``) and the tests
+Not part of training (jobs run through Ray or torchrun): the MoE benchmark (``benchmarks/moe.py``) and the tests
 (``tests/distributed.py``) use it, so it lives beside the benchmarks, importable without ``tests/``.
 
 The processes meet through a file store in a fresh temporary directory, not a TCP port picked in advance: a port

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.derive import derive_run, parent_engine_state
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
+from pretrain.driver.derive import derive_run, parent_engine_state
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.train.schedule import lr_at
 

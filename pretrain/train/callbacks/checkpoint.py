@@ -1,0 +1,63 @@
+"""Committed checkpoints every ``checkpoint.every_steps``, at the end, and when a run stops early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint import layout
+from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
+from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
+from pretrain.train.step import StepResult
+from pretrain.train.trainer import Callback, Trainer, is_last_step, stopped_early
+
+
+class CheckpointCallback(Callback):
+    """Checkpoints every ``checkpoint.every_steps``, at the last step, and when a run stops early. An asynchronous
+    save (``checkpoint.async``) is committed at the first step boundary after every rank has written it, before a
+    stability rollback, before the next save, and at the end of the run."""
+
+    order = 50
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self.checkpointer = checkpointer
+
+    def save(self, trainer: Trainer) -> None:
+        # At most one save in flight: the one still in flight (its commit slower than the steps since) is
+        # committed first, and said, before this one starts.
+        self.committed(trainer, self.checkpointer.finish())
+        trainer.collect_state()
+        try:
+            path = self.checkpointer.save(trainer.module, trainer.batches, trainer.state,
+                                          lambda: set().union(*trainer.gather("protected_paths")))
+        except NonFiniteWeightsError:
+            trainer.emit("on_nonfinite_weights", trainer.state.step)
+            return
+        if self.checkpointer.in_flight is None:  # synchronous: committed already
+            self.committed(trainer, path)
+        trainer.emit("on_checkpoint", path)  # its state is fixed: a rollback target once it proves good
+
+    def committed(self, trainer: Trainer, path: Path | None) -> None:
+        if path is not None:
+            trainer.last_checkpoint = path
+            trainer.progress.say(f"checkpoint committed: step {layout.step_of(path.name)}")
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self.checkpointer.warm(trainer.module)
+        self.committed(trainer, self.checkpointer.poll())
+        every = trainer.cfg.checkpoint.every_steps
+        if is_last_step(trainer) or (every and trainer.state.step % every == 0):
+            self.save(trainer)
+
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.committed(trainer, self.checkpointer.finish())
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        self.committed(trainer, self.checkpointer.finish())
+        last = trainer.last_checkpoint
+        if stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
+            self.save(trainer)
+            self.committed(trainer, self.checkpointer.finish())
+        self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
+        final.update(self.checkpointer.summary(),
+                     checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")

@@ -1,0 +1,47 @@
+"""The end of a run: bad-record totals, the unigram baseline and ``summary.json``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint import layout
+from pretrain.checkpoint.store import write_json
+from pretrain.train import dist
+from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
+from pretrain.train.trainer import Callback, Trainer
+
+SUMMARY_FILE = layout.SUMMARY
+
+
+class RunSummary(Callback):
+    """The end of the run: bad-record totals over all ranks (collective), then on rank 0 the unigram baseline of
+    the validation set and the summary (MLflow ``summary.json`` and ``RUN_DIR/summary.json``)."""
+
+    order = 200  # last: the summary holds what every other callback added to ``final``
+
+    def __init__(self, tokenizer, run_id: str):
+        self.tokenizer, self.run_id = tokenizer, run_id
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        from pretrain.data import unigram_baseline_loss
+
+        cfg, ctx, tracker, step = trainer.cfg, trainer.ctx, trainer.tracker, trainer.state.step
+        final["run_id"] = self.run_id
+        bad = trainer.batches.bad_record_summary()
+        bad["total"] = int(dist.all_reduce_sum([float(bad.get("total", 0))], ctx.device)[0])  # all streams
+        final["bad_records"] = int(bad.get("total", 0))
+        if not ctx.is_main:
+            return
+        if trainer.val_set:
+            final["unigram_val_loss"] = unigram_baseline_loss(
+                cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=self.tokenizer,
+                val_sequences=cfg.train.val_sequences, seed=cfg.train.seed)
+            tracker.log_metrics({"val/unigram_baseline_loss": final["unigram_val_loss"]}, step)
+        if bad.get("total"):
+            trainer.progress.say(f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
+                                 f"first: {'; '.join(bad.get('examples', [])[:3])}")
+        tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, step)
+        tracker.log_json(bad, "data/bad_records.json")
+        tracker.log_json(final, SUMMARY_FILE)
+        write_json(Path(trainer.run_dir) / SUMMARY_FILE, final)

@@ -1,0 +1,42 @@
+"""Validation every ``train.val_every`` steps, at the last step, and when a run stops early."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
+from pretrain.train.step import StepResult, evaluate
+from pretrain.train.trainer import Callback, Trainer, is_last_step, stopped_early
+
+
+class ValidationCallback(Callback):
+    """Validation every ``train.val_every`` steps, at the last step, and when a run stops early."""
+
+    order = 40
+
+    def __init__(self, byte_lengths: torch.Tensor | None = None) -> None:
+        self.validated_at = -1
+        self.byte_lengths = byte_lengths  # decoders: val/bits_per_byte
+
+    def run(self, trainer: Trainer) -> None:
+        state = trainer.state
+        if not trainer.val_set or self.validated_at == state.step:
+            return
+        self.validated_at = state.step
+        state.last_val = evaluate(trainer.module, trainer.val_set, self.byte_lengths)
+        trainer.tracker.log_metrics(state.last_val, state.step)
+        trainer.progress.say(f"step {state.step} validation: "
+                             + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
+        trainer.emit("on_validation", state.last_val)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        every = trainer.cfg.train.val_every
+        if is_last_step(trainer) or (every and trainer.state.step % every == 0):
+            self.run(trainer)
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        if stopped_early(trainer):
+            self.run(trainer)
+        final.update({k.replace("/", "_"): v for k, v in trainer.state.last_val.items()})
