@@ -4,7 +4,8 @@
 #                            requirements-cuda.lock on a machine with an NVIDIA driver, else requirements.lock (CPU
 #                            torch); PRETRAIN_TORCH=cuda|cpu forces either
 #   ./launch.sh lock         re-resolve both locks from requirements-torch.txt + requirements.txt (same versions)
-#   ./launch.sh test [ARGS]  setup, then pytest (ARGS are passed to pytest)
+#   ./launch.sh lint         setup, then ruff (lint + format check) and mypy, configured in pyproject.toml
+#   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest)
 #   ./launch.sh CMD ...      setup, then python -m pretrain CMD ...   (train, resume, runs, bench, ...)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,7 +29,7 @@ inputs_hash() {  # what requirements.lock was resolved from (recorded in its fir
   cat "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1
 }
 
-ensure_uv() {  # sets UV: uv $UV_VERSION, fetched once per user (~2 s) with this Python's pip and its package index
+ensure_uv() {  # sets UV: uv $UV_VERSION, fetched once per user with this Python's pip and its package index
   local dir="${XDG_CACHE_HOME:-$HOME/.cache}/pretrain/uv-$UV_VERSION"
   UV="$dir/uv"
   [[ -x "$UV" ]] && return 0
@@ -163,7 +164,7 @@ setup() {
     [[ -x "$VENV/bin/python" ]] || UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
     # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the
     # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there. Bytecode compiled now like
-    # pip does (~30 s): with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile what it imports.
+    # pip does: with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile what it imports.
     run_uv "$([[ "$kind" == cuda ]] && echo cuda || echo all)" pip sync -q --python "$VENV/bin/python" \
       --require-hashes --compile-bytecode --build-constraints "$lock" "$lock"
   fi
@@ -171,10 +172,10 @@ setup() {
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
   run_uv all pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
   printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp"
-  sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the stamp launch.sh used before (CPU lock only)
+  sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the lock's sha256 alone: a second, simpler stamp
   [[ "$kind" == cpu ]] || { echo "[setup] done in $((SECONDS - t0)) s" >&2; return 0; }
-  # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init (~60 CPU-s, ~30 s here when idle). Build
-  # it now in the background, detached, cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that comes first waits for
+  # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init (tens of CPU-seconds). Build it now
+  # in the background, detached, cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that comes first waits for
   # it (torch's lock file in the build directory) rather than building it again; if it fails, DeepSpeed builds it (or
   # falls back to gloo) at first use. SIGTERM still releases that lock; after a kill -9 mid-build, delete the
   # leftover .cache/torch_extensions/deepspeed_shm_comm/lock (torch would wait on it forever). Not with the CUDA
@@ -189,15 +190,29 @@ build_shm_op()" </dev/null >"$ROOT/.cache/deepspeed-shm-op.log" 2>&1 &
   echo "[setup] done in $((SECONDS - t0)) s (DeepSpeed's CPU comm op builds in the background: .cache/deepspeed-shm-op.log)" >&2
 }
 
+lint() {  # ruff (lint + format) and mypy over the repository, as configured in pyproject.toml; exit 1 on a finding
+  cd "$ROOT"
+  local t0=$SECONDS
+  "$VENV/bin/ruff" check --quiet . || { echo "[lint] ruff check failed (fix: .venv/bin/ruff check --fix .)" >&2; exit 1; }
+  "$VENV/bin/ruff" format --check --quiet . \
+    || { echo "[lint] ruff format: files above need formatting (fix: .venv/bin/ruff format .)" >&2; exit 1; }
+  "$VENV/bin/mypy" || { echo "[lint] mypy failed" >&2; exit 1; }
+  echo "[lint] ruff and mypy clean in $((SECONDS - t0)) s" >&2
+}
+
 cmd="${1:-train}"
 case "$cmd" in
   setup)
     setup ;;
   lock)
     lock ;;
+  lint)
+    setup
+    lint ;;
   test)
     shift || true
     setup
+    lint
     cd "$ROOT"
     export HF_HUB_OFFLINE=1
     exec "$VENV/bin/python" -m pytest "$@" ;;

@@ -40,9 +40,17 @@ from pretrain.config import ConfigError, load_config
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "demo-decoder.yaml"
 SIZES = (256, 512, 1024)
-RUN = ["model.max_seq_len=64", "train.global_batch_size=2", "train.micro_batch_size=1", "train.warmup_steps=2",
-       "train.val_every=0", "train.val_sequences=8", "train.log_every=1", "stability.plot_at_end=false",
-       "checkpoint.keep_last=2"]
+RUN = [
+    "model.max_seq_len=64",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=1",
+    "train.warmup_steps=2",
+    "train.val_every=0",
+    "train.val_sequences=8",
+    "train.log_every=1",
+    "stability.plot_at_end=false",
+    "checkpoint.keep_last=2",
+]
 """What the bench sets on the config: tiny steps (a checkpoint's size does not depend on the batch), one
 validation at the end, the older checkpoints pruned (disk)."""
 ASYNC_PARTS = ("snapshot_s", "copy_wait_s", "commit_s", "wait_s", "copy_s", "write_s")
@@ -57,9 +65,16 @@ def size_overrides(hidden: int, layers: int, workers: int, zero_stage: int) -> l
     """The model of one size: ``hidden`` wide, ``layers`` deep, heads of 64, grouped-query attention (kv = heads/2),
     trained by ``workers`` data-parallel workers, one data stream each, at ZeRO ``zero_stage``."""
     heads = max(1, hidden // 64)
-    return [f"model.hidden_size={hidden}", f"model.num_layers={layers}", f"model.num_heads={heads}",
-            f"model.num_kv_heads={max(1, heads // 2)}", f"cluster.num_workers={workers}",
-            f"data.num_streams={workers}", f"train.global_batch_size={workers}", f"zero.stage={zero_stage}"]
+    return [
+        f"model.hidden_size={hidden}",
+        f"model.num_layers={layers}",
+        f"model.num_heads={heads}",
+        f"model.num_kv_heads={max(1, heads // 2)}",
+        f"cluster.num_workers={workers}",
+        f"data.num_streams={workers}",
+        f"train.global_batch_size={workers}",
+        f"zero.stage={zero_stage}",
+    ]
 
 
 def async_key(config: str | Path, overrides: list[str]) -> str:
@@ -83,7 +98,7 @@ def raw_write_seconds(directory: Path, nbytes: int, chunk: int = 16 << 20) -> fl
         with open(path, "wb", buffering=0) as f:
             left = nbytes
             while left > 0:
-                left -= f.write(buf[:min(left, len(buf))])
+                left -= f.write(buf[: min(left, len(buf))])
             os.fsync(f.fileno())
         return time.perf_counter() - t0
     finally:
@@ -99,8 +114,11 @@ class Session:
         self.dir = Path(tempfile.mkdtemp(prefix="pretrain-bench-ckpt-", dir=parent)).resolve()
         self.runs, self.timeout = self.dir / "runs", timeout
         path = os.environ.get("PYTHONPATH")
-        self.env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{self.dir / 'mlflow.db'}",
-                    "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+        self.env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": f"sqlite:///{self.dir / 'mlflow.db'}",
+            "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""),
+        }
 
     def pretrain(self, *args: str) -> dict:
         """Run ``python -m pretrain ARGS`` here; the summary of the run it wrote (the newest)."""
@@ -108,8 +126,10 @@ class Session:
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=self.timeout)
         summaries = sorted(self.runs.glob(f"*/{SUMMARY}"), key=lambda p: p.stat().st_mtime)
         if proc.returncode != 0 or not summaries:
-            raise RuntimeError(f"bench --checkpoint: `{' '.join(cmd[2:])}` failed (exit {proc.returncode}):\n"
-                               + (proc.stdout + proc.stderr)[-3000:])
+            raise RuntimeError(
+                f"bench --checkpoint: `{' '.join(cmd[2:])}` failed (exit {proc.returncode}):\n"
+                + (proc.stdout + proc.stderr)[-3000:]
+            )
         return json.loads(summaries[-1].read_text())
 
     def close(self) -> None:
@@ -137,56 +157,76 @@ def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def size_row(hidden: int, sync: dict, resume: dict, raw_write_s: float, asyn: dict | None,
-             async_unavailable: str = "") -> dict:
+def size_row(
+    hidden: int, sync: dict, resume: dict, raw_write_s: float, asyn: dict | None, async_unavailable: str = ""
+) -> dict:
     """One size's numbers from its runs' summaries (synchronous run, its resume, the asynchronous run or None) and
     the raw write of the same bytes."""
     nbytes = int(sync["checkpoint_bytes"])
     sync_stalls = before_last(sync)
     sync_stall = _mean(sync_stalls)
     resume_bytes = resume.get("resume_hash_bytes_per_rank", [])
-    row = {"hidden": hidden, "checkpoint_bytes": nbytes, "checkpoint_gb": nbytes / 1e9,
-           "saves_timed": len(sync_stalls), "sync_stall_s": sync_stall, "sync_stall_s_each": sync_stalls,
-           "sync_stall_s_per_gb": sync_stall / (nbytes / 1e9) if sync_stall is not None and nbytes else None,
-           "raw_write_s": raw_write_s,
-           "sync_save_vs_raw": sync_stall / raw_write_s if sync_stall is not None and raw_write_s > 0 else None,
-           "hash_s_per_rank": sync.get("checkpoint_hash_s_per_rank", []),
-           "hash_bytes_per_rank": sync.get("checkpoint_hash_bytes_per_rank", []),
-           "resume_time_to_first_step_s": resume.get("time_to_first_step_s"),
-           "resume_hash_s_per_rank": resume.get("resume_hash_s_per_rank", []),
-           "resume_hash_bytes_per_rank": resume_bytes,
-           "resume_hashes_each_byte_once": bool(resume_bytes) and sum(resume_bytes) == nbytes}
+    row = {
+        "hidden": hidden,
+        "checkpoint_bytes": nbytes,
+        "checkpoint_gb": nbytes / 1e9,
+        "saves_timed": len(sync_stalls),
+        "sync_stall_s": sync_stall,
+        "sync_stall_s_each": sync_stalls,
+        "sync_stall_s_per_gb": sync_stall / (nbytes / 1e9) if sync_stall is not None and nbytes else None,
+        "raw_write_s": raw_write_s,
+        "sync_save_vs_raw": sync_stall / raw_write_s if sync_stall is not None and raw_write_s > 0 else None,
+        "hash_s_per_rank": sync.get("checkpoint_hash_s_per_rank", []),
+        "hash_bytes_per_rank": sync.get("checkpoint_hash_bytes_per_rank", []),
+        "resume_time_to_first_step_s": resume.get("time_to_first_step_s"),
+        "resume_hash_s_per_rank": resume.get("resume_hash_s_per_rank", []),
+        "resume_hash_bytes_per_rank": resume_bytes,
+        "resume_hashes_each_byte_once": bool(resume_bytes) and sum(resume_bytes) == nbytes,
+    }
     if asyn is None:
         row.update(async_stall_s=None, async_stall_frac=None, async_unavailable=async_unavailable or "skipped")
     else:
         async_stalls = before_last(asyn)
         async_stall = _mean(async_stalls)
-        row.update(async_stall_s=async_stall, async_stall_s_each=async_stalls,
-                   async_stall_frac=async_stall / sync_stall if async_stall is not None and sync_stall else None,
-                   async_checkpoint_bytes=asyn.get("checkpoint_bytes"),
-                   **{f"async_{k}": _mean(before_last(asyn, k)) for k in ASYNC_PARTS},
-                   async_snapshot_gb_max=asyn.get("checkpoint_snapshot_gb_max"),
-                   async_hash_s_per_rank=asyn.get("checkpoint_hash_s_per_rank", []))
+        row.update(
+            async_stall_s=async_stall,
+            async_stall_s_each=async_stalls,
+            async_stall_frac=async_stall / sync_stall if async_stall is not None and sync_stall else None,
+            async_checkpoint_bytes=asyn.get("checkpoint_bytes"),
+            **{f"async_{k}": _mean(before_last(asyn, k)) for k in ASYNC_PARTS},
+            async_snapshot_gb_max=asyn.get("checkpoint_snapshot_gb_max"),
+            async_hash_s_per_rank=asyn.get("checkpoint_hash_s_per_rank", []),
+        )
     return row
 
 
 def targets(rows: list[dict]) -> dict:
-    """The issue's targets, at the largest size (async stall <= 10% of sync, sync save <= 1.5x the raw write)
+    """The targets, at the largest size (async stall <= 10% of sync, sync save <= 1.5x the raw write)
     and at every size (a resume hashes each byte once); None when not measured."""
     big = max(rows, key=lambda r: r["checkpoint_bytes"])
     frac, ratio = big["async_stall_frac"], big["sync_save_vs_raw"]
-    return {"largest_hidden": big["hidden"], "async_stall_frac_at_largest": frac,
-            "async_stall_le_10pct_of_sync": None if frac is None else frac <= 0.10,
-            "sync_save_vs_raw_at_largest": ratio, "sync_save_le_1_5x_raw": None if ratio is None else ratio <= 1.5,
-            "resume_hashes_each_byte_once": all(r["resume_hashes_each_byte_once"] for r in rows)}
+    return {
+        "largest_hidden": big["hidden"],
+        "async_stall_frac_at_largest": frac,
+        "async_stall_le_10pct_of_sync": None if frac is None else frac <= 0.10,
+        "sync_save_vs_raw_at_largest": ratio,
+        "sync_save_le_1_5x_raw": None if ratio is None else ratio <= 1.5,
+        "resume_hashes_each_byte_once": all(r["resume_hashes_each_byte_once"] for r in rows),
+    }
 
 
-def measure_size(config: str | Path, overrides: list[str], hidden: int, a: argparse.Namespace,
-                 why_no_async: str) -> dict:
+def measure_size(
+    config: str | Path, overrides: list[str], hidden: int, a: argparse.Namespace, why_no_async: str
+) -> dict:
     """Run one size (see the module doc); its temporary directories are removed before returning."""
     # The last step saves too, spaced like the others: the saves timed do not wait for it, nor it for them.
-    over = [*RUN, *size_overrides(hidden, a.layers, a.workers, a.zero_stage), *overrides,
-            f"checkpoint.every_steps={a.every}", f"train.max_steps={a.every * (a.saves + 1)}"]
+    over = [
+        *RUN,
+        *size_overrides(hidden, a.layers, a.workers, a.zero_stage),
+        *overrides,
+        f"checkpoint.every_steps={a.every}",
+        f"train.max_steps={a.every * (a.saves + 1)}",
+    ]
     mode = [] if why_no_async else ["checkpoint.async=false"]
     session = Session(Path(a.dir), a.timeout)
     try:
@@ -213,19 +253,34 @@ def bench(a: argparse.Namespace) -> dict:
     for hidden in a.sizes:
         print(f"[bench] checkpoint: hidden {hidden} ...", file=sys.stderr, flush=True)
         rows.append(measure_size(path, overrides, hidden, a, why_no_async))
-    return {"config": Path(path).stem, "layers": a.layers, "workers": a.workers, "zero_stage": a.zero_stage,
-            "every_steps": a.every, "saves": a.saves, "dir_filesystem": str(Path(a.dir).resolve()),
-            "async_unavailable": why_no_async or ("skipped (--no-async)" if a.no_async else ""),
-            "sizes": rows, "targets": targets(rows)}
+    return {
+        "config": Path(path).stem,
+        "layers": a.layers,
+        "workers": a.workers,
+        "zero_stage": a.zero_stage,
+        "every_steps": a.every,
+        "saves": a.saves,
+        "dir_filesystem": str(Path(a.dir).resolve()),
+        "async_unavailable": why_no_async or ("skipped (--no-async)" if a.no_async else ""),
+        "sizes": rows,
+        "targets": targets(rows),
+    }
 
 
 def table(result: dict) -> str:
     """The human-readable form: one line per size, then the targets."""
-    cols = [("hidden", "hidden", "{}"), ("GB", "checkpoint_gb", "{:.3f}"), ("sync stall s", "sync_stall_s", "{:.2f}"),
-            ("async stall s", "async_stall_s", "{:.2f}"), ("async/sync", "async_stall_frac", "{:.1%}"),
-            ("raw write s", "raw_write_s", "{:.2f}"), ("sync/raw", "sync_save_vs_raw", "{:.2f}"),
-            ("hash s/rank", "hash_s_per_rank", "{}"), ("resume->step s", "resume_time_to_first_step_s", "{:.1f}"),
-            ("resume 1x", "resume_hashes_each_byte_once", "{}")]
+    cols = [
+        ("hidden", "hidden", "{}"),
+        ("GB", "checkpoint_gb", "{:.3f}"),
+        ("sync stall s", "sync_stall_s", "{:.2f}"),
+        ("async stall s", "async_stall_s", "{:.2f}"),
+        ("async/sync", "async_stall_frac", "{:.1%}"),
+        ("raw write s", "raw_write_s", "{:.2f}"),
+        ("sync/raw", "sync_save_vs_raw", "{:.2f}"),
+        ("hash s/rank", "hash_s_per_rank", "{}"),
+        ("resume->step s", "resume_time_to_first_step_s", "{:.1f}"),
+        ("resume 1x", "resume_hashes_each_byte_once", "{}"),
+    ]
 
     def cell(row: dict, key: str, fmt: str) -> str:
         v = row.get(key)
@@ -246,15 +301,22 @@ def table(result: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh bench --checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=list(SIZES),
-                   help="hidden sizes, comma-separated (default 256,512,1024; e.g. --sizes 256 for a quick check)")
+    p.add_argument(
+        "--sizes",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=list(SIZES),
+        help="hidden sizes, comma-separated (default 256,512,1024; e.g. --sizes 256 for a quick check)",
+    )
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--every", type=int, default=4, help="checkpoint.every_steps")
     p.add_argument("--saves", type=int, default=3, help="saves timed (before the last step's)")
-    p.add_argument("--dir", default="checkpoints",
-                   help="where the runs write (the filesystem measured); a temporary directory in it is removed")
+    p.add_argument(
+        "--dir",
+        default="checkpoints",
+        help="where the runs write (the filesystem measured); a temporary directory in it is removed",
+    )
     p.add_argument("--no-async", action="store_true", help="skip the asynchronous runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")

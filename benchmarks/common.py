@@ -16,9 +16,11 @@ def micro_batch_config(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     is ``micro x workers`` over as many data streams."""
     t = cfg.train
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(t, global_batch_size=t.micro_batch_size * world_size),
+        cfg,
+        train=dataclasses.replace(t, global_batch_size=t.micro_batch_size * world_size),
         data=dataclasses.replace(cfg.data, num_streams=world_size),
-        cluster=dataclasses.replace(cfg.cluster, num_workers=world_size))
+        cluster=dataclasses.replace(cfg.cluster, num_workers=world_size),
+    )
 
 
 def bench_tokens(cfg: RunConfig, steps: int, world_size: int = 1) -> int:

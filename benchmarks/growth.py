@@ -2,10 +2,12 @@
 a smaller model, with the same total training FLOPs, on the demo corpus, measured in one run.
 
 Variants: ``scratch`` (the final architecture for N steps); ``stack`` (half the depth for S steps, then stacked to the
-full depth, §4.2.2); ``tile`` (half the width for S steps, then tiled to the full width, eq. 111). A grown variant
-trains ``M = N - S * F_small / F_big`` steps after growing, so its total FLOPs (6N + attention per token, per step)
-equal the scratch run's. After a growth the optimizer starts fresh and the LR re-warms over 20 steps
-(``growth.rewarm_steps``; without it the first AdamW steps of the fresh moments spike the loss). Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
+full depth: shallow-to-deep stacking, T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective",
+arXiv:2311.17633, sec. 4.2.2); ``tile`` (half the width for S steps, then tiled to the full width: Xiao and Zhu,
+eq. 111, sec. 4.4). A grown variant trains ``M = N - S * F_small / F_big`` steps after growing, so its total FLOPs
+(6N + attention per token, per step) equal the scratch run's. After a growth the optimizer starts fresh and the LR
+re-warms over 20 steps (``growth.rewarm_steps``; without it the first AdamW steps of the fresh moments spike the
+loss). Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
 cumulative FLOPs, and ``growth_flops_saving`` is 1 - (FLOPs at which the grown run first reaches the scratch run's
 final validation loss, interpolated) / (scratch FLOPs); negative or None when it does not get there.
 """
@@ -27,11 +29,16 @@ def _variants(steps: int, small_steps: int, cfg) -> dict[str, list[str]]:
     m = cfg.model
     return {
         "scratch": [],
-        "stack": [f"model.num_layers={m.num_layers // 2}",
-                  f"growth.schedule=[{{at_step: {small_steps}, depth: 2x, depth_op: stack}}]"],
-        "tile": [f"model.hidden_size={m.hidden_size // 2}", f"model.num_heads={m.num_heads // 2}",
-                 f"model.num_kv_heads={(m.num_kv_heads or m.num_heads) // 2}",
-                 f"growth.schedule=[{{at_step: {small_steps}, width: 2x, width_op: tile}}]"],
+        "stack": [
+            f"model.num_layers={m.num_layers // 2}",
+            f"growth.schedule=[{{at_step: {small_steps}, depth: 2x, depth_op: stack}}]",
+        ],
+        "tile": [
+            f"model.hidden_size={m.hidden_size // 2}",
+            f"model.num_heads={m.num_heads // 2}",
+            f"model.num_kv_heads={(m.num_kv_heads or m.num_heads) // 2}",
+            f"growth.schedule=[{{at_step: {small_steps}, width: 2x, width_op: tile}}]",
+        ],
     }
 
 
@@ -77,10 +84,23 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
     from pretrain.config import load_config
     from pretrain.driver.prepare import prepare_new
 
-    base = [f"train.max_steps={steps}", f"train.val_every={val_every}", "train.val_sequences=32",
-            "train.log_every=50", "checkpoint.every_steps=0", "cluster.use_ray=false", "cluster.num_workers=1",
-            "stability.plot_at_end=false", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
-            "data.tokenizer_vocab_size=4096", "model.vocab_size=4096", "growth.rewarm_steps=20", *overrides]
+    base = [
+        f"train.max_steps={steps}",
+        f"train.val_every={val_every}",
+        "train.val_sequences=32",
+        "train.log_every=50",
+        "checkpoint.every_steps=0",
+        "cluster.use_ray=false",
+        "cluster.num_workers=1",
+        "stability.plot_at_end=false",
+        "model.hidden_size=128",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "data.tokenizer_vocab_size=4096",
+        "model.vocab_size=4096",
+        "growth.rewarm_steps=20",
+        *overrides,
+    ]
     big = load_config(ROOT / "configs" / "demo-decoder.yaml", base)
     small_steps = int(steps * small_frac)
     results: dict = {"steps": steps, "small_steps": small_steps, "curves": {}, "total_flops": {}, "run_ids": {}}
@@ -100,12 +120,13 @@ def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4
             print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
             run(job, cfg.cluster)
             results["run_ids"][name] = job.run_id
-            hist = sorted(MlflowClient(tracking_uri=uri).get_metric_history(job.run_id, "val/loss"),
-                          key=lambda m: m.step)
+            hist = sorted(
+                MlflowClient(tracking_uri=uri).get_metric_history(job.run_id, "val/loss"), key=lambda m: m.step
+            )
             small = 0 if name == "scratch" else small_steps
 
-            def flops_at(step: int) -> float:
-                return min(step, small) * f_small + max(step - small, 0) * f_big
+            def flops_at(step: int) -> float:  # called in this iteration only
+                return min(step, small) * f_small + max(step - small, 0) * f_big  # noqa: B023
 
             results["curves"][name] = [(flops_at(m.step), m.value) for m in hist]
             results["total_flops"][name] = flops_at(cfg.train.max_steps)
@@ -151,6 +172,7 @@ def _plot(results: dict, path: Path) -> Path:
 def summary(results: dict) -> dict:
     """The bench keys (curves as (TFLOPs, loss) pairs, rounded)."""
     out = {k: v for k, v in results.items() if k != "curves"}
-    out["curves_tflops_val_loss"] = {k: [(round(f / 1e12, 3), round(v, 4)) for f, v in c]
-                                     for k, c in results["curves"].items()}
+    out["curves_tflops_val_loss"] = {
+        k: [(round(f / 1e12, 3), round(v, 4)) for f, v in c] for k, c in results["curves"].items()
+    }
     return out

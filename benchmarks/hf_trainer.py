@@ -63,11 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.load(a.tokens, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
     args = TrainingArguments(
-        output_dir=a.out_dir, max_steps=a.steps, per_device_train_batch_size=a.batch, learning_rate=a.lr,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
-        warmup_steps=a.warmup, weight_decay=a.weight_decay, adam_beta1=a.betas[0], adam_beta2=a.betas[1],
-        adam_epsilon=a.eps, max_grad_norm=a.grad_clip, logging_steps=a.log_every, save_strategy="no",
-        report_to="none", use_cpu=True, disable_tqdm=True, seed=a.seed, dataloader_num_workers=0)
+        output_dir=a.out_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=a.batch,
+        learning_rate=a.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": a.min_lr_ratio},
+        warmup_steps=a.warmup,
+        weight_decay=a.weight_decay,
+        adam_beta1=a.betas[0],
+        adam_beta2=a.betas[1],
+        adam_epsilon=a.eps,
+        max_grad_norm=a.grad_clip,
+        logging_steps=a.log_every,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=a.seed,
+        dataloader_num_workers=0,
+    )
     clock = Clock()
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(ids), callbacks=[clock])
     trainer.train()
@@ -75,8 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.json_out:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(a.json_out, "w") as f:
-            json.dump({"step_ends": clock.ends, "losses": losses, "threads": torch.get_num_threads(),
-                       "steps": trainer.state.global_step}, f)
+            json.dump(
+                {
+                    "step_ends": clock.ends,
+                    "losses": losses,
+                    "threads": torch.get_num_threads(),
+                    "steps": trainer.state.global_step,
+                },
+                f,
+            )
     return 0
 
 

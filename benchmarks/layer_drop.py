@@ -29,6 +29,7 @@ def _step_fn(cfg: RunConfig, device: torch.device, steps: int):
         for h in hooks:
             h.on_step_start(None, n)
         return run_step(module, StepInput(n, batch, cfg.train.lr), hooks).loss
+
     return step
 
 
@@ -38,22 +39,34 @@ def active_fraction(cfg: RunConfig, steps: int) -> float:
 
     if not cfg.layer_drop.enabled:
         return 1.0
-    runs = [len(executed_blocks(training_gates(cfg.layer_drop, cfg.train.seed, s, cfg.model.num_layers)))
-            for s in range(steps)]
+    runs = [
+        len(executed_blocks(training_gates(cfg.layer_drop, cfg.train.seed, s, cfg.model.num_layers)))
+        for s in range(steps)
+    ]
     return sum(runs) / (steps * cfg.model.num_layers)
 
 
 def layer_drop_bench(cfg: RunConfig, device: torch.device, steps: int, rounds: int) -> dict:
-    variants = [dataclasses.replace(cfg, layer_drop=dataclasses.replace(cfg.layer_drop, rate=r, mode="layer",
-                                                                        granularity="block", schedule="constant"))
-                for r in RATES]
+    variants = [
+        dataclasses.replace(
+            cfg,
+            layer_drop=dataclasses.replace(
+                cfg.layer_drop, rate=r, mode="layer", granularity="block", schedule="constant"
+            ),
+        )
+        for r in RATES
+    ]
     batches = random_batches(cfg, steps, device)
     # Warm-up covers 2 steps per variant; the closures' step counters then restart at a round boundary.
     times = interleaved_best([_step_fn(v, device, steps) for v in variants], batches, device, rounds)
     tokens = bench_tokens(cfg, steps)
     tps = {f"{r:g}": tokens / t for r, t in zip(RATES, times)}
-    out: dict = {"layer_drop_tokens_per_s": tps, "layer_drop_active_fraction": {}, "layer_drop_speedup": {},
-                 "layer_drop_vs_ideal": {}}
+    out: dict = {
+        "layer_drop_tokens_per_s": tps,
+        "layer_drop_active_fraction": {},
+        "layer_drop_speedup": {},
+        "layer_drop_vs_ideal": {},
+    }
     for r, v in zip(RATES, variants):
         key = f"{r:g}"
         speedup = tps[key] / tps["0"]

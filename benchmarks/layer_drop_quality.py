@@ -1,5 +1,6 @@
-"""Layer-dropout quality on the demo corpus (README results): an 8-layer demo decoder trained for the same steps
-without and with layer dropout; validation loss of the full model and of its ``every_other`` pruned 4-layer model.
+"""Layer-dropout quality on the demo corpus (dated results: ``benchmarks/results/``): an 8-layer demo decoder
+trained for the same steps without and with layer dropout; validation loss of the full model and of its
+``every_other`` pruned 4-layer model.
 
     python -m benchmarks.layer_drop_quality [--steps 200] [--rate 0.5] [key=value ...]
 
@@ -38,8 +39,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    base = [str(ROOT / "configs" / "demo-decoder.yaml"), "model.num_layers=8", f"train.max_steps={a.steps}",
-            "checkpoint.every_steps=0", "stability.plot_at_end=false", *a.overrides]
+    base = [
+        str(ROOT / "configs" / "demo-decoder.yaml"),
+        "model.num_layers=8",
+        f"train.max_steps={a.steps}",
+        "checkpoint.every_steps=0",
+        "stability.plot_at_end=false",
+        *a.overrides,
+    ]
     variants = {"no layer dropout": [], f"layer dropout {a.rate:g} (layer mode)": [f"layer_drop.rate={a.rate}"]}
     rows = []
     with tempfile.TemporaryDirectory(prefix="ld-quality-") as tmp:
@@ -50,8 +57,9 @@ def main(argv: list[str]) -> int:
             tps = next((line.split()[-2] for line in out.splitlines() if "tokens/s" in line and "train" in line), "?")
             full = _eval_loss(work, run_id)
             pruned_out = _cli(work, "prune", run_id, "layers=every_other")
-            child = next(line.split()[3].rstrip(":") for line in pruned_out.splitlines()
-                         if line.startswith("[prune] new run"))
+            child = next(
+                line.split()[3].rstrip(":") for line in pruned_out.splitlines() if line.startswith("[prune] new run")
+            )
             rows.append((name, full, _eval_loss(work, child), tps))
             print(f"{name}: full {full:.4f}, every_other pruned {rows[-1][2]:.4f}", flush=True)
     print(f"\n| 8-layer demo decoder, {a.steps} steps | val loss, 8 layers | val loss, every_other (4 layers) |")

@@ -3,9 +3,9 @@
 data pipeline, every callback, health probes, logging and MLflow), with its MLflow store and run directory in a
 temporary directory.
 
-Its ``summary.json`` gives ``loop_tokens_per_s`` (steady state, see :mod:`pretrain.train.callbacks.speed`) and the start-up
-(``time_to_first_step_s``, per phase); :func:`loop_benchmark` puts them beside the step benchmark's tokens/s of the
-same model, batch and threads (``loop_vs_step_ratio``).
+Its ``summary.json`` gives ``loop_tokens_per_s`` (steady state, see :mod:`pretrain.train.callbacks.speed`) and the
+start-up (``time_to_first_step_s``, per phase); :func:`loop_benchmark` puts them beside the step benchmark's tokens/s of
+the same model, batch and threads (``loop_vs_step_ratio``).
 """
 
 from __future__ import annotations
@@ -29,23 +29,39 @@ def loop_overrides(steps: int, threads: int, workers: int, micro_batch: int, glo
     per worker per step (the step bench's unit; when the config's global batch differs, over one data stream per
     worker, else the config's streams). Validation and checkpoints keep their schedule: with ``steps`` below it,
     only the final ones run, after the timed steps."""
-    batch = [] if global_batch == micro_batch * workers else [f"train.global_batch_size={micro_batch * workers}",
-                                                              f"data.num_streams={workers}"]
-    return [f"train.max_steps={steps}", f"train.num_threads={threads}", f"cluster.num_workers={workers}", *batch,
-            "stability.plot_at_end=false"]
+    batch = (
+        []
+        if global_batch == micro_batch * workers
+        else [f"train.global_batch_size={micro_batch * workers}", f"data.num_streams={workers}"]
+    )
+    return [
+        f"train.max_steps={steps}",
+        f"train.num_threads={threads}",
+        f"cluster.num_workers={workers}",
+        *batch,
+        "stability.plot_at_end=false",
+    ]
 
 
-def run_training(config: str | None, overrides: list[str], timeout: float = 1800,
-                 command: list[str] | None = None) -> dict:
+def run_training(
+    config: str | None, overrides: list[str], timeout: float = 1800, command: list[str] | None = None
+) -> dict:
     """``python -m pretrain train CONFIG OVERRIDES`` (or ``command``, e.g. ``[launch.sh, train]``) in a fresh
     temporary MLflow store and run directory (the working directory stays, so relative data paths and the tokenizer
     cache resolve as for the user); its summary, plus the command's wall time (``command_wall_s``)."""
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-loop-") as tmp:
         run_root = Path(tmp) / "runs"
-        env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{Path(tmp) / 'mlflow.db'}",
-               "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-        args = [*(command or [sys.executable, "-m", "pretrain", "train"]), *([config] if config else []), *overrides,
-                f"checkpoint.dir={run_root}"]
+        env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": f"sqlite:///{Path(tmp) / 'mlflow.db'}",
+            "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+        }
+        args = [
+            *(command or [sys.executable, "-m", "pretrain", "train"]),
+            *([config] if config else []),
+            *overrides,
+            f"checkpoint.dir={run_root}",
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t0
@@ -61,29 +77,47 @@ def run_training(config: str | None, overrides: list[str], timeout: float = 1800
         return summary
 
 
-def loop_benchmark(config: str | None, user_overrides: list[str], *, step_tokens_per_s: float, steps: int,
-                   threads: int, micro_batch: int, global_batch: int, workers: int = 1) -> dict:
+def loop_benchmark(
+    config: str | None,
+    user_overrides: list[str],
+    *,
+    step_tokens_per_s: float,
+    steps: int,
+    threads: int,
+    micro_batch: int,
+    global_batch: int,
+    workers: int = 1,
+) -> dict:
     """The real training loop of ``config`` beside the step benchmark's ``step_tokens_per_s`` (same model, batch
     and threads). With ``workers`` > 1 the threads are divided among them (each worker's micro-batch stays the
     step benchmark's, so the global batch grows), ``loop_vs_step_ratio`` becomes the scaling over the one-process
     step, and ``loop_vs_own_step_ratio`` (the loop's wall-clock tokens/s over the time inside its own steps, any
     worker count) is the loop's cost beyond its step."""
     per_worker = max(1, threads // workers)
-    summary = run_training(config, [*user_overrides, *loop_overrides(steps, per_worker, workers, micro_batch,
-                                                                     global_batch)])
+    summary = run_training(
+        config, [*user_overrides, *loop_overrides(steps, per_worker, workers, micro_batch, global_batch)]
+    )
     rate = float(summary.get("loop_tokens_per_s", 0.0))
     own = float(summary.get("tokens_per_s", 0.0))
-    return {"loop_workers": workers, "loop_threads_per_worker": summary.get("torch_threads", per_worker),
-            "loop_tokens_per_s": rate, "loop_vs_step_ratio": rate / step_tokens_per_s if step_tokens_per_s else None,
-            "loop_mean_tokens_per_s": float(summary.get("loop_mean_tokens_per_s", 0.0)),
-            "loop_mean_vs_step_ratio": summary.get("loop_mean_tokens_per_s", 0.0) / step_tokens_per_s
-            if step_tokens_per_s else None,
-            "loop_step_tokens_per_s": own, "loop_vs_own_step_ratio": rate / own if own else None,
-            "loop_steps_timed": summary.get("loop_steps_timed", 0), "loop_window": summary.get("loop_window", 0),
-            "loop_command_wall_s": summary.get("command_wall_s"),
-            "time_to_first_step_s": float(summary.get("time_to_first_step_s", 0.0)),
-            "time_to_first_step_phases_s": dict(sorted(summary.get("startup_phases_s", {}).items(),
-                                                       key=lambda kv: _phase_index(kv[0])))}
+    return {
+        "loop_workers": workers,
+        "loop_threads_per_worker": summary.get("torch_threads", per_worker),
+        "loop_tokens_per_s": rate,
+        "loop_vs_step_ratio": rate / step_tokens_per_s if step_tokens_per_s else None,
+        "loop_mean_tokens_per_s": float(summary.get("loop_mean_tokens_per_s", 0.0)),
+        "loop_mean_vs_step_ratio": summary.get("loop_mean_tokens_per_s", 0.0) / step_tokens_per_s
+        if step_tokens_per_s
+        else None,
+        "loop_step_tokens_per_s": own,
+        "loop_vs_own_step_ratio": rate / own if own else None,
+        "loop_steps_timed": summary.get("loop_steps_timed", 0),
+        "loop_window": summary.get("loop_window", 0),
+        "loop_command_wall_s": summary.get("command_wall_s"),
+        "time_to_first_step_s": float(summary.get("time_to_first_step_s", 0.0)),
+        "time_to_first_step_phases_s": dict(
+            sorted(summary.get("startup_phases_s", {}).items(), key=lambda kv: _phase_index(kv[0]))
+        ),
+    }
 
 
 def _phase_index(phase: str) -> int:

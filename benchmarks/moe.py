@@ -38,12 +38,18 @@ def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
 def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_size=1))
     batches = random_batches(cfg, steps, device)
-    t_dense, t_moe = interleaved_best([_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)],
-                                      batches, device, rounds)
+    t_dense, t_moe = interleaved_best(
+        [_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)], batches, device, rounds
+    )
     tokens = bench_tokens(cfg, steps)
-    return {"moe_config": cfg.name, "moe_experts": cfg.moe.num_experts, "moe_top_k": cfg.moe.top_k,
-            "moe_tokens_per_s": tokens / t_moe, "moe_dense_active_tokens_per_s": tokens / t_dense,
-            "moe_vs_dense_active_ratio": t_dense / t_moe}
+    return {
+        "moe_config": cfg.name,
+        "moe_experts": cfg.moe.num_experts,
+        "moe_top_k": cfg.moe.top_k,
+        "moe_tokens_per_s": tokens / t_moe,
+        "moe_dense_active_tokens_per_s": tokens / t_dense,
+        "moe_vs_dense_active_ratio": t_dense / t_moe,
+    }
 
 
 def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
@@ -82,5 +88,7 @@ def all_to_all_share(cfg: RunConfig, steps: int) -> dict:
     d["data"]["num_streams"] = 2
     d["train"]["val_sequences"] = 2
     ranks = run_distributed(_ep_worker, 2, d, steps)
-    return {"moe_ep2_step_s": sum(r["step_s"] for r in ranks) / 2,
-            "moe_all_to_all_frac": sum(r["comm_frac"] for r in ranks) / 2}
+    return {
+        "moe_ep2_step_s": sum(r["step_s"] for r in ranks) / 2,
+        "moe_all_to_all_frac": sum(r["comm_frac"] for r in ranks) / 2,
+    }

@@ -1,4 +1,5 @@
-"""Where the time of one training step goes: ``python -m benchmarks.profile_step [--compiled] [CONFIG] [key=value ...]``.
+"""Where the time of one training step goes: ``python -m benchmarks.profile_step [--compiled] [CONFIG] [key=value
+...]``.
 
 Profiles a few steps of our step function (eager, or with compiled blocks) on the bench's fixed batches with the
 torch profiler and prints the self time by operator class (matmuls, attention, elementwise/norm, loss, optimizer,
@@ -78,8 +79,12 @@ def main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         totals = profile(cfg, a.compiled, a.steps, a.trace)
     total = sum(totals.values())
-    print(json.dumps({"step_s_profiled_ops": total, **{k: {"s": v, "share": v / total} for k, v in totals.items()}},
-                     indent=1), file=out)
+    print(
+        json.dumps(
+            {"step_s_profiled_ops": total, **{k: {"s": v, "share": v / total} for k, v in totals.items()}}, indent=1
+        ),
+        file=out,
+    )
     return 0
 
 

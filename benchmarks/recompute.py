@@ -22,8 +22,14 @@ import torch
 from pretrain.config import RunConfig, load_config
 
 MODES = ("none", "full", "selective")
-LARGER = ["model.num_layers=8", "model.hidden_size=512", "model.num_heads=8", "model.num_kv_heads=4",
-          "model.max_seq_len=256", "train.micro_batch_size=8"]
+LARGER = [
+    "model.num_layers=8",
+    "model.hidden_size=512",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "model.max_seq_len=256",
+    "train.micro_batch_size=8",
+]
 """A larger CPU model: ~4x the demo decoder's width x depth at twice its sequence length."""
 
 
@@ -59,8 +65,9 @@ def _measure(cfg: RunConfig, mode: str, steps: int, rounds: int) -> dict:
             step(b)
         sync(device)
         best = min(best, (time.perf_counter() - t0) / steps)
-    peak = (torch.cuda.max_memory_allocated(device) if gpu
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    peak = (
+        torch.cuda.max_memory_allocated(device) if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # Linux: KiB
     return {"peak_mb": peak / 2**20, "step_s": best, "first_loss": first}
 
 
@@ -70,8 +77,17 @@ def recompute_bench(path: str | Path, overrides: list[str], steps: int, rounds: 
     for name, extra in (("config", []), ("larger", LARGER)):
         rows = {}
         for mode in MODES:
-            args = [sys.executable, "-m", "benchmarks.recompute", str(path), str(steps), str(rounds), mode,
-                    *overrides, *extra]
+            args = [
+                sys.executable,
+                "-m",
+                "benchmarks.recompute",
+                str(path),
+                str(steps),
+                str(rounds),
+                mode,
+                *overrides,
+                *extra,
+            ]
             proc = subprocess.run(args, capture_output=True, text=True, check=False)
             if proc.returncode:
                 raise RuntimeError(f"bench --recompute {name} {mode} failed:\n{proc.stderr[-2000:]}")
@@ -80,7 +96,8 @@ def recompute_bench(path: str | Path, overrides: list[str], steps: int, rounds: 
         out[f"recompute_{name}_peak_mb"] = {m: r["peak_mb"] for m, r in rows.items()}
         out[f"recompute_{name}_step_s"] = {m: r["step_s"] for m, r in rows.items()}
         out[f"recompute_{name}_loss_rel_diff"] = {
-            m: abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"]) for m, r in rows.items()}
+            m: abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"]) for m, r in rows.items()
+        }
     return out
 
 

@@ -14,7 +14,8 @@ CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs
 
     ./launch.sh bench [--json] [--steps N] [--loop-steps N] [--no-loop] [CONFIG] [key=value ...]
     ./launch.sh bench --recompute [CONFIG] [key=value ...]   activation checkpointing none/full/selective
-    ./launch.sh bench --vs-hf [--repeats N] [--corpus PATH] [--loop-steps N] [CONFIG] [key=value ...]   ours vs HF Trainer
+    ./launch.sh bench --vs-hf [--repeats N] [--corpus PATH] [--loop-steps N] [CONFIG] [key=value ...]
+                                                           ours vs HF Trainer
     ./launch.sh bench --no-moe --workers 2 zero.stage=2    the loop on 2 workers (ZeRO-1/2), its ratio to its step
 """
 
@@ -29,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Literal, cast
 
 import torch
 
@@ -42,13 +44,14 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
     """The reference: a plain PyTorch step (autocast for bf16, clip, AdamW)."""
     from pretrain.model import build_model, param_groups
     from pretrain.train.engine import build_optimizer
 
     model = build_model(cfg.model, cfg.train.seed, cfg.moe).to(device)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.activation_checkpointing = cast(str, cfg.train.activation_checkpointing)  # str after __post_init__
     opt = build_optimizer(param_groups(model, cfg.train.weight_decay), cfg)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -61,14 +64,15 @@ def _bare_step_fn(cfg: RunConfig, device: torch.device, precision: str):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return step
 
 
-def _our_step_fn(cfg: RunConfig, device: torch.device, compile: str):
+def _our_step_fn(cfg: RunConfig, device: torch.device, compile: Literal["auto", "yes", "no"]):
     return train_step_fn(micro_batch_module(_with_compile(cfg, compile), device))
 
 
-def _with_compile(cfg: RunConfig, compile: str) -> RunConfig:
+def _with_compile(cfg: RunConfig, compile: Literal["auto", "yes", "no"]) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compile))
 
 
@@ -93,7 +97,11 @@ def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: 
     times = interleaved_best(fns, batches, device, rounds)
     tokens = bench_tokens(cfg, steps)
     bare, eager = tokens / times[0], tokens / times[1]
-    out = {"bare_pytorch_tokens_per_s": bare, "eager_tokens_per_s": eager, "eager_ratio_vs_bare_pytorch": eager / bare}
+    out: dict[str, Any] = {
+        "bare_pytorch_tokens_per_s": bare,
+        "eager_tokens_per_s": eager,
+        "eager_ratio_vs_bare_pytorch": eager / bare,
+    }
     if can_compile:
         out["compiled_tokens_per_s"] = tokens / times[2]
         out["compiled_ratio_vs_bare_pytorch"] = out["compiled_tokens_per_s"] / bare
@@ -111,15 +119,18 @@ def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: 
 
 def step_after_loop(cfg: RunConfig, device: torch.device, before: dict, steps: int, rounds: int) -> dict:
     """Our default step timed again, right after the real loop, as it was before it (``before``: the step and
-    loop results so far); the loop is then compared with the mean of the two. This machine's speed drifts by
-    5-10% over minutes (the same loop ran 4,714 and 5,155 tokens/s in two runs of one sitting), and the loop
-    runs between the two timings, so the mean is the step at the loop's time as near as one run can tell."""
+    loop results so far); the loop is then compared with the mean of the two. A machine's speed can drift by
+    several percent over minutes (thermal limits, other load), and the loop runs between the two timings, so the
+    mean is the step at the loop's time as near as one run can tell."""
     step = _our_step_fn(cfg, device, before["compile_default"])
     after = bench_tokens(cfg, steps) / interleaved_best([step], _batches(cfg, steps, device), device, rounds)[0]
     reference = (before["tokens_per_s"] + after) / 2
-    return {"step_tokens_per_s_after_loop": after, "loop_step_reference_tokens_per_s": reference,
-            "loop_vs_step_ratio": before["loop_tokens_per_s"] / reference,
-            "loop_mean_vs_step_ratio": before["loop_mean_tokens_per_s"] / reference}
+    return {
+        "step_tokens_per_s_after_loop": after,
+        "loop_step_reference_tokens_per_s": reference,
+        "loop_vs_step_ratio": before["loop_tokens_per_s"] / reference,
+        "loop_mean_vs_step_ratio": before["loop_mean_tokens_per_s"] / reference,
+    }
 
 
 def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs: int) -> dict:
@@ -134,7 +145,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     module = micro_batch_module(cfg, device)
     monitor = StabilityMonitor(cfg.stability)
     guard = StepHooks()
-    guard.decide = monitor.decide
+    guard.decide = monitor.decide  # type: ignore[method-assign, assignment]  # deliberate: the monitor decides
     probes = HealthCallback(every=1)
     batches = _batches(cfg, 2, device)
     step_no = 0
@@ -156,8 +167,12 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
         health.append(timed(True))
     step_s, extra = statistics.median(plain), statistics.median(health) - statistics.median(plain)
     every = cfg.stability.health_every
-    return {"health_every": every, "step_s": step_s, "health_step_extra_s": extra,
-            "health_overhead_frac": max(extra, 0.0) / (every * step_s) if every else 0.0}
+    return {
+        "health_every": every,
+        "step_s": step_s,
+        "health_step_extra_s": extra,
+        "health_overhead_frac": max(extra, 0.0) / (every * step_s) if every else 0.0,
+    }
 
 
 def data_benchmark(cfg: RunConfig, seconds: float) -> float:
@@ -173,8 +188,9 @@ def data_benchmark(cfg: RunConfig, seconds: float) -> float:
             load_or_train_tokenizer(cfg.data, out_dir=tok_dir)
             cfg.data.tokenizer = str(tok_dir)
     tokenizer = load_or_train_tokenizer(cfg.data)
-    return data_throughput(cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer,
-                           seconds=seconds)
+    return data_throughput(
+        cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=tokenizer, seconds=seconds
+    )
 
 
 def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
@@ -195,9 +211,17 @@ def run_bench(cfg: RunConfig, steps: int, rounds: int) -> dict:
         cfg.model.vocab_size = -(-cfg.data.tokenizer_vocab_size // cfg.model.vocab_multiple) * cfg.model.vocab_multiple
     with torch.device("meta"):
         n_params = num_parameters(build_model(cfg.model, 0, cfg.moe))
-    result: dict = {"config": cfg.name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                    f"cpu ({torch.get_num_threads()} threads)", "precision": precision, "zero_stage": cfg.zero.stage,
-                    "params": n_params, "seq_len": cfg.model.max_seq_len, "micro_batch_size": cfg.train.micro_batch_size}
+    result: dict = {
+        "config": cfg.name,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "precision": precision,
+        "zero_stage": cfg.zero.stage,
+        "params": n_params,
+        "seq_len": cfg.model.max_seq_len,
+        "micro_batch_size": cfg.train.micro_batch_size,
+    }
     result.update(step_benchmark(cfg, device, precision, steps, rounds))
     result.update(health_overhead(cfg, device, precision, pairs=max(3, steps // 2)))
     fpt = flops_per_token(cfg.model, cfg.model.max_seq_len, cfg.moe)
@@ -244,27 +268,52 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
     p.add_argument("--no-loop", action="store_true", help="skip the real training loop (python -m pretrain train)")
-    p.add_argument("--loop-steps", type=int, default=0,
-                   help="steps of the real training loop, default 40 (60 with --vs-hf); the first %d are left out "
-                        "of the loop's tokens/s" % LOOP_WARMUP_STEPS)
-    p.add_argument("--workers", type=int, default=1,
-                   help="workers of the real training loop (the step benchmark stays one process; "
-                        "loop_vs_own_step_ratio compares the loop with its own steps)")
-    p.add_argument("--vs-hf", action="store_true",
-                   help="only the comparison with Hugging Face Trainer: ./launch.sh train and Trainer on the same "
-                        "model, tokenizer, token stream, batch, steps, fp32 and threads (benchmarks/vs_hf.py)")
-    p.add_argument("--corpus", default=None,
-                   help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
-                        "else the built-in demo corpus)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="--vs-hf: runs of ours, alternating with N + 1 of Trainer; each side is the mean of its runs")
-    p.add_argument("--growth", action="store_true",
-                   help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)")
-    p.add_argument("--layer-drop", action="store_true",
-                   help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)")
-    p.add_argument("--recompute", action="store_true",
-                   help="only activation recomputation: peak memory and step time of none, full, selective on the "
-                        "config's model and a larger one (benchmarks/recompute.py)")
+    p.add_argument(
+        "--loop-steps",
+        type=int,
+        default=0,
+        help=f"steps of the real training loop, default 40 (60 with --vs-hf); the first {LOOP_WARMUP_STEPS} "
+        "are left out of the loop's tokens/s",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="workers of the real training loop (the step benchmark stays one process; "
+        "loop_vs_own_step_ratio compares the loop with its own steps)",
+    )
+    p.add_argument(
+        "--vs-hf",
+        action="store_true",
+        help="only the comparison with Hugging Face Trainer: ./launch.sh train and Trainer on the same "
+        "model, tokenizer, token stream, batch, steps, fp32 and threads (benchmarks/vs_hf.py)",
+    )
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
+        "else the built-in demo corpus)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--vs-hf: runs of ours, alternating with N + 1 of Trainer; each side is the mean of its runs",
+    )
+    p.add_argument(
+        "--growth",
+        action="store_true",
+        help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)",
+    )
+    p.add_argument(
+        "--layer-drop", action="store_true", help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)"
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="only activation recomputation: peak memory and step time of none, full, selective on the "
+        "config's model and a larger one (benchmarks/recompute.py)",
+    )
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     result_out = sys.stdout
@@ -279,8 +328,11 @@ def main(argv: list[str]) -> int:
     else:
         for k, v in result.items():
             if isinstance(v, dict):
-                v = "{" + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}"
-                                    for kk, vv in v.items()) + "}"
+                v = (
+                    "{"
+                    + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}" for kk, vv in v.items())
+                    + "}"
+                )
             print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}", file=result_out)
     result_out.flush()
     return 0
@@ -303,14 +355,27 @@ def measure(a: argparse.Namespace) -> dict:
     if a.vs_hf:
         from benchmarks.vs_hf import vs_hf_bench
 
-        return vs_hf_bench(path or ROOT / "configs" / "demo-decoder.yaml", overrides, corpus=a.corpus,
-                           steps=a.loop_steps or 60, repeats=a.repeats)
+        return vs_hf_bench(
+            path or ROOT / "configs" / "demo-decoder.yaml",
+            overrides,
+            corpus=a.corpus,
+            steps=a.loop_steps or 60,
+            repeats=a.repeats,
+        )
     if path is None:
         path = ROOT / "configs" / ("gpt-125m.yaml" if gpu else "demo-decoder.yaml")
         if gpu:  # benchmark one GPU: same model, one worker's micro-batch
-            overrides = ["cluster.num_workers=1", "train.global_batch_size=16", "train.micro_batch_size=16",
-                         "train.precision=bf16", "model.vocab_size=50304", "data.sources=[{path: demo}]",
-                         "data.num_streams=8", "data.tokenizer_vocab_size=8192", *overrides]
+            overrides = [
+                "cluster.num_workers=1",
+                "train.global_batch_size=16",
+                "train.micro_batch_size=16",
+                "train.precision=bf16",
+                "model.vocab_size=50304",
+                "data.sources=[{path: demo}]",
+                "data.num_streams=8",
+                "data.tokenizer_vocab_size=8192",
+                *overrides,
+            ]
     cfg = load_config(path, overrides)
     global_batch = cfg.train.global_batch_size
     # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
@@ -320,10 +385,18 @@ def measure(a: argparse.Namespace) -> dict:
     steps = a.steps or (20 if gpu else 8)
     result = run_bench(cfg, steps, a.rounds)
     if not a.no_loop:  # the loop a user runs, on the same model, batch and threads as the step just timed
-        result.update(loop_benchmark(str(path), overrides, step_tokens_per_s=result["tokens_per_s"],
-                                     steps=a.loop_steps or 40, threads=torch.get_num_threads(),
-                                     micro_batch=cfg.train.micro_batch_size, global_batch=global_batch,
-                                     workers=a.workers))
+        result.update(
+            loop_benchmark(
+                str(path),
+                overrides,
+                step_tokens_per_s=result["tokens_per_s"],
+                steps=a.loop_steps or 40,
+                threads=torch.get_num_threads(),
+                micro_batch=cfg.train.micro_batch_size,
+                global_batch=global_batch,
+                workers=a.workers,
+            )
+        )
         result.update(step_after_loop(cfg, torch.device("cuda" if gpu else "cpu"), result, steps, a.rounds))
     if not a.no_moe:
         result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))

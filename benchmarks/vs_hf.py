@@ -16,17 +16,17 @@ Both sides get the same:
   ``train.num_threads`` and Trainer's ``torch.set_num_threads``), AdamW hyper-parameters, warm-up + cosine to
   ``min_lr_ratio``, gradient clipping and logging interval.
 
-Trainer runs before and after ours (this machine's speed drifts by 5-10% over minutes: Trainer alone ran at
-4,678-5,234 tokens/s in one sitting), and its side is the mean of its runs (``hf.runs`` has each). ``--repeats N``
+Trainer runs before and after ours (a machine's speed can drift by several percent over minutes: thermal limits,
+other load), and its side is the mean of its runs (``hf.runs`` has each). ``--repeats N``
 alternates N runs of ours with N + 1 of Trainer (each side the mean of its runs; ``paired_*_ratios``: each run of
 ours over the Trainer runs just before and after it), for an answer that one drifting run cannot swing.
 
-Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one
-worker, so in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through
-an embedded Ray — with its MLflow run, final validation and checkpoint; HF: ``python -m benchmarks.hf_trainer``, which
-also saves its model), and each one's steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out on both sides
-(mean over the rest; also the best window of ``loop_window`` steps). Targets (issue 23): tokens/s ours/HF >= 1.0,
-wall time ours/HF <= 1.2.
+Measured: each command's whole wall time as a subprocess (ours: ``./launch.sh train`` as a user runs it — one worker, so
+in the command's own process unless ``cluster.ray_for_one_worker=true`` is given, which runs it through an embedded Ray
+— with its MLflow run, final validation and checkpoint; HF: ``python -m benchmarks.hf_trainer``, which also saves its
+model), and each one's steady-state tokens/s from the end times of its steps, the first ``LOOP_WARMUP_STEPS`` left out
+on both sides (mean over the rest; also the best window of ``loop_window`` steps). Targets (``TOKENS_PER_S_TARGET``,
+``WALL_TARGET``): tokens/s ours/HF >= 1.0, wall time ours/HF <= 1.2.
 """
 
 from __future__ import annotations
@@ -58,16 +58,25 @@ def default_corpus() -> str:
 def comparison_overrides(corpus: str, steps: int, batch: int, threads: int) -> list[str]:
     """What the comparison fixes on the config (the user's overrides come after and win)."""
     source = corpus if corpus == "demo" else str(Path(corpus).expanduser().resolve())
-    return [f"data.sources=[{{path: '{source}'}}]", f"train.max_steps={steps}", f"train.global_batch_size={batch}",
-            f"train.micro_batch_size={batch}", "train.precision=fp32", f"train.num_threads={threads}",
-            "cluster.num_workers=1", "stability.plot_at_end=false"]
+    return [
+        f"data.sources=[{{path: '{source}'}}]",
+        f"train.max_steps={steps}",
+        f"train.global_batch_size={batch}",
+        f"train.micro_batch_size={batch}",
+        "train.precision=fp32",
+        f"train.num_threads={threads}",
+        "cluster.num_workers=1",
+        "stability.plot_at_end=false",
+    ]
 
 
 def comparison_config(config: str | Path, overrides: list[str]) -> RunConfig:
     cfg = load_config(config, overrides)
     if cfg.model.kind != "decoder" or cfg.moe.enabled:
-        raise ConfigError("bench --vs-hf: compares a dense decoder (a causal LM for Trainer); "
-                          f"{cfg.name} is {'an MoE' if cfg.moe.enabled else 'an encoder'}")
+        raise ConfigError(
+            "bench --vs-hf: compares a dense decoder (a causal LM for Trainer); "
+            f"{cfg.name} is {'an MoE' if cfg.moe.enabled else 'an encoder'}"
+        )
     if cfg.cluster.num_workers != 1:
         raise ConfigError("bench --vs-hf: compares one worker with one Trainer process (cluster.num_workers=1)")
     return cfg
@@ -111,22 +120,48 @@ def run_hf(cfg: RunConfig, model_dir: Path, tokens: Path, out: Path, steps: int,
     """``python -m benchmarks.hf_trainer`` as a subprocess: its wall time and steady-state tokens/s."""
     t = cfg.train
     report = out / "hf_report.json"
-    args = [sys.executable, "-m", "benchmarks.hf_trainer", str(model_dir), str(tokens), str(out / "hf-out"),
-            f"--steps={steps}", f"--batch={t.micro_batch_size}", f"--threads={threads}", f"--lr={t.lr}",
-            f"--min-lr-ratio={t.min_lr_ratio}", f"--warmup={t.warmup_steps}", f"--weight-decay={t.weight_decay}",
-            "--betas", str(t.beta1), str(t.beta2), f"--eps={t.eps}", f"--grad-clip={t.grad_clip}",
-            f"--log-every={t.log_every}", f"--seed={t.seed}", f"--json-out={report}"]
+    args = [
+        sys.executable,
+        "-m",
+        "benchmarks.hf_trainer",
+        str(model_dir),
+        str(tokens),
+        str(out / "hf-out"),
+        f"--steps={steps}",
+        f"--batch={t.micro_batch_size}",
+        f"--threads={threads}",
+        f"--lr={t.lr}",
+        f"--min-lr-ratio={t.min_lr_ratio}",
+        f"--warmup={t.warmup_steps}",
+        f"--weight-decay={t.weight_decay}",
+        "--betas",
+        str(t.beta1),
+        str(t.beta2),
+        f"--eps={t.eps}",
+        f"--grad-clip={t.grad_clip}",
+        f"--log-every={t.log_every}",
+        f"--seed={t.seed}",
+        f"--json-out={report}",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not report.is_file():
-        raise RuntimeError(f"bench --vs-hf: the Trainer run failed (exit {proc.returncode}):\n"
-                           + (proc.stdout + proc.stderr)[-3000:])
+        raise RuntimeError(
+            f"bench --vs-hf: the Trainer run failed (exit {proc.returncode}):\n" + (proc.stdout + proc.stderr)[-3000:]
+        )
     rep = json.loads(report.read_text())
     window = cycle(t.log_every, cfg.stability.health_every)
     mean, best, timed = loop_rates(rep["step_ends"], t.micro_batch_size * cfg.model.max_seq_len, window)
-    return {"wall_s": wall, "tokens_per_s": mean, "best_window_tokens_per_s": best, "steps_timed": timed,
-            "threads": rep["threads"], "steps": rep["steps"], "final_loss": rep["losses"][-1] if rep["losses"] else None}
+    return {
+        "wall_s": wall,
+        "tokens_per_s": mean,
+        "best_window_tokens_per_s": best,
+        "steps_timed": timed,
+        "threads": rep["threads"],
+        "steps": rep["steps"],
+        "final_loss": rep["losses"][-1] if rep["losses"] else None,
+    }
 
 
 SIDE_KEYS = ("wall_s", "tokens_per_s", "best_window_tokens_per_s")
@@ -147,18 +182,32 @@ def paired_ratios(ours: list[dict], hf: list[dict], key: str) -> list[float]:
 
 def run_ours(config: str, overrides: list[str], tokenizer_dir: Path) -> dict:
     """``./launch.sh train`` as a subprocess (MLflow in a temporary store): wall time and loop speed."""
-    s = run_training(config, [*overrides, f"data.tokenizer={tokenizer_dir}"],
-                     command=[str(ROOT / "launch.sh"), "train"])
-    return {"wall_s": s["command_wall_s"], "tokens_per_s": float(s.get("loop_mean_tokens_per_s", 0.0)),
-            "best_window_tokens_per_s": float(s.get("loop_tokens_per_s", 0.0)),
-            "steps_timed": s.get("loop_steps_timed", 0), "threads": s.get("torch_threads"),
-            "steps": s.get("step"), "final_loss": s.get("final_train_loss"),
-            "time_to_first_step_s": s.get("time_to_first_step_s"),
-            "step_tokens_per_s": float(s.get("tokens_per_s", 0.0))}
+    s = run_training(
+        config, [*overrides, f"data.tokenizer={tokenizer_dir}"], command=[str(ROOT / "launch.sh"), "train"]
+    )
+    return {
+        "wall_s": s["command_wall_s"],
+        "tokens_per_s": float(s.get("loop_mean_tokens_per_s", 0.0)),
+        "best_window_tokens_per_s": float(s.get("loop_tokens_per_s", 0.0)),
+        "steps_timed": s.get("loop_steps_timed", 0),
+        "threads": s.get("torch_threads"),
+        "steps": s.get("step"),
+        "final_loss": s.get("final_train_loss"),
+        "time_to_first_step_s": s.get("time_to_first_step_s"),
+        "step_tokens_per_s": float(s.get("tokens_per_s", 0.0)),
+    }
 
 
-def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | None = None, steps: int = 60,
-                batch: int = 16, threads: int = 2, repeats: int = 1) -> dict:
+def vs_hf_bench(
+    config: str | Path,
+    user_overrides: list[str],
+    *,
+    corpus: str | None = None,
+    steps: int = 60,
+    batch: int = 16,
+    threads: int = 2,
+    repeats: int = 1,
+) -> dict:
     """Both commands on the same model, tokenizer, token stream, batch, steps, precision and threads; ours
     ``repeats`` times, Trainer before the first and after each (alternating), each side the mean of its runs."""
     if repeats < 1:
@@ -171,7 +220,9 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
     if corpus != "demo" and not Path(corpus).expanduser().exists():
         raise ConfigError(f"bench --vs-hf: --corpus {corpus} does not exist")
     if importlib.util.find_spec("accelerate") is None:  # Trainer's own error would come after the tokenizer
-        raise ConfigError("bench --vs-hf: Hugging Face Trainer needs accelerate (in requirements.lock): ./launch.sh setup")
+        raise ConfigError(
+            "bench --vs-hf: Hugging Face Trainer needs accelerate (in requirements.lock): ./launch.sh setup"
+        )
     overrides = [*comparison_overrides(corpus, steps, batch, threads), *user_overrides]
     cfg = comparison_config(config, overrides)
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-vs-hf-") as tmp:
@@ -182,9 +233,11 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
         _, hf = build_pair(cfg, tokenizer)
         hf.save_pretrained(str(tmp_dir / "hf-init"))
         torch.save(token_stream(cfg, tokenizer, steps), tmp_dir / "tokens.pt")
-        def trainer(when: str) -> dict:  # before and after ours: this machine's speed drifts over minutes
-            print(f"[bench] Hugging Face Trainer ({type(hf).__name__}), {steps} steps, {when} ours ...",
-                  file=sys.stderr)
+
+        def trainer(when: str) -> dict:  # before and after ours: a machine's speed drifts over minutes
+            print(
+                f"[bench] Hugging Face Trainer ({type(hf).__name__}), {steps} steps, {when} ours ...", file=sys.stderr
+            )
             (tmp_dir / when).mkdir()
             return run_hf(cfg, tmp_dir / "hf-init", tmp_dir / "tokens.pt", tmp_dir / when, steps, threads)
 
@@ -197,14 +250,27 @@ def vs_hf_bench(config: str | Path, user_overrides: list[str], *, corpus: str | 
     ours = mean_side(our_runs, (*SIDE_KEYS, "time_to_first_step_s", "step_tokens_per_s"))
     ratio = ours["tokens_per_s"] / hf_side["tokens_per_s"] if hf_side["tokens_per_s"] else None
     wall_ratio = ours["wall_s"] / hf_side["wall_s"] if hf_side["wall_s"] else None
-    return {"config": cfg.name, "hf_class": type(hf).__name__, "corpus": corpus, "steps": steps,
-            "batch": batch, "seq_len": cfg.model.max_seq_len, "threads": threads, "precision": "fp32",
-            "warmup_steps_excluded": LOOP_WARMUP_STEPS, "hf": hf_side, "ours": ours,
-            "tokens_per_s_ratio": ratio, "tokens_per_s_target": TOKENS_PER_S_TARGET,
-            "wall_ratio": wall_ratio, "wall_target": WALL_TARGET, "repeats": repeats,
-            "paired_tokens_per_s_ratios": paired_ratios(our_runs, hf_runs, "tokens_per_s"),
-            "paired_wall_ratios": paired_ratios(our_runs, hf_runs, "wall_s"),
-            "meets_targets": bool(ratio and wall_ratio and ratio >= TOKENS_PER_S_TARGET and wall_ratio <= WALL_TARGET)}
+    return {
+        "config": cfg.name,
+        "hf_class": type(hf).__name__,
+        "corpus": corpus,
+        "steps": steps,
+        "batch": batch,
+        "seq_len": cfg.model.max_seq_len,
+        "threads": threads,
+        "precision": "fp32",
+        "warmup_steps_excluded": LOOP_WARMUP_STEPS,
+        "hf": hf_side,
+        "ours": ours,
+        "tokens_per_s_ratio": ratio,
+        "tokens_per_s_target": TOKENS_PER_S_TARGET,
+        "wall_ratio": wall_ratio,
+        "wall_target": WALL_TARGET,
+        "repeats": repeats,
+        "paired_tokens_per_s_ratios": paired_ratios(our_runs, hf_runs, "tokens_per_s"),
+        "paired_wall_ratios": paired_ratios(our_runs, hf_runs, "wall_s"),
+        "meets_targets": bool(ratio and wall_ratio and ratio >= TOKENS_PER_S_TARGET and wall_ratio <= WALL_TARGET),
+    }
 
 
 def format_table(r: dict) -> str:
@@ -217,24 +283,36 @@ def format_table(r: dict) -> str:
         rt = f"{ratio:.2f}" if ratio is not None else "-"
         return f"{name:<34} {cell(a):>12} {cell(b):>12} {rt:>8}  {target}"
 
-    lines = [f"{r['config']} ({r['hf_class']} on the HF side), corpus {r['corpus']}: {r['steps']} steps x batch "
-             f"{r['batch']} x seq {r['seq_len']}, {r['precision']}, {r['threads']} threads each",
-             f"{'':<34} {'HF Trainer':>12} {'ours':>12} {'ours/HF':>8}",
-             row(f"steady-state tokens/s (first {r['warmup_steps_excluded']} out)", "tokens_per_s", ",.0f",
-                 r["tokens_per_s_ratio"], f"target >= {r['tokens_per_s_target']}"),
-             row("best-window tokens/s", "best_window_tokens_per_s", ",.0f",
-                 _ratio(ours.get("best_window_tokens_per_s"), hf.get("best_window_tokens_per_s"))),
-             row("whole-command wall time (s)", "wall_s", ".1f", r["wall_ratio"], f"target <= {r['wall_target']}"),
-             row("time to first step (s)", "time_to_first_step_s", ".1f"),
-             row("steps timed", "steps_timed", "d"),
-             row("torch threads", "threads", "d"),
-             row("final train loss (HF: last log's mean)", "final_loss", ".3f")]
+    lines = [
+        f"{r['config']} ({r['hf_class']} on the HF side), corpus {r['corpus']}: {r['steps']} steps x batch "
+        f"{r['batch']} x seq {r['seq_len']}, {r['precision']}, {r['threads']} threads each",
+        f"{'':<34} {'HF Trainer':>12} {'ours':>12} {'ours/HF':>8}",
+        row(
+            f"steady-state tokens/s (first {r['warmup_steps_excluded']} out)",
+            "tokens_per_s",
+            ",.0f",
+            r["tokens_per_s_ratio"],
+            f"target >= {r['tokens_per_s_target']}",
+        ),
+        row(
+            "best-window tokens/s",
+            "best_window_tokens_per_s",
+            ",.0f",
+            _ratio(ours.get("best_window_tokens_per_s"), hf.get("best_window_tokens_per_s")),
+        ),
+        row("whole-command wall time (s)", "wall_s", ".1f", r["wall_ratio"], f"target <= {r['wall_target']}"),
+        row("time to first step (s)", "time_to_first_step_s", ".1f"),
+        row("steps timed", "steps_timed", "d"),
+        row("torch threads", "threads", "d"),
+        row("final train loss (HF: last log's mean)", "final_loss", ".3f"),
+    ]
     if r.get("repeats", 1) > 1:
         fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-        lines += [f"runs: ours {r['repeats']}, Trainer {r['repeats'] + 1} (alternating); each side is the mean of its "
-                  "runs",
-                  f"each run of ours over the Trainer runs around it: tokens/s {fmt(r['paired_tokens_per_s_ratios'])}; "
-                  f"wall {fmt(r['paired_wall_ratios'])}"]
+        lines += [
+            f"runs: ours {r['repeats']}, Trainer {r['repeats'] + 1} (alternating); each side is the mean of its runs",
+            f"each run of ours over the Trainer runs around it: tokens/s {fmt(r['paired_tokens_per_s_ratios'])}; "
+            f"wall {fmt(r['paired_wall_ratios'])}",
+        ]
     lines.append(f"meets both targets: {'yes' if r['meets_targets'] else 'no'}")
     return "\n".join(lines)
 

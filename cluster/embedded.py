@@ -6,12 +6,12 @@ Ray Train still starts, for every run:
 
 * the **autoscaling coordinator**, an actor (a process of its own, importing Ray Data) the controller creates and
   waits on before it places any worker, to tell a cluster autoscaler what the run needs (and again every 20 s);
-  on this 2-core machine that wait was 1.3-2.6 s of every command's time to the first step (issue 23);
+  that wait (the actor's process start and imports) adds to every command's time to the first step;
 * the **placement-group cleaner**, an actor polling the State API every second to free the run's placement group
   should the controller die (an embedded Ray is shut down with this process, its placement groups with it);
 * the **Ray Datasets manager**.
 
-Every idle Ray actor also wakes its main thread every 10 ms (~0.7% of a core each here). On a cluster
+Every idle Ray actor also wakes its main thread every 10 ms, a small but constant share of a core. On a cluster
 (``cluster.address``) none of this applies and the stock ``TorchTrainer`` runs. This module imports Ray Train's
 internals at the top: import it only to run through Ray (the controller process imports it to unpickle the
 scaling policy, as it imports Ray Train's own).

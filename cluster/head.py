@@ -274,12 +274,34 @@ def up(args: argparse.Namespace) -> int:
     tok = _ensure_token()
     sdir = state_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
-    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-                "RAY_AUTH_TOKEN_PATH": str(tok), "RAY_USAGE_STATS_ENABLED": "0"})
-    cmd = [_ray_bin(), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           "--port", str(gcs), "--dashboard-port", str(dash), "--ray-client-server-port", str(client_port),
-           "--dashboard-agent-listen-port", str(agent_port), "--temp-dir", temp_dir,
-           "--num-cpus", str(args.num_cpus or os.cpu_count() or 1), "--disable-usage-stats"]
+    env.update(
+        {
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(tok),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+    )
+    cmd = [
+        _ray_bin(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--port",
+        str(gcs),
+        "--dashboard-port",
+        str(dash),
+        "--ray-client-server-port",
+        str(client_port),
+        "--dashboard-agent-listen-port",
+        str(agent_port),
+        "--temp-dir",
+        temp_dir,
+        "--num-cpus",
+        str(args.num_cpus or os.cpu_count() or 1),
+        "--disable-usage-stats",
+    ]
     if args.num_gpus is not None:
         cmd += ["--num-gpus", str(args.num_gpus)]
     log_path = sdir / "ray-start.log"
@@ -287,12 +309,29 @@ def up(args: argparse.Namespace) -> int:
     print(f"[cluster] starting a local Ray head on 127.0.0.1 (temp dir {temp_dir}) ...", flush=True)
     with open(log_path, "w") as log:
         # A new session: every process of this head inherits its id, which is how `down` finds them.
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=str(ROOT))
-    state = {"address": f"http://127.0.0.1:{dash}", "gcs_address": f"127.0.0.1:{gcs}", "sid": proc.pid,
-             "started_at": started_at, "temp_dir": temp_dir, "token_path": str(tok), "dashboard_port": dash,
-             "gcs_port": gcs, "client_server_port": client_port, "dashboard_agent_port": agent_port,
-             "python": sys.executable, "log": str(log_path)}
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(ROOT),
+        )
+    state = {
+        "address": f"http://127.0.0.1:{dash}",
+        "gcs_address": f"127.0.0.1:{gcs}",
+        "sid": proc.pid,
+        "started_at": started_at,
+        "temp_dir": temp_dir,
+        "token_path": str(tok),
+        "dashboard_port": dash,
+        "gcs_port": gcs,
+        "client_server_port": client_port,
+        "dashboard_agent_port": agent_port,
+        "python": sys.executable,
+        "log": str(log_path),
+    }
     _write_state(state)  # recorded first, so `down` can clean up even a half-started head
     try:
         rc = proc.wait(timeout=180)
@@ -359,8 +398,11 @@ def down(args: argparse.Namespace) -> int:
     procs = head_processes(state)
     n = _terminate(procs, grace_s=args.grace)
     _clear_state()
-    print(f"Ray head at {state.get('address')} stopped ({n} processes)" if n else
-          f"Ray head at {state.get('address')} was not running; state cleared")
+    print(
+        f"Ray head at {state.get('address')} stopped ({n} processes)"
+        if n
+        else f"Ray head at {state.get('address')} was not running; state cleared"
+    )
     return 0
 
 
@@ -393,8 +435,12 @@ def status(args: argparse.Namespace) -> int:
         usage = report.get("usage") or {}
         nodes = sum((data.get("autoscalerReport") or {}).get("activeNodes", {}).values())
         parts = []
-        for key, label, scale in (("CPU", "CPU", 1), ("GPU", "GPU", 1), ("memory", "GiB memory", 2**30),
-                                  ("objectStoreMemory", "GiB object store", 2**30)):
+        for key, label, scale in (
+            ("CPU", "CPU", 1),
+            ("GPU", "GPU", 1),
+            ("memory", "GiB memory", 2**30),
+            ("objectStoreMemory", "GiB object store", 2**30),
+        ):
             if key in usage:
                 used, total = usage[key]
                 fmt = "{:.1f}" if scale > 1 else "{:g}"
@@ -417,8 +463,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh cluster", description="a local Ray head on 127.0.0.1")
     sub = p.add_subparsers(dest="action", required=True)
     pu = sub.add_parser("up", help="start a local Ray head (127.0.0.1, token auth)")
-    pu.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
-                    help="Jobs API / dashboard port (default 8265)")
+    pu.add_argument(
+        "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="Jobs API / dashboard port (default 8265)"
+    )
     pu.add_argument("--port", type=int, default=0, help="GCS port (default 6379, or a free one if taken)")
     pu.add_argument("--temp-dir", default="", help="Ray temp dir (default /tmp/pretrain-ray-UID; keep it short)")
     pu.add_argument("--num-cpus", type=int, default=0, help="CPUs to offer (default: all)")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from pretrain import startup_gc, timeline
@@ -21,8 +21,18 @@ from pretrain.config import ClusterConfig
 from pretrain.train.job import Job
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
-_FORWARD_ENV = ("MLFLOW_DISABLE_TELEMETRY", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "MLFLOW_LOGGING_LEVEL", "DS_BUILD_OPS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME")
+_FORWARD_ENV = (
+    "MLFLOW_DISABLE_TELEMETRY",
+    "TORCH_EXTENSIONS_DIR",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "DS_ACCELERATOR",
+    "MLFLOW_LOGGING_LEVEL",
+    "DS_BUILD_OPS",
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+)
 
 
 _LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -79,22 +89,30 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     if address:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
-        # No dashboard: its head and module processes took ~half the CPU that Ray's processes take from the
-        # training worker on a 2-core machine. Its State API served only Train's placement-group cleaner, which
+        # No dashboard: its head and module processes are most of the CPU that Ray's own processes take from the
+        # training worker on a small machine. Its State API serves only Train's placement-group cleaner, which
         # an embedded Ray does not run (:func:`_trainer_class`).
         # Nor Train's preemption watcher, an actor polling for the draining of cluster nodes every 5 s.
         runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-        # Train's controller polls the workers every 2 s by default, so a finished run waited up to 2 s to be
-        # noticed (1.5 s measured after the last line); a poll is one small actor call.
-        runtime_env["env_vars"].setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
-                                           os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"))
+        # Train's controller polls the workers every 2 s by default, so a finished run would wait up to 2 s to be
+        # noticed; a poll is one small actor call.
+        runtime_env["env_vars"].setdefault(
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+        )
         # Nor the idle workers a raylet starts for its first driver (one per CPU): they have the default runtime
-        # environment and Train's actors never do (Train gives each one its own), so they were processes that
-        # imported Ray at start-up, while the controller and workers started, and were never used.
+        # environment and Train's actors never do (Train gives each one its own), so they would be processes that
+        # import Ray at start-up, while the controller and workers start, and are never used.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
-        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=runtime_env, logging_level=logging.WARNING, configure_logging=True,
-                 _system_config={"prestart_worker_first_driver": False})
+        ray.init(
+            address="local",
+            num_cpus=local_cpus(),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+            _system_config={"prestart_worker_first_driver": False},
+        )
     return True
 
 
@@ -122,7 +140,7 @@ def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -
         except BaseException:
             if prepared.done() and prepared.exception() is not None:
                 stop_ray(started)
-                raise prepared.exception() from None
+                raise cast(BaseException, prepared.exception()) from None  # not None: checked above
             stop_ray(started)
             raise
     timeline.enter("ray")
@@ -148,13 +166,13 @@ def end_ray_with_process(started: bool) -> None:
     """The command's last act after a finished run: the embedded Ray this process started (``started``) is left
     to end with the process instead of shut down gracefully. Ray starts its local processes to die with their
     parent (fate sharing: ``prctl(PR_SET_PDEATHSIG)`` on Linux, so the CLI's exit ends them, and their workers
-    with them); its graceful shutdown waited ~1.3 s here, process by process, after every command (issue 23:
-    whole-command wall time). Not on Linux, or when this process did not start Ray: :func:`stop_ray`.
+    with them); its graceful shutdown stops them process by process, waiting on each, after every command, which
+    adds to the command's wall time. Not on Linux, or when this process did not start Ray: :func:`stop_ray`.
 
     Fate sharing reaches only Ray's direct children (GCS, raylet, monitors): the raylet's agents (dashboard and
-    runtime-env agents), left without a raylet that ended by SIGKILL, took it for a crash and tried to report it
-    to the dead GCS for ~60 s before exiting (at ~5% of a core). So every process under this one is killed here
-    as fate sharing would, without waiting for any of them."""
+    runtime-env agents), left without a raylet that ended by SIGKILL, take it for a crash and keep trying to report
+    it to the dead GCS for about a minute before exiting, using CPU meanwhile. So every process under this one is
+    killed here as fate sharing would, without waiting for any of them."""
     if started and sys.platform.startswith("linux"):
         import atexit
 
@@ -211,13 +229,20 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
             ray_train_worker,
             train_loop_config=asdict(job),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu,
-                                         resources_per_worker={"CPU": cluster.cpus_per_worker},
-                                         placement_strategy=cluster.placement_strategy),
-            run_config=RunConfig(name=job.run_id, storage_path=str(Path(job.run_dir).parent / "_ray"),
-                                 failure_config=FailureConfig(max_failures=cluster.max_failures),
-                                 worker_runtime_env={"env_vars": worker_env(_reuses_host_memory(job))},
-                                 logging_config=LoggingConfig(log_level="WARNING")),
+            scaling_config=ScalingConfig(
+                num_workers=cluster.num_workers,
+                use_gpu=use_gpu,
+                resources_per_worker={"CPU": cluster.cpus_per_worker},
+                placement_strategy=cluster.placement_strategy,
+            ),
+            # worker_runtime_env, logging_config: Ray Train V2's RunConfig (ray 2.60), absent from the stubs mypy sees
+            run_config=RunConfig(
+                name=job.run_id,
+                storage_path=str(Path(job.run_dir).parent / "_ray"),  # type: ignore[call-arg]
+                failure_config=FailureConfig(max_failures=cluster.max_failures),
+                worker_runtime_env={"env_vars": worker_env(_reuses_host_memory(job))},
+                logging_config=LoggingConfig(log_level="WARNING"),
+            ),
         )
         result = trainer.fit()
         if result.error is not None:

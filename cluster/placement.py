@@ -54,11 +54,14 @@ def check_local_layout(cluster: ClusterConfig) -> None:
         raise ConfigError(
             f"cluster.num_workers: {n} workers x cluster.cpus_per_worker={share:g} need {n * share:g} CPUs, but this "
             f"machine has {cpus} (an embedded local Ray; Ray would wait forever): set cluster.num_workers={fewer} "
-            f"or fewer, or cluster.cpus_per_worker={fraction:g} (the workers then share the CPUs)")
+            f"or fewer, or cluster.cpus_per_worker={fraction:g} (the workers then share the CPUs)"
+        )
     if cluster.use_gpu == "yes" and local_gpus() < n:
-        raise ConfigError(f"cluster.use_gpu: yes, with {n} workers of one GPU each, but this machine has "
-                          f"{local_gpus()} GPU(s): set cluster.num_workers={max(local_gpus(), 1)} or fewer, or "
-                          f"cluster.use_gpu=auto")
+        raise ConfigError(
+            f"cluster.use_gpu: yes, with {n} workers of one GPU each, but this machine has "
+            f"{local_gpus()} GPU(s): set cluster.num_workers={max(local_gpus(), 1)} or fewer, or "
+            f"cluster.use_gpu=auto"
+        )
 
 
 def worker_bundle(cluster: ClusterConfig, use_gpu: bool) -> dict[str, float]:
@@ -75,8 +78,12 @@ def describe_shortfall(bundle: dict[str, float], workers: int, free: dict[str, f
     return placeable, ", ".join(f"{k} {v:g}" for k, v in missing.items())
 
 
-def wait_for_placement(cluster: ClusterConfig, use_gpu: bool, say: Callable[[str], None] = print,
-                       clock: Callable[[], float] = time.monotonic) -> float:
+def wait_for_placement(
+    cluster: ClusterConfig,
+    use_gpu: bool,
+    say: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
     """Block until the cluster can place all workers at once (a placement group of their bundles with the
     configured strategy, removed again for Ray Train's own), saying what is missing while it cannot; raise
     :class:`PlacementError` after ``cluster.start_timeout`` seconds (0: never). Returns the seconds waited."""
@@ -96,12 +103,18 @@ def wait_for_placement(cluster: ClusterConfig, use_gpu: bool, say: Callable[[str
                     f"cluster.start_timeout: the cluster placed no group of {n} worker(s) of {_fmt(bundle)} "
                     f"({cluster.placement_strategy}) in {cluster.start_timeout:g} s ({placeable}/{n} fit its free "
                     f"resources; missing {missing}): free resources, or set fewer cluster.num_workers, a smaller "
-                    f"cluster.cpus_per_worker or a longer cluster.start_timeout")
+                    f"cluster.cpus_per_worker or a longer cluster.start_timeout"
+                )
             if said is None or clock() - said >= SAY_EVERY_S:
-                say(f"[pretrain] waiting for the cluster to place {n} worker(s) of {_fmt(bundle)} "
+                say(
+                    f"[pretrain] waiting for the cluster to place {n} worker(s) of {_fmt(bundle)} "
                     f"({cluster.placement_strategy}): {placeable}/{n} fit its free resources, missing {missing}; "
-                    + (f"giving up in {left:.0f} s (cluster.start_timeout)" if limit else
-                       "waiting on (cluster.start_timeout=0)"))
+                    + (
+                        f"giving up in {left:.0f} s (cluster.start_timeout)"
+                        if limit
+                        else "waiting on (cluster.start_timeout=0)"
+                    )
+                )
                 said = clock()
         waited = clock() - start
         if said is not None:

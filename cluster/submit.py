@@ -33,9 +33,10 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from cluster.head import ClusterError, read_state, read_token
@@ -44,13 +45,40 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "_pretrain_job.yaml"
 # Never uploaded (top level of the repo, and the same names at any depth via runtime_env excludes).
-EXCLUDES = [".venv", ".git", "checkpoints", "mlflow.db", "mlartifacts", "mlruns", ".cache", "exported",
-            "__pycache__", "*.pyc", ".pytest_cache", "runs"]
+EXCLUDES = [
+    ".venv",
+    ".git",
+    "checkpoints",
+    "mlflow.db",
+    "mlartifacts",
+    "mlruns",
+    ".cache",
+    "exported",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    "runs",
+    ".mypy_cache",
+    ".ruff_cache",
+]
 # Environment variables forwarded to the job when set on the submitting machine (values never printed).
-JOB_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_DISABLE_TELEMETRY", "HF_HUB_OFFLINE",
-           "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "DS_BUILD_OPS", "NCCL_DEBUG",
-           "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_NET_GDR_LEVEL",
-           "GLOO_SOCKET_IFNAME")
+JOB_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_DISABLE_TELEMETRY",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "DS_ACCELERATOR",
+    "DS_BUILD_OPS",
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_NET_GDR_LEVEL",
+    "GLOO_SOCKET_IFNAME",
+)
 # Forwarded only to a head on this machine (they name local paths).
 LOCAL_JOB_ENV = ("TORCH_EXTENSIONS_DIR",)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -125,8 +153,10 @@ def auth_token(address: str) -> tuple[str, str]:
 def _auth_failed(address: str, source: str, rejected: bool) -> ClusterError:
     if rejected:
         return ClusterError(f"authentication failed at {address}: the cluster rejected the token from {source}")
-    return ClusterError(f"authentication failed at {address}: the cluster requires a token and none was found "
-                        "(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
+    return ClusterError(
+        f"authentication failed at {address}: the cluster requires a token and none was found "
+        "(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+    )
 
 
 @contextmanager
@@ -159,20 +189,26 @@ def connect(address: str):
         socket.create_connection((host, port), timeout=5).close()
     except OSError as e:
         reason = e.strerror or type(e).__name__
-        raise ClusterError(f"cannot reach the Ray Jobs API at {address} ({reason}); start a local head with "
-                           "./launch.sh cluster up, or pass --address http://HEAD:8265") from None
+        raise ClusterError(
+            f"cannot reach the Ray Jobs API at {address} ({reason}); start a local head with "
+            "./launch.sh cluster up, or pass --address http://HEAD:8265"
+        ) from None
     token, source = auth_token(address)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     from ray.job_submission import JobSubmissionClient
 
     # No INFO chatter about packaging/uploads (these loggers set INFO explicitly).
-    for name in ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                 "ray._private.runtime_env.packaging"):
+    for name in (
+        "ray",
+        "ray.dashboard.modules.dashboard_sdk",
+        "ray.dashboard.modules.job.sdk",
+        "ray._private.runtime_env.packaging",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
 
     with _errors(address, source):
         client = JobSubmissionClient(address, headers=headers)
-    client._pretrain_auth_source = source  # for error messages of later calls
+    client._pretrain_auth_source = source  # type: ignore[attr-defined]  # ours, for error messages of later calls
     return client
 
 
@@ -241,13 +277,25 @@ def submit(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="launch.sh submit", description="submit a training job to a Ray cluster")
     p.add_argument("--address", default=None, help="Jobs API address, e.g. http://HEAD:8265")
-    p.add_argument("--python", default=None,
-                   help="Python on the cluster (default: the local head's interpreter for the head of `cluster up`, "
-                        "else 'python')")
-    p.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="also pass this environment variable to the job (repeatable)")
-    p.add_argument("--wait", type=float, default=120.0,
-                   help="seconds to wait for the MLflow run id (0: print the job id and return)")
+    p.add_argument(
+        "--python",
+        default=None,
+        help="Python on the cluster (default: the local head's interpreter for the head of `cluster up`, "
+        "else 'python')",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="also pass this environment variable to the job (repeatable)",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the MLflow run id (0: print the job id and return)",
+    )
     p.add_argument("--job-id", default=None, help="submission id to use (default: generated by Ray)")
     a, rest = p.parse_known_args(argv)
     path, overrides = split_args(rest)
@@ -265,21 +313,32 @@ def submit(argv: list[str]) -> int:
 
         cfg = resolve_paths(cfg, Path.cwd())  # same filesystem: checkpoints/caches where the user is
     elif not Path(cfg.checkpoint.dir).is_absolute():
-        print(f"[submit] note: checkpoint.dir={cfg.checkpoint.dir!r} is relative: on the cluster it lands in the "
-              "job's temporary working dir; pass checkpoint.dir=/shared/path (see docs/multi-node.md)",
-              file=sys.stderr)
+        print(
+            f"[submit] note: checkpoint.dir={cfg.checkpoint.dir!r} is relative: on the cluster it lands in the "
+            "job's temporary working dir; pass checkpoint.dir=/shared/path (see docs/multi-node.md)",
+            file=sys.stderr,
+        )
     env = job_env(local, a.env, head.get("gcs_address", "") if head else "")
     if not local and "MLFLOW_TRACKING_URI" not in env:
-        print("[submit] note: MLFLOW_TRACKING_URI is not set here: the job uses the cluster's own setting",
-              file=sys.stderr)
+        print(
+            "[submit] note: MLFLOW_TRACKING_URI is not set here: the job uses the cluster's own setting",
+            file=sys.stderr,
+        )
     python = a.python or (shlex.quote(head.get("python") or sys.executable) if head else "python")
     entrypoint = f"{python} -m pretrain train {JOB_CONFIG_NAME}"
     stage = _stage_working_dir(dump_yaml(cfg))
     try:
         runtime_env: dict[str, Any] = {"working_dir": str(stage), "excludes": list(EXCLUDES), "env_vars": env}
-        job_id = _call(client, address, lambda: client.submit_job(
-            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=a.job_id,
-            metadata={"pretrain_config": cfg.name, "submitted_from": "pretrain submit"}))
+        job_id = _call(
+            client,
+            address,
+            lambda: client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env=runtime_env,
+                submission_id=a.job_id,
+                metadata={"pretrain_config": cfg.name, "submitted_from": "pretrain submit"},
+            ),
+        )
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     print(f"job id: {job_id}", flush=True)
@@ -306,16 +365,21 @@ def _wait_for_run_id(client, address: str, job_id: str, timeout: float, hint: st
             # Lines the CLI prints for user errors start with "error: "; else Ray's job message.
             errs = [ln for ln in (logs or "").splitlines() if ln.startswith("error: ")]
             if errs:
-                why = errs[-1][len("error: "):]
+                why = errs[-1][len("error: ") :]
             else:
                 info = _call(client, address, client.get_job_info, job_id, job_id=job_id)
                 why = (info.message or "").strip().splitlines()[0] if info.message else "no details"
-            print(f"error: job {job_id} {status} before it started a run: {why[:300]} "
-                  f"(./launch.sh logs {job_id}{hint})", file=sys.stderr)
+            print(
+                f"error: job {job_id} {status} before it started a run: {why[:300]} (./launch.sh logs {job_id}{hint})",
+                file=sys.stderr,
+            )
             return 1
         if time.time() >= deadline:
-            print(f"MLflow run id: not known yet after {timeout:.0f} s (job {status}; "
-                  f"./launch.sh logs {job_id}{hint} shows it once the run starts)", flush=True)
+            print(
+                f"MLflow run id: not known yet after {timeout:.0f} s (job {status}; "
+                f"./launch.sh logs {job_id}{hint} shows it once the run starts)",
+                flush=True,
+            )
             return 0
         time.sleep(1.0)
 
@@ -346,8 +410,11 @@ def jobs(argv: list[str]) -> int:
     a = p.parse_args(argv)
     address = resolve_address(a.address)
     client = connect(address)
-    listed = [j for j in _call(client, address, client.list_jobs)
-              if str(getattr(j.type, "value", j.type)) == "SUBMISSION" and j.submission_id]
+    listed = [
+        j
+        for j in _call(client, address, client.list_jobs)
+        if str(getattr(j.type, "value", j.type)) == "SUBMISSION" and j.submission_id
+    ]
     if not listed:
         print(f"no jobs at {address}")
         return 0
@@ -357,8 +424,10 @@ def jobs(argv: list[str]) -> int:
     for j in listed:
         msg = (j.message or "").strip().splitlines()[0][:60] if j.message else ""
         cfg = (j.metadata or {}).get("pretrain_config", "-")
-        print(f"{j.submission_id:<30} {str(j.status.value):<10} {_fmt_time(j.start_time):<19} "
-              f"{_fmt_duration(j.start_time, j.end_time):>9}  {cfg[:16]:<16} {msg}")
+        print(
+            f"{j.submission_id:<30} {str(j.status.value):<10} {_fmt_time(j.start_time):<19} "
+            f"{_fmt_duration(j.start_time, j.end_time):>9}  {cfg[:16]:<16} {msg}"
+        )
     return 0
 
 

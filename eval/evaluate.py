@@ -52,8 +52,12 @@ from pretrain.model.score import score_batches
 # ----------------------------------------------------------------------------------------------
 
 
-def score(logits_fn: Callable[[torch.Tensor], torch.Tensor], batches: list[dict[str, torch.Tensor]], kind: str,
-          byte_lengths: torch.Tensor | None = None) -> dict[str, float]:
+def score(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    batches: list[dict[str, torch.Tensor]],
+    kind: str,
+    byte_lengths: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Metrics of the module docstring over ``batches`` ({"input_ids", "labels"}, labels -100 = ignore): the one
     scorer (``pretrain/model/score.py``, as training's validation and growth's check), plus the counts."""
     sums = score_batches(lambda ids, labels: logits_fn(ids), batches, kind, byte_lengths)
@@ -121,11 +125,19 @@ def open_hf_dir(path: Path) -> EvalSource:
     max_pos = getattr(config, "max_position_embeddings", None) or 1024
     src = meta.get("source", {})
     return EvalSource(
-        label=f"HF directory {path} ({type(model).__name__})", kind=kind, tokenizer=tokenizer,
-        logits_fn=lambda ids: model(input_ids=ids).logits, hf_model=lambda: model, hf_dir=lambda: path, data=data,
-        seq_len=int(meta.get("max_seq_len") or min(max_pos, 1024)), seed=int(meta.get("seed", 0)),
-        val_sequences=int(meta.get("val_sequences", 64)), vocab_size=int(config.vocab_size),
-        info={"hf_class": type(model).__name__, "exported_from": src or None})
+        label=f"HF directory {path} ({type(model).__name__})",
+        kind=kind,
+        tokenizer=tokenizer,
+        logits_fn=lambda ids: model(input_ids=ids).logits,
+        hf_model=lambda: model,
+        hf_dir=lambda: path,
+        data=data,
+        seq_len=int(meta.get("max_seq_len") or min(max_pos, 1024)),
+        seed=int(meta.get("seed", 0)),
+        val_sequences=int(meta.get("val_sequences", 64)),
+        vocab_size=int(config.vocab_size),
+        info={"hf_class": type(model).__name__, "exported_from": src or None},
+    )
 
 
 def open_checkpoint(target: str, step: int | None) -> EvalSource:
@@ -155,11 +167,21 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
         return cache["dir"]
 
     return EvalSource(
-        label=f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})", kind=cfg.model.kind, tokenizer=tokenizer,
-        logits_fn=lambda ids: model(ids).logits, hf_model=hf_model, hf_dir=hf_dir, data=cfg.data,
+        label=f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})",
+        kind=cfg.model.kind,
+        tokenizer=tokenizer,
+        logits_fn=lambda ids: model(ids).logits,
+        hf_model=hf_model,
+        hf_dir=hf_dir,
+        data=cfg.data,
         seq_len=cfg.model.max_seq_len,
-        seed=cfg.train.seed, val_sequences=cfg.train.val_sequences, vocab_size=cfg.model.vocab_size,
-        run_id=loaded.run_id, step=loaded.ckpt.step, info={"checkpoint": str(loaded.ckpt.path)})
+        seed=cfg.train.seed,
+        val_sequences=cfg.train.val_sequences,
+        vocab_size=cfg.model.vocab_size,
+        run_id=loaded.run_id,
+        step=loaded.ckpt.step,
+        info={"checkpoint": str(loaded.ckpt.path)},
+    )
 
 
 def open_source(target: str, step: int | None = None) -> EvalSource:
@@ -196,9 +218,13 @@ def greedy_sample(hf_model, tokenizer, prompt_ids: list[int], max_len: int, new_
     n = max(0, min(new_tokens, max_len - len(prompt_ids)))
     ids = torch.tensor([prompt_ids])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                            pad_token_id=pad)
-    return {"prompt": tokenizer.decode(prompt_ids), "continuation": tokenizer.decode(out[0, len(prompt_ids):].tolist())}
+    out = hf_model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=pad
+    )
+    return {
+        "prompt": tokenizer.decode(prompt_ids),
+        "continuation": tokenizer.decode(out[0, len(prompt_ids) :].tolist()),
+    }
 
 
 def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
@@ -213,11 +239,17 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
 
         path = src.hf_dir()
         args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
-        out = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[t for t in tasks.split(",") if t],
-                                      device="cuda" if torch.cuda.is_available() else "cpu")
+        out = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=args,
+            tasks=[t for t in tasks.split(",") if t],
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
         results = (out or {}).get("results", {})
-        summary = "; ".join(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float))
-                            for task, m in results.items())
+        summary = "; ".join(
+            f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float))
+            for task, m in results.items()
+        )
         return f"harness: {summary or 'no results'}", results
     except Exception as e:  # noqa: BLE001 - typically task data not available offline
         first = (str(e).strip().splitlines() or [""])[0]
@@ -243,9 +275,16 @@ def evaluate(target: str, *, step: int | None = None, **kwargs) -> dict[str, Any
     return evaluate_source(open_source(target, step), **kwargs)
 
 
-def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), sequences: int | None = None,
-                    seq_len: int | None = None, batch_size: int = 8, sample: bool = True,
-                    track: bool = True) -> dict[str, Any]:
+def evaluate_source(
+    src: EvalSource,
+    *,
+    data: list[str] | tuple[str, ...] = (),
+    sequences: int | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    sample: bool = True,
+    track: bool = True,
+) -> dict[str, Any]:
     """Score ``src`` on its (or ``data``'s) validation sequences; log to MLflow when tracked."""
     from pretrain.data import validation_batches
 
@@ -256,14 +295,20 @@ def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), 
     n = sequences or src.val_sequences
     if dcfg.val_holdout <= 0 and not dcfg.val_sources:
         raise ConfigError(f"{src.label}: the run has no validation data (val_holdout 0); pass --data PATH")
-    batches = validation_batches(dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, val_sequences=n,
-                                 micro_batch=batch_size, seed=src.seed)
+    batches = validation_batches(
+        dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, val_sequences=n, micro_batch=batch_size, seed=src.seed
+    )
     byte_lengths = token_byte_lengths(src.tokenizer, src.vocab_size) if src.kind == "decoder" else None
     metrics = score(src.logits_fn, batches, src.kind, byte_lengths)
     result: dict[str, Any] = {
-        **metrics, "kind": src.kind, "source": src.label, "sequences": sum(len(b["input_ids"]) for b in batches),
-        "seq_len": T, "data": [s.path for s in dcfg.val_sources] or f"holdout {dcfg.val_holdout:g} of training data",
-        **src.info}
+        **metrics,
+        "kind": src.kind,
+        "source": src.label,
+        "sequences": sum(len(b["input_ids"]) for b in batches),
+        "seq_len": T,
+        "data": [s.path for s in dcfg.val_sources] or f"holdout {dcfg.val_holdout:g} of training data",
+        **src.info,
+    }
     if src.step is not None:
         result["step"] = src.step
     if sample and src.kind == "decoder" and batches:
@@ -275,8 +320,15 @@ def evaluate_source(src: EvalSource, *, data: list[str] | tuple[str, ...] = (), 
     return result
 
 
-def evaluate_tasks(src: EvalSource, specs: list[str], *, data: list[str] | tuple[str, ...] = (),
-                   max_examples: int = 200, num_choices: int = 4, track: bool = True) -> dict[str, float]:
+def evaluate_tasks(
+    src: EvalSource,
+    specs: list[str],
+    *,
+    data: list[str] | tuple[str, ...] = (),
+    max_examples: int = 200,
+    num_choices: int = 4,
+    track: bool = True,
+) -> dict[str, float]:
     """``eval/<task>/acc`` (``acc_norm``) of ``src`` on ``specs`` (task files or ``heldout_lastword``, built from
     the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process."""
     from pretrain.config import EvalConfig
@@ -285,11 +337,15 @@ def evaluate_tasks(src: EvalSource, specs: list[str], *, data: list[str] | tuple
 
     dcfg = data_config(src, list(data))
     EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices).validate(
-        bool(dcfg.val_sources) or dcfg.val_holdout > 0)
+        bool(dcfg.val_sources) or dcfg.val_holdout > 0
+    )
     tasks = load_tasks(specs, dcfg, max_examples=max_examples, num_choices=num_choices, seed=src.seed)
-    metrics = task_metrics(lambda ids, labels: src.logits_fn(ids), prepare_tasks(tasks, src.tokenizer, src.kind,
-                                                                                 src.seq_len),
-                           src.kind, torch.device("cpu"))
+    metrics = task_metrics(
+        lambda ids, labels: src.logits_fn(ids),
+        prepare_tasks(tasks, src.tokenizer, src.kind, src.seq_len),
+        src.kind,
+        torch.device("cpu"),
+    )
     if track and src.run_id and src.step is not None:
         from pretrain.train.tracking import Tracker, tracking_uri
 
@@ -299,8 +355,10 @@ def evaluate_tasks(src: EvalSource, specs: list[str], *, data: list[str] | tuple
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"eval: {r['source']}")
-    print(f"  data: {r['data']}; {r['sequences']} sequences x {r['seq_len']} tokens, {r['tokens']:,} predicted tokens"
-          + (f", {r['bytes']:,} bytes" if "bytes" in r else ""))
+    print(
+        f"  data: {r['data']}; {r['sequences']} sequences x {r['seq_len']} tokens, {r['tokens']:,} predicted tokens"
+        + (f", {r['bytes']:,} bytes" if "bytes" in r else "")
+    )
     rows = [("loss", f"{r['loss']:.4f}"), ("perplexity", f"{r['ppl']:.3f}")]
     if "bits_per_byte" in r:
         rows.append(("bits per byte", f"{r['bits_per_byte']:.4f}"))
@@ -312,7 +370,7 @@ def print_table(r: dict[str, Any]) -> None:
         s = r["sample"]
         print(f"  {'greedy sample':<14} {s['prompt']!r} -> {s['continuation']!r}")
     for k, v in r.get("tasks", {}).items():
-        print(f"  {k[len('eval/'):]:<14} {v:.4f}")
+        print(f"  {k[len('eval/') :]:<14} {v:.4f}")
     if "mlflow_run_id" in r:
         print(f"  logged eval/* metrics to MLflow run {r['mlflow_run_id']} at step {r['step']}")
 
@@ -323,28 +381,43 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="launch.sh eval", description="Held-out loss/perplexity/bits-per-byte (decoders) or MLM "
-                                                   "accuracy (encoders) of a checkpoint or a Hugging Face directory.")
+    p = _Parser(
+        prog="launch.sh eval",
+        description="Held-out loss/perplexity/bits-per-byte (decoders) or MLM "
+        "accuracy (encoders) of a checkpoint or a Hugging Face directory.",
+    )
     p.add_argument("source", help="MLflow run id, run dir, checkpoint dir, or Hugging Face model dir")
-    p.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH",
-                   help="evaluate on these sources instead of the run's validation data")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PATH",
+        help="evaluate on these sources instead of the run's validation data",
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (default: latest)")
     p.add_argument("--sequences", type=int, default=None, help="number of packed sequences (default: the run's)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--harness", default=None, metavar="TASKS", help="lm-evaluation-harness tasks (comma-separated)")
-    p.add_argument("--tasks", default=None, metavar="TASKS",
-                   help="downstream tasks, comma-separated: JSONL task files (docs/tasks.md) and/or heldout_lastword")
+    p.add_argument(
+        "--tasks",
+        default=None,
+        metavar="TASKS",
+        help="downstream tasks, comma-separated: JSONL task files (docs/tasks.md) and/or heldout_lastword",
+    )
     p.add_argument("--max-examples", type=int, default=200, help="examples per task (default 200)")
     p.add_argument("--no-sample", action="store_true", help="skip the greedy sample")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     src = open_source(a.source, a.step)
-    result = evaluate_source(src, data=a.data, sequences=a.sequences, seq_len=a.seq_len, batch_size=a.batch_size,
-                             sample=not a.no_sample)
+    result = evaluate_source(
+        src, data=a.data, sequences=a.sequences, seq_len=a.seq_len, batch_size=a.batch_size, sample=not a.no_sample
+    )
     if a.tasks:
-        result["tasks"] = evaluate_tasks(src, [t.strip() for t in a.tasks.split(",") if t.strip()], data=a.data,
-                                         max_examples=a.max_examples)
+        result["tasks"] = evaluate_tasks(
+            src, [t.strip() for t in a.tasks.split(",") if t.strip()], data=a.data, max_examples=a.max_examples
+        )
     line = None
     if a.harness:
         line, tasks = run_harness(src, a.harness)

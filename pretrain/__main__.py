@@ -2,6 +2,7 @@
 
 import os
 import sys
+from typing import NoReturn
 
 
 def main() -> int:
@@ -24,18 +25,18 @@ def pauses_collection() -> bool:
     return sys.argv[1:2] in (["train"], ["resume"])
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> NoReturn:
     """End the command as the interpreter would — non-daemon threads joined, ``atexit`` handlers run (Ray's
     shutdown, MLflow's, multiprocessing's joins, file locks), output flushed — but without tearing down the
-    modules: freeing torch, DeepSpeed, MLflow and Ray object by object took 8.5 s of a loaded 2-core machine
-    (load ~17) after every command that imported them (0.1 s for the handlers themselves), time a user waits for
-    nothing after the last line (issue 23: whole-command wall time)."""
+    modules: freeing torch, DeepSpeed, MLflow and Ray object by object, after every command that imported them,
+    costs far more than the handlers themselves (seconds on a small or loaded machine), time a user waits for
+    nothing after the last line."""
     import atexit
     import threading
 
     # The interpreter's own order: threading's exit hooks (they shut down thread pools, e.g. the data prefetcher's
     # and MLflow's executors, whose workers would otherwise wait forever), joining non-daemon threads, then atexit.
-    threading._shutdown()
+    threading._shutdown()  # type: ignore[attr-defined]  # private: the interpreter's own exit hook
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:

@@ -56,11 +56,18 @@ def _print_summary(final: dict, job, uri: str) -> None:
     if "val_mlm_acc" in final:
         rows.append(("val MLM accuracy", f"{final['val_mlm_acc']:.4f}"))
     if "unigram_val_loss" in final:
-        rows.append(("unigram baseline", f"{final['unigram_val_loss']:.4f}  (val loss of a unigram model on the same data)"))
-    rows += [("tokens/s", f"{final.get('tokens_per_s', 0):,.0f}  ({final.get('tokens_seen', 0):,} tokens, "
-                          f"{final.get('step', 0)} steps)"),
-             ("checkpoint", final.get("checkpoint", "")),
-             ("MLflow run id", run_id)]
+        rows.append(
+            ("unigram baseline", f"{final['unigram_val_loss']:.4f}  (val loss of a unigram model on the same data)")
+        )
+    rows += [
+        (
+            "tokens/s",
+            f"{final.get('tokens_per_s', 0):,.0f}  ({final.get('tokens_seen', 0):,} tokens, "
+            f"{final.get('step', 0)} steps)",
+        ),
+        ("checkpoint", final.get("checkpoint", "")),
+        ("MLflow run id", run_id),
+    ]
     if final.get("bad_records"):
         rows.append(("bad records", f"{final['bad_records']} skipped (see data/bad_records.json in the run)"))
     print(f"\n== finished: {cfg_name} ==")
@@ -69,8 +76,10 @@ def _print_summary(final: dict, job, uri: str) -> None:
     env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
     print("\n  resume:      " + f"{env}./launch.sh resume {run_id} train.max_steps={final.get('step', 0) * 2}")
     print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
-    print("  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
-                              f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)")
+    print(
+        "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
+        f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
+    )
 
 
 def cmd_train(args: list[str]) -> int:
@@ -92,8 +101,10 @@ def cmd_train(args: list[str]) -> int:
     from cluster.launch import prepare_while_ray_starts
 
     # The run is created (MLflow, tokenizer) while Ray starts.
-    return _run_job(lambda: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True)),
-                    lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}")
+    return _run_job(
+        lambda: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True)),
+        lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}",
+    )
 
 
 def cmd_resume(args: list[str]) -> int:
@@ -103,8 +114,9 @@ def cmd_resume(args: list[str]) -> int:
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")
     timeline.enter("run_preparation")
-    return _run_job(lambda: (prepare_resume(args[0], args[1:]), False),
-                    lambda job: f"resuming run {job.run_id} into {job.run_dir}")
+    return _run_job(
+        lambda: (prepare_resume(args[0], args[1:]), False), lambda job: f"resuming run {job.run_id} into {job.run_dir}"
+    )
 
 
 def _run_job(prepare, announce) -> int:
@@ -157,13 +169,17 @@ def cmd_runs(args: list[str]) -> int:
         for line in _lineage(run.data.tags):
             print(f"  {line}")
         if run.data.tags.get("pretrain.stability.last_event"):
-            print(f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
-                  f"{run.data.tags['pretrain.stability.last_event']}")
+            print(
+                f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
+                f"{run.data.tags['pretrain.stability.last_event']}"
+            )
         print(f"  {'step':>8} {'tokens':>12} {'train loss':>10} {'val loss':>9}  path")
         for c in list_committed(Path(root)) if root else []:
             m = c.manifest.metrics
-            print(f"  {c.step:>8} {c.manifest.tokens_seen:>12,} {m.get('train/loss', float('nan')):>10.4f} "
-                  f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}")
+            print(
+                f"  {c.step:>8} {c.manifest.tokens_seen:>12,} {m.get('train/loss', float('nan')):>10.4f} "
+                f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}"
+            )
         if plot:
             from pretrain.train.plot import plot_run
 
@@ -179,9 +195,11 @@ def cmd_runs(args: list[str]) -> int:
     for r in runs:
         m, tags = r.data.metrics, r.data.tags
         step = tags.get(tracking.TAG_CKPT_STEP, "-")
-        print(f"{r.info.run_id:<34} {(r.info.run_name or '')[:16]:<16} {r.info.status:<9} {step:>6} "
-              f"{int(m.get('train/tokens_seen', 0)):>11,} {m.get('val/loss', float('nan')):>8.4f}  "
-              f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}")
+        print(
+            f"{r.info.run_id:<34} {(r.info.run_name or '')[:16]:<16} {r.info.status:<9} {step:>6} "
+            f"{int(m.get('train/tokens_seen', 0)):>11,} {m.get('val/loss', float('nan')):>8.4f}  "
+            f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}"
+        )
         for line in _lineage(tags)[:1]:
             print(f"{'':<34} ^ {line}")
     return 0
@@ -196,10 +214,15 @@ def _lineage(tags: dict[str, str]) -> list[str]:
         step = tags.get("growth.parent_step") or tags.get("prune.parent_step") or tags.get("anneal.parent_step", "?")
         what = tags.get("growth.operator") or (
             f"LR decay to the floor over {tags['anneal.steps']} steps ({tags.get('anneal.shape', '?')})"
-            if "anneal.steps" in tags else f"kept blocks {tags.get('prune.layers', '?')}")
+            if "anneal.steps" in tags
+            else f"kept blocks {tags.get('prune.layers', '?')}"
+        )
         out.append(f"{derived} of run {parent} at step {step}: {what}")
-    grown = sorted((int(k.split(".")[1]), v) for k, v in tags.items()
-                   if k.startswith("growth.") and k.endswith(".operator") and k.split(".")[1].isdigit())
+    grown = sorted(
+        (int(k.split(".")[1]), v)
+        for k, v in tags.items()
+        if k.startswith("growth.") and k.endswith(".operator") and k.split(".")[1].isdigit()
+    )
     for i, op in grown:
         out.append(f"growth at step {tags.get(f'growth.{i}.at_step', '?')}: {op}")
     return out
@@ -324,16 +347,38 @@ def cmd_stop(args: list[str]) -> int:
     return head.run_cli(submit.stop, args)
 
 
-COMMANDS = {"train": cmd_train, "resume": cmd_resume, "runs": cmd_runs, "ui": cmd_ui, "bench": cmd_bench,
-            "export": cmd_export, "verify": cmd_verify, "eval": cmd_eval, "prune": cmd_prune, "grow": cmd_grow, "anneal": cmd_anneal,
-            "cluster": cmd_cluster, "submit": cmd_submit, "jobs": cmd_jobs, "status": cmd_status,
-            "logs": cmd_logs, "stop": cmd_stop}
+COMMANDS = {
+    "train": cmd_train,
+    "resume": cmd_resume,
+    "runs": cmd_runs,
+    "ui": cmd_ui,
+    "bench": cmd_bench,
+    "export": cmd_export,
+    "verify": cmd_verify,
+    "eval": cmd_eval,
+    "prune": cmd_prune,
+    "grow": cmd_grow,
+    "anneal": cmd_anneal,
+    "cluster": cmd_cluster,
+    "submit": cmd_submit,
+    "jobs": cmd_jobs,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "stop": cmd_stop,
+}
 
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
 # checkpoint is wrong (exit 2), or the run ended by a rule the user set (exit 1); either is one line, no traceback.
-_EXIT_CODES = {"NonFiniteWeightsError": 1, "StabilityHaltError": 1, "ExportError": 1, "GrowthCheckError": 1,
-               "ConfigError": 2, "BadRecordError": 2, "CheckpointError": 2}
+_EXIT_CODES = {
+    "NonFiniteWeightsError": 1,
+    "StabilityHaltError": 1,
+    "ExportError": 1,
+    "GrowthCheckError": 1,
+    "ConfigError": 2,
+    "BadRecordError": 2,
+    "CheckpointError": 2,
+}
 
 
 def user_error(exc: BaseException) -> tuple[int, str] | None:

@@ -20,7 +20,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -113,8 +113,11 @@ def unfused_fp32_masters(engine) -> dict[int, torch.Tensor]:
     the fp32 master of each module parameter, by ``id``; empty for the other optimizers, whose masters
     ``deepspeed.utils.safe_{get,set}_full_fp32_param`` reach."""
     opt = engine.optimizer
-    if not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")) or hasattr(opt, "params_in_partition") \
-            or engine.zero_optimization_stage() != 0:
+    if (
+        not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"))
+        or hasattr(opt, "params_in_partition")
+        or engine.zero_optimization_stage() != 0
+    ):
         return {}
     return {id(p16): p32 for g16, g32 in zip(opt.fp16_groups, opt.fp32_groups) for p16, p32 in zip(g16, g32)}
 
@@ -204,8 +207,8 @@ def rank_of_state_file(rel: str) -> int | None:
 @contextlib.contextmanager
 def without_zip_crc():
     """``torch.save`` without the zip format's CRC-32 of every record (``torch.utils.serialization.config``,
-    torch >= 2.6): our checkpoint files carry a sha256 each, so the CRC is a second checksum of the same bytes,
-    ~40% of ``torch.save``'s CPU time here. ``torch.load`` reads such files as any other. The setting is the
+    torch >= 2.6): our checkpoint files carry a sha256 each, so the CRC is a second checksum of the same bytes and
+    a large share of ``torch.save``'s CPU time. ``torch.load`` reads such files as any other. The setting is the
     calling thread's (torch's config module keeps overrides per thread): enter the block in the thread that
     writes."""
     try:
@@ -308,7 +311,7 @@ def zero_optimizer_files(tag_dir: Path) -> list[Path]:
     """The ZeRO-1/2 optimizer files of one checkpoint tag directory, one per data-parallel rank in rank order (0.19:
     ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``, R the rank in the dense data-parallel group)."""
     files = [f for f in tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")]
-    return sorted(files, key=lambda f: rank_of_state_file(f.name))
+    return sorted(files, key=lambda f: cast(int, rank_of_state_file(f.name)))  # the glob matches rank files only
 
 
 def zero_partitions(path: Path) -> list[dict[str, Any]]:
@@ -327,10 +330,17 @@ def zero_partitions(path: Path) -> list[dict[str, Any]]:
     groups = []
     for i, fp32 in enumerate(sd["single_partition_of_fp32_groups"]):
         state = base["state"][base["param_groups"][i]["params"][0]]
-        groups.append({"partitions": int(sd["partition_count"][i]), "moe": bool(base["param_groups"][i].get("moe")),
-                       "step": int(state["step"]), "fp32": fp32, "exp_avg": state["exp_avg"],
-                       "exp_avg_sq": state["exp_avg_sq"],
-                       "slices": {name: (a.start, a.numel) for name, a in sd["param_slice_mappings"][i].items()}})
+        groups.append(
+            {
+                "partitions": int(sd["partition_count"][i]),
+                "moe": bool(base["param_groups"][i].get("moe")),
+                "step": int(state["step"]),
+                "fp32": fp32,
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+                "slices": {name: (a.start, a.numel) for name, a in sd["param_slice_mappings"][i].items()},
+            }
+        )
     return groups
 
 
@@ -340,9 +350,21 @@ def convert_to_universal(input_folder: Path, output_folder: Path) -> None:
     ``main`` on its own argument parser."""
     from deepspeed.checkpoint.ds_to_universal import main, parse_arguments
 
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(input_folder),
-                                "--output_folder", str(output_folder), "--num_extract_workers", "1",
-                                "--num_merge_workers", "1", "--inject_missing_state"]
+    argv, sys.argv = (
+        sys.argv,
+        [
+            "ds_to_universal",
+            "--input_folder",
+            str(input_folder),
+            "--output_folder",
+            str(output_folder),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+    )
     try:
         main(parse_arguments())
     finally:
@@ -368,10 +390,11 @@ def tag_expert_layer(layer: torch.nn.Module, experts: torch.nn.Module, ep_size: 
     does: ``layer.expert_group_name`` (read by the engine's checkpoint code to name the per-expert files) and,
     per parameter, ``allreduce = False`` and ``group_name`` (the engine's gradient reduction and the optimizer
     groups of ``split_params_into_different_moe_groups_for_optimizer`` key on them)."""
-    layer.expert_group_name = expert_group_name(ep_size)
+    # Attributes DeepSpeed reads, set on torch objects whose types do not declare them.
+    layer.expert_group_name = expert_group_name(ep_size)  # type: ignore[assignment]
     for p in experts.parameters():
-        p.allreduce = False
-        p.group_name = layer.expert_group_name
+        p.allreduce = False  # type: ignore[attr-defined]
+        p.group_name = layer.expert_group_name  # type: ignore[attr-defined]
 
 
 def expert_data_parallel_rank(param: torch.Tensor) -> int:
@@ -379,7 +402,7 @@ def expert_data_parallel_rank(param: torch.Tensor) -> int:
     ``groups._get_expert_data_parallel_rank`` by the parameter's ``group_name``)."""
     from deepspeed.utils import groups
 
-    return groups._get_expert_data_parallel_rank(param.group_name)
+    return groups._get_expert_data_parallel_rank(param.group_name)  # type: ignore[attr-defined]  # a DeepSpeed tag
 
 
 def expert_parallel_group(ep_size: int):
@@ -399,7 +422,8 @@ def _set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = Fa
     name = expert_group_name(self.ep_size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(
-            self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+            self.ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_
+        )
     rank = groups._get_expert_parallel_rank(name)
     if rank != self.ep_rank:
         raise RuntimeError(f"expert layout mismatch: layer built for EP rank {self.ep_rank}, DeepSpeed says {rank}")
@@ -414,5 +438,8 @@ def deepspeed_moe_subclass(base: type, adopt_group: Callable[[Any, Any], None], 
     instance's ``__class__`` is swapped to it (``base.__init__`` must not call ``MoE.__init__``)."""
     from deepspeed.moe.layer import MoE
 
-    return type(name, (base, MoE), {"__module__": module, "set_deepspeed_parallelism": _set_deepspeed_parallelism,
-                                    "adopt_group": adopt_group})
+    return type(
+        name,
+        (base, MoE),
+        {"__module__": module, "set_deepspeed_parallelism": _set_deepspeed_parallelism, "adopt_group": adopt_group},
+    )

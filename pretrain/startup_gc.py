@@ -1,11 +1,12 @@
-"""Python's cyclic garbage collector paused while a training process starts up (issue 23: time to first step).
+"""Python's cyclic garbage collector paused while a training process starts up, to shorten its time to first step.
 
 Start-up builds about 1.2 million long-lived Python objects (the modules of torch, DeepSpeed, transformers, MLflow
 and SQLAlchemy; the config, the tokenizer, the model and its engine) and little garbage. With automatic collection
-on, every full collection scans all of them again: for the demo decoder, six full collections of 0.10-0.34 s plus
-~1,400 young ones, 1.4 s of the 7.6 s to its first step on 2 cores (measured with ``gc.callbacks``). Paused, the
-same objects are scanned once, by one full collection when the first step has ended (0.6 s), after which automatic
-collection resumes with all of them in the oldest generation, where it rarely looks.
+on, every full collection scans all of them again: for the demo decoder, several full collections and over a
+thousand young ones before its first step (counted with ``gc.callbacks``). Paused, the same objects are scanned
+once, by one full collection when the first step has ended, after which automatic collection resumes with all of
+them in the oldest generation, where it rarely looks. ``time_to_first_step_s`` (``./launch.sh bench``) measures the
+start-up; results are in ``benchmarks/results/``.
 
 The collection is not skipped (``gc.freeze`` would skip it): what start-up leaves unreachable (41,000 objects in the
 demo, none of them tensors) is freed, and objects that live at the first step stay collectable later (a growth's

@@ -22,8 +22,17 @@ _IMPORTED_AT = time.time()
 _marks: list[tuple[str, float]] = []
 _quiet = threading.local()
 
-PHASES = ("imports", "run_preparation", "tokenizer", "ray", "worker_setup", "engine_build", "trainer_setup",
-          "first_batch", "first_step")
+PHASES = (
+    "imports",
+    "run_preparation",
+    "tokenizer",
+    "ray",
+    "worker_setup",
+    "engine_build",
+    "trainer_setup",
+    "first_batch",
+    "first_step",
+)
 """The phases a training command goes through, in order (``ray`` only when it runs through Ray; then the run's
 preparation, ``tokenizer`` included, overlaps Ray's start and only a wait for its end counts as
 ``run_preparation``)."""
@@ -76,7 +85,7 @@ def marks() -> list[tuple[str, float]]:
 
 def adopt(marks_: list) -> None:
     """Continue the timeline a driver handed over (a worker; in the driver's own process a no-op)."""
-    if marks_ and [tuple(m) for m in marks_] != _marks[:len(marks_)]:
+    if marks_ and [tuple(m) for m in marks_] != _marks[: len(marks_)]:
         _marks[:] = [(str(p), float(t)) for p, t in marks_]
 
 

@@ -5,10 +5,31 @@ the model-state formats (``weights``). Imported by ``pretrain.train``, ``cluster
 imports none of them (``.importlinter``)."""
 
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
-from pretrain.checkpoint.store import (CheckpointError, CommittedCheckpoint, cleanup_staging, latest_committed,
-                                       list_committed, open_committed, read_manifest, resolve, verify,
-                                       verify_or_point_back)
+from pretrain.checkpoint.store import (
+    CheckpointError,
+    CommittedCheckpoint,
+    cleanup_staging,
+    latest_committed,
+    list_committed,
+    open_committed,
+    read_manifest,
+    resolve,
+    verify,
+    verify_or_point_back,
+)
 
-__all__ = ["FORMAT_DEEPSPEED", "FORMAT_FULL", "CheckpointError", "CommittedCheckpoint", "Manifest", "cleanup_staging",
-           "latest_committed", "list_committed", "open_committed", "read_manifest", "resolve", "verify",
-           "verify_or_point_back"]
+__all__ = [
+    "FORMAT_DEEPSPEED",
+    "FORMAT_FULL",
+    "CheckpointError",
+    "CommittedCheckpoint",
+    "Manifest",
+    "cleanup_staging",
+    "latest_committed",
+    "list_committed",
+    "open_committed",
+    "read_manifest",
+    "resolve",
+    "verify",
+    "verify_or_point_back",
+]

@@ -2,14 +2,13 @@
 written (its writer never reads the file back) and, where the filesystem allows, writes it with direct I/O
 (``O_DIRECT``: from a few reused, page-aligned buffers straight to the device, past the page cache).
 
-Why direct I/O: a buffered write of a large checkpoint first fills fresh page-cache pages, and on this VM fresh
-pages are slow to come by (measured here: a buffered write of 0.58 GB ran at 4-5 GB/s when the pages were at
-hand and at 0.37-0.42 GB/s when not, from one write to the next; the same bytes with ``O_DIRECT`` ran at
-1.6-2.3 GB/s every time). The write-back of those pages then competes with the next files. Direct writes
-reuse the same few buffers and leave nothing dirty behind; the fsync that commits the file only has the
-metadata left. A filesystem that refuses ``O_DIRECT`` (tmpfs, some network or overlay filesystems) gets
-buffered writes, transparently (refused at open: a buffered file; at a write: the descriptor drops
-``O_DIRECT`` and writes on).
+Why direct I/O: a buffered write of a large checkpoint first fills fresh page-cache pages, and where fresh pages
+are slow to come by (memory pressure, some VMs) its speed varies widely from one write to the next, with the pages
+at hand or not; the same bytes with ``O_DIRECT`` go at a steady speed every time. The write-back of those pages
+then competes with the next files. Direct writes reuse the same few buffers and leave nothing dirty behind; the
+fsync that commits the file only has the metadata left. A filesystem that refuses ``O_DIRECT`` (tmpfs, some
+network or overlay filesystems) gets buffered writes, transparently (refused at open: a buffered file; at a write:
+the descriptor drops ``O_DIRECT`` and writes on).
 """
 
 from __future__ import annotations
@@ -89,8 +88,10 @@ class HashingFile:
             self._gather(view)
         elif n < _PARALLEL_FROM:
             self._update(view)
+            assert self._file is not None  # not direct: a buffered file
             self._file.write(view)
         else:
+            assert self._file is not None  # not direct: a buffered file
             hashed = self._hasher.submit(self._update, view)
             try:
                 self._file.write(view)  # a buffered binary file writes all of it or raises
@@ -104,7 +105,7 @@ class HashingFile:
         while done < view.nbytes:
             buf = self._ring[self._slot]
             take = min(CHUNK - self._fill, view.nbytes - done)
-            buf[self._fill:self._fill + take] = view[done:done + take]
+            buf[self._fill : self._fill + take] = view[done : done + take]
             self._fill += take
             done += take
             if self._fill == CHUNK:
@@ -115,8 +116,10 @@ class HashingFile:
         buffer of the ring (waiting until its previous contents are hashed and written)."""
         buf, offset = memoryview(self._ring[self._slot]), self._offset
         padded = -(-length // ALIGN) * ALIGN
-        self._busy[self._slot] = [self._hasher.submit(self._update, buf[:length]),
-                                  self._writer.submit(self._write_at, buf[:padded], offset)]
+        self._busy[self._slot] = [
+            self._hasher.submit(self._update, buf[:length]),
+            self._writer.submit(self._write_at, buf[:padded], offset),
+        ]
         self._offset += length
         self._slot = (self._slot + 1) % len(self._ring)
         self._fill = 0
@@ -128,6 +131,7 @@ class HashingFile:
             f.result()
 
     def _write_at(self, buf: memoryview, offset: int) -> None:
+        assert self._fd is not None  # direct: open until _release, which waits for the writes
         done = 0
         while done < buf.nbytes:
             try:
@@ -143,6 +147,7 @@ class HashingFile:
 
     def flush(self) -> None:
         if not self.direct:
+            assert self._file is not None  # not direct: a buffered file
             self._file.flush()
 
     # -- closing -------------------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class HashingFile:
                     self._emit(self._fill)
                 for slot in range(len(self._ring)):
                     self._settle(slot)
+                assert self._fd is not None  # direct: open until _release
                 os.ftruncate(self._fd, self._offset)  # the last direct write was padded
         finally:
             self._release()
@@ -170,8 +176,10 @@ class HashingFile:
                 os.close(self._fd)
                 self._fd = None
                 self._writer.shutdown()
-        elif not self._file.closed:
-            self._file.close()
+        else:
+            assert self._file is not None  # not direct: a buffered file
+            if not self._file.closed:
+                self._file.close()
         self._hasher.shutdown()
 
     def __enter__(self) -> HashingFile:

@@ -110,6 +110,10 @@ def resharded_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
     return cache_root / f"{STAGING_PREFIX}{RESHARDED_PREFIX}{step_dir_name(step)}-{nonce}"
 
 
-LEFTOVER_PREFIXES = (f"{STAGING_PREFIX}{STEP_PREFIX}", f"{REPLACED_PREFIX}{STEP_PREFIX}",
-                     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}", f"{STAGING_PREFIX}{RESHARDED_PREFIX}")
+LEFTOVER_PREFIXES = (
+    f"{STAGING_PREFIX}{STEP_PREFIX}",
+    f"{REPLACED_PREFIX}{STEP_PREFIX}",
+    f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}",
+    f"{STAGING_PREFIX}{RESHARDED_PREFIX}",
+)
 """Names of interrupted saves and conversions, removed by rank 0 at the start of a job."""

@@ -1,6 +1,6 @@
 """The manifest of a committed checkpoint (``manifest.json``): one typed schema, written at commit and read by
-resume, export, listing and MLflow registration. Manifests written before this schema parse unchanged (every
-field they lack has its old meaning as default; keys this version does not know are kept in ``extra``)."""
+resume, export, listing and MLflow registration. A manifest that lacks a field parses with that field's default
+(which means what a writer that omits the field means); keys this version does not know are kept in ``extra``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ class Manifest:
                 kwargs[name] = int(kwargs[name] or 0)
         if kwargs.get("format", FORMAT_DEEPSPEED) not in FORMATS:
             raise ValueError(f"unknown checkpoint format {kwargs['format']!r} (known: {', '.join(FORMATS)})")
-        files = {str(k): FileEntry(None if v.get("bytes") is None else int(v["bytes"]), str(v["sha256"])) for k, v in (raw.get("files") or {}).items()}
+        files = {
+            str(k): FileEntry(None if v.get("bytes") is None else int(v["bytes"]), str(v["sha256"]))
+            for k, v in (raw.get("files") or {}).items()
+        }
         extra = {k: v for k, v in raw.items() if k not in known and k != "files"}
         return cls(**kwargs, files=files, extra=extra)

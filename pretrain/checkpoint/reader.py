@@ -47,7 +47,7 @@ def tokenizer_dir(ckpt: CommittedCheckpoint) -> Path:
 def read_trainer_state(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     """The saved trainer state (counters and callback state) as written, migrated to the current keys."""
     raw = json.loads((ckpt.path / layout.TRAINER_STATE).read_text())
-    if "sequences" not in raw:  # written before stability control: no rollback ever moved the data
+    if "sequences" not in raw:  # absent: no rollback moved the data, so the manifest's count is the position
         raw["sequences"] = ckpt.manifest.global_sequences
     return raw
 
@@ -103,9 +103,11 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
         return final
     cfg = load(ckpt).config
     if cfg.zero.stage not in (1, 2):
-        raise CheckpointError(f"{ckpt.path}: re-sharding experts needs a ZeRO-1/2 checkpoint (this one: ZeRO-"
-                              f"{cfg.zero.stage}); resume with moe.ep_size={ckpt.manifest.moe_ep_size} "
-                              f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}")
+        raise CheckpointError(
+            f"{ckpt.path}: re-sharding experts needs a ZeRO-1/2 checkpoint (this one: ZeRO-"
+            f"{cfg.zero.stage}); resume with moe.ep_size={ckpt.manifest.moe_ep_size} "
+            f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}"
+        )
     sd = full_state_dict(ckpt, cfg)  # buffers (and shapes) from the module state
     masters, moments = weights.gathered_optimizer_state(ckpt.path, cfg.moe.num_experts)
     unknown = sorted(set(masters) - set(sd))

@@ -118,8 +118,9 @@ class HostCopy:
 
     def _copy(self, obj: Any) -> Any:
         seen = self._memo.get(id(obj))
-        if seen is not None:  # the same object twice stays one object (pickle writes it once, as before)
+        if seen is not None:  # the same object twice stays one object (pickle writes it once, as for the original)
             return seen
+        out: Any
         if isinstance(obj, torch.Tensor):
             out = self._tensor(obj)
         elif isinstance(obj, dict):
@@ -155,8 +156,11 @@ class HostCopy:
         dst = self._storages.get(key) if src.nbytes() else None
         if dst is None:
             pinned = src.device.type == "cuda"  # a device-to-host copy from pinned memory is a plain DMA
-            dst = (self.buffers.take(src.nbytes(), pinned) if self.buffers is not None
-                   else torch.UntypedStorage(src.nbytes(), device="cpu"))
+            dst = (
+                self.buffers.take(src.nbytes(), pinned)
+                if self.buffers is not None
+                else torch.UntypedStorage(src.nbytes(), device="cpu")
+            )
             if self.deferred:  # the structure is copied now, the bytes by :meth:`copy_pending`
                 self._pending.append((dst, src))
             else:
@@ -187,8 +191,9 @@ class FileJob:
     """``run`` returns the sha256 of the files it wrote, taken as it wrote them (:func:`save_hashed`), or None."""
 
 
-def save_hashed(save: Callable[[Any, Any], None], state: Any, path: Path, into_file: bool,
-                direct: bool = True) -> dict[Path, str] | None:
+def save_hashed(
+    save: Callable[[Any, Any], None], state: Any, path: Path, into_file: bool, direct: bool = True
+) -> dict[Path, str] | None:
     """``save(state, target)`` (a checkpoint engine's save of one file) into ``path``; when ``into_file`` (the
     save accepts an open file), through a :class:`HashingFile` (with direct I/O when ``direct``), and then
     returns ``{path: sha256}`` (hashed as it was written, never read back); otherwise into the path, returning

@@ -94,7 +94,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 class Digests:
-    """Size, sha256 and fsync of files as their writer finishes them: each :meth:`add`\ ed file is fsynced on a
+    """Size, sha256 and fsync of files as their writer finishes them: each file given to :meth:`add` is fsynced on a
     background thread (disk) and, unless it was hashed while written (``hashed_write.HashingFile``: the large
     engine files), hashed on another (CPU), so the hashing overlaps both the fsync and the files still being written,
     and a rank's save costs about its write, not its write plus a re-read. Only the rank that
@@ -180,8 +180,12 @@ def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, File
     if missing:
         raise CheckpointError(f"{stage}: incomplete checkpoint, missing {', '.join(missing)}")
     if files is not None:  # names only (no file is read): every file written must have been hashed by its writer
-        unhashed = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()
-                          if p.relative_to(stage).as_posix() not in files)
+        unhashed = sorted(
+            p.relative_to(stage).as_posix()
+            for p in stage.rglob("*")
+            if p.is_file()
+            if p.relative_to(stage).as_posix() not in files
+        )
         if unhashed:
             raise CheckpointError(f"{stage}: files no rank hashed: {', '.join(unhashed)}")
     manifest.files = files if files is not None else hash_files(stage)
@@ -230,7 +234,7 @@ def open_committed(path: Path) -> CommittedCheckpoint:
 
 def check_present(path: Path, manifest: Manifest, only: set[str] | None = None) -> None:
     """Every file listed in the manifest (or its subset ``only``) exists with the recorded size (no file is read;
-    old manifests without a size are checked for presence)."""
+    a manifest entry without a size is checked for presence)."""
     for rel, meta in manifest.files.items():
         if only is not None and rel not in only:
             continue
@@ -238,7 +242,7 @@ def check_present(path: Path, manifest: Manifest, only: set[str] | None = None) 
         if not f.is_file():
             raise CheckpointError(f"{path}: missing file {rel}")
         if meta.bytes is not None and f.stat().st_size != meta.bytes:
-            raise CheckpointError(f"{path}: checksum mismatch for {rel}")  # today's wording: a size is a checksum
+            raise CheckpointError(f"{path}: checksum mismatch for {rel}")  # worded as a checksum: a size is one
 
 
 def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None = None) -> None:
@@ -272,8 +276,10 @@ def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
             check(candidate.path, candidate.manifest)
         except CheckpointError:
             continue
-        return (f"{error}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
-                f"with ./launch.sh resume {candidate.path}")
+        return (
+            f"{error}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
+            f"with ./launch.sh resume {candidate.path}"
+        )
     return f"{error}; no older checkpoint of this run verifies"
 
 
@@ -301,7 +307,7 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def list_committed(run_dir: Path) -> list[CommittedCheckpoint]:
     """Committed checkpoints of a run directory, oldest first (staging dirs and bad manifests are ignored)."""
-    out = []
+    out: list[CommittedCheckpoint] = []
     if not run_dir.is_dir():
         return out
     for child in run_dir.iterdir():
@@ -323,6 +329,7 @@ def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
     """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
     presence and sizes only, see :func:`verify_or_point_back`)."""
     path = path.resolve()
+    ckpt: CommittedCheckpoint | None
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)
     else:
@@ -341,8 +348,9 @@ def cleanup_staging(run_dir: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
-def prune(run_dir: Path, keep_last: int, protect: set[str] | frozenset[str] = frozenset(),
-          delete: bool = True) -> list[Path]:
+def prune(
+    run_dir: Path, keep_last: int, protect: set[str] | frozenset[str] = frozenset(), delete: bool = True
+) -> list[Path]:
     """Remove committed checkpoints beyond the newest ``keep_last`` (0 keeps all), never one in ``protect``: each
     is renamed out of sight at once (a leftover name, which :func:`cleanup_staging` also removes) and then
     deleted, or, with ``delete=False``, left for the caller to delete (:func:`delete_trees`, e.g. in a thread:

@@ -31,10 +31,11 @@ _EXPERT = re.compile(r"^(blocks\.\d+\.ffn\.deepspeed_moe\.experts\.deepspeed_exp
 
 
 def strip_module_prefix(sd: StateDict) -> StateDict:
-    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+    return {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
 # -- format "full" ---------------------------------------------------------------------------------------------
+
 
 def save_full_weights(directory: Path, weights: StateDict) -> None:
     from safetensors.torch import save_file
@@ -43,7 +44,7 @@ def save_full_weights(directory: Path, weights: StateDict) -> None:
     for key, value in weights.items():
         t = value.detach().to("cpu", torch.float32 if value.is_floating_point() else value.dtype).contiguous()
         if t.untyped_storage().data_ptr() in storages:  # tied weights (lm_head = embeddings): safetensors stores
-            t = t.clone()                                # no shared memory, so each name gets its own copy
+            t = t.clone()  # no shared memory, so each name gets its own copy
         storages.add(t.untyped_storage().data_ptr())
         out[key] = t
     save_file(out, str(directory / layout.WEIGHTS))
@@ -62,8 +63,11 @@ def save_optimizer_moments(directory: Path, moments: dict[str, Any]) -> None:
     """``moments``: ``{"step": n, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}`` (full tensors)."""
     from safetensors.torch import save_file
 
-    tensors = {f"{key}/{name}": t.detach().to("cpu", torch.float32).contiguous()
-               for key in MOMENTS for name, t in moments.get(key, {}).items()}
+    tensors = {
+        f"{key}/{name}": t.detach().to("cpu", torch.float32).contiguous()
+        for key in MOMENTS
+        for name, t in moments.get(key, {}).items()
+    }
     save_file(tensors, str(directory / layout.OPTIMIZER), metadata={"step": str(int(moments.get("step", 0)))})
 
 
@@ -84,6 +88,7 @@ def load_optimizer_moments(ckpt_path: Path) -> dict[str, Any] | None:
 
 
 # -- format "deepspeed" ----------------------------------------------------------------------------------------
+
 
 def ds_engine_dir(ckpt_path: Path) -> Path:
     """The directory a DeepSpeed engine saves into / loads from (``tag`` = :data:`layout.DS_TAG`)."""
@@ -164,9 +169,11 @@ def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDi
             for name, (start, numel) in group["slices"].items():
                 name = _global_expert_name(name, offset)
                 for key, by_name in pieces.items():
-                    by_name.setdefault(name, {})[rank // ep] = group[key][start:start + numel]
-    merged = {key: {name: torch.cat([parts[i] for i in sorted(parts)]).float() for name, parts in by_name.items()}
-              for key, by_name in pieces.items()}
+                    by_name.setdefault(name, {})[rank // ep] = group[key][start : start + numel]
+    merged = {
+        key: {name: torch.cat([parts[i] for i in sorted(parts)]).float() for name, parts in by_name.items()}
+        for key, by_name in pieces.items()
+    }
     return merged["fp32"], {"step": step, **{key: merged[key] for key in MOMENTS}}
 
 
@@ -174,14 +181,16 @@ def check_experts_complete(sd: StateDict, num_layers: int, moe) -> None:
     """Every MoE block has experts 0..E-1 (guards consolidation of a partial checkpoint)."""
     seen: dict[str, set[int]] = {}
     for key in sd:
-        m = _EXPERT.match(key[len("module."):] if key.startswith("module.") else key)
+        m = _EXPERT.match(key[len("module.") :] if key.startswith("module.") else key)
         if m:
             seen.setdefault(m.group(1), set()).add(int(m.group(2)))
     for i in range(num_layers):
         if moe.is_moe_layer(i):
             got = seen.get(f"blocks.{i}.ffn.deepspeed_moe.experts.deepspeed_experts.", set())
             if got != set(range(moe.num_experts)):
-                raise ValueError(f"block {i}: experts {sorted(got)} in the checkpoint, expected 0..{moe.num_experts - 1}")
+                raise ValueError(
+                    f"block {i}: experts {sorted(got)} in the checkpoint, expected 0..{moe.num_experts - 1}"
+                )
 
 
 def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:

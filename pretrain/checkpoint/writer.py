@@ -1,9 +1,9 @@
-"""The collective checkpoint writer: every rank stages its files into one temporary directory, then one commit
-(rank 0: completeness, the checksums every rank computed of its own files, manifest, fsync, rename) makes the checkpoint visible, registers it (a callable,
-e.g. MLflow) and prunes old ones. ``stage`` -> ``write`` -> ``commit`` are separate calls so a caller can put
-work between them: an asynchronous save takes a :meth:`CheckpointWriter.snapshot` (host memory) instead of
-``write``, writes it in a background thread (``snapshot.py``) and commits at a later step boundary; ``save``
-runs all three at once.
+"""The collective checkpoint writer: every rank stages its files into one temporary directory, then one commit (rank 0:
+completeness, the checksums every rank computed of its own files, manifest, fsync, rename) makes the checkpoint visible,
+registers it (a callable, e.g. MLflow) and prunes old ones. ``stage`` -> ``write`` -> ``commit`` are separate calls so a
+caller can put work between them: an asynchronous save takes a :meth:`CheckpointWriter.snapshot` (host memory) instead
+of ``write``, writes it in a background thread (``snapshot.py``) and commits at a later step boundary; ``save`` runs all
+three at once.
 
 The model state is written either by a callable (a DeepSpeed engine's own save, per rank: format ``deepspeed``) or
 as full weights plus optional optimizer moments (format ``full``, rank 0 only), which needs no engine: derived runs
@@ -87,7 +87,8 @@ class Contents:
     cfg: RunConfig
     """The config as of this step (growth may have changed the architecture)."""
     trainer_state: dict[str, Any]
-    """Loop counters (``step``, ``tokens_seen``, ``sequences``, ``last_train_loss``, ``last_val``) and callback state."""
+    """Loop counters (``step``, ``tokens_seen``, ``sequences``, ``last_train_loss``, ``last_val``) and callback
+    state."""
     data_state: dict[str, Any]
     """This rank's data stream state (the union over ranks is the data position)."""
     model: EngineState | FullWeights
@@ -110,20 +111,33 @@ def describe(contents: Contents, run_id: str, world_size: int) -> Manifest:
     """The manifest of ``contents`` (files are added at commit)."""
     cfg, state = contents.cfg, contents.trainer_state
     return Manifest(
-        step=int(state["step"]), world_size=world_size, format=contents.format, run_id=run_id,
-        tokens_seen=int(state.get("tokens_seen", 0)), config_hash=config_hash(cfg), model_kind=cfg.model.kind,
+        step=int(state["step"]),
+        world_size=world_size,
+        format=contents.format,
+        run_id=run_id,
+        tokens_seen=int(state.get("tokens_seen", 0)),
+        config_hash=config_hash(cfg),
+        model_kind=cfg.model.kind,
         moe_ep_size=cfg.moe.ep_size if cfg.moe.enabled else 0,
         data_position={"global_sequences": int(state.get("sequences", 0)), "num_streams": cfg.data.num_streams},
         rng={"scheme": RNG_SCHEME, "states": layout.RNG_PATTERN},
-        metrics={"train/loss": state.get("last_train_loss", float("nan")), **state.get("last_val", {})})
+        metrics={"train/loss": state.get("last_train_loss", float("nan")), **state.get("last_val", {})},
+    )
 
 
 class CheckpointWriter:
     """Writes committed checkpoints into ``run_dir`` (collective: every rank of ``world`` makes the same calls).
     ``register(path, manifest)`` runs on rank 0 after each commit (MLflow registration); ``keep_last`` prunes."""
 
-    def __init__(self, run_dir: Path, world: World, run_id: str, *, keep_last: int = 0,
-                 register: Callable[[Path, Manifest], None] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        world: World,
+        run_id: str,
+        *,
+        keep_last: int = 0,
+        register: Callable[[Path, Manifest], None] | None = None,
+    ):
         self.run_dir, self.world, self.run_id = Path(run_dir), world, run_id
         self.keep_last, self.register = keep_last, register
         self._deleting: threading.Thread | None = None  # rank 0: pruned checkpoints being deleted
@@ -141,8 +155,14 @@ class CheckpointWriter:
         (every rank in parallel, each only its own files) for :meth:`commit`."""
         return self.snapshot(staged, contents, in_memory=False).write()
 
-    def snapshot(self, staged: Staged, contents: Contents, in_memory: bool = True,
-                 buffers: HostBuffers | None = None, defer_copies: bool = False) -> Snapshot:
+    def snapshot(
+        self,
+        staged: Staged,
+        contents: Contents,
+        in_memory: bool = True,
+        buffers: HostBuffers | None = None,
+        defer_copies: bool = False,
+    ) -> Snapshot:
         """:meth:`write`'s files as a :class:`Snapshot` (collective): with ``in_memory``, the model state is
         copied to host memory (``EngineState.snapshot``; full weights copied), to be written by
         :meth:`Snapshot.write` later, e.g. in a :class:`BackgroundWrite`; otherwise it is written now. Every
@@ -165,26 +185,41 @@ class CheckpointWriter:
             snap.jobs.append(FileJob([stage / layout.WEIGHTS], partial(weights.save_full_weights, stage, full)))
             if model.moments is not None:
                 moments = host_copy(model.moments) if in_memory else model.moments
-                snap.jobs.append(FileJob([stage / layout.OPTIMIZER],
-                                         partial(weights.save_optimizer_moments, stage, moments)))
+                snap.jobs.append(
+                    FileJob([stage / layout.OPTIMIZER], partial(weights.save_optimizer_moments, stage, moments))
+                )
         data_path, rng_path = stage / layout.data_file(rank), stage / layout.rng_file(rank)
         snap.jobs.append(FileJob([data_path], partial(store.write_json, data_path, host_copy(contents.data_state))))
         snap.jobs.append(FileJob([rng_path], partial(_save_tensors, rng_path, host_copy(contents.rng_state))))
         if rank == 0:
             cfg_text, tokenizer = dump_yaml(contents.cfg), Path(contents.cfg.data.tokenizer)
             snap.jobs.append(FileJob([stage / layout.CONFIG], partial((stage / layout.CONFIG).write_text, cfg_text)))
-            snap.jobs.append(FileJob([stage / layout.TRAINER_STATE], partial(
-                store.write_json, stage / layout.TRAINER_STATE, host_copy(contents.trainer_state))))
+            snap.jobs.append(
+                FileJob(
+                    [stage / layout.TRAINER_STATE],
+                    partial(store.write_json, stage / layout.TRAINER_STATE, host_copy(contents.trainer_state)),
+                )
+            )
             files = sorted(p.relative_to(tokenizer) for p in tokenizer.rglob("*") if p.is_file())
-            snap.jobs.append(FileJob([stage / layout.TOKENIZER / f for f in files],
-                                     partial(shutil.copytree, tokenizer, stage / layout.TOKENIZER)))
+            snap.jobs.append(
+                FileJob(
+                    [stage / layout.TOKENIZER / f for f in files],
+                    partial(shutil.copytree, tokenizer, stage / layout.TOKENIZER),
+                )
+            )
         snap.nbytes, snap.storages = host_copy.nbytes, host_copy.storages
         if host_copy.deferred:
             snap.deferred_copy = host_copy.copy_pending
         return snap
 
-    def commit(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str] = frozenset(),
-               written: dict[str, FileEntry] | None = None, failed: str | None = None) -> Path:
+    def commit(
+        self,
+        staged: Staged,
+        manifest: Manifest,
+        protect: set[str] | frozenset[str] = frozenset(),
+        written: dict[str, FileEntry] | None = None,
+        failed: str | None = None,
+    ) -> Path:
         """Make ``staged`` a committed checkpoint once every rank has written (collective). Rank 0 gathers every
         rank's ``written`` digests (from :meth:`write`) into the manifest, commits, registers and prunes (never a
         path in ``protect``); every rank returns the committed path, or raises the same
@@ -198,8 +233,9 @@ class CheckpointWriter:
         """Every rank's digests and failure, on rank 0 (collective)."""
         return self.world.gather((written or {}, failed))
 
-    def commit_gathered(self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str],
-                        parts: list[Any]) -> tuple[str | None, Path | None]:
+    def commit_gathered(
+        self, staged: Staged, manifest: Manifest, protect: set[str] | frozenset[str], parts: list[Any]
+    ) -> tuple[str | None, Path | None]:
         """Rank 0's part of :meth:`commit` (other ranks: nothing): ``(error, None)`` or ``(None, committed path)``."""
         if self.world.rank != 0:
             return None, None
@@ -221,8 +257,9 @@ class CheckpointWriter:
         self.settle()
         trash = store.prune(self.run_dir, self.keep_last, protect, delete=False)
         if trash:
-            self._deleting = threading.Thread(target=store.delete_trees, args=(trash,), name="checkpoint-prune",
-                                              daemon=True)
+            self._deleting = threading.Thread(
+                target=store.delete_trees, args=(trash,), name="checkpoint-prune", daemon=True
+            )
             self._deleting.start()
 
     def settle(self) -> None:
@@ -259,4 +296,3 @@ def write_reporting(snap: Snapshot) -> tuple[dict[str, FileEntry], str | None]:
 def _save_tensors(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(obj, path)
-

@@ -6,6 +6,8 @@ and wrong types raise :class:`ConfigError` naming the full key path; cross-field
 and is saved in every checkpoint. ``tree.py``: the dataclasses; ``loading.py``: strict loading.
 """
 
+from pretrain.config.capabilities import GrowthStep
+from pretrain.config.evaluation import BUILTIN_TASK, EvalConfig
 from pretrain.config.loading import (
     DEFAULT_CONFIG,
     config_hash,
@@ -17,7 +19,6 @@ from pretrain.config.loading import (
     split_args,
     to_dict,
 )
-from pretrain.config.evaluation import BUILTIN_TASK, EvalConfig
 from pretrain.config.names import source_name
 from pretrain.config.plan import RunPlan, layout
 from pretrain.config.tree import (
@@ -27,7 +28,6 @@ from pretrain.config.tree import (
     DataConfig,
     FaultsConfig,
     GrowthConfig,
-    GrowthStep,
     LayerDropConfig,
     ModelConfig,
     MoEConfig,
@@ -41,7 +41,33 @@ from pretrain.config.tree import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ClusterConfig", "ConfigError", "DataConfig", "FaultsConfig", "GrowthConfig", "GrowthStep", "LayerDropConfig", "ModelConfig", "MoEConfig",
-    "RunConfig", "SourceConfig", "StabilityConfig", "TrackingConfig", "TrainConfig", "ZeroConfig",
-    "RunPlan", "layout", "source_name", "EvalConfig", "BUILTIN_TASK", "make_plan", "config_hash", "dump_yaml", "flatten", "from_dict", "load_config", "parse_override", "to_dict",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "FaultsConfig",
+    "GrowthConfig",
+    "GrowthStep",
+    "LayerDropConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "RunConfig",
+    "SourceConfig",
+    "StabilityConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "ZeroConfig",
+    "RunPlan",
+    "layout",
+    "source_name",
+    "EvalConfig",
+    "BUILTIN_TASK",
+    "make_plan",
+    "config_hash",
+    "dump_yaml",
+    "flatten",
+    "from_dict",
+    "load_config",
+    "parse_override",
+    "to_dict",
 ]

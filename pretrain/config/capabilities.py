@@ -34,8 +34,8 @@ class MoEConfig:
     Not with ``top_k: 1``, whatever this says: one renormalized weight is p/p = 1, which gives the router no
     gradient from the loss; top-1 weights each token's expert by its probability (Switch Transformer)."""
     aux_loss_weight: float = 0.01
-    """Weight of the Switch load-balancing loss num_experts * sum_e f_e * p_e, summed over MoE layers (not
-    applied with ``balance: bias``)."""
+    """Weight of the Switch Transformer load-balancing loss num_experts * sum_e f_e * p_e (Fedus et al. 2021,
+    arXiv:2101.03961), summed over MoE layers (not applied with ``balance: bias``)."""
     balance: Literal["aux_loss", "bias", "both"] = "aux_loss"
     """How the load is balanced: ``aux_loss`` (the Switch loss above), ``bias`` (auxiliary-loss-free, DeepSeek-V3:
     a per-expert bias added to the router probabilities for the top-k selection only, not to the combine weights,
@@ -44,7 +44,8 @@ class MoEConfig:
     bias_rate: float = 0.001
     """``balance: bias|both``: the per-step bias update (DeepSeek-V3's gamma; the biases add to probabilities)."""
     router_z_loss_weight: float = 0.001
-    """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE)."""
+    """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE: Zoph et al.
+    2022, arXiv:2202.08906)."""
     ep_size: int = 1
     """Expert-parallel degree: each worker holds num_experts / ep_size experts of every MoE layer and tokens
     travel by all-to-all; must divide num_experts and the worker count. 1 = experts replicated like dense weights."""
@@ -90,10 +91,14 @@ class MoEConfig:
                 raise ConfigError(f"moe.layers[{i}]: block {layer} does not exist (model.num_layers={num_layers})")
         if not self.layers and self.every > num_layers:  # (i + 1) % every == 0 for no block i < num_layers
             raise ConfigError(f"moe.every: {self.every} selects no block of model.num_layers={num_layers}")
-        for key, value in (("moe.ffn_size", self.ffn_size), ("moe.capacity_factor", self.capacity_factor),
-                           ("moe.aux_loss_weight", self.aux_loss_weight),
-                           ("moe.router_z_loss_weight", self.router_z_loss_weight),
-                           ("moe.collapse_steps", self.collapse_steps), ("moe.bias_rate", self.bias_rate)):
+        for key, value in (
+            ("moe.ffn_size", self.ffn_size),
+            ("moe.capacity_factor", self.capacity_factor),
+            ("moe.aux_loss_weight", self.aux_loss_weight),
+            ("moe.router_z_loss_weight", self.router_z_loss_weight),
+            ("moe.collapse_steps", self.collapse_steps),
+            ("moe.bias_rate", self.bias_rate),
+        ):
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
         if self.balance != "aux_loss" and self.bias_rate <= 0:
@@ -105,17 +110,20 @@ class MoEConfig:
         if self.ep_size > 1 and zero_stage == 0:
             raise ConfigError(
                 "zero.stage: expert parallelism (moe.ep_size > 1) needs ZeRO-1 or 2 (DeepSpeed's stage-0 gradient "
-                "norm mis-weights expert-parallel gradients); use zero.stage 1 or 2, or moe.ep_size 1")
+                "norm mis-weights expert-parallel gradients); use zero.stage 1 or 2, or moe.ep_size 1"
+            )
         if self.ep_size > 1 and zero_stage == 3:
             raise ConfigError(
                 "zero.stage: ZeRO-3 cannot partition expert-parallel weights (moe.ep_size > 1); use zero.stage 1 "
-                "or 2, or moe.ep_size 1 (experts are then sharded by ZeRO-3 like dense weights)")
+                "or 2, or moe.ep_size 1 (experts are then sharded by ZeRO-3 like dense weights)"
+            )
         self.check_world_size(num_workers)
 
     def check_world_size(self, world_size: int) -> None:
         if self.enabled and world_size % self.ep_size:
-            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide the worker count {world_size} "
-                              f"(cluster.num_workers)")
+            raise ConfigError(
+                f"moe.ep_size: {self.ep_size} must divide the worker count {world_size} (cluster.num_workers)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -129,26 +137,30 @@ class LayerDropConfig:
     ``by_depth: linear``); 0 disables layer dropout."""
     mode: Literal["layer", "sample"] = "layer"
     """``layer``: the same blocks are skipped for the whole batch on every rank (a skipped block does no forward or
-    backward work: LayerDrop / progressive layer dropping). ``sample``: stochastic depth, each sample's residual
+    backward work: LayerDrop, Fan et al. 2019, arXiv:1909.11556; progressive layer dropping, Zhang and He 2020,
+    arXiv:2010.13369). ``sample``: stochastic depth (Huang et al. 2016, arXiv:1603.09382), each sample's residual
     branch is dropped on its own (every block still runs)."""
     granularity: Literal["block", "sublayer"] = "block"
     """``block``: attention and FFN of a block are kept or dropped together; ``sublayer``: decided separately
-    (eq. 95 of the reference text)."""
+    (sub-layer dropout: T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective", arXiv:2311.17633,
+    sec. 4.2.4, eq. 95)."""
     by_depth: Literal["uniform", "linear"] = "uniform"
-    """``uniform``: every block has ``rate``; ``linear``: block l of L has rate * (l + 1) / L (stochastic depth)."""
+    """``uniform``: every block has ``rate``; ``linear``: block l of L has rate * (l + 1) / L (stochastic depth's
+    linear decay rule, Huang et al. 2016, arXiv:1603.09382)."""
     schedule: Literal["constant", "linear", "progressive"] = "constant"
     """``constant``: ``rate`` from the first step; ``linear``: from 0 to ``rate`` over ``warmup_steps``;
-    ``progressive``: progressive layer dropping, keep probability (1 - rate_bar) * exp(-gamma * t) + rate_bar with
-    rate_bar = 1 - rate, i.e. the drop rate rises as rate * (1 - exp(-gamma * t))."""
+    ``progressive``: progressive layer dropping (Zhang and He 2020, arXiv:2010.13369), keep probability
+    (1 - rate_bar) * exp(-gamma * t) + rate_bar with rate_bar = 1 - rate, i.e. the drop rate rises as
+    rate * (1 - exp(-gamma * t))."""
     warmup_steps: int = 0
     """``schedule: linear``: steps to reach ``rate``."""
     gamma: float = 0.001
     """``schedule: progressive``: the rate's growth constant per step (PLD's gamma)."""
     scaling: Literal["inverted", "rho"] = "inverted"
     """``inverted`` (default): kept branches are scaled by 1/rho in training, nothing at inference, so the trained
-    weights are the inference model as is (evaluation, export and pruning need no correction). ``rho``: eq. 95,
-    nothing in training, every sub-layer output scaled by rho at inference (folded into the output projections on
-    export, so standard Hugging Face classes load it)."""
+    weights are the inference model as is (evaluation, export and pruning need no correction). ``rho``: Xiao and
+    Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4), nothing in training, every sub-layer output scaled by rho at
+    inference (folded into the output projections on export, so standard Hugging Face classes load it)."""
 
     @property
     def enabled(self) -> bool:
@@ -178,14 +190,17 @@ class GrowthStep:
     depth: str | int = ""
     """Target number of blocks: ``2x`` (a factor), ``+N`` (N more blocks) or ``N`` (a total)."""
     depth_op: Literal["stack", "interleave", "identity"] = "stack"
-    """``stack``: the trained stack repeated (§4.2.2); ``interleave``: each block duplicated in place; ``identity``:
-    new blocks whose residual branches start at zero (function-preserving, pre-norm and sandwich blocks)."""
+    """``stack``: the trained stack repeated (shallow-to-deep stacking: T. Xiao and J. Zhu, "Introduction to
+    Transformers: an NLP Perspective", arXiv:2311.17633, sec. 4.2.2; G_stack: Du et al. 2024, arXiv:2405.15319);
+    ``interleave``: each block duplicated in place; ``identity``: new blocks whose residual branches start at zero
+    (function-preserving, pre-norm and sandwich blocks)."""
     width: str | int = ""
     """Target hidden size (``2x``, ``+N``, ``N``); the heads (head size fixed) and the FFN grow by the same factor
     unless ``heads`` / ``ffn`` say otherwise."""
     width_op: Literal["tile", "net2net"] = "tile"
-    """``tile``: eq. 111, integer factors, function-preserving; ``net2net``: any size, duplicated units (exact for
-    the FFN size only)."""
+    """``tile``: Xiao and Zhu's eq. 111 (arXiv:2311.17633, sec. 4.4), integer factors, function-preserving;
+    ``net2net``: any size, duplicated units (Net2Net: Chen et al. 2016, arXiv:1511.05641; exact for the FFN size
+    only)."""
     heads: str | int = ""
     """Target number of attention heads (head size fixed, so the hidden size follows)."""
     ffn: str | int = ""

@@ -35,14 +35,17 @@ class EvalConfig:
         for i, spec in enumerate(self.tasks):
             if spec == BUILTIN_TASK:
                 if not has_heldout:
-                    raise ConfigError(f"eval.tasks[{i}]: {BUILTIN_TASK} needs held-out text: set data.val_holdout "
-                                      f"> 0 or data.val_sources")
+                    raise ConfigError(
+                        f"eval.tasks[{i}]: {BUILTIN_TASK} needs held-out text: set data.val_holdout "
+                        f"> 0 or data.val_sources"
+                    )
                 name = spec
             else:
                 path = Path(spec).expanduser()
                 if path.suffix != ".jsonl" or not path.is_file():
-                    raise ConfigError(f"eval.tasks[{i}]: {spec!r} is neither {BUILTIN_TASK} nor an existing .jsonl "
-                                      f"task file")
+                    raise ConfigError(
+                        f"eval.tasks[{i}]: {spec!r} is neither {BUILTIN_TASK} nor an existing .jsonl task file"
+                    )
                 name = path.stem
             if name in names:
                 raise ConfigError(f"eval.tasks[{i}]: a second task named {name!r}")

@@ -50,12 +50,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
-        return _build(tp, value, path)
+        return _build(typing.cast(type, tp), value, path)
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and isinstance(choices[0], str):  # YAML 1.1 reads yes/no/on/off as bools
-            value = next((w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices),
-                         value)
+            value = next(
+                (w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices), value
+            )
         if value not in choices or type(value) is not type(choices[0]):
             raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {value!r}")
         return value
@@ -250,8 +251,9 @@ def read_yaml(path: str | Path) -> Any:
             loader.dispose()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                base: dict | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
+) -> RunConfig:
     """Load YAML (or start from ``base``), apply dotted overrides, validate strictly."""
     tree: dict = {} if base is None else json.loads(json.dumps(base))
     if path is not None:
@@ -260,8 +262,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: config file not found")
         loaded = read_yaml(p)
         if loaded is None:
-            raise ConfigError(f"{path}: the config file is empty; write the keys to change (or {{}} for all "
-                              f"defaults), or leave the file out to use {DEFAULT_CONFIG.name}")
+            raise ConfigError(
+                f"{path}: the config file is empty; write the keys to change (or {{}} for all "
+                f"defaults), or leave the file out to use {DEFAULT_CONFIG.name}"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, got a {type(loaded).__name__}")
         tree = _merge(tree, loaded)

@@ -31,6 +31,7 @@ def check_source_names(sources, val_sources) -> None:
                 raise ConfigError(f"{where}: {s.name!r}: use letters, digits, '_', '-' and '.' only")
             name = source_name(s.path, s.name)
             if name in seen:
-                raise ConfigError(f"{where}: {name!r} is also the name of {seen[name]}; give the sources distinct "
-                                  f"names (set name)")
+                raise ConfigError(
+                    f"{where}: {name!r} is also the name of {seen[name]}; give the sources distinct names (set name)"
+                )
             seen[name] = f"{key}[{i}]"

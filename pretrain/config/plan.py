@@ -95,17 +95,27 @@ class RunPlan:
         return [(rank + (j // per_stream) * self.world_size) * per_stream + j % per_stream for j in range(n)]
 
     def describe(self) -> str:
-        shares = (f"{self.shares[0]} sequences/worker" if self.even else
-                  f"{'/'.join(map(str, self.shares))} sequences per worker (padded to equal passes)")
-        return (f"plan: {self.world_size} worker(s), global batch {self.global_batch} x {self.seq_len} tokens "
-                f"= {self.tokens_per_step:,} tokens/step; {shares}; micro-batch {self.micro_batch}, "
-                f"grad accum {self.grad_accum}")
+        shares = (
+            f"{self.shares[0]} sequences/worker"
+            if self.even
+            else f"{'/'.join(map(str, self.shares))} sequences per worker (padded to equal passes)"
+        )
+        return (
+            f"plan: {self.world_size} worker(s), global batch {self.global_batch} x {self.seq_len} tokens "
+            f"= {self.tokens_per_step:,} tokens/step; {shares}; micro-batch {self.micro_batch}, "
+            f"grad accum {self.grad_accum}"
+        )
 
     def params(self) -> dict[str, int | str]:
         """Flat values for MLflow params (``plan.*``)."""
-        return {"plan.world_size": self.world_size, "plan.global_batch": self.global_batch,
-                "plan.micro_batch": self.micro_batch, "plan.grad_accum": self.grad_accum,
-                "plan.tokens_per_step": self.tokens_per_step, "plan.shares": ",".join(map(str, self.shares))}
+        return {
+            "plan.world_size": self.world_size,
+            "plan.global_batch": self.global_batch,
+            "plan.micro_batch": self.micro_batch,
+            "plan.grad_accum": self.grad_accum,
+            "plan.tokens_per_step": self.tokens_per_step,
+            "plan.shares": ",".join(map(str, self.shares)),
+        }
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -119,8 +129,9 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return best
 
 
-def layout(*, world_size: int, global_batch: int, micro_cap: int, num_streams: int, seq_len: int,
-           val_sequences: int = 0) -> RunPlan:
+def layout(
+    *, world_size: int, global_batch: int, micro_cap: int, num_streams: int, seq_len: int, val_sequences: int = 0
+) -> RunPlan:
     """The batch layout behind ``make_plan(cfg, world_size)`` (in ``tree.py``, beside the config it reads; also
     what data-only tools, e.g. the data throughput probe, plan with); errors name the config keys."""
     if world_size < 1:
@@ -129,17 +140,30 @@ def layout(*, world_size: int, global_batch: int, micro_cap: int, num_streams: i
         raise ConfigError(
             f"cluster.num_workers: {world_size} workers but only data.num_streams={num_streams} data streams "
             f"to share; set data.num_streams to a multiple of {world_size} (and train.global_batch_size to a "
-            f"multiple of it) or use at most {num_streams} workers")
+            f"multiple of it) or use at most {num_streams} workers"
+        )
     if global_batch <= 0 or global_batch % num_streams:
-        raise ConfigError(f"train.global_batch_size: {global_batch} must be a positive multiple of "
-                          f"data.num_streams {num_streams}; set one of them so it is")
+        raise ConfigError(
+            f"train.global_batch_size: {global_batch} must be a positive multiple of "
+            f"data.num_streams {num_streams}; set one of them so it is"
+        )
     per_stream = global_batch // num_streams
     shares = tuple(per_stream * len(range(r, num_streams, world_size)) for r in range(world_size))
     micro = _largest_divisor_at_most(math.gcd(*shares), micro_cap)
     if 0 < val_sequences < world_size:  # every worker runs validation forwards (collectives under ZeRO-3)
-        raise ConfigError(f"train.val_sequences: {val_sequences} is fewer than the {world_size} workers; set it to "
-                          f"at least {world_size} (or 0 to skip validation)")
+        raise ConfigError(
+            f"train.val_sequences: {val_sequences} is fewer than the {world_size} workers; set it to "
+            f"at least {world_size} (or 0 to skip validation)"
+        )
     val = tuple(len(range(r, val_sequences, world_size)) for r in range(world_size))
-    return RunPlan(world_size=world_size, global_batch=global_batch, seq_len=seq_len, num_streams=num_streams,
-                   micro_batch=micro, shares=shares, grad_accum=max(shares) // micro, val_sequences=val_sequences,
-                   val_shares=val)
+    return RunPlan(
+        world_size=world_size,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        num_streams=num_streams,
+        micro_batch=micro,
+        shares=shares,
+        grad_accum=max(shares) // micro,
+        val_sequences=val_sequences,
+        val_shares=val,
+    )

@@ -45,8 +45,8 @@ class CheckpointConfig:
     commits inside the save (the loop waits for the disk)."""
     keep_host_buffers: bool = True
     """Asynchronous saves: keep the host memory of one snapshot from a save to the next and copy the next
-    snapshot into it (a fresh allocation faults in every page: the copy took ~4x as long here; on a GPU the
-    memory is pinned, which is slow to allocate). False frees it once each save is written."""
+    snapshot into it (a fresh allocation faults in every page, which makes the copy several times slower; on a GPU
+    the memory is pinned, which is slow to allocate). False frees it once each save is written."""
     overlap_copy: bool = True
     """Asynchronous saves: copy the state to host memory in the background while the next step's forward and
     backward run (they change none of it); the optimizer update, and anything else that changes the state
@@ -55,9 +55,9 @@ class CheckpointConfig:
     direct_io: bool = True
     """Write the large engine files (weights, optimizer partitions, experts) with direct I/O (``O_DIRECT``)
     from a few reused buffers, hashed as they are written, instead of through the page cache; a filesystem that
-    refuses it gets buffered writes. Files and checksums are the same either way. Here a buffered write of 0.58
-    GB ran at 0.4-5 GB/s from one write to the next (fresh page-cache pages are slow to come by on this VM),
-    direct I/O at 1.6-2.3 GB/s every time. False: buffered writes."""
+    refuses it gets buffered writes. Files and checksums are the same either way. A buffered write's speed
+    depends on how fast the kernel finds fresh page-cache pages, which can vary widely from one save to the next;
+    a direct write's does not (see ``pretrain/checkpoint/hashed_write.py``). False: buffered writes."""
 
 
 @dataclass(kw_only=True)
@@ -78,8 +78,8 @@ class ClusterConfig:
     ray_for_one_worker: bool = False
     """Run a job of one worker through an embedded local Ray too. False (default): a job Ray would have nothing to
     do for — one worker, no cluster (``address``, ``RAY_ADDRESS``), no restarts (``max_failures`` 0) — trains in
-    this process, as ``use_ray=false`` does. Starting Ray, its Train controller and a worker process cost such a
-    job ~10 s before its first step on a 2-core machine, and Ray's processes a few percent of every step."""
+    this process, as ``use_ray=false`` does. Starting Ray, its Train controller and a worker process delay such a
+    job's first step (seconds on a small machine), and Ray's processes take CPU time from every step."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement of the workers: PACK fills nodes first; SPREAD / STRICT_SPREAD put them on
     different nodes."""
@@ -98,8 +98,12 @@ class ClusterConfig:
             import os
 
             ray_address = os.environ.get("RAY_ADDRESS", "")
-        return (self.num_workers == 1 and not (self.address or ray_address) and self.max_failures == 0
-                and not self.ray_for_one_worker)
+        return (
+            self.num_workers == 1
+            and not (self.address or ray_address)
+            and self.max_failures == 0
+            and not self.ray_for_one_worker
+        )
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
-"""The config tree: one dataclass per section (the capability sections moe, layer_drop, growth are in
-capabilities.py; zero, checkpoint, cluster, tracking, faults and stability in runtime.py), a docstring on
-every field, cross-field rules in :meth:`RunConfig.validate` (and ``MoEConfig.validate``). Strict loading lives in ``loading.py``."""
+"""The config tree: one dataclass per section (the capability sections moe, layer_drop, growth are in capabilities.py;
+zero, checkpoint, cluster, tracking, faults and stability in runtime.py), a docstring on every field, cross-field rules
+in :meth:`RunConfig.validate` (and ``MoEConfig.validate``). Strict loading lives in ``loading.py``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pretrain.config.capabilities import GrowthConfig, GrowthStep, LayerDropConfig, MoEConfig
+from pretrain.config.capabilities import GrowthConfig, LayerDropConfig, MoEConfig
 from pretrain.config.errors import ConfigError
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
 from pretrain.config.runtime import (
-    CheckpointConfig, ClusterConfig, FaultsConfig, StabilityConfig, TrackingConfig, ZeroConfig)
-
+    CheckpointConfig,
+    ClusterConfig,
+    FaultsConfig,
+    StabilityConfig,
+    TrackingConfig,
+    ZeroConfig,
+)
 
 BYTE_LEVEL_VOCAB = 260
 """The smallest trained tokenizer: a byte-level BPE has the 256 bytes and 4 special tokens."""
@@ -55,7 +60,7 @@ class ModelConfig:
     """Normalization layer type."""
     norm_placement: Literal["pre", "post", "deepnorm", "sandwich"] = "pre"
     """``pre``: x + f(norm(x)). ``post``: norm(x + f(x)) (BERT). ``deepnorm``: norm(alpha*x + f(x))
-    with DeepNet's alpha/beta init scaling (Wang et al. 2022). ``sandwich``: x + norm(f(norm(x)))
+    with DeepNet's alpha/beta init scaling (Wang et al. 2022, arXiv:2203.00555). ``sandwich``: x + norm(f(norm(x)))
     (sub-LN style extra output norm, as in CogView/NormFormer)."""
     deepnorm_depth: int = 0
     """``deepnorm``: the depth N of DeepNet's constants, alpha = (2N)^(1/4) in every block and the init gain
@@ -172,9 +177,10 @@ class TrainConfig:
     warmup_steps: int = 30
     """Linear warm-up steps."""
     decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    """Shape of the decay from peak to ``min_lr_ratio * lr`` after warm-up. ``wsd`` (warmup-stable-decay): the
-    peak until the last ``decay_steps`` (or ``decay_fraction``) steps, then ``decay_shape`` down to the floor; a
-    stable-phase checkpoint can be annealed later (``./launch.sh anneal``), so the run length is decided late."""
+    """Shape of the decay from peak to ``min_lr_ratio * lr`` after warm-up. ``wsd`` (warmup-stable-decay; Hu et al.
+    2024, MiniCPM, arXiv:2404.06395): the peak until the last ``decay_steps`` (or ``decay_fraction``) steps, then
+    ``decay_shape`` down to the floor; a stable-phase checkpoint can be annealed later (``./launch.sh anneal``), so
+    the run length is decided late."""
     decay_steps: int = 0
     """``decay: wsd``: steps of the decay phase at the end of the run; 0 uses ``decay_fraction``."""
     decay_fraction: float = 0.2
@@ -203,7 +209,7 @@ class TrainConfig:
     """torch intra-op threads per worker; 0 divides the CPUs of the node among local workers."""
     reuse_host_memory: bool = True
     """Keep freed host memory in each worker for the next step (glibc malloc thresholds, once per process) instead
-    of returning it to the kernel and faulting it in again: ~5% of a CPU step (``pretrain/train/host_memory.py``).
+    of returning it to the kernel and faulting it in again every CPU step (``pretrain/train/host_memory.py``).
     The worker then holds its peak host memory, which every step reaches anyway; no effect on GPU tensors."""
     activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
     """Recompute activations in the backward pass to save memory: ``full`` recomputes whole blocks (only their
@@ -212,7 +218,8 @@ class TrainConfig:
     compile: Literal["auto", "yes", "no"] = "auto"
     """Compile each Transformer block with ``torch.compile`` (regional: embeddings, loss, optimizer stay eager).
     ``auto``: on for CUDA, off on CPU, where it costs a one-time compile of seconds per block shape and gains
-    little at demo sizes (``./launch.sh bench`` measures both; see README). Layer dropout does not recompile."""
+    little at demo sizes (``./launch.sh bench`` measures both; results in ``benchmarks/results/``). Layer dropout does
+    not recompile."""
     stop_at_val_loss: float = 0.0
     """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
     profile_at: int = 0
@@ -222,7 +229,7 @@ class TrainConfig:
     """How many steps ``profile_at`` profiles."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.activation_checkpointing, bool):  # the former boolean field
+        if isinstance(self.activation_checkpointing, bool):  # a boolean: true = full, false = none
             self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
 
 
@@ -244,48 +251,68 @@ class RunConfig:
     growth: GrowthConfig = field(default_factory=GrowthConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Cross-field checks; raises ConfigError naming the offending key."""
         m, d, t, c = self.model, self.data, self.train, self.cluster
         positive = {
-            "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
-            "model.num_heads": m.num_heads, "model.max_seq_len": m.max_seq_len,
-            "train.max_steps": t.max_steps, "train.global_batch_size": t.global_batch_size,
-            "train.micro_batch_size": t.micro_batch_size, "train.log_every": t.log_every,
+            "model.num_layers": m.num_layers,
+            "model.hidden_size": m.hidden_size,
+            "model.num_heads": m.num_heads,
+            "model.max_seq_len": m.max_seq_len,
+            "train.max_steps": t.max_steps,
+            "train.global_batch_size": t.global_batch_size,
+            "train.micro_batch_size": t.micro_batch_size,
+            "train.log_every": t.log_every,
             "train.profile_steps": t.profile_steps,
-            "cluster.num_workers": c.num_workers, "cluster.cpus_per_worker": c.cpus_per_worker,
-            "data.num_streams": d.num_streams, "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
+            "cluster.num_workers": c.num_workers,
+            "cluster.cpus_per_worker": c.cpus_per_worker,
+            "data.num_streams": d.num_streams,
+            "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
         }
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {value}")
         nonneg = {
-            "model.vocab_size": m.vocab_size, "model.num_kv_heads": m.num_kv_heads,
-            "model.ffn_size": m.ffn_size, "train.warmup_steps": t.warmup_steps,
-            "train.val_every": t.val_every, "train.val_sequences": t.val_sequences,
+            "model.vocab_size": m.vocab_size,
+            "model.num_kv_heads": m.num_kv_heads,
+            "model.ffn_size": m.ffn_size,
+            "train.warmup_steps": t.warmup_steps,
+            "train.val_every": t.val_every,
+            "train.val_sequences": t.val_sequences,
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "faults.slow_checkpoint_s": self.faults.slow_checkpoint_s,
-            "cluster.max_failures": c.max_failures, "cluster.start_timeout": c.start_timeout,
+            "cluster.max_failures": c.max_failures,
+            "cluster.start_timeout": c.start_timeout,
             "train.num_threads": t.num_threads,
-            "data.piece_chars": d.piece_chars, "model.init_std": m.init_std, "train.weight_decay": t.weight_decay,
-            "train.eps": t.eps, "train.grad_clip": t.grad_clip, "train.profile_at": t.profile_at,
-            "growth.check_tolerance": self.growth.check_tolerance, "model.deepnorm_depth": m.deepnorm_depth,
+            "data.piece_chars": d.piece_chars,
+            "model.init_std": m.init_std,
+            "train.weight_decay": t.weight_decay,
+            "train.eps": t.eps,
+            "train.grad_clip": t.grad_clip,
+            "train.profile_at": t.profile_at,
+            "growth.check_tolerance": self.growth.check_tolerance,
+            "model.deepnorm_depth": m.deepnorm_depth,
             "zero.param_persistence_threshold": self.zero.param_persistence_threshold,
         }
         for key, value in nonneg.items():
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
         if c.cpus_per_worker > 1 and not float(c.cpus_per_worker).is_integer():
-            raise ConfigError(f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "
-                              f"got {c.cpus_per_worker:g}")
+            raise ConfigError(
+                f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "
+                f"got {c.cpus_per_worker:g}"
+            )
         if t.global_batch_size > MAX_GLOBAL_BATCH:
-            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is more than {MAX_GLOBAL_BATCH:,} "
-                              f"sequences per step")
+            raise ConfigError(
+                f"train.global_batch_size: {t.global_batch_size} is more than {MAX_GLOBAL_BATCH:,} sequences per step"
+            )
         if m.kind == "decoder" and m.max_seq_len < 2:
-            raise ConfigError(f"model.max_seq_len: a decoder predicts the next token within a sequence, so it needs "
-                              f"at least 2 tokens, got {m.max_seq_len}")
+            raise ConfigError(
+                f"model.max_seq_len: a decoder predicts the next token within a sequence, so it needs "
+                f"at least 2 tokens, got {m.max_seq_len}"
+            )
         self._validate_vocab()
         if m.hidden_size % m.num_heads:
             raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
@@ -294,8 +321,11 @@ class RunConfig:
         kv = m.num_kv_heads or m.num_heads
         if m.num_heads % kv:
             raise ConfigError(f"model.num_kv_heads: {kv} does not divide model.num_heads {m.num_heads}")
-        for key, p in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout),
-                       ("data.val_holdout", d.val_holdout)):
+        for key, p in (
+            ("model.dropout", m.dropout),
+            ("model.attention_dropout", m.attention_dropout),
+            ("data.val_holdout", d.val_holdout),
+        ):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{key}: must be in [0, 1), got {p}")
         if m.kind == "encoder" and not 0.0 < d.mlm_probability < 1.0:
@@ -335,31 +365,42 @@ class RunConfig:
         if not 0.0 < t.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
         if t.decay == "wsd" and t.decay_steps > t.max_steps - t.warmup_steps:
-            raise ConfigError(f"train.decay_steps: {t.decay_steps} is more than the {t.max_steps - t.warmup_steps} "
-                              f"steps after warm-up (train.max_steps - train.warmup_steps)")
+            raise ConfigError(
+                f"train.decay_steps: {t.decay_steps} is more than the {t.max_steps - t.warmup_steps} "
+                f"steps after warm-up (train.max_steps - train.warmup_steps)"
+            )
 
     def _validate_vocab(self) -> None:
         m, d = self.model, self.data
         if d.tokenizer or m.init_from_hf:  # a given tokenizer: its size is known once it is loaded
             return
         if d.tokenizer_vocab_size < BYTE_LEVEL_VOCAB:
-            raise ConfigError(f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is below the {BYTE_LEVEL_VOCAB} "
-                              f"tokens of a byte-level BPE (256 bytes and 4 special tokens)")
+            raise ConfigError(
+                f"data.tokenizer_vocab_size: {d.tokenizer_vocab_size} is below the {BYTE_LEVEL_VOCAB} "
+                f"tokens of a byte-level BPE (256 bytes and 4 special tokens)"
+            )
         # (model.vocab_size against the trained tokenizer is the driver's check: models are also built alone)
 
     def _validate_growth(self) -> None:
         g = self.growth
         if g.optimizer == "grow" and self.moe.ep_size > 1:
-            raise ConfigError("growth.optimizer: grow gathers full optimizer moments, not with moe.ep_size > 1; "
-                              "use growth.optimizer reset")
+            raise ConfigError(
+                "growth.optimizer: grow gathers full optimizer moments, not with moe.ep_size > 1; "
+                "use growth.optimizer reset"
+            )
         if g.rewarm_steps < 0:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
         steps = [e.at_step for e in g.schedule]
         if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
-            why = ("train.val_sequences is 0" if self.train.val_sequences == 0 else
-                   "data.val_holdout is 0 and data.val_sources is empty")
-            raise ConfigError(f"growth.schedule: every growth checks the loss on a held-back validation batch, but "
-                              f"{why}; set train.val_sequences > 0 and data.val_holdout > 0 (or data.val_sources)")
+            why = (
+                "train.val_sequences is 0"
+                if self.train.val_sequences == 0
+                else "data.val_holdout is 0 and data.val_sources is empty"
+            )
+            raise ConfigError(
+                f"growth.schedule: every growth checks the loss on a held-back validation batch, but "
+                f"{why}; set train.val_sequences > 0 and data.val_holdout > 0 (or data.val_sources)"
+            )
         for i, e in enumerate(g.schedule):
             where = f"growth.schedule[{i}]"
             if not 0 < e.at_step < self.train.max_steps:
@@ -371,8 +412,9 @@ class RunConfig:
             for name in e.TARGETS:
                 spec = str(getattr(e, name))
                 if spec and not _COUNT.fullmatch(spec):
-                    raise ConfigError(f"{where}.{name}: {spec!r}: expected a factor like 2x, an increment like +4, "
-                                      f"or a total like 8")
+                    raise ConfigError(
+                        f"{where}.{name}: {spec!r}: expected a factor like 2x, an increment like +4, or a total like 8"
+                    )
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
                     raise ConfigError(f"{where}.{name}: {spec!r} grows nothing (leave the key out instead)")
         if steps != sorted(set(steps)):
@@ -382,19 +424,25 @@ class RunConfig:
         s, m = self.stability, self.model
         if s.window < 8:
             raise ConfigError(f"stability.window: must be >= 8, got {s.window}")
-        for key, value in (("stability.health_every", s.health_every), ("stability.warmup_steps", s.warmup_steps),
-                           ("stability.divergence_window", s.divergence_window),
-                           ("stability.good_after_steps", s.good_after_steps),
-                           ("stability.max_rollbacks", s.max_rollbacks),
-                           ("stability.lr_cooldown_steps", s.lr_cooldown_steps)):
+        value: float  # the int settings, then the float ones
+        for key, value in (
+            ("stability.health_every", s.health_every),
+            ("stability.warmup_steps", s.warmup_steps),
+            ("stability.divergence_window", s.divergence_window),
+            ("stability.good_after_steps", s.good_after_steps),
+            ("stability.max_rollbacks", s.max_rollbacks),
+            ("stability.lr_cooldown_steps", s.lr_cooldown_steps),
+        ):
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
         if 0 < s.divergence_window < 8:
             raise ConfigError(f"stability.divergence_window: must be 0 or >= 8, got {s.divergence_window}")
         if s.max_consecutive_skips < 1:
             raise ConfigError(f"stability.max_consecutive_skips: must be >= 1, got {s.max_consecutive_skips}")
-        for key, value in (("stability.spike_threshold", s.spike_threshold),
-                           ("stability.divergence_threshold", s.divergence_threshold)):
+        for key, value in (
+            ("stability.spike_threshold", s.spike_threshold),
+            ("stability.divergence_threshold", s.divergence_threshold),
+        ):
             if not value > 0:
                 raise ConfigError(f"{key}: must be > 0, got {value}")
         if not 0.0 < s.lr_cooldown_factor <= 1.0:
@@ -402,15 +450,22 @@ class RunConfig:
         if m.z_loss < 0:
             raise ConfigError(f"model.z_loss: must be >= 0, got {m.z_loss}")
         if m.embedding_scale < 0:
-            raise ConfigError(f"model.embedding_scale: must be >= 0 (0 means sqrt(hidden_size)), "
-                              f"got {m.embedding_scale}")
+            raise ConfigError(
+                f"model.embedding_scale: must be >= 0 (0 means sqrt(hidden_size)), got {m.embedding_scale}"
+            )
 
 
 def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
     """The plan of ``cfg`` on ``world_size`` workers (see ``plan.py``); a layout that cannot work is refused with a
     :class:`ConfigError` naming what to set."""
     t = cfg.train
-    plan = layout(world_size=world_size, global_batch=t.global_batch_size, micro_cap=t.micro_batch_size,
-                  num_streams=cfg.data.num_streams, seq_len=cfg.model.max_seq_len, val_sequences=t.val_sequences)
+    plan = layout(
+        world_size=world_size,
+        global_batch=t.global_batch_size,
+        micro_cap=t.micro_batch_size,
+        num_streams=cfg.data.num_streams,
+        seq_len=cfg.model.max_seq_len,
+        val_sequences=t.val_sequences,
+    )
     cfg.moe.check_world_size(world_size)
     return plan

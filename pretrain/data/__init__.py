@@ -16,13 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "unigram_baseline_loss": "baseline",
-    "TrainBatches": "batches", "data_throughput": "batches", "merge_states": "batches",
-    "validation_batches": "batches", "validation_sequences": "batches", "source_validation_batches": "batches",
+    "TrainBatches": "batches",
+    "data_throughput": "batches",
+    "merge_states": "batches",
+    "validation_batches": "batches",
+    "validation_sequences": "batches",
+    "source_validation_batches": "batches",
     "token_byte_lengths": "token_bytes",
     "build_demo_corpus": "demo_corpus",
-    "IGNORE_INDEX": "packing", "Masker": "packing", "Packer": "packing", "mask_seed": "packing",
-    "BadRecordError": "sources", "resolve_sources": "sources",
-    "SPECIAL_TOKENS": "tokenizer", "load_or_train_tokenizer": "tokenizer", "separator_id": "tokenizer",
+    "IGNORE_INDEX": "packing",
+    "Masker": "packing",
+    "Packer": "packing",
+    "mask_seed": "packing",
+    "BadRecordError": "sources",
+    "resolve_sources": "sources",
+    "SPECIAL_TOKENS": "tokenizer",
+    "load_or_train_tokenizer": "tokenizer",
+    "separator_id": "tokenizer",
     "training_documents": "tokenizer",
 }
 
@@ -30,12 +40,18 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from pretrain.data.baseline import unigram_baseline_loss
-    from pretrain.data.batches import (TrainBatches, data_throughput, merge_states, source_validation_batches,
-                                       validation_batches, validation_sequences)
-    from pretrain.data.token_bytes import token_byte_lengths
+    from pretrain.data.batches import (
+        TrainBatches,
+        data_throughput,
+        merge_states,
+        source_validation_batches,
+        validation_batches,
+        validation_sequences,
+    )
     from pretrain.data.demo_corpus import build_demo_corpus
     from pretrain.data.packing import IGNORE_INDEX, Masker, Packer, mask_seed
     from pretrain.data.sources import BadRecordError, resolve_sources
+    from pretrain.data.token_bytes import token_byte_lengths
     from pretrain.data.tokenizer import SPECIAL_TOKENS, load_or_train_tokenizer, separator_id, training_documents
 
 

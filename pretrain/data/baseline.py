@@ -22,13 +22,22 @@ from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id
 
 
-def unigram_baseline_loss(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, seed: int,
-                          max_train_tokens: int = 2_000_000) -> float:
+def unigram_baseline_loss(
+    cfg: DataConfig,
+    *,
+    kind: str,
+    seq_len: int,
+    tokenizer,
+    val_sequences: int,
+    seed: int,
+    max_train_tokens: int = 2_000_000,
+) -> float:
     vocab = len(tokenizer)
     counts = np.zeros(vocab, dtype=np.int64)
     encode, sep = make_encoder(tokenizer), separator_id(tokenizer)
-    docs = DocumentStream(training_sources(cfg), seed, role="train",
-                          val_holdout=train_holdout(cfg), bad=BadRecords(cfg.bad_records))
+    docs = DocumentStream(
+        training_sources(cfg), seed, role="train", val_holdout=train_holdout(cfg), bad=BadRecords(cfg.bad_records)
+    )
     seen = 0
     while seen < max_train_tokens:
         texts = list(itertools.islice(docs, 256))
@@ -41,8 +50,9 @@ def unigram_baseline_loss(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer
         raise ValueError("unigram baseline: no training tokens")
     log_p = torch.from_numpy(np.log(counts + 1.0) - math.log(seen + vocab))
 
-    val = validation_sequences(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
-                               val_sequences=val_sequences, seed=seed)
+    val = validation_sequences(
+        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed
+    )
     if not val:
         raise ValueError("unigram baseline: no validation data (val_holdout is 0 and no val_sources)")
     if kind == "decoder":

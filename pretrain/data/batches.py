@@ -26,6 +26,7 @@ import dataclasses
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
 
 import torch
 
@@ -51,21 +52,44 @@ def train_holdout(cfg: DataConfig) -> float:
 class _Stream:
     """One virtual stream: its documents, packer, sequence counter and bad-record counter."""
 
-    def __init__(self, index: int, sources, cfg: DataConfig, seed: int, num_streams: int, encode,
-                 separator: int, seq_len: int, state: dict | None = None):
+    def __init__(
+        self,
+        index: int,
+        sources,
+        cfg: DataConfig,
+        seed: int,
+        num_streams: int,
+        encode,
+        separator: int,
+        seq_len: int,
+        state: dict | None = None,
+    ):
         state = state or {}
         self.index = index
         self.bad = BadRecords(cfg.bad_records)
         self.bad.load_state_dict(state.get("bad", {}))
-        self.docs = DocumentStream(sources, seed, role="train", val_holdout=train_holdout(cfg), bad=self.bad,
-                                   stream=index, num_streams=num_streams, repeat=cfg.repeat,
-                                   state=state.get("documents"))
+        self.docs = DocumentStream(
+            sources,
+            seed,
+            role="train",
+            val_holdout=train_holdout(cfg),
+            bad=self.bad,
+            stream=index,
+            num_streams=num_streams,
+            repeat=cfg.repeat,
+            state=state.get("documents"),
+        )
         self.packer = Packer(self.docs, encode, separator, seq_len, state.get("buffer"))
         self.sequences = int(state.get("sequences", 0))
 
     def state_dict(self) -> dict:
-        return {"documents": self.docs.state_dict(), "epoch": self.docs.epoch, "buffer": list(self.packer.buffer),
-                "sequences": self.sequences, "bad": self.bad.state_dict()}
+        return {
+            "documents": self.docs.state_dict(),
+            "epoch": self.docs.epoch,
+            "buffer": list(self.packer.buffer),
+            "sequences": self.sequences,
+            "bad": self.bad.state_dict(),
+        }
 
 
 class TrainBatches:
@@ -89,8 +113,17 @@ class TrainBatches:
         self._ahead: Future | None = None  # -> (state before the batch, batch or None, StopIteration or None)
 
     def _make_stream(self, s: int, state: dict | None = None) -> _Stream:
-        return _Stream(s, self._sources, self.cfg, self.seed, self.cfg.num_streams, self._encode,
-                       self._separator, self.seq_len, state)
+        return _Stream(
+            s,
+            self._sources,
+            self.cfg,
+            self.seed,
+            self.cfg.num_streams,
+            self._encode,
+            self._separator,
+            self.seq_len,
+            state,
+        )
 
     def __iter__(self):
         return self
@@ -105,6 +138,7 @@ class TrainBatches:
             _, batch, ended = self._take_ahead()
             if ended is not None:
                 raise ended
+            assert batch is not None  # a batch, or the end of the data
             return batch
         return self._fetch()
 
@@ -124,6 +158,7 @@ class TrainBatches:
 
     def _take_ahead(self) -> tuple[dict, dict[str, torch.Tensor] | None, StopIteration | None]:
         ahead, self._ahead = self._ahead, None
+        assert ahead is not None  # callers check that a batch is ahead
         return ahead.result()  # an error of the fetch (not the end of the data) is raised here
 
     def _fetch(self) -> dict[str, torch.Tensor]:
@@ -140,16 +175,21 @@ class TrainBatches:
         for s in self.owned:
             stream = self._streams[s]
             for _ in range(n):
-                x, y = make_example(stream.packer.take(T), self.kind, self._masker,
-                                    mask_seed(self.seed, s, stream.sequences))
+                x, y = make_example(
+                    stream.packer.take(T), self.kind, self._masker, mask_seed(self.seed, s, stream.sequences)
+                )
                 stream.sequences += 1
                 inputs.append(x)
                 labels.append(y)
         return {"input_ids": torch.stack(inputs), "labels": torch.stack(labels)}
 
     def _meta(self) -> dict:
-        return {"version": STATE_VERSION, "num_streams": self.cfg.num_streams, "seq_len": self.seq_len,
-                "kind": self.kind}
+        return {
+            "version": STATE_VERSION,
+            "num_streams": self.cfg.num_streams,
+            "seq_len": self.seq_len,
+            "kind": self.kind,
+        }
 
     def state_dict(self) -> dict:
         """JSON-serializable state of this worker's streams (each stream also carries the metadata): the position
@@ -218,10 +258,12 @@ def _unique(docs):
             yield text
 
 
-def validation_sequences(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int,
-                         seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def validation_sequences(
+    cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global validation set: the first ``val_sequences`` packed sequences of the validation stream."""
     _check_kind(kind)
+    role: Literal["train", "val", "all"]
     if cfg.val_sources:
         sources, role, holdout = validation_sources(cfg), "all", 0.0
     elif cfg.val_holdout > 0:
@@ -242,26 +284,50 @@ def validation_sequences(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer,
         out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
     if not out:
         where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
-        raise ValueError(f"validation: {where} has fewer than seq_len={seq_len} tokens; "
-                         f"add validation data or raise data.val_holdout")
+        raise ValueError(
+            f"validation: {where} has fewer than seq_len={seq_len} tokens; "
+            f"add validation data or raise data.val_holdout"
+        )
     return out
 
 
-def validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, micro_batch: int,
-                       seed: int, part: slice = slice(None)) -> list[dict[str, torch.Tensor]]:
+def validation_batches(
+    cfg: DataConfig,
+    *,
+    kind: str,
+    seq_len: int,
+    tokenizer,
+    val_sequences: int,
+    micro_batch: int,
+    seed: int,
+    part: slice = slice(None),
+) -> list[dict[str, torch.Tensor]]:
     """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches."""
     if micro_batch <= 0:
         raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
-    seqs = validation_sequences(cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
-                                val_sequences=val_sequences, seed=seed)[part]
-    return [{"input_ids": torch.stack([x for x, _ in seqs[i:i + micro_batch]]),
-             "labels": torch.stack([y for _, y in seqs[i:i + micro_batch]])}
-            for i in range(0, len(seqs), micro_batch)]
+    seqs = validation_sequences(
+        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed
+    )[part]
+    return [
+        {
+            "input_ids": torch.stack([x for x, _ in seqs[i : i + micro_batch]]),
+            "labels": torch.stack([y for _, y in seqs[i : i + micro_batch]]),
+        }
+        for i in range(0, len(seqs), micro_batch)
+    ]
 
 
-def source_validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int,
-                              micro_batch: int, seed: int, part: slice = slice(None)
-                              ) -> tuple[dict[str, list[dict[str, torch.Tensor]]], list[str]]:
+def source_validation_batches(
+    cfg: DataConfig,
+    *,
+    kind: str,
+    seq_len: int,
+    tokenizer,
+    val_sequences: int,
+    micro_batch: int,
+    seed: int,
+    part: slice = slice(None),
+) -> tuple[dict[str, list[dict[str, torch.Tensor]]], list[str]]:
     """One validation set per source, by name (:func:`pretrain.config.source_name`): each ``data.val_sources``
     entry, or without them each training source's own held-out share — built exactly as the aggregate set is,
     from that source alone (``val_sequences`` sequences each, this ``part``). With a single source the set is
@@ -273,10 +339,19 @@ def source_validation_batches(cfg: DataConfig, *, kind: str, seq_len: int, token
     sets, skipped = {}, []
     for src in group:
         name = source_name(src.path, src.name)
-        one = dataclasses.replace(cfg, **{field: [dataclasses.replace(src, weight=1.0)]})
+        changes: dict[str, Any] = {field: [dataclasses.replace(src, weight=1.0)]}
+        one = dataclasses.replace(cfg, **changes)
         try:
-            sets[name] = validation_batches(one, kind=kind, seq_len=seq_len, tokenizer=tokenizer,
-                                            val_sequences=val_sequences, micro_batch=micro_batch, seed=seed, part=part)
+            sets[name] = validation_batches(
+                one,
+                kind=kind,
+                seq_len=seq_len,
+                tokenizer=tokenizer,
+                val_sequences=val_sequences,
+                micro_batch=micro_batch,
+                seed=seed,
+                part=part,
+            )
         except ValueError:  # fewer held-out tokens than one sequence: only the aggregate covers this source
             skipped.append(name)
     return sets, skipped

@@ -19,7 +19,7 @@ resumption.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,8 +29,14 @@ IGNORE_INDEX = -100
 class Packer:
     """Turns a document iterator into fixed-length token sequences (see the module docstring)."""
 
-    def __init__(self, docs: Iterator[str], encode: Callable[[list[str]], list[list[int]]], separator: int,
-                 seq_len: int, buffer: list[int] | None = None):
+    def __init__(
+        self,
+        docs: Iterator[str],
+        encode: Callable[[list[str]], list[list[int]]],
+        separator: int,
+        seq_len: int,
+        buffer: list[int] | None = None,
+    ):
         if seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         self.docs, self.encode, self.separator, self.seq_len = docs, encode, int(separator), seq_len
@@ -116,5 +122,6 @@ def make_example(ids: list[int], kind: str, masker: Masker | None, seed: int) ->
     """(input_ids, labels) of one packed sequence: decoders predict every token (the model shifts)."""
     t = torch.tensor(ids, dtype=torch.int64)
     if kind == "encoder":
+        assert masker is not None  # encoders always pass one
         return masker(t, seed)
     return t, t.clone()

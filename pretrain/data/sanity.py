@@ -35,8 +35,8 @@ import codecs
 import itertools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.data.sources import (
@@ -58,9 +58,15 @@ SCAN_BYTES = 64 << 20
 SCAN_DRAWS = 10_000_000
 CHARS_PER_TOKEN = 4  # a piece of about one sequence: CHARS_PER_TOKEN * seq_len characters
 
-_MAGIC = {b"\x1f\x8b": "gzip-compressed data", b"\x28\xb5\x2f\xfd": "zstd-compressed data",
-          b"BZh": "bzip2-compressed data", b"\xfd7zXZ\x00": "xz-compressed data", b"PK\x03\x04": "a zip archive",
-          b"PAR1": "a parquet file (set format: parquet)", b"\x7fELF": "an executable"}
+_MAGIC = {
+    b"\x1f\x8b": "gzip-compressed data",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed data",
+    b"BZh": "bzip2-compressed data",
+    b"\xfd7zXZ\x00": "xz-compressed data",
+    b"PK\x03\x04": "a zip archive",
+    b"PAR1": "a parquet file (set format: parquet)",
+    b"\x7fELF": "an executable",
+}
 _NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd]")
 
 
@@ -224,9 +230,11 @@ def check_source(src: SourceConfig, key: str, cfg: DataConfig) -> ResolvedSource
 def check_sources(cfg: DataConfig) -> None:
     """Every training and validation source resolved (all of them first: the quick refusals), then each
     one's prefix checked."""
-    keyed = [(f"{key}[{i}]", src) for key, sources in (("data.sources", cfg.sources),
-                                                       ("data.val_sources", cfg.val_sources))
-             for i, src in enumerate(sources)]
+    keyed = [
+        (f"{key}[{i}]", src)
+        for key, sources in (("data.sources", cfg.sources), ("data.val_sources", cfg.val_sources))
+        for i, src in enumerate(sources)
+    ]
     for key, src in keyed:
         if src.path != "demo":
             resolve_source(src, cfg.cache_dir, key)
@@ -326,8 +334,10 @@ def _pass_count(sources, records, seed: int, holdout: float, at_least: int) -> i
 
 
 def _pieces(records: list[list[dict]], size: int) -> list[list[dict]]:
-    return [[{**r, "text": p} for r in recs for p in (cut_pieces(r["text"], size) if r["bad"] is None else [None])]
-            for recs in records]
+    return [
+        [{**r, "text": p} for r in recs for p in (cut_pieces(r["text"], size) if r["bad"] is None else [None])]
+        for recs in records
+    ]
 
 
 def plan_split(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int) -> SplitPlan:
@@ -368,16 +378,23 @@ def plan_split(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int) 
     corpus = f"{docs} document{'s' if docs != 1 else ''} ({chars:,} characters)"
     streams = f"data.num_streams={S}"
     if train < S:
-        raise ConfigError(f"data.sources: too little text to train on: {corpus} in all, not a document for each of the "
-                          f"{streams} streams even cut into pieces (add data or lower data.num_streams)")
+        raise ConfigError(
+            f"data.sources: too little text to train on: {corpus} in all, not a document for each of the "
+            f"{streams} streams even cut into pieces (add data or lower data.num_streams)"
+        )
     if not tally(pieces).val_ok:
-        raise ConfigError(f"data.val_holdout: {holdout:g} of {corpus} is less than one {seq_len}-token sequence even "
-                          f"cut into pieces (raise data.val_holdout, give data.val_sources, or set data.val_holdout=0)")
+        raise ConfigError(
+            f"data.val_holdout: {holdout:g} of {corpus} is less than one {seq_len}-token sequence even "
+            f"cut into pieces (raise data.val_holdout, give data.val_sources, or set data.val_holdout=0)"
+        )
     too_few = f"a document-level holdout ({holdout:g}) and {streams}" if val_needed else streams
     held = f"; {holdout:g} of them held out" if val_needed else ""
-    return SplitPlan(size, f"data: {corpus} {'is' if docs == 1 else 'are'} too few for {too_few}: the holdout falls "
-                           f"back to a sequence-level split (documents cut into pieces of {size} characters, about one "
-                           f"{seq_len}-token sequence each{held})")
+    return SplitPlan(
+        size,
+        f"data: {corpus} {'is' if docs == 1 else 'are'} too few for {too_few}: the holdout falls "
+        f"back to a sequence-level split (documents cut into pieces of {size} characters, about one "
+        f"{seq_len}-token sequence each{held})",
+    )
 
 
 def check_validation_sources(cfg: DataConfig, *, seq_len: int, val_sequences: int) -> None:
@@ -393,9 +410,11 @@ def check_validation_sources(cfg: DataConfig, *, seq_len: int, val_sequences: in
         return
     if records is not None:
         texts = {r["text"] for r in itertools.chain.from_iterable(records) if r["bad"] is None}
-        raise ConfigError(f"data.val_sources: too little text for validation: {len(texts)} distinct document(s), "
-                          f"{sum(map(len, texts)):,} characters in all, less than one {seq_len}-token sequence "
-                          f"(add validation data)")
+        raise ConfigError(
+            f"data.val_sources: too little text for validation: {len(texts)} distinct document(s), "
+            f"{sum(map(len, texts)):,} characters in all, less than one {seq_len}-token sequence "
+            f"(add validation data)"
+        )
 
 
 def check_corpus(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int) -> SplitPlan:
@@ -404,4 +423,3 @@ def check_corpus(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int
     check_sources(cfg)
     check_validation_sources(cfg, seq_len=seq_len, val_sequences=val_sequences)
     return plan_split(cfg, seq_len=seq_len, seed=seed, val_sequences=val_sequences)
-

@@ -31,9 +31,10 @@ import glob as globlib
 import json
 import re
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.data.demo_corpus import build_demo_corpus
@@ -95,8 +96,11 @@ class BadRecords:
         return sum(self.by_reason.values())
 
     def state_dict(self) -> dict:
-        return {"by_reason": dict(self.by_reason), "by_source": dict(self.by_source),
-                "examples": [list(e) for e in self.examples]}
+        return {
+            "by_reason": dict(self.by_reason),
+            "by_source": dict(self.by_source),
+            "examples": [list(e) for e in self.examples],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.by_reason = {str(k): int(v) for k, v in state.get("by_reason", {}).items()}
@@ -122,9 +126,12 @@ def summarize_bad_records(parts: list[BadRecords]) -> dict:
         return (str(e[0]), 0, line, "") if isinstance(line, int) else (str(e[0]), 1, 0, str(line))
 
     unique = sorted(set(examples), key=order)[:_MAX_EXAMPLES]
-    return {"total": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items())),
-            "by_source": dict(sorted(by_source.items())),
-            "examples": [f"{f}:{line}: {msg}" for f, line, msg in unique]}
+    return {
+        "total": sum(by_reason.values()),
+        "by_reason": dict(sorted(by_reason.items())),
+        "by_source": dict(sorted(by_source.items())),
+        "examples": [f"{f}:{line}: {msg}" for f, line, msg in unique],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,22 +249,26 @@ class ResolvedSource:
         import datasets
 
         if self.format in ("text", "json"):
-            kwargs = {"files": list(self.files), "fmt": self.format, "text_field": self.text_field}
+            kwargs: dict[str, Any] = {"files": list(self.files), "fmt": self.format, "text_field": self.text_field}
             if self.piece_chars:
                 kwargs["piece_chars"] = self.piece_chars
             return datasets.IterableDataset.from_generator(read_lines, gen_kwargs=kwargs)
         if self.format == "parquet":
             ds = datasets.load_dataset("parquet", data_files=[self.files[part]], split="train", streaming=True)
             if ds.column_names is not None and self.text_field not in ds.column_names:
-                raise ValueError(f"{self.files[part]}: no column {self.text_field!r} "
-                                 f"(columns: {', '.join(ds.column_names)}); set text_field in source {self.name!r}")
+                raise ValueError(
+                    f"{self.files[part]}: no column {self.text_field!r} "
+                    f"(columns: {', '.join(ds.column_names)}); set text_field in source {self.name!r}"
+                )
             return ds.select_columns([self.text_field]) if ds.column_names else ds
         try:
             return datasets.load_dataset(self.hub_path, split=self.split, streaming=True)
         except Exception as e:  # noqa: BLE001 - offline, unknown name...: one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"data source {self.name!r}: could not stream {self.hub_path!r} "
-                             f"(not a local path; hub load failed: {first})") from e
+            raise ValueError(
+                f"data source {self.name!r}: could not stream {self.hub_path!r} "
+                f"(not a local path; hub load failed: {first})"
+            ) from e
 
     def convert(self, row: dict, part: int, index: int) -> dict:
         """Normalize a raw row of part ``part`` (``index``: row number within it) to a record dict."""
@@ -280,21 +291,26 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
     or, without a key, the source's name."""
     name = src.name or src.path
     label = f"{key}.path" if key else f"data source {name!r}"
-    base = dict(name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars)
+    base: dict[str, Any] = dict(
+        name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars
+    )
     if src.format == "hub":
         return ResolvedSource(format="hub", hub_path=src.path, **base)
     if src.path == "demo":
         try:
             files = [build_demo_corpus(Path(cache_dir))]
         except OSError as e:
-            raise ConfigError(f"data.cache_dir: cannot write the demo corpus into {cache_dir} "
-                              f"({e.strerror or e})") from None
-        return ResolvedSource(format="text" if src.format == "auto" else src.format,
-                              files=[str(f) for f in files], **base)
+            raise ConfigError(
+                f"data.cache_dir: cannot write the demo corpus into {cache_dir} ({e.strerror or e})"
+            ) from None
+        return ResolvedSource(
+            format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
+        )
     p = Path(src.path).expanduser()
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*")
-                       if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts))
+        files = sorted(
+            f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)
+        )
         if src.format == "auto":
             files = [f for f in files if f.suffix.lower() in _EXTENSIONS]
     elif p.is_file():
@@ -306,25 +322,30 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
     else:
         raise ConfigError(f"{label}: {src.path} does not exist")
     if not files:
-        where = (f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {src.path}" if p.is_dir()
-                 else f"no file matches {src.path}")
+        where = (
+            f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {src.path}"
+            if p.is_dir()
+            else f"no file matches {src.path}"
+        )
         raise ConfigError(f"{label}: {where}")
-    fmt = src.format
+    fmt: str = src.format
     if fmt == "auto":
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
             where = f"{key}.format" if key else f"data source {name!r}"
-            raise ConfigError(f"{where}: cannot tell the format of {bad} from its extension; "
-                              f"set format (text, json, parquet)")
+            raise ConfigError(
+                f"{where}: cannot tell the format of {bad} from its extension; set format (text, json, parquet)"
+            )
         if len(kinds) > 1:
-            raise ConfigError(f"{label}: mixed formats {sorted(kinds)}; use one source per format")
-        fmt = kinds.pop()
+            raise ConfigError(f"{label}: mixed formats {sorted(cast(set[str], kinds))}; use one source per format")
+        fmt = cast(str, kinds.pop())  # None was ruled out above
     return ResolvedSource(format=fmt, files=[str(f) for f in files], **base)
 
 
-def resolve_sources(sources: list[SourceConfig], cache_dir: str | Path, key: str = "",
-                    piece_chars: int = 0) -> list[ResolvedSource]:
+def resolve_sources(
+    sources: list[SourceConfig], cache_dir: str | Path, key: str = "", piece_chars: int = 0
+) -> list[ResolvedSource]:
     """Every source resolved; errors name ``key[i]`` when ``key`` (e.g. ``data.sources``) is given."""
     return [resolve_source(s, cache_dir, f"{key}[{i}]" if key else "", piece_chars) for i, s in enumerate(sources)]
 
@@ -344,7 +365,7 @@ def validation_sources(cfg: DataConfig) -> list[ResolvedSource]:
 # ----------------------------------------------------------------------------------------------
 
 
-_LIVE_READERS: "weakref.WeakSet[SourceReader]" = weakref.WeakSet()
+_LIVE_READERS: weakref.WeakSet[SourceReader] = weakref.WeakSet()
 
 
 @atexit.register

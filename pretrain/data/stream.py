@@ -6,8 +6,9 @@
 those of ``datasets.interleave_datasets(probabilities=..., seed=..., stopping_strategy="all_exhausted")``:
 an exhausted source restarts (oversampling) until every source has been exhausted once, which ends
 the pass. We do not call ``interleave_datasets`` itself: it prefetches each source through a thread
-pool, which costs ~100 us per record (measured) and every virtual stream reads every record (below),
-while this equivalent costs ~1 us and keeps each source's own ``datasets`` ``state_dict`` exact.
+pool, a thread hand-off per record that every virtual stream pays (each reads every record, below),
+while this equivalent is one counter-based draw per record in the reading thread and keeps each
+source's own ``datasets`` ``state_dict`` exact.
 
 **Virtual streams.** Good training documents (bad records dropped, validation holdout removed) get
 a global index ``i`` in mixture order; document ``i`` belongs to stream ``i % num_streams``. This is
@@ -70,6 +71,7 @@ class Mixture:
             self._choices = np.minimum(np.searchsorted(self._cum, u, side="right"), len(self.sources) - 1)
             self._block = block
         self.draws += 1
+        assert self._choices is not None  # drawn for block >= 0 above (_block starts at -1)
         return int(self._choices[offset])
 
     def __iter__(self):
@@ -94,8 +96,11 @@ class Mixture:
         raise StopIteration
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws, "exhausted": list(self.exhausted),
-                "readers": [r.state_dict() for r in self.readers]}
+        return {
+            "draws": self.draws,
+            "exhausted": list(self.exhausted),
+            "readers": [r.state_dict() for r in self.readers],
+        }
 
 
 def is_holdout(text: str, val_holdout: float) -> bool:
@@ -110,9 +115,19 @@ class DocumentStream:
     bad-record counter is kept by the caller (it is passed in).
     """
 
-    def __init__(self, sources: list[ResolvedSource], seed: int, *, role: Literal["train", "val", "all"],
-                 val_holdout: float, bad: BadRecords, stream: int = 0, num_streams: int = 1,
-                 repeat: bool = False, state: dict | None = None):
+    def __init__(
+        self,
+        sources: list[ResolvedSource],
+        seed: int,
+        *,
+        role: Literal["train", "val", "all"],
+        val_holdout: float,
+        bad: BadRecords,
+        stream: int = 0,
+        num_streams: int = 1,
+        repeat: bool = False,
+        state: dict | None = None,
+    ):
         if not 0 <= stream < num_streams:
             raise ValueError(f"stream {stream} out of range for {num_streams} streams")
         self.sources, self.seed, self.role = sources, seed, role
@@ -125,8 +140,12 @@ class DocumentStream:
         self.mixture = Mixture(sources, seed, state.get("mixture"))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "doc_index": self.doc_index, "finished": self.finished,
-                "mixture": self.mixture.state_dict()}
+        return {
+            "epoch": self.epoch,
+            "doc_index": self.doc_index,
+            "finished": self.finished,
+            "mixture": self.mixture.state_dict(),
+        }
 
     def __iter__(self):
         return self
@@ -147,7 +166,8 @@ class DocumentStream:
                     what = "validation" if want_val else "training"
                     raise ValueError(
                         f"virtual stream {s} of {S} got no {what} documents in a whole pass over the data "
-                        f"({self.doc_index} documents): too little data for data.num_streams") from None
+                        f"({self.doc_index} documents): too little data for data.num_streams"
+                    ) from None
                 self.epoch += 1
                 self.doc_index = 0
                 self.mixture = Mixture(self.sources, self.seed)

@@ -81,7 +81,8 @@ def heldout_lastword(documents, max_examples: int, num_choices: int, seed: int, 
     six words ending in an alphabetic word, the context is the sentence without that word and the choices are
     the word and ``num_choices - 1`` other words of the held-out text (seeded per example: deterministic).
     Reads documents until it has ``max_examples`` examples and a vocabulary from at least ``min_docs`` documents."""
-    pairs, vocab = [], set()
+    pairs: list[tuple[str, str]] = []
+    vocab: set[str] = set()
     for i, doc in enumerate(documents):
         if len(pairs) >= max_examples and i >= min_docs:
             break
@@ -109,9 +110,9 @@ def _encode_pair(tokenizer, context: str, choice: str) -> tuple[list[int], list[
     continuation being what follows the context's own tokens."""
     whole = tokenizer(context + choice, add_special_tokens=False)["input_ids"]
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-    if whole[:len(ctx)] != ctx:  # a merge across the boundary: encode the two apart
+    if whole[: len(ctx)] != ctx:  # a merge across the boundary: encode the two apart
         return ctx, tokenizer(choice, add_special_tokens=False)["input_ids"]
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -120,7 +121,7 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
     out = []
     for choice in example.choices:
         ctx, cont = _encode_pair(tokenizer, example.context, choice)
-        cont = cont[-(max_len - 1):]
+        cont = cont[-(max_len - 1) :]
         ids = (ctx + cont)[-max_len:]
         first = len(ids) - len(cont)
         rows = []
@@ -143,13 +144,19 @@ def heldout_documents(cfg: DataConfig, seed: int):
     from pretrain.data.stream import DocumentStream
 
     if cfg.val_sources:
-        return DocumentStream(validation_sources(cfg), seed, role="all", val_holdout=0.0,
-                              bad=BadRecords(cfg.bad_records))
-    return DocumentStream(training_sources(cfg), seed, role="val", val_holdout=cfg.val_holdout,
-                          bad=BadRecords(cfg.bad_records))
+        return DocumentStream(
+            validation_sources(cfg), seed, role="all", val_holdout=0.0, bad=BadRecords(cfg.bad_records)
+        )
+    return DocumentStream(
+        training_sources(cfg), seed, role="val", val_holdout=cfg.val_holdout, bad=BadRecords(cfg.bad_records)
+    )
 
 
 def load_tasks(specs: list[str], data: DataConfig, *, max_examples: int, num_choices: int, seed: int) -> list[Task]:
     """``eval.tasks`` loaded: task files and the built-in held-out task."""
-    return [heldout_lastword(heldout_documents(data, seed), max_examples, num_choices, seed) if spec == BUILTIN
-            else load_jsonl_task(spec, max_examples) for spec in specs]
+    return [
+        heldout_lastword(heldout_documents(data, seed), max_examples, num_choices, seed)
+        if spec == BUILTIN
+        else load_jsonl_task(spec, max_examples)
+        for spec in specs
+    ]

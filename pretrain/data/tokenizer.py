@@ -23,20 +23,30 @@ EOS, PAD, MASK, UNK = "<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>"
 SPECIAL_TOKENS = [EOS, PAD, MASK, UNK]
 TOKENIZER_DATA_SEED = 0
 MIN_FREQUENCY = 2
-TRAINER_SETTINGS = {"kind": "byte-level-bpe", "special_tokens": SPECIAL_TOKENS, "min_frequency": MIN_FREQUENCY,
-                    "add_prefix_space": False, "data_seed": TOKENIZER_DATA_SEED}
+TRAINER_SETTINGS = {
+    "kind": "byte-level-bpe",
+    "special_tokens": SPECIAL_TOKENS,
+    "min_frequency": MIN_FREQUENCY,
+    "add_prefix_space": False,
+    "data_seed": TOKENIZER_DATA_SEED,
+}
 """What a trained tokenizer depends on besides the data config (part of its cache key: tokenizer_cache.py)."""
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is built (a cached one is only copied)
     from transformers import PreTrainedTokenizerFast
 
 
-def training_documents(cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: int | None = None,
-                       bad: BadRecords | None = None):
+def training_documents(
+    cfg: DataConfig, seed: int = TOKENIZER_DATA_SEED, limit: int | None = None, bad: BadRecords | None = None
+):
     """The training documents in global (mixture) order, one pass, holdout removed."""
-    docs = DocumentStream(training_sources(cfg), seed, role="train",
-                          val_holdout=cfg.val_holdout if not cfg.val_sources else 0.0,
-                          bad=bad or BadRecords(cfg.bad_records))
+    docs = DocumentStream(
+        training_sources(cfg),
+        seed,
+        role="train",
+        val_holdout=cfg.val_holdout if not cfg.val_sources else 0.0,
+        bad=bad or BadRecords(cfg.bad_records),
+    )
     return docs if limit is None else itertools.islice(docs, limit)
 
 
@@ -48,11 +58,23 @@ def train_tokenizer(texts, vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=MIN_FREQUENCY, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=MIN_FREQUENCY,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
-                                   mask_token=MASK, unk_token=UNK, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        bos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def load_or_train_tokenizer(cfg: DataConfig, out_dir: Path | str | None = None) -> PreTrainedTokenizerFast:
@@ -89,10 +111,13 @@ def make_encoder(tokenizer):
     """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens, no BOS)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
+
         def encode(texts: list[str]) -> list[list[int]]:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
         return encode
 
     def encode_slow(texts: list[str]) -> list[list[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
     return encode_slow

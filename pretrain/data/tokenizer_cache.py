@@ -69,12 +69,26 @@ def cache_key(cfg: DataConfig, settings: dict) -> str | None:
     for src in training_sources(cfg):
         if src.format == "hub":
             return None
-        sources.append({"name": src.name, "format": src.format, "text_field": src.text_field, "weight": src.weight,
-                        "piece_chars": src.piece_chars, "files": [_file_identity(f) for f in src.files]})
-    spec = {"version": CACHE_VERSION, "tokenizers": tokenizers.__version__, "settings": settings,
-            "vocab_size": cfg.tokenizer_vocab_size, "train_docs": cfg.tokenizer_train_docs,
-            "val_holdout": cfg.val_holdout if not cfg.val_sources else 0.0, "bad_records": cfg.bad_records,
-            "sources": sources}
+        sources.append(
+            {
+                "name": src.name,
+                "format": src.format,
+                "text_field": src.text_field,
+                "weight": src.weight,
+                "piece_chars": src.piece_chars,
+                "files": [_file_identity(f) for f in src.files],
+            }
+        )
+    spec = {
+        "version": CACHE_VERSION,
+        "tokenizers": tokenizers.__version__,
+        "settings": settings,
+        "vocab_size": cfg.tokenizer_vocab_size,
+        "train_docs": cfg.tokenizer_train_docs,
+        "val_holdout": cfg.val_holdout if not cfg.val_sources else 0.0,
+        "bad_records": cfg.bad_records,
+        "sources": sources,
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -138,6 +152,7 @@ def run_tokenizer(cfg: DataConfig, out_dir: Path, say=print) -> int:
 
     key = cache_key(cfg, TRAINER_SETTINGS) if enabled() and not cfg.tokenizer else None
     hit = lookup(key) if key else None
+    entry: Path | None
     if hit is not None:
         entry, length = hit
         copy_entry(entry, out_dir)

@@ -2,20 +2,21 @@
 
     ./launch.sh anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]
 
-The child (``pretrain.derived: anneal``, an MLflow child of the parent run) starts from the parent's weights
-at step S and trains N more steps with ``train.decay: wsd`` whose decay phase is exactly those N steps: the LR
-goes from the checkpoint's LR (the parent's LR of its step S, the last step it trained) down to the parent's floor ``lr * min_lr_ratio`` in
-``train.decay_shape``. ``key=value`` overrides the child's config (e.g. another data mixture:
-``data.sources=[...]``; any data change starts fresh streams of the new mixture, otherwise the parent's data
-position is carried on). Written through the derived-run path of ``grow``/``prune``, but with the parent's model
-and optimizer state unchanged (AdamW moments and step included): the child continues the parent's optimization
-exactly, only the LR schedule differs (so the model, MoE and ZeRO sections cannot be overridden). The child resumes
-(``./launch.sh resume CHILD``), evaluates and exports like any run.
+The child (``pretrain.derived: anneal``, an MLflow child of the parent run) starts from the parent's weights at step S
+and trains N more steps with ``train.decay: wsd`` whose decay phase is exactly those N steps: the LR goes from the
+checkpoint's LR (the parent's LR of its step S, the last step it trained) down to the parent's floor ``lr *
+min_lr_ratio`` in ``train.decay_shape``. ``key=value`` overrides the child's config (e.g. another data mixture:
+``data.sources=[...]``; any data change starts fresh streams of the new mixture, otherwise the parent's data position is
+carried on). Written through the derived-run path of ``grow``/``prune``, but with the parent's model and optimizer state
+unchanged (AdamW moments and step included): the child continues the parent's optimization exactly, only the LR schedule
+differs (so the model, MoE and ZeRO sections cannot be overridden). The child resumes (``./launch.sh resume CHILD``),
+evaluates and exports like any run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
 from pretrain.driver.derive import derive_run, parent_engine_state
@@ -27,19 +28,28 @@ FIXED = ("model", "moe", "zero")
 """Config sections an anneal keeps: its child loads the parent's engine state as it is."""
 
 
-def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: list[str] = ()) -> RunConfig:
+def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequence[str] = ()) -> RunConfig:
     """The child's config: ``parent`` with ``overrides``, then a WSD schedule whose decay phase is the ``steps``
     steps after ``at_step``, from the checkpoint's LR (of the parent's last step, 0-based ``at_step - 1``) down to
     the (overridden) floor: annealed where the parent's own WSD decay starts, the child's LRs are the parent's."""
     cfg = load_config(None, list(overrides), base=to_dict(parent))
     fixed = [k for k in FIXED if to_dict(getattr(cfg, k)) != to_dict(getattr(parent, k))]
     if fixed:
-        raise ConfigError(f"anneal: {', '.join(fixed)} cannot change (the child continues the parent's model and "
-                          f"optimizer state); got {' '.join(overrides)}")
+        raise ConfigError(
+            f"anneal: {', '.join(fixed)} cannot change (the child continues the parent's model and "
+            f"optimizer state); got {' '.join(overrides)}"
+        )
     start = lr_at(max(at_step - 1, 0), parent.train)
     floor = cfg.train.lr * cfg.train.min_lr_ratio
-    train = dataclasses.replace(cfg.train, decay="wsd", decay_steps=steps, max_steps=at_step + steps,
-                                warmup_steps=0, lr=start, min_lr_ratio=min(1.0, floor / start))
+    train = dataclasses.replace(
+        cfg.train,
+        decay="wsd",
+        decay_steps=steps,
+        max_steps=at_step + steps,
+        warmup_steps=0,
+        lr=start,
+        min_lr_ratio=min(1.0, floor / start),
+    )
     return dataclasses.replace(cfg, train=train, name=f"{parent.name}-anneal{at_step}").validate()
 
 
@@ -47,8 +57,9 @@ def fresh_data_position(cfg: RunConfig, parent: LoadedCheckpoint) -> dict:
     """Fresh streams of the child's (changed) data config, as the first checkpoint's data position."""
     from pretrain.data.batches import TrainBatches
 
-    return TrainBatches(cfg.data, kind=cfg.model.kind, tokenizer=parent.tokenizer(), plan=make_plan(cfg, 1),
-                        rank=0, seed=cfg.train.seed).state_dict()
+    return TrainBatches(
+        cfg.data, kind=cfg.model.kind, tokenizer=parent.tokenizer(), plan=make_plan(cfg, 1), rank=0, seed=cfg.train.seed
+    ).state_dict()
 
 
 def anneal(argv: list[str]) -> int:
@@ -69,14 +80,28 @@ def anneal(argv: list[str]) -> int:
     at = parent.ckpt.step
     cfg = annealed_config(parent.config, at, steps, overrides)
     data = fresh_data_position(cfg, parent) if to_dict(cfg.data) != to_dict(parent.config.data) else None
-    run_id, path = derive_run(parent, cfg, parent_engine_state(parent),
-                              {"anneal.parent_run_id": parent.run_id or "", "anneal.parent_step": at,
-                               "anneal.steps": steps, "anneal.shape": cfg.train.decay_shape,
-                               "anneal.overrides": " ".join(overrides)}, "anneal", data=data)
+    run_id, path = derive_run(
+        parent,
+        cfg,
+        parent_engine_state(parent),
+        {
+            "anneal.parent_run_id": parent.run_id or "",
+            "anneal.parent_step": at,
+            "anneal.steps": steps,
+            "anneal.shape": cfg.train.decay_shape,
+            "anneal.overrides": " ".join(overrides),
+        },
+        "anneal",
+        data=data,
+    )
     t = cfg.train
-    print(f"[anneal] from {parent.ckpt.path} (step {at}): LR {t.lr:.3g} -> {t.lr * t.min_lr_ratio:.3g} over "
-          f"{steps} steps ({t.decay_shape}){'; fresh streams of the new data mixture' if data else ''}")
+    print(
+        f"[anneal] from {parent.ckpt.path} (step {at}): LR {t.lr:.3g} -> {t.lr * t.min_lr_ratio:.3g} over "
+        f"{steps} steps ({t.decay_shape}){'; fresh streams of the new data mixture' if data else ''}"
+    )
     print(f"[anneal] new run {run_id}: checkpoint {path} (the parent's weights and optimizer state)")
-    print(f"  train:   ./launch.sh resume {run_id}\n  eval:    ./launch.sh eval {run_id}\n"
-          f"  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+    print(
+        f"  train:   ./launch.sh resume {run_id}\n  eval:    ./launch.sh eval {run_id}\n"
+        f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+    )
     return 0

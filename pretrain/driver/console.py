@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 _END = b"\x00pretrain-console-end\x00\n"  # written by __exit__: the pump's last line (see there)
 _OURS = re.compile(r"^(\[(pretrain|train|fault|grow|prune)\]|error:|warning:)")
@@ -26,7 +27,7 @@ _RAY_PREFIX = re.compile(r"^(?:\x1b\[[\d;]*m)?\([\w.:-]+ pid=\d+(?:, ip=[\w.:-]+
 def user_line(line: str) -> str | None:
     """The line as the terminal shows it (Ray's process prefix removed), or None when it only goes to the log."""
     m = _RAY_PREFIX.match(line)
-    body = line[m.end():] if m else line
+    body = line[m.end() :] if m else line
     return body if _OURS.match(body) else None
 
 
@@ -43,7 +44,7 @@ class QuietConsole:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: list[bytes] = []
-        self._log = None
+        self._log: BinaryIO | None = None
 
     def set_log(self, log_path: Path) -> None:
         """Write the lines held so far, and every later line, to ``log_path``."""
@@ -70,11 +71,12 @@ class QuietConsole:
         return self
 
     def _pump(self, read: int) -> None:
+        assert self._saved is not None  # set by __enter__ before the pump starts
         terminal = self._saved[0]
         with open(read, "rb", buffering=0) as pipe:
             for raw in iter(pipe.readline, b""):
                 ended = raw.endswith(_END)
-                raw = raw[:-len(_END)] if ended else raw
+                raw = raw[: -len(_END)] if ended else raw
                 with self._lock:
                     if self._log is None:
                         self._held.append(raw)
@@ -94,13 +96,14 @@ class QuietConsole:
     def __exit__(self, *exc) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        assert self._saved is not None and self._write is not None and self._thread is not None  # __enter__ ran
         out, err = self._saved
         os.dup2(out, 1)
         os.dup2(err, 2)
         # The pump ends at this marker, after every line written before it, not at the pipe's end of file: that
-        # never came while anything else held a copy of the pipe — a child process (a lingering Ray server), or a
-        # descriptor a library duplicated and never closed (DeepSpeed's op probe keeps one of stderr), which made
-        # every in-process run wait the 5 s timeout below after its last line.
+        # never comes while anything else holds a copy of the pipe — a child process (a lingering Ray server), or
+        # a descriptor a library duplicated and never closed (DeepSpeed's op probe keeps one of stderr) — and
+        # every in-process run would wait the 5 s timeout below after its last line.
         os.write(self._write, _END)
         os.close(self._write)
         self._thread.join(timeout=5)

@@ -6,10 +6,10 @@ evaluates, resumes and exports like any other. ``prune`` keeps a subset of the b
     ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other     # or layers=first:4, layers=[0,2,5]
     ./launch.sh grow RUN_ID|CHECKPOINT depth=2x width=2x       # depth_op, width_op, heads, ffn, experts, noise
 
-The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed
-engine on the driver; without optimizer moments the resumed run starts a fresh optimizer state, the reshaped model
-has other parameters); it resumes on any worker count and expert layout. ``anneal`` (pretrain/driver/anneal.py) keeps the
-model, so its child carries the parent's engine state, AdamW moments included.
+The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed engine on
+the driver; without optimizer moments the resumed run starts a fresh optimizer state, the reshaped model has other
+parameters); it resumes on any worker count and expert layout. ``anneal`` (pretrain/driver/anneal.py) keeps the model,
+so its child carries the parent's engine state, AdamW moments included.
 """
 
 from __future__ import annotations
@@ -35,9 +35,16 @@ from pretrain.train import tracking
 StateDict = dict[str, torch.Tensor]
 
 
-def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, model: FullWeights | EngineState, tags: dict[str, Any],
-               what: str, metrics: dict[str, float] | None = None, grown: bool = False,
-               data: dict | None = None) -> tuple[str, Path]:
+def derive_run(
+    parent: LoadedCheckpoint,
+    cfg: RunConfig,
+    model: FullWeights | EngineState,
+    tags: dict[str, Any],
+    what: str,
+    metrics: dict[str, float] | None = None,
+    grown: bool = False,
+    data: dict | None = None,
+) -> tuple[str, Path]:
     """Write ``model`` as the first checkpoint of a new run, child of the parent's run, continuing the parent's
     step, tokens and data position: full weights of ``cfg.model`` (and, when given, AdamW moments of those weights
     by name, see ``pretrain/checkpoint/weights.py``), written here without an engine and resumed on any worker count
@@ -48,8 +55,11 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, model: FullWeights | En
     mixture). Returns (run id, path)."""
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
-    all_tags = {**{k: str(v) for k, v in tags.items()}, "pretrain.derived": what,
-                "pretrain.parent_checkpoint": str(parent.ckpt.path)}
+    all_tags = {
+        **{k: str(v) for k, v in tags.items()},
+        "pretrain.derived": what,
+        "pretrain.parent_checkpoint": str(parent.ckpt.path),
+    }
     if parent.run_id:
         all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
     run_id, run_dir, uri = create_run(cfg, all_tags)
@@ -57,16 +67,21 @@ def derive_run(parent: LoadedCheckpoint, cfg: RunConfig, model: FullWeights | En
     if metrics:
         tracker.log_metrics(metrics, parent.ckpt.step)
     raw = parent.trainer_state()
-    state = {"step": int(raw.get("step", parent.ckpt.step)), "tokens_seen": int(raw.get("tokens_seen", 0)),
-             "sequences": int(raw.get("sequences", 0)), "last_train_loss": float("nan")}
+    state: dict[str, Any] = {
+        "step": int(raw.get("step", parent.ckpt.step)),
+        "tokens_seen": int(raw.get("tokens_seen", 0)),
+        "sequences": int(raw.get("sequences", 0)),
+        "last_train_loss": float("nan"),
+    }
     if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
         applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
         state["callbacks"] = {"growth": {"applied": applied, "last_growth_step": state["step"]}}
     world = LocalWorld()
     if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
         world.world_size = parent.ckpt.manifest.world_size
-    writer = CheckpointWriter(run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last,
-                              register=tracker.register_checkpoint)
+    writer = CheckpointWriter(
+        run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
+    )
     data_state = data if data is not None else parent.data_position()
     rng = reader.read_rng_state(parent.ckpt.path, 0) or {"torch": torch.get_rng_state()}
     path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state, model=model, rng_state=rng))
@@ -79,8 +94,9 @@ def parent_engine_state(parent: LoadedCheckpoint) -> EngineState | FullWeights:
     its DeepSpeed engine files hard-linked (a committed checkpoint is never modified; copied where the filesystem
     cannot link), or its full weights with their AdamW moments."""
     if reader.is_full_weights(parent.ckpt):
-        return FullWeights(ckpt_weights.load_full_weights(parent.ckpt.path),
-                           ckpt_weights.load_optimizer_moments(parent.ckpt.path))
+        return FullWeights(
+            ckpt_weights.load_full_weights(parent.ckpt.path), ckpt_weights.load_optimizer_moments(parent.ckpt.path)
+        )
     src = ckpt_weights.ds_engine_dir(parent.ckpt.path)
 
     def link(a: str, b: str) -> None:
@@ -147,19 +163,33 @@ def prune(argv: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(f"prune layers: {e}") from None
     cfg, weights = pruned(parent, keep)
-    run_id, path = derive_run(parent, cfg, FullWeights(weights), {"prune.parent_run_id": parent.run_id or "",
-                                                     "prune.parent_step": parent.ckpt.step,
-                                                     "prune.layers": ",".join(map(str, keep))}, "prune")
+    run_id, path = derive_run(
+        parent,
+        cfg,
+        FullWeights(weights),
+        {
+            "prune.parent_run_id": parent.run_id or "",
+            "prune.parent_step": parent.ckpt.step,
+            "prune.layers": ",".join(map(str, keep)),
+        },
+        "prune",
+    )
     print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
     if cfg.layer_drop.scaling != parent.config.layer_drop.scaling:
-        print("[prune] layer_drop.scaling rho: the parent's rho of the kept blocks is folded into their weights; "
-              "the new run uses layer_drop.scaling=inverted (nothing to apply at inference)")
+        print(
+            "[prune] layer_drop.scaling rho: the parent's rho of the kept blocks is folded into their weights; "
+            "the new run uses layer_drop.scaling=inverted (nothing to apply at inference)"
+        )
     if cfg.model.norm_placement == "deepnorm":
-        print("[prune] note: deepnorm's residual weight alpha = (2 * num_layers) ** 0.25 follows the depth, so the "
-              "pruned model is not exactly the parent with the other blocks skipped")
+        print(
+            "[prune] note: deepnorm's residual weight alpha = (2 * num_layers) ** 0.25 follows the depth, so the "
+            "pruned model is not exactly the parent with the other blocks skipped"
+        )
     print(f"[prune] new run {run_id}: checkpoint {path}")
-    print(f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
-          f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+    print(
+        f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
+        f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+    )
     return 0
 
 
@@ -177,9 +207,15 @@ def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     from pretrain.data import validation_batches
 
     cfg = parent.config
-    batches = validation_batches(cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len,
-                                 tokenizer=parent.tokenizer(), val_sequences=8, micro_batch=8,
-                                 seed=cfg.train.seed)
+    batches = validation_batches(
+        cfg.data,
+        kind=cfg.model.kind,
+        seq_len=cfg.model.max_seq_len,
+        tokenizer=parent.tokenizer(),
+        val_sequences=8,
+        micro_batch=8,
+        seed=cfg.train.seed,
+    )
     if batches:
         return batches[0]
     g = torch.Generator().manual_seed(cfg.train.seed)  # no validation data: a fixed random batch
@@ -219,29 +255,52 @@ def grow(argv: list[str]) -> int:
     cfg = parent.config
     sd = parent.state_dict(inference=False)
     try:
-        grown = apply_growth(cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step,
-                             layer_drop=cfg.layer_drop)
+        grown = apply_growth(
+            cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step, layer_drop=cfg.layer_drop
+        )
     except ValueError as e:
         raise ConfigError(f"grow: {e}") from None
     new_cfg = grown_config(cfg, grown.model, grown.moe)
     rewarm = _rewarm_steps(cfg, rewarm_opt)
-    new_cfg = dataclasses.replace(new_cfg, name=f"{cfg.name}-grown",
-                                  growth=dataclasses.replace(new_cfg.growth, rewarm_steps=rewarm))
+    new_cfg = dataclasses.replace(
+        new_cfg, name=f"{cfg.name}-grown", growth=dataclasses.replace(new_cfg.growth, rewarm_steps=rewarm)
+    )
     batch, cpu = [_held_back_batch(parent)], torch.device("cpu")
     before, after = held_back_loss(cfg, sd, batch, cpu), held_back_loss(new_cfg, grown.state, batch, cpu)
-    rel = check_growth_loss(before, after, exact=grown.exact and entry.noise == 0,
-                            tolerance=cfg.growth.check_tolerance, operator=grown.operator, at_step=parent.ckpt.step)
+    rel = check_growth_loss(
+        before,
+        after,
+        exact=grown.exact and entry.noise == 0,
+        tolerance=cfg.growth.check_tolerance,
+        operator=grown.operator,
+        at_step=parent.ckpt.step,
+    )
     print(f"[grow] {grown.operator}: held-back loss (fp32) {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
-    run_id, path = derive_run(parent, new_cfg, FullWeights(grown.state),
-                              {"growth.parent_run_id": parent.run_id or "", "growth.parent_step": parent.ckpt.step,
-                               "growth.operator": grown.operator}, "growth",
-                              metrics={"growth/loss_before": before, "growth/loss_after": after}, grown=True)
+    run_id, path = derive_run(
+        parent,
+        new_cfg,
+        FullWeights(grown.state),
+        {
+            "growth.parent_run_id": parent.run_id or "",
+            "growth.parent_step": parent.ckpt.step,
+            "growth.operator": grown.operator,
+        },
+        "growth",
+        metrics={"growth/loss_before": before, "growth/loss_after": after},
+        grown=True,
+    )
     params = count_parameters(grown.state, grown.model.tie_embeddings)
-    print(f"[grow] new run {run_id}: {new_cfg.model.num_layers} blocks, hidden {new_cfg.model.hidden_size}, "
-          f"{new_cfg.moe.num_experts or 'no'} experts, {params:,} parameters; checkpoint {path}")
+    print(
+        f"[grow] new run {run_id}: {new_cfg.model.num_layers} blocks, hidden {new_cfg.model.hidden_size}, "
+        f"{new_cfg.moe.num_experts or 'no'} experts, {params:,} parameters; checkpoint {path}"
+    )
     if rewarm:
-        print(f"[grow] the new run starts with fresh AdamW moments and re-warms its LR from 0 over {rewarm} steps "
-              f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)")
-    print(f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"
-          f"  export:  ./launch.sh export {run_id} --out exported/{run_id}")
+        print(
+            f"[grow] the new run starts with fresh AdamW moments and re-warms its LR from 0 over {rewarm} steps "
+            f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)"
+        )
+    print(
+        f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"
+        f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+    )
     return 0

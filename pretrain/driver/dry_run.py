@@ -33,14 +33,20 @@ def _tokenizer_line(cfg: RunConfig) -> tuple[str, int]:
     from pretrain.data.tokenizer import TRAINER_SETTINGS
 
     if not tokenizer_cache.enabled():
-        return f"trained at start (byte-level BPE, {d.tokenizer_vocab_size:,} tokens; cache off)", d.tokenizer_vocab_size
+        return (
+            f"trained at start (byte-level BPE, {d.tokenizer_vocab_size:,} tokens; cache off)",
+            d.tokenizer_vocab_size,
+        )
     key = tokenizer_cache.cache_key(d, TRAINER_SETTINGS)
     hit = tokenizer_cache.lookup(key) if key else None
     if hit is not None:
         return f"reused from cache {hit[0]} ({hit[1]:,} tokens)", hit[1]
     why = "not cached yet" if key else "hub sources are not cached"
-    return (f"trained at start on {d.tokenizer_train_docs:,} documents (byte-level BPE, {d.tokenizer_vocab_size:,} "
-            f"tokens; {why})", d.tokenizer_vocab_size)
+    return (
+        f"trained at start on {d.tokenizer_train_docs:,} documents (byte-level BPE, {d.tokenizer_vocab_size:,} "
+        f"tokens; {why})",
+        d.tokenizer_vocab_size,
+    )
 
 
 def _length_of(tokenizer_json: Path) -> int:
@@ -81,37 +87,57 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
     total, body = _parameters(cfg)
     moe = f", MoE {cfg.moe.num_experts} experts top-{cfg.moe.top_k}" if getattr(cfg.moe, "num_experts", 0) else ""
     address = c.address or os.environ.get("RAY_ADDRESS", "")
-    where = ("in this process (cluster.use_ray=false)" if not c.use_ray else
-             "in this process (one worker: nothing for Ray to do; cluster.ray_for_one_worker=true runs it through "
-             "an embedded local Ray)" if c.trains_in_process() else
-             f"on the Ray cluster {address}" if address else "through an embedded local Ray")
+    where = (
+        "in this process (cluster.use_ray=false)"
+        if not c.use_ray
+        else "in this process (one worker: nothing for Ray to do; cluster.ray_for_one_worker=true runs it through "
+        "an embedded local Ray)"
+        if c.trains_in_process()
+        else f"on the Ray cluster {address}"
+        if address
+        else "through an embedded local Ray"
+    )
     uri = ""
     if cfg.tracking.enabled:
         from pretrain.train.tracking import tracking_uri
 
         uri = tracking_uri()
     sources = ", ".join(s.name or s.path for s in cfg.data.sources)
-    val = (", ".join(s.name or s.path for s in cfg.data.val_sources) if cfg.data.val_sources
-           else f"{cfg.data.val_holdout:.0%} of the training documents held out")
+    val = (
+        ", ".join(s.name or s.path for s in cfg.data.val_sources)
+        if cfg.data.val_sources
+        else f"{cfg.data.val_holdout:.0%} of the training documents held out"
+    )
     rows = [
         ("config", f"{cfg.name} ({config_path})"),
-        ("model", f"{m.kind}, {m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads"
-                  + (f" ({m.num_kv_heads} kv)" if m.num_kv_heads else "") + f", seq {m.max_seq_len}, "
-                  f"vocab {m.vocab_size:,}{moe}: {total / 1e6:,.2f}M parameters ({body / 1e6:,.2f}M without "
-                  f"embeddings)"),
+        (
+            "model",
+            f"{m.kind}, {m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads"
+            + (f" ({m.num_kv_heads} kv)" if m.num_kv_heads else "")
+            + f", seq {m.max_seq_len}, "
+            f"vocab {m.vocab_size:,}{moe}: {total / 1e6:,.2f}M parameters ({body / 1e6:,.2f}M without "
+            f"embeddings)",
+        ),
         ("tokenizer", tok),
         ("data", f"{sources}; validation: {val}"),
         ("batch", plan.describe().removeprefix("plan: ")),
-        ("steps", f"{t.max_steps:,} ({t.max_steps * plan.tokens_per_step:,} tokens), lr {t.lr:g} {t.decay}, "
-                  f"warmup {t.warmup_steps}, validation every {t.val_every or t.max_steps} steps"),
+        (
+            "steps",
+            f"{t.max_steps:,} ({t.max_steps * plan.tokens_per_step:,} tokens), lr {t.lr:g} {t.decay}, "
+            f"warmup {t.warmup_steps}, validation every {t.val_every or t.max_steps} steps",
+        ),
         ("engine", f"DeepSpeed ZeRO-{cfg.zero.stage}, precision {t.precision}, compile {t.compile}"),
-        ("workers", f"{c.num_workers} x {c.cpus_per_worker:g} CPU{', GPU ' + c.use_gpu if c.use_gpu != 'no' else ''}"
-                    f" {where}"),
+        (
+            "workers",
+            f"{c.num_workers} x {c.cpus_per_worker:g} CPU{', GPU ' + c.use_gpu if c.use_gpu != 'no' else ''} {where}",
+        ),
         ("checkpoints", f"every {cfg.checkpoint.every_steps or t.max_steps} steps into {cfg.checkpoint.dir}/RUN_ID"),
         ("tracking", f"MLflow {uri}" if uri else "off (tracking.enabled=false)"),
     ]
-    print("[pretrain] dry run: config valid; preflight passed (checkpoint directory writable, worker layout, "
-          "paths, corpus readable and split planned); nothing was started or created")
+    print(
+        "[pretrain] dry run: config valid; preflight passed (checkpoint directory writable, worker layout, "
+        "paths, corpus readable and split planned); nothing was started or created"
+    )
     for key, value in rows:
         print(f"  {key:<12} {value}")
     return 0

@@ -63,8 +63,10 @@ def _check_gpu_request(cfg: RunConfig) -> None:
 
     local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) or cfg.cluster.trains_in_process()
     if cfg.cluster.use_gpu == "yes" and local and not any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/kfd")):
-        raise ConfigError("cluster.use_gpu: yes, but this machine has no GPU driver (no /dev/nvidiactl or /dev/kfd) "
-                          "and no cluster address is set; use auto (GPUs when there are) or no")
+        raise ConfigError(
+            "cluster.use_gpu: yes, but this machine has no GPU driver (no /dev/nvidiactl or /dev/kfd) "
+            "and no cluster address is set; use auto (GPUs when there are) or no"
+        )
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -77,13 +79,16 @@ def preflight(cfg: RunConfig) -> None:
     check_local_layout(cfg.cluster)
     m, d = cfg.model, cfg.data
     if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:
-        raise ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer this run trains (at least "
-                          f"{BYTE_LEVEL_VOCAB} tokens); set 0 to take the tokenizer's size")
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer this run trains (at least "
+            f"{BYTE_LEVEL_VOCAB} tokens); set 0 to take the tokenizer's size"
+        )
     _check_dir(cfg.data.tokenizer, "data.tokenizer", " (a saved Hugging Face tokenizer)")
     _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
-    plan = check_corpus(cfg.data, seq_len=cfg.model.max_seq_len, seed=cfg.train.seed,
-                        val_sequences=cfg.train.val_sequences)
+    plan = check_corpus(
+        cfg.data, seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, val_sequences=cfg.train.val_sequences
+    )
     cfg.data.piece_chars = plan.piece_chars
     if plan.message:
         print(f"[pretrain] {plan.message}", flush=True)
@@ -117,8 +122,9 @@ def _warn_if_not_exportable(cfg: RunConfig) -> None:
         print(f"[pretrain] note: Hugging Face export: {reason}", flush=True)
 
 
-def create_run(cfg: RunConfig, tags: dict[str, str] | None = None,
-               complete: Callable[[Path], None] | None = None) -> tuple[str, Path, str]:
+def create_run(
+    cfg: RunConfig, tags: dict[str, str] | None = None, complete: Callable[[Path], None] | None = None
+) -> tuple[str, Path, str]:
     """The one way a run comes to exist (new, resumed from a checkpoint directory, derived by ``grow``/``prune``):
     its MLflow run (a local id when tracking is off) and its directory under ``checkpoint.dir``; then
     ``complete(run_dir)`` settles what needs the directory (tokenizer, vocab size), the config is validated and
@@ -203,8 +209,9 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         preflight(cfg)
         if cfg.tracking.enabled:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
-        return Job(config=to_dict(cfg), run_id=target, run_dir=str(root),
-                   tracking_uri=uri if cfg.tracking.enabled else "")
+        return Job(
+            config=to_dict(cfg), run_id=target, run_dir=str(root), tracking_uri=uri if cfg.tracking.enabled else ""
+        )
     ckpt = resolve(path, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)

@@ -11,5 +11,12 @@ from pretrain.export.hf import (
     resolve_checkpoint,
 )
 
-__all__ = ["ExportError", "export_checkpoint", "export_model", "export_target", "import_hf",
-           "model_config_from_hf", "resolve_checkpoint"]
+__all__ = [
+    "ExportError",
+    "export_checkpoint",
+    "export_model",
+    "export_target",
+    "import_hf",
+    "model_config_from_hf",
+    "resolve_checkpoint",
+]

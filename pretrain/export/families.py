@@ -157,7 +157,7 @@ class Family:
         bad = self.violations(cfg)
         if bad:
             raise ValueError(f"{self.hf_class} cannot represent this model exactly: {'; '.join(bad)}")
-        sd = {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+        sd = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
         sd, rcfg = self.rewrite(sd, cfg)
         return self.hf_config(cfg, special), apply_rules(sd, self.rules(rcfg), rcfg)
 
@@ -169,31 +169,48 @@ def _special(special: dict) -> dict:
 def _require(hf: dict, key: str, allowed: tuple, family: str) -> None:
     value = hf.get(key)
     if value not in allowed:
-        raise ValueError(f"{family} config {key}={value!r} has no exact equivalent in our model "
-                         f"(supported: {', '.join(map(repr, allowed))})")
+        raise ValueError(
+            f"{family} config {key}={value!r} has no exact equivalent in our model "
+            f"(supported: {', '.join(map(repr, allowed))})"
+        )
 
 
 # --- Llama: pre-LN RMSNorm, rotary, SwiGLU, no biases, tied or untied, GQA ---------------------
 
+
 def _llama_config(cfg: ModelConfig, special: dict) -> dict:
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=resolved_ffn_size(cfg),
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, head_dim=cfg.hidden_size // cfg.num_heads,
-                max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-                attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std, **_special(special))
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=resolved_ffn_size(cfg),
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=cfg.attention_dropout,
+        initializer_range=cfg.init_std,
+        **_special(special),
+    )
 
 
 def _llama_rules(cfg: ModelConfig) -> list[Rule]:
     L = "model.layers.{i}."
-    rules = [Rule(("embed_tokens.weight",), "model.embed_tokens.weight"),
-             Rule(("blocks.{i}.norm1.weight",), L + "input_layernorm.weight"),
-             Rule(("blocks.{i}.norm2.weight",), L + "post_attention_layernorm.weight"),
-             *[Rule((f"blocks.{{i}}.attn.{p}_proj.weight",), L + f"self_attn.{p}_proj.weight") for p in "qkvo"],
-             *[Rule((f"blocks.{{i}}.ffn.{p}_proj.weight",), L + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")],
-             Rule(("final_norm.weight",), "model.norm.weight"),
-             Rule(("lm_head.weight",), "lm_head.weight")]
+    rules = [
+        Rule(("embed_tokens.weight",), "model.embed_tokens.weight"),
+        Rule(("blocks.{i}.norm1.weight",), L + "input_layernorm.weight"),
+        Rule(("blocks.{i}.norm2.weight",), L + "post_attention_layernorm.weight"),
+        *[Rule((f"blocks.{{i}}.attn.{p}_proj.weight",), L + f"self_attn.{p}_proj.weight") for p in "qkvo"],
+        *[Rule((f"blocks.{{i}}.ffn.{p}_proj.weight",), L + f"mlp.{p}_proj.weight") for p in ("gate", "up", "down")],
+        Rule(("final_norm.weight",), "model.norm.weight"),
+        Rule(("lm_head.weight",), "lm_head.weight"),
+    ]
     return rules
 
 
@@ -218,51 +235,96 @@ def _llama_from_hf(hf: dict) -> dict:
     if hf.get("head_dim") not in (None, d // heads):
         raise ValueError(f"Llama head_dim={hf['head_dim']} != hidden_size/num_attention_heads: no exact equivalent")
     kv = hf.get("num_key_value_heads") or heads
-    return dict(kind="decoder", vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                num_layers=hf["num_hidden_layers"], hidden_size=d, num_heads=heads,
-                num_kv_heads=0 if kv == heads else kv, ffn_size=hf["intermediate_size"], activation="swiglu",
-                norm="rmsnorm", norm_placement="pre", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                position="rotary", rope_theta=_rope_theta(hf, "Llama"),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=False,
-                dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-                init_std=float(hf.get("initializer_range", 0.02)), embedding_norm=False, final_norm=True,
-                mlm_head_transform=False)
+    return dict(
+        kind="decoder",
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=d,
+        num_heads=heads,
+        num_kv_heads=0 if kv == heads else kv,
+        ffn_size=hf["intermediate_size"],
+        activation="swiglu",
+        norm="rmsnorm",
+        norm_placement="pre",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        position="rotary",
+        rope_theta=_rope_theta(hf, "Llama"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=False,
+        dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        embedding_norm=False,
+        final_norm=True,
+        mlm_head_transform=False,
+    )
 
 
 LLAMA = Family(
-    name="llama", hf_class="LlamaForCausalLM", model_type="llama",
-    requires=(("kind", "decoder", ""), ("norm", "rmsnorm", ""), ("norm_placement", "pre", ""),
-              ("position", "rotary", ""), ("activation", "swiglu", ""),
-              ("bias", False, "Llama has no output-layer bias"), ("embedding_norm", False, ""),
-              ("final_norm", True, ""), ("mlm_head_transform", False, "")),
-    hf_config=_llama_config, rules=_llama_rules, rewrite=lambda sd, cfg: (dict(sd), cfg),
-    config_from_hf=_llama_from_hf)
+    name="llama",
+    hf_class="LlamaForCausalLM",
+    model_type="llama",
+    requires=(
+        ("kind", "decoder", ""),
+        ("norm", "rmsnorm", ""),
+        ("norm_placement", "pre", ""),
+        ("position", "rotary", ""),
+        ("activation", "swiglu", ""),
+        ("bias", False, "Llama has no output-layer bias"),
+        ("embedding_norm", False, ""),
+        ("final_norm", True, ""),
+        ("mlm_head_transform", False, ""),
+    ),
+    hf_config=_llama_config,
+    rules=_llama_rules,
+    rewrite=lambda sd, cfg: (dict(sd), cfg),
+    config_from_hf=_llama_from_hf,
+)
 
 
 # --- GPT-2: pre-LN LayerNorm, learned positions, exact GELU, MHA (GQA expanded) ----------------
 
+
 def _gpt2_config(cfg: ModelConfig, special: dict) -> dict:
-    return dict(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.hidden_size,
-                n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=resolved_ffn_size(cfg),
-                activation_function="gelu", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout,
-                embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout, scale_attn_weights=True,
-                scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
-                tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std, **_special(special))
+    return dict(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers,
+        n_head=cfg.num_heads,
+        n_inner=resolved_ffn_size(cfg),
+        activation_function="gelu",
+        layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.attention_dropout,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        **_special(special),
+    )
 
 
 def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
     H = "transformer.h.{i}."
     qkv = tuple(f"blocks.{{i}}.attn.{p}_proj" for p in "qkv")
-    rules = [Rule(("embed_tokens.weight",), "transformer.wte.weight"),
-             Rule(("embed_positions.weight",), "transformer.wpe.weight")]
+    rules = [
+        Rule(("embed_tokens.weight",), "transformer.wte.weight"),
+        Rule(("embed_positions.weight",), "transformer.wpe.weight"),
+    ]
     for s in ("weight", "bias"):
-        rules += [Rule((f"blocks.{{i}}.norm1.{s}",), H + f"ln_1.{s}"),
-                  Rule(tuple(f"{k}.{s}" for k in qkv), H + f"attn.c_attn.{s}", "cat_t" if s == "weight" else "cat"),
-                  Rule((f"blocks.{{i}}.attn.o_proj.{s}",), H + f"attn.c_proj.{s}", "t" if s == "weight" else "copy"),
-                  Rule((f"blocks.{{i}}.norm2.{s}",), H + f"ln_2.{s}"),
-                  Rule((f"blocks.{{i}}.ffn.up_proj.{s}",), H + f"mlp.c_fc.{s}", "t" if s == "weight" else "copy"),
-                  Rule((f"blocks.{{i}}.ffn.down_proj.{s}",), H + f"mlp.c_proj.{s}", "t" if s == "weight" else "copy"),
-                  Rule((f"final_norm.{s}",), f"transformer.ln_f.{s}")]
+        rules += [
+            Rule((f"blocks.{{i}}.norm1.{s}",), H + f"ln_1.{s}"),
+            Rule(tuple(f"{k}.{s}" for k in qkv), H + f"attn.c_attn.{s}", "cat_t" if s == "weight" else "cat"),
+            Rule((f"blocks.{{i}}.attn.o_proj.{s}",), H + f"attn.c_proj.{s}", "t" if s == "weight" else "copy"),
+            Rule((f"blocks.{{i}}.norm2.{s}",), H + f"ln_2.{s}"),
+            Rule((f"blocks.{{i}}.ffn.up_proj.{s}",), H + f"mlp.c_fc.{s}", "t" if s == "weight" else "copy"),
+            Rule((f"blocks.{{i}}.ffn.down_proj.{s}",), H + f"mlp.c_proj.{s}", "t" if s == "weight" else "copy"),
+            Rule((f"final_norm.{s}",), f"transformer.ln_f.{s}"),
+        ]
     rules.append(Rule(("lm_head.weight",), "lm_head.weight"))
     return rules
 
@@ -278,34 +340,74 @@ def _gpt2_from_hf(hf: dict) -> dict:
     _require(hf, "scale_attn_by_inverse_layer_idx", (False, None), "GPT-2")
     _require(hf, "add_cross_attention", (False, None), "GPT-2")
     d = hf["n_embd"]
-    return dict(kind="decoder", vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], num_layers=hf["n_layer"],
-                hidden_size=d, num_heads=hf["n_head"], num_kv_heads=0, ffn_size=hf.get("n_inner") or 4 * d,
-                activation="gelu", norm="layernorm", norm_placement="pre",
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), position="learned",
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True,
-                dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
-                init_std=float(hf.get("initializer_range", 0.02)), embedding_norm=False, final_norm=True,
-                mlm_head_transform=False)
+    return dict(
+        kind="decoder",
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["n_positions"],
+        num_layers=hf["n_layer"],
+        hidden_size=d,
+        num_heads=hf["n_head"],
+        num_kv_heads=0,
+        ffn_size=hf.get("n_inner") or 4 * d,
+        activation="gelu",
+        norm="layernorm",
+        norm_placement="pre",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        position="learned",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bias=True,
+        dropout=float(hf.get("resid_pdrop", 0.0)),
+        attention_dropout=float(hf.get("attn_pdrop", 0.0)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        embedding_norm=False,
+        final_norm=True,
+        mlm_head_transform=False,
+    )
 
 
 GPT2 = Family(
-    name="gpt2", hf_class="GPT2LMHeadModel", model_type="gpt2",
-    requires=(("kind", "decoder", ""), ("norm", "layernorm", ""), ("norm_placement", "pre", ""),
-              ("position", "learned", ""), ("activation", "gelu", ""),
-              ("bias", False, "GPT-2's LM head has no bias (all other biases are exported as zeros)"),
-              ("embedding_norm", False, ""), ("final_norm", True, ""), ("mlm_head_transform", False, "")),
-    hf_config=_gpt2_config, rules=_gpt2_rules, rewrite=_gpt2_rewrite, config_from_hf=_gpt2_from_hf)
+    name="gpt2",
+    hf_class="GPT2LMHeadModel",
+    model_type="gpt2",
+    requires=(
+        ("kind", "decoder", ""),
+        ("norm", "layernorm", ""),
+        ("norm_placement", "pre", ""),
+        ("position", "learned", ""),
+        ("activation", "gelu", ""),
+        ("bias", False, "GPT-2's LM head has no bias (all other biases are exported as zeros)"),
+        ("embedding_norm", False, ""),
+        ("final_norm", True, ""),
+        ("mlm_head_transform", False, ""),
+    ),
+    hf_config=_gpt2_config,
+    rules=_gpt2_rules,
+    rewrite=_gpt2_rewrite,
+    config_from_hf=_gpt2_from_hf,
+)
 
 
 # --- BERT: post-LN (or folded DeepNorm) LayerNorm encoder, learned positions, GELU, MLM transform --
 
+
 def _bert_config(cfg: ModelConfig, special: dict) -> dict:
-    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads, intermediate_size=resolved_ffn_size(cfg), hidden_act="gelu",
-                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.attention_dropout,
-                max_position_embeddings=cfg.max_seq_len, type_vocab_size=1, layer_norm_eps=cfg.norm_eps,
-                initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings, is_decoder=False,
-                pad_token_id=special.get("pad_token_id"))
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=resolved_ffn_size(cfg),
+        hidden_act="gelu",
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_seq_len,
+        type_vocab_size=1,
+        layer_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        is_decoder=False,
+        pad_token_id=special.get("pad_token_id"),
+    )
 
 
 def _zero_token_types(cfg: ModelConfig) -> torch.Tensor:
@@ -315,24 +417,32 @@ def _zero_token_types(cfg: ModelConfig) -> torch.Tensor:
 
 def _bert_rules(cfg: ModelConfig) -> list[Rule]:
     E, L, P = "bert.embeddings.", "bert.encoder.layer.{i}.", "cls.predictions."
-    rules = [Rule(("embed_tokens.weight",), E + "word_embeddings.weight"),
-             Rule(("embed_positions.weight",), E + "position_embeddings.weight"),
-             Rule((), E + "token_type_embeddings.weight", const=_zero_token_types)]
+    rules = [
+        Rule(("embed_tokens.weight",), E + "word_embeddings.weight"),
+        Rule(("embed_positions.weight",), E + "position_embeddings.weight"),
+        Rule((), E + "token_type_embeddings.weight", const=_zero_token_types),
+    ]
     for s in ("weight", "bias"):
-        rules += [Rule((f"embedding_norm.{s}",), E + f"LayerNorm.{s}"),
-                  *[Rule((f"blocks.{{i}}.attn.{p}_proj.{s}",), L + f"attention.self.{n}.{s}")
-                    for p, n in (("q", "query"), ("k", "key"), ("v", "value"))],
-                  Rule((f"blocks.{{i}}.attn.o_proj.{s}",), L + f"attention.output.dense.{s}"),
-                  Rule((f"blocks.{{i}}.norm1.{s}",), L + f"attention.output.LayerNorm.{s}"),
-                  Rule((f"blocks.{{i}}.ffn.up_proj.{s}",), L + f"intermediate.dense.{s}"),
-                  Rule((f"blocks.{{i}}.ffn.down_proj.{s}",), L + f"output.dense.{s}"),
-                  Rule((f"blocks.{{i}}.norm2.{s}",), L + f"output.LayerNorm.{s}"),
-                  Rule((f"head_transform.dense.{s}",), P + f"transform.dense.{s}"),
-                  Rule((f"head_transform.norm.{s}",), P + f"transform.LayerNorm.{s}")]
-    rules += [Rule(("lm_head.weight",), P + "decoder.weight"),
-              # BERT keeps the output bias as `cls.predictions.bias` (tied to `decoder.bias`).
-              Rule(("lm_head.bias",), P + "bias"),
-              Rule(("lm_head.bias",), P + "decoder.bias", alias=True)]
+        rules += [
+            Rule((f"embedding_norm.{s}",), E + f"LayerNorm.{s}"),
+            *[
+                Rule((f"blocks.{{i}}.attn.{p}_proj.{s}",), L + f"attention.self.{n}.{s}")
+                for p, n in (("q", "query"), ("k", "key"), ("v", "value"))
+            ],
+            Rule((f"blocks.{{i}}.attn.o_proj.{s}",), L + f"attention.output.dense.{s}"),
+            Rule((f"blocks.{{i}}.norm1.{s}",), L + f"attention.output.LayerNorm.{s}"),
+            Rule((f"blocks.{{i}}.ffn.up_proj.{s}",), L + f"intermediate.dense.{s}"),
+            Rule((f"blocks.{{i}}.ffn.down_proj.{s}",), L + f"output.dense.{s}"),
+            Rule((f"blocks.{{i}}.norm2.{s}",), L + f"output.LayerNorm.{s}"),
+            Rule((f"head_transform.dense.{s}",), P + f"transform.dense.{s}"),
+            Rule((f"head_transform.norm.{s}",), P + f"transform.LayerNorm.{s}"),
+        ]
+    rules += [
+        Rule(("lm_head.weight",), P + "decoder.weight"),
+        # BERT keeps the output bias as `cls.predictions.bias` (tied to `decoder.bias`).
+        Rule(("lm_head.bias",), P + "bias"),
+        Rule(("lm_head.bias",), P + "decoder.bias", alias=True),
+    ]
     return rules
 
 
@@ -346,15 +456,29 @@ def _bert_from_hf(hf: dict) -> dict:
     _require(hf, "hidden_act", ("gelu",), "BERT")
     _require(hf, "is_decoder", (False, None), "BERT")
     _require(hf, "position_embedding_type", ("absolute", None), "BERT")
-    return dict(kind="encoder", vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
-                num_kv_heads=0, ffn_size=hf["intermediate_size"], activation="gelu", norm="layernorm",
-                norm_placement="post", norm_eps=float(hf.get("layer_norm_eps", 1e-12)), position="learned",
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True,
-                dropout=float(hf.get("hidden_dropout_prob", 0.0)),
-                attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
-                init_std=float(hf.get("initializer_range", 0.02)), embedding_norm=True, final_norm=True,
-                mlm_head_transform=True)
+    return dict(
+        kind="encoder",
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=0,
+        ffn_size=hf["intermediate_size"],
+        activation="gelu",
+        norm="layernorm",
+        norm_placement="post",
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        position="learned",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bias=True,
+        dropout=float(hf.get("hidden_dropout_prob", 0.0)),
+        attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        embedding_norm=True,
+        final_norm=True,
+        mlm_head_transform=True,
+    )
 
 
 def _bert_absorb(sd: StateDict, consts: StateDict) -> StateDict:
@@ -368,14 +492,24 @@ def _bert_absorb(sd: StateDict, consts: StateDict) -> StateDict:
 
 
 BERT = Family(
-    name="bert", hf_class="BertForMaskedLM", model_type="bert",
-    requires=(("kind", "encoder", ""), ("norm", "layernorm", ""),
-              ("norm_placement", ("post", "deepnorm"), "BERT is post-LN; DeepNorm is folded exactly"),
-              ("position", "learned", ""), ("activation", "gelu", ""),
-              ("embedding_norm", True, "BERT always normalizes the embeddings"),
-              ("mlm_head_transform", True, "BERT always has the dense+GELU+norm head transform")),
-    hf_config=_bert_config, rules=_bert_rules, rewrite=_bert_rewrite, config_from_hf=_bert_from_hf,
-    absorb_consts=_bert_absorb)
+    name="bert",
+    hf_class="BertForMaskedLM",
+    model_type="bert",
+    requires=(
+        ("kind", "encoder", ""),
+        ("norm", "layernorm", ""),
+        ("norm_placement", ("post", "deepnorm"), "BERT is post-LN; DeepNorm is folded exactly"),
+        ("position", "learned", ""),
+        ("activation", "gelu", ""),
+        ("embedding_norm", True, "BERT always normalizes the embeddings"),
+        ("mlm_head_transform", True, "BERT always has the dense+GELU+norm head transform"),
+    ),
+    hf_config=_bert_config,
+    rules=_bert_rules,
+    rewrite=_bert_rewrite,
+    config_from_hf=_bert_from_hf,
+    absorb_consts=_bert_absorb,
+)
 
 
 FAMILIES: tuple[Family, ...] = (LLAMA, GPT2, BERT)

@@ -14,8 +14,8 @@ Export (``./launch.sh export RUN_ID_OR_CHECKPOINT --out DIR [--step N] [--regist
 6. ``--register NAME``: a new version in the MLflow Model Registry whose source is the exported
    directory (no weights go through MLflow), linked to the run, tagged with step and checkpoint.
 
-Import (:mod:`pretrain.export.hf_import`): :func:`import_hf` turns an HF directory of a supported family back into our config fields and
-state dict (export -> import -> export is bitwise lossless).
+Import (:mod:`pretrain.export.hf_import`): :func:`import_hf` turns an HF directory of a supported family back into our
+config fields and state dict (export -> import -> export is bitwise lossless).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -46,10 +46,18 @@ REMOTE_CLASSES = {"decoder": "PretrainTransformerForCausalLM", "encoder": "Pretr
 
 # Texts whose ids must be identical under the training tokenizer and the exported one.
 PROBE_TEXTS = [
-    "Hello world", " leading space", "trailing space ", "  two  spaces\tand\ttabs\n\nnewlines\r\n",
-    "<|endoftext|>", "a<|endoftext|>b <|pad|> <|mask|><|unk|>", "Ünïcödé: naïve café, 日本語, 한국어, emoji 🙂🚀",
-    "numbers 1234567890 3.14159 1e-5", "code: def f(x):\n    return x ** 2  # comment", "",
-    "\u00a0non-breaking\u2009thin\u200bzero-width", "ﬁ ligature, Ⅻ, combining e\u0301",
+    "Hello world",
+    " leading space",
+    "trailing space ",
+    "  two  spaces\tand\ttabs\n\nnewlines\r\n",
+    "<|endoftext|>",
+    "a<|endoftext|>b <|pad|> <|mask|><|unk|>",
+    "Ünïcödé: naïve café, 日本語, 한국어, emoji 🙂🚀",
+    "numbers 1234567890 3.14159 1e-5",
+    "code: def f(x):\n    return x ** 2  # comment",
+    "",
+    "\u00a0non-breaking\u2009thin\u200bzero-width",
+    "ﬁ ligature, Ⅻ, combining e\u0301",
 ]
 
 
@@ -79,15 +87,19 @@ def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple
     """
     missing = unexportable(model_cfg, moe)
     if missing:
-        return None, (f"cannot export: {', '.join(missing)} is not represented by any supported Hugging Face "
-                      f"class or by the bundled modeling file; export refuses such checkpoints")
+        return None, (
+            f"cannot export: {', '.join(missing)} is not represented by any supported Hugging Face "
+            f"class or by the bundled modeling file; export refuses such checkpoints"
+        )
     if moe is not None and moe.enabled:
         target, why = moe_target(model_cfg, moe)
         if target is not None:
             return target, f"exact standard class {target} (MoE, dropless top-k routing)"
         cls = REMOTE_CLASSES[model_cfg.kind]
-        return None, (f"no exact standard Hugging Face MoE class ({' | '.join(why)}); export writes a "
-                      f"self-contained modeling file ({cls}, load with trust_remote_code=True)")
+        return None, (
+            f"no exact standard Hugging Face MoE class ({' | '.join(why)}); export writes a "
+            f"self-contained modeling file ({cls}, load with trust_remote_code=True)"
+        )
     family, reasons = find_family(model_cfg)
     if family is not None:
         notes = []
@@ -100,16 +112,19 @@ def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple
         extra = f" ({', '.join(notes)})" if notes else ""
         return family.hf_class, f"exact standard class {family.hf_class}{extra}"
     cls = REMOTE_CLASSES[model_cfg.kind]
-    why = "; ".join(reasons) if reasons else f"no standard {model_cfg.kind} family is exact"
-    return None, (f"no exact standard Hugging Face class ({why}); export writes a self-contained modeling file "
-                  f"({cls}, load with trust_remote_code=True)")
+    why_not = "; ".join(reasons) if reasons else f"no standard {model_cfg.kind} family is exact"
+    return None, (
+        f"no exact standard Hugging Face class ({why_not}); export writes a self-contained modeling file "
+        f"({cls}, load with trust_remote_code=True)"
+    )
 
 
 def special_token_ids(tokenizer) -> dict[str, int | None]:
-    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
-
-
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def remote_config_fields(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> dict[str, Any]:
@@ -127,8 +142,7 @@ def _remote_module():
     return modeling_pretrain
 
 
-def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None],
-                moe: MoEConfig | None = None):
+def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None], moe: MoEConfig | None = None):
     """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``."""
     import transformers
     from transformers.initialization import no_init_weights
@@ -147,9 +161,12 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
     else:
         mod = _remote_module()
         config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg, moe), **special)
-        config.auto_map = {"AutoConfig": f"{REMOTE_MODULE}.PretrainTransformerConfig",
-                           ("AutoModelForCausalLM" if model_cfg.kind == "decoder" else "AutoModelForMaskedLM"):
-                           f"{REMOTE_MODULE}.{REMOTE_CLASSES[model_cfg.kind]}"}
+        config.auto_map = {
+            "AutoConfig": f"{REMOTE_MODULE}.PretrainTransformerConfig",
+            (
+                "AutoModelForCausalLM" if model_cfg.kind == "decoder" else "AutoModelForMaskedLM"
+            ): f"{REMOTE_MODULE}.{REMOTE_CLASSES[model_cfg.kind]}",
+        }
         cls = getattr(mod, REMOTE_CLASSES[model_cfg.kind])
         hf_sd = dict(sd)
     config.architectures = [cls.__name__]
@@ -166,9 +183,12 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
 
         eos = special.get("eos_token_id")
         model.generation_config = GenerationConfig(
-            bos_token_id=special.get("bos_token_id"), eos_token_id=eos,
+            bos_token_id=special.get("bos_token_id"),
+            eos_token_id=eos,
             pad_token_id=special.get("pad_token_id") if special.get("pad_token_id") is not None else eos,
-            do_sample=False, use_cache=not isinstance(model, _remote_module().PretrainTransformerPreTrainedModel))
+            do_sample=False,
+            use_cache=not isinstance(model, _remote_module().PretrainTransformerPreTrainedModel),
+        )
     return model.eval()
 
 
@@ -207,8 +227,9 @@ def check_tokenizer(train_tokenizer, exported_tokenizer, texts: list[str]) -> in
     got = exported_tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     for text, w, g in zip(texts, want, got):
         if list(w) != list(g):
-            raise ExportError(f"tokenizer mismatch on {text[:60]!r}: training ids {list(w)[:12]}..., "
-                              f"exported ids {list(g)[:12]}...")
+            raise ExportError(
+                f"tokenizer mismatch on {text[:60]!r}: training ids {list(w)[:12]}..., exported ids {list(g)[:12]}..."
+            )
     return len(texts)
 
 
@@ -246,8 +267,11 @@ def load_exported(path: Path, kind: str):
 
     auto = AutoModelForCausalLM if kind == "decoder" else AutoModelForMaskedLM
     remote = is_our_remote_code(path)
-    model, info = auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=remote,
-                                       output_loading_info=True)
+    # output_loading_info=True: (model, info), which the stubs do not express
+    model, info = cast(
+        tuple[Any, dict[str, Any]],
+        auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=remote, output_loading_info=True),
+    )
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
         raise ExportError(f"{path}: loading was incomplete: {problems}")
@@ -265,14 +289,25 @@ def is_our_remote_code(path: Path) -> bool:
         return False
     theirs = Path(path) / f"{REMOTE_MODULE}.py"
     if not theirs.is_file() or theirs.read_bytes() != (REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py").read_bytes():
-        raise ValueError(f"{path}: {REMOTE_MODULE}.py is missing or differs from this version's; refusing to run "
-                         f"it (load it yourself with trust_remote_code=True if you trust it)")
+        raise ValueError(
+            f"{path}: {REMOTE_MODULE}.py is missing or differs from this version's; refusing to run "
+            f"it (load it yourself with trust_remote_code=True if you trust it)"
+        )
     return True
 
 
-def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *, max_shard_size: str | int = "2GB",
-                 metadata: dict | None = None, probe_texts: list[str] | None = None, log=print,
-                 moe: MoEConfig | None = None) -> ExportReport:
+def export_model(
+    model_cfg: ModelConfig,
+    sd: StateDict,
+    tokenizer,
+    out: Path,
+    *,
+    max_shard_size: str | int = "2GB",
+    metadata: dict | None = None,
+    probe_texts: list[str] | None = None,
+    log=print,
+    moe: MoEConfig | None = None,
+) -> ExportReport:
     """Write an HF directory for (``model_cfg``, ``moe``, ``sd``) with ``tokenizer`` and verify it (module doc)."""
     from transformers import AutoTokenizer
 
@@ -300,10 +335,18 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
         exported_tok = AutoTokenizer.from_pretrained(str(stage), trust_remote_code=not standard)
         checks = check_tokenizer(tokenizer, exported_tok, PROBE_TEXTS + list(probe_texts or []))
         shards = len(list(stage.glob("*.safetensors")))
-        meta = {"format": 1, "hf_class": hf_class or REMOTE_CLASSES[model_cfg.kind], "standard_class": standard,
-                "trust_remote_code": not standard, "reason": reason, "kind": model_cfg.kind,
-                "parity_max_abs_diff": diff, "model_config": to_dict(model_cfg),
-                **({"moe_config": to_dict(moe)} if moe is not None and moe.enabled else {}), **(metadata or {})}
+        meta = {
+            "format": 1,
+            "hf_class": hf_class or REMOTE_CLASSES[model_cfg.kind],
+            "standard_class": standard,
+            "trust_remote_code": not standard,
+            "reason": reason,
+            "kind": model_cfg.kind,
+            "parity_max_abs_diff": diff,
+            "model_config": to_dict(model_cfg),
+            **({"moe_config": to_dict(moe)} if moe is not None and moe.enabled else {}),
+            **(metadata or {}),
+        }
         (stage / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         out = out.expanduser().resolve()
         if out.exists():
@@ -312,8 +355,15 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    return ExportReport(out=out, hf_class=meta["hf_class"], standard=standard, reason=reason, max_abs_diff=diff,
-                        shards=shards, tokenizer_checks=checks)
+    return ExportReport(
+        out=out,
+        hf_class=meta["hf_class"],
+        standard=standard,
+        reason=reason,
+        max_abs_diff=diff,
+        shards=shards,
+        tokenizer_checks=checks,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,8 +371,9 @@ def export_model(model_cfg: ModelConfig, sd: StateDict, tokenizer, out: Path, *,
 # ----------------------------------------------------------------------------------------------
 
 
-def register_model(name: str, out: Path, *, run_id: str | None, step: int, checkpoint: Path, hf_class: str,
-                   uri: str | None = None) -> int:
+def register_model(
+    name: str, out: Path, *, run_id: str | None, step: int, checkpoint: Path, hf_class: str, uri: str | None = None
+) -> int:
     """A new version of registered model ``name`` whose source is the exported directory (a file URI).
 
     Nothing is uploaded: the registry records where the export lives, the run it came from, the step.
@@ -339,10 +390,19 @@ def register_model(name: str, out: Path, *, run_id: str | None, step: int, check
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    tags = {"pretrain.step": str(step), "pretrain.checkpoint": str(checkpoint), "pretrain.hf_class": hf_class,
-            "pretrain.export_dir": str(out)}
-    mv = client.create_model_version(name, source=Path(out).resolve().as_uri(), run_id=run_id, tags=tags,
-                                     description=f"{hf_class} export of step {step} ({checkpoint})")
+    tags = {
+        "pretrain.step": str(step),
+        "pretrain.checkpoint": str(checkpoint),
+        "pretrain.hf_class": hf_class,
+        "pretrain.export_dir": str(out),
+    }
+    mv = client.create_model_version(
+        name,
+        source=Path(out).resolve().as_uri(),
+        run_id=run_id,
+        tags=tags,
+        description=f"{hf_class} export of step {step} ({checkpoint})",
+    )
     return int(mv.version)
 
 
@@ -356,8 +416,15 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
-def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, register: str | None = None,
-                      max_shard_size: str | int = "2GB", log=print) -> ExportReport:
+def export_checkpoint(
+    source: str,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    register: str | None = None,
+    max_shard_size: str | int = "2GB",
+    log=print,
+) -> ExportReport:
     """Export a committed checkpoint (path or run id) to ``out``; optionally register it."""
     loaded = resolve_checkpoint(source, step)
     cfg, ckpt = loaded.config, loaded.ckpt
@@ -367,25 +434,37 @@ def export_checkpoint(source: str, out: str | Path, *, step: int | None = None, 
     log(f"[export] target: {reason}")
     sd = loaded.state_dict()
     tokenizer = loaded.tokenizer()
-    meta = {"source": {"checkpoint": str(ckpt.path), "step": ckpt.step, "run_id": loaded.run_id or
-                       ckpt.manifest.run_id or None},
-            "data": to_dict(cfg.data), "seed": cfg.train.seed, "val_sequences": cfg.train.val_sequences,
-            "max_seq_len": cfg.model.max_seq_len}
-    report = export_model(cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log,
-                          moe=cfg.moe)
+    meta = {
+        "source": {
+            "checkpoint": str(ckpt.path),
+            "step": ckpt.step,
+            "run_id": loaded.run_id or ckpt.manifest.run_id or None,
+        },
+        "data": to_dict(cfg.data),
+        "seed": cfg.train.seed,
+        "val_sequences": cfg.train.val_sequences,
+        "max_seq_len": cfg.model.max_seq_len,
+    }
+    report = export_model(
+        cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log, moe=cfg.moe
+    )
     log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
-    log(f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
-        f"{', trust_remote_code=True' if not report.standard else ''})")
+    log(
+        f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
+        f"{', trust_remote_code=True' if not report.standard else ''})"
+    )
     if loaded.run_id:  # a run of the tracking store (resolve_checkpoint checked): its Logged models section
         from pretrain.train.mlflow_records import log_exported_model
         from pretrain.train.tracking import tracking_uri
 
-        model_id = log_exported_model(tracking_uri(), loaded.run_id, report.out, step=ckpt.step,
-                                      checkpoint=ckpt.path, hf_class=report.hf_class)
+        model_id = log_exported_model(
+            tracking_uri(), loaded.run_id, report.out, step=ckpt.step, checkpoint=ckpt.path, hf_class=report.hf_class
+        )
         log(f"[export] logged model {model_id} of run {loaded.run_id}")
     if register:
-        report.registered_version = register_model(register, report.out, run_id=loaded.run_id, step=ckpt.step,
-                                                   checkpoint=ckpt.path, hf_class=report.hf_class)
+        report.registered_version = register_model(
+            register, report.out, run_id=loaded.run_id, step=ckpt.step, checkpoint=ckpt.path, hf_class=report.hf_class
+        )
         link = f"run {loaded.run_id}" if loaded.run_id else "no tracked run"
         log(f"[export] registered {register} version {report.registered_version} ({link}, step {ckpt.step})")
     return report

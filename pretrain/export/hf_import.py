@@ -86,8 +86,10 @@ def import_hf(hf_dir: str | Path, max_seq_len: int | None = None) -> tuple[dict[
     hf = json.loads(cfg_file.read_text())
     model_type = hf.get("model_type")
     if model_type == "mixtral" or hf.get("moe_num_experts"):
-        raise ValueError(f"{hf_dir}: importing Mixture-of-Experts models (model.init_from_hf, eval of an HF "
-                         f"directory through our model) is not supported; export and eval of MoE checkpoints are")
+        raise ValueError(
+            f"{hf_dir}: importing Mixture-of-Experts models (model.init_from_hf, eval of an HF "
+            f"directory through our model) is not supported; export and eval of MoE checkpoints are"
+        )
     hf_sd = read_hf_state_dict(hf_dir)
     if model_type == REMOTE_MODEL_TYPE:
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -107,20 +109,25 @@ def import_hf(hf_dir: str | Path, max_seq_len: int | None = None) -> tuple[dict[
     if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
         if cfg.position == "learned":
             if max_seq_len > cfg.max_seq_len:
-                raise ValueError(f"max_seq_len {max_seq_len} exceeds the {cfg.max_seq_len} learned positions of {hf_dir}")
+                raise ValueError(
+                    f"max_seq_len {max_seq_len} exceeds the {cfg.max_seq_len} learned positions of {hf_dir}"
+                )
             sd["embed_positions.weight"] = sd["embed_positions.weight"][:max_seq_len].contiguous()
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     cfg = dataclasses.replace(cfg, vocab_multiple=1)
     with torch.device("meta"):
         expected = set(Transformer(cfg).state_dict())
     if set(sd) != expected:
-        raise ValueError(f"{hf_dir}: weights do not match the architecture (missing {sorted(expected - set(sd))[:5]}, "
-                         f"unexpected {sorted(set(sd) - expected)[:5]})")
+        raise ValueError(
+            f"{hf_dir}: weights do not match the architecture (missing {sorted(expected - set(sd))[:5]}, "
+            f"unexpected {sorted(set(sd) - expected)[:5]})"
+        )
     return to_dict(cfg), {k: v.to(torch.float32).contiguous() for k, v in sd.items()}
 
 
-def model_config_from_hf(hf_dir: str | Path, base: ModelConfig,
-                         max_seq_len: int | None = None) -> tuple[ModelConfig, StateDict]:
+def model_config_from_hf(
+    hf_dir: str | Path, base: ModelConfig, max_seq_len: int | None = None
+) -> tuple[ModelConfig, StateDict]:
     """For ``model.init_from_hf``: the architecture of ``hf_dir`` with the training choices of ``base``
     (dropout, attention_dropout, init_std, init_from_hf) and its weights."""
     fields, sd = import_hf(hf_dir, max_seq_len=max_seq_len)

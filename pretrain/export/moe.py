@@ -36,8 +36,11 @@ def mixtral_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
     if dense:
         out.append(f"blocks {dense} are dense (Mixtral has an MoE FFN in every block)")
     if not moe.renormalizes:
-        out.append("moe.normalize_top_k=false (Mixtral renormalizes the top-k router weights)" if moe.top_k > 1 else
-                   "moe.top_k=1 weights by the chosen expert's probability (Mixtral renormalizes it to 1)")
+        out.append(
+            "moe.normalize_top_k=false (Mixtral renormalizes the top-k router weights)"
+            if moe.top_k > 1
+            else "moe.top_k=1 weights by the chosen expert's probability (Mixtral renormalizes it to 1)"
+        )
     if cfg.qk_norm:
         out.append("model.qk_norm=true (Mixtral has no query/key norms)")
     return out
@@ -55,8 +58,10 @@ def qwen3_moe_violations(cfg: ModelConfig, moe: MoEConfig) -> list[str]:
 def moe_target(cfg: ModelConfig, moe: MoEConfig) -> tuple[str | None, list[str]]:
     """(the exact standard MoE class, []) or (None, why neither Mixtral nor Qwen3-MoE is exact)."""
     if moe.selection_bias:
-        return None, ["moe.balance uses a selection bias (gate.expert_bias), which changes the chosen experts "
-                      "without entering the weights: the Mixtral and Qwen3-MoE routers cannot hold it"]
+        return None, [
+            "moe.balance uses a selection bias (gate.expert_bias), which changes the chosen experts "
+            "without entering the weights: the Mixtral and Qwen3-MoE routers cannot hold it"
+        ]
     why = []
     for name, check in (("MixtralForCausalLM", mixtral_violations), ("Qwen3MoeForCausalLM", qwen3_moe_violations)):
         bad = check(cfg, moe)
@@ -71,18 +76,29 @@ def _hf_config(cfg: ModelConfig, moe: MoEConfig, special: dict, target: str) -> 
     dense_ffn = kw["intermediate_size"]
     for key in ("attention_bias", "mlp_bias", "head_dim"):
         kw.pop(key)
-    kw.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_weight, output_router_logits=False,
-              sliding_window=None)
+    kw.update(
+        num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=moe.aux_loss_weight,
+        output_router_logits=False,
+        sliding_window=None,
+    )
     if target == "MixtralForCausalLM":
-        kw.update(intermediate_size=moe.ffn_size or dense_ffn, num_local_experts=moe.num_experts,
-                  router_jitter_noise=0.0)
+        kw.update(
+            intermediate_size=moe.ffn_size or dense_ffn, num_local_experts=moe.num_experts, router_jitter_noise=0.0
+        )
     else:
         layers = [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]
         explicit = bool(moe.layers)
-        kw.update(intermediate_size=dense_ffn, moe_intermediate_size=moe.ffn_size or dense_ffn,
-                  num_experts=moe.num_experts, norm_topk_prob=moe.renormalizes, attention_bias=False,
-                  use_sliding_window=False, decoder_sparse_step=1 if explicit else moe.every,
-                  mlp_only_layers=[i for i in range(cfg.num_layers) if i not in layers] if explicit else [])
+        kw.update(
+            intermediate_size=dense_ffn,
+            moe_intermediate_size=moe.ffn_size or dense_ffn,
+            num_experts=moe.num_experts,
+            norm_topk_prob=moe.renormalizes,
+            attention_bias=False,
+            use_sliding_window=False,
+            decoder_sparse_step=1 if explicit else moe.every,
+            mlp_only_layers=[i for i in range(cfg.num_layers) if i not in layers] if explicit else [],
+        )
     return kw
 
 
@@ -93,13 +109,20 @@ def to_hf_moe(sd: StateDict, cfg: ModelConfig, moe: MoEConfig, special: dict) ->
     target, why = moe_target(cfg, moe)
     if target is None:
         raise ValueError(f"no standard MoE class represents this model exactly: {' | '.join(why)}")
-    sd = {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+    sd = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
     moe_blocks = {i for i in range(cfg.num_layers) if moe.is_moe_layer(i)}
-    rules = [r for rule in _llama_rules(cfg) for r in rule.expand(cfg.num_layers)
-             if not any(k.startswith(f"blocks.{i}.ffn.") for i in moe_blocks for k in r.ours)]
+    rules = [
+        r
+        for rule in _llama_rules(cfg)
+        for r in rule.expand(cfg.num_layers)
+        if not any(k.startswith(f"blocks.{i}.ffn.") for i in moe_blocks for k in r.ours)
+    ]
     if cfg.qk_norm:
-        rules += [Rule((f"blocks.{i}.attn.{n}_norm.weight",), f"model.layers.{i}.self_attn.{n}_norm.weight")
-                  for i in range(cfg.num_layers) for n in "qk"]
+        rules += [
+            Rule((f"blocks.{i}.attn.{n}_norm.weight",), f"model.layers.{i}.self_attn.{n}_norm.weight")
+            for i in range(cfg.num_layers)
+            for n in "qk"
+        ]
     hf = apply_rules({k: v for k, v in sd.items() if MOE_KEY not in k}, rules, cfg)
     used = 0
     for i in sorted(moe_blocks):
@@ -107,7 +130,8 @@ def to_hf_moe(sd: StateDict, cfg: ModelConfig, moe: MoEConfig, special: dict) ->
         ex = [f"{p}experts.deepspeed_experts.{e}." for e in range(moe.num_experts)]
         hf[q + "gate.weight"] = sd[p + "gate.wg.weight"]
         hf[q + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([sd[e + "gate_proj.weight"], sd[e + "up_proj.weight"]]) for e in ex])
+            [torch.cat([sd[e + "gate_proj.weight"], sd[e + "up_proj.weight"]]) for e in ex]
+        )
         hf[q + "experts.down_proj"] = torch.stack([sd[e + "down_proj.weight"] for e in ex])
         used += 1 + 3 * moe.num_experts
     left = sum(MOE_KEY in k for k in sd) - used
@@ -120,6 +144,11 @@ def remote_moe_fields(cfg: ModelConfig, moe: MoEConfig) -> dict:
     """The MoE fields of the remote-code config (``moe_layers`` resolved to block indices)."""
     if not moe.enabled:
         return {}
-    return {"moe_num_experts": moe.num_experts, "moe_top_k": moe.top_k, "moe_ffn_size": moe.ffn_size,
-            "moe_normalize_top_k": moe.renormalizes, "moe_selection_bias": moe.selection_bias,
-            "moe_layers": [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)]}
+    return {
+        "moe_num_experts": moe.num_experts,
+        "moe_top_k": moe.top_k,
+        "moe_ffn_size": moe.ffn_size,
+        "moe_normalize_top_k": moe.renormalizes,
+        "moe_selection_bias": moe.selection_bias,
+        "moe_layers": [i for i in range(cfg.num_layers) if moe.is_moe_layer(i)],
+    }

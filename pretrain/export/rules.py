@@ -36,11 +36,13 @@ class Rule:
     alias: bool = False
     const: Callable[[ModelConfig], torch.Tensor] | None = None
 
-    def expand(self, num_layers: int) -> list["Rule"]:
+    def expand(self, num_layers: int) -> list[Rule]:
         if "{i}" not in self.theirs:
             return [self]
-        return [dataclasses.replace(self, ours=tuple(k.format(i=i) for k in self.ours), theirs=self.theirs.format(i=i))
-                for i in range(num_layers)]
+        return [
+            dataclasses.replace(self, ours=tuple(k.format(i=i) for k in self.ours), theirs=self.theirs.format(i=i))
+            for i in range(num_layers)
+        ]
 
 
 def _forward(op: str, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -72,7 +74,7 @@ def apply_rules(sd: StateDict, rules: list[Rule], cfg: ModelConfig) -> StateDict
     """Our state dict -> HF state dict. Every key of ``sd`` must be consumed (nothing silently dropped)."""
     out: StateDict = {}
     used: set[str] = set()
-    for rule in (r for rule in rules for r in rule.expand(cfg.num_layers)):
+    for rule in (r for group in rules for r in group.expand(cfg.num_layers)):
         if rule.const is not None:
             out[rule.theirs] = rule.const(cfg)
             continue
@@ -91,7 +93,7 @@ def invert_rules(hf_sd: StateDict, rules: list[Rule], cfg: ModelConfig) -> tuple
     """HF state dict -> (our state dict, the HF ``const`` tensors found, for the family to check)."""
     ours: StateDict = {}
     consts: StateDict = {}
-    for rule in (r for rule in rules for r in rule.expand(cfg.num_layers)):
+    for rule in (r for group in rules for r in group.expand(cfg.num_layers)):
         if rule.alias:
             continue
         if rule.theirs not in hf_sd:

@@ -12,6 +12,8 @@ gate is a tensor, so a changing drop pattern does not recompile (tests/test_comp
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn as nn
 
@@ -23,7 +25,7 @@ def compile_blocks(model: nn.Module, **options) -> int:
 
     keep_experts_eager()
     compiled = 0
-    for block in model.blocks:
+    for block in cast(nn.ModuleList, model.blocks):
         if getattr(block, "_compiled_call_impl", None) is None:
             block.compile(**options)
             compiled += 1
@@ -31,7 +33,7 @@ def compile_blocks(model: nn.Module, **options) -> int:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    return any(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+    return any(getattr(b, "_compiled_call_impl", None) is not None for b in cast(nn.ModuleList, model.blocks))
 
 
 def compile_supported(device: torch.device) -> tuple[bool, str]:

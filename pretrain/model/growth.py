@@ -1,8 +1,10 @@
 """Model growth as pure functions: (model config, MoE config, full state dict) -> a bigger (config, state dict).
 
 Depth (any target: ``2x``, ``+N``, ``N``):
-    ``stack``       block i of the grown model copies block i mod L: the trained stack repeated (the reference
-                    text's method, §4.2.2; Li et al. 2020b, G_stack). Not function-preserving.
+    ``stack``       block i of the grown model copies block i mod L: the trained stack repeated (shallow-to-deep
+                    stacking: T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective",
+                    arXiv:2311.17633, sec. 4.2.2, after Li et al. 2020b; G_stack: Du et al. 2024, arXiv:2405.15319).
+                    Not function-preserving.
     ``interleave``  each block duplicated in place: block i copies block floor(i * L / N). Not function-preserving.
     ``identity``    the trained blocks, then new blocks (copies of the last one) whose residual branches start at
                     zero output (attention ``o_proj`` and FFN ``down_proj`` zeroed; a ``sandwich`` block's output
@@ -12,22 +14,22 @@ DeepNorm keeps the parent's depth N in alpha = (2N)^(1/4) (``model.deepnorm_dept
 each copied block computes exactly its source block's function.
 
 Width (hidden size, FFN size, heads with the head size fixed):
-    ``tile``        eq. (111) of the reference text: an integer factor k on a dimension tiles every vector along it
-                    k times, and every k x k block of a grown matrix is W / k (the input side is divided, so a tiled
-                    input gives a tiled output). Exactly function-preserving for LayerNorm and RMSNorm (the mean and
-                    variance of a tiled vector are the same), rotary and learned positions, GQA (query head j + cH
-                    reads key/value head j // g + c * KV, a copy of the original pairing), biases, MoE routers and
-                    experts. Tied embeddings are untied: the input embedding is tiled, the output projection tiled
-                    and divided by k (one matrix cannot be both). ``model.embedding_scale: 0`` (sqrt(D)) changes with
-                    D: refused.
-    ``net2net``     any factor: new units copy random existing ones (seeded), and the consumers of a duplicated
-                    unit divide its column by the number of copies. Exact for the FFN size (each unit feeds one
-                    linear map). Heads keep their size, so more heads means a larger hidden size, and for the hidden
-                    size the norms' statistics over the duplicated units change: approximate (the growth check
-                    reports the difference). Heads are copied whole; with GQA (g = H/KV query heads per key/value
-                    head) whole groups are copied: a new group of g query heads copies an old group and reads a new
-                    key/value head copying that group's, so the pairing is kept (g unchanged); a head count that is
-                    not a multiple of g is refused.
+    ``tile``        Xiao and Zhu's eq. (111) (arXiv:2311.17633, sec. 4.4) with rho = k: an integer factor k on a
+                    dimension tiles every vector along it k times, and every k x k block of a grown matrix is W / k
+                    (the input side is divided, so a tiled input gives a tiled output). Exactly function-preserving
+                    for LayerNorm and RMSNorm (the mean and variance of a tiled vector are the same), rotary and
+                    learned positions, GQA (query head j + cH reads key/value head j // g + c * KV, a copy of the
+                    original pairing), biases, MoE routers and experts. Tied embeddings are untied: the input
+                    embedding is tiled, the output projection tiled and divided by k (one matrix cannot be both).
+                    ``model.embedding_scale: 0`` (sqrt(D)) changes with D: refused.
+    ``net2net``     any factor (Net2WiderNet: Chen et al. 2016, arXiv:1511.05641): new units copy random existing
+                    ones (seeded), and the consumers of a duplicated unit divide its column by the number of copies.
+                    Exact for the FFN size (each unit feeds one linear map). Heads keep their size, so more heads
+                    means a larger hidden size, and for the hidden size the norms' statistics over the duplicated
+                    units change: approximate (the growth check reports the difference). Heads are copied whole;
+                    with GQA (g = H/KV query heads per key/value head) whole groups are copied: a new group of g
+                    query heads copies an old group and reads a new key/value head copying that group's, so the
+                    pairing is kept (g unchanged); a head count that is not a multiple of g is refused.
 
 Dense -> MoE upcycling (``experts=E``): every expert is a copy of the block's dense FFN and the router starts at
 zero, so all experts get equal probability 1/E and the output is the dense FFN's exactly: top-k > 1 renormalizes the
@@ -81,8 +83,9 @@ def _blocks(state: StateDict) -> dict[int, StateDict]:
     return out
 
 
-def grow_depth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int,
-               op: str = "stack") -> tuple[ModelConfig, MoEConfig, StateDict]:
+def grow_depth(
+    cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int, op: str = "stack"
+) -> tuple[ModelConfig, MoEConfig, StateDict]:
     """Grow to ``target`` blocks with ``op`` (``stack``, ``interleave`` or ``identity``)."""
     n = cfg.num_layers
     if target < n:
@@ -93,8 +96,10 @@ def grow_depth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int,
         source = [i * n // target for i in range(target)]
     elif op == "identity":
         if cfg.norm_placement not in ("pre", "sandwich"):
-            raise ValueError(f"depth_op identity preserves the function only for pre-norm and sandwich blocks "
-                             f"(model.norm_placement={cfg.norm_placement}); use stack or interleave")
+            raise ValueError(
+                f"depth_op identity preserves the function only for pre-norm and sandwich blocks "
+                f"(model.norm_placement={cfg.norm_placement}); use stack or interleave"
+            )
         source = list(range(n)) + [n - 1] * (target - n)
     else:
         raise ValueError(f"depth_op {op!r}: expected stack, interleave or identity")
@@ -119,8 +124,9 @@ def _is_branch_output(name: str, placement: str) -> bool:
     """The tensors whose zeroing makes a block's residual branches output zero."""
     if placement == "sandwich":
         return name.startswith(("norm_out1.", "norm_out2."))
-    return name.startswith("attn.o_proj.") or (name.endswith(("down_proj.weight", "down_proj.bias"))
-                                               and name.startswith("ffn."))
+    return name.startswith("attn.o_proj.") or (
+        name.endswith(("down_proj.weight", "down_proj.bias")) and name.startswith("ffn.")
+    )
 
 
 # -- width ---------------------------------------------------------------------------------------------------
@@ -148,8 +154,9 @@ class _Axis:
         return _Axis(index, torch.bincount(index, minlength=old).float())
 
     @staticmethod
-    def net2net_heads(heads: int, kv_heads: int, new_heads: int, head_dim: int,
-                      g: torch.Generator) -> tuple[_Axis, _Axis]:
+    def net2net_heads(
+        heads: int, kv_heads: int, new_heads: int, head_dim: int, g: torch.Generator
+    ) -> tuple[_Axis, _Axis]:
         """Query and key/value head dims for ``heads`` -> ``new_heads`` query heads of ``head_dim``, query head j
         reading key/value head j // (heads / kv_heads) (``repeat_interleave``): whole groups of query heads are
         copied (random old groups, seeded) together with their key/value head, so every new query head reads a copy
@@ -160,7 +167,8 @@ class _Axis:
                 f"width_op net2net with grouped-query attention (model.num_heads {heads}, model.num_kv_heads "
                 f"{kv_heads}) adds query heads in whole groups of {group} (each group reads one copied key/value "
                 f"head): heads {heads} -> {new_heads} is not a multiple of {group}; set heads (or width) to a "
-                f"multiple of {group} heads ({group * head_dim} hidden units), or use width_op tile")
+                f"multiple of {group} heads ({group * head_dim} hidden units), or use width_op tile"
+            )
         extra = torch.randint(0, kv_heads, ((new_heads - heads) // group,), generator=g)
         kv_src = torch.cat([torch.arange(kv_heads), extra])  # new kv head -> old kv head
         q_src = (kv_src.view(-1, 1) * group + torch.arange(group)).flatten()  # new query head -> old query head
@@ -174,7 +182,8 @@ class _Axis:
 
 def _grow_matrix(w: torch.Tensor, out_axis: _Axis | None, in_axis: _Axis | None) -> torch.Tensor:
     """Rows copied along ``out_axis``; columns copied along ``in_axis`` and divided by their copy counts (so a
-    copied input gives the same pre-activations; for ``tile`` this is eq. 111's W / k blocks)."""
+    copied input gives the same pre-activations; for ``tile`` these are the W / k blocks of Xiao and Zhu's eq. 111,
+    arXiv:2311.17633, sec. 4.4)."""
     if in_axis is not None:
         w = w[:, in_axis.index] / in_axis.count[in_axis.index].to(w.dtype)
     if out_axis is not None:
@@ -182,9 +191,17 @@ def _grow_matrix(w: torch.Tensor, out_axis: _Axis | None, in_axis: _Axis | None)
     return w
 
 
-def grow_width(cfg: ModelConfig, moe: MoEConfig, state: StateDict, *, hidden: int | None = None,
-               heads: int | None = None, ffn: int | None = None, op: str = "tile",
-               seed: int = 0) -> tuple[ModelConfig, MoEConfig, StateDict]:
+def grow_width(
+    cfg: ModelConfig,
+    moe: MoEConfig,
+    state: StateDict,
+    *,
+    hidden: int | None = None,
+    heads: int | None = None,
+    ffn: int | None = None,
+    op: str = "tile",
+    seed: int = 0,
+) -> tuple[ModelConfig, MoEConfig, StateDict]:
     """Grow the hidden size, the number of heads (head size fixed) and/or the FFN size. ``hidden`` alone also
     grows the heads and the FFN by the same factor. ``op``: ``tile`` (integer factors) or ``net2net``."""
     from pretrain.model.transformer import resolved_ffn_size
@@ -228,8 +245,13 @@ def grow_width(cfg: ModelConfig, moe: MoEConfig, state: StateDict, *, hidden: in
     out: StateDict = {}
     for key, w in state.items():
         out[key] = _grow_tensor(key, w, hid, qh, kvh, ff, ef, cfg)
-    new_cfg = dataclasses.replace(cfg, hidden_size=new_d, num_heads=new_h, num_kv_heads=new_kv,
-                                  ffn_size=new_f if (cfg.ffn_size or new_f != f) else 0)
+    new_cfg = dataclasses.replace(
+        cfg,
+        hidden_size=new_d,
+        num_heads=new_h,
+        num_kv_heads=new_kv,
+        ffn_size=new_f if (cfg.ffn_size or new_f != f) else 0,
+    )
     if cfg.tie_embeddings and new_d != d:  # one matrix cannot be the tiled input and the divided output map
         out["lm_head.weight"] = _grow_matrix(state["embed_tokens.weight"], None, hid)
         new_cfg = dataclasses.replace(new_cfg, tie_embeddings=False)
@@ -237,8 +259,9 @@ def grow_width(cfg: ModelConfig, moe: MoEConfig, state: StateDict, *, hidden: in
     return new_cfg, new_moe, out
 
 
-def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, ff: _Axis, ef: _Axis | None,
-                 cfg: ModelConfig) -> torch.Tensor:
+def _grow_tensor(
+    key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, ff: _Axis, ef: _Axis | None, cfg: ModelConfig
+) -> torch.Tensor:
     name = key.split(".")
     leaf = name[-1]
     in_expert = "deepspeed_experts" in key
@@ -260,6 +283,7 @@ def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, f
     if key.endswith(("gate_proj.weight", "up_proj.weight")):
         return _grow_matrix(w, f_axis, hid)
     if key.endswith(("gate_proj.bias", "up_proj.bias")):
+        assert f_axis is not None  # ef is None only without MoE, whose keys have no experts
         return w[f_axis.index].clone()
     if key.endswith("down_proj.weight"):
         return _grow_matrix(w, hid, f_axis)
@@ -279,8 +303,9 @@ def _grow_tensor(key: str, w: torch.Tensor, hid: _Axis, qh: _Axis, kvh: _Axis, f
 # -- dense -> MoE ---------------------------------------------------------------------------------------------
 
 
-def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int,
-            top_k: int = 2) -> tuple[ModelConfig, MoEConfig, StateDict]:
+def upcycle(
+    cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int, top_k: int = 2
+) -> tuple[ModelConfig, MoEConfig, StateDict]:
     """Every dense FFN becomes an MoE layer of ``num_experts`` copies of it with a zero router (Komatsuzaki et al.
     2023, sparse upcycling): the output equals the dense FFN's at the start. Top-k > 1 renormalizes the k equal
     probabilities 1/E to 1/k each; top-1 weights by the probability itself (Switch), 1/E, so each expert's output
@@ -293,7 +318,7 @@ def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int
     for key, w in state.items():
         m = _BLOCK.match(key)
         if m and m.group(2).startswith("ffn."):
-            rest = m.group(2)[len("ffn."):]
+            rest = m.group(2)[len("ffn.") :]
             scale = num_experts if top_k == 1 and rest.startswith("down_proj.") else 1
             for e in range(num_experts):
                 out[f"blocks.{m.group(1)}.ffn.deepspeed_moe.experts.deepspeed_experts.{e}.{rest}"] = w * scale
@@ -305,8 +330,15 @@ def upcycle(cfg: ModelConfig, moe: MoEConfig, state: StateDict, num_experts: int
             out[f"blocks.{i}.ffn.deepspeed_moe.gate.expert_bias"] = torch.zeros(num_experts)
     from pretrain.model.transformer import resolved_ffn_size
 
-    new_moe = dataclasses.replace(moe, num_experts=num_experts, top_k=top_k, every=1, layers=[],
-                                  ffn_size=resolved_ffn_size(cfg), normalize_top_k=True)
+    new_moe = dataclasses.replace(
+        moe,
+        num_experts=num_experts,
+        top_k=top_k,
+        every=1,
+        layers=[],
+        ffn_size=resolved_ffn_size(cfg),
+        normalize_top_k=True,
+    )
     return cfg, new_moe, out
 
 
@@ -350,15 +382,17 @@ class Grown:
     """A short description, e.g. ``depth 4->8 stack; width 256->512 tile``."""
 
 
-def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed: int,
-                 layer_drop: LayerDropConfig | None = None) -> Grown:
+def apply_growth(
+    cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed: int, layer_drop: LayerDropConfig | None = None
+) -> Grown:
     """Apply one ``GrowthStep`` (depth, then width, then upcycling, then noise) to a full state dict.
 
     ``layer_drop`` (the run's): with ``scaling: rho`` and ``by_depth: linear`` the inference scale of a block
-    depends on the depth (eq. 95's rho = 1 - rate (l + 1) / L), so a depth growth is done on the weights with the
-    parent's scales folded in (as ``prune`` does), and the grown weights are divided by the child's scales: every
-    block keeps the effective scale of the block it copies and the grown model, scaled at inference, is the
-    parent's function wherever the operator is exact."""
+    depends on the depth (rho of Xiao and Zhu's eq. 95, arXiv:2311.17633, sec. 4.2.4, is the keep probability
+    1 - rate (l + 1) / L of 0-based block l of L), so a depth growth is done on the weights with the parent's
+    scales folded in (as ``prune`` does), and the grown weights are divided by the child's scales: every block
+    keeps the effective scale of the block it copies and the grown model, scaled at inference, is the parent's
+    function wherever the operator is exact."""
     from pretrain.model.transformer import resolved_ffn_size
 
     target = resolve_count(step.depth, cfg.num_layers) if step.depth else cfg.num_layers
@@ -366,6 +400,7 @@ def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed:
     new_scales = inference_scales(layer_drop, target) if layer_drop is not None else None
     rescale = bool(old_scales and new_scales and len(set(old_scales + new_scales)) > 1)
     if rescale:  # grown (and noised, against the folded parent) in the folded space; unfolded at the end
+        assert old_scales is not None  # rescale implies both scale lists
         state = fold_branch_scales(state, cfg.norm_placement, old_scales)
     new_cfg, new_moe, sd, exact, ops = cfg, moe, state, True, []
     if step.depth:
@@ -379,15 +414,19 @@ def apply_growth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, step, seed:
         if heads and not hidden:
             hidden = heads * (d // h)
         ffn = resolve_count(step.ffn, f) if step.ffn else None
-        new_cfg, new_moe, sd = grow_width(new_cfg, new_moe, sd, hidden=hidden, heads=heads, ffn=ffn,
-                                          op=step.width_op, seed=seed)
+        new_cfg, new_moe, sd = grow_width(
+            new_cfg, new_moe, sd, hidden=hidden, heads=heads, ffn=ffn, op=step.width_op, seed=seed
+        )
         exact &= step.width_op == "tile" or new_cfg.hidden_size == d
-        ops.append(f"width {d}->{new_cfg.hidden_size} heads {h}->{new_cfg.num_heads} ffn {f}->"
-                   f"{resolved_ffn_size(new_cfg)} {step.width_op}")
+        ops.append(
+            f"width {d}->{new_cfg.hidden_size} heads {h}->{new_cfg.num_heads} ffn {f}->"
+            f"{resolved_ffn_size(new_cfg)} {step.width_op}"
+        )
     if step.experts:
         new_cfg, new_moe, sd = upcycle(new_cfg, new_moe, sd, step.experts, step.top_k)
         ops.append(f"experts {step.experts} top-{step.top_k} upcycle")
     sd = add_noise(state, sd, step.noise, seed)
     if rescale:
+        assert new_scales is not None  # rescale implies both scale lists
         sd = fold_branch_scales(sd, new_cfg.norm_placement, [(1.0 / a, 1.0 / f) for a, f in new_scales])
     return Grown(new_cfg, new_moe, sd, exact, "; ".join(ops) + (f"; noise {step.noise:g}" if step.noise else ""))

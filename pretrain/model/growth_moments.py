@@ -51,8 +51,9 @@ def grow_moments(cfg: ModelConfig, moe: MoEConfig, moments: dict[str, Any], entr
     return {"exp_avg": m, "exp_avg_sq": v}
 
 
-def _grow_depth(cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int,
-                op: str) -> tuple[ModelConfig, MoEConfig, StateDict]:
+def _grow_depth(
+    cfg: ModelConfig, moe: MoEConfig, state: StateDict, target: int, op: str
+) -> tuple[ModelConfig, MoEConfig, StateDict]:
     n = cfg.num_layers
     new_cfg, new_moe, out = grow_depth(cfg, moe, state, target, op)
     if op == "identity":  # new blocks: zero moments throughout (grow_depth zeroes only their branch outputs)
@@ -74,8 +75,10 @@ def _copy_map(grow, state: StateDict) -> tuple[StateDict, dict[str, torch.Tensor
         ids[key] = torch.arange(offset + 1, offset + value.numel() + 1, dtype=torch.float64).view(value.shape)
         offset += value.numel()
     coef, tagged = grow(ones), grow(ids)
-    src = {k: torch.where(c != 0, (tagged[k] / torch.where(c != 0, c, 1.0)).round() - 1, -1.0).long()
-           for k, c in coef.items()}
+    src = {
+        k: torch.where(c != 0, (tagged[k] / torch.where(c != 0, c, 1.0)).round() - 1, -1.0).long()
+        for k, c in coef.items()
+    }
     return {k: c.double() for k, c in coef.items()}, src
 
 
@@ -93,5 +96,5 @@ def _apply(coef: StateDict, src: dict[str, torch.Tensor], state: StateDict, powe
         hit = src[k] >= 0
         s = src[k].clamp_min(0)
         factor = torch.where(hit, c / denom[s].clamp_min(1e-300), 0.0)
-        out[k] = (factor ** power * flat[s]).to(dtype)
+        out[k] = (factor**power * flat[s]).to(dtype)
     return out

@@ -7,6 +7,12 @@ and a (B,) tensor scales it per sample (stochastic depth: the branch runs, dropp
 Decisions are functions of (seed, step, layer, sub-layer[, global micro-batch id]) only: a private generator seeded
 from their hash, so every rank computes the same gates with no communication, a resumed run the same as an
 uninterrupted one, and a worker count change moves no decision (micro-batch ids do not depend on it).
+
+Sources: layer dropout and its inference scaling, z^l = rho * LNorm(F^l(z^(l-1))) + z^(l-1) with rho the keep
+probability of the sub-layer: T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective"
+(arXiv:2311.17633), sec. 4.2.4, eq. 95. ``layer`` mode: LayerDrop (Fan et al. 2019, arXiv:1909.11556); ``sample``
+mode and the depth-linear rates of ``by_depth: linear``: stochastic depth (Huang et al. 2016, arXiv:1603.09382);
+``schedule: progressive``: Progressive Layer Dropping (Zhang and He 2020, arXiv:2010.13369).
 """
 
 from __future__ import annotations
@@ -58,8 +64,9 @@ def keep_decisions(cfg: LayerDropConfig, seed: int, step: int, num_layers: int) 
     return out
 
 
-def training_gates(cfg: LayerDropConfig, seed: int, step: int, num_layers: int,
-                   micro_id: int | None = None, batch_size: int = 0) -> Gates:
+def training_gates(
+    cfg: LayerDropConfig, seed: int, step: int, num_layers: int, micro_id: int | None = None, batch_size: int = 0
+) -> Gates:
     """The gates of one training forward at 0-based ``step``. ``sample`` mode draws per sample of the micro-batch
     with global id ``micro_id`` (``batch_size`` samples). ``inverted`` scaling divides kept branches by rho."""
     rates = layer_rates(cfg, num_layers, base_rate(cfg, step))
@@ -84,12 +91,14 @@ def training_gates(cfg: LayerDropConfig, seed: int, step: int, num_layers: int,
     return gates
 
 
-def inference_scales(cfg: LayerDropConfig, num_layers: int,
-                     step: int | None = None) -> list[tuple[float, float]] | None:
-    """``rho`` scaling: each sub-layer's output times rho = 1 - its drop rate at inference (eq. 95): the final rate
-    (the finished model: export, prune, growth, ``eval`` of a checkpoint), or with ``step`` the schedule's rate at
-    that 0-based step (validation during training: the keep probability 1 - r(t) the weights are trained under).
-    None when nothing is scaled (``inverted``, or no layer dropout)."""
+def inference_scales(
+    cfg: LayerDropConfig, num_layers: int, step: int | None = None
+) -> list[tuple[float, float]] | None:
+    """``rho`` scaling: each sub-layer's output times rho = 1 - its drop rate at inference (Xiao and Zhu, eq. 95;
+    see the module docstring): the final rate (the finished model: export, prune, growth, ``eval`` of a
+    checkpoint), or with ``step`` the schedule's rate at that 0-based step (validation during training: the keep
+    probability 1 - r(t) the weights are trained under). None when nothing is scaled (``inverted``, or no layer
+    dropout)."""
     if not cfg.enabled or cfg.scaling != "rho":
         return None
     rate = cfg.rate if step is None else base_rate(cfg, step)
@@ -118,19 +127,23 @@ def select_blocks(spec: str | Sequence[int], num_layers: int) -> list[int]:
     return keep
 
 
-def fold_branch_scales(state: dict[str, torch.Tensor], placement: str,
-                       scales: Sequence[tuple[float, float]]) -> dict[str, torch.Tensor]:
-    """A state dict whose plain forward equals the model with ``branch_scales`` (eq. 95's rho at inference): each
-    sub-layer's last linear map (``o_proj``, ``down_proj`` of the FFN or of every expert; the output norm of a
-    ``sandwich`` block) is multiplied by its scale, biases included. Standard classes then load it as is."""
+def fold_branch_scales(
+    state: dict[str, torch.Tensor], placement: str, scales: Sequence[tuple[float, float]]
+) -> dict[str, torch.Tensor]:
+    """A state dict whose plain forward equals the model with ``branch_scales`` (rho of Xiao and Zhu's eq. 95 at
+    inference, see the module docstring): each sub-layer's last linear map (``o_proj``, ``down_proj`` of the FFN or
+    of every expert; the output norm of a ``sandwich`` block) is multiplied by its scale, biases included. Standard
+    classes then load it as is."""
     out = dict(state)
     for i, (attn, ffn) in enumerate(scales):
-        for scale, last in ((attn, ("attn.o_proj.",) if placement != "sandwich" else ("norm_out1.",)),
-                            (ffn, (".down_proj.",) if placement != "sandwich" else ("norm_out2.",))):
+        for scale, last in (
+            (attn, ("attn.o_proj.",) if placement != "sandwich" else ("norm_out1.",)),
+            (ffn, (".down_proj.",) if placement != "sandwich" else ("norm_out2.",)),
+        ):
             if scale == 1.0:
                 continue
             prefix = f"blocks.{i}."
             for key in state:
-                if key.startswith(prefix) and any(m in key[len(prefix) - 1:] for m in last):
+                if key.startswith(prefix) and any(m in key[len(prefix) - 1 :] for m in last):
                     out[key] = state[key] * scale
     return out

@@ -41,8 +41,9 @@ def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
     return nn.LayerNorm(size, eps=cfg.norm_eps, elementwise_affine=True, bias=cfg.bias)
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float,
-               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin tables of shape (max_seq_len, head_dim), HF Llama default RoPE."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     t = torch.arange(max_seq_len, dtype=torch.int64, device=device).float()
@@ -76,8 +77,9 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
         if cfg.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"bad head counts: hidden {cfg.hidden_size}, heads {self.num_heads}, "
-                             f"kv heads {self.num_kv_heads}")
+            raise ValueError(
+                f"bad head counts: hidden {cfg.hidden_size}, heads {self.num_heads}, kv heads {self.num_kv_heads}"
+            )
         self.head_dim = cfg.hidden_size // self.num_heads
         self.causal = causal
         self.attention_dropout = cfg.attention_dropout
@@ -116,7 +118,7 @@ class Attention(nn.Module):
     @torch.no_grad()
     def _logit_max(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Largest scaled logit q.k/sqrt(hd) over the allowed (causal) positions, as an fp32 scalar."""
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim ** -0.5  # (B, H, T, T)
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, T, T)
         if self.causal:
             t = s.shape[-1]
             s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -177,11 +179,16 @@ class Block(nn.Module):
         else the skipped sub-layers' :meth:`branch_parameters`."""
         if skips(attn_gate) and skips(ffn_gate):
             return list(self.parameters())
-        return [p for branch, gate in (("attn", attn_gate), ("ffn", ffn_gate)) if skips(gate)
-                for p in self.branch_parameters(branch)]
+        return [
+            p
+            for branch, gate in (("attn", attn_gate), ("ffn", ffn_gate))
+            if skips(gate)
+            for p in self.branch_parameters(branch)
+        ]
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                attn_gate=None, ffn_gate=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attn_gate=None, ffn_gate=None
+    ) -> torch.Tensor:
         """x: (B, T, D) -> (B, T, D). A gate multiplies a sub-layer's residual branch: None runs it as is, 0.0 skips
         it (not computed), a float scales it, a (B,) tensor scales it per sample (see ``model/layerdrop.py``)."""
         if self.placement == "pre":

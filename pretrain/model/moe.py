@@ -2,8 +2,11 @@
 
 Routing (same as Hugging Face Mixtral / Qwen3-MoE / OLMoE, so exports are exact): fp32 softmax over the
 router logits, top-k, optionally renormalized; each token's output is the weighted sum of its experts'
-SwiGLU/GELU FFNs, accumulated in expert order. With ``capacity_factor > 0`` training drops assignments
-beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then
+SwiGLU/GELU FFNs, accumulated in expert order: the top-k MoE FFN of T. Xiao and J. Zhu, "Introduction to
+Transformers: an NLP Perspective" (arXiv:2311.17633), sec. 4.4, eqs. 114, 115 and 118 (after Shazeer et al. 2017).
+The training objective adds the Switch Transformer load-balancing loss (Fedus et al. 2021, arXiv:2101.03961) and
+the router z-loss (ST-MoE: Zoph et al. 2022, arXiv:2202.08906). With ``capacity_factor > 0`` training drops
+assignments beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then
 token order), so the drop decision never depends on other workers; evaluation is dropless.
 
 The layer is built with all E experts. Expert parallelism (``pretrain/train/expert_parallel.py``) keeps, on
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -50,8 +54,9 @@ class _Experts(nn.Module):
 
 
 class _Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, ffn_size: int, num_experts: int, local: int,
-                 selection_bias: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ffn_size: int, num_experts: int, local: int, selection_bias: bool = False
+    ) -> None:
         super().__init__()
         self.gate = _Gate(cfg.hidden_size, num_experts, selection_bias)
         self.experts = _Experts(cfg, ffn_size, local)
@@ -160,8 +165,10 @@ class MoEFeedForward(nn.Module):
         if self.exchange is not None:
             return self.exchange(self, tokens, counts)
         if self.ep_size > 1:
-            raise RuntimeError("an MoE layer with moe.ep_size > 1 needs its all-to-all exchange "
-                               "(pretrain.train.expert_parallel.apply_expert_parallel)")
+            raise RuntimeError(
+                "an MoE layer with moe.ep_size > 1 needs its all-to-all exchange "
+                "(pretrain.train.expert_parallel.apply_expert_parallel)"
+            )
         return self.run_local(tokens, counts)
 
     def run_local(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -171,7 +178,7 @@ class MoEFeedForward(nn.Module):
         One grouped matmul per projection over all local experts (``torch.nn.functional.grouped_mm``) where the
         device and dtype support it, else a loop over the experts (same results within fp32 rounding: tested)."""
         # grouped_mm wants 16-byte aligned row strides (e.g. fp32 sizes that are multiples of 4)
-        sizes = (tokens.shape[-1], self.experts[0].up_proj.out_features)
+        sizes = (tokens.shape[-1], cast(FeedForward, self.experts[0]).up_proj.out_features)
         aligned = all(n * tokens.element_size() % 16 == 0 for n in sizes)
         if self.grouped_experts and aligned and grouped_mm_supported(tokens.device, tokens.dtype):
             return grouped_ffn(self.experts, tokens, counts)
@@ -180,8 +187,16 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def _stats_row(self, routed, kept, n, probs, balance, z) -> torch.Tensor:
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
-        extra = torch.stack([routed.sum().float(), kept.sum().float(), torch.tensor(float(n), device=z.device),
-                             entropy, balance.detach(), z.detach()])
+        extra = torch.stack(
+            [
+                routed.sum().float(),
+                kept.sum().float(),
+                torch.tensor(float(n), device=z.device),
+                entropy,
+                balance.detach(),
+                z.detach(),
+            ]
+        )
         return torch.cat([routed.float(), extra, torch.ones(1, device=z.device)])
 
     def commit_stats(self) -> None:
@@ -218,8 +233,9 @@ def grouped_ffn(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tens
         weight = torch.stack([m.weight for m in linears]).transpose(1, 2).to(x.dtype)  # autocast's cast
         y = F.grouped_mm(x, weight, offs=offs)
         if linears[0].bias is not None:
-            y = y + torch.repeat_interleave(torch.stack([m.bias for m in linears]).to(y.dtype), counts, dim=0,
-                                            output_size=x.shape[0])
+            y = y + torch.repeat_interleave(
+                torch.stack([m.bias for m in linears]).to(y.dtype), counts, dim=0, output_size=x.shape[0]
+            )
         return y
 
     if experts[0].gated:
@@ -276,7 +292,7 @@ def update_balance_biases(model: nn.Module, stats: dict[int, torch.Tensor]) -> N
     reduced ``take_stats`` row, whose first E entries are the routed assignments per expert)."""
     for block, layer in moe_layers(model):
         if layer.selection_bias is not None and block in stats:
-            layer.update_bias(stats[block][:layer.num_experts])
+            layer.update_bias(stats[block][: layer.num_experts])
 
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:
@@ -292,9 +308,9 @@ def keep_experts_eager() -> None:
     """Run the experts eagerly inside compiled blocks (``torch.compiler.disable`` on
     :meth:`MoEFeedForward._run_experts`): the token counts are data, and grouped_mm has no CPU fp32 meta kernel.
     Called before a block is compiled (:func:`pretrain.model.compile.compile_blocks`), not at import: the decorator
-    imports ``torch._dynamo`` (1.3-1.7 s here), which an eager run never needs. Idempotent; in eager mode the
+    imports ``torch._dynamo`` (a slow import), which an eager run never needs. Idempotent; in eager mode the
     disabled method runs as the plain one."""
     if not getattr(MoEFeedForward._run_experts, "_eager_under_compile", False):
         eager = torch.compiler.disable(MoEFeedForward._run_experts)
         eager._eager_under_compile = True
-        MoEFeedForward._run_experts = eager
+        MoEFeedForward._run_experts = eager  # type: ignore[method-assign]  # deliberate patch: the compiler-disabled method

@@ -20,12 +20,20 @@ MODES = ("none", "full", "selective")
 
 _aten = torch.ops.aten
 SAVED_OPS: tuple[Any, ...] = tuple(
-    getattr(_aten, name).default for name in (
-        "mm", "addmm", "bmm", "baddbmm",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
         "_grouped_mm",
-    ) if hasattr(_aten, name))
+    )
+    if hasattr(_aten, name)
+)
 """Ops whose outputs ``selective`` keeps: the FLOP-heavy ones (linear layers lower to mm/addmm, attention to one
 fused SDPA kernel, grouped experts to _grouped_mm)."""
 

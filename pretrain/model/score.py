@@ -67,8 +67,9 @@ class ScoreSums:
     bytes: float = 0.0
     """UTF-8 bytes the predicted tokens spell (when byte counts are known)."""
 
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, kind: str,
-            byte_lengths: torch.Tensor | None = None) -> None:
+    def add(
+        self, logits: torch.Tensor, labels: torch.Tensor, kind: str, byte_lengths: torch.Tensor | None = None
+    ) -> None:
         """One micro-batch: ``logits`` (B, T, V) of ``input_ids`` with ``labels`` (B, T)."""
         causal = kind == "decoder"
         target = targets(labels, causal)
@@ -105,8 +106,13 @@ class ScoreSums:
 
 
 @torch.no_grad()
-def score_batches(forward: Forward, batches: Iterable[dict[str, torch.Tensor]], kind: str,
-                  byte_lengths: torch.Tensor | None = None, device: torch.device | None = None) -> ScoreSums:
+def score_batches(
+    forward: Forward,
+    batches: Iterable[dict[str, torch.Tensor]],
+    kind: str,
+    byte_lengths: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> ScoreSums:
     """The sums of ``batches`` ({"input_ids", "labels"}, labels -100 = no target), each moved to ``device``
     (when given) and run through ``forward``."""
     sums = ScoreSums()

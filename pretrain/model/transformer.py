@@ -2,16 +2,16 @@
 
 State-dict keys: ``embed_tokens``, ``embed_positions`` (learned), ``embedding_norm``,
 ``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,attn.{q,k}_norm,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
-``final_norm``, ``head_transform.{dense,norm}``, ``lm_head`` (its weight is ``embed_tokens.weight``
-when tied). MoE blocks have ``blocks.{i}.ffn.deepspeed_moe.{gate.wg,experts.deepspeed_experts.{e}.*}`` instead
-of the dense FFN (see ``pretrain/model/moe.py``). The RoPE tables are non-persistent buffers and never appear in checkpoints.
+``final_norm``, ``head_transform.{dense,norm}``, ``lm_head`` (its weight is ``embed_tokens.weight`` when tied). MoE
+blocks have ``blocks.{i}.ffn.deepspeed_moe.{gate.wg,experts.deepspeed_experts.{e}.*}`` instead of the dense FFN (see
+``pretrain/model/moe.py``). The RoPE tables are non-persistent buffers and never appear in checkpoints.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,7 @@ class ModelOutput(NamedTuple):
     def objective(self) -> torch.Tensor:
         """The training objective: ``loss`` plus the z-loss and MoE terms that are present."""
         total = self.loss
+        assert total is not None  # the objective is taken of outputs with labels
         for term in (self.z_loss, self.moe_loss):
             if term is not None:
                 total = total + term
@@ -85,8 +86,9 @@ class Transformer(nn.Module):
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: str = "none"  # none | full | selective (pretrain/model/recompute.py)
-        # Per block (attention, FFN) output scales used when no gates are given and not training: eq. 95's rho
-        # for layer dropout with ``rho`` scaling (set from the training side; an exporter folds them).
+        # Per block (attention, FFN) output scales used when no gates are given and not training: the rho of
+        # Xiao and Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4; see pretrain/model/layerdrop.py) for layer dropout
+        # with ``rho`` scaling (set from the training side; an exporter folds them).
         self.branch_scales: list[tuple[float, float]] | None = None
         d = cfg.hidden_size
         self.head_dim = d // cfg.num_heads
@@ -100,12 +102,13 @@ class Transformer(nn.Module):
         ffn = resolved_ffn_size(cfg)
         expert_ffn = self.moe.ffn_size or ffn
         self.blocks = nn.ModuleList(
-            Block(cfg, ffn, self.causal,
-                  MoEFeedForward(cfg, self.moe, expert_ffn) if self.moe.is_moe_layer(i) else None)
-            for i in range(cfg.num_layers))
+            Block(
+                cfg, ffn, self.causal, MoEFeedForward(cfg, self.moe, expert_ffn) if self.moe.is_moe_layer(i) else None
+            )
+            for i in range(cfg.num_layers)
+        )
         # post/deepnorm blocks already end with a norm.
-        self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
-                           else None)
+        self.final_norm = make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich") else None
         self.head_transform = HeadTransform(cfg) if cfg.mlm_head_transform else None
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.bias)
         self.tie_weights()
@@ -145,19 +148,24 @@ class Transformer(nn.Module):
         beta = (8.0 * deepnorm_depth(cfg)) ** -0.25
         residual_std = std / math.sqrt(2.0 * cfg.num_layers)
         done: set[int] = set()  # a tied weight is initialized once (as the embedding)
+        lin: nn.Linear | None
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
                 if module.weight is not None:
                     module.weight.fill_(1.0)
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    cast(torch.Tensor, module.bias).zero_()
             elif isinstance(module, nn.Embedding):
                 if id(module.weight) not in done:
                     module.weight.normal_(0.0, std, generator=generator)
                     done.add(id(module.weight))
             elif isinstance(module, Attention) and deepnorm:
-                for lin, gain in ((module.q_proj, 1.0), (module.k_proj, 1.0),
-                                  (module.v_proj, beta), (module.o_proj, beta)):
+                for lin, gain in (
+                    (module.q_proj, 1.0),
+                    (module.k_proj, 1.0),
+                    (module.v_proj, beta),
+                    (module.o_proj, beta),
+                ):
                     nn.init.xavier_normal_(lin.weight, gain=gain, generator=generator)
                     done.add(id(lin.weight))
             elif isinstance(module, MoEFeedForward):
@@ -213,8 +221,13 @@ class Transformer(nn.Module):
                     w.normal_(0.0, residual_std if name == "down_proj" else std, generator=generator)
                 done.add(id(w))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                layer_mask: Sequence[bool] | None = None, gates: Sequence[tuple] | None = None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        layer_mask: Sequence[bool] | None = None,
+        gates: Sequence[tuple] | None = None,
+    ) -> ModelOutput:
         """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity); ``gates[i]`` =
         (attention gate, FFN gate) of block i (layer dropout, see ``Block.forward`` and ``model/layerdrop.py``)."""
         b, t = input_ids.shape
@@ -249,6 +262,7 @@ class Transformer(nn.Module):
                 continue  # a dropped block: no work at all
             x = run_block(recompute, block, x, rope, attn_gate, ffn_gate)  # (B, T, D)
             if isinstance(block.ffn, MoEFeedForward) and not skips(ffn_gate):
+                assert block.ffn.aux_loss is not None  # set by the forward that just ran
                 moe_terms.append(block.ffn.aux_loss)
                 block.ffn.commit_stats()
 
@@ -278,8 +292,9 @@ class Transformer(nn.Module):
         return mean_cross_entropy(logits, labels, self.causal)
 
 
-def build_model(cfg: ModelConfig, seed: int, moe: MoEConfig | None = None,
-                weights: dict[str, torch.Tensor] | None = None) -> Transformer:
+def build_model(
+    cfg: ModelConfig, seed: int, moe: MoEConfig | None = None, weights: dict[str, torch.Tensor] | None = None
+) -> Transformer:
     """The model of ``cfg``: freshly initialized (same cfg and seed give bitwise identical weights; every expert
     gets its own draws, so an expert-parallel worker's slice equals the same experts of this model), or holding
     ``weights`` (a full state dict, every expert; a tied ``lm_head.weight`` may be absent), whose tensors it
@@ -321,7 +336,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.weight.dim() >= 2 and id(m.weight) not in embeddings:
             decay_ids.add(id(m.weight))
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():  # deduplicated: a tied weight appears once
         (decay if id(p) in decay_ids else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -346,7 +362,8 @@ def active_parameters(model: Transformer, exclude_embeddings: bool = False) -> i
 class _SkipInitOnMeta(TorchFunctionMode):
     """Skips ``torch.nn.init``'s in-place inits of meta tensors (a module's default init while it is built on the
     meta device): they would draw nothing anyway, but their meta kernels are torch's Python references, whose
-    wrappers import ``torch._dynamo`` (1.3-1.7 s of every worker's start) for an eager model that never needs it."""
+    wrappers import ``torch._dynamo`` (a slow import, paid at every worker's start) for an eager model that never
+    needs it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

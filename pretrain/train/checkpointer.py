@@ -115,8 +115,13 @@ class Checkpointer:
         self.overlap_copy = self.asynchronous and cfg.checkpoint.overlap_copy
         self._warmed = False
         self.faults = cfg.faults
-        self.writer = CheckpointWriter(run_dir, DistWorld(ctx), tracker.run_id, keep_last=cfg.checkpoint.keep_last,
-                                       register=tracker.register_checkpoint)
+        self.writer = CheckpointWriter(
+            run_dir,
+            DistWorld(ctx),
+            tracker.run_id,
+            keep_last=cfg.checkpoint.keep_last,
+            register=tracker.register_checkpoint,
+        )
         self.seconds = 0.0  # loop time spent in checkpointing (``stall_s`` summed): `bench --cluster` reads it
         self.count = 0
         self.records: list[SaveRecord] = []
@@ -141,8 +146,12 @@ class Checkpointer:
             if dist.all_reduce_sum([nonfinite_params(module.engine)], self.ctx.device)[0] > 0:
                 raise NonFiniteWeightsError(f"step {state.step}: non-finite weights, checkpoint not written")
             # The module's config: the architecture as of this step (growth).
-            contents = Contents(cfg=module.cfg, trainer_state=asdict(state), data_state=batches.state_dict(),
-                                model=EngineState(module.save, module.snapshot))
+            contents = Contents(
+                cfg=module.cfg,
+                trainer_state=asdict(state),
+                data_state=batches.state_dict(),
+                model=EngineState(module.save, module.snapshot),
+            )
             if not self.asynchronous:
                 path = self.writer.save(contents, protect())
                 self.tracker.log_metrics({"ckpt/stall_s": time.perf_counter() - t0}, state.step)
@@ -177,8 +186,9 @@ class Checkpointer:
         if flight.committing is None:
             w = flight.write
             finished = w.done()
-            done, failed = dist.all_reduce_sum([float(finished), float(finished and w.error is not None)],
-                                               self.ctx.device)
+            done, failed = dist.all_reduce_sum(
+                [float(finished), float(finished and w.error is not None)], self.ctx.device
+            )
             if done == self.ctx.world_size or failed:
                 self._start_commit(flight, background=True)
             self._account(flight.record, time.perf_counter() - t0, "commit_s")
@@ -197,6 +207,7 @@ class Checkpointer:
         if flight.committing is None:
             self._start_commit(flight, background=False)
         t0 = time.perf_counter()
+        assert flight.committing is not None  # started above if it was not
         flight.committing.join()
         self._account(flight.record, time.perf_counter() - t0, "wait_s")
         t0 = time.perf_counter()
@@ -218,8 +229,9 @@ class Checkpointer:
         if self.buffers is not None:  # written: the next snapshot copies into the same memory
             self.buffers.release(write.storages)
         write.storages = []
-        gb, seconds, copy_s = dist.all_reduce_min([-write.nbytes / GB, -write.seconds, -write.copy_s],
-                                                  self.ctx.device)  # max over ranks
+        gb, seconds, copy_s = dist.all_reduce_min(
+            [-write.nbytes / GB, -write.seconds, -write.copy_s], self.ctx.device
+        )  # max over ranks
         record.snapshot_gb, record.write_s, record.copy_s = -gb, -seconds, -copy_s
         parts = self.writer.gather(write.digests, write.error)
 
@@ -228,8 +240,9 @@ class Checkpointer:
 
         if not background:
             commit()
-        flight.committing = threading.Thread(target=commit if background else _nothing, daemon=True,
-                                             name=f"checkpoint-commit-{record.step}")
+        flight.committing = threading.Thread(
+            target=commit if background else _nothing, daemon=True, name=f"checkpoint-commit-{record.step}"
+        )
         flight.committing.start()  # not background: nothing left to do, ``join`` returns at once
         self._account(record, time.perf_counter() - t0, "commit_s")
 
@@ -254,13 +267,20 @@ class Checkpointer:
             return 0.0
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{self.faults.slow_checkpoint_s} s\n")
-        print(f"[fault] rank {self.ctx.rank}: the background write of step {step}'s checkpoint sleeps "
-              f"{self.faults.slow_checkpoint_s:g} s first", flush=True)
+        print(
+            f"[fault] rank {self.ctx.rank}: the background write of step {step}'s checkpoint sleeps "
+            f"{self.faults.slow_checkpoint_s:g} s first",
+            flush=True,
+        )
         return self.faults.slow_checkpoint_s
 
     def summary(self) -> dict[str, Any]:
         """The summary's checkpoint fields (``summary.json``): totals and one record per save."""
-        return {"checkpoint_seconds": self.seconds, "checkpoints": self.count, "checkpoint_async": self.asynchronous,
-                "checkpoint_stall_s_max": max((r.stall_s for r in self.records), default=0.0),
-                "checkpoint_snapshot_gb_max": max((r.snapshot_gb for r in self.records), default=0.0),
-                "checkpoint_saves": [asdict(r) for r in self.records]}
+        return {
+            "checkpoint_seconds": self.seconds,
+            "checkpoints": self.count,
+            "checkpoint_async": self.asynchronous,
+            "checkpoint_stall_s_max": max((r.stall_s for r in self.records), default=0.0),
+            "checkpoint_snapshot_gb_max": max((r.snapshot_gb for r in self.records), default=0.0),
+            "checkpoint_saves": [asdict(r) for r in self.records],
+        }

@@ -50,8 +50,7 @@ def setup(use_gpu: str) -> DistContext:
     if ray_ctx is not None:
         rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
         local_rank, local_world = ray_ctx.get_local_rank(), ray_ctx.get_local_world_size()
-        print(f"[train] rank {rank}/{world} on Ray node {ray_ctx.get_node_rank()} "
-              f"({_ray_node_id()[:12]})", flush=True)
+        print(f"[train] rank {rank}/{world} on Ray node {ray_ctx.get_node_rank()} ({_ray_node_id()[:12]})", flush=True)
     elif dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -59,8 +58,14 @@ def setup(use_gpu: str) -> DistContext:
     else:
         alone = "WORLD_SIZE" not in os.environ  # a plain single process
         if alone:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+            )
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

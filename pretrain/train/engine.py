@@ -19,25 +19,25 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return "fp32"
 
 
-def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str,
-                     load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config dict for ``cfg`` under ``plan``. ``load_universal``: the engine will load a
     universal checkpoint (resuming with a different number of workers). DeepSpeed's batch size is the
     nominal micro x accumulation x workers (the plan pads uneven shares to equal passes)."""
     t, z = cfg.train, cfg.zero
     zero: dict[str, Any] = {"stage": z.stage}
     if z.stage > 0:
-        zero.update(reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm,
-                    contiguous_gradients=True)
+        zero.update(reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, contiguous_gradients=True)
     if z.stage >= 2:
         zero["allgather_bucket_size"] = z.reduce_bucket_size
     if z.stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=False,
-                    stage3_param_persistence_threshold=z.param_persistence_threshold)
+        zero.update(
+            stage3_gather_16bit_weights_on_model_save=False,
+            stage3_param_persistence_threshold=z.param_persistence_threshold,
+        )
         if cfg.layer_drop.enabled and cfg.layer_drop.mode == "layer":
             # DeepSpeed prefetches along the module order it recorded at an earlier step, so it would all-gather
             # the parameters of blocks that layer dropout skips this step. No prefetch: only what runs is gathered
-            # (costs the gather/compute overlap on GPUs; none on CPU). See README "Layer dropout".
+            # (costs the gather/compute overlap on GPUs; none on CPU).
             zero["stage3_prefetch_bucket_size"] = 0
     if z.offload_optimizer and z.stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -56,7 +56,7 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str,
 
 
 def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Optimizer:
-    """A torch AdamW (not DeepSpeed's fused CPU Adam, which needs a ~40 s op build on CPU)."""
+    """A torch AdamW (not DeepSpeed's fused CPU Adam, whose C++ op is JIT-built at first use on CPU)."""
     t = cfg.train
     return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
@@ -72,16 +72,25 @@ def expert_param_groups(param_groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
-def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig, plan: RunPlan,
-               precision: str, load_universal: bool = False):
+def initialize(
+    model: torch.nn.Module,
+    param_groups: list[dict],
+    cfg: RunConfig,
+    plan: RunPlan,
+    precision: str,
+    load_universal: bool = False,
+):
     """Wrap ``model`` (expert parallelism already applied) in a DeepSpeed engine; torch.distributed
     must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer,
-        config=deepspeed_config(cfg, plan, precision, load_universal), dist_init_required=False)
+        model=model,
+        optimizer=optimizer,
+        config=deepspeed_config(cfg, plan, precision, load_universal),
+        dist_init_required=False,
+    )
     ds_adapter.use_weights_only_loading(engine)  # a checkpoint file cannot run code
     return engine
 
@@ -89,4 +98,3 @@ def initialize(model: torch.nn.Module, param_groups: list[dict], cfg: RunConfig,
 def set_lr(engine, lr: float) -> None:
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
-

@@ -1,10 +1,10 @@
 """Expert parallelism, applied to a built model from outside (the model code stays single-device).
 
-:func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank (the model is
-built with all of them, so every layout has the same expert weights) and turns every such MoE layer into a DeepSpeed MoE layer (the
-instance's class becomes a subclass that is also ``deepspeed.moe.layer.MoE``, the way FSDP2's ``fully_shard``
-swaps classes) and tags its expert parameters as DeepSpeed does (both in :mod:`pretrain.ds_adapter`). The
-DeepSpeed engine then
+:func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank (the model is built
+with all of them, so every layout has the same expert weights) and turns every such MoE layer into a DeepSpeed MoE layer
+(the instance's class becomes a subclass that is also ``deepspeed.moe.layer.MoE``, the way FSDP2's ``fully_shard`` swaps
+classes) and tags its expert parameters as DeepSpeed does (both in :mod:`pretrain.ds_adapter`). The DeepSpeed engine
+then
 
 * calls ``set_deepspeed_parallelism``: the expert-parallel / expert-data-parallel groups are created (consecutive
   ranks form an EP group) and the layer gets an :class:`AllToAllExchange` on its EP group;
@@ -101,7 +101,7 @@ def shard_experts(layer: MoEFeedForward, ep_size: int, ep_rank: int) -> None:
         raise ValueError("experts are already sharded")
     local = layer.num_experts // ep_size
     first = ep_rank * local
-    layer.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(list(layer.experts)[first:first + local])
+    layer.deepspeed_moe.experts.deepspeed_experts = nn.ModuleList(list(layer.experts)[first : first + local])
     layer.ep_size, layer.ep_rank, layer.num_local_experts = ep_size, ep_rank, local
 
 
@@ -129,7 +129,7 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
             continue
         group = ds_adapter.expert_parallel_group(layer.ep_size)
         prefix = f"blocks.{block}.ffn.deepspeed_moe.experts.deepspeed_experts."
-        local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        local = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         for key in list(out):
             if key.startswith(prefix):
                 del out[key]
@@ -152,7 +152,7 @@ def global_param_names(model: nn.Module) -> dict[str, str]:
         prefix = f"blocks.{block}.ffn.deepspeed_moe.experts.deepspeed_experts."
         for name, _ in model.named_parameters():
             if name.startswith(prefix):
-                e, rest = name[len(prefix):].split(".", 1)
+                e, rest = name[len(prefix) :].split(".", 1)
                 out[name] = f"{prefix}{layer.ep_rank * layer.num_local_experts + int(e)}.{rest}"
     return out
 

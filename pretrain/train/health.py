@@ -125,6 +125,7 @@ class HealthProbe:
             x = output.detach().float()  # (B, T, D)
             self.sums[f"act_rms/{key}"] = float(x.pow(2).mean().sqrt()) / _world()  # mean over ranks
             self.maxes[f"act_max/{key}"] = float(x.abs().max())
+
         return hook
 
     def detach(self, output) -> None:
@@ -153,8 +154,7 @@ class HealthProbe:
         self._add_sq("grad_sq", views)
         finite = all(math.isfinite(v) for k, v in self.sums.items() if k.startswith("grad_sq/"))
         # Counting elements is a second pass: only needed when some norm is already non-finite.
-        self.sums["nonfinite_grads"] = (0.0 if finite else
-                                        float(sum(int((~torch.isfinite(g)).sum()) for _, g in views)))
+        self.sums["nonfinite_grads"] = 0.0 if finite else float(sum(int((~torch.isfinite(g)).sum()) for _, g in views))
         self._before = [t.detach().clone() for _, t in counted_param_views(self.engine)]
 
     def after_update(self) -> None:
@@ -162,7 +162,7 @@ class HealthProbe:
         pviews = counted_param_views(self.engine)
         self._add_sq("param_sq", pviews)
         before = self._before or []
-        diffs = torch._foreach_sub([t.detach() for _, t in pviews[:len(before)]], before) if before else []
+        diffs = torch._foreach_sub([t.detach() for _, t in pviews[: len(before)]], before) if before else []
         deltas = [(p, d) for (p, _), d in zip(pviews, diffs)]
         self._add_sq("update_sq", deltas)
         self._before = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 from pretrain.config import RunConfig, SourceConfig, source_name
 
@@ -41,7 +42,9 @@ def _dataset(src: SourceConfig, cfg: RunConfig):
     h = hashlib.sha256()
     if resolved.format == "hub":
         h.update(f"{resolved.hub_path}\0{resolved.split}".encode())
-        url = resolved.hub_path if "://" in resolved.hub_path else f"https://huggingface.co/datasets/{resolved.hub_path}"
+        url = (
+            resolved.hub_path if "://" in resolved.hub_path else f"https://huggingface.co/datasets/{resolved.hub_path}"
+        )
         source = HTTPDatasetSource(url)
     else:
         for f in resolved.files:
@@ -50,9 +53,10 @@ def _dataset(src: SourceConfig, cfg: RunConfig):
         root = resolved.files[0] if len(resolved.files) == 1 else os.path.commonpath(resolved.files)
         # MLflow registers its local-file source twice (schemes '' and 'file'): resolving a path warns that it
         # "can be interpreted in multiple ways" on stderr. Both are the same class of source; take the first.
-        local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+        local: Any = next(s for s in get_registered_sources() if s._get_source_type() == "local")  # a class
         source = local(str(Path(root).resolve()))
-    return MetaDataset(source, name=source_name(src.path, src.name), digest=h.hexdigest()[:12])
+    # MetaDataset is concrete at runtime (not an ABC); its stubs inherit Dataset's abstract ``profile``
+    return MetaDataset(source, name=source_name(src.path, src.name), digest=h.hexdigest()[:12])  # type: ignore[abstract]
 
 
 def log_datasets(uri: str, run_id: str, cfg: RunConfig) -> int:
@@ -81,9 +85,13 @@ def log_exported_model(uri: str, run_id: str, out: Path, *, step: int, checkpoin
     run = client.get_run(run_id)
     out = Path(out).resolve()
     model = client.create_logged_model(
-        run.info.experiment_id, name=f"{out.name}-step{step}", source_run_id=run_id, model_type="huggingface",
+        run.info.experiment_id,
+        name=f"{out.name}-step{step}",
+        source_run_id=run_id,
+        model_type="huggingface",
         tags={EXPORT_DIR_TAG: str(out), "pretrain.checkpoint": str(checkpoint), "pretrain.hf_class": hf_class},
-        params={"step": str(step), "hf_class": hf_class, "export_dir": str(out)})
+        params={"step": str(step), "hf_class": hf_class, "export_dir": str(out)},
+    )
     with TempDir() as tmp:  # the MLmodel stub of an external model (a few hundred bytes), as MLflow's own does
         get_external_mlflow_model_spec(model).save(tmp.path("MLmodel"))
         client.log_model_artifacts(model.model_id, tmp.path())

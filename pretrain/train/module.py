@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as tdist
@@ -39,8 +39,7 @@ StateDict = dict[str, torch.Tensor]
 class TrainModule:
     """What one worker trains. ``engine`` is the DeepSpeed engine; ``model`` the module inside it."""
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, engine: Any, *, rank: int, device: torch.device,
-                 precision: str):
+    def __init__(self, cfg: RunConfig, plan: RunPlan, engine: Any, *, rank: int, device: torch.device, precision: str):
         self.cfg, self.plan, self.engine = cfg, plan, engine
         self.rank, self.device, self.precision = rank, device, precision
         self._readers: list[Callable[[], None]] = []
@@ -131,8 +130,9 @@ class TrainModule:
         opt = self.engine.optimizer
         return self.engine.module_state_dict(), (opt.state_dict() if opt is not None else None)
 
-    def save(self, directory: Path, on_file: Callable[[Path, dict[Path, str] | None], None] | None = None
-             ) -> list[Path]:
+    def save(
+        self, directory: Path, on_file: Callable[[Path, dict[Path, str] | None], None] | None = None
+    ) -> list[Path]:
         """Write the engine state (weights, optimizer partitions, experts) as a DeepSpeed checkpoint (collective).
         Returns the files this rank wrote (for it to hash them itself): every file DeepSpeed's checkpoint engine
         saved on this rank, and on rank 0 the recovery scripts DeepSpeed copies next to the tag directory.
@@ -176,13 +176,17 @@ class TrainModule:
         its file's sha256 when it hashed it as it wrote it."""
         into_file, direct = ds_adapter.saves_into_files(self.engine), self.cfg.checkpoint.direct_io
         captured: list[tuple[Path, Any, ds_adapter.Save]] = []
-        with ds_adapter.routing_checkpoint_files(self.engine, lambda state, path, save: captured.append(
-                (path, host_copy(state), save))):
+        with ds_adapter.routing_checkpoint_files(
+            self.engine, lambda state, path, save: captured.append((path, host_copy(state), save))
+        ):
             self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
         written = [p for p in Path(directory).iterdir() if p.is_file()] if self.engine.global_rank == 0 else []
-        jobs = [FileJob([path], functools.partial(_save_without_crc, save, state, path, into_file, direct),
-                        hashes=into_file)
-                for path, state, save in captured]
+        jobs = [
+            FileJob(
+                [path], functools.partial(_save_without_crc, save, state, path, into_file, direct), hashes=into_file
+            )
+            for path, state, save in captured
+        ]
         return written, jobs
 
     def load(self, directory: Path, universal: bool = False) -> None:
@@ -195,8 +199,9 @@ class TrainModule:
 
     # -- rebuilding -----------------------------------------------------------------------------------
 
-    def rebuild(self, cfg: RunConfig | None = None, weights: StateDict | None = None,
-                optimizer_state: dict | None = None) -> None:
+    def rebuild(
+        self, cfg: RunConfig | None = None, weights: StateDict | None = None, optimizer_state: dict | None = None
+    ) -> None:
         """Replace model and engine in place: a new model of ``cfg`` (default: the current config) holding
         ``weights`` (a full state dict, e.g. a transformed :meth:`full_state_dict`; default: the current
         weights) and a fresh DeepSpeed engine; ``optimizer_state`` (:meth:`optimizer_state` of a module with
@@ -225,9 +230,15 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
     return ok
 
 
-def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | None = None,
-                 device: torch.device | None = None, weights: StateDict | None = None,
-                 load_universal: bool = False) -> TrainModule:
+def build_module(
+    cfg: RunConfig,
+    plan: RunPlan | None = None,
+    *,
+    rank: int | None = None,
+    device: torch.device | None = None,
+    weights: StateDict | None = None,
+    load_universal: bool = False,
+) -> TrainModule:
     """The module of ``cfg`` on this worker: the seeded model (or ``weights``, a full state dict with every
     expert), expert parallelism applied, wrapped in DeepSpeed. torch.distributed must be initialized; ``plan``
     defaults to the plan for the current world size, ``rank`` to this process's rank, ``device`` to CPU.
@@ -238,10 +249,11 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     device = device or torch.device("cpu")
     precision = resolve_precision(cfg.train.precision, device)
     if weights is not None:  # copied (the engine updates its parameters in place), in fp32 like a seeded model
-        weights = {k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype, copy=True)
-                   for k, v in weights.items()}
+        weights = {
+            k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype, copy=True) for k, v in weights.items()
+        }
     model = build_model(cfg.model, cfg.train.seed, cfg.moe, weights=weights)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.activation_checkpointing = cast(str, cfg.train.activation_checkpointing)  # str after __post_init__
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
     model.to(device)
@@ -249,13 +261,16 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
         compile_blocks(model)
     # DeepSpeed casts the module to bf16 before it copies the fp32 master weights: given weights would lose their
     # low bits, so their fp32 values are set into the masters afterwards.
-    masters = {id(p): p.detach().clone() for p in model.parameters()} if weights is not None and \
-        precision != "fp32" else None
+    masters = (
+        {id(p): p.detach().clone() for p in model.parameters()} if weights is not None and precision != "fp32" else None
+    )
     # MoE selection biases stay fp32 (DeepSpeed's bf16 cast would lose the small per-step updates)
-    biases = [(layer, layer.selection_bias.clone()) for _, layer in moe_layers(model)
-              if layer.selection_bias is not None]
-    engine = initialize(model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision,
-                        load_universal=load_universal)
+    biases = [
+        (layer, layer.selection_bias.clone()) for _, layer in moe_layers(model) if layer.selection_bias is not None
+    ]
+    engine = initialize(
+        model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision, load_universal=load_universal
+    )
     for layer, bias in biases:
         layer.deepspeed_moe.gate.expert_bias = bias
     if masters is not None:
@@ -274,8 +289,9 @@ def build_module(cfg: RunConfig, plan: RunPlan | None = None, *, rank: int | Non
     return TrainModule(cfg, plan, engine, rank=rank, device=device, precision=precision)
 
 
-def _save_without_crc(save: ds_adapter.Save, state: Any, path: Path, into_file: bool,
-                      direct: bool) -> dict[Path, str] | None:
+def _save_without_crc(
+    save: ds_adapter.Save, state: Any, path: Path, into_file: bool, direct: bool
+) -> dict[Path, str] | None:
     """:func:`save_hashed` of one engine file, without the zip CRC (a per-thread setting: set in the writing
     thread)."""
     with ds_adapter.without_zip_crc():

@@ -78,5 +78,4 @@ def load_moments(module, moments: dict[str, Any]) -> None:
                 ds_adapter.set_full_optimizer_state(p, value, key)
     for state in base.state.values():
         if "step" in state:
-            state["step"] = (torch.tensor(float(moments["step"])) if torch.is_tensor(state["step"])
-                             else moments["step"])
+            state["step"] = torch.tensor(float(moments["step"])) if torch.is_tensor(state["step"]) else moments["step"]

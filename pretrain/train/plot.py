@@ -18,8 +18,7 @@ Series = dict[str, list[tuple[int, float]]]
 
 SERIES = ("train/loss", "train/grad_norm", "val/loss", "train/lr")
 # Marker colour per action: what the policy did about an event.
-ACTION_COLORS = {"log": "tab:gray", "skip": "tab:orange", "rollback": "tab:red", "restored": "tab:red",
-                 "halt": "black"}
+ACTION_COLORS = {"log": "tab:gray", "skip": "tab:orange", "rollback": "tab:red", "restored": "tab:red", "halt": "black"}
 
 
 def history_from_mlflow(uri: str, run_id: str, keys: tuple[str, ...] = SERIES) -> Series:
@@ -79,23 +78,40 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
 
     fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=[3, 2])
     spikes: list[tuple[int, float]] = []
-    for key, ax, style in (("train/loss", ax_loss, "-"), ("val/loss", ax_loss, "o--"),
-                           ("train/grad_norm", ax_grad, "-")):
+    for key, ax, style in (
+        ("train/loss", ax_loss, "-"),
+        ("val/loss", ax_loss, "o--"),
+        ("train/grad_norm", ax_grad, "-"),
+    ):
         final, abandoned = split_replayed(series.get(key, []))
         pts = [(s, v) for s, v in final if math.isfinite(v)]
         if pts:
-            line, = ax.plot(*zip(*pts), style, label=key, lw=1.2, ms=4)
+            (line,) = ax.plot(*zip(*pts), style, label=key, lw=1.2, ms=4)
             for i, seg in enumerate(abandoned):  # what a rollback threw away, faded
                 seg = [(s, v) for s, v in seg if math.isfinite(v)]
                 if seg:
-                    ax.plot(*zip(*seg), style, color=line.get_color(), alpha=0.35, lw=1.0, ms=3,
-                            label=f"{key} (rolled back)" if i == 0 else None)
+                    ax.plot(
+                        *zip(*seg),
+                        style,
+                        color=line.get_color(),
+                        alpha=0.35,
+                        lw=1.0,
+                        ms=3,
+                        label=f"{key} (rolled back)" if i == 0 else None,
+                    )
             if key == "train/loss":
                 spikes = [p for seg in abandoned for p in seg] + [p for p in final if not math.isfinite(p[1])]
         bad = [s for s, v in final if not math.isfinite(v)]
         if bad and key == "train/grad_norm":  # non-finite gradients: crosses on the bottom edge
-            ax.plot(bad, [0.02] * len(bad), "x", color="tab:red", ms=8, transform=ax.get_xaxis_transform(),
-                    label="non-finite grad norm")
+            ax.plot(
+                bad,
+                [0.02] * len(bad),
+                "x",
+                color="tab:red",
+                ms=8,
+                transform=ax.get_xaxis_transform(),
+                label="non-finite grad norm",
+            )
     on_axis = [v for k in ("train/loss", "val/loss") for _, v in split_replayed(series.get(k, []))[0]]
     _clip_spikes(ax_loss, [v for v in on_axis if math.isfinite(v)], spikes)
     seen: set[str] = set()
@@ -107,10 +123,23 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
             ax.axvline(e["step"], color=color, ls=":", lw=1.2, label=label if ax is ax_loss else None)
         if e.get("kind") == "rollback" and "to_step" in e:  # an arrow back to the restored step
             tr = ax_loss.get_xaxis_transform()  # x in data, y in axes fraction
-            ax_loss.annotate("", xy=(e["to_step"], 0.88), xytext=(e["step"], 0.88), xycoords=tr,
-                             arrowprops={"arrowstyle": "->", "color": color})
-            ax_loss.text((e["step"] + e["to_step"]) / 2, 0.89, f"rollback to {e['to_step']}", color=color,
-                         ha="center", va="bottom", fontsize=8, transform=tr)
+            ax_loss.annotate(
+                "",
+                xy=(e["to_step"], 0.88),
+                xytext=(e["step"], 0.88),
+                xycoords=tr,
+                arrowprops={"arrowstyle": "->", "color": color},
+            )
+            ax_loss.text(
+                (e["step"] + e["to_step"]) / 2,
+                0.89,
+                f"rollback to {e['to_step']}",
+                color=color,
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                transform=tr,
+            )
     ax_loss.set_ylabel("loss")
     ax_grad.set_ylabel("grad norm (pre-clip)")
     if any(v > 0 for _, v in series.get("train/grad_norm", [])):
@@ -142,15 +171,24 @@ def _clip_spikes(ax, values: list[float], candidates: list[tuple[int, float]]) -
     for step, v in candidates:
         if not math.isfinite(v) or v > top:
             ax.plot([step], [top], "^", color="tab:red", ms=8, clip_on=False, zorder=5)
-            ax.annotate(f"loss {v:.3g}", (step, top), textcoords="offset points", xytext=(-6, -4), ha="right",
-                        va="top", fontsize=8, color="tab:red")
+            ax.annotate(
+                f"loss {v:.3g}",
+                (step, top),
+                textcoords="offset points",
+                xytext=(-6, -4),
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="tab:red",
+            )
 
 
 def plot_run(uri: str, run_id: str, out: Path) -> Path:
     """The PNG of an MLflow run, saved to ``out`` and logged to the run under ``plots/``."""
     from mlflow import MlflowClient
 
-    path = plot_training(history_from_mlflow(uri, run_id), timeline_from_mlflow(uri, run_id), out,
-                         title=f"run {run_id}")
+    path = plot_training(
+        history_from_mlflow(uri, run_id), timeline_from_mlflow(uri, run_id), out, title=f"run {run_id}"
+    )
     MlflowClient(tracking_uri=uri).log_artifact(run_id, str(path), "plots")
     return path

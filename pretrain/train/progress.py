@@ -48,11 +48,17 @@ class Progress:
         done = step - self.start_step
         eta = elapsed / max(done, 1) * (self.max_steps - step)
         width = len(str(self.max_steps))
-        parts = [f"step {step:>{width}}/{self.max_steps}", f"loss {metrics['train/loss']:.4f}",
-                 f"lr {metrics['train/lr']:.2e}", f"gnorm {metrics['train/grad_norm']:.3f}",
-                 f"{metrics['train/tokens_per_s']:,.0f} tok/s", *_optional(metrics), f"elapsed {fmt_duration(elapsed)}",
-                 *([f"layers {metrics['train/active_layers']:.2f}"] if "train/active_layers" in metrics else []),
-                 f"ETA {fmt_duration(eta)}"]
+        parts = [
+            f"step {step:>{width}}/{self.max_steps}",
+            f"loss {metrics['train/loss']:.4f}",
+            f"lr {metrics['train/lr']:.2e}",
+            f"gnorm {metrics['train/grad_norm']:.3f}",
+            f"{metrics['train/tokens_per_s']:,.0f} tok/s",
+            *_optional(metrics),
+            f"elapsed {fmt_duration(elapsed)}",
+            *([f"layers {metrics['train/active_layers']:.2f}"] if "train/active_layers" in metrics else []),
+            f"ETA {fmt_duration(eta)}",
+        ]
         print("[train] " + " | ".join(parts), file=sys.stdout, flush=True)
 
     def say(self, text: str) -> None:
@@ -60,8 +66,12 @@ class Progress:
             print(f"[train] {text}", file=sys.stdout, flush=True)
 
 
-_OPTIONAL = (("train/mfu", "MFU {:.1%}"), ("train/data_wait_frac", "data wait {:.0%}"),
-             ("sys/max_allocated_gb", "mem {:.2f} GB"), ("sys/peak_rss_gb", "rss {:.2f} GB"))
+_OPTIONAL = (
+    ("train/mfu", "MFU {:.1%}"),
+    ("train/data_wait_frac", "data wait {:.0%}"),
+    ("sys/max_allocated_gb", "mem {:.2f} GB"),
+    ("sys/peak_rss_gb", "rss {:.2f} GB"),
+)
 """Progress-line parts of metrics that only some runs log (the monitors' ``extra_metrics``)."""
 
 

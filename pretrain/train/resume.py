@@ -102,10 +102,16 @@ def engine_state_dir(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistCon
     if saved_world == ctx.world_size:
         return weights.ds_engine_dir(ckpt.path), False
     if ctx.is_main:
-        print(f"[train] elastic resume: {saved_world} -> {ctx.world_size} workers, converting the ZeRO "
-              f"state to a DeepSpeed universal checkpoint", flush=True)
-    return _converted(ctx, lambda: weights.universal_checkpoint(ckpt, run_dir),
-                      f"{ckpt.path}: cannot re-shard from {saved_world} to {ctx.world_size} workers"), True
+        print(
+            f"[train] elastic resume: {saved_world} -> {ctx.world_size} workers, converting the ZeRO "
+            f"state to a DeepSpeed universal checkpoint",
+            flush=True,
+        )
+    return _converted(
+        ctx,
+        lambda: weights.universal_checkpoint(ckpt, run_dir),
+        f"{ckpt.path}: cannot re-shard from {saved_world} to {ctx.world_size} workers",
+    ), True
 
 
 @dataclass
@@ -129,10 +135,16 @@ def resume_source(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContex
     if expert_layout_changed(ckpt, ep_size, ctx.world_size):
         saved = f"moe.ep_size={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
         if ctx.is_main:
-            print(f"[train] expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, "
-                  f"converting the checkpoint to full weights and optimizer moments", flush=True)
-        path = _converted(ctx, lambda: reader.resharded_full_form(ckpt, run_dir),
-                          f"{ckpt.path}: cannot re-shard the experts saved with {saved}")
+            print(
+                f"[train] expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, "
+                f"converting the checkpoint to full weights and optimizer moments",
+                flush=True,
+            )
+        path = _converted(
+            ctx,
+            lambda: reader.resharded_full_form(ckpt, run_dir),
+            f"{ckpt.path}: cannot re-shard the experts saved with {saved}",
+        )
     elif not reader.is_full_weights(ckpt):
         return ResumeSource(ckpt, *engine_state_dir(ckpt, run_dir, ctx))
     return ResumeSource(ckpt, weights=weights.load_full_weights(path), moments=weights.load_optimizer_moments(path))

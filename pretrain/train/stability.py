@@ -52,8 +52,7 @@ TAG_LAST_EVENT = "pretrain.stability.last_event"
 ACTIONS: dict[str, dict[str, str]] = {
     "log": {"nonfinite": "log", "loss_spike": "log", "grad_spike": "log", "divergence": "log"},
     "skip": {"nonfinite": "skip", "loss_spike": "skip", "grad_spike": "skip", "divergence": "log"},
-    "rollback": {"nonfinite": "skip", "loss_spike": "rollback", "grad_spike": "rollback",
-                 "divergence": "rollback"},
+    "rollback": {"nonfinite": "skip", "loss_spike": "rollback", "grad_spike": "rollback", "divergence": "rollback"},
     "halt": {"nonfinite": "halt", "loss_spike": "halt", "grad_spike": "halt", "divergence": "halt"},
 }
 
@@ -192,22 +191,27 @@ class StabilityMonitor:
         z_grad = robust_z(sig.grad_norm, s.grad_norms) if active and cfg.detect_grad_spikes else None
         # Every finite value enters the windows: median/MAD shrug off the outliers they flag, and a
         # genuine level shift is absorbed instead of being flagged forever.
-        s.losses = (s.losses + [sig.loss])[-cfg.window:]
-        s.grad_norms = (s.grad_norms + [sig.grad_norm])[-cfg.window:]
+        s.losses = (s.losses + [sig.loss])[-cfg.window :]
+        s.grad_norms = (s.grad_norms + [sig.grad_norm])[-cfg.window :]
         if z_loss is not None and z_loss > cfg.spike_threshold:
-            return "loss_spike", (f"loss {sig.loss:.4g} is {z_loss:.1f} robust sigmas above the window median "
-                                  f"(grad norm {sig.grad_norm:.4g})")
+            return "loss_spike", (
+                f"loss {sig.loss:.4g} is {z_loss:.1f} robust sigmas above the window median "
+                f"(grad norm {sig.grad_norm:.4g})"
+            )
         if z_grad is not None and z_grad > cfg.spike_threshold:
-            return "grad_spike", (f"grad norm {sig.grad_norm:.4g} is {z_grad:.1f} robust sigmas above the window "
-                                  f"median (loss {sig.loss:.4g})")
+            return "grad_spike", (
+                f"grad norm {sig.grad_norm:.4g} is {z_grad:.1f} robust sigmas above the window "
+                f"median (loss {sig.loss:.4g})"
+            )
         if cfg.divergence_window and active:
-            s.trend = (s.trend + [sig.loss])[-cfg.divergence_window:]
+            s.trend = (s.trend + [sig.loss])[-cfg.divergence_window :]
             if len(s.trend) == cfg.divergence_window:
                 rise = trend_rise(s.trend)
                 if rise > cfg.divergence_threshold:
                     s.trend = []  # fire once per window
-                    return "divergence", (f"loss trend rose {100 * rise:.1f}% over the last "
-                                          f"{cfg.divergence_window} healthy steps")
+                    return "divergence", (
+                        f"loss trend rose {100 * rise:.1f}% over the last {cfg.divergence_window} healthy steps"
+                    )
         return None, ""
 
     def _record(self, step: int, kind: str, action: str, detail: str, **extra: Any) -> dict[str, Any]:
@@ -222,6 +226,7 @@ class StabilityMonitor:
         """Flag (policy ``log``: the router is not broken by one step, and rollback would not change it) each
         MoE block whose busiest expert took more than ``moe.collapse_share`` of the routed tokens for
         ``moe.collapse_steps`` consecutive steps; once per streak. ``max_shares``: block -> busiest share."""
+        events: list[dict[str, Any]]
         m, streaks, events = self.moe, self.s.collapse_streaks, []
         if not m.collapse_steps:
             return events
@@ -229,10 +234,18 @@ class StabilityMonitor:
             key = str(block)
             streaks[key] = streaks.get(key, 0) + 1 if share > m.collapse_share else 0
             if streaks[key] == m.collapse_steps:
-                events.append(self._record(step, "router_collapse", "log",
-                                           f"MoE block {block}: one expert took {100 * share:.1f}% of the routed "
-                                           f"tokens for {m.collapse_steps} consecutive steps (limit "
-                                           f"{100 * m.collapse_share:.0f}%)", block=block, share=share))
+                events.append(
+                    self._record(
+                        step,
+                        "router_collapse",
+                        "log",
+                        f"MoE block {block}: one expert took {100 * share:.1f}% of the routed "
+                        f"tokens for {m.collapse_steps} consecutive steps (limit "
+                        f"{100 * m.collapse_share:.0f}%)",
+                        block=block,
+                        share=share,
+                    )
+                )
         return events
 
     # -- checkpoints and rollback ----------------------------------------------------------------
@@ -247,8 +260,7 @@ class StabilityMonitor:
     def _forget(self) -> None:
         """Keep the newest good checkpoint and the pending ones; older good and tainted ones are no target."""
         target = self.rollback_target()
-        self.s.checkpoints = [c for c in self.s.checkpoints
-                              if c is target or (not c["good"] and not c["tainted"])]
+        self.s.checkpoints = [c for c in self.s.checkpoints if c is target or (not c["good"] and not c["tainted"])]
 
     def _taint_pending(self) -> None:
         """A spike or divergence before a checkpoint proved itself: that checkpoint is never a target."""
@@ -260,8 +272,16 @@ class StabilityMonitor:
     def note_checkpoint(self, step: int, path: str, sequences: int) -> None:
         """A checkpoint was committed (or resumed from); it becomes good after healthy steps."""
         self.s.checkpoints = [c for c in self.s.checkpoints if c["step"] != step and c["path"] != path]
-        self.s.checkpoints.append({"step": step, "path": path, "sequences": sequences, "healthy": 0,
-                                   "good": self.cfg.good_after_steps == 0, "tainted": False})
+        self.s.checkpoints.append(
+            {
+                "step": step,
+                "path": path,
+                "sequences": sequences,
+                "healthy": 0,
+                "good": self.cfg.good_after_steps == 0,
+                "tainted": False,
+            }
+        )
         self._forget()
 
     def restart(self) -> None:
@@ -282,8 +302,9 @@ class StabilityMonitor:
         target = self.rollback_target()
         return {target["path"]} if target else set()
 
-    def rolled_back(self, step: int, target: dict[str, Any], from_sequence: int, to_sequence: int,
-                    abandoned: list[str]) -> dict[str, Any]:
+    def rolled_back(
+        self, step: int, target: dict[str, Any], from_sequence: int, to_sequence: int, abandoned: list[str]
+    ) -> dict[str, Any]:
         """Book a rollback done at ``step`` to ``target``; the data window [from, to) is skipped."""
         cfg, s = self.cfg, self.s
         s.rollbacks += 1
@@ -293,11 +314,18 @@ class StabilityMonitor:
         s.skipped_windows.append([from_sequence, to_sequence])
         if cfg.lr_cooldown_steps and cfg.lr_cooldown_factor < 1.0:
             s.cooldown_until = target["step"] + cfg.lr_cooldown_steps
-        event = self._record(step, "rollback", "restored",
-                             f"restored step {target['step']}; skipped sequences [{from_sequence}, {to_sequence})",
-                             to_step=target["step"], checkpoint=target["path"],
-                             data_window=[from_sequence, to_sequence], abandoned=abandoned,
-                             lr_factor=cfg.lr_cooldown_factor, cooldown_until=s.cooldown_until)
+        event = self._record(
+            step,
+            "rollback",
+            "restored",
+            f"restored step {target['step']}; skipped sequences [{from_sequence}, {to_sequence})",
+            to_step=target["step"],
+            checkpoint=target["path"],
+            data_window=[from_sequence, to_sequence],
+            abandoned=abandoned,
+            lr_factor=cfg.lr_cooldown_factor,
+            cooldown_until=s.cooldown_until,
+        )
         s.last_event_step = target["step"]  # step numbers restart there
         return event
 
@@ -322,19 +350,26 @@ class StabilityMonitor:
 
     def counters(self) -> dict[str, float]:
         s = self.s
-        return {"stability/events": float(s.events_total), "stability/skipped_steps": float(s.skipped_steps),
-                "stability/rollbacks": float(s.rollbacks)}
+        return {
+            "stability/events": float(s.events_total),
+            "stability/skipped_steps": float(s.skipped_steps),
+            "stability/rollbacks": float(s.rollbacks),
+        }
 
     def summary(self) -> dict[str, Any]:
         s = self.s
-        return {"policy": self.cfg.policy, "events": s.events_total, "skipped_steps": s.skipped_steps,
-                "rollbacks": s.rollbacks, "skipped_windows": [list(w) for w in s.skipped_windows],
-                "timeline": [dict(e) for e in s.timeline]}
+        return {
+            "policy": self.cfg.policy,
+            "events": s.events_total,
+            "skipped_steps": s.skipped_steps,
+            "rollbacks": s.rollbacks,
+            "skipped_windows": [list(w) for w in s.skipped_windows],
+            "timeline": [dict(e) for e in s.timeline],
+        }
 
     def halt(self, event: dict[str, Any]) -> StabilityHaltError:
         """The error to raise for a halting decision: one line, plus a JSON-ready report."""
-        line = (f"stability halt at step {event['step']}: {event['kind']} ({event['detail']}) "
-                f"[policy {self.cfg.policy}]")
+        line = f"stability halt at step {event['step']}: {event['kind']} ({event['detail']}) [policy {self.cfg.policy}]"
         report = {"halted": event, "config": asdict(self.cfg), **self.summary()}
         return StabilityHaltError(line, report)
 
@@ -349,8 +384,10 @@ class StabilityMonitor:
 
 def event_line(event: dict[str, Any]) -> str:
     """One progress line for an event."""
-    return (f"stability event #{event['event']} at step {event['step']}: {event['kind']} -> {event['action']} "
-            f"({event['detail']})")
+    return (
+        f"stability event #{event['event']} at step {event['step']}: {event['kind']} -> {event['action']} "
+        f"({event['detail']})"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,8 +401,9 @@ class StabilityControl:
     ``StabilityCallback``'s (saved and restored under the callback's name). ``state`` is the trainer's
     ``TrainerState`` (step, sequences)."""
 
-    def __init__(self, cfg: RunConfig, state: Any, ctx: dist.DistContext, run_dir: Path, tracker: Tracker,
-                 progress: Progress):
+    def __init__(
+        self, cfg: RunConfig, state: Any, ctx: dist.DistContext, run_dir: Path, tracker: Tracker, progress: Progress
+    ):
         self.cfg, self.state, self.ctx, self.run_dir = cfg, state, ctx, run_dir
         self.tracker, self.progress = tracker, progress
         self.monitor = StabilityMonitor(cfg.stability, cfg.moe)
@@ -376,8 +414,12 @@ class StabilityControl:
         """An event: a progress line, the ``stability/*`` counters, a tag; the timeline artifact."""
         self.progress.say(event_line(event))
         self.tracker.log_metrics(self.monitor.counters(), event["step"])
-        self.tracker.set_tags({TAG_LAST_EVENT: f"step {event['step']}: {event['kind']} -> {event['action']}",
-                               "pretrain.stability.events": self.monitor.s.events_total})
+        self.tracker.set_tags(
+            {
+                TAG_LAST_EVENT: f"step {event['step']}: {event['kind']} -> {event['action']}",
+                "pretrain.stability.events": self.monitor.s.events_total,
+            }
+        )
         self._dirty = True
         if urgent:
             self.flush()
@@ -424,10 +466,13 @@ class StabilityControl:
                 self.tracker.flush()  # the metrics queued so far
                 out = plot_run(tracking_uri, self.tracker.run_id, path)
             else:
-                series = {"train/loss": [(s, x) for s, x, _ in self.history],
-                          "train/grad_norm": [(s, g) for s, _, g in self.history]}
-                out = plot_training(series, self.monitor.summary()["timeline"], path,
-                                    title=f"run {self.tracker.run_id}")
+                series = {
+                    "train/loss": [(s, x) for s, x, _ in self.history],
+                    "train/grad_norm": [(s, g) for s, _, g in self.history],
+                }
+                out = plot_training(
+                    series, self.monitor.summary()["timeline"], path, title=f"run {self.tracker.run_id}"
+                )
         except Exception as e:  # noqa: BLE001 - a picture must never fail a finished run
             self.progress.say(f"plot failed: {type(e).__name__}: {e}")
             return ""

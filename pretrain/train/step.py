@@ -34,7 +34,7 @@ def step_seed(seed: int, step: int, index: int) -> int:
 def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.device):
     n = batch["input_ids"].shape[0]
     for i in range(0, n, micro):
-        yield {k: v[i:i + micro].to(device, non_blocking=True) for k, v in batch.items()}
+        yield {k: v[i : i + micro].to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @dataclass
@@ -193,7 +193,8 @@ def update_suppressed(engine, suppress: bool):
     # ZeRO-1/2 link optimizer-state fragments once, after the first step; a skipped first step must
     # not link them to the still-empty state.
     linked = ds_adapter.hp_states_linked(wrapper)
-    opt.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    # an instance attribute shadows the method (deliberate)
+    opt.step = lambda *args, **kwargs: None  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -203,19 +204,26 @@ def update_suppressed(engine, suppress: bool):
 
 
 @torch.no_grad()
-def evaluate(module, batches: list[dict[str, torch.Tensor]], byte_lengths: torch.Tensor | None = None,
-             prefix: str = "val/") -> dict[str, float]:
-    """``val/loss``, ``val/ppl`` (and ``val/mlm_acc`` for encoders; ``val/bits_per_byte`` for decoders given the
-    UTF-8 ``byte_lengths`` of every token id) of the one scorer (``pretrain/model/score.py``) over all ranks' shares. Every rank runs as many forwards as the rank with the most batches (ZeRO-3 and
-    expert-parallel forwards are collective): the others pad with batches without targets. Collective."""
+def evaluate(
+    module, batches: list[dict[str, torch.Tensor]], byte_lengths: torch.Tensor | None = None, prefix: str = "val/"
+) -> dict[str, float]:
+    """``val/loss``, ``val/ppl`` (and ``val/mlm_acc`` for encoders; ``val/bits_per_byte`` for decoders given the UTF-8
+    ``byte_lengths`` of every token id) of the one scorer (``pretrain/model/score.py``) over all ranks' shares. Every
+    rank runs as many forwards as the rank with the most batches (ZeRO-3 and expert-parallel forwards are collective):
+    the others pad with batches without targets. Collective."""
     engine, device, kind = module.engine, module.device, module.cfg.model.kind
     forwards = int(-dist.all_reduce_min([-float(len(batches))], device)[0])
     if batches:
         batches = batches + [_padding(batches[0])] * (forwards - len(batches))
     engine.eval()
     try:
-        sums = score_batches(lambda ids, labels: engine(ids, labels=labels).logits, batches, kind,
-                             byte_lengths=byte_lengths, device=device)
+        sums = score_batches(
+            lambda ids, labels: engine(ids, labels=labels).logits,
+            batches,
+            kind,
+            byte_lengths=byte_lengths,
+            device=device,
+        )
     finally:
         engine.train()
     sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))

@@ -32,8 +32,8 @@ def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` (default ``sqlite:///mlflow.db`` here), with a relative local store made absolute:
     workers (Ray's) run in other directories and must open the same store as the driver."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip() or "sqlite:///mlflow.db"
-    if uri.startswith("sqlite:///") and not uri[len("sqlite:///"):].startswith("/"):
-        return f"sqlite:///{(Path.cwd() / uri[len('sqlite:///'):]).resolve()}"
+    if uri.startswith("sqlite:///") and not uri[len("sqlite:///") :].startswith("/"):
+        return f"sqlite:///{(Path.cwd() / uri[len('sqlite:///') :]).resolve()}"
     if "://" not in uri and not uri.startswith("file:") and not Path(uri).is_absolute():
         return str(Path(uri).resolve())  # a local file store given as a relative path
     return uri
@@ -42,7 +42,7 @@ def tracking_uri() -> str:
 def _local_artifact_root(uri: str) -> str | None:
     """For a sqlite store, artifacts go next to the db (absolute, so workers' cwd does not matter)."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+        return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
     return None
 
 
@@ -66,8 +66,9 @@ def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> s
     """Create a run, log the resolved config as params and a YAML artifact; return the run id."""
     client = _client(uri)
     exp_id = get_or_create_experiment(uri, cfg.tracking.experiment)
-    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.name,
-                            tags={TAG_KIND: cfg.model.kind, **(tags or {})})
+    run = client.create_run(
+        exp_id, run_name=cfg.tracking.run_name or cfg.name, tags={TAG_KIND: cfg.model.kind, **(tags or {})}
+    )
     log_config(uri, run.info.run_id, cfg)
 
     log_datasets(uri, run.info.run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
@@ -82,7 +83,7 @@ def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/co
     existing = client.get_run(run_id).data.params
     params = [p for p in params if p.key not in existing]  # params are immutable in MLflow
     for i in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[i:i + 100], synchronous=True)
+        client.log_batch(run_id, params=params[i : i + 100], synchronous=True)
     client.log_text(run_id, dump_yaml(cfg), artifact)
 
 
@@ -112,7 +113,7 @@ class Tracker:
         if len(self._pending) >= 64:
             self.flush()  # bounded: a store slower than the loop is waited for, and its errors surface
         for i in range(0, len(batch), 500):  # MLflow takes at most 1000 metrics per request
-            op = self._client.log_batch(self.run_id, metrics=batch[i:i + 500], synchronous=not self.asynchronous)
+            op = self._client.log_batch(self.run_id, metrics=batch[i : i + 500], synchronous=not self.asynchronous)
             if op is not None:
                 self._pending.append(op)
 
@@ -131,8 +132,7 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()],
-                                   synchronous=True)
+            self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
         except MlflowException:
             return False
         return True
@@ -142,8 +142,7 @@ class Tracker:
             return
         from mlflow.entities import RunTag
 
-        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()],
-                               synchronous=True)
+        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
 
     def log_json(self, obj: Any, artifact_file: str) -> None:
         if self._client:
@@ -195,5 +194,6 @@ def list_runs(uri: str, max_results: int = 50) -> list:
     exps = client.search_experiments()
     if not exps:
         return []
-    return client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"],
-                              max_results=max_results)
+    return client.search_runs(
+        [e.experiment_id for e in exps], order_by=["attributes.start_time DESC"], max_results=max_results
+    )

@@ -59,9 +59,9 @@ class TrainerState:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainerState:
-        """The state saved as ``raw`` (``asdict`` of a TrainerState). A top-level key that is not a counter comes
-        from a checkpoint written before callbacks owned their state (``stability``, ``faults_fired``): it moves
-        under ``callbacks`` by its own name, where the callback of that name finds it."""
+        """The state saved as ``raw`` (``asdict`` of a TrainerState). A top-level key that is not a counter
+        (``stability``, ``faults_fired``) is a callback's state: it moves under ``callbacks`` by its own name, where
+        the callback of that name finds it."""
         known = {f.name for f in fields(cls)}
         callbacks = dict(raw.get("callbacks") or {})
         for key, value in raw.items():
@@ -131,10 +131,22 @@ class Callback(StepHooks):
 class Trainer:
     """Runs the steps of one worker. Everything a callback may need is an attribute."""
 
-    def __init__(self, *, cfg: RunConfig, plan: RunPlan, ctx: dist.DistContext, module, batches: TrainBatches,
-                 val_set: list[dict[str, torch.Tensor]], state: TrainerState, tracker: Tracker,
-                 progress: Progress, run_dir: Path, callbacks: Sequence[Callback],
-                 last_checkpoint: Path | None = None):
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        plan: RunPlan,
+        ctx: dist.DistContext,
+        module,
+        batches: TrainBatches,
+        val_set: list[dict[str, torch.Tensor]],
+        state: TrainerState,
+        tracker: Tracker,
+        progress: Progress,
+        run_dir: Path,
+        callbacks: Sequence[Callback],
+        last_checkpoint: Path | None = None,
+    ):
         self.cfg, self.plan, self.ctx, self.module = cfg, plan, ctx, module
         self.batches, self.val_set, self.state = batches, val_set, state
         self.tracker, self.progress, self.run_dir = tracker, progress, run_dir
@@ -207,8 +219,11 @@ class Trainer:
             state.last_train_loss = result.loss
             self._step_ended = False
             self.emit("on_step_end", result)
-        final: dict[str, Any] = {"step": state.step, "tokens_seen": state.tokens_seen,
-                                 "final_train_loss": state.last_train_loss}
+        final: dict[str, Any] = {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "final_train_loss": state.last_train_loss,
+        }
         self.emit("on_run_end", final)
         return final
 

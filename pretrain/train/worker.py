@@ -82,35 +82,73 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     if source is not None and source.weights is not None:  # a full-weights checkpoint (a derived run)
         weights = source.weights
     timeline.enter("engine_build")
-    module = build_module(cfg, plan, rank=ctx.rank, device=ctx.device, weights=weights,
-                          load_universal=source is not None and source.universal)
+    module = build_module(
+        cfg,
+        plan,
+        rank=ctx.rank,
+        device=ctx.device,
+        weights=weights,
+        load_universal=source is not None and source.universal,
+    )
     timeline.enter("trainer_setup")  # data, validation set, resume, callbacks
-    batches = TrainBatches(cfg.data, kind=cfg.model.kind, tokenizer=tokenizer, plan=plan, rank=ctx.rank,
-                           seed=cfg.train.seed)
-    val_set = validation_batches(cfg.data, kind=cfg.model.kind, seq_len=plan.seq_len, tokenizer=tokenizer,
-                                 val_sequences=plan.val_sequences, micro_batch=plan.micro_batch, seed=cfg.train.seed,
-                                 part=plan.val_part(ctx.rank))
+    batches = TrainBatches(
+        cfg.data, kind=cfg.model.kind, tokenizer=tokenizer, plan=plan, rank=ctx.rank, seed=cfg.train.seed
+    )
+    val_set = validation_batches(
+        cfg.data,
+        kind=cfg.model.kind,
+        seq_len=plan.seq_len,
+        tokenizer=tokenizer,
+        val_sequences=plan.val_sequences,
+        micro_batch=plan.micro_batch,
+        seed=cfg.train.seed,
+        part=plan.val_part(ctx.rank),
+    )
 
     per_source, skipped = source_validation_batches(
-        cfg.data, kind=cfg.model.kind, seq_len=plan.seq_len, tokenizer=tokenizer, val_sequences=plan.val_sequences,
-        micro_batch=plan.micro_batch, seed=cfg.train.seed, part=plan.val_part(ctx.rank))
+        cfg.data,
+        kind=cfg.model.kind,
+        seq_len=plan.seq_len,
+        tokenizer=tokenizer,
+        val_sequences=plan.val_sequences,
+        micro_batch=plan.micro_batch,
+        seed=cfg.train.seed,
+        part=plan.val_part(ctx.rank),
+    )
     group = cfg.data.val_sources or cfg.data.sources
     only = source_name(group[0].path, group[0].name) if val_set and len(group) == 1 else ""
-    byte_lengths = (token_byte_lengths(tokenizer, max(cfg.model.vocab_size, len(tokenizer)))
-                    if cfg.model.kind == "decoder" else None)
+    byte_lengths = (
+        token_byte_lengths(tokenizer, max(cfg.model.vocab_size, len(tokenizer)))
+        if cfg.model.kind == "decoder"
+        else None
+    )
 
-    tasks = prepare_tasks(load_tasks(cfg.eval.tasks, cfg.data, max_examples=cfg.eval.max_examples,
-                                     num_choices=cfg.eval.num_choices, seed=cfg.train.seed),
-                          tokenizer, cfg.model.kind, plan.seq_len, ctx.rank, ctx.world_size)
+    tasks = prepare_tasks(
+        load_tasks(
+            cfg.eval.tasks,
+            cfg.data,
+            max_examples=cfg.eval.max_examples,
+            num_choices=cfg.eval.num_choices,
+            seed=cfg.train.seed,
+        ),
+        tokenizer,
+        cfg.model.kind,
+        plan.seq_len,
+        ctx.rank,
+        ctx.world_size,
+    )
 
     state = TrainerState()
     if resume is not None:
+        assert source is not None  # resolved above for every resume point
         state = restore(module, batches, source, ctx)
     progress = Progress(cfg.train.max_steps, state.step, plan.tokens_per_step, ctx.is_main)
     if resume is not None:
         progress.say(f"resumed from {resume.path} (step {state.step}, {state.tokens_seen:,} tokens)")
-    progress.say(f"{ctx.world_size} worker(s), device {ctx.device.type}, {module.precision}, ZeRO-{cfg.zero.stage}, "
-                 f"{threads} thread(s)/worker, compiled blocks {'on' if is_compiled(module.model) else 'off'}")
+    progress.say(
+        f"{ctx.world_size} worker(s), device {ctx.device.type}, {module.precision}, ZeRO-{cfg.zero.stage}, "
+        f"{threads} thread(s)/worker, compiled blocks {'on' if is_compiled(module.model) else 'off'}"
+    )
     progress.say(plan.describe())
     if skipped:
         progress.say(f"per-source validation: {', '.join(skipped)} too small for one sequence (only in val/loss)")
@@ -119,12 +157,35 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
 
     control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
-    callbacks = standard_callbacks(cfg, control, checkpointer, job_.tracking_uri, plan, ctx.rank,
-                                   run_id=job_.run_id, tokenizer=tokenizer, per_source=per_source, only_source=only,
-                                   tasks=tasks, hashed_at_setup=hashed_at_setup, byte_lengths=byte_lengths)
-    return Trainer(cfg=cfg, plan=plan, ctx=ctx, module=module, batches=batches, val_set=val_set, state=state,
-                   tracker=tracker, progress=progress, run_dir=run_dir, callbacks=[*callbacks, *extra_callbacks],
-                   last_checkpoint=resume.path if resume is not None else None)
+    callbacks = standard_callbacks(
+        cfg,
+        control,
+        checkpointer,
+        job_.tracking_uri,
+        plan,
+        ctx.rank,
+        run_id=job_.run_id,
+        tokenizer=tokenizer,
+        per_source=per_source,
+        only_source=only,
+        tasks=tasks,
+        hashed_at_setup=hashed_at_setup,
+        byte_lengths=byte_lengths,
+    )
+    return Trainer(
+        cfg=cfg,
+        plan=plan,
+        ctx=ctx,
+        module=module,
+        batches=batches,
+        val_set=val_set,
+        state=state,
+        tracker=tracker,
+        progress=progress,
+        run_dir=run_dir,
+        callbacks=[*callbacks, *extra_callbacks],
+        last_checkpoint=resume.path if resume is not None else None,
+    )
 
 
 def _cpu_count() -> int:

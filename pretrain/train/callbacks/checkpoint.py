@@ -28,8 +28,9 @@ class CheckpointCallback(Callback):
         self.committed(trainer, self.checkpointer.finish())
         trainer.collect_state()
         try:
-            path = self.checkpointer.save(trainer.module, trainer.batches, trainer.state,
-                                          lambda: set().union(*trainer.gather("protected_paths")))
+            path = self.checkpointer.save(
+                trainer.module, trainer.batches, trainer.state, lambda: set().union(*trainer.gather("protected_paths"))
+            )
         except NonFiniteWeightsError:
             trainer.emit("on_nonfinite_weights", trainer.state.step)
             return
@@ -59,5 +60,6 @@ class CheckpointCallback(Callback):
             self.save(trainer)
             self.committed(trainer, self.checkpointer.finish())
         self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
-        final.update(self.checkpointer.summary(),
-                     checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else "")
+        final.update(
+            self.checkpointer.summary(), checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else ""
+        )

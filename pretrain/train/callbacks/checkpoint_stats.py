@@ -48,8 +48,9 @@ class CheckpointStats(Callback):
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
         now = store.hash_tally()
         resume, saves = self.at_start - self.at_setup, now - self.at_start
-        parts = dist.gather_object({"resume": (resume.bytes, resume.seconds), "saves": (saves.bytes, saves.seconds),
-                                    "count": self.saves})
+        parts = dist.gather_object(
+            {"resume": (resume.bytes, resume.seconds), "saves": (saves.bytes, saves.seconds), "count": self.saves}
+        )
         if not trainer.ctx.is_main:
             return
         final.update(summarize(parts))
@@ -68,7 +69,9 @@ class CheckpointStats(Callback):
 def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary keys from every rank's ``{"resume": (bytes, s), "saves": (bytes, s), "count": saves}``."""
     per = [max(p["count"], 1) for p in parts]
-    return {"checkpoint_hash_s_per_rank": [p["saves"][1] / n for p, n in zip(parts, per)],
-            "checkpoint_hash_bytes_per_rank": [p["saves"][0] / n for p, n in zip(parts, per)],
-            "resume_hash_s_per_rank": [p["resume"][1] for p in parts],
-            "resume_hash_bytes_per_rank": [p["resume"][0] for p in parts]}
+    return {
+        "checkpoint_hash_s_per_rank": [p["saves"][1] / n for p, n in zip(parts, per)],
+        "checkpoint_hash_bytes_per_rank": [p["saves"][0] / n for p, n in zip(parts, per)],
+        "resume_hash_s_per_rank": [p["resume"][1] for p in parts],
+        "resume_hash_bytes_per_rank": [p["resume"][0] for p in parts],
+    }

@@ -16,5 +16,7 @@ class EarlyStop(Callback):
 
     def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if self.target and metrics["val/loss"] <= self.target and trainer.state.step < trainer.cfg.train.max_steps:
-            trainer.progress.say(f"val/loss {metrics['val/loss']:.4f} <= train.stop_at_val_loss {self.target}: stopping")
+            trainer.progress.say(
+                f"val/loss {metrics['val/loss']:.4f} <= train.stop_at_val_loss {self.target}: stopping"
+            )
             trainer.stop("train.stop_at_val_loss")

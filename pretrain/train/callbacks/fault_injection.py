@@ -22,7 +22,7 @@ class FaultInjection(Callback):
     neither a rollback nor a resume replays them)."""
 
     order = 20
-    name = "faults_fired"  # the top-level key of trainer_state.json before callbacks owned their state
+    name = "faults_fired"  # also the top-level key that TrainerState.from_dict moves under ``callbacks``
 
     def __init__(self, cfg: RunConfig) -> None:
         self.faults = cfg.faults
@@ -33,7 +33,7 @@ class FaultInjection(Callback):
         return {"fired": list(self.fired)}
 
     def load_state_dict(self, state: dict[str, Any] | list[str]) -> None:
-        self.fired = list(state["fired"] if isinstance(state, dict) else state)  # a list: an older checkpoint
+        self.fired = list(state["fired"] if isinstance(state, dict) else state)  # a list: the fired names alone
 
     def _fire(self, trainer: Trainer, name: str, at_step: int, step: int) -> bool:
         if at_step != step or name in self.fired:

@@ -25,15 +25,18 @@ class GrowthCheckError(RuntimeError):
     """A function-preserving growth changed the model's loss: a bug, never trained on."""
 
 
-def check_growth_loss(before: float, after: float, *, exact: bool, tolerance: float, operator: str,
-                      at_step: int) -> float:
+def check_growth_loss(
+    before: float, after: float, *, exact: bool, tolerance: float, operator: str, at_step: int
+) -> float:
     """The relative change of the held-back loss; raises :class:`GrowthCheckError` when ``exact`` (a
     function-preserving operator applied without noise) and the change is above ``tolerance`` or not a number."""
     rel = abs(after - before) / max(abs(before), 1e-12)
     if exact and not rel <= tolerance:  # NaN fails too
-        raise GrowthCheckError(f"growth at step {at_step} ({operator}) should preserve the function but changed the "
-                               f"held-back loss (fp32) {before:.6f} -> {after:.6f} (relative {rel:.2e} > "
-                               f"growth.check_tolerance {tolerance:g})")
+        raise GrowthCheckError(
+            f"growth at step {at_step} ({operator}) should preserve the function but changed the "
+            f"held-back loss (fp32) {before:.6f} -> {after:.6f} (relative {rel:.2e} > "
+            f"growth.check_tolerance {tolerance:g})"
+        )
     return rel
 
 
@@ -49,8 +52,9 @@ def _fp32_math(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _local_sums(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
-                device: torch.device) -> ScoreSums:
+def _local_sums(
+    cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]], device: torch.device
+) -> ScoreSums:
     """The scorer's sums of a plain fp32 model ``cfg.model`` holding ``state`` (a full state dict) on ``batches``,
     in eval mode on ``device``; no collectives."""
     fp32 = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
@@ -58,12 +62,14 @@ def _local_sums(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     model.eval()
     with _fp32_math(device):
-        return score_batches(lambda ids, labels: model(ids, labels=labels).logits, batches, cfg.model.kind,
-                             device=device)
+        return score_batches(
+            lambda ids, labels: model(ids, labels=labels).logits, batches, cfg.model.kind, device=device
+        )
 
 
-def held_back_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]],
-                   device: torch.device) -> float:
+def held_back_loss(
+    cfg: RunConfig, state: StateDict, batches: list[dict[str, torch.Tensor]], device: torch.device
+) -> float:
     """Token-weighted loss (the one scorer, ``pretrain/model/score.py``) of ``state`` in fp32 (whatever
     ``train.precision`` is) over every rank's ``batches`` (a rank may have none). Collective (one all-reduce), so
     every rank gets the same value and decision; computed on ``device``, or on the CPU where a full fp32 copy of
@@ -75,8 +81,10 @@ def held_back_loss(cfg: RunConfig, state: StateDict, batches: list[dict[str, tor
         local = _local_sums(cfg, state, batches, torch.device("cpu"))
     sums = ScoreSums.from_list(dist.all_reduce_sum(local.as_list(), device))
     if sums.tokens == 0:
-        raise GrowthCheckError("growth: no held-back validation tokens to check the growth on (train.val_sequences, "
-                               "data.val_holdout / data.val_sources)")
+        raise GrowthCheckError(
+            "growth: no held-back validation tokens to check the growth on (train.val_sequences, "
+            "data.val_holdout / data.val_sources)"
+        )
     return sums.metrics(cfg.model.kind)["loss"]
 
 
@@ -134,17 +142,28 @@ class GrowthCallback(Callback):
         after = held_back_loss(new_cfg, grown.state, probe, module.device)
         rel = abs(after - before) / max(abs(before), 1e-12)
         params = count_parameters(grown.state, grown.model.tie_embeddings)
-        trainer.progress.say(f"growth at step {entry.at_step}: {grown.operator}; held-back loss (fp32) {before:.5f} -> "
-                             f"{after:.5f} (rel. change {rel:.1e}); {params:,} parameters")
-        trainer.tracker.log_metrics({"growth/loss_before": before, "growth/loss_after": after,
-                                     "growth/parameters": float(params)}, entry.at_step)
+        trainer.progress.say(
+            f"growth at step {entry.at_step}: {grown.operator}; held-back loss (fp32) {before:.5f} -> "
+            f"{after:.5f} (rel. change {rel:.1e}); {params:,} parameters"
+        )
+        trainer.tracker.log_metrics(
+            {"growth/loss_before": before, "growth/loss_after": after, "growth/parameters": float(params)},
+            entry.at_step,
+        )
         trainer.tracker.set_tags({f"growth.{index}.operator": grown.operator, f"growth.{index}.at_step": entry.at_step})
-        check_growth_loss(before, after, exact=grown.exact and entry.noise == 0, tolerance=self.tolerance,
-                          operator=grown.operator, at_step=entry.at_step)
+        check_growth_loss(
+            before,
+            after,
+            exact=grown.exact and entry.noise == 0,
+            tolerance=self.tolerance,
+            operator=grown.operator,
+            at_step=entry.at_step,
+        )
         module.rebuild(new_cfg, grown.state)
         if moments and moments["step"]:  # transformed like the grown model's gradients (model/growth_moments.py)
-            load_moments(module, {"step": moments["step"],
-                                  **grow_moments(cfg.model, cfg.moe, moments, entry, seed=seed)})
+            load_moments(
+                module, {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed=seed)}
+            )
         trainer.cfg = new_cfg
         trainer.emit("on_model_changed")
         self.applied.append(index)

@@ -51,10 +51,10 @@ class LayerDropCallback(Callback):
         self._validate_with(trainer, None)  # a run that stops early is validated at its end, finished
 
     def _validate_with(self, trainer: Trainer, step: int | None) -> None:
-        """``rho`` scaling: the scales of the model's eval forwards (validation) are eq. 95's rho of the keep
-        probability the weights are being trained under, 1 - r(step) at 0-based ``step`` (a ``linear`` or
-        ``progressive`` schedule has not reached the final rate yet), or the final rate (``step`` None) for the
-        finished model, as ``eval``, export, prune and growth use."""
+        """``rho`` scaling: the scales of the model's eval forwards (validation) are the rho of Xiao and Zhu's
+        eq. 95 (arXiv:2311.17633, sec. 4.2.4), the keep probability the weights are being trained under: 1 - r(step)
+        at 0-based ``step`` (a ``linear`` or ``progressive`` schedule has not reached the final rate yet), or the
+        final rate (``step`` None) for the finished model, as ``eval``, export, prune and growth use."""
         if self.ld.scaling == "rho":
             trainer.module.model.branch_scales = inference_scales(self.ld, self.layers, step)
 

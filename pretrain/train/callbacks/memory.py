@@ -39,8 +39,10 @@ class MemoryMonitor(Callback):
 
     def _local(self) -> dict[str, float]:
         if self.device.type == "cuda":
-            out = {"max_allocated_gb": torch.cuda.max_memory_allocated(self.device) / GB,
-                   "max_reserved_gb": torch.cuda.max_memory_reserved(self.device) / GB}
+            out = {
+                "max_allocated_gb": torch.cuda.max_memory_allocated(self.device) / GB,
+                "max_reserved_gb": torch.cuda.max_memory_reserved(self.device) / GB,
+            }
             torch.cuda.reset_peak_memory_stats(self.device)  # per logging interval
             return out
         return {"peak_rss_gb": peak_rss_gb()}
@@ -54,7 +56,7 @@ class MemoryMonitor(Callback):
         slots = dist.all_reduce_sum(slots, self.device)
         out: dict[str, float] = {}
         for i, k in enumerate(keys):
-            per_rank = slots[i * self.world:(i + 1) * self.world]
+            per_rank = slots[i * self.world : (i + 1) * self.world]
             out[f"sys/{k}"] = max(per_rank)
             if self.world > 1:
                 out.update({f"sys/rank{r}/{k}": v for r, v in enumerate(per_rank)})

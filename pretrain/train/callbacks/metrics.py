@@ -27,11 +27,14 @@ class MetricsLogger(Callback):
         step = trainer.state.step
         if step % trainer.cfg.train.log_every and not is_last_step(trainer):
             return
-        metrics = {"train/loss": result.loss, "train/lr": trainer.module.engine.optimizer.param_groups[0]["lr"],
-                   "train/grad_norm": result.grad_norm,
-                   "train/tokens_per_s": trainer.progress.window_tokens_per_s(),
-                   "train/tokens_seen": float(trainer.state.tokens_seen),
-                   "train/loss_avg": sum(self.window) / len(self.window) if self.window else float("nan")}
+        metrics = {
+            "train/loss": result.loss,
+            "train/lr": trainer.module.engine.optimizer.param_groups[0]["lr"],
+            "train/grad_norm": result.grad_norm,
+            "train/tokens_per_s": trainer.progress.window_tokens_per_s(),
+            "train/tokens_seen": float(trainer.state.tokens_seen),
+            "train/loss_avg": sum(self.window) / len(self.window) if self.window else float("nan"),
+        }
         for extra in trainer.gather("extra_metrics"):
             metrics.update(extra)
         self.window.clear()

@@ -64,8 +64,12 @@ class ProfilerCallback(Callback):
         prof.export_chrome_trace(str(trace))
         sort = "self_cuda_time_total" if trainer.module.device.type == "cuda" else "self_cpu_time_total"
         averages = prof.key_averages()
-        table.write_text(loop_table(averages, wall, last - self.first + 1) + "\n\n"
-                         + averages.table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
+        table.write_text(
+            loop_table(averages, wall, last - self.first + 1)
+            + "\n\n"
+            + averages.table(sort_by=sort, row_limit=TABLE_ROWS)
+            + "\n"
+        )
         if trainer.ctx.is_main:
             trainer.tracker.log_file(trace, "profile")
             trainer.tracker.log_file(table, "profile")
@@ -78,12 +82,17 @@ _NESTED = (".on_validation", ".on_checkpoint", ".on_nonfinite_weights", ".on_rol
 
 def loop_table(averages, wall: float, steps: int) -> str:
     """The window's wall time per ``loop/*`` range (inclusive), largest first, and the time outside them."""
-    rows = sorted(((e.key[len(PREFIX):], e.count, e.cpu_time_total / 1e6) for e in averages
-                   if e.key.startswith(PREFIX)), key=lambda r: -r[2])
+    rows = sorted(
+        ((e.key[len(PREFIX) :], e.count, e.cpu_time_total / 1e6) for e in averages if e.key.startswith(PREFIX)),
+        key=lambda r: -r[2],
+    )
     outside = wall - sum(s for name, _, s in rows if not name.endswith(_NESTED))
-    lines = [f"loop: {steps} step(s) in {wall:.3f} s wall (profiler on); per range, inclusive",
-             f"{'range':<44} {'calls':>6} {'total s':>9} {'ms/step':>9} {'share':>7}"]
+    lines = [
+        f"loop: {steps} step(s) in {wall:.3f} s wall (profiler on); per range, inclusive",
+        f"{'range':<44} {'calls':>6} {'total s':>9} {'ms/step':>9} {'share':>7}",
+    ]
     for name, calls, seconds in [*rows, ("(outside the ranges)", 0, outside)]:
-        lines.append(f"{name:<44} {calls:>6} {seconds:>9.4f} {seconds / steps * 1e3:>9.2f} "
-                     f"{seconds / max(wall, 1e-9):>7.1%}")
+        lines.append(
+            f"{name:<44} {calls:>6} {seconds:>9.4f} {seconds / steps * 1e3:>9.2f} {seconds / max(wall, 1e-9):>7.1%}"
+        )
     return "\n".join(lines)

@@ -35,12 +35,19 @@ class RunSummary(Callback):
             return
         if trainer.val_set:
             final["unigram_val_loss"] = unigram_baseline_loss(
-                cfg.data, kind=cfg.model.kind, seq_len=cfg.model.max_seq_len, tokenizer=self.tokenizer,
-                val_sequences=cfg.train.val_sequences, seed=cfg.train.seed)
+                cfg.data,
+                kind=cfg.model.kind,
+                seq_len=cfg.model.max_seq_len,
+                tokenizer=self.tokenizer,
+                val_sequences=cfg.train.val_sequences,
+                seed=cfg.train.seed,
+            )
             tracker.log_metrics({"val/unigram_baseline_loss": final["unigram_val_loss"]}, step)
         if bad.get("total"):
-            trainer.progress.say(f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
-                                 f"first: {'; '.join(bad.get('examples', [])[:3])}")
+            trainer.progress.say(
+                f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
+                f"first: {'; '.join(bad.get('examples', [])[:3])}"
+            )
         tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, step)
         tracker.log_json(bad, "data/bad_records.json")
         tracker.log_json(final, SUMMARY_FILE)

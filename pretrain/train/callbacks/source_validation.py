@@ -19,8 +19,12 @@ from pretrain.train.trainer import Callback, Trainer
 class SourceValidation(Callback):
     order = 41  # right after ValidationCallback (40), inside its on_validation event
 
-    def __init__(self, sets: dict[str, list[dict[str, torch.Tensor]]], only_source: str = "",
-                 byte_lengths: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        sets: dict[str, list[dict[str, torch.Tensor]]],
+        only_source: str = "",
+        byte_lengths: torch.Tensor | None = None,
+    ) -> None:
         """``sets``: validation batches by source name (this rank's part); ``only_source``: the name of the
         single source whose set is the aggregate one (then ``sets`` is empty)."""
         self.sets, self.only_source, self.byte_lengths = sets, only_source, byte_lengths
@@ -29,7 +33,7 @@ class SourceValidation(Callback):
     def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         out: dict[str, float] = {}
         if self.only_source:
-            out = {f"val/{self.only_source}/{k[len('val/'):]}": v for k, v in metrics.items()}
+            out = {f"val/{self.only_source}/{k[len('val/') :]}": v for k, v in metrics.items()}
         for name, batches in self.sets.items():  # the same order on every rank: collectives match
             out.update(evaluate(trainer.module, batches, self.byte_lengths, prefix=f"val/{name}/"))
         if not out:
@@ -37,8 +41,12 @@ class SourceValidation(Callback):
         self.last = out
         trainer.tracker.log_metrics(out, trainer.state.step)
         if self.sets:
-            trainer.progress.say(f"step {trainer.state.step} validation per source: " + ", ".join(
-                f"{k[len('val/'):]} {v:.4f}" for k, v in out.items() if k.endswith(("/loss", "/bits_per_byte"))))
+            trainer.progress.say(
+                f"step {trainer.state.step} validation per source: "
+                + ", ".join(
+                    f"{k[len('val/') :]} {v:.4f}" for k, v in out.items() if k.endswith(("/loss", "/bits_per_byte"))
+                )
+            )
 
     def on_run_end(self, trainer: Trainer, final: dict) -> None:
         if self.last:

@@ -34,12 +34,13 @@ LOOP_WARMUP_STEPS = 5
 """Steps left out of ``loop_tokens_per_s`` (allocator and kernel warm-up, the first MLflow calls)."""
 
 
-def loop_rates(ends: list[float], tokens_per_step: int, window: int,
-               warmup: int = LOOP_WARMUP_STEPS) -> tuple[float, float, int]:
+def loop_rates(
+    ends: list[float], tokens_per_step: int, window: int, warmup: int = LOOP_WARMUP_STEPS
+) -> tuple[float, float, int]:
     """From the ends of consecutive steps: steady-state tokens/s (mean), the best over ``window`` consecutive
     steps, and how many steps the mean covers. The first ``warmup`` steps are left out (fewer when the run is
     short, so at least one interval remains); a run shorter than the window gives the mean as its best."""
-    ends = ends[min(warmup, max(len(ends) - 2, 0)):]
+    ends = ends[min(warmup, max(len(ends) - 2, 0)) :]
     steps = len(ends) - 1
     if steps < 1:
         return 0.0, 0.0, 0
@@ -88,17 +89,27 @@ class SpeedMonitor(Callback):
             return
         self.startup = timeline.phases(marks, end)
         total = end - marks[0][1]
-        trainer.progress.say(f"first step {total:.1f} s after the command started: "
-                             + ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items()) + " s")
-        trainer.tracker.log_metrics({"startup/time_to_first_step_s": total, **{f"startup/{k}_s": v for k, v in
-                                                                               self.startup.items()}},
-                                    trainer.state.step)
+        trainer.progress.say(
+            f"first step {total:.1f} s after the command started: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items())
+            + " s"
+        )
+        trainer.tracker.log_metrics(
+            {"startup/time_to_first_step_s": total, **{f"startup/{k}_s": v for k, v in self.startup.items()}},
+            trainer.state.step,
+        )
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
         window = cycle(trainer.cfg.train.log_every, trainer.cfg.stability.health_every)
         mean, best, steps = loop_rates(self.ends, trainer.plan.tokens_per_step, window)
-        final.update(tokens_per_s=trainer.progress.tokens_per_s(), train_seconds=trainer.progress.train_seconds,
-                     loop_tokens_per_s=best, loop_mean_tokens_per_s=mean, loop_window=window,
-                     loop_steps_timed=steps, torch_threads=torch.get_num_threads())
+        final.update(
+            tokens_per_s=trainer.progress.tokens_per_s(),
+            train_seconds=trainer.progress.train_seconds,
+            loop_tokens_per_s=best,
+            loop_mean_tokens_per_s=mean,
+            loop_window=window,
+            loop_steps_timed=steps,
+            torch_threads=torch.get_num_threads(),
+        )
         if self.startup:
             final.update(time_to_first_step_s=sum(self.startup.values()), startup_phases_s=dict(self.startup))

@@ -65,11 +65,14 @@ class StabilityCallback(Callback):
         if decision.event is not None:
             self.control.report(decision.event, decision.action != "log")
         if decision.action == "halt":
+            assert decision.event is not None  # halt and rollback decisions record an event
             raise self.control.halt(decision.event)
         if decision.action == "rollback":
+            assert decision.event is not None  # halt and rollback decisions record an event
             trainer.emit("on_rollback")  # a save in flight is committed first (its target may be that one)
             trainer.last_checkpoint = self.control.rollback(
-                rollback_loader(trainer.module, trainer.run_dir, trainer.ctx), decision.event["step"])
+                rollback_loader(trainer.module, trainer.run_dir, trainer.ctx), decision.event["step"]
+            )
             return True
         return False
 

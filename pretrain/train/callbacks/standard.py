@@ -15,11 +15,11 @@ order  callback              what it does
 20     FaultInjection        ``faults.*`` hooks (kill a worker, NaN gradient, LR spike, stop early)
 30     MetricsLogger         progress line and MLflow metrics every ``train.log_every`` steps
 40     ValidationCallback    validation every ``train.val_every`` steps and at the end
-41     SourceValidation      ``val/<source>/*`` after each validation (added by the worker)
-42     TaskEvaluation        ``eval.tasks`` every ``eval.every`` steps (added by the worker)
+41     SourceValidation      ``val/<source>/*`` after each validation
+42     TaskEvaluation        ``eval.tasks`` every ``eval.every`` steps
 45     EarlyStop             ``train.stop_at_val_loss``: ends the run at a good enough validation
 50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
-60     CheckpointStats       bytes and seconds each rank hashed for checkpoints (added by the worker)
+55     CheckpointStats       bytes and seconds each rank hashed for checkpoints
 190    StabilityReport       stability summary, timeline and plot at the end of the run
 200    RunSummary            bad-record totals, unigram baseline, ``summary.json`` (MLflow and the run dir)
 =====  ====================  ===========================================================================
@@ -57,11 +57,22 @@ from pretrain.train.stability import StabilityControl
 from pretrain.train.trainer import Callback
 
 
-def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkpointer: Checkpointer,
-                       tracking_uri: str, plan: RunPlan, rank: int, *, run_id: str, tokenizer: Any,
-                       per_source: dict[str, list[dict[str, torch.Tensor]]], only_source: str,
-                       tasks: list[PreparedTask],
-                       hashed_at_setup: HashTally, byte_lengths: torch.Tensor | None = None) -> list[Callback]:
+def standard_callbacks(
+    trainer_cfg: RunConfig,
+    control: StabilityControl,
+    checkpointer: Checkpointer,
+    tracking_uri: str,
+    plan: RunPlan,
+    rank: int,
+    *,
+    run_id: str,
+    tokenizer: Any,
+    per_source: dict[str, list[dict[str, torch.Tensor]]],
+    only_source: str,
+    tasks: list[PreparedTask],
+    hashed_at_setup: HashTally,
+    byte_lengths: torch.Tensor | None = None,
+) -> list[Callback]:
     """The callbacks of a training run: the standard ones, plus those of the enabled features. ``byte_lengths``
     (decoders): UTF-8 bytes of every token id, for ``val/bits_per_byte``; ``per_source``/``only_source``: the
     per-source validation sets (:class:`SourceValidation`); ``tasks``: the prepared ``eval.tasks``;
@@ -76,10 +87,19 @@ def standard_callbacks(trainer_cfg: RunConfig, control: StabilityControl, checkp
     if trainer_cfg.tracking.system_metrics:
         features.append(SystemMetrics())
     return features + [
-        SpeedMonitor(), ThroughputMonitor(), MemoryMonitor(), StabilityCallback(control),
-        StabilityReport(control, tracking_uri), HealthCallback(trainer_cfg.stability.health_every),
-        FaultInjection(trainer_cfg), MetricsLogger(), ValidationCallback(byte_lengths),
-        EarlyStop(trainer_cfg.train.stop_at_val_loss), CheckpointCallback(checkpointer),
-        SourceValidation(per_source, only_source, byte_lengths), TaskEvaluation(tasks, trainer_cfg.eval.every),
-        CheckpointStats(hashed_at_setup), RunSummary(tokenizer, run_id),
+        SpeedMonitor(),
+        ThroughputMonitor(),
+        MemoryMonitor(),
+        StabilityCallback(control),
+        StabilityReport(control, tracking_uri),
+        HealthCallback(trainer_cfg.stability.health_every),
+        FaultInjection(trainer_cfg),
+        MetricsLogger(),
+        ValidationCallback(byte_lengths),
+        EarlyStop(trainer_cfg.train.stop_at_val_loss),
+        CheckpointCallback(checkpointer),
+        SourceValidation(per_source, only_source, byte_lengths),
+        TaskEvaluation(tasks, trainer_cfg.eval.every),
+        CheckpointStats(hashed_at_setup),
+        RunSummary(tokenizer, run_id),
     ]

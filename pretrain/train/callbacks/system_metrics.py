@@ -21,8 +21,9 @@ class SystemMetrics(Callback):
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        self.monitor = SystemMetricsMonitor(trainer.tracker.run_id, tracking_uri=trainer.tracker.uri,
-                                            resume_logging=trainer.state.step > 0)
+        self.monitor = SystemMetricsMonitor(
+            trainer.tracker.run_id, tracking_uri=trainer.tracker.uri, resume_logging=trainer.state.step > 0
+        )
         self.monitor.start()
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:

@@ -30,14 +30,22 @@ class PreparedTask:
         return sum(len(rows) for example in self.rows for rows in example)
 
 
-def prepare_tasks(tasks: list[Task], tokenizer, kind: str, max_len: int, rank: int = 0,
-                  world: int = 1) -> list[PreparedTask]:
+def prepare_tasks(
+    tasks: list[Task], tokenizer, kind: str, max_len: int, rank: int = 0, world: int = 1
+) -> list[PreparedTask]:
     """Rank ``rank``'s share (examples ``rank::world``) of every task, as scoring rows."""
     out = []
     for task in tasks:
         mine = task.examples[rank::world]
-        out.append(PreparedTask(task.name, task.cloze, [choice_rows(e, tokenizer, kind, max_len) for e in mine],
-                                [e.answer for e in mine], [[len(c.encode("utf-8")) for c in e.choices] for e in mine]))
+        out.append(
+            PreparedTask(
+                task.name,
+                task.cloze,
+                [choice_rows(e, tokenizer, kind, max_len) for e in mine],
+                [e.answer for e in mine],
+                [[len(c.encode("utf-8")) for c in e.choices] for e in mine],
+            )
+        )
     return out
 
 
@@ -69,7 +77,7 @@ def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device:
     sums = dist.all_reduce_sum(sums, device)
     out: dict[str, float] = {}
     for i, task in enumerate(tasks):
-        correct, correct_norm, n = sums[3 * i:3 * i + 3]
+        correct, correct_norm, n = sums[3 * i : 3 * i + 3]
         out[f"eval/{task.name}/acc"] = correct / max(n, 1.0)
         if not task.cloze:
             out[f"eval/{task.name}/acc_norm"] = correct_norm / max(n, 1.0)
@@ -93,13 +101,19 @@ class TaskEvaluation(Callback):
         engine = trainer.module.engine
         engine.eval()
         try:
-            self.last = task_metrics(lambda ids, labels: engine(ids, labels=labels).logits, self.tasks,
-                                     trainer.cfg.model.kind, trainer.module.device)
+            self.last = task_metrics(
+                lambda ids, labels: engine(ids, labels=labels).logits,
+                self.tasks,
+                trainer.cfg.model.kind,
+                trainer.module.device,
+            )
         finally:
             engine.train()
         trainer.tracker.log_metrics(self.last, trainer.state.step)
-        trainer.progress.say(f"step {trainer.state.step} tasks: "
-                             + ", ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in self.last.items()))
+        trainer.progress.say(
+            f"step {trainer.state.step} tasks: "
+            + ", ".join(f"{k[len('eval/') :]} {v:.3f}" for k, v in self.last.items())
+        )
 
     def on_step_end(self, trainer: Trainer, result) -> None:
         step, t = trainer.state.step, trainer.cfg.train

@@ -44,10 +44,13 @@ class ThroughputMonitor(Callback):
         if trainer.ctx.is_main:  # only rank 0 logs
             dtype = torch.float32 if trainer.module.precision == "fp32" else torch.bfloat16
             self.peak, self.peak_source = device_peak(trainer.ctx.device, dtype, PEAK_SECONDS)
-            trainer.progress.say(f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per worker ({self.peak_source}), "
-                                 f"{self.flops_per_token:,.0f} model FLOPs/token")
-            trainer.tracker.log_params({"mfu_peak_tflops_per_worker": f"{self.peak / 1e12:.4g}",
-                                        "mfu_peak_source": self.peak_source})
+            trainer.progress.say(
+                f"MFU peak: {self.peak / 1e12:.3f} TFLOP/s per worker ({self.peak_source}), "
+                f"{self.flops_per_token:,.0f} model FLOPs/token"
+            )
+            trainer.tracker.log_params(
+                {"mfu_peak_tflops_per_worker": f"{self.peak / 1e12:.4g}", "mfu_peak_source": self.peak_source}
+            )
 
     def on_model_changed(self, trainer: Trainer) -> None:
         self._model_flops(trainer)  # growth: more FLOPs per token from here on
@@ -64,8 +67,10 @@ class ThroughputMonitor(Callback):
         if not self._steps or not self.peak:
             return {}
         tokens_per_s = self._steps * self.tokens_per_step / max(self._step_s, 1e-9)
-        out = {"train/mfu": self.flops_per_token * tokens_per_s / (self.peak * self.world),
-               "train/data_wait_frac": self._wait_s / max(self._wait_s + self._step_s, 1e-9)}
+        out = {
+            "train/mfu": self.flops_per_token * tokens_per_s / (self.peak * self.world),
+            "train/data_wait_frac": self._wait_s / max(self._wait_s + self._step_s, 1e-9),
+        }
         self._step_s = self._wait_s = 0.0
         self._steps = 0
         return out

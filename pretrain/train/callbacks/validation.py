@@ -27,8 +27,9 @@ class ValidationCallback(Callback):
         self.validated_at = state.step
         state.last_val = evaluate(trainer.module, trainer.val_set, self.byte_lengths)
         trainer.tracker.log_metrics(state.last_val, state.step)
-        trainer.progress.say(f"step {state.step} validation: "
-                             + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items()))
+        trainer.progress.say(
+            f"step {state.step} validation: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items())
+        )
         trainer.emit("on_validation", state.last_val)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
