@@ -1,10 +1,10 @@
-"""Throughput benchmark, measured in one run: our training step (DeepSpeed engine, as configured)
-against a bare PyTorch loop on the same model, batch and optimizer, the overhead of the stability
-health metrics at their default interval (``health_overhead_frac``), plus data-pipeline throughput; then the
-real training loop of the same config (``python -m pretrain train``: data, callbacks, health, logging, MLflow, Ray)
-on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` (against the mean of the step
-timed before the loop and again after it: :func:`step_after_loop`) and ``time_to_first_step_s`` with its phases
-(:mod:`benchmarks.loop`; ``--no-loop`` skips it).
+"""The step benchmark (``./launch.sh bench``; arguments and modes: :mod:`benchmarks.cli`), measured in one run: our
+training step (DeepSpeed engine, as configured) against a bare PyTorch loop on the same model, batch and optimizer, the
+overhead of the stability health metrics at their default interval (``health_overhead_frac``), plus data-pipeline
+throughput; then the real training loop of the same config (``python -m pretrain train``: data, callbacks, health,
+logging, MLflow, Ray) on the same model, batch and threads: ``loop_tokens_per_s``, ``loop_vs_step_ratio`` (against the
+mean of the step timed before the loop and again after it: :func:`step_after_loop`) and ``time_to_first_step_s`` with
+its phases (:mod:`benchmarks.loop`; ``--no-loop`` skips it).
 
 Our step is timed without and with compiled blocks (``train.compile``), with the one-time compile cost.
 MFU = model FLOPs/s over the matmul peak this device measurably reaches in the run's precision (fp32 on CPU,
@@ -21,13 +21,9 @@ CPU: the demo decoder (configs/demo-decoder.yaml). GPU: a ~125M decoder (configs
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -37,10 +33,8 @@ import torch
 from benchmarks.common import bench_tokens, interleaved_best, micro_batch_module, train_step_fn
 from benchmarks.common import random_batches as _batches
 from benchmarks.common import sync as _sync
-from benchmarks.loop import loop_benchmark
 from pretrain.config import RunConfig, load_config
 from pretrain.model.peak import datasheet_peak, measured_matmul_peak
-from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,149 +253,3 @@ def run_moe_bench(cfg: RunConfig, overrides: list[str], steps: int, rounds: int,
     else:
         out.update(all_to_all_share(cfg, steps))
     return out
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench")
-    p.add_argument("--json", action="store_true", help="print one JSON object (on stdout; all else on stderr)")
-    p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--no-moe", action="store_true", help="skip the MoE part (MoE vs dense, all-to-all share)")
-    p.add_argument("--no-loop", action="store_true", help="skip the real training loop (python -m pretrain train)")
-    p.add_argument(
-        "--loop-steps",
-        type=int,
-        default=0,
-        help=f"steps of the real training loop, default 40 (60 with --vs-hf); the first {LOOP_WARMUP_STEPS} "
-        "are left out of the loop's tokens/s",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="workers of the real training loop (the step benchmark stays one process; "
-        "loop_vs_own_step_ratio compares the loop with its own steps)",
-    )
-    p.add_argument(
-        "--vs-hf",
-        action="store_true",
-        help="only the comparison with Hugging Face Trainer: ./launch.sh train and Trainer on the same "
-        "model, tokenizer, token stream, batch, steps, fp32 and threads (benchmarks/vs_hf.py)",
-    )
-    p.add_argument(
-        "--corpus",
-        default=None,
-        help="--vs-hf: the text corpus (default: ../shared/corpora/wikitext2-valid.txt when present, "
-        "else the built-in demo corpus)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="--vs-hf: runs of ours, alternating with N + 1 of Trainer; each side is the mean of its runs",
-    )
-    p.add_argument(
-        "--growth",
-        action="store_true",
-        help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)",
-    )
-    p.add_argument(
-        "--layer-drop", action="store_true", help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)"
-    )
-    p.add_argument(
-        "--recompute",
-        action="store_true",
-        help="only activation recomputation: peak memory and step time of none, full, selective on the "
-        "config's model and a larger one (benchmarks/recompute.py)",
-    )
-    p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
-    a = p.parse_args(argv)
-    result_out = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):  # library chatter (e.g. DeepSpeed's op-build line) is no result
-        result = measure(a)
-    if a.json:
-        print(json.dumps(result, indent=1), file=result_out)
-    elif a.vs_hf:
-        from benchmarks.vs_hf import format_table
-
-        print(format_table(result), file=result_out)
-    else:
-        for k, v in result.items():
-            if isinstance(v, dict):
-                v = (
-                    "{"
-                    + ", ".join(f"{kk}: {vv:,.4g}" if isinstance(vv, float) else f"{kk}: {vv}" for kk, vv in v.items())
-                    + "}"
-                )
-            print(f"{k:<34} {v:,.4g}" if isinstance(v, float) else f"{k:<34} {v}", file=result_out)
-    result_out.flush()
-    return 0
-
-
-def measure(a: argparse.Namespace) -> dict:
-    """Everything ``main``'s arguments ask for, as one flat dict."""
-    gpu = torch.cuda.is_available()
-    if a.growth:
-        from benchmarks.growth import growth_bench, summary
-
-        return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
-    if a.recompute:
-        from benchmarks.recompute import recompute_bench
-
-        path = next((r for r in a.rest if "=" not in r), ROOT / "configs" / "demo-decoder.yaml")
-        return recompute_bench(path, [r for r in a.rest if "=" in r], a.steps or 4, min(a.rounds, 3))
-    path = next((r for r in a.rest if "=" not in r), None)
-    overrides = [r for r in a.rest if "=" in r]
-    if a.vs_hf:
-        from benchmarks.vs_hf import vs_hf_bench
-
-        return vs_hf_bench(
-            path or ROOT / "configs" / "demo-decoder.yaml",
-            overrides,
-            corpus=a.corpus,
-            steps=a.loop_steps or 60,
-            repeats=a.repeats,
-        )
-    if path is None:
-        path = ROOT / "configs" / ("gpt-125m.yaml" if gpu else "demo-decoder.yaml")
-        if gpu:  # benchmark one GPU: same model, one worker's micro-batch
-            overrides = [
-                "cluster.num_workers=1",
-                "train.global_batch_size=16",
-                "train.micro_batch_size=16",
-                "train.precision=bf16",
-                "model.vocab_size=50304",
-                "data.sources=[{path: demo}]",
-                "data.num_streams=8",
-                "data.tokenizer_vocab_size=8192",
-                *overrides,
-            ]
-    cfg = load_config(path, overrides)
-    global_batch = cfg.train.global_batch_size
-    # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
-    cfg.train.global_batch_size = cfg.train.micro_batch_size
-    cfg.data.num_streams = 1
-    cfg.moe.ep_size = 1  # all experts on the one worker (the MoE part measures expert parallelism separately)
-    steps = a.steps or (20 if gpu else 8)
-    result = run_bench(cfg, steps, a.rounds)
-    if not a.no_loop:  # the loop a user runs, on the same model, batch and threads as the step just timed
-        result.update(
-            loop_benchmark(
-                str(path),
-                overrides,
-                step_tokens_per_s=result["tokens_per_s"],
-                steps=a.loop_steps or 40,
-                threads=torch.get_num_threads(),
-                micro_batch=cfg.train.micro_batch_size,
-                global_batch=global_batch,
-                workers=a.workers,
-            )
-        )
-        result.update(step_after_loop(cfg, torch.device("cuda" if gpu else "cpu"), result, steps, a.rounds))
-    if not a.no_moe:
-        result.update(run_moe_bench(cfg, overrides, steps, a.rounds, gpu))
-    if a.layer_drop:
-        from benchmarks.layer_drop import layer_drop_bench
-
-        result.update(layer_drop_bench(cfg, torch.device("cuda" if gpu else "cpu"), steps, a.rounds))
-    return result

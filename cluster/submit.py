@@ -1,4 +1,4 @@
-"""Ray Jobs API client: ``./launch.sh submit | jobs | status | logs | stop``.
+"""Ray Jobs API client: ``./launch.sh submit`` (watching and stopping jobs: :mod:`cluster.jobs`).
 
 ``submit`` validates the config locally (``load_config``: a bad config exits 2 and nothing is sent),
 writes the resolved YAML next to the project code and sends both as the job's ``working_dir``; the
@@ -160,7 +160,7 @@ def _auth_failed(address: str, source: str, rejected: bool) -> ClusterError:
 
 
 @contextmanager
-def _errors(address: str, source: str, job_id: str = "") -> Iterator[None]:
+def api_errors(address: str, source: str, job_id: str = "") -> Iterator[None]:
     """Turn Ray / HTTP failures into one-line ClusterErrors."""
     import requests
     from ray.exceptions import AuthenticationError
@@ -206,18 +206,18 @@ def connect(address: str):
     ):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    with _errors(address, source):
+    with api_errors(address, source):
         client = JobSubmissionClient(address, headers=headers)
     client._pretrain_auth_source = source  # type: ignore[attr-defined]  # ours, for error messages of later calls
     return client
 
 
-def _call(client, address: str, fn, *args, job_id: str = ""):
-    with _errors(address, getattr(client, "_pretrain_auth_source", ""), job_id=job_id):
+def call_api(client, address: str, fn, *args, job_id: str = ""):
+    with api_errors(address, getattr(client, "_pretrain_auth_source", ""), job_id=job_id):
         return fn(*args)
 
 
-def _check_job_id(job_id: str) -> str:
+def check_job_id(job_id: str) -> str:
     if not _JOB_ID_RE.match(job_id):
         raise ClusterError(f"{job_id!r}: not a job id")
     return job_id
@@ -306,7 +306,7 @@ def submit(argv: list[str]) -> int:
     head = local_head(address)
     local = head is not None
     if a.job_id:
-        _check_job_id(a.job_id)
+        check_job_id(a.job_id)
     client = connect(address)  # unreachable / authentication: one line before anything else
     if local:
         from pretrain.config.paths import resolve_paths
@@ -329,7 +329,7 @@ def submit(argv: list[str]) -> int:
     stage = _stage_working_dir(dump_yaml(cfg))
     try:
         runtime_env: dict[str, Any] = {"working_dir": str(stage), "excludes": list(EXCLUDES), "env_vars": env}
-        job_id = _call(
+        job_id = call_api(
             client,
             address,
             lambda: client.submit_job(
@@ -355,19 +355,19 @@ def submit(argv: list[str]) -> int:
 def _wait_for_run_id(client, address: str, job_id: str, timeout: float, hint: str) -> int:
     deadline = time.time() + timeout
     while True:
-        logs = _call(client, address, client.get_job_logs, job_id, job_id=job_id)
+        logs = call_api(client, address, client.get_job_logs, job_id, job_id=job_id)
         m = _RUN_RE.search(logs or "")
         if m:
             print(f"MLflow run id: {m.group(1)}", flush=True)
             return 0
-        status = str(_call(client, address, client.get_job_status, job_id, job_id=job_id).value)
+        status = str(call_api(client, address, client.get_job_status, job_id, job_id=job_id).value)
         if status in TERMINAL:
             # Lines the CLI prints for user errors start with "error: "; else Ray's job message.
             errs = [ln for ln in (logs or "").splitlines() if ln.startswith("error: ")]
             if errs:
                 why = errs[-1][len("error: ") :]
             else:
-                info = _call(client, address, client.get_job_info, job_id, job_id=job_id)
+                info = call_api(client, address, client.get_job_info, job_id, job_id=job_id)
                 why = (info.message or "").strip().splitlines()[0] if info.message else "no details"
             print(
                 f"error: job {job_id} {status} before it started a run: {why[:300]} (./launch.sh logs {job_id}{hint})",
@@ -387,122 +387,3 @@ def _wait_for_run_id(client, address: str, job_id: str, timeout: float, hint: st
 # ------------------------------------------------------------------------------------------------
 # jobs / status / logs / stop
 # ------------------------------------------------------------------------------------------------
-
-
-def _address_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="Jobs API address (default: RAY_ADDRESS, else the local head)")
-
-
-def _fmt_time(ms: int | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
-
-
-def _fmt_duration(start: int | None, end: int | None) -> str:
-    if not start:
-        return "-"
-    s = int(((end or time.time() * 1000) - start) / 1000)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-def jobs(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh jobs", description="jobs submitted to the cluster")
-    _address_arg(p)
-    a = p.parse_args(argv)
-    address = resolve_address(a.address)
-    client = connect(address)
-    listed = [
-        j
-        for j in _call(client, address, client.list_jobs)
-        if str(getattr(j.type, "value", j.type)) == "SUBMISSION" and j.submission_id
-    ]
-    if not listed:
-        print(f"no jobs at {address}")
-        return 0
-    listed.sort(key=lambda j: j.start_time or 0)
-    print(f"jobs at {address}")
-    print(f"{'job id':<30} {'status':<10} {'started':<19} {'duration':>9}  {'config':<16} message")
-    for j in listed:
-        msg = (j.message or "").strip().splitlines()[0][:60] if j.message else ""
-        cfg = (j.metadata or {}).get("pretrain_config", "-")
-        print(
-            f"{j.submission_id:<30} {str(j.status.value):<10} {_fmt_time(j.start_time):<19} "
-            f"{_fmt_duration(j.start_time, j.end_time):>9}  {cfg[:16]:<16} {msg}"
-        )
-    return 0
-
-
-def status(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh status", description="status word of a job (SUCCEEDED, ...)")
-    p.add_argument("job_id")
-    p.add_argument("-v", "--verbose", action="store_true", help="also print times, message and entrypoint")
-    _address_arg(p)
-    a = p.parse_args(argv)
-    job_id = _check_job_id(a.job_id)
-    address = resolve_address(a.address)
-    client = connect(address)
-    info = _call(client, address, client.get_job_info, job_id, job_id=job_id)
-    print(info.status.value)
-    if a.verbose:
-        print(f"  started:    {_fmt_time(info.start_time)}")
-        print(f"  ended:      {_fmt_time(info.end_time)}  (duration {_fmt_duration(info.start_time, info.end_time)})")
-        print(f"  message:    {(info.message or '').strip()}")
-        print(f"  entrypoint: {info.entrypoint}")
-    return 0
-
-
-def logs(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh logs", description="a job's driver output")
-    p.add_argument("job_id")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    _address_arg(p)
-    a = p.parse_args(argv)
-    job_id = _check_job_id(a.job_id)
-    address = resolve_address(a.address)
-    client = connect(address)
-    if not a.follow:
-        sys.stdout.write(_call(client, address, client.get_job_logs, job_id, job_id=job_id) or "")
-        sys.stdout.flush()
-        return 0
-    _call(client, address, client.get_job_status, job_id, job_id=job_id)  # exists?
-    import asyncio
-
-    async def _tail() -> None:
-        async for chunk in client.tail_job_logs(job_id):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-
-    with _errors(address, getattr(client, "_pretrain_auth_source", ""), job_id=job_id):
-        try:
-            asyncio.run(_tail())
-        except Exception as e:  # noqa: BLE001 - aiohttp errors: map the common ones
-            if type(e).__name__ in ("ClientConnectorError", "ServerDisconnectedError", "WSServerHandshakeError"):
-                raise ClusterError(f"lost the log stream from {address}: {type(e).__name__}") from None
-            raise
-    return 0
-
-
-def stop(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh stop", description="stop a running job")
-    p.add_argument("job_id")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
-    _address_arg(p)
-    a = p.parse_args(argv)
-    job_id = _check_job_id(a.job_id)
-    address = resolve_address(a.address)
-    client = connect(address)
-    current = str(_call(client, address, client.get_job_status, job_id, job_id=job_id).value)
-    if current in TERMINAL:
-        print(f"job {job_id} already ended: {current}")
-        return 0
-    _call(client, address, client.stop_job, job_id, job_id=job_id)
-    deadline = time.time() + a.wait
-    while True:
-        current = str(_call(client, address, client.get_job_status, job_id, job_id=job_id).value)
-        if current in TERMINAL or time.time() >= deadline:
-            break
-        time.sleep(0.5)
-    if current in TERMINAL:
-        print(f"job {job_id}: {current}")
-        return 0
-    print(f"job {job_id}: stop requested, still {current} after {a.wait:.0f} s")
-    return 1

@@ -242,17 +242,9 @@ def cmd_ui(args: list[str]) -> int:
 
 
 def cmd_bench(args: list[str]) -> int:
-    if "--cluster" in args:  # submit-to-first-step latency and checkpoint share on the local head
-        from benchmarks.cluster_jobs import main as cluster_bench
+    from benchmarks.cli import bench
 
-        return cluster_bench(args)
-    if "--checkpoint" in args:  # checkpoint cost as the model grows: real train/resume runs per size
-        from benchmarks.checkpoint import main as checkpoint_bench
-
-        return checkpoint_bench(args)
-    from benchmarks.step import main as bench_main
-
-    return bench_main(args)
+    return bench(args)
 
 
 def cmd_export(args: list[str]) -> int:
@@ -324,27 +316,27 @@ def cmd_submit(args: list[str]) -> int:
 
 
 def cmd_jobs(args: list[str]) -> int:
-    from cluster import head, submit
+    from cluster import head, jobs
 
-    return head.run_cli(submit.jobs, args)
+    return head.run_cli(jobs.jobs, args)
 
 
 def cmd_status(args: list[str]) -> int:
-    from cluster import head, submit
+    from cluster import head, jobs
 
-    return head.run_cli(submit.status, args)
+    return head.run_cli(jobs.status, args)
 
 
 def cmd_logs(args: list[str]) -> int:
-    from cluster import head, submit
+    from cluster import head, jobs
 
-    return head.run_cli(submit.logs, args)
+    return head.run_cli(jobs.logs, args)
 
 
 def cmd_stop(args: list[str]) -> int:
-    from cluster import head, submit
+    from cluster import head, jobs
 
-    return head.run_cli(submit.stop, args)
+    return head.run_cli(jobs.stop, args)
 
 
 COMMANDS = {

@@ -1,0 +1,131 @@
+"""Watching and stopping submitted jobs: ``./launch.sh jobs | status JOB | logs JOB [--follow] | stop JOB``, each
+with ``--address URL`` (resolved as for ``submit``: :func:`cluster.submit.resolve_address`). Submission, the
+connection and the token: :mod:`cluster.submit`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cluster.head import ClusterError
+from cluster.submit import TERMINAL, api_errors, call_api, check_job_id, connect, resolve_address
+
+
+def _address_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="Jobs API address (default: RAY_ADDRESS, else the local head)")
+
+
+def _fmt_time(ms: int | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
+
+
+def _fmt_duration(start: int | None, end: int | None) -> str:
+    if not start:
+        return "-"
+    s = int(((end or time.time() * 1000) - start) / 1000)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def jobs(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh jobs", description="jobs submitted to the cluster")
+    _address_arg(p)
+    a = p.parse_args(argv)
+    address = resolve_address(a.address)
+    client = connect(address)
+    listed = [
+        j
+        for j in call_api(client, address, client.list_jobs)
+        if str(getattr(j.type, "value", j.type)) == "SUBMISSION" and j.submission_id
+    ]
+    if not listed:
+        print(f"no jobs at {address}")
+        return 0
+    listed.sort(key=lambda j: j.start_time or 0)
+    print(f"jobs at {address}")
+    print(f"{'job id':<30} {'status':<10} {'started':<19} {'duration':>9}  {'config':<16} message")
+    for j in listed:
+        msg = (j.message or "").strip().splitlines()[0][:60] if j.message else ""
+        cfg = (j.metadata or {}).get("pretrain_config", "-")
+        print(
+            f"{j.submission_id:<30} {str(j.status.value):<10} {_fmt_time(j.start_time):<19} "
+            f"{_fmt_duration(j.start_time, j.end_time):>9}  {cfg[:16]:<16} {msg}"
+        )
+    return 0
+
+
+def status(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh status", description="status word of a job (SUCCEEDED, ...)")
+    p.add_argument("job_id")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print times, message and entrypoint")
+    _address_arg(p)
+    a = p.parse_args(argv)
+    job_id = check_job_id(a.job_id)
+    address = resolve_address(a.address)
+    client = connect(address)
+    info = call_api(client, address, client.get_job_info, job_id, job_id=job_id)
+    print(info.status.value)
+    if a.verbose:
+        print(f"  started:    {_fmt_time(info.start_time)}")
+        print(f"  ended:      {_fmt_time(info.end_time)}  (duration {_fmt_duration(info.start_time, info.end_time)})")
+        print(f"  message:    {(info.message or '').strip()}")
+        print(f"  entrypoint: {info.entrypoint}")
+    return 0
+
+
+def logs(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh logs", description="a job's driver output")
+    p.add_argument("job_id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    _address_arg(p)
+    a = p.parse_args(argv)
+    job_id = check_job_id(a.job_id)
+    address = resolve_address(a.address)
+    client = connect(address)
+    if not a.follow:
+        sys.stdout.write(call_api(client, address, client.get_job_logs, job_id, job_id=job_id) or "")
+        sys.stdout.flush()
+        return 0
+    call_api(client, address, client.get_job_status, job_id, job_id=job_id)  # exists?
+    import asyncio
+
+    async def _tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    with api_errors(address, getattr(client, "_pretrain_auth_source", ""), job_id=job_id):
+        try:
+            asyncio.run(_tail())
+        except Exception as e:  # noqa: BLE001 - aiohttp errors: map the common ones
+            if type(e).__name__ in ("ClientConnectorError", "ServerDisconnectedError", "WSServerHandshakeError"):
+                raise ClusterError(f"lost the log stream from {address}: {type(e).__name__}") from None
+            raise
+    return 0
+
+
+def stop(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="launch.sh stop", description="stop a running job")
+    p.add_argument("job_id")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
+    _address_arg(p)
+    a = p.parse_args(argv)
+    job_id = check_job_id(a.job_id)
+    address = resolve_address(a.address)
+    client = connect(address)
+    current = str(call_api(client, address, client.get_job_status, job_id, job_id=job_id).value)
+    if current in TERMINAL:
+        print(f"job {job_id} already ended: {current}")
+        return 0
+    call_api(client, address, client.stop_job, job_id, job_id=job_id)
+    deadline = time.time() + a.wait
+    while True:
+        current = str(call_api(client, address, client.get_job_status, job_id, job_id=job_id).value)
+        if current in TERMINAL or time.time() >= deadline:
+            break
+        time.sleep(0.5)
+    if current in TERMINAL:
+        print(f"job {job_id}: {current}")
+        return 0
+    print(f"job {job_id}: stop requested, still {current} after {a.wait:.0f} s")
+    return 1
