@@ -94,8 +94,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     batches = TrainBatches(
         cfg.data, kind=cfg.model.kind, tokenizer=tokenizer, plan=plan, rank=ctx.rank, seed=cfg.train.seed
     )
-    val_set = validation_batches(
-        cfg.data,
+    val_args: dict[str, Any] = dict(
         kind=cfg.model.kind,
         seq_len=plan.seq_len,
         tokenizer=tokenizer,
@@ -104,17 +103,8 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         seed=cfg.train.seed,
         part=plan.val_part(ctx.rank),
     )
-
-    per_source, skipped = source_validation_batches(
-        cfg.data,
-        kind=cfg.model.kind,
-        seq_len=plan.seq_len,
-        tokenizer=tokenizer,
-        val_sequences=plan.val_sequences,
-        micro_batch=plan.micro_batch,
-        seed=cfg.train.seed,
-        part=plan.val_part(ctx.rank),
-    )
+    val_set = validation_batches(cfg.data, **val_args)
+    per_source, skipped = source_validation_batches(cfg.data, **val_args)
     group = cfg.data.val_sources or cfg.data.sources
     only = source_name(group[0].path, group[0].name) if val_set and len(group) == 1 else ""
     byte_lengths = (
