@@ -43,6 +43,9 @@ def loop_overrides(steps: int, threads: int, workers: int, micro_batch: int, glo
     ]
 
 
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def run_training(
     config: str | None, overrides: list[str], timeout: float = 1800, command: list[str] | None = None
 ) -> dict:
@@ -51,8 +54,10 @@ def run_training(
     cache resolve as for the user); its summary, plus the command's wall time (``command_wall_s``)."""
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-loop-") as tmp:
         run_root = Path(tmp) / "runs"
+        # Not this process's rendezvous (dist.setup exports it for the step benchmark): the training command makes
+        # its own, so it never listens on a port that was free when this process picked it.
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV},
             "MLFLOW_TRACKING_URI": f"sqlite:///{Path(tmp) / 'mlflow.db'}",
             "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
         }
