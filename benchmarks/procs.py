@@ -2,7 +2,7 @@
 joined by a real gloo process group; returns each rank's return value (rank order).
 
 Not part of training (jobs run through Ray or torchrun): the MoE benchmark (``benchmarks/moe.py``) and the tests
-(``tests/distributed.py``) use it, so it lives beside the benchmarks, importable without ``tests/``.
+(``tests/harness.py``) use it, so it lives beside the benchmarks, importable without ``tests/``.
 
 The processes meet through a file store in a fresh temporary directory, not a TCP port picked in advance: a port
 that was free when picked can be taken before rank 0 listens on it (EADDRINUSE), a race a busy machine loses."""

@@ -2,7 +2,7 @@
 
 Everything else uses DeepSpeed's documented API only (``deepspeed.initialize``, the engine's public methods,
 ``deepspeed.zero.GatheredParameters``, the ``deepspeed.utils.safe_*`` accessors, ``zero_to_fp32``,
-``deepspeed.moe.layer.MoE``); ``tests/test_ds_adapter.py`` fails when another module reads a DeepSpeed internal. A
+``deepspeed.moe.layer.MoE``); ``tests/unit/test_ds_adapter.py`` fails when another module reads a DeepSpeed internal. A
 DeepSpeed upgrade is checked here: each function says which behaviour it relies on. Written and tested against
 DeepSpeed 0.19.8 (``requirements.lock``); "0.19" below means that version.
 

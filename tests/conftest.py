@@ -1,10 +1,10 @@
-"""Shared fixtures. Every test runs offline, with telemetry off and its own MLflow store."""
+"""Shared fixtures of unit and integration tests. Every test runs offline, with telemetry off and its own MLflow
+store."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,10 @@ os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
 SHARED = ROOT.parent / "shared" / "corpora"
+WIKITEXT = SHARED / "wikitext2-valid.txt"
+FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint written by an older version)
+
+from tests.harness import PYTHON, cli_env  # noqa: E402, F401  (after the environment above; re-exported)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,6 +48,15 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A user-level cache of this test's own (``PRETRAIN_CACHE`` in ``tmp_path``), empty at the start."""
+    root = tmp_path / "user-cache"
+    monkeypatch.setenv("PRETRAIN_CACHE", str(root))
+    monkeypatch.delenv("PRETRAIN_TOKENIZER_CACHE", raising=False)
+    return root
+
+
 @contextlib.contextmanager
 def in_workdir(work: Path):
     """Run in ``work`` with its own sqlite MLflow store (for module-scoped fixtures; ``workdir`` is per test)."""
@@ -60,16 +73,6 @@ def in_workdir(work: Path):
             os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
-PYTHON = sys.executable
-
-
 @pytest.fixture(scope="module")
 def datasets_cache(tmp_path_factory):
     """Keep the lock files that ``datasets`` builders create out of the user's cache."""
@@ -81,20 +84,26 @@ def datasets_cache(tmp_path_factory):
     datasets.config.HF_DATASETS_CACHE = old
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the e2e and multi-node
-    tests reproduce (resumed, killed, elastic, spread over nodes)."""
-    work = tmp_path_factory.mktemp("e2e")
-    from tests.test_train_e2e import CONFIG, TASKS, TINY, _cli, _losses, _run_id
+def corpus_lines(limit: int = 3000) -> list[str]:
+    """wikitext-2 validation lines when available, else a synthetic multilingual corpus."""
+    if WIKITEXT.is_file():
+        return [line for line in WIKITEXT.read_text(encoding="utf-8").splitlines() if line.strip()][:limit]
+    words = ["the", "model", "über", "naïve", "日本", "data", "token", "résumé", "π", "city", "river", "1999"]
+    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 9)) for i in range(limit)]
 
-    # with a downstream task (scored on both ranks at validation): the runs that reproduce it have none, so their
-    # equal losses also show that task evaluation leaves training untouched
-    proc = _cli(work, "train", CONFIG, *TINY, *TASKS)
-    assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
-    run_id = _run_id(proc.stdout)
-    losses = _losses(work, run_id)
-    assert sorted(losses) == list(range(1, 9))
-    run_dir = work / "checkpoints" / run_id
-    assert [p.name for p in sorted(run_dir.glob("step_*"))] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
-    return {"work": work, "run_id": run_id, "losses": losses, "run_dir": run_dir}
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE trained like training does (``pretrain.data.tokenizer``), saved once."""
+    from pretrain.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(corpus_lines(1500), 500).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))

@@ -1,6 +1,6 @@
 """Golden per-step losses: fixed runs through the real CLI (real Ray, real gloo, real MLflow) whose
 per-step training loss, gradient norm and final validation loss must stay bitwise identical on CPU
-across refactorings. ``tests/test_golden.py`` reruns the cases and compares them with the files.
+across refactorings. ``tests/integration/test_golden.py`` reruns the cases and compares them with the files.
 
     python -m tests.golden_losses            # (re)record every case into tests/golden/*.json
     python -m tests.golden_losses CASE ...   # only these cases
@@ -20,16 +20,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 STEPS = 12
-COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.val_every=6", "train.val_sequences=16",
-          "checkpoint.every_steps=6", "data.tokenizer_train_docs=5000", "stability.plot_at_end=false"]
+COMMON = [
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.val_every=6",
+    "train.val_sequences=16",
+    "checkpoint.every_steps=6",
+    "data.tokenizer_train_docs=5000",
+    "stability.plot_at_end=false",
+]
 
 # name -> (preset, overrides). Each case exercises a different path of the step.
 CASES: dict[str, tuple[str, list[str]]] = {
     "decoder-1w": ("demo-decoder", ["cluster.num_workers=1"]),
     "encoder-2w-zero3": ("demo-encoder", ["cluster.num_workers=2", "zero.stage=3", "train.micro_batch_size=4"]),
     "moe-2w-ep2": ("demo-moe", ["cluster.num_workers=2", "moe.ep_size=2"]),
-    "decoder-2w-zero2-dropout": ("demo-decoder", ["cluster.num_workers=2", "zero.stage=2", "train.micro_batch_size=4",
-                                                  "model.dropout=0.1", "stability.health_every=3"]),
+    "decoder-2w-zero2-dropout": (
+        "demo-decoder",
+        [
+            "cluster.num_workers=2",
+            "zero.stage=2",
+            "train.micro_batch_size=4",
+            "model.dropout=0.1",
+            "stability.health_every=3",
+        ],
+    ),
 }
 METRICS = ("train/loss", "train/grad_norm", "val/loss")
 
@@ -37,8 +52,13 @@ METRICS = ("train/loss", "train/grad_norm", "val/loss")
 def run_case(name: str, work: Path) -> dict:
     """Run one case in ``work`` (its own MLflow store); returns {metric: {step: float.hex}}."""
     preset, overrides = CASES[name]
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}", PYTHONPATH=str(ROOT),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}",
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "pretrain", "train", str(ROOT / "configs" / f"{preset}.yaml"), *COMMON, *overrides]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)

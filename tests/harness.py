@@ -1,8 +1,314 @@
-"""Tests use the benchmarks' real-process launcher (``benchmarks/procs.py``)."""
+"""The harness of the multi-rank tests, shared by the feature files instead of their own copies.
 
-from benchmarks.procs import run_distributed
+* the tiny model (``TINY_MODEL``, ``tiny_config``), learnable global batches and each rank's shard of one;
+* ``run_distributed(fn, world_size, *args)``: real processes joined by a real gloo group: fresh ones
+  (``benchmarks/procs.py``), or with ``fresh=False`` the session's processes of that world size, started once and
+  kept (``_RankPool``), which skips the seconds every fresh process spends on imports and its first DeepSpeed
+  engine;
+* ``train_steps``: steps of a DeepSpeed module (``build_module`` + ``run_step``) on this rank's shards, and
+  ``step_losses``: "N steps on this rank with these config overrides -> the per-step losses";
+* cases as a table of config overrides (``Case``: id, overrides, world size), as torchtitan's integration tests keep
+  them: ``run_cases`` runs a whole table in one set of processes per world size, so a module-scoped fixture runs it
+  once and a test parametrized over the rows checks each one;
+* the real training loop on ranks (``train_jobs``, ``run_jobs``) and what it logged (``metric_history``);
+* the command line (``cli``, ``run_id_of``) and the tiny end-to-end run (``E2E``, ``TASKS``) that the reference run,
+  the end-to-end, multi-node, console and MoE tests share.
+"""
 
-__all__ = ["run_distributed", "train_jobs"]
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import procs
+
+__all__ = [
+    "CONFIG",
+    "E2E",
+    "PYTHON",
+    "ROOT",
+    "TASKS",
+    "TINY_MODEL",
+    "Case",
+    "case_ids",
+    "cli",
+    "cli_env",
+    "learnable_batches",
+    "metric_history",
+    "run_cases",
+    "run_distributed",
+    "run_id_of",
+    "run_jobs",
+    "shard",
+    "step_losses",
+    "tiny_config",
+    "train_jobs",
+    "train_steps",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
+
+# -- real gloo processes ----------------------------------------------------------------------------------------
+
+
+def _serve(rank: int, world: int, port: int, store_path: str, tasks, results, parent: int) -> None:
+    """A rank of a ``_RankPool``: join the gloo group once, then run each task it is sent, in the caller's working
+    directory and environment, until told to stop (or its parent is gone)."""
+    ours = dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    os.environ.update(ours)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store_path, world))
+    while True:
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None:
+            break
+        fn, args, env, cwd = task
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            os.environ.update(ours)
+            os.chdir(cwd)
+            result = fn(rank, world, *args)
+            dist.barrier()
+            results.put((rank, "ok", result))
+        except BaseException:  # report, never hang the caller
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _RankPool:
+    """``world`` real processes joined by a real gloo group, kept for the session: each call sends every rank the
+    same function, which runs as in ``benchmarks.procs.run_distributed``. A failed or timed-out call ends the pool (a
+    rank may be stuck in a collective); the next call starts a new one."""
+
+    def __init__(self, world: int) -> None:
+        import torch.multiprocessing as mp
+
+        from pretrain.train.dist import free_port
+
+        ctx = mp.get_context("spawn")
+        port = free_port()  # only exported as MASTER_PORT for code that reads it; the rendezvous is the file store
+        self.world, self.rdzv = world, tempfile.mkdtemp(prefix="pretrain-pool-")
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                args=(
+                    r,
+                    world,
+                    port,
+                    os.path.join(self.rdzv, "store"),
+                    self.tasks[r],
+                    self.results,
+                    os.getpid(),
+                ),
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> list:
+        task = (fn, args, dict(os.environ), os.getcwd())
+        for q in self.tasks:
+            q.put(task)
+        results: dict[int, object] = {}
+        for _ in range(self.world):
+            rank, status, payload = self.results.get(timeout=timeout)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=30)
+        shutil.rmtree(self.rdzv, ignore_errors=True)
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, fresh: bool = True) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` real processes joined by a real gloo group; each rank's return
+    value (rank order). ``fresh``: processes started for this call alone (a resume whose checkpoint the session's
+    processes wrote, output a test captures); else the session's processes of that world size, which run it in the
+    caller's working directory and environment."""
+    if fresh:
+        return procs.run_distributed(fn, world_size, *args, timeout=timeout)
+    pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(kill=True)
+        raise
+
+
+# -- the tiny model, its batches and their shards --------------------------------------------------------------
+
+VOCAB, SEQ = 101, 16
+TINY_MODEL = (
+    "model.vocab_size=101",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.max_seq_len=16",
+)
+"""The step-level tests' model: 2 blocks of width 32 over a vocabulary of 101, sequences of 16 tokens."""
+
+
+def tiny_config(*overrides: str, preset: str | Path | None = None):
+    """The run config of the tiny model (``TINY_MODEL``) with ``overrides`` applied after it, in order."""
+    from pretrain.config import load_config
+
+    return load_config(preset, [*TINY_MODEL, *overrides])
+
+
+def learnable_batches(steps: int, batch: int, seed: int = 7) -> list[torch.Tensor]:
+    """``steps`` global batches of (batch, SEQ) sequences counting up from a random start (mod VOCAB): learnable, so
+    the loss visibly drops."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (batch, 1), generator=g) + torch.arange(SEQ)) % VOCAB for _ in range(steps)]
+
+
+def shard(ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's equal share of a global batch (rows ``rank * B/world`` on)."""
+    per = ids.shape[0] // world
+    return ids[rank * per : (rank + 1) * per]
+
+
+def train_steps(
+    module,
+    batches: Sequence[torch.Tensor],
+    rank: int,
+    world: int,
+    *,
+    hooks: Sequence = (),
+    seeds: bool = False,
+    before: Callable[[int], None] | None = None,
+    after: Callable[[int, Any], None] | None = None,
+) -> list:
+    """One optimizer step of ``module`` (a ``TrainModule``) per global batch on this rank's shard, with the schedule's
+    LR; returns each step's ``StepResult``. ``seeds``: seed each micro-batch as the trainer does (dropout, sample
+    drops); ``before(step)`` / ``after(step, result)`` run around each 0-based step, ``hooks`` inside it."""
+    from pretrain.train.step import StepInput, run_step, step_seed
+
+    results = []
+    for step, ids in enumerate(batches):
+        if before is not None:
+            before(step)
+        part = shard(ids, rank, world)
+        micro_seeds = (
+            [step_seed(module.cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)] if seeds else None
+        )
+        r = run_step(
+            module,
+            StepInput(step + 1, {"input_ids": part, "labels": part}, module.lr_at(step), micro_seeds),
+            list(hooks),
+        )
+        results.append(r)
+        if after is not None:
+            after(step, r)
+    return results
+
+
+def step_losses(
+    rank: int,
+    world: int,
+    overrides: Sequence[str],
+    batches: Sequence[torch.Tensor],
+    base: Sequence[str] = TINY_MODEL,
+    check: Callable[[Any], None] | None = None,
+) -> list[float]:
+    """In a process of ``run_distributed``: build the module of ``base + overrides`` (``cluster.num_workers`` set to
+    the world size), ``check(module)`` it, and train it on this rank's shards; the per-step (all-reduced) losses."""
+    from pretrain.config import load_config
+    from pretrain.train.module import build_module
+
+    module = build_module(load_config(None, [*base, *overrides, f"cluster.num_workers={world}"]))
+    if check is not None:
+        check(module)
+    return [r.loss for r in train_steps(module, batches, rank, world)]
+
+
+# -- tables of cases ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of a table: an id (the test id), config overrides and the number of ranks that run them."""
+
+    id: str
+    overrides: tuple[str, ...]
+    world_size: int
+
+
+def case_ids(cases: Sequence[Case]) -> list[str]:
+    return [c.id for c in cases]
+
+
+def _run_rows(rank: int, world: int, worker: Callable, rows: list[tuple[str, list[str]]], args: tuple) -> dict:
+    torch.set_num_threads(1)  # tiny models, one core per rank
+    return {case_id: worker(rank, world, overrides, *args) for case_id, overrides in rows}
+
+
+def run_cases(worker: Callable, cases: Sequence[Case], *args, timeout: float = 900.0) -> dict[str, list]:
+    """Run every case of a table: one ``run_distributed`` per world size (the session's processes), which runs its
+    cases in order (``worker(rank, world, overrides, *args)`` runs one; a module-level function, so that it pickles).
+    Returns case id -> the ranks' results (rank order)."""
+    ids = case_ids(cases)
+    assert len(set(ids)) == len(ids), f"duplicate case ids: {ids}"
+    out: dict[str, list] = {}
+    for world in sorted({c.world_size for c in cases}, reverse=True):
+        rows = [(c.id, list(c.overrides)) for c in cases if c.world_size == world]
+        ranks = run_distributed(_run_rows, world, worker, rows, args, timeout=timeout, fresh=False)
+        for case_id, _ in rows:
+            out[case_id] = [r[case_id] for r in ranks]
+    return out
+
+
+# -- the real training loop on ranks ----------------------------------------------------------------------------
 
 
 def train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
@@ -10,3 +316,79 @@ def train_jobs(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     from pretrain.train.worker import train_loop
 
     return [train_loop(job) for job in jobs]
+
+
+def run_jobs(world: int, jobs: Sequence, timeout: float = 900.0, fresh: bool = True) -> list[list[dict]]:
+    """Prepared jobs (``prepare_new``) trained in order by one set of ``world`` real gloo processes, without Ray; each
+    rank's final results (rank order, then job order). ``fresh=False`` (the session's processes) only where no job
+    resumes from a checkpoint that those processes wrote in an earlier call: a resume in fresh processes shows that
+    the checkpoint, not state left in memory, carries the run."""
+    return run_distributed(train_jobs, world, [asdict(j) for j in jobs], timeout=timeout, fresh=fresh)
+
+
+def metric_history(run_id: str, key: str = "train/loss", uri: str | None = None) -> dict[int, float]:
+    """step -> value of one metric of an MLflow run (the last logged value per step wins); ``uri``: the tracking
+    store, else the current one (``MLFLOW_TRACKING_URI``)."""
+    from mlflow import MlflowClient
+
+    history = sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in history}
+
+
+# -- the command line ----------------------------------------------------------------------------------------------
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a command run in ``tmp_path``: its own sqlite MLflow store, this checkout's code."""
+    env = dict(os.environ)
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def cli(work: Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store); asserts exit 0."""
+    proc = subprocess.run(
+        [PYTHON, "-m", "pretrain", *args],
+        cwd=work,
+        env=env or cli_env(work),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def run_id_of(stdout: str) -> str:
+    """The MLflow run id a ``train`` / ``resume`` command printed."""
+    for line in stdout.splitlines():
+        if line.strip().startswith("MLflow run id"):
+            return line.split()[-1]
+    raise AssertionError(f"no run id in output:\n{stdout[-2000:]}")
+
+
+E2E = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.max_seq_len=32",
+    "data.tokenizer_vocab_size=512",
+    "data.tokenizer_train_docs=3000",
+    "data.num_streams=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=8",
+    "train.warmup_steps=2",
+    "train.log_every=1",
+    "train.val_every=4",
+    "train.val_sequences=8",
+    "checkpoint.every_steps=2",
+    "cluster.num_workers=2",
+    "model.dropout=0.1",
+    "train.decay=constant",
+]
+"""The tiny end-to-end run of ``configs/demo-decoder.yaml``: 2 Ray workers, 8 steps, a checkpoint every 2."""
+
+TASKS = ["eval.tasks=[heldout_lastword]", "eval.max_examples=16"]

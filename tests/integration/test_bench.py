@@ -6,24 +6,55 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.conftest import PYTHON, cli_env
 
 
-@pytest.mark.slow
 def test_bench_json_reports_mfu_ratios_compile_cost_layer_drop_speeds_and_the_real_loop(tmp_path):
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--json", "--no-moe", "--layer-drop", "--steps", "2",
-                           "--rounds", "1", "--loop-steps", "12",
-                           "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
-                           "train.micro_batch_size=4", "data.tokenizer_vocab_size=512", "model.vocab_size=512"],
-                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "pretrain",
+            "bench",
+            "--json",
+            "--no-moe",
+            "--layer-drop",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--loop-steps",
+            "12",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.num_heads=4",
+            "model.max_seq_len=32",
+            "train.micro_batch_size=4",
+            "data.tokenizer_vocab_size=512",
+            "model.vocab_size=512",
+        ],
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # nothing else on stdout
-    for key in ("tokens_per_s", "bare_pytorch_tokens_per_s", "ratio_vs_bare_pytorch", "eager_ratio_vs_bare_pytorch",
-                "compiled_ratio_vs_bare_pytorch", "compile_s", "mfu", "measured_matmul_peak_tflops"):
+    for key in (
+        "tokens_per_s",
+        "bare_pytorch_tokens_per_s",
+        "ratio_vs_bare_pytorch",
+        "eager_ratio_vs_bare_pytorch",
+        "compiled_ratio_vs_bare_pytorch",
+        "compile_s",
+        "mfu",
+        "measured_matmul_peak_tflops",
+    ):
         assert isinstance(result[key], float) and result[key] >= 0, key
-    assert result["compile_default"] == "no" and result["ratio_vs_bare_pytorch"] == result["eager_ratio_vs_bare_pytorch"]
+    assert (
+        result["compile_default"] == "no" and result["ratio_vs_bare_pytorch"] == result["eager_ratio_vs_bare_pytorch"]
+    )
     assert 0 < result["mfu"] < 1.5
     speeds = result["layer_drop_tokens_per_s"]  # --layer-drop: rates 0, 0.25 and 0.5 in layer mode
     assert set(speeds) == {"0", "0.25", "0.5"} and all(v > 0 for v in speeds.values())
@@ -37,8 +68,16 @@ def test_bench_json_reports_mfu_ratios_compile_cost_layer_drop_speeds_and_the_re
     assert result["loop_steps_timed"] == 12 - 1 - 5  # the first 5 steps are warm-up
     phases = result["time_to_first_step_phases_s"]
     # one worker with nothing for Ray to do trains in the command's process: no Ray phase
-    assert list(phases) == ["imports", "run_preparation", "tokenizer", "worker_setup", "engine_build",
-                            "trainer_setup", "first_batch", "first_step"]
+    assert list(phases) == [
+        "imports",
+        "run_preparation",
+        "tokenizer",
+        "worker_setup",
+        "engine_build",
+        "trainer_setup",
+        "first_batch",
+        "first_step",
+    ]
     assert result["time_to_first_step_s"] > 0 and min(phases.values()) >= 0
     assert abs(sum(phases.values()) - result["time_to_first_step_s"]) < 1e-6
     for rate, key in ((0.25, "0.25"), (0.5, "0.5")):

@@ -1,6 +1,6 @@
-"""Checksums scale with the ranks (issue 20, criteria 1-2): at save every rank hashes only the files it wrote and
-rank 0 gathers the digests; at resume every rank hashes its share of the files, each file once in the whole job;
-``verify`` checks everything on demand (exit 2 naming the first bad file)."""
+"""Checksums scale with the ranks (2 real gloo ranks): at save every rank hashes only the files it wrote and rank 0
+gathers the digests; at resume every rank hashes its share of the files, each file once in the whole job; the
+``verify`` command checks everything on demand (exit 2 naming the first bad file)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store
 from tests.conftest import PYTHON, cli_env
-from tests.distributed import run_distributed
-
-OLD = Path(__file__).resolve().parent / "fixtures" / "old_checkpoint" / "step_00000002"
+from tests.harness import run_distributed
+from tests.unit.test_checkpoint_hashing import OLD
 
 
 def tiny_zero2_config(work_dir: Path, *extra: str):
@@ -28,10 +26,25 @@ def tiny_zero2_config(work_dir: Path, *extra: str):
     tok = work_dir / "tok"
     tok.mkdir(exist_ok=True)
     (tok / "tokenizer.json").write_text("{}")
-    return load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
-                              "model.num_heads=4", "model.max_seq_len=16", "zero.stage=2", "train.global_batch_size=4",
-                              "train.micro_batch_size=2", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
-                              "train.precision=fp32", f"data.tokenizer={tok}", *extra])
+    return load_config(
+        None,
+        [
+            "model.vocab_size=101",
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_heads=4",
+            "model.max_seq_len=16",
+            "zero.stage=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "data.num_streams=4",
+            "train.lr=1e-2",
+            "train.warmup_steps=1",
+            "train.precision=fp32",
+            f"data.tokenizer={tok}",
+            *extra,
+        ],
+    )
 
 
 def _writer_rank(rel: str) -> int:
@@ -72,8 +85,9 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     store.sha256_file, hashed_write.HashingFile.close = spy, spy_close
     ctx = dist.DistContext(rank, world, rank, world, torch.device("cpu"), False)
     writer = CheckpointWriter(work_dir / "run", DistWorld(ctx), "r")
-    final = writer.save(Contents(cfg=cfg, trainer_state={"step": 1}, data_state={"rank": rank},
-                                 model=EngineState(module.save)))
+    final = writer.save(
+        Contents(cfg=cfg, trainer_state={"step": 1}, data_state={"rank": rank}, model=EngineState(module.save))
+    )
     # paths inside the staging directory (run/<staging>/REL)
     stage_hashed = [Path(*Path(p).relative_to(work_dir / "run").parts[1:]).as_posix() for p in hashed]
     hashed.clear()
@@ -82,8 +96,11 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     resume_hashed = [Path(p).relative_to(final).as_posix() for p in hashed]
     store.sha256_file, hashed_write.HashingFile.close = real_sha, real_close
     # the gathered digests are the files' own (checked before the corruption below)
-    wrong = [rel for rel, meta in ckpt.manifest.files.items()
-             if (meta.bytes, meta.sha256) != (len(b := (final / rel).read_bytes()), hashlib.sha256(b).hexdigest())]
+    wrong = [
+        rel
+        for rel, meta in ckpt.manifest.files.items()
+        if (meta.bytes, meta.sha256) != (len(b := (final / rel).read_bytes()), hashlib.sha256(b).hexdigest())
+    ]
     dist.barrier()
     error = None
     if rank == 1:
@@ -100,9 +117,8 @@ def _save_and_verify(rank: int, world: int, work: str) -> dict:
     return {"saved": stage_hashed, "resumed": resume_hashed, "path": str(final), "error": error, "wrong": wrong}
 
 
-@pytest.mark.slow
 def test_each_rank_hashes_only_its_own_files(tmp_path):
-    results = run_distributed(_save_and_verify, 2, str(tmp_path), timeout=900)
+    results = run_distributed(_save_and_verify, 2, str(tmp_path), timeout=900, fresh=False)
     final = Path(results[0]["path"])
     on_disk = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
     manifest = json.loads((final / ly.MANIFEST).read_text())["files"]
@@ -120,13 +136,22 @@ def test_each_rank_hashes_only_its_own_files(tmp_path):
     assert any("zero_pp_rank_1_" in rel for rel in results[1]["resumed"])
     # a flipped byte in rank 1's partition: found by rank 1, the same one-line error on both ranks
     (victim,) = [r for r in manifest if "zero_pp_rank_1_" in r]
-    assert results[0]["error"] == results[1]["error"] == (f"{final}: checksum mismatch for {victim}; "
-                                                          "no older checkpoint of this run verifies")
+    assert (
+        results[0]["error"]
+        == results[1]["error"]
+        == (f"{final}: checksum mismatch for {victim}; no older checkpoint of this run verifies")
+    )
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "pretrain", "verify", *args], cwd=tmp_path, env=cli_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "pretrain", "verify", *args],
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_verify_command(tmp_path):
@@ -142,36 +167,11 @@ def test_verify_command(tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     bad = _cli(tmp_path, str(ckpt))
     assert bad.returncode == 2, bad.stdout + bad.stderr
-    assert bad.stderr.strip().splitlines() == [f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint "
-                                               f"of this run verifies"]
+    assert bad.stderr.strip().splitlines() == [
+        f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"
+    ]
 
 
-def test_presence_check_reads_no_file_and_old_manifests_without_sizes(tmp_path, monkeypatch):
-    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
-    raw = json.loads((ckpt / ly.MANIFEST).read_text())
-    for entry in raw["files"].values():
-        del entry["bytes"]  # a manifest that recorded no sizes
-    (ckpt / ly.MANIFEST).write_text(json.dumps(raw))
-    store.verify(ckpt)  # still verifies (checksums)
-    monkeypatch.setattr(store, "sha256_file", lambda p: pytest.fail(f"read {p}"))
-    found = store.resolve(ckpt, full=False)  # the driver's early check: no file is hashed
-    rel = "rng/rank_0.pt"
-    (ckpt / rel).unlink()
-    with pytest.raises(store.CheckpointError, match=f"missing file {rel}; no older checkpoint of this run verifies"):
-        store.verify_or_point_back(found, full=False)
-
-
-def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
-    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
-    monkeypatch.setattr(store, "sha256_file", lambda p: pytest.fail(f"read {p}"))
-    rel = "trainer_state.json"
-    with open(ckpt / rel, "a") as f:
-        f.write(" ")
-    with pytest.raises(store.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
-        store.resolve(ckpt, full=False)
-
-
-@pytest.mark.slow
 def test_resume_finds_a_flipped_byte_in_the_worker(tmp_path):
     """Same size, other bytes: the driver's presence/size check passes it, the rank that loads the file finds it:
     one line, exit 2, naming the file."""
@@ -180,10 +180,25 @@ def test_resume_finds_a_flipped_byte_in_the_worker(tmp_path):
     data = bytearray((ckpt / rel).read_bytes())
     data[-1] ^= 0xFF
     (ckpt / rel).write_bytes(bytes(data))
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "resume", str(ckpt), "train.max_steps=4",
-                           f"checkpoint.dir={tmp_path / 'ckpt'}", f"data.cache_dir={tmp_path / 'cache'}"],
-                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "pretrain",
+            "resume",
+            str(ckpt),
+            "train.max_steps=4",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert errors == [f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"], \
+    assert errors == [f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"], (
         proc.stderr[-3000:]
+    )

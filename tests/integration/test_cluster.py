@@ -1,7 +1,7 @@
-"""Cluster jobs: the local Ray head (`cluster up|down|status`), the Jobs API client (`submit`, `jobs`,
-`status`, `logs`, `stop`) and the shipped cluster manifests.
+"""Cluster jobs through the command line: the local Ray head (`cluster up|down|status`) and the Jobs API client
+(`submit`, `jobs`, `status`, `logs`, `stop`), without a head (one-line errors) and against a real one.
 
-The slow tests start one real Ray head (127.0.0.1, token auth, own temp dir and state dir) for the module
+The tests against a head share one real Ray head (127.0.0.1, token auth, own temp dir and state dir) for the module
 and stop exactly its processes afterwards, also when a test fails."""
 
 from __future__ import annotations
@@ -19,22 +19,30 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pretrain.train.dist import free_port as _free_port
 from tests.conftest import PYTHON, ROOT, cli_env
+from tests.unit.test_cluster import _CLIENT_ENV_DROP
 
-MANIFESTS = ROOT / "cluster" / "manifests"
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 TINY = [
-    "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=0",
-    "model.max_seq_len=32", "data.tokenizer_vocab_size=300", "data.tokenizer_train_docs=500",
-    "data.num_streams=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=3",
-    "train.val_sequences=4", "checkpoint.every_steps=0", "cluster.num_workers=1",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=0",
+    "model.max_seq_len=32",
+    "data.tokenizer_vocab_size=300",
+    "data.tokenizer_train_docs=500",
+    "data.num_streams=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.max_steps=3",
+    "train.val_sequences=4",
+    "checkpoint.every_steps=0",
+    "cluster.num_workers=1",
 ]
-_CLIENT_ENV_DROP = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
-LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
 def _env(work: Path, head_dir: Path, **extra: str) -> dict[str, str]:
@@ -47,8 +55,9 @@ def _env(work: Path, head_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _cli(work: Path, env: dict[str, str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "pretrain", *args], cwd=work, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -56,179 +65,6 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     return lines[0]
-
-
-# ------------------------------------------------------------------------------------------------
-# Manifests
-# ------------------------------------------------------------------------------------------------
-
-
-def _docs(name: str) -> list[dict]:
-    docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d is not None]
-    assert docs, f"{name} is empty"
-    return docs
-
-
-def _walk(node):
-    if isinstance(node, dict):
-        yield node
-        for v in node.values():
-            yield from _walk(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _walk(v)
-
-
-def test_kuberay_rayjob_manifest():
-    docs = _docs("kuberay-rayjob.yaml")
-    for d in docs:
-        assert d.get("apiVersion") and d.get("kind"), d
-    (job,) = [d for d in docs if d["kind"] == "RayJob"]
-    assert job["apiVersion"] == "ray.io/v1"
-    spec = job["spec"]
-    assert "python -m pretrain train" in spec["entrypoint"]
-    assert "checkpoint.dir=/mnt/shared" in spec["entrypoint"]
-    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
-    cluster = spec["rayClusterSpec"]
-    assert cluster["authOptions"]["mode"] == "token"
-    head = cluster["headGroupSpec"]
-    assert "dashboard-host" in head["rayStartParams"]
-    pvcs = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    assert pvcs and all("ReadWriteMany" in d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim")
-
-    def mounts_shared(pod_spec: dict) -> bool:
-        vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
-        for c in pod_spec["containers"]:
-            for m in c.get("volumeMounts", []):
-                claim = vols.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
-                if m["mountPath"] == "/mnt/shared" and claim in pvcs:
-                    return True
-        return False
-
-    assert mounts_shared(head["template"]["spec"])
-    groups = cluster["workerGroupSpecs"]
-    assert groups
-    for g in groups:
-        pod = g["template"]["spec"]
-        assert mounts_shared(pod)
-        gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in pod["containers"]]
-        assert all(int(n) >= 1 for n in gpus), gpus
-
-
-def test_cluster_launcher_manifest():
-    (cfg,) = _docs("cluster-launcher-aws.yaml")
-    for key in ("cluster_name", "provider", "auth", "available_node_types", "head_node_type",
-                "head_start_ray_commands", "worker_start_ray_commands"):
-        assert key in cfg, key
-    assert cfg["provider"]["type"] in ("aws", "gcp")
-    types = cfg["available_node_types"]
-    assert cfg["head_node_type"] in types
-    workers = [t for name, t in types.items() if name != cfg["head_node_type"]]
-    assert workers and all(t["resources"].get("GPU", 0) >= 1 for t in workers)
-    head_start = " ".join(cfg["head_start_ray_commands"])
-    assert "--head" in head_start and "--dashboard-host=127.0.0.1" in head_start
-    assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
-    mounts = " ".join(cfg.get("initialization_commands", []) + cfg.get("setup_commands", []))
-    assert re.search(r"mount .*/mnt/shared", mounts), "shared checkpoint storage is not mounted"
-    assert "./launch.sh submit --address http://127.0.0.1:8265" in (MANIFESTS / "cluster-launcher-aws.yaml").read_text()
-
-
-def test_mlflow_server_manifest():
-    docs = _docs("mlflow-server.yaml")
-    kinds = {d["kind"]: d for d in docs}
-    assert {"Deployment", "Service"} <= set(kinds)
-    for d in docs:
-        assert d["apiVersion"] and d["metadata"]["name"]
-    (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
-    cmd = " ".join(container.get("command", []) + container.get("args", []))
-    assert "mlflow server" in cmd and "--backend-store-uri" in cmd and "--artifacts-destination" in cmd
-    assert kinds["Service"]["spec"]["type"] == "ClusterIP"
-
-
-def test_multinode_doc_covers_the_essentials():
-    text = (ROOT / "docs" / "multi-node.md").read_text()
-    for needle in ("NCCL_SOCKET_IFNAME", "NCCL_IB_", "NCCL_DEBUG", "checkpoint.dir", "shared",
-                   "MLFLOW_TRACKING_URI", "runtime_env", "./launch.sh resume", "checkpoint.resume_from",
-                   "cluster up", "RAY_AUTH_TOKEN"):
-        assert needle in text, needle
-
-
-# ------------------------------------------------------------------------------------------------
-# Client logic (no cluster)
-# ------------------------------------------------------------------------------------------------
-
-
-def test_commands_registered():
-    from pretrain.cli import COMMANDS
-    from pretrain.cli import __doc__ as doc
-
-    for name in ("cluster", "submit", "jobs", "status", "logs", "stop"):
-        assert name in COMMANDS
-        assert f"\n    {name} " in doc
-
-
-def test_address_and_token_resolution(tmp_path, monkeypatch):
-    from cluster import submit
-
-    for k in _CLIENT_ENV_DROP:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
-    (tmp_path / "head").mkdir()
-    (tmp_path / "head" / "auth_token").write_text("a" * 64)
-    (tmp_path / "head" / "state.json").write_text(json.dumps(
-        {"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")}))
-    assert submit.resolve_address(None) == "http://127.0.0.1:18999"
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
-    assert submit.resolve_address(None) == "http://10.0.0.5:8265"
-    assert submit.resolve_address("https://head:443/") == "https://head:443"
-    with pytest.raises(submit.ClusterError):
-        submit.resolve_address("ray://head:10001")
-    # the local head's token only for the local head's address
-    assert submit.auth_token("http://localhost:18999") == ("a" * 64, "the local head's token file")
-    assert submit.auth_token("http://10.0.0.5:8265") == ("", "")
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
-    (tmp_path / "tok").write_text("b" * 64 + "\n")
-    assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
-    assert submit.auth_token("http://127.0.0.1:18999")[0] == "c" * 64
-
-
-def test_job_env_is_an_allowlist(monkeypatch):
-    from cluster import submit
-
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    monkeypatch.setenv("MY_VAR", "x")
-    env = submit.job_env(local=False, extra=["MY_VAR", "OTHER=1"])
-    assert "AWS_SECRET_ACCESS_KEY" not in env and "PATH" not in env and "HOME" not in env
-    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
-    assert env["MY_VAR"] == "x" and env["OTHER"] == "1" and env["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
-    assert "TORCH_EXTENSIONS_DIR" not in env
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    local = submit.job_env(local=True, extra=[], gcs_address="127.0.0.1:6379")
-    assert local["MLFLOW_TRACKING_URI"].startswith("sqlite:////") and local["RAY_ADDRESS"] == "127.0.0.1:6379"
-    with pytest.raises(submit.ClusterError):
-        submit.job_env(local=False, extra=["NOT_SET_ANYWHERE_123"])
-
-
-def test_staged_working_dir_mirrors_repo_with_excludes():
-    from cluster import submit
-
-    stage = submit._stage_working_dir("name: x\n")
-    try:
-        names = {p.name for p in stage.iterdir()}
-        assert {"pretrain", "cluster", "configs"} <= names
-        assert not names & {".venv", ".git", ".cache", "checkpoints", "mlflow.db", "mlartifacts"}
-        assert (stage / submit.JOB_CONFIG_NAME).read_text() == "name: x\n"
-        assert (stage / "pretrain").is_symlink()
-        assert not any(p.exists() and not p.is_symlink() for p in stage.iterdir() if p.name != submit.JOB_CONFIG_NAME)
-    finally:
-        shutil.rmtree(stage)
-    assert not (ROOT / submit.JOB_CONFIG_NAME).exists()  # nothing written into the checkout
 
 
 def test_bad_config_exits_2_before_contacting_anything(tmp_path):
@@ -241,8 +77,10 @@ def test_bad_config_exits_2_before_contacting_anything(tmp_path):
     assert proc.returncode == 2 and "train.max_steps" in _one_error_line(proc)
 
 
-@pytest.mark.parametrize("cmd", [["jobs"], ["status", "raysubmit_x"], ["logs", "raysubmit_x"], ["stop", "raysubmit_x"],
-                                 ["submit", CONFIG, *TINY]])
+@pytest.mark.parametrize(
+    "cmd",
+    [["jobs"], ["status", "raysubmit_x"], ["logs", "raysubmit_x"], ["stop", "raysubmit_x"], ["submit", CONFIG, *TINY]],
+)
 def test_unreachable_address_is_one_line(tmp_path, cmd):
     env = _env(tmp_path, tmp_path / "head")
     port = _free_port()
@@ -260,11 +98,6 @@ def test_cluster_down_and_status_without_a_head(tmp_path):
     assert proc.returncode == 1 and "no local Ray head" in proc.stdout
 
 
-# ------------------------------------------------------------------------------------------------
-# A real local head
-# ------------------------------------------------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """`cluster up` in a private state dir and temp dir; always torn down (only its own processes)."""
@@ -277,12 +110,29 @@ def head(tmp_path_factory):
     env = _env(work, head_dir)
     state = None
     try:
-        proc = _cli(work, env, "cluster", "up", "--dashboard-port", str(port), "--temp-dir", temp_dir,
-                    "--num-cpus", "2", timeout=240)
+        proc = _cli(
+            work,
+            env,
+            "cluster",
+            "up",
+            "--dashboard-port",
+            str(port),
+            "--temp-dir",
+            temp_dir,
+            "--num-cpus",
+            "2",
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         state = json.loads((head_dir / "state.json").read_text())
-        yield {"work": work, "env": env, "state": state, "address": state["address"], "head_dir": head_dir,
-               "up_stdout": proc.stdout}
+        yield {
+            "work": work,
+            "env": env,
+            "state": state,
+            "address": state["address"],
+            "head_dir": head_dir,
+            "up_stdout": proc.stdout,
+        }
     finally:
         if state is None and (head_dir / "state.json").is_file():
             state = json.loads((head_dir / "state.json").read_text())
@@ -332,7 +182,6 @@ def _wait_status(work, env, job_id: str, want: set[str], timeout: float) -> str:
     raise AssertionError(f"job {job_id} still {status} after {timeout} s")
 
 
-@pytest.mark.slow
 def test_head_is_local_only_and_authenticated(head):
     state, work, env = head["state"], head["work"], head["env"]
     assert state["address"].startswith("http://127.0.0.1:")
@@ -368,7 +217,6 @@ def test_head_is_local_only_and_authenticated(head):
     assert proc.returncode == 0 and "already running" in proc.stdout
 
 
-@pytest.mark.slow
 def test_submit_tiny_job_end_to_end(head):
     work, env = head["work"], head["env"]
     before = _cli(work, env, "jobs")
@@ -385,8 +233,9 @@ def test_submit_tiny_job_end_to_end(head):
     assert m_job and m_run, proc.stdout
     job_id, run_id = m_job.group(1), m_run.group(1)
 
-    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", \
-        _cli(work, env, "logs", job_id).stdout[-3000:]
+    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", _cli(
+        work, env, "logs", job_id
+    ).stdout[-3000:]
     logs = _cli(work, env, "logs", job_id)
     assert logs.returncode == 0
     assert "== finished: demo-decoder ==" in logs.stdout and re.search(rf"MLflow run id\s+{run_id}", logs.stdout)
@@ -407,7 +256,6 @@ def test_submit_tiny_job_end_to_end(head):
     assert _cli(work, env, "status", "raysubmit_nosuchjob").returncode == 1
 
 
-@pytest.mark.slow
 def test_stop_running_job_and_listeners_while_training(head):
     work, env, state = head["work"], head["env"], head["state"]
     long = [a for a in TINY if not a.startswith("train.max_steps")] + ["train.max_steps=2000"]
@@ -430,8 +278,14 @@ def test_stop_running_job_and_listeners_while_training(head):
     assert all(name.startswith("ray::RayTrainWorker") for _, _, name in wide), wide
     assert len(wide) <= 1, wide
 
-    follower = subprocess.Popen([PYTHON, "-m", "pretrain", "logs", job_id, "--follow"], cwd=work, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower = subprocess.Popen(
+        [PYTHON, "-m", "pretrain", "logs", job_id, "--follow"],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(3)
         assert follower.poll() is None  # still following a running job
@@ -448,7 +302,6 @@ def test_stop_running_job_and_listeners_while_training(head):
     assert again.returncode == 0 and "already ended: STOPPED" in again.stdout
 
 
-@pytest.mark.slow
 def test_job_failing_on_the_cluster_is_one_line(head):
     work, env = head["work"], head["env"]
     # valid config, but the data does not exist where the job runs: the driver fails before a run starts

@@ -1,4 +1,6 @@
-"""The quiet console of a training run: everything to the run's log, only user lines to the terminal."""
+"""The quiet console of a training run with other processes: a child's output and a leaked copy of the pipe, Ray
+started beside a failing preparation, and a real run through the CLI and Ray (only user lines on the terminal,
+damaged checkpoints refused in one line)."""
 
 from __future__ import annotations
 
@@ -8,21 +10,9 @@ import time
 
 import pytest
 
-from pretrain.driver.console import QuietConsole, user_line
+from pretrain.driver.console import QuietConsole
 from tests.conftest import PYTHON, cli_env
-
-
-def test_user_lines_are_ours_without_ray_prefixes():
-    assert user_line("[train] step 4/4 | loss 8.0\n") == "[train] step 4/4 | loss 8.0\n"
-    assert user_line("\x1b[36m(RayTrainWorker pid=6503)\x1b[0m [train] checkpoint committed: step 4\n") == \
-        "[train] checkpoint committed: step 4\n"
-    assert user_line("(RayTrainWorker pid=7, ip=10.0.0.2) error: data.sources: x\n") == "error: data.sources: x\n"
-    for noise in ("\x1b[36m(TrainController pid=6367)\x1b[0m [2026-11-23 13:47:34,160 E 6367 6407] core_worker.cc:2465: "
-                  "Actor with class name: 'PreemptionWatcher'\n",
-                  "2026-11-23 13:47:16,201\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled\n",
-                  "[2026-11-23 13:46:35,018] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator\n",
-                  "Traceback (most recent call last):\n", "(RayTrainWorker pid=9) Traceback (most recent call last):\n"):
-        assert user_line(noise) is None, noise
+from tests.harness import CONFIG, E2E, metric_history, run_id_of
 
 
 def test_quiet_console_keeps_everything_in_the_log(tmp_path, capfd):
@@ -34,8 +24,12 @@ def test_quiet_console_keeps_everything_in_the_log(tmp_path, capfd):
         subprocess.run(["sh", "-c", "echo child noise; echo '[pretrain] child line' >&2"], check=True)
     print("[pretrain] after the block", flush=True)
     out, err = capfd.readouterr()
-    assert out.splitlines() == ["[train] hello", "[train] from a worker", "[pretrain] child line",
-                                "[pretrain] after the block"]
+    assert out.splitlines() == [
+        "[train] hello",
+        "[train] from a worker",
+        "[pretrain] child line",
+        "[pretrain] after the block",
+    ]
     assert "noise" not in out + err
     text = log.read_text()
     for line in ("[train] hello", "internal noise", "(RayTrainWorker pid=12)", "child noise", "[pretrain] child line"):
@@ -43,29 +37,11 @@ def test_quiet_console_keeps_everything_in_the_log(tmp_path, capfd):
     assert "after the block" not in text
 
 
-def test_lines_before_the_log_exists_are_held_and_written_first(tmp_path, capfd):
-    """The run's log is known only once the run is created, while Ray already starts: what came before is held
-    and opens the log; user lines reach the terminal at once either way."""
-    log = tmp_path / "run" / "logs" / "driver.log"
-    with QuietConsole(None, verbose=False) as console:
-        os.write(2, b"WARNING Token authentication is enabled\n")
-        os.write(1, b"[pretrain] tokenizer: reused\n")
-        time.sleep(0.2)
-        assert not log.exists()
-        console.set_log(log)
-        os.write(1, b"[train] step 1\n")
-    out, _ = capfd.readouterr()
-    assert out.splitlines() == ["[pretrain] tokenizer: reused", "[train] step 1"]
-    assert log.read_text().splitlines() == ["WARNING Token authentication is enabled", "[pretrain] tokenizer: reused",
-                                            "[train] step 1"]
-
-
-
 def test_a_leaked_copy_of_the_pipe_does_not_hold_the_end(tmp_path, capfd):
     """A descriptor duplicated from stderr inside the block and never closed (DeepSpeed's op probe does this in
-    an in-process run), or a child process still holding the pipe, kept the pump from seeing the pipe's end:
-    every such block waited 5 s at its exit. Now the block ends at once, with every line written before the end
-    (a last line without a newline included), and the pump thread is gone."""
+    an in-process run), or a child process still holding the pipe, does not keep the block waiting for the pipe's
+    end: the block ends at once, with every line written before the end (a last line without a newline included),
+    and the pump thread is gone."""
     log = tmp_path / "logs" / "driver.log"
     leaked = None
     child = None
@@ -89,7 +65,7 @@ def test_a_leaked_copy_of_the_pipe_does_not_hold_the_end(tmp_path, capfd):
     assert out.splitlines() == ["[train] last line"]
     assert log.read_text() == "[train] last line\nno newline at the end"
 
-@pytest.mark.slow
+
 def test_a_failed_preparation_stops_the_ray_it_started_and_is_the_error():
     """``prepare_while_ray_starts``: the run's preparation fails (a user error) while Ray starts in this thread:
     that error is raised and the Ray started for it is shut down (the success path: every CLI test through Ray)."""
@@ -112,58 +88,30 @@ def test_a_failed_preparation_stops_the_ray_it_started_and_is_the_error():
         stop_ray(ray.is_initialized())
 
 
-# -- errors through the CLI ------------------------------------------------------------------------------------
-
-
-def test_cli_errors_user_one_line_internal_traceback(monkeypatch, capsys):
-    from pretrain import cli
-
-    def raiser(exc):
-        def cmd(args):
-            raise exc
-        return cmd
-
-    internal = RuntimeError("boom")
-    internal.add_note("full log: /x/logs/driver.log")
-    # what a worker's ConfigError looks like after Ray wrapped it (only text survives)
-    wrapped = RuntimeError("Training failed.\nTraceback (most recent call last):\n  File \"w.py\", line 3\n"
-                           "pretrain.config.errors.ConfigError: data.sources[0].path: /c.jsonl: no file matches")
-    from pretrain.train.stability import StabilityHaltError
-
-    cases = [(internal, 1, None), (wrapped, 2, "error: data.sources[0].path: /c.jsonl: no file matches"),
-             (StabilityHaltError("stability halt at step 3: nonfinite"), 1, "error: stability halt at step 3: nonfinite")]
-    for exc, code, line in cases:
-        monkeypatch.setitem(cli.COMMANDS, "train", raiser(exc))
-        assert cli.main(["train"]) == code
-        err = capsys.readouterr().err
-        if line is None:  # internal: the traceback, its notes, and the root cause
-            assert "Traceback" in err and "full log: /x/logs/driver.log" in err
-            assert err.strip().splitlines()[-1] == "error: internal error: RuntimeError: boom"
-        else:
-            assert err.strip().splitlines() == [line]
-
-
-@pytest.mark.slow
 def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     """Through the CLI and Ray: the terminal shows only our lines and the full log lands in the run directory; a
     damaged newest checkpoint is refused before Ray in one line that names the newest good one, and resuming
     from that one as the line says works and reproduces the original losses; a damaged checkpoint found by a
     worker (checkpoint.resume_from) is also one line, exit 2, no traceback."""
-    from tests.test_train_e2e import CONFIG, TINY, _losses, _run_id
-
-    opts = [o for o in TINY if not o.startswith(("train.max_steps", "cluster.num_workers"))]
+    opts = [o for o in E2E if not o.startswith(("train.max_steps", "cluster.num_workers"))]
     opts += ["train.max_steps=4", "cluster.num_workers=1", "cluster.ray_for_one_worker=true"]  # through Ray
 
     def cli(*args, timeout=300):
-        return subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(tmp_path),
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [PYTHON, "-m", "pretrain", *args],
+            cwd=tmp_path,
+            env=cli_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     first = cli("train", CONFIG, *opts)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     ours = ("[pretrain]", "[train]", "==", "  ", "")
     assert all(line.startswith(ours) for line in first.stdout.splitlines()), first.stdout
     assert first.stderr.strip() == "", first.stderr
-    run_id = _run_id(first.stdout)
+    run_id = run_id_of(first.stdout)
     run_dir = tmp_path / "checkpoints" / run_id
     log = (run_dir / "logs" / "driver.log").read_text()
     assert f"full log (Ray, DeepSpeed, every worker): {run_dir / 'logs' / 'driver.log'}" in first.stdout
@@ -177,17 +125,22 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     assert refused.returncode == 2 and time.time() - t0 < 30, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         f"error: {run_dir / 'step_00000004'}: checksum mismatch for data/rank_0.json; the newest checkpoint that "
-        f"verifies is step 2: resume from it with ./launch.sh resume {good}"]
+        f"verifies is step 2: resume from it with ./launch.sh resume {good}"
+    ]
     assert "Ray" not in refused.stdout, "refused before Ray started"
 
     in_worker = cli("train", CONFIG, *opts, f"checkpoint.resume_from={run_dir / 'step_00000004'}")
     assert in_worker.returncode == 2, in_worker.stdout[-3000:] + in_worker.stderr[-3000:]
     assert "Traceback" not in in_worker.stdout + in_worker.stderr
     errors = [line for line in in_worker.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: ") and "newest checkpoint that verifies is step 2" \
-        in errors[0], in_worker.stderr
+    assert (
+        len(errors) == 1
+        and errors[0].startswith("error: ")
+        and "newest checkpoint that verifies is step 2" in errors[0]
+    ), in_worker.stderr
 
     again = cli("resume", str(good))  # what the message says (a new run from step 2, same config: 4 steps)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
-    ref, new = _losses(tmp_path, run_id), _losses(tmp_path, _run_id(again.stdout))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ref, new = metric_history(run_id, uri=uri), metric_history(run_id_of(again.stdout), uri=uri)
     assert sorted(new) == [3, 4] and all(new[s] == ref[s] for s in (3, 4)), (ref, new)

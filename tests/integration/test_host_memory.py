@@ -1,4 +1,5 @@
-"""Freed host memory kept for the next step (``train.reuse_host_memory``, ``pretrain/train/host_memory.py``)."""
+"""Freed host memory kept for the next step (``train.reuse_host_memory``, ``pretrain/train/host_memory.py``),
+measured in a fresh process."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import sys
 import textwrap
 
 import pytest
-
-from pretrain.train.host_memory import KEEP_BYTES, worker_malloc_env
 
 FAULTS = textwrap.dedent("""
     import resource, sys, torch
@@ -39,14 +38,3 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert took == "True"
     assert int(default) > 20 * 16384 * 0.9, out.stdout
     assert int(kept) < 20 * 16384 * 0.05, out.stdout
-
-
-def test_worker_env_sets_one_arena_and_keeps_what_the_user_set(monkeypatch):
-    from cluster.launch import worker_env
-
-    assert worker_malloc_env({}) == {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(KEEP_BYTES),
-                                     "MALLOC_TRIM_THRESHOLD_": str(KEEP_BYTES)}
-    assert worker_malloc_env({"MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    assert worker_env(reuse_host_memory=True)["MALLOC_ARENA_MAX"] == "1"
-    assert "MALLOC_ARENA_MAX" not in worker_env(reuse_host_memory=False)

@@ -12,32 +12,38 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, ROOT, cli_env
-from tests.test_train_e2e import CONFIG, TINY, _losses
+from tests.harness import CONFIG, E2E, PYTHON, cli_env, metric_history
 
-pytestmark = pytest.mark.slow
+DRIVER = Path(__file__).resolve().parent / "cluster_driver.py"
 
 
 def _node_env(tmp_path: Path) -> dict[str, str]:
     env = cli_env(tmp_path)
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # keep every Ray server on 127.0.0.1
-               RAY_AUTH_MODE="disabled",  # a throwaway test cluster (token auth is tested in test_cluster)
-               RAY_USAGE_STATS_ENABLED="0",
-               # Ray's driver folds log lines that differ only in words with digits ("rank 1/2 on Ray node
-               # 1 (…)") into one "[repeated 2x]" line printed up to 5 s later: the test reads every line.
-               RAY_DEDUP_LOGS="0")
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # keep every Ray server on 127.0.0.1
+        RAY_AUTH_MODE="disabled",  # a throwaway test cluster (token auth is tested in test_cluster)
+        RAY_USAGE_STATS_ENABLED="0",
+        # Ray's driver folds log lines that differ only in words with digits ("rank 1/2 on Ray node
+        # 1 (…)") into one "[repeated 2x]" line printed up to 5 s later: the test reads every line.
+        RAY_DEDUP_LOGS="0",
+    )
     return env
 
 
 class LocalCluster:
-    """tests/cluster_driver.py in a subprocess: a head node plus nodes added or killed on request."""
+    """``cluster_driver.py`` (beside this file) in a subprocess: a head node plus nodes added or killed on request."""
 
     def __init__(self, tmp_path: Path):
         self.tmp, self.env = tmp_path, _node_env(tmp_path)
-        self.proc = subprocess.Popen([PYTHON, str(ROOT / "tests" / "cluster_driver.py")], env=self.env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(tmp_path / "cluster.log", "w"), text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [PYTHON, str(DRIVER)],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / "cluster.log", "w"),
+            text=True,
+            start_new_session=True,
+        )
         first = self.proc.stdout.readline()
         assert first.startswith("ADDRESS "), first
         self.address = first.split()[1]
@@ -87,20 +93,36 @@ def test_two_nodes_match_single_node_and_survive_node_loss(cluster, tmp_path, re
     fails, and Train restarts it (cluster.max_failures) once capacity exists again, from the last committed
     checkpoint."""
     env = {**cluster.env, "RAY_ADDRESS": cluster.address}
-    spread = [CONFIG, *TINY, "cluster.placement_strategy=STRICT_SPREAD"]
-    waiting = ("[pretrain] waiting for the cluster to place 2 worker(s) of {CPU: 1} (STRICT_SPREAD): 1/2 fit its "
-               "free resources, missing CPU 1; giving up in ")
-    short = subprocess.run([PYTHON, "-m", "pretrain", "train", *spread, "cluster.start_timeout=6"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
+    spread = [CONFIG, *E2E, "cluster.placement_strategy=STRICT_SPREAD"]
+    waiting = (
+        "[pretrain] waiting for the cluster to place 2 worker(s) of {CPU: 1} (STRICT_SPREAD): 1/2 fit its "
+        "free resources, missing CPU 1; giving up in "
+    )
+    short = subprocess.run(
+        [PYTHON, "-m", "pretrain", "train", *spread, "cluster.start_timeout=6"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [ln for ln in short.stderr.splitlines() if ln.strip()]
     assert short.returncode == 2 and len(errors) == 1, short.stdout[-2000:] + short.stderr[-2000:]
-    assert errors[0].startswith("error: cluster.start_timeout: the cluster placed no group of 2 worker(s) of "
-                                "{CPU: 1} (STRICT_SPREAD) in 6 s (1/2 fit its free resources; missing CPU 1)"), errors
+    assert errors[0].startswith(
+        "error: cluster.start_timeout: the cluster placed no group of 2 worker(s) of "
+        "{CPU: 1} (STRICT_SPREAD) in 6 s (1/2 fit its free resources; missing CPU 1)"
+    ), errors
     assert waiting in short.stdout and "Traceback" not in short.stdout + short.stderr
 
-    job = subprocess.Popen([PYTHON, "-m", "pretrain", "train", *spread, "cluster.max_failures=2"], cwd=tmp_path,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        [PYTHON, "-m", "pretrain", "train", *spread, "cluster.max_failures=2"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     early: list[str] = []
     try:
         run_id, added = None, False
@@ -129,5 +151,5 @@ def test_two_nodes_match_single_node_and_survive_node_loss(cluster, tmp_path, re
     # before and after the loss, the two ranks run on two different nodes
     assert len(_node_ranks("".join(early))) == 2, "the two workers must start on two different nodes"
     ref = reference["losses"]
-    losses = _losses(tmp_path, run_id)
+    losses = metric_history(run_id, uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert all(losses[s] == ref[s] for s in range(1, 9)), (losses, ref)

@@ -1,5 +1,5 @@
-"""A first step in seconds: the tokenizer cache (trained once per corpus and settings, reused, rebuilt when
-damaged) and ``train --dry-run`` (the checks and the plan, nothing created)."""
+"""A first step in seconds, as commands: ``train --dry-run`` (the checks and the plan, nothing created), the imports
+a fresh driver and an eager model pay for, and an embedded Ray that ends with its command."""
 
 from __future__ import annotations
 
@@ -10,112 +10,37 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
-from transformers import PreTrainedTokenizerFast
 
-from pretrain.config import DataConfig, SourceConfig
-from pretrain.data.tokenizer import TRAINER_SETTINGS
-from pretrain.data.tokenizer_cache import cache_key, lookup, run_tokenizer
+from pretrain.data.tokenizer_cache import run_tokenizer
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.test_bad_input import assert_refused
-from tests.test_data import make_docs, write_txt
+from tests.integration.test_bad_input import assert_refused
+from tests.unit.test_data import make_docs, write_txt
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
-SAMPLE = "The tokenizer of an unchanged corpus is trained once — naïve café 東京 ☕"
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "user-cache"
-    monkeypatch.setenv("PRETRAIN_CACHE", str(root))
-    monkeypatch.delenv("PRETRAIN_TOKENIZER_CACHE", raising=False)
-    return root
-
-
-def small_cfg(corpus: Path, **kw) -> DataConfig:
-    return DataConfig(sources=[SourceConfig(path=str(corpus))], tokenizer_vocab_size=400, tokenizer_train_docs=800,
-                      val_holdout=0.02, **kw)
-
-
-def tokenize(tok_dir: Path) -> tuple[dict, list[int]]:
-    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
-    return tok.get_vocab(), tok(SAMPLE, add_special_tokens=False)["input_ids"]
-
-
-def test_cache_hit_gives_the_same_tokenizer_changes_miss_damage_is_rebuilt(tmp_path, cache):
-    corpus = write_txt(tmp_path / "c.txt", make_docs(1200, "doc"))
-    cfg = small_cfg(corpus)
-    said: list[str] = []
-    assert run_tokenizer(cfg, tmp_path / "a", said.append) == 400
-    assert len(said) == 1 and said[0].startswith("tokenizer: trained (400 tokens), cached in ")
-    entry = cache / "tokenizers" / cache_key(cfg, TRAINER_SETTINGS)
-    assert entry.is_dir() and lookup(entry.name) == (entry, 400)
-
-    said.clear()
-    assert run_tokenizer(cfg, tmp_path / "b", said.append) == 400  # hit: copied, same vocab and ids
-    assert said == [f"tokenizer: reused from cache {entry}"]
-    assert tokenize(tmp_path / "b") == tokenize(tmp_path / "a")
-    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (tmp_path / "a" / "tokenizer.json").read_bytes()
-
-    # any setting the tokenizer depends on, or the corpus, gives another key
-    keys = {cache_key(cfg, TRAINER_SETTINGS)}
-    for changed in (small_cfg(corpus, bad_records="fail"), DataConfig(**{**vars(cfg), "tokenizer_vocab_size": 420}),
-                    DataConfig(**{**vars(cfg), "tokenizer_train_docs": 700}),
-                    DataConfig(**{**vars(cfg), "val_holdout": 0.05})):
-        keys.add(cache_key(changed, TRAINER_SETTINGS))
-    keys.add(cache_key(cfg, {**TRAINER_SETTINGS, "min_frequency": 3}))
-    assert len(keys) == 6
-    with corpus.open("a") as f:
-        f.write("one more document at the end of the corpus, which the tokenizer may now see\n")
-    said.clear()
-    run_tokenizer(cfg, tmp_path / "c", said.append)
-    assert said[0].startswith("tokenizer: trained")
-
-    # a damaged entry is ignored and rebuilt
-    corpus.write_text(corpus.read_text().rsplit("one more", 1)[0])
-    os.utime(corpus, ns=(0, 0))  # another identity than the first version; the same text
-    key = cache_key(cfg, TRAINER_SETTINGS)
-    run_tokenizer(cfg, tmp_path / "d", said.append)
-    damaged = cache / "tokenizers" / key / "tokenizer.json"
-    damaged.write_text(damaged.read_text()[:1000])
-    assert lookup(key) is None
-    said.clear()
-    assert run_tokenizer(cfg, tmp_path / "e", said.append) == 400
-    assert said[0].startswith("tokenizer: trained") and lookup(key) is not None
-    assert tokenize(tmp_path / "e") == tokenize(tmp_path / "a")
-    (cache / "tokenizers" / key / "meta.json").write_text("{")  # a partial meta.json: a miss too
-    assert lookup(key) is None
-    assert not [p for p in (cache / "tokenizers").iterdir() if p.name.startswith(".")]  # no leftovers
-
-
-def test_cache_can_be_disabled_and_hub_sources_are_not_cached(tmp_path, cache, monkeypatch):
-    corpus = write_txt(tmp_path / "c.txt", make_docs(600, "doc"))
-    monkeypatch.setenv("PRETRAIN_TOKENIZER_CACHE", "0")
-    said: list[str] = []
-    run_tokenizer(small_cfg(corpus), tmp_path / "a", said.append)
-    assert said == [] and not cache.exists()
-    assert cache_key(DataConfig(sources=[SourceConfig(path="someone/dataset", format="hub")]), TRAINER_SETTINGS) is None
-
-
-def test_demo_corpus_identity_is_its_content(tmp_path, cache):
-    """The generated demo corpus has the same key from any working directory (data.cache_dir)."""
-    one = DataConfig(cache_dir=str(tmp_path / "one"))
-    two = DataConfig(cache_dir=str(tmp_path / "two"))
-    assert cache_key(one, TRAINER_SETTINGS) == cache_key(two, TRAINER_SETTINGS)
-    assert cache_key(one, TRAINER_SETTINGS) != cache_key(DataConfig(**{**vars(one), "tokenizer_vocab_size": 999}),
-                                                         TRAINER_SETTINGS)
 
 
 def dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "pretrain", "train", CONFIG, *args, "--dry-run"], cwd=tmp_path,
-                          env={**cli_env(tmp_path), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "pretrain", "train", CONFIG, *args, "--dry-run"],
+        cwd=tmp_path,
+        env={**cli_env(tmp_path), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
     corpus = write_txt(tmp_path / "c.txt", make_docs(1200, "doc"))
-    args = (f"data.sources=[{{path: {corpus}}}]", "data.tokenizer_vocab_size=400", "data.tokenizer_train_docs=800",
-            "train.max_steps=7", "checkpoint.dir=ck", "cluster.num_workers=2", "cluster.cpus_per_worker=0.5")
+    args = (
+        f"data.sources=[{{path: {corpus}}}]",
+        "data.tokenizer_vocab_size=400",
+        "data.tokenizer_train_docs=800",
+        "train.max_steps=7",
+        "checkpoint.dir=ck",
+        "cluster.num_workers=2",
+        "cluster.cpus_per_worker=0.5",
+    )
     proc = dry_run(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -150,44 +75,68 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
 def test_the_driver_imports_no_training_stack():
     """Preparing a run and handing it to Ray needs neither DeepSpeed nor transformers in the driver (the
     workers import them); a cached tokenizer is only copied."""
-    code = ("import sys; import pretrain.driver.prepare, cluster.launch, pretrain.data.tokenizer_cache, pretrain.driver.dry_run; "
-            "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.worker') "
-            "if m in sys.modules)))")
-    proc = subprocess.run([PYTHON, "-c", "import json; " + code], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    code = (
+        "import sys; import pretrain.driver.prepare, cluster.launch, pretrain.data.tokenizer_cache, "
+        "pretrain.driver.dry_run; "
+        "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.worker') "
+        "if m in sys.modules)))"
+    )
+    proc = subprocess.run(
+        [PYTHON, "-c", "import json; " + code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
 
 
 def test_an_eager_model_never_imports_dynamo():
-    """``torch._dynamo`` costs 1.3-1.7 s of every worker's start: the training loop's imports and an eager MoE
+    """Importing ``torch._dynamo`` costs every worker's start seconds: the training loop's imports and an eager MoE
     model's forward and backward do without it (only compiling blocks marks the experts eager for dynamo)."""
-    code = ("import sys, torch; import pretrain.train.worker; from pretrain.config import load_config; "
-            "from pretrain.model import build_model; "
-            "cfg = load_config(None, ['moe.num_experts=4', 'moe.top_k=2', 'model.hidden_size=32', "
-            "'model.num_heads=2', 'model.num_kv_heads=1', 'model.num_layers=2', 'model.vocab_size=64']); "
-            "m = build_model(cfg.model, 0, cfg.moe); ids = torch.randint(0, 64, (2, 8)); "
-            "m(ids, labels=ids).objective().backward(); print('torch._dynamo' in sys.modules)")
-    proc = subprocess.run([PYTHON, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    code = (
+        "import sys, torch; import pretrain.train.worker; from pretrain.config import load_config; "
+        "from pretrain.model import build_model; "
+        "cfg = load_config(None, ['moe.num_experts=4', 'moe.top_k=2', 'model.hidden_size=32', "
+        "'model.num_heads=2', 'model.num_kv_heads=1', 'model.num_layers=2', 'model.vocab_size=64']); "
+        "m = build_model(cfg.model, 0, cfg.moe); ids = torch.randint(0, 64, (2, 8)); "
+        "m(ids, labels=ids).objective().backward(); print('torch._dynamo' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [PYTHON, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False"
 
 
-@pytest.mark.slow
 def test_an_embedded_ray_ends_with_the_command():
     """After a finished run the CLI leaves the embedded Ray it started to end with its process (no graceful
     shutdown's waits): every process of that Ray — the raylet's agents and workers too, which fate sharing does
-    not reach (the agents lingered ~60 s) — is gone within seconds of the command's exit."""
-    code = ("import os, psutil, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
-            "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
-            "ray.get(ray.remote(lambda: 1).remote()); "
-            "pids = [p.pid for p in psutil.Process().children(recursive=True)]; "
-            "print(started, *pids, flush=True); end_ray_with_process(started); "
-            "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)")
+    not reach — is gone within seconds of the command's exit."""
+    code = (
+        "import os, psutil, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
+        "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
+        "ray.get(ray.remote(lambda: 1).remote()); "
+        "pids = [p.pid for p in psutil.Process().children(recursive=True)]; "
+        "print(started, *pids, flush=True); end_ray_with_process(started); "
+        "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)"
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([PYTHON, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [PYTHON, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     started, *pids = proc.stdout.split()
     assert started == "True" and len(pids) >= 5  # at least GCS, raylet, its two agents and a worker

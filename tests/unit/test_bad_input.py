@@ -1,6 +1,6 @@
 """Bad input, from config to corpus to checkpoint: the driver's corpus sanity (pretrain/data/sanity.py), the
-driver's file-system checks (pretrain/driver/prepare.py), the sequence-level fallback for a corpus of too few
-documents, and the CLI's one-line refusals (exit 2, no traceback, no Ray, within 2 seconds)."""
+driver's file-system checks (pretrain/driver/prepare.py), and the sequence-level fallback for a corpus of too few
+documents. The command line's one-line refusals are in ``tests/integration/test_bad_input.py``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import gzip
 import json
 import os
 import random
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,7 @@ from pretrain.config import ConfigError, DataConfig, SourceConfig, layout, load_
 from pretrain.data import BadRecordError, TrainBatches, load_or_train_tokenizer, validation_sequences
 from pretrain.data.sanity import check_corpus, check_sources, plan_split, why_not_text
 from pretrain.data.sources import cut_pieces, read_lines
-from tests.conftest import PYTHON, ROOT, cli_env
 
-CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 WORDS = "the a of to and in is that it for on with as was by be at this from or an are river mountain".split()
 
 
@@ -63,7 +59,7 @@ def test_empty_no_text_field_and_blank_sources_are_refused(tmp_path):
     blank.write_text("\n   \n\n")
     assert "empty: only blank lines" in refusal(cfg_for(blank))
     invalid = tmp_path / "invalid.jsonl"
-    invalid.write_text("not json\n{\"text\": \n")
+    invalid.write_text('not json\n{"text": \n')
     assert "no usable record in the first 2 (2 invalid JSON" in refusal(cfg_for(invalid))
     # a validation source is checked the same way, under its own key
     good = tmp_path / "good.txt"
@@ -188,8 +184,12 @@ def test_a_single_huge_document_falls_back_to_pieces(tmp_path):
     hi.write_text("hi\nhi\n")
     with pytest.raises(ConfigError, match=r"^data\.val_sources: too little text for validation: 1 distinct "):
         check_corpus(cfg_for(ok, val_sources=[SourceConfig(path=str(hi))]), seq_len=32, seed=3, val_sequences=8)
-    assert check_corpus(cfg_for(ok, val_sources=[SourceConfig(path=str(ok))]), seq_len=32, seed=3,
-                        val_sequences=8).piece_chars == 0
+    assert (
+        check_corpus(
+            cfg_for(ok, val_sources=[SourceConfig(path=str(ok))]), seq_len=32, seed=3, val_sequences=8
+        ).piece_chars
+        == 0
+    )
 
 
 def test_pieces(tmp_path):
@@ -263,99 +263,6 @@ def test_checkpoint_dir_must_be_creatable_and_writable(tmp_path):
             check_writable_dir(str(locked), "checkpoint.dir")
 
 
-# ----------------------------------------------------------------------------------------------
-# The CLI: exit 2, one line, no traceback, no Ray, at once
-# ----------------------------------------------------------------------------------------------
-
-
-def cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.perf_counter()
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "train", *args], cwd=tmp_path, env=cli_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
-    return proc, time.perf_counter() - start
-
-
-def assert_refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "ray" not in (proc.stdout + proc.stderr).lower()
-    assert all(n in lines[0] for n in needles), lines[0]
-    return lines[0]
-
-
-def test_cli_refuses_a_corrupt_corpus_at_once(tmp_path):
-    rnd = tmp_path / "random.txt"
-    rnd.write_bytes(random.Random(0).randbytes(200_000))
-    proc, seconds = cli(tmp_path, CONFIG, f"data.sources=[{{path: {rnd}}}]", "train.max_steps=2")
-    assert_refused(proc, "data.sources[0]", str(rnd), "not text")
-    assert seconds < 2.0, seconds
-    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "mlflow.db").exists()
-
-
-def test_cli_refuses_config_errors_at_once(tmp_path):
-    proc, seconds = cli(tmp_path, CONFIG, "model.max_seq_len=1")
-    assert_refused(proc, "model.max_seq_len")
-    assert seconds < 2.0, seconds
-
-
-@pytest.mark.parametrize("case", ["empty", "nofield", "nofile", "vocab", "ckpt", "dup", "emptycfg", "fail"])
-def test_cli_refusals(tmp_path, case):
-    jsonl = tmp_path / "x.jsonl"
-    args = [CONFIG, "train.max_steps=2", f"data.sources=[{{path: {jsonl}}}]"]
-    if case == "empty":
-        jsonl.write_text("")
-        needles = ["data.sources[0]", str(jsonl), "empty"]
-    elif case == "nofield":
-        jsonl.write_text('{"body": "x"}\n' * 5)
-        needles = ["data.sources[0]", "text_field", "body"]
-    elif case == "nofile":
-        args[-1] = f"data.sources=[{{path: {tmp_path}/*.jsonl}}]"
-        needles = ["data.sources[0].path", "no file matches"]
-    elif case == "vocab":
-        args = [CONFIG, "data.tokenizer_vocab_size=3"]
-        needles = ["data.tokenizer_vocab_size"]
-    elif case == "ckpt":
-        (tmp_path / "afile").write_text("x")
-        args = [CONFIG, f"checkpoint.dir={tmp_path}/afile/ckpt"]
-        needles = ["checkpoint.dir"]
-    elif case == "dup":
-        cfg = tmp_path / "dup.yaml"
-        cfg.write_text("model:\n  num_layers: 2\ntrain:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
-        args = [str(cfg)]
-        needles = ["train.lr: duplicate key (lines 4 and 5)"]
-    elif case == "emptycfg":
-        cfg = tmp_path / "empty.yaml"
-        cfg.write_text("# nothing here\n")
-        args = [str(cfg)]
-        needles = ["empty.yaml: the config file is empty"]
-    else:
-        good = json.dumps({"text": "a fine line of text"})
-        jsonl.write_text(f"{good}\n{good}\n{{broken\n{good}\n")
-        args.append("data.bad_records=fail")
-        needles = [f"{jsonl}:3: invalid JSON"]
-    proc, seconds = cli(tmp_path, *args)
-    assert_refused(proc, *needles)
-    assert seconds < 10.0, seconds  # nothing heavy started (the 2 s bound is asserted above, twice)
-
-
-@pytest.mark.slow
-def test_cli_trains_a_single_huge_document(tmp_path):
-    """One 2 MB line, no newline: the driver says it falls back to a sequence-level split, and training runs."""
-    huge = tmp_path / "huge.txt"
-    huge.write_text(words(400_000, 1)[:2_000_000])
-    args = [CONFIG, f"data.sources=[{{path: {huge}}}]", "train.max_steps=2", "cluster.use_ray=false",
-            "model.num_layers=1", "model.hidden_size=64", "data.tokenizer_vocab_size=512", "train.val_sequences=4",
-            "stability.plot_at_end=false"]
-    proc, _ = cli(tmp_path, *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    notes = [line for line in proc.stdout.splitlines() if "sequence-level split" in line]
-    assert len(notes) == 1 and notes[0].startswith("[pretrain] data: 1 document ("), proc.stdout[-3000:]
-    assert "final val loss" in proc.stdout
-    cfg = load_config(next((tmp_path / "checkpoints").glob("*/config.yaml")))
-    assert cfg.data.piece_chars == 512
-
-
 def test_preflight_checks_directories_and_the_vocab_size(tmp_path):
     from pretrain.config.paths import resolve_paths
     from pretrain.driver.prepare import preflight
@@ -366,10 +273,12 @@ def test_preflight_checks_directories_and_the_vocab_size(tmp_path):
     cfg = resolve_paths(load_config(None, base))
     preflight(cfg)
     assert cfg.data.piece_chars == 0 and not (tmp_path / "ckpt").exists()
-    for override, key in (("model.vocab_size=100", "model.vocab_size"),
-                          (f"data.tokenizer={tmp_path}/none", "data.tokenizer"),
-                          (f"model.init_from_hf={tmp_path}/none", "model.init_from_hf"),
-                          (f"checkpoint.resume_from={tmp_path}/none", "checkpoint.resume_from"),
-                          *([("cluster.use_gpu=yes", "cluster.use_gpu")] if not Path("/dev/nvidiactl").exists() else [])):
+    for override, key in (
+        ("model.vocab_size=100", "model.vocab_size"),
+        (f"data.tokenizer={tmp_path}/none", "data.tokenizer"),
+        (f"model.init_from_hf={tmp_path}/none", "model.init_from_hf"),
+        (f"checkpoint.resume_from={tmp_path}/none", "checkpoint.resume_from"),
+        *([("cluster.use_gpu=yes", "cluster.use_gpu")] if not Path("/dev/nvidiactl").exists() else []),
+    ):
         with pytest.raises(ConfigError, match=rf"^{key}: "):
             preflight(resolve_paths(load_config(None, [*base, override])))

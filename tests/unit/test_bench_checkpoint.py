@@ -1,23 +1,20 @@
-"""``./launch.sh bench --checkpoint`` (issue 20, criterion 6): the raw write limit it measures, the per-rank hashing
-a run records for it (``CheckpointStats``, the process-wide hash tally), the rows and targets it builds from the
-runs' summaries, and (slow) one tiny size end to end through the CLI and Ray."""
+"""``./launch.sh bench --checkpoint``: the raw write limit it measures, the per-rank hashing a run records for it
+(``CheckpointStats``, the process-wide hash tally), the rows and targets it builds from the runs' summaries. One tiny
+size end to end through the CLI and Ray is in ``tests/integration/test_bench_checkpoint.py``."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import checkpoint as bc
 from pretrain.checkpoint import store
-from tests.conftest import PYTHON, cli_env
+from tests.conftest import FIXTURES
 
-OLD = Path(__file__).resolve().parent / "fixtures" / "old_checkpoint" / "step_00000002"
+OLD = FIXTURES / "old_checkpoint" / "step_00000002"
 
 
 def test_raw_write_writes_and_fsyncs_exactly_the_bytes_then_removes_its_file(tmp_path, monkeypatch):
@@ -57,8 +54,9 @@ def test_checkpoint_stats_report_resume_and_save_hashing_per_rank(tmp_path):
     asynchronous save hashes), per save."""
     from pretrain.train.callbacks.checkpoint_stats import CheckpointStats
 
-    trainer = SimpleNamespace(ctx=SimpleNamespace(is_main=True), tracker=_Tracker(), state=SimpleNamespace(step=2),
-                              last_checkpoint=OLD)
+    trainer = SimpleNamespace(
+        ctx=SimpleNamespace(is_main=True), tracker=_Tracker(), state=SimpleNamespace(step=2), last_checkpoint=OLD
+    )
     stats = CheckpointStats(store.hash_tally())
     store.verify(OLD)  # the resume's verification
     stats.on_run_start(trainer)
@@ -79,17 +77,31 @@ def test_checkpoint_stats_report_resume_and_save_hashing_per_rank(tmp_path):
 
 
 def _summary(stalls: list[tuple[int, float]], step: int, nbytes: int = 2_000_000_000, **kw) -> dict:
-    return {"step": step, "checkpoint_bytes": nbytes, "checkpoints": len(stalls),
-            "checkpoint_saves": [{"step": n, "stall_s": s} for n, s in stalls], **kw}
+    return {
+        "step": step,
+        "checkpoint_bytes": nbytes,
+        "checkpoints": len(stalls),
+        "checkpoint_saves": [{"step": n, "stall_s": s} for n, s in stalls],
+        **kw,
+    }
 
 
 def test_rows_and_targets_from_the_runs_summaries():
-    sync = _summary([(5, 8.0), (10, 10.0), (15, 30.0)], 15, checkpoint_hash_s_per_rank=[2.0, 2.0],
-                    checkpoint_hash_bytes_per_rank=[10, 20])
-    resume = {"time_to_first_step_s": 61.5, "resume_hash_bytes_per_rank": [1_500_000_000, 500_000_000],
-              "resume_hash_s_per_rank": [3.0, 1.0]}
-    saves = [{"step": n, "stall_s": st, "snapshot_s": st - 0.1, "commit_s": 0.1, "write_s": 5.0, "snapshot_gb": 1.0}
-             for n, st in ((5, 0.5), (10, 0.9), (15, 9.0))]  # the checkpointer's records (asynchronous saves)
+    sync = _summary(
+        [(5, 8.0), (10, 10.0), (15, 30.0)],
+        15,
+        checkpoint_hash_s_per_rank=[2.0, 2.0],
+        checkpoint_hash_bytes_per_rank=[10, 20],
+    )
+    resume = {
+        "time_to_first_step_s": 61.5,
+        "resume_hash_bytes_per_rank": [1_500_000_000, 500_000_000],
+        "resume_hash_s_per_rank": [3.0, 1.0],
+    }
+    saves = [
+        {"step": n, "stall_s": st, "snapshot_s": st - 0.1, "commit_s": 0.1, "write_s": 5.0, "snapshot_gb": 1.0}
+        for n, st in ((5, 0.5), (10, 0.9), (15, 9.0))
+    ]  # the checkpointer's records (asynchronous saves)
     asyn = {"step": 15, "checkpoint_bytes": 2_000_000_000, "checkpoint_saves": saves, "checkpoint_snapshot_gb_max": 1.0}
     row = bc.size_row(1024, sync, resume, raw_write_s=4.0, asyn=asyn)
     assert row["sync_stall_s_each"] == [8.0, 10.0], "the final save (waited for at the run's end) is not timed"
@@ -100,8 +112,14 @@ def test_rows_and_targets_from_the_runs_summaries():
     assert row["hash_s_per_rank"] == [2.0, 2.0] and row["hash_bytes_per_rank"] == [10, 20]
     assert row["resume_hashes_each_byte_once"] and row["resume_time_to_first_step_s"] == 61.5
     before_records = {"step": 8, "checkpoint_bytes": 100, "checkpoints": 2, "checkpoint_seconds": 0.8}
-    twice = bc.size_row(256, before_records, {"resume_hash_bytes_per_rank": [100, 100]}, 0.2, None,
-                        "checkpoint.async is not a config key here")
+    twice = bc.size_row(
+        256,
+        before_records,
+        {"resume_hash_bytes_per_rank": [100, 100]},
+        0.2,
+        None,
+        "checkpoint.async is not a config key here",
+    )
     assert twice["sync_stall_s_each"] == [0.4, 0.4], "without per-save records: the mean loop time of a save"
     assert not twice["resume_hashes_each_byte_once"]
     assert twice["async_stall_s"] is None and "not a config key" in twice["async_unavailable"]
@@ -117,26 +135,10 @@ def test_size_overrides_give_heads_of_64_and_one_stream_per_worker():
     from pretrain.config import load_config
 
     cfg = load_config(bc.DEFAULT_CONFIG, [*bc.RUN, *bc.size_overrides(1024, 8, 2, 2)])
-    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.num_kv_heads) == (1024, 8, 16, 8)
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.num_kv_heads) == (
+        1024,
+        8,
+        16,
+        8,
+    )
     assert (cfg.cluster.num_workers, cfg.data.num_streams, cfg.zero.stage) == (2, 2, 2)
-
-
-@pytest.mark.slow
-def test_bench_checkpoint_json_for_a_tiny_size(tmp_path):
-    """One tiny size through the CLI: a synchronous run with a save before its last step, its resume and (when
-    the key exists) the asynchronous run, all through Ray with 2 workers."""
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "bench", "--checkpoint", "--json", "--sizes", "64",
-                           "--layers", "2", "--every", "2", "--saves", "1", "--dir", str(tmp_path / "bench"),
-                           "data.tokenizer_vocab_size=512", "model.vocab_size=512"],
-                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    result = json.loads(proc.stdout)
-    (row,) = result["sizes"]
-    assert row["hidden"] == 64 and row["checkpoint_bytes"] > 0
-    assert row["saves_timed"] in (1, 2)  # 2: a checkpointer without per-save records gives the mean of both saves
-    assert row["sync_stall_s"] > 0 and row["raw_write_s"] > 0 and row["sync_save_vs_raw"] > 0
-    assert len(row["hash_s_per_rank"]) == 2 and all(s > 0 for s in row["hash_s_per_rank"])
-    assert row["resume_hashes_each_byte_once"] and row["resume_time_to_first_step_s"] > 0
-    assert sum(row["resume_hash_bytes_per_rank"]) == row["checkpoint_bytes"]
-    assert (row["async_stall_s"] is None) == bool(result["async_unavailable"])
-    assert list((tmp_path / "bench").iterdir()) == [], "the runs are removed"

@@ -1,13 +1,12 @@
-"""The checkpoint layer on its own: the commit protocol (staging, manifest, checksums, discovery, crash safety), the
-typed manifest (old manifests parse), the collective writer in a world of one (full weights and optimizer moments
-round-trip) and the reader."""
+"""The checkpoint layer on its own: the commit protocol (staging, manifest, checksums, discovery), the typed manifest
+(old manifests parse), the collective writer in a world of one (full weights and optimizer moments round-trip) and
+the reader. A process killed mid-commit and the resume of full weights on a gloo rank are in
+``tests/integration/test_checkpoint.py``."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from pretrain.checkpoint import reader, weights
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
-from tests.distributed import run_distributed
+from tests.conftest import FIXTURES
 
 
 def _stage(run_dir, step, world=2, nonce="n1"):
@@ -73,29 +72,6 @@ def test_corruption_is_detected(tmp_path):
     assert ck.list_committed(tmp_path) == []
 
 
-def _die_during_commit(run_dir):
-    stage = _stage(run_dir, 6)
-    real = ck.write_json
-
-    def boom(path, obj):
-        if path.name == ly.MANIFEST:
-            os._exit(9)  # the process dies while committing
-        real(path, obj)
-    ck.write_json = boom
-    ck.commit(stage, run_dir, Manifest(step=6, world_size=2))
-
-
-def test_crash_mid_commit_keeps_last_good(tmp_path):
-    _commit(tmp_path, 4, tokens_seen=1)
-    p = mp.get_context("spawn").Process(target=_die_during_commit, args=(tmp_path,))
-    p.start()
-    p.join(60)
-    assert p.exitcode == 9
-    latest = ck.resolve(tmp_path)
-    assert latest.step == 4
-    assert json.loads((latest.path / ly.MANIFEST).read_text())["tokens_seen"] == 1
-
-
 def test_prune_keeps_newest(tmp_path):
     for step in (1, 2, 3):
         _commit(tmp_path, step)
@@ -112,16 +88,18 @@ def test_damaged_checkpoint_names_the_newest_that_verifies(tmp_path):
     with pytest.raises(ck.CheckpointError) as e:
         ck.resolve(tmp_path)
     good = tmp_path / ly.step_dir_name(2)
-    assert str(e.value) == (f"{tmp_path / ly.step_dir_name(6)}: checksum mismatch for {ly.DS_DIR}/{ly.DS_TAG}/model.pt; "
-                            f"the newest checkpoint that verifies is step 2: resume from it with "
-                            f"./launch.sh resume {good}")
+    assert str(e.value) == (
+        f"{tmp_path / ly.step_dir_name(6)}: checksum mismatch for {ly.DS_DIR}/{ly.DS_TAG}/model.pt; "
+        f"the newest checkpoint that verifies is step 2: resume from it with "
+        f"./launch.sh resume {good}"
+    )
     assert ck.resolve(good).step == 2  # what that command resolves
     (good / ly.DS_DIR / ly.DS_TAG / "model.pt").unlink()
     with pytest.raises(ck.CheckpointError, match="no older checkpoint of this run verifies"):
         ck.resolve(tmp_path)
 
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "old_checkpoint" / "step_00000002"
+FIXTURE = FIXTURES / "old_checkpoint" / "step_00000002"
 
 
 def test_old_manifest_parses_and_round_trips():
@@ -142,14 +120,24 @@ def test_old_manifest_parses_and_round_trips():
 def _contents(tokenizer_dir, step=3, moments=None):
     from pretrain.config import load_config
 
-    cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=16", "model.num_heads=2",
-                             "model.num_kv_heads=2", "model.vocab_size=64", "model.max_seq_len=8",
-                             f"data.tokenizer={tokenizer_dir}"])
+    cfg = load_config(
+        None,
+        [
+            "model.num_layers=1",
+            "model.hidden_size=16",
+            "model.num_heads=2",
+            "model.num_kv_heads=2",
+            "model.vocab_size=64",
+            "model.max_seq_len=8",
+            f"data.tokenizer={tokenizer_dir}",
+        ],
+    )
     a = torch.randn(3, 4)
     weights = {"a.weight": a, "b.bias": torch.randn(5), "tied.weight": a}  # tied weights share one tensor
     state = {"step": step, "tokens_seen": 96, "sequences": 12, "last_train_loss": 2.5, "last_val": {"val/loss": 2.0}}
-    return Contents(cfg=cfg, trainer_state=state, data_state={"streams": {"0": {"pos": 12}}},
-                    model=FullWeights(weights, moments))
+    return Contents(
+        cfg=cfg, trainer_state=state, data_state={"streams": {"0": {"pos": 12}}}, model=FullWeights(weights, moments)
+    )
 
 
 def test_writer_full_weights_round_trip(tmp_path):
@@ -160,23 +148,41 @@ def test_writer_full_weights_round_trip(tmp_path):
     moments = {"step": 7, "exp_avg": {"a.weight": torch.randn(3, 4)}, "exp_avg_sq": {"a.weight": torch.rand(3, 4)}}
     contents = _contents(tmp_path / "tok", moments=moments)
     registered = []
-    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "run-1", keep_last=1,
-                              register=lambda path, manifest: registered.append((path, manifest.step)))
+    writer = CheckpointWriter(
+        tmp_path / "run",
+        LocalWorld(),
+        "run-1",
+        keep_last=1,
+        register=lambda path, manifest: registered.append((path, manifest.step)),
+    )
     path = writer.save(contents)
     assert registered == [(path, 3)] and path.name == ly.step_dir_name(3)
     ckpt = ck.resolve(tmp_path / "run")
     m = ckpt.manifest
     assert (m.format, m.run_id, m.tokens_seen, m.global_sequences, m.metrics) == (
-        FORMAT_FULL, "run-1", 96, 12, {"train/loss": 2.5, "val/loss": 2.0})
-    assert {ly.WEIGHTS, ly.OPTIMIZER, ly.CONFIG, ly.TRAINER_STATE, ly.data_file(0), ly.rng_file(0),
-            f"{ly.TOKENIZER}/tokenizer.json"} <= set(m.files)
+        FORMAT_FULL,
+        "run-1",
+        96,
+        12,
+        {"train/loss": 2.5, "val/loss": 2.0},
+    )
+    assert {
+        ly.WEIGHTS,
+        ly.OPTIMIZER,
+        ly.CONFIG,
+        ly.TRAINER_STATE,
+        ly.data_file(0),
+        ly.rng_file(0),
+        f"{ly.TOKENIZER}/tokenizer.json",
+    } <= set(m.files)
     loaded = reader.load(ckpt)
     sd = loaded.state_dict()
     assert sd.keys() == contents.model.weights.keys()
     assert all(torch.equal(sd[k], contents.model.weights[k]) for k in sd)
     back = weights.load_optimizer_moments(ckpt.path)
-    assert back["step"] == 7 and all(torch.equal(back[k]["a.weight"], moments[k]["a.weight"])
-                                     for k in ("exp_avg", "exp_avg_sq"))
+    assert back["step"] == 7 and all(
+        torch.equal(back[k]["a.weight"], moments[k]["a.weight"]) for k in ("exp_avg", "exp_avg_sq")
+    )
     assert loaded.trainer_state()["sequences"] == 12 and loaded.data_position()["streams"] == {"0": {"pos": 12}}
     assert loaded.config.model.hidden_size == 16
     writer.save(_contents(tmp_path / "tok", step=5))  # keep_last=1 prunes step 3
@@ -196,52 +202,3 @@ def test_writer_failure_is_one_error_and_nothing_committed(tmp_path):
     staged = writer.stage(4)
     with pytest.raises(ck.CheckpointError, match=rf"incomplete checkpoint, missing {ly.data_file(0)}, {ly.WEIGHTS}"):
         writer.commit(staged, Manifest(step=4, format=FORMAT_FULL))
-
-
-def _full_weights_resume(rank: int, world: int, work: str) -> dict:
-    """A module trained 2 steps, saved as full weights + moments by the writer (no engine involved in writing);
-    resumed (module built from the weights, moments loaded) and rolled back to (rebuilt in place): the next step's
-    loss equals the uninterrupted module's."""
-    from pretrain.config import load_config
-    from pretrain.train import dist
-    from pretrain.train.module import build_module
-    from pretrain.train.optimizer_state import gather_moments
-    from pretrain.train.resume import load_model_state, resume_source
-    from pretrain.train.step import StepInput, run_step
-
-    torch.set_num_threads(1)
-    (Path(work) / "tok").mkdir()
-    cfg = load_config(None, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
-                             "model.num_heads=4", "model.max_seq_len=16", "zero.stage=1", "train.global_batch_size=4",
-                             "train.micro_batch_size=4", "data.num_streams=4", "train.lr=1e-2", "train.warmup_steps=1",
-                             "train.precision=fp32", f"data.tokenizer={work}/tok"])
-    g = torch.Generator().manual_seed(3)
-    data = [torch.randint(0, 101, (4, 16), generator=g) for _ in range(3)]
-
-    def step(module, i):
-        return run_step(module, StepInput(i + 1, {"input_ids": data[i], "labels": data[i]}, module.lr_at(i))).loss
-
-    module = build_module(cfg)
-    for i in range(2):
-        step(module, i)
-    writer = CheckpointWriter(Path(work) / "run", LocalWorld(), "r")
-    state = {"step": 2, "tokens_seen": 128, "sequences": 8}
-    writer.save(Contents(cfg=cfg, trainer_state=state, data_state={"streams": {}},
-                         model=FullWeights(module.full_state_dict(), gather_moments(module))))
-    ckpt = ck.resolve(Path(work) / "run")
-    ctx = dist.DistContext(0, 1, 0, 1, torch.device("cpu"), False)
-    source = resume_source(ckpt, Path(work) / "run", ctx, 0)
-    resumed = build_module(cfg, weights=source.weights)
-    load_model_state(resumed, source, built=True)
-    rolled = build_module(cfg)  # another trajectory, then a rollback to the checkpoint
-    step(rolled, 0)
-    load_model_state(rolled, source)
-    return {"format": ckpt.manifest.format, "plain": step(module, 2), "resumed": step(resumed, 2),
-            "rolled": step(rolled, 2)}
-
-
-@pytest.mark.slow
-def test_full_weights_checkpoint_resumes_weights_and_optimizer(tmp_path):
-    res = run_distributed(_full_weights_resume, 1, str(tmp_path), timeout=600)[0]
-    assert res["format"] == FORMAT_FULL
-    assert abs(res["resumed"] - res["plain"]) < 1e-6 and abs(res["rolled"] - res["plain"]) < 1e-6, res

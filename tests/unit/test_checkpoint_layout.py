@@ -12,10 +12,17 @@ from pathlib import Path
 
 from pretrain.checkpoint import layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
-FILE_NAMES = {layout.MANIFEST, layout.CONFIG, layout.TRAINER_STATE, layout.WEIGHTS, layout.OPTIMIZER,
-              layout.INIT_WEIGHTS, layout.SUMMARY}
+FILE_NAMES = {
+    layout.MANIFEST,
+    layout.CONFIG,
+    layout.TRAINER_STATE,
+    layout.WEIGHTS,
+    layout.OPTIMIZER,
+    layout.INIT_WEIGHTS,
+    layout.SUMMARY,
+}
 """Names that mean a checkpoint file wherever they appear as a path segment of a string."""
 DIR_NAMES = {layout.TOKENIZER, layout.DATA_DIR, layout.RNG_DIR, layout.DS_DIR, layout.DS_TAG, layout.ABANDONED}
 """Common words: layout names only when used as a path part (``x / "data"``, ``Path(x, "data")``, ``joinpath``)."""
@@ -84,8 +91,9 @@ def test_no_layout_name_outside_the_checkpoint_layer():
         for hit in layout_literals(path.read_text(), rel):
             if (rel, hit.split(": ", 1)[1].split(" as ")[0].strip("'\"")) not in ALLOWED:
                 offenders.append(f"{rel}:{hit}")
-    assert not offenders, "layout names spelled outside pretrain/checkpoint/ (use pretrain.checkpoint.layout):\n" + \
-        "\n".join(offenders)
+    assert not offenders, (
+        "layout names spelled outside pretrain/checkpoint/ (use pretrain.checkpoint.layout):\n" + "\n".join(offenders)
+    )
 
 
 def test_the_scan_finds_what_the_old_code_spelled():

@@ -30,9 +30,11 @@ from pretrain.data import (
 )
 from pretrain.data.packing import IGNORE_INDEX
 
-WORDS = ("the a of to and in is that it for on with as was by be at this from or an are which but not have "
-         "model data token stream packing river mountain garden window library engine signal theory "
-         "naïve café Größe façade déjà señor smörgåsbord 東京 データ ☕ emoji🙂 tab\tseparated").split(" ")
+WORDS = (
+    "the a of to and in is that it for on with as was by be at this from or an are which but not have "
+    "model data token stream packing river mountain garden window library engine signal theory "
+    "naïve café Größe façade déjà señor smörgåsbord 東京 データ ☕ emoji🙂 tab\tseparated"
+).split(" ")
 T = 32
 
 
@@ -65,8 +67,9 @@ def write_parquet(path: Path, texts: list) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": pa.array(texts, type=pa.string()), "n": list(range(len(texts)))}), path,
-                   row_group_size=97)
+    pq.write_table(
+        pa.table({"text": pa.array(texts, type=pa.string()), "n": list(range(len(texts)))}), path, row_group_size=97
+    )
     return path
 
 
@@ -96,8 +99,9 @@ def batches(cfg, tok, *, rank=0, world=1, G=8, kind="decoder", seed=7) -> TrainB
 
 
 def plan(cfg, world: int, G: int, seq_len: int = T, val: int = 0):
-    return layout(world_size=world, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len,
-                  val_sequences=val)
+    return layout(
+        world_size=world, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len, val_sequences=val
+    )
 
 
 def steps(tb: TrainBatches, n: int) -> list[dict]:
@@ -109,7 +113,7 @@ def stream_tokens(all_steps: list[dict], owned: list[int], per_stream: int) -> d
     out = {s: [] for s in owned}
     for b in all_steps:
         for j, s in enumerate(owned):
-            for row in b["input_ids"][j * per_stream:(j + 1) * per_stream]:
+            for row in b["input_ids"][j * per_stream : (j + 1) * per_stream]:
                 out[s].extend(row.tolist())
     return out
 
@@ -118,7 +122,7 @@ def complete_docs(tokens: list[int], tok) -> list[str]:
     """Decode the documents that lie completely inside an emitted token stream."""
     eos = tok.eos_token_id
     cuts = [i for i, t in enumerate(tokens) if t == eos]
-    return [tok.decode(tokens[a + 1:b]) for a, b in zip([-1, *cuts], cuts)][1:] if cuts else []
+    return [tok.decode(tokens[a + 1 : b]) for a, b in zip([-1, *cuts], cuts)][1:] if cuts else []
 
 
 def rows(batch: dict) -> list[tuple]:
@@ -199,8 +203,8 @@ def test_packing_loses_and_duplicates_nothing(corpus, tok):
         for ids in tok(docs[s::4], add_special_tokens=False)["input_ids"]:
             expected.extend([*ids, eos])
         assert len(tokens) == 30 * 2 * T
-        assert tokens == expected[:len(tokens)]  # exact order, every document followed by eos
-        assert complete_docs(tokens, tok) == docs[s::4][1:len(complete_docs(tokens, tok)) + 1]
+        assert tokens == expected[: len(tokens)]  # exact order, every document followed by eos
+        assert complete_docs(tokens, tok) == docs[s::4][1 : len(complete_docs(tokens, tok)) + 1]
 
 
 def test_repeat_restarts_streams_and_no_repeat_stops(tmp_path, tok):
@@ -208,13 +212,14 @@ def test_repeat_restarts_streams_and_no_repeat_stops(tmp_path, tok):
     cfg = data_cfg(small, num_streams=2)
     docs = list(training_documents(cfg))
     eos = tok.eos_token_id
-    per_epoch = {s: [t for ids in tok(docs[s::2], add_special_tokens=False)["input_ids"] for t in (*ids, eos)]
-                 for s in range(2)}
+    per_epoch = {
+        s: [t for ids in tok(docs[s::2], add_special_tokens=False)["input_ids"] for t in (*ids, eos)] for s in range(2)
+    }
     tb = batches(cfg, tok, G=2)
     need = 3 * max(len(v) for v in per_epoch.values()) // T + 2
     got = steps(tb, need)
     for s, tokens in stream_tokens(got, [0, 1], 1).items():
-        assert tokens == (per_epoch[s] * 4)[:len(tokens)]
+        assert tokens == (per_epoch[s] * 4)[: len(tokens)]
     assert all(v["epoch"] >= 2 for v in tb.state_dict()["streams"].values())
 
     tb = batches(data_cfg(small, num_streams=2, repeat=False), tok, G=2)
@@ -229,8 +234,9 @@ def test_repeat_restarts_streams_and_no_repeat_stops(tmp_path, tok):
 def test_mixture_weights_and_seed(tmp_path):
     a = write_txt(tmp_path / "a.txt", make_docs(3000, "alpha"))
     b = write_jsonl(tmp_path / "b.jsonl", make_docs(3000, "beta"))
-    cfg = DataConfig(sources=[SourceConfig(path=str(a), weight=3.0), SourceConfig(path=str(b), weight=1.0)],
-                     val_holdout=0.0)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(a), weight=3.0), SourceConfig(path=str(b), weight=1.0)], val_holdout=0.0
+    )
     first = [d.split()[0] for d in training_documents(cfg, seed=1, limit=2400)]
     share = first.count("alpha") / len(first)
     assert 0.72 < share < 0.78
@@ -255,7 +261,7 @@ def test_world_size_independence_and_disjointness(corpus, tok, kind):
         # micro-batch = G/S = 2: worker 0 holds streams 0 and 2, worker 1 streams 1 and 3
         for key in ("input_ids", "labels"):
             for j, (w, local) in enumerate([(w0, 0), (w1, 0), (w0, 1), (w1, 1)]):
-                assert torch.equal(w[key][local * 2:(local + 1) * 2], b1[key][j * 2:(j + 1) * 2])
+                assert torch.equal(w[key][local * 2 : (local + 1) * 2], b1[key][j * 2 : (j + 1) * 2])
     if kind == "decoder":
         per = [stream_tokens(s2[r], [r, r + 2], 2) for r in range(2)]
         docs = [{d for toks in p.values() for d in complete_docs(toks, tok)} for p in per]
@@ -290,8 +296,11 @@ def test_prefetch_keeps_batches_and_the_state_of_the_batches_taken(tmp_path, tok
     ``state_dict()`` and the bad-record counts are still those of the batches taken, so a checkpoint resumes at the
     next untrained batch; the end of the data (repeat off) surfaces at the same step."""
     paths = resume_sources(tmp_path)
-    cfg = DataConfig(sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],
-                     num_streams=4, val_holdout=0.05)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],
+        num_streams=4,
+        val_holdout=0.05,
+    )
     plain, ahead = batches(cfg, tok, kind=kind), batches(cfg, tok, kind=kind)
     for n in range(30):
         a, b = plain.next_step(), ahead.next_step()
@@ -328,8 +337,11 @@ def test_prefetch_keeps_batches_and_the_state_of_the_batches_taken(tmp_path, tok
 @pytest.mark.parametrize("kind", ["decoder", "encoder"])
 def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
     paths = resume_sources(tmp_path)
-    cfg = DataConfig(sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],
-                     num_streams=4, val_holdout=0.05)
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(p), weight=w) for p, w in zip(paths, (2.0, 1.0, 1.0))],
+        num_streams=4,
+        val_holdout=0.05,
+    )
     N, M = 40, 20  # small sources: the continuation crosses epoch boundaries
 
     ref1 = batches(cfg, tok, kind=kind)
@@ -375,8 +387,9 @@ def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
     with pytest.raises(ValueError, match="streams"):
         batches(cfg, tok, kind=kind).load_state_dict(roundtrip(ws[0].state_dict()))
     with pytest.raises(ValueError, match="seq_len"):
-        TrainBatches(cfg, kind=kind, tokenizer=tok, plan=plan(cfg, 1, 8, seq_len=T * 2), rank=0,
-                     seed=7).load_state_dict({"streams": merged["streams"]})
+        TrainBatches(
+            cfg, kind=kind, tokenizer=tok, plan=plan(cfg, 1, 8, seq_len=T * 2), rank=0, seed=7
+        ).load_state_dict({"streams": merged["streams"]})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,14 +399,14 @@ def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
 
 def bad_jsonl(path: Path) -> tuple[Path, dict[int, str]]:
     lines = [
-        json.dumps({"text": "a good first document with several words"}).encode(),   # 1
-        b'{"text": "unterminated',                                                   # 2 invalid JSON
-        json.dumps({"body": "no text field here"}).encode(),                          # 3 missing field
-        json.dumps({"text": 42}).encode(),                                            # 4 non-string
-        b'{"text": "bad bytes \xff\xfe here"}',                                      # 5 bad UTF-8
-        json.dumps({"text": ""}).encode(),                                            # 6 empty
-        json.dumps({"text": "another good document, the last one"}).encode(),        # 7
-        json.dumps({"text": " \t "}).encode(),                                        # 8 whitespace only
+        json.dumps({"text": "a good first document with several words"}).encode(),  # 1
+        b'{"text": "unterminated',  # 2 invalid JSON
+        json.dumps({"body": "no text field here"}).encode(),  # 3 missing field
+        json.dumps({"text": 42}).encode(),  # 4 non-string
+        b'{"text": "bad bytes \xff\xfe here"}',  # 5 bad UTF-8
+        json.dumps({"text": ""}).encode(),  # 6 empty
+        json.dumps({"text": "another good document, the last one"}).encode(),  # 7
+        json.dumps({"text": " \t "}).encode(),  # 8 whitespace only
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path, {2: "invalid_json", 3: "missing_field", 4: "not_string", 5: "bad_utf8", 6: "empty", 8: "empty"}
@@ -420,8 +433,10 @@ def test_bad_records_skip_reports_file_and_line(tmp_path, tok):
     assert len(summary["examples"]) == len(bad)
     for example, line in zip(summary["examples"], sorted(bad)):
         assert example.startswith(f"{path}:{line}: ") and "\n" not in example
-    assert sorted(training_documents(cfg)) == ["a good first document with several words",
-                                                "another good document, the last one"]
+    assert sorted(training_documents(cfg)) == [
+        "a good first document with several words",
+        "another good document, the last one",
+    ]
     # two workers: each bad record is counted by exactly one of them
     totals = []
     for r in range(2):
@@ -490,30 +505,57 @@ def test_validation_holdout_and_sources(corpus, tok, tmp_path):
     assert 1500 * 0.15 < 1500 - len(train) < 1500 * 0.25
     assert not val_docs & set(train)
     tb = batches(cfg, tok, G=8)
-    seen = {d for toks in stream_tokens(steps(tb, drain_count(cfg, tok)), [0, 1, 2, 3], 2).values()
-            for d in complete_docs(toks, tok)}
+    seen = {
+        d
+        for toks in stream_tokens(steps(tb, drain_count(cfg, tok)), [0, 1, 2, 3], 2).values()
+        for d in complete_docs(toks, tok)
+    }
     assert seen and not seen & val_docs
     # workers split the same set as the plan says (sequences r::W), in micro-batches
     one = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7)
     assert [b["input_ids"].shape[0] for b in one] == [8] * 5
     two_plan = plan(cfg, 2, 8, val=40)
     assert two_plan.val_shares == (20, 20)
-    two = [validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7,
-                              part=two_plan.val_part(r)) for r in range(2)]
+    two = [
+        validation_batches(
+            cfg,
+            kind="encoder",
+            seq_len=T,
+            tokenizer=tok,
+            val_sequences=40,
+            micro_batch=8,
+            seed=7,
+            part=two_plan.val_part(r),
+        )
+        for r in range(2)
+    ]
     all_one = torch.cat([b["labels"] for b in one])
     assert torch.equal(torch.cat([b["labels"] for b in two[0]]), all_one[0::2])
     assert torch.equal(torch.cat([b["labels"] for b in two[1]]), all_one[1::2])
     again = validation_batches(cfg, kind="encoder", seq_len=T, tokenizer=tok, val_sequences=40, micro_batch=8, seed=7)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(one, again))
     # short validation stream: what there is; none at all: a clear error; disabled: []
-    assert 0 < len(validation_sequences(cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=10**6,
-                                        seed=7)) < 10**6
+    assert (
+        0
+        < len(validation_sequences(cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=10**6, seed=7))
+        < 10**6
+    )
     tiny = write_txt(tmp_path / "tiny_val.txt", ["too short"])
     with pytest.raises(ValueError, match="validation"):
-        validation_sequences(data_cfg(corpus, val_sources=[SourceConfig(path=str(tiny))]), kind="decoder",
-                             seq_len=T, tokenizer=tok, val_sequences=4, seed=7)
-    assert validation_batches(data_cfg(corpus), kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4,
-                              micro_batch=2, seed=7) == []
+        validation_sequences(
+            data_cfg(corpus, val_sources=[SourceConfig(path=str(tiny))]),
+            kind="decoder",
+            seq_len=T,
+            tokenizer=tok,
+            val_sequences=4,
+            seed=7,
+        )
+    assert (
+        validation_batches(
+            data_cfg(corpus), kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4, micro_batch=2, seed=7
+        )
+        == []
+    )
     vs = write_txt(tmp_path / "val.txt", make_docs(60, "heldout", seed=11))
     cfg_vs = data_cfg(corpus, val_sources=[SourceConfig(path=str(vs))], val_holdout=0.5)
     val = validation_sequences(cfg_vs, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=8, seed=7)
@@ -557,8 +599,14 @@ def test_parquet_source_and_source_resolution(tmp_path, tok):
     with pytest.raises(ValueError, match="column"):
         list(training_documents(data_cfg(d, num_streams=2, sources=[SourceConfig(path=str(d), text_field="body")])))
     text_as_json = write_txt(tmp_path / "objs.data", [json.dumps({"text": x}) for x in docs[:5]])
-    assert list(training_documents(DataConfig(sources=[SourceConfig(path=str(text_as_json), format="json")],
-                                              val_holdout=0.0))) == docs[:5]
+    assert (
+        list(
+            training_documents(
+                DataConfig(sources=[SourceConfig(path=str(text_as_json), format="json")], val_holdout=0.0)
+            )
+        )
+        == docs[:5]
+    )
 
 
 def test_data_throughput_is_positive(corpus, tok):

@@ -18,8 +18,9 @@ adapter:
   checkpoint file name (``mp_rank_*_model_states.pt``, ...) outside a docstring.
 
 Model code reads no DeepSpeed attribute at all (the same rule, and ``pretrain.model`` imports no DeepSpeed: the
-import-linter contract of ``tests/test_layers.py``). The MoE state-dict names that DeepSpeed's checkpoint format
-requires (``deepspeed_moe``, ``deepspeed_experts``) are names of our modules, not DeepSpeed attributes.
+import-linter contract that ``tests/integration/test_layers.py`` checks). The MoE state-dict names that DeepSpeed's
+checkpoint format requires (``deepspeed_moe``, ``deepspeed_experts``) are names of our modules, not DeepSpeed
+attributes.
 """
 
 from __future__ import annotations
@@ -28,40 +29,64 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
-from tests.distributed import run_distributed
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ADAPTER = ROOT / "pretrain" / "ds_adapter.py"
-SCANNED = ("pretrain", "cluster", "eval")
+SCANNED = ("pretrain", "cluster", "eval", "benchmarks")
 
 PUBLIC: dict[str, set[str]] = {
     "deepspeed": {"initialize", "zero.GatheredParameters"},
-    "deepspeed.utils": {"safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
-                        "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"},
+    "deepspeed.utils": {
+        "safe_get_full_fp32_param",
+        "safe_set_full_fp32_param",
+        "safe_get_full_grad",
+        "safe_get_full_optimizer_state",
+        "safe_set_full_optimizer_state",
+    },
     "deepspeed.utils.zero_to_fp32": {"get_fp32_state_dict_from_zero_checkpoint"},
     "deepspeed.moe.layer": {"MoE"},
     "deepspeed.moe.utils": {"split_params_into_different_moe_groups_for_optimizer"},
 }
+
 """module -> the names other modules may use from it (``import deepspeed`` then ``deepspeed.<name>``)."""
 
 INTERNAL_NAMES = {
     # ZeRO-3 parameter partitioning (deepspeed/runtime/zero/partition_parameters.py)
-    "ds_id", "ds_tensor", "ds_numel", "ds_shape", "ds_status", "ds_persist", "ds_active_sub_modules",
-    "partition_numel", "all_gather_coalesced",
+    "ds_id",
+    "ds_tensor",
+    "ds_numel",
+    "ds_shape",
+    "ds_status",
+    "ds_persist",
+    "ds_active_sub_modules",
+    "partition_numel",
+    "all_gather_coalesced",
     # ZeRO-1/2/3 and bf16 optimizer internals
-    "averaged_gradients", "params_in_partition", "fp16_groups", "fp32_groups", "bf16_groups",
-    "fp32_groups_gradients", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-    "cpu_offload", "_zero_padding", "_hp_mapping",
+    "averaged_gradients",
+    "params_in_partition",
+    "fp16_groups",
+    "fp32_groups",
+    "bf16_groups",
+    "fp32_groups_gradients",
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+    "cpu_offload",
+    "_zero_padding",
+    "_hp_mapping",
     # engine internals
-    "_config", "checkpoint_engine", "load_universal_checkpoint",
+    "_config",
+    "checkpoint_engine",
+    "load_universal_checkpoint",
     # DeepSpeed MoE's parameter tags and engine hooks
-    "allreduce", "group_name", "expert_group_name", "set_deepspeed_parallelism",
+    "allreduce",
+    "group_name",
+    "expert_group_name",
+    "set_deepspeed_parallelism",
 }
 INTERNAL_KEYWORDS = {"load_from_fp32_weights"}
+
 """Keyword arguments only DeepSpeed's internal signatures take."""
 _FILE_LAYOUT = re.compile(r"mp_rank_|_model_states|_optim_states")
+
 """DeepSpeed's checkpoint file names (not a documented format: read through the adapter)."""
 _INTERNAL_PREFIXES = ("_hp_", "_lazy_init_hp")
 _DS_RECEIVER = re.compile(r"engine|optim|wrapper|^opt$|deepspeed|^groups$|^zero$")
@@ -113,8 +138,12 @@ def offences(source: str, filename: str = "<src>") -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             dotted = _dotted(node)
-            if dotted and dotted.split(".")[0] == "deepspeed" and "deepspeed" in ds_names \
-                    and not isinstance(getattr(node, "parent", None), ast.Attribute):
+            if (
+                dotted
+                and dotted.split(".")[0] == "deepspeed"
+                and "deepspeed" in ds_names
+                and not isinstance(getattr(node, "parent", None), ast.Attribute)
+            ):
                 rest = dotted.split(".", 1)[1] if "." in dotted else ""
                 if not any(rest == p or rest.startswith(p + ".") for p in PUBLIC["deepspeed"]):
                     out.append(f"{node.lineno}: {dotted}")
@@ -125,15 +154,27 @@ def offences(source: str, filename: str = "<src>") -> list[str]:
                 out.append(f"{node.lineno}: {ast.unparse(node)}")
             elif node.attr == "optimizer" and tokens and re.search(r"optim|wrapper|^opt$", tokens[-1]):
                 out.append(f"{node.lineno}: {ast.unparse(node)} (the optimizer inside a DeepSpeed wrapper)")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _FILE_LAYOUT.search(node.value) \
-                and not isinstance(getattr(node, "parent", None), ast.Expr):  # docstrings may describe it
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and _FILE_LAYOUT.search(node.value)
+            and not isinstance(getattr(node, "parent", None), ast.Expr)
+        ):  # docstrings may describe it
             out.append(f"{node.lineno}: {node.value!r} (DeepSpeed's checkpoint file names)")
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
-            out += [f"{node.lineno}: {kw.arg}= (a ZeRO optimizer's load_state_dict)" for kw in node.keywords
-                    if kw.arg in INTERNAL_KEYWORDS]
+            out += [
+                f"{node.lineno}: {kw.arg}= (a ZeRO optimizer's load_state_dict)"
+                for kw in node.keywords
+                if kw.arg in INTERNAL_KEYWORDS
+            ]
             fn = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
-            arg = node.args[1] if fn in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 \
-                else node.args[0] if fn in ("import_module", "__import__") and node.args else None
+            arg = (
+                node.args[1]
+                if fn in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
+                else node.args[0]
+                if fn in ("import_module", "__import__") and node.args
+                else None
+            )
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 if fn in ("import_module", "__import__") and arg.value.split(".")[0] == "deepspeed":
                     out.append(f"{node.lineno}: {fn}({arg.value!r})")
@@ -183,11 +224,13 @@ def test_the_rule_catches_each_kind_of_access():
     }
     for src, n in bad.items():
         assert len(offences(src)) == n, (src, offences(src))
-    good = ("import deepspeed\ndeepspeed.initialize(model=m)\nwith deepspeed.zero.GatheredParameters(ps): pass",
-            "from deepspeed.utils import safe_get_full_fp32_param",
-            "lr = engine.optimizer.param_groups[0]['lr']",
-            "y = self._hooks\nsd = self.deepspeed_moe.experts.deepspeed_experts",
-            "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint")
+    good = (
+        "import deepspeed\ndeepspeed.initialize(model=m)\nwith deepspeed.zero.GatheredParameters(ps): pass",
+        "from deepspeed.utils import safe_get_full_fp32_param",
+        "lr = engine.optimizer.param_groups[0]['lr']",
+        "y = self._hooks\nsd = self.deepspeed_moe.experts.deepspeed_experts",
+        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint",
+    )
     for src in good:
         assert offences(src) == [], (src, offences(src))
 
@@ -200,48 +243,14 @@ def test_model_code_reads_no_deepspeed_attribute():
     for f in sorted((ROOT / "pretrain" / "model").glob("*.py")):
         tree = ast.parse(f.read_text(), str(f))
         for node in ast.walk(tree):
-            names = [node.attr] if isinstance(node, ast.Attribute) else \
-                [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)] \
-                if isinstance(node, ast.Call) else []
-            found += [f"{f.name}:{node.lineno} {n}" for n in names
-                      if _internal(n) or n in public or n.startswith("ds_")]
+            names = (
+                [node.attr]
+                if isinstance(node, ast.Attribute)
+                else [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                if isinstance(node, ast.Call)
+                else []
+            )
+            found += [
+                f"{f.name}:{node.lineno} {n}" for n in names if _internal(n) or n in public or n.startswith("ds_")
+            ]
     assert not found, found
-
-
-_MOE = ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
-        "model.max_seq_len=16", "model.dropout=0.0", "model.activation=swiglu", "data.num_streams=1",
-        "train.global_batch_size=4", "train.micro_batch_size=4", "train.precision=fp32", "moe.num_experts=4",
-        "cluster.num_workers=1"]
-
-
-def _grouped_runs(rank: int, world: int, stages: list[int]) -> dict:
-    import torch
-
-    from pretrain.config import load_config
-    from pretrain.model import moe as moe_mod
-    from pretrain.train.module import build_module
-    from pretrain.train.step import StepInput, run_step
-
-    torch.set_num_threads(1)
-    calls: list[int] = []
-    grouped = moe_mod.grouped_ffn
-    moe_mod.grouped_ffn = lambda *a: calls.append(1) or grouped(*a)
-    out = {}
-    for stage in stages:
-        module = build_module(load_config(None, _MOE + [f"zero.stage={stage}"]))
-        flags = [layer.grouped_experts for _, layer in moe_mod.moe_layers(module.model)]
-        calls.clear()
-        ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(1))
-        loss = run_step(module, StepInput(1, {"input_ids": ids, "labels": ids}, 1e-3)).loss
-        out[stage] = (flags, len(calls), loss)
-    return out
-
-
-@pytest.mark.slow
-def test_partitioned_experts_run_module_by_module():
-    """The training side decides the MoE expert path: ZeRO-3 (experts partitioned, also the small persistent
-    ones) runs the experts as modules, ZeRO-1 as one grouped GEMM; both train the same step."""
-    res = run_distributed(_grouped_runs, 1, [1, 3])[0]
-    assert res[1][:2] == ([True, True], 2)  # one forward through 2 MoE blocks
-    assert res[3][:2] == ([False, False], 0)
-    assert res[3][2] == pytest.approx(res[1][2], rel=1e-5)

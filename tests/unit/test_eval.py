@@ -1,9 +1,8 @@
-"""Evaluation: the metric core by hand, bytes per token, checkpoint vs exported directory agreement,
-JSON/table output, MLflow logging, and the optional harness."""
+"""Evaluation: the metric core by hand, bytes per token, checkpoint vs exported directory agreement. The command
+(JSON and table output, MLflow logging, the optional harness) is in ``tests/integration/test_eval.py``."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -13,15 +12,12 @@ import torch.nn.functional as F
 from eval.evaluate import evaluate, score, token_byte_lengths
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
-from tests.test_export import (  # noqa: F401 - fixtures are used by name
+from tests.conftest import corpus_lines
+from tests.unit.test_export import (  # noqa: F401 - the autouse fixture is used by name
     V,
-    corpus_lines,
     one_thread,
     perturbed_state,
-    run_cli,
     small_run_config,
-    tokenizer,
-    tokenizer_dir,
     write_checkpoint,
 )
 
@@ -65,7 +61,7 @@ def test_token_bytes_spell_the_text(tokenizer):
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert int(lengths[ids].sum()) == len(text.encode("utf-8")), text
-    assert lengths[tokenizer.eos_token_id] == 0 and lengths[len(tokenizer):].sum() == 0
+    assert lengths[tokenizer.eos_token_id] == 0 and lengths[len(tokenizer) :].sum() == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,8 +71,14 @@ def test_token_bytes_spell_the_text(tokenizer):
 AGREE = {
     "llama-decoder": ["model.norm=rmsnorm", "model.activation=swiglu", "model.num_kv_heads=2"],
     "remote-code-decoder": ["model.norm_placement=sandwich", "model.tie_embeddings=false"],
-    "bert-encoder": ["model.kind=encoder", "model.norm_placement=post", "model.position=learned",
-                     "model.embedding_norm=true", "model.mlm_head_transform=true", "model.bias=true"],
+    "bert-encoder": [
+        "model.kind=encoder",
+        "model.norm_placement=post",
+        "model.position=learned",
+        "model.embedding_norm=true",
+        "model.mlm_head_transform=true",
+        "model.bias=true",
+    ],
 }
 
 
@@ -90,8 +92,13 @@ def test_checkpoint_and_export_agree(name, tokenizer_dir, workdir):
     print(f"\n{name}: checkpoint loss {a['loss']:.6f}, export loss {b['loss']:.6f}")
     assert a["tokens"] == b["tokens"] > 0 and a["sequences"] == b["sequences"] == 16
     for key in ("loss", "ppl", "bits_per_byte", "mlm_acc"):
-        assert (key in a) == (key in b) == (key in (("loss", "ppl", "mlm_acc") if cfg.model.kind == "encoder"
-                                                     else ("loss", "ppl", "bits_per_byte")))
+        assert (
+            (key in a)
+            == (key in b)
+            == (
+                key in (("loss", "ppl", "mlm_acc") if cfg.model.kind == "encoder" else ("loss", "ppl", "bits_per_byte"))
+            )
+        )
         if key in a:
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), key
     if cfg.model.kind == "decoder":
@@ -107,9 +114,16 @@ def test_checkpoint_and_export_agree(name, tokenizer_dir, workdir):
 def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
     import transformers
 
-    transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=32)).save_pretrained(str(tmp_path / "bert"))
+    transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(str(tmp_path / "bert"))
     tokenizer.save_pretrained(str(tmp_path / "bert"))
     with pytest.raises(ConfigError, match="--data"):
         evaluate(str(tmp_path / "bert"))
@@ -117,33 +131,3 @@ def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
     data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
     out = evaluate(str(tmp_path / "bert"), data=[str(data)], sequences=4)
     assert out["kind"] == "encoder" and 0.0 <= out["mlm_acc"] <= 1.0 and out["seq_len"] == 32
-
-
-def test_cli_eval_json_mlflow_and_harness(tokenizer_dir, workdir, capsys):
-    from mlflow import MlflowClient
-
-    from pretrain.train import tracking
-
-    uri = tracking.tracking_uri()
-    cfg = small_run_config(workdir, tokenizer_dir, ["model.norm=rmsnorm", "model.activation=swiglu"])
-    run_id = tracking.start_run(uri, cfg)
-    run_dir = workdir / "checkpoints" / run_id
-    write_checkpoint(run_dir, cfg, perturbed_state(cfg.model), tokenizer_dir, 7, run_id=run_id)
-    tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
-
-    proc = run_cli(workdir, "eval", run_id, "--json", "--harness", "hellaswag,arc_easy")
-    result = json.loads(proc.stdout)  # stdout is exactly one JSON object
-    assert {"loss", "ppl", "bits_per_byte"} <= set(result) and "mlm_acc" not in result
-    assert result["step"] == 7 and result["mlflow_run_id"] == run_id
-    harness = [line for line in proc.stderr.splitlines() if line.startswith("harness:")]
-    assert len(harness) == 1 and "hellaswag" in harness[0]
-    client = MlflowClient(tracking_uri=uri)
-    history = client.get_metric_history(run_id, "eval/bits_per_byte")
-    assert [(m.step, m.value) for m in history] == [(7, pytest.approx(result["bits_per_byte"]))]
-    assert any(f.path == "eval" for f in client.list_artifacts(run_id))
-
-    from pretrain.cli import main  # the table, in-process (same entry point as the launcher)
-
-    assert main(["eval", str(run_dir), "--no-sample"]) == 0
-    table = capsys.readouterr().out
-    assert "bits per byte" in table and "perplexity" in table and f"MLflow run {run_id}" in table

@@ -1,15 +1,13 @@
 """Hugging Face export/import: key maps alone, exact rewrites, parity over the option grid through the
-written directory, bitwise export -> import -> export, tokenizer fidelity, registry, and export of a
-real ZeRO-3 checkpoint written by two gloo workers (slow)."""
+written directory, bitwise export -> import -> export, tokenizer fidelity. The CLI and the export of a real ZeRO-3
+checkpoint written by two gloo workers (registered in MLflow) are in ``tests/integration/test_export.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,14 +32,13 @@ from pretrain.export.hf import (
     read_hf_state_dict,
 )
 from pretrain.model import build_model
-from tests.conftest import PYTHON, SHARED, cli_env
+from tests.conftest import WIKITEXT, corpus_lines
 
 V, D, L, T = 512, 32, 2, 16
-WIKITEXT = SHARED / "wikitext2-valid.txt"
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers shared with test_eval.py
+# Helpers shared with test_eval.py and tests/integration/test_export.py (the tokenizer fixtures are in conftest.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -52,31 +49,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def corpus_lines(limit: int = 3000) -> list[str]:
-    """wikitext-2 validation lines when available, else a synthetic multilingual corpus."""
-    if WIKITEXT.is_file():
-        return [line for line in WIKITEXT.read_text(encoding="utf-8").splitlines() if line.strip()][:limit]
-    words = ["the", "model", "über", "naïve", "日本", "data", "token", "résumé", "π", "city", "river", "1999"]
-    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 9)) for i in range(limit)]
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A byte-level BPE trained like training does (``pretrain.data.tokenizer``), saved once."""
-    from pretrain.data.tokenizer import train_tokenizer
-
-    out = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer(corpus_lines(1500), 500).save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
 
 
 def tiny(*presets: dict, **kw) -> ModelConfig:
@@ -97,8 +69,9 @@ def perturbed_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def write_checkpoint(run_dir: Path, cfg: RunConfig, sd: dict, tokenizer_dir: Path, step: int,
-                     run_id: str = "local-test") -> Path:
+def write_checkpoint(
+    run_dir: Path, cfg: RunConfig, sd: dict, tokenizer_dir: Path, step: int, run_id: str = "local-test"
+) -> Path:
     """A committed single-process checkpoint in DeepSpeed's stage-0 layout (module state of rank 0)."""
     assert cfg.zero.stage == 0
     stage = ly.staging_dir(run_dir, step, ck.new_nonce())
@@ -108,15 +81,6 @@ def write_checkpoint(run_dir: Path, cfg: RunConfig, sd: dict, tokenizer_dir: Pat
     (stage / ly.CONFIG).write_text(dump_yaml(cfg))
     shutil.copytree(tokenizer_dir, stage / ly.TOKENIZER)
     return ck.commit(stage, run_dir, Manifest(step=step, world_size=1, run_id=run_id))
-
-
-def run_cli(cwd: Path, *args: str, ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**cli_env(cwd), "OMP_NUM_THREADS": "1"}  # tiny models: threads only add synchronization
-    proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if ok:
-        assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
 
 
 def safetensors_of(path: Path) -> dict[str, torch.Tensor]:
@@ -148,7 +112,7 @@ def test_gpt2_conv1d_fusion_is_transposed_concat():
     hf_sd = fam.apply_rules(sd, fam.GPT2.rules(rcfg), rcfg)
     w = hf_sd["transformer.h.0.attn.c_attn.weight"]
     assert w.shape == (D, 3 * D)  # Conv1D: (in, out)
-    assert torch.equal(w[:, D:2 * D], sd["blocks.0.attn.k_proj.weight"].t())
+    assert torch.equal(w[:, D : 2 * D], sd["blocks.0.attn.k_proj.weight"].t())
     assert torch.equal(hf_sd["transformer.h.0.mlp.c_fc.weight"], sd["blocks.0.ffn.up_proj.weight"].t())
     assert "lm_head.bias" not in hf_sd and torch.all(hf_sd["transformer.h.0.attn.c_attn.bias"] == 0)
 
@@ -158,15 +122,38 @@ def _logits(cfg: ModelConfig, sd: dict, ids: torch.Tensor) -> torch.Tensor:
         return our_model(cfg, sd)(ids).logits
 
 
-@pytest.mark.parametrize("rewrite,cfg", [
-    (fam.fill_zero_biases, tiny(position="learned")),
-    (fam.expand_kv_heads, tiny(num_kv_heads=2, bias=True)),
-    (fam.expand_kv_heads, tiny(num_kv_heads=1, norm="rmsnorm")),
-    (fam.fold_deepnorm, tiny(kind="encoder", norm_placement="deepnorm", position="learned", embedding_norm=True,
-                             mlm_head_transform=True, bias=True)),
-    (fam.fold_deepnorm, tiny(kind="decoder", norm_placement="deepnorm", embedding_norm=True, tie_embeddings=False,
-                             norm="rmsnorm", activation="swiglu", num_layers=6)),
-], ids=["zero-biases", "gqa-2", "gqa-1", "deepnorm-encoder", "deepnorm-rms-untied"])
+@pytest.mark.parametrize(
+    "rewrite,cfg",
+    [
+        (fam.fill_zero_biases, tiny(position="learned")),
+        (fam.expand_kv_heads, tiny(num_kv_heads=2, bias=True)),
+        (fam.expand_kv_heads, tiny(num_kv_heads=1, norm="rmsnorm")),
+        (
+            fam.fold_deepnorm,
+            tiny(
+                kind="encoder",
+                norm_placement="deepnorm",
+                position="learned",
+                embedding_norm=True,
+                mlm_head_transform=True,
+                bias=True,
+            ),
+        ),
+        (
+            fam.fold_deepnorm,
+            tiny(
+                kind="decoder",
+                norm_placement="deepnorm",
+                embedding_norm=True,
+                tie_embeddings=False,
+                norm="rmsnorm",
+                activation="swiglu",
+                num_layers=6,
+            ),
+        ),
+    ],
+    ids=["zero-biases", "gqa-2", "gqa-1", "deepnorm-encoder", "deepnorm-rms-untied"],
+)
 def test_rewrites_are_exact_on_our_model(rewrite, cfg):
     sd = perturbed_state(cfg)
     sd2, cfg2 = rewrite(sd, cfg)
@@ -188,8 +175,16 @@ def test_fold_deepnorm_needs_the_stream_endpoints():
 
 LLAMA_CFG = dict(norm="rmsnorm", activation="swiglu", position="rotary", norm_placement="pre")
 GPT2_CFG = dict(norm="layernorm", activation="gelu", position="learned", norm_placement="pre")
-BERT_CFG = dict(kind="encoder", norm="layernorm", activation="gelu", position="learned", norm_placement="post",
-                embedding_norm=True, mlm_head_transform=True, bias=True)
+BERT_CFG = dict(
+    kind="encoder",
+    norm="layernorm",
+    activation="gelu",
+    position="learned",
+    norm_placement="post",
+    embedding_norm=True,
+    mlm_head_transform=True,
+    bias=True,
+)
 
 
 def test_export_target():
@@ -211,18 +206,34 @@ def test_export_target():
 # Parity through the written directory, over the option grid
 # ----------------------------------------------------------------------------------------------
 
-GRID = list(itertools.product(["decoder", "encoder"], ["pre", "post", "deepnorm", "sandwich"],
-                              ["layernorm", "rmsnorm"], ["learned", "rotary"], ["gelu", "swiglu"], [True, False]))
+GRID = list(
+    itertools.product(
+        ["decoder", "encoder"],
+        ["pre", "post", "deepnorm", "sandwich"],
+        ["layernorm", "rmsnorm"],
+        ["learned", "rotary"],
+        ["gelu", "swiglu"],
+        [True, False],
+    )
+)
 
 
 def grid_cfg(kind, placement, norm, position, activation, tied) -> ModelConfig:
     # Secondary options ride along so each is covered both ways, and the exact families are hit.
-    return tiny(kind=kind, norm_placement=placement, norm=norm, position=position, activation=activation,
-                tie_embeddings=tied, num_kv_heads=2 if (position == "rotary") != tied else 0,
-                bias=position == "learned" and (kind == "encoder" or not tied),
-                embedding_norm=kind == "encoder" and position == "learned",
-                mlm_head_transform=kind == "encoder" and activation == "gelu",
-                final_norm=not (placement == "sandwich" and norm == "layernorm"), dropout=0.1)
+    return tiny(
+        kind=kind,
+        norm_placement=placement,
+        norm=norm,
+        position=position,
+        activation=activation,
+        tie_embeddings=tied,
+        num_kv_heads=2 if (position == "rotary") != tied else 0,
+        bias=position == "learned" and (kind == "encoder" or not tied),
+        embedding_norm=kind == "encoder" and position == "learned",
+        mlm_head_transform=kind == "encoder" and activation == "gelu",
+        final_norm=not (placement == "sandwich" and norm == "layernorm"),
+        dropout=0.1,
+    )
 
 
 NAMED = {  # the exact families with their option combinations
@@ -232,17 +243,19 @@ NAMED = {  # the exact families with their option combinations
     "gpt2-tied": (tiny(GPT2_CFG, tie_embeddings=True), "GPT2LMHeadModel"),
     "gpt2-untied-gqa": (tiny(GPT2_CFG, tie_embeddings=False, num_kv_heads=2), "GPT2LMHeadModel"),
     "bert-tied": (tiny(BERT_CFG), "BertForMaskedLM"),
-    "bert-untied-nobias-gqa": (tiny(BERT_CFG, bias=False, tie_embeddings=False, num_kv_heads=2),
-                               "BertForMaskedLM"),
+    "bert-untied-nobias-gqa": (tiny(BERT_CFG, bias=False, tie_embeddings=False, num_kv_heads=2), "BertForMaskedLM"),
     "bert-deepnorm": (tiny(BERT_CFG, norm_placement="deepnorm", num_layers=3), "BertForMaskedLM"),
     "remote-gpt2-with-bias": (tiny(GPT2_CFG, bias=True), "PretrainTransformerForCausalLM"),
-    "remote-prenorm-rotary-encoder": (tiny(kind="encoder", activation="swiglu", norm="rmsnorm"),
-                                      "PretrainTransformerForMaskedLM"),
+    "remote-prenorm-rotary-encoder": (
+        tiny(kind="encoder", activation="swiglu", norm="rmsnorm"),
+        "PretrainTransformerForMaskedLM",
+    ),
 }
 
 
-def _export_and_check(cfg: ModelConfig, tokenizer, out: Path, expected: str | None = None,
-                      recheck: bool = True) -> float:
+def _export_and_check(
+    cfg: ModelConfig, tokenizer, out: Path, expected: str | None = None, recheck: bool = True
+) -> float:
     sd = perturbed_state(cfg)
     report = export_model(cfg, sd, tokenizer, out, log=lambda *a: None)
     if expected:
@@ -284,8 +297,13 @@ def test_parity_option_grid(tokenizer, tmp_path):
         seen[cls] = seen.get(cls, 0) + 1
         shutil.rmtree(out)
     print(f"\ngrid: {seen}, worst max |logits diff| = {worst:.2e}")
-    assert set(seen) == {"LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM",
-                         "PretrainTransformerForCausalLM", "PretrainTransformerForMaskedLM"}
+    assert set(seen) == {
+        "LlamaForCausalLM",
+        "GPT2LMHeadModel",
+        "BertForMaskedLM",
+        "PretrainTransformerForCausalLM",
+        "PretrainTransformerForMaskedLM",
+    }
 
 
 def test_standard_exports_load_without_remote_code(tokenizer, tmp_path):
@@ -311,8 +329,14 @@ def test_parity_failure_is_detected_and_nothing_is_written(tokenizer, tmp_path, 
 
     def swapped(c):  # a wrong map: q and k exchanged
         rules = original(c)
-        return [dataclasses.replace(r, theirs=r.theirs.replace("q_proj", "TMP").replace("k_proj", "q_proj")
-                                    .replace("TMP", "k_proj")) if "_proj" in r.theirs else r for r in rules]
+        return [
+            dataclasses.replace(
+                r, theirs=r.theirs.replace("q_proj", "TMP").replace("k_proj", "q_proj").replace("TMP", "k_proj")
+            )
+            if "_proj" in r.theirs
+            else r
+            for r in rules
+        ]
 
     monkeypatch.setattr(fam, "LLAMA", dataclasses.replace(fam.LLAMA, rules=swapped))
     monkeypatch.setattr(fam, "FAMILIES", (fam.LLAMA, fam.GPT2, fam.BERT))
@@ -337,8 +361,9 @@ def test_out_dir_guard(tokenizer, tmp_path):
 
 def test_sharded_export(tokenizer, tmp_path):
     cfg = tiny(LLAMA_CFG, tie_embeddings=False)
-    report = export_model(cfg, perturbed_state(cfg), tokenizer, tmp_path / "hf", max_shard_size="20KB",
-                          log=lambda *a: None)
+    report = export_model(
+        cfg, perturbed_state(cfg), tokenizer, tmp_path / "hf", max_shard_size="20KB", log=lambda *a: None
+    )
     assert report.shards > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert report.max_abs_diff <= 1e-4
 
@@ -348,9 +373,19 @@ def test_sharded_export(tokenizer, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama-untied-gqa", "llama-tied-mha", "gpt2-untied-gqa", "bert-tied",
-                                  "bert-untied-nobias-gqa", "bert-deepnorm", "remote-gpt2-with-bias",
-                                  "remote-prenorm-rotary-encoder"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama-untied-gqa",
+        "llama-tied-mha",
+        "gpt2-untied-gqa",
+        "bert-tied",
+        "bert-untied-nobias-gqa",
+        "bert-deepnorm",
+        "remote-gpt2-with-bias",
+        "remote-prenorm-rotary-encoder",
+    ],
+)
 def test_export_import_export_is_bitwise(name, tokenizer, tmp_path):
     cfg, _ = NAMED[name]
     sd = perturbed_state(cfg)
@@ -363,8 +398,10 @@ def test_export_import_export_is_bitwise(name, tokenizer, tmp_path):
     export_model(cfg2, sd2, tokenizer, tmp_path / "b", log=lambda *a: None)
     a, b = safetensors_of(tmp_path / "a"), safetensors_of(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == \
-        json.loads((tmp_path / "b" / "config.json").read_text())["architectures"]
+    assert (
+        json.loads((tmp_path / "a" / "config.json").read_text())["architectures"]
+        == json.loads((tmp_path / "b" / "config.json").read_text())["architectures"]
+    )
 
 
 def test_import_hf_models_built_from_configs(tmp_path):
@@ -372,15 +409,35 @@ def test_import_hf_models_built_from_configs(tmp_path):
     import transformers
 
     cases = [
-        transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=False)),
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=V,
+                hidden_size=D,
+                intermediate_size=64,
+                num_hidden_layers=L,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=T,
+                tie_word_embeddings=False,
+            )
+        ),
         # Real BERT layout: 2 token types (type 0 is folded into positions), biases everywhere.
-        transformers.BertForMaskedLM(transformers.BertConfig(
-            vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=T, type_vocab_size=2)),
-        transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=V, n_embd=D, n_layer=L, n_head=4, n_positions=T, activation_function="gelu")),
+        transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=V,
+                hidden_size=D,
+                num_hidden_layers=L,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=T,
+                type_vocab_size=2,
+            )
+        ),
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=V, n_embd=D, n_layer=L, n_head=4, n_positions=T, activation_function="gelu"
+            )
+        ),
     ]
     for i, model in enumerate(cases):
         with torch.no_grad():
@@ -400,14 +457,21 @@ def test_import_hf_models_built_from_configs(tmp_path):
 def test_import_refuses_inexact(tmp_path):
     import transformers
 
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=1, n_head=4, n_positions=T)
-                                 ).save_pretrained(str(tmp_path / "gelu_new"))
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=1, n_head=4, n_positions=T)
+    ).save_pretrained(str(tmp_path / "gelu_new"))
     with pytest.raises(ValueError, match="activation_function='gelu_new'"):
         import_hf(tmp_path / "gelu_new")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})).save_pretrained(
-        str(tmp_path / "scaled"))
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        )
+    ).save_pretrained(str(tmp_path / "scaled"))
     with pytest.raises(ValueError, match="rope type 'linear'"):
         import_hf(tmp_path / "scaled")
     with pytest.raises(ValueError, match="no config.json"):
@@ -444,8 +508,13 @@ def test_greedy_generate_matches_our_argmax(name, tokenizer, tmp_path):
     hf = load_exported(tmp_path / "hf", "decoder")
     ours = our_model(cfg, sd)
     ids = parity_batch(cfg, batch=1, seq_len=4)
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                      pad_token_id=tokenizer.pad_token_id)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     ref = ids
     with torch.no_grad():
         for _ in range(8):
@@ -478,7 +547,7 @@ def test_foreign_remote_code_is_not_trusted(tokenizer, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints -> CLI -> registry
+# Run configs of checkpoints (the CLI and registry tests are in tests/integration/test_export.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -487,139 +556,23 @@ def small_run_config(tmp: Path, tokenizer_dir: Path, model: list[str], extra: li
     val = tmp / "val.txt"
     if not val.is_file():
         val.write_text("\n".join(corpus_lines(3000)[-600:]) + "\n", encoding="utf-8")
-    return load_config(None, [
-        f"model.vocab_size={V}", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
-        "model.max_seq_len=32", "zero.stage=0", f"data.tokenizer={tokenizer_dir}",
-        f"data.sources=[{{path: '{val}'}}]", f"data.val_sources=[{{path: '{val}'}}]", "train.val_sequences=16",
-        *model, *extra])
-
-
-def test_cli_export_from_checkpoint_and_errors(tokenizer_dir, workdir, capsys):
-    tmp_path = workdir
-    cfg = small_run_config(tmp_path, tokenizer_dir, ["model.norm=rmsnorm", "model.activation=swiglu"])
-    run_dir = tmp_path / "run"
-    for step in (3, 6):
-        write_checkpoint(run_dir, cfg, perturbed_state(cfg.model, seed=step), tokenizer_dir, step)
-    proc = run_cli(tmp_path, "export", str(run_dir), "--out", "hf", "--step", "3")
-    print(proc.stdout)
-    assert "LlamaForCausalLM" in proc.stdout and "step 3" in proc.stdout
-    diff = float(re.search(r"max \|logits diff\| = (\S+)", proc.stdout).group(1))
-    assert diff <= 1e-4
-    meta = json.loads((tmp_path / "hf" / "pretrain_export.json").read_text())
-    assert meta["source"]["step"] == 3 and meta["max_seq_len"] == 32
-    # Errors: one line on stderr, config errors exit 2 (in-process: the same CLI entry point).
-    from pretrain.cli import main
-
-    for args, message in [(["no-such-run", "--out", "x"], "neither a checkpoint"),
-                          ([str(run_dir), "--out", "x", "--step", "4"], "committed: 3, 6"),
-                          ([str(run_dir)], "--out")]:
-        assert main(["export", *args]) == 2
-        err = capsys.readouterr().err  # (MLflow may log its own INFO lines when it creates the store)
-        errors = [line for line in err.splitlines() if "error" in line.lower()]
-        assert len(errors) == 1 and errors[0].startswith("error:") and message in errors[0], err
-        assert "Traceback" not in err
-
-
-# --- Real DeepSpeed ZeRO-3 checkpoint of a 2-worker run (slow) ---------------------------------
-
-
-def _zero_worker(rank: int, world: int, jobs: list[tuple[str, str, str]], step_count: int) -> list:
-    """For each (run_dir, config YAML, nonce): train ``step_count`` steps with DeepSpeed, save the engine
-    into the staging dir, and return the engine's logits on a probe batch (rank 0)."""
-    import torch.distributed as tdist
-    import yaml
-
-    from pretrain.train.module import build_module
-    from pretrain.train.step import StepInput, run_step
-
-    torch.set_num_threads(1)
-    out = []
-    for run_dir, cfg_yaml, nonce in jobs:
-        cfg = load_config(None, base=yaml.safe_load(cfg_yaml))
-        assert cfg.train.seed == 5 and cfg.train.precision == "fp32"
-        module = build_module(cfg)
-        engine = module.engine
-        g = torch.Generator().manual_seed(11)
-        G, per = cfg.train.global_batch_size, cfg.train.global_batch_size // world
-        assert module.plan.micro_batch == cfg.train.micro_batch_size and module.plan.shares == (per,) * world
-        for step in range(step_count):
-            ids = torch.randint(0, cfg.model.vocab_size, (G, cfg.model.max_seq_len), generator=g)
-            shard = ids[rank * per:(rank + 1) * per]
-            run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step)))
-        engine.eval()
-        with torch.no_grad():  # (ZeRO-3 gathers the partitioned weights for the forward)
-            logits = engine(parity_batch(cfg.model, seed=3)).logits.clone()
-        stage = ly.staging_dir(Path(run_dir), step_count, nonce)
-        module.save(stage / ly.DS_DIR)
-        ck.write_json(stage / ly.data_file(rank), {"streams": {}})
-        tdist.barrier()
-        # Plain lists: a tensor would travel as a shared-memory handle that dies with this process.
-        out.append(logits.tolist() if rank == 0 else None)
-    return out
-
-
-@pytest.mark.slow
-def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path, monkeypatch):
-    pytest.importorskip("deepspeed")
-    from mlflow import MlflowClient
-
-    from pretrain.export.checkpoints import consolidated_state_dict
-    from pretrain.export.hf import export_checkpoint
-    from pretrain.train import tracking
-    from tests.distributed import run_distributed
-
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    dist_opts = ["cluster.num_workers=2", "data.num_streams=2", "train.global_batch_size=8",
-                 "train.micro_batch_size=4", "train.lr=1e-2", "train.warmup_steps=1", "train.precision=fp32",
-                 "train.seed=5"]
-    cfg = small_run_config(tmp_path, tokenizer_dir, [
-        "model.norm=rmsnorm", "model.activation=swiglu", "model.num_kv_heads=2", "model.tie_embeddings=false"],
-        ["zero.stage=3", *dist_opts])
-    enc_cfg = small_run_config(tmp_path, tokenizer_dir, [f"model.{k}={str(v).lower()}" for k, v in BERT_CFG.items()],
-                               ["zero.stage=1", *dist_opts])
-    run_id = tracking.start_run(uri, cfg)
-    run_dir, enc_dir = tmp_path / "checkpoints" / run_id, tmp_path / "checkpoints" / "encoder-run"
-    run_dir.mkdir(parents=True)
-    enc_dir.mkdir(parents=True)
-    tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
-
-    jobs = [(str(run_dir), dump_yaml(cfg), ck.new_nonce()), (str(enc_dir), dump_yaml(enc_cfg), ck.new_nonce())]
-    engine_logits = run_distributed(_zero_worker, 2, jobs, 2)[0]
-    ckpts = []
-    for (rdir, cfg_yaml, nonce), c in zip(jobs, (cfg, enc_cfg)):
-        stage = ly.staging_dir(Path(rdir), 2, nonce)
-        (stage / ly.CONFIG).write_text(cfg_yaml)
-        shutil.copytree(tokenizer_dir, stage / ly.TOKENIZER)
-        ckpts.append(ck.commit(stage, Path(rdir), Manifest(step=2, world_size=2,
-                                                           run_id=run_id if c is cfg else "local-enc")))
-        assert len(list((ckpts[-1] / "ds" / "state").glob("*optim_states.pt"))) == 2  # really partitioned
-
-    # Consolidation gives the weights the engines computed with.
-    for ckpt, c, ref in zip(ckpts, (cfg, enc_cfg), engine_logits):
-        sd = consolidated_state_dict(ckpt, zero_stage=c.zero.stage)
-        with torch.no_grad():
-            got = our_model(c.model, sd)(parity_batch(c.model, seed=3)).logits
-        consolidation_diff = (got - torch.tensor(ref)).abs().max().item()
-        print(f"\nZeRO-{c.zero.stage} consolidation vs engine logits: max |diff| = {consolidation_diff:.2e}")
-        assert consolidation_diff < 1e-5
-        assert not torch.equal(sd["blocks.0.attn.q_proj.weight"], build_model(c.model, 5).state_dict()[
-            "blocks.0.attn.q_proj.weight"]), "training must have changed the weights"
-    ckpt = ckpts[0]
-    report = export_checkpoint(str(enc_dir), tmp_path / "encoder-hf", log=lambda *a: None)
-    assert report.hf_class == "BertForMaskedLM" and report.max_abs_diff <= 1e-4
-
-    for version in (1, 2):  # by run id, registered twice: versions increase
-        proc = run_cli(tmp_path, "export", run_id, "--out", "exported", "--register", "tiny-llama")
-        print(proc.stdout)
-        assert "ZeRO-3, 2 worker(s)" in proc.stdout and "LlamaForCausalLM" in proc.stdout
-        assert float(re.search(r"max \|logits diff\| = (\S+)", proc.stdout).group(1)) <= 1e-4
-        assert f"registered tiny-llama version {version} (run {run_id}, step 2)" in proc.stdout
-    mv = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version("tiny-llama", "2")
-    assert mv.run_id == run_id and mv.tags["pretrain.step"] == "2" and mv.tags["pretrain.checkpoint"] == str(ckpt)
-    assert mv.source == (tmp_path / "exported").resolve().as_uri()
-    assert not list(Path(tmp_path / "mlartifacts").rglob("*.safetensors"))  # weights never went through MLflow
+    return load_config(
+        None,
+        [
+            f"model.vocab_size={V}",
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_heads=4",
+            "model.max_seq_len=32",
+            "zero.stage=0",
+            f"data.tokenizer={tokenizer_dir}",
+            f"data.sources=[{{path: '{val}'}}]",
+            f"data.val_sources=[{{path: '{val}'}}]",
+            "train.val_sequences=16",
+            *model,
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("override", [{"qk_norm": True}, {"embedding_scale": 0.0}])
@@ -629,8 +582,9 @@ def test_unrepresentable_stabilizers_are_refused_up_front(override, tmp_path):
     from pretrain.config import ModelConfig
     from pretrain.export.hf import ExportError, export_model, export_target
 
-    cfg = dataclasses.replace(ModelConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=2,
-                                          max_seq_len=16), **override)
+    cfg = dataclasses.replace(
+        ModelConfig(vocab_size=97, num_layers=1, hidden_size=32, num_heads=2, max_seq_len=16), **override
+    )
     hf_class, reason = export_target(cfg)
     assert hf_class is None and reason.startswith("cannot export")
     with pytest.raises(ExportError, match="cannot export"):

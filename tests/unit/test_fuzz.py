@@ -2,8 +2,8 @@
 validation and the corpus reader; each must end in a clean refusal (ConfigError / BadRecordError, one line) or a
 clean read -- never another exception, never a hang (every example runs under an alarm).
 
-Derandomized with a fixed number of examples, so CI sees the same cases every run (about 10 s in all here;
-explore more with a larger ``max_examples`` and ``derandomize=False``: 3,000 random examples each passed)."""
+Derandomized with a fixed number of examples, so CI sees the same cases every run (explore more with a larger
+``max_examples`` and ``derandomize=False``)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,21 @@ from pretrain.config import ConfigError, DataConfig, RunConfig, SourceConfig, fr
 from pretrain.data.sanity import check_corpus
 from pretrain.data.sources import BadRecordError, cut_pieces, read_lines
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 ALARM_SECONDS = 20
 
 
 @contextlib.contextmanager
 def no_hang(seconds: int = ALARM_SECONDS):
     """Fail (instead of hanging the suite) when one example runs longer than ``seconds``."""
+
     def on_alarm(signum, frame):
         raise TimeoutError(f"one example ran longer than {seconds} s")
 
@@ -74,16 +81,54 @@ def assert_clean_config(load) -> RunConfig | None:
 
 # values as a user might type them after ``key=``
 SCALARS = st.one_of(
-    st.integers(), st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from(["true", "false", "null", "~", ".nan", "-.inf", "1e999", "3e-4", "2x", "+4", "2001-13-45",
-                     "[]", "{}", "[{path: demo}]", "[{pth: x}]", "[1, 2]", "demo", "decoder", "encoder", "skip",
-                     "fail", "''", "'", '"', "[", "{", "!!binary x", "!!python/object:os.system x", "&a [*a]",
-                     "0x10", "0o7", "1_000", "  ", "\t"]),
+    st.integers(),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [
+            "true",
+            "false",
+            "null",
+            "~",
+            ".nan",
+            "-.inf",
+            "1e999",
+            "3e-4",
+            "2x",
+            "+4",
+            "2001-13-45",
+            "[]",
+            "{}",
+            "[{path: demo}]",
+            "[{pth: x}]",
+            "[1, 2]",
+            "demo",
+            "decoder",
+            "encoder",
+            "skip",
+            "fail",
+            "''",
+            "'",
+            '"',
+            "[",
+            "{",
+            "!!binary x",
+            "!!python/object:os.system x",
+            "&a [*a]",
+            "0x10",
+            "0o7",
+            "1_000",
+            "  ",
+            "\t",
+        ]
+    ),
     st.text(max_size=20),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                      max_leaves=6)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6,
+)
 
 
 def render(value) -> str:
@@ -102,8 +147,13 @@ def test_random_override_strings(texts):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(KEYS + ["nosuch", "model.nosuch", "data.sources.path", ""]), VALUES),
-                min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(KEYS + ["nosuch", "model.nosuch", "data.sources.path", ""]), VALUES),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_random_overrides_of_real_keys(pairs):
     overrides = [f"{key}={render(value)}" for key, value in pairs]
     assert_clean_config(lambda: load_config(None, overrides))
@@ -131,12 +181,41 @@ def test_random_yaml_trees(keys, values):
 
 
 @FUZZ
-@given(st.one_of(st.text(max_size=300), st.binary(max_size=300),
-                 st.lists(st.sampled_from(["model:", "  num_layers: 2", "  num_layers: 3", "data:", "  sources:",
-                                           "  - path: demo", "  - {path: demo, weight: .nan}", "train: {lr: 1e-3}",
-                                           "train:", "  lr: 2", "<<: {}", "&a x: *a", "---", "...", "? [a]", "- 1",
-                                           "\t", "'", "{", "name: x", "name: x", "growth: {schedule: [{at_step: 1}]}"]),
-                          max_size=8).map("\n".join)))
+@given(
+    st.one_of(
+        st.text(max_size=300),
+        st.binary(max_size=300),
+        st.lists(
+            st.sampled_from(
+                [
+                    "model:",
+                    "  num_layers: 2",
+                    "  num_layers: 3",
+                    "data:",
+                    "  sources:",
+                    "  - path: demo",
+                    "  - {path: demo, weight: .nan}",
+                    "train: {lr: 1e-3}",
+                    "train:",
+                    "  lr: 2",
+                    "<<: {}",
+                    "&a x: *a",
+                    "---",
+                    "...",
+                    "? [a]",
+                    "- 1",
+                    "\t",
+                    "'",
+                    "{",
+                    "name: x",
+                    "name: x",
+                    "growth: {schedule: [{at_step: 1}]}",
+                ]
+            ),
+            max_size=8,
+        ).map("\n".join),
+    )
+)
 def test_random_yaml_text_and_bytes(content):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "c.yaml"
@@ -152,11 +231,27 @@ def test_random_yaml_text_and_bytes(content):
 LINES = st.one_of(
     st.text(max_size=80),
     st.binary(max_size=80).map(lambda b: b.decode("latin-1")),
-    st.dictionaries(st.sampled_from(["text", "body", "id", ""]),
-                    st.one_of(st.text(max_size=40), st.integers(), st.none(), st.lists(st.integers(), max_size=2)),
-                    max_size=3).map(json.dumps),
-    st.sampled_from(["", "   ", "{", "[[[[[[[[", "[" * 5000, '{"text": "\\ud800"}', '{"text": ""}', "null", "NaN",
-                     '{"text": "a fine document about rivers and mountains"}', "\ufeffbom line", "\x00\x00\x00"]),
+    st.dictionaries(
+        st.sampled_from(["text", "body", "id", ""]),
+        st.one_of(st.text(max_size=40), st.integers(), st.none(), st.lists(st.integers(), max_size=2)),
+        max_size=3,
+    ).map(json.dumps),
+    st.sampled_from(
+        [
+            "",
+            "   ",
+            "{",
+            "[[[[[[[[",
+            "[" * 5000,
+            '{"text": "\\ud800"}',
+            '{"text": ""}',
+            "null",
+            "NaN",
+            '{"text": "a fine document about rivers and mountains"}',
+            "\ufeffbom line",
+            "\x00\x00\x00",
+        ]
+    ),
 )
 
 
@@ -204,11 +299,11 @@ def test_random_lines_as_a_corpus(lines, suffix, policy):
 
 
 @FUZZ
-@given(st.lists(st.sampled_from(["a", "b", " ", "é", "東", "\t"]), max_size=3000).map("".join),
-       st.integers(1, 200))
+@given(st.lists(st.sampled_from(["a", "b", " ", "é", "東", "\t"]), max_size=3000).map("".join), st.integers(1, 200))
 def test_pieces_cover_the_text(text, size):
     pieces = list(cut_pieces(text, size))
     assert all(0 < len(p) <= size and p.strip() for p in pieces)
+
     # nothing but spaces at the cuts (and blank pieces) is lost, order kept
     def squeeze(s: str) -> str:
         return s.replace(" ", "").replace("\t", "")

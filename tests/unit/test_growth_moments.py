@@ -14,7 +14,7 @@ from pretrain.config import GrowthStep
 from pretrain.model import build_model
 from pretrain.model.growth import apply_growth
 from pretrain.model.growth_moments import grow_moments
-from tests.test_growth import ARCHS, _cfg, _ids
+from tests.unit.test_growth import ARCHS, _cfg, _ids
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -28,8 +28,9 @@ def _one_step_moments(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, di
     return {k: {names[id(p)]: st[k].clone() for p, st in opt.state.items()} for k in MOMENTS}
 
 
-def _assert_ratio_one(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
-                      scale: float | None = None) -> None:
+def _assert_ratio_one(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, scale: float | None = None
+) -> None:
     assert set(got) == set(want), (what, set(got) ^ set(want))
     # ratio 1 within 1e-5 wherever the true moment is above rounding noise: RMSNorm and attention scores compute in
     # fp32 even in a float64 model (1e-7 of the largest moment), and a key bias, to which softmax attention is

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pretrain", "cluster", "eval")
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("pretrain", "cluster", "eval", "benchmarks")
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -115,8 +115,10 @@ def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 50 and "pretrain.config.tree" in graph["pretrain.config.loading"]
     cycles = find_cycles(graph)
-    lines = [" <-> ".join(c) + "   edges: " + ", ".join(
-        f"{a}:{graph[a][b]} -> {b}" for a in c for b in graph[a] if b in c) for c in cycles]
+    lines = [
+        " <-> ".join(c) + "   edges: " + ", ".join(f"{a}:{graph[a][b]} -> {b}" for a in c for b in graph[a] if b in c)
+        for c in cycles
+    ]
     assert not cycles, "import cycles:\n" + "\n".join(lines)
 
 
@@ -126,8 +128,9 @@ def test_the_cycle_finder_sees_function_level_and_reexported_imports(tmp_path):
     pkg.mkdir(parents=True)
     (tmp_path / "pretrain" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("from pretrain.config.plan import make_plan\nfrom .tree import RunConfig\n")
-    (pkg / "tree.py").write_text("class RunConfig:\n    def validate(self):\n"
-                                 "        from pretrain.config import make_plan\n")
+    (pkg / "tree.py").write_text(
+        "class RunConfig:\n    def validate(self):\n        from pretrain.config import make_plan\n"
+    )
     (pkg / "plan.py").write_text("from pretrain.config.tree import RunConfig\n")
     for other in ("cluster", "eval"):
         (tmp_path / other).mkdir()

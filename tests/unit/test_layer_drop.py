@@ -1,5 +1,6 @@
-"""Layer dropout: pure schedule and decisions, the model's gates, rank consistency under ZeRO-1/2/3 and expert
-parallelism (real gloo workers, a timeout fails instead of hanging), and skipped blocks doing no work."""
+"""Layer dropout in one process: pure schedule and decisions, the model's gates, skipped blocks doing no work, the
+ZeRO-3 settings of layer mode, rho scaling, folding and pruning, and what a run shows of it. Rank consistency on real
+workers and the end-to-end run are in ``tests/integration/test_layer_drop.py``."""
 
 from __future__ import annotations
 
@@ -19,17 +20,28 @@ from pretrain.model.layerdrop import (
     select_blocks,
     training_gates,
 )
-from tests.distributed import run_distributed, train_jobs
+from tests.harness import tiny_config
 
 STEPS, GLOBAL = 6, 8
+Z3 = ["zero.stage=3", "zero.param_persistence_threshold=0"]  # every parameter partitioned, even at this size
 
 
 def _cfg(*extra: str):
-    return load_config(None, [
-        "model.vocab_size=101", "model.num_layers=6", "model.hidden_size=32", "model.num_heads=4",
-        "model.max_seq_len=16", "model.dropout=0.0", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "data.num_streams=2", "train.lr=1e-2", "train.warmup_steps=1", f"train.max_steps={STEPS}",
-        "train.precision=fp32", "train.seed=3", "layer_drop.rate=0.5", *extra])
+    """The tiny model 6 blocks deep, half of them dropped (rate 0.5), 6 steps of a global batch of 8."""
+    return tiny_config(
+        "model.num_layers=6",
+        "model.dropout=0.0",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "data.num_streams=2",
+        "train.lr=1e-2",
+        "train.warmup_steps=1",
+        f"train.max_steps={STEPS}",
+        "train.precision=fp32",
+        "train.seed=3",
+        "layer_drop.rate=0.5",
+        *extra,
+    )
 
 
 # -- pure functions ---------------------------------------------------------------------------------------
@@ -164,8 +176,10 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
     its end) by the final one, like ``eval`` of the checkpoint, export, prune and growth."""
     from pretrain.train.callbacks.layer_drop import LayerDropCallback
 
-    for schedule in (["layer_drop.schedule=linear", "layer_drop.warmup_steps=4"],
-                     ["layer_drop.schedule=progressive", "layer_drop.gamma=0.5"]):
+    for schedule in (
+        ["layer_drop.schedule=linear", "layer_drop.warmup_steps=4"],
+        ["layer_drop.schedule=progressive", "layer_drop.gamma=0.5"],
+    ):
         cfg = _cfg("layer_drop.scaling=rho", "layer_drop.by_depth=linear", *schedule)
         ld = cfg.layer_drop
         model = build_model(cfg.model, 0)
@@ -183,8 +197,9 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
             if step == 2:
                 assert keep[-1] > 1.0 - ld.rate + 0.05, "the schedule has not reached the final rate"
                 with torch.no_grad():
-                    torch.testing.assert_close(model.eval()(ids).logits,
-                                               model(ids, gates=[(k, k) for k in keep]).logits, rtol=0, atol=0)
+                    torch.testing.assert_close(
+                        model.eval()(ids).logits, model(ids, gates=[(k, k) for k in keep]).logits, rtol=0, atol=0
+                    )
         assert model.branch_scales == inference_scales(ld, 6)
         cb.on_step_start(trainer, 3)
         trainer.state.step = 3
@@ -203,99 +218,12 @@ def test_rho_scaling_applies_at_inference_only():
     assert torch.equal(model.train()(ids).logits, plain), "training forwards are not rescaled"
 
 
-# -- rank consistency on real workers ---------------------------------------------------------------------
-
-
-def _batches():
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, 101, (GLOBAL, 1), generator=g) + torch.arange(16)) % 101 for _ in range(STEPS)]
-
-
-def _spy_gathers(model: torch.nn.Module, log: set[int]) -> None:
-    """Record in ``log`` the id of every ZeRO-3 parameter an all-gather fetches, at the two entry points of the
-    parameters' gathers (``param.all_gather_coalesced``: the coordinator's fetches and trace-based prefetches;
-    ``param.all_gather``: ``GatheredParameters``), counting only partitioned ones (not yet available)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    def record(params) -> None:
-        log.update(id(q) for q in params if q.ds_status == ZeroParamStatus.NOT_AVAILABLE)
-
-    for p in model.parameters():
-        def coalesced(params, *args, _gather=p.all_gather_coalesced, **kw):
-            params = list(params)
-            record(params)
-            return _gather(params, *args, **kw)
-
-        def single(param_list=None, *args, _gather=p.all_gather, _p=p, **kw):
-            record([_p] if param_list is None else param_list)
-            return _gather(param_list, *args, **kw)
-
-        p.all_gather_coalesced, p.all_gather = coalesced, single
-
-
-def _train(rank: int, world: int, variants: list[list[str]]) -> dict:
-    from pretrain.model.layers import skips
-    from pretrain.train.callbacks.layer_drop import LayerDropCallback
-    from pretrain.train.module import build_module
-    from pretrain.train.step import StepInput, run_step, step_seed
-
-    torch.set_num_threads(1)
-    out = {}
-    for extra in variants:
-        cfg = _cfg(f"cluster.num_workers={world}", f"data.num_streams={2}", *extra)
-        module = build_module(cfg)
-        gathered: set[int] = set()
-        zero3 = module.zero_stage == 3
-        if zero3:
-            _spy_gathers(module.model, gathered)
-        blocks = module.model.blocks
-        branch = {(i, b): {id(p) for p in blocks[i].branch_parameters(b)}
-                  for i in range(len(blocks)) for b in ("attn", "ffn")}
-        cb = LayerDropCallback(cfg, rank, module.plan.micro_batch_ids(rank))
-        per = GLOBAL // world
-        losses, skipped_gathered, run_not_gathered, skipped = [], [], [], 0
-        for step, ids in enumerate(_batches()):
-            shard = ids[rank * per:(rank + 1) * per]
-            cb.on_step_start(None, step + 1)
-            gathered.clear()
-            seeds = [step_seed(cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)]
-            r = run_step(module, StepInput(step + 1, {"input_ids": shard, "labels": shard}, module.lr_at(step),
-                                           seeds), [cb])
-            losses.append(r.loss)
-            if not zero3 or cb.gates is None:
-                continue
-            for i, gates in enumerate(cb.gates):
-                for b, gate in zip(("attn", "ffn"), gates):
-                    skipped += skips(gate)
-                    if skips(gate) and branch[i, b] & gathered:
-                        skipped_gathered.append((step, i, b))
-                    if not skips(gate) and not branch[i, b] <= gathered:
-                        run_not_gathered.append((step, i, b))
-        out[" ".join(extra)] = {"losses": losses, "skipped_gathered": skipped_gathered,
-                                "run_not_gathered": run_not_gathered, "skipped": skipped}
-    return out
-
-
-Z3 = ["zero.stage=3", "zero.param_persistence_threshold=0"]  # every parameter partitioned, even at this size
-VARIANTS = [
-    ["zero.stage=1"], ["zero.stage=2"], Z3,
-    ["zero.stage=1", "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
-    [*Z3, "layer_drop.granularity=sublayer", "layer_drop.by_depth=linear"],
-    ["zero.stage=2", "layer_drop.mode=sample", "model.dropout=0.1"],
-    ["zero.stage=2", "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
-     "layer_drop.granularity=sublayer"],
-    ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu"],
-]
-MOE_EP = ["zero.stage=1", "moe.num_experts=4", "moe.top_k=2", "model.activation=swiglu", "moe.ep_size=2"]
-# Block dropout on post-norm and DeepNorm: a skipped block's norms get no gradient either (ZeRO-3 must zero them).
-POST_DEEP = [(["zero.stage=1", *arch], [*Z3, *arch]) for arch in (
-    ["model.kind=encoder", "model.norm_placement=post", "model.position=learned"], ["model.norm_placement=deepnorm"])]
-Z3_GATHERS = [Z3, VARIANTS[4], [*Z3, "model.kind=encoder", "model.norm_placement=post", "model.position=learned",
-                                "layer_drop.granularity=sublayer"]]
+# -- ZeRO-3, rho at inference, pruning ------------------------------------------------------------------
 
 
 def test_zero3_layer_mode_turns_prefetch_off():
-    """The fix the test below checks: DeepSpeed's trace-based prefetch would gather skipped blocks."""
+    """DeepSpeed's trace-based prefetch would gather skipped blocks: layer mode under ZeRO-3 turns it off (the
+    2-worker test in tests/integration/test_layer_drop.py checks that no skipped block is gathered)."""
     from pretrain.config import make_plan
     from pretrain.train.engine import deepspeed_config
 
@@ -310,57 +238,16 @@ def test_zero3_layer_mode_turns_prefetch_off():
     assert zero("zero.stage=3")["stage3_param_persistence_threshold"] == 100_000  # DeepSpeed's default
 
 
-def _assert_gathers_only_what_runs(result: dict, key: str) -> None:
-    assert result["skipped"] > 0, f"{key}: nothing was skipped"
-    assert result["skipped_gathered"] == [], f"{key}: ZeRO-3 gathered skipped (step, block, sub-layer)s"
-    assert result["run_not_gathered"] == [], f"{key}: the spy missed the gathers of sub-layers that ran"
-
-
-@pytest.mark.slow
-def test_zero3_gathers_only_the_sublayers_that_run():
-    """Layer mode under ZeRO-3 with every parameter partitioned, on 2 workers: at every step no parameter of a
-    skipped block or sub-layer is all-gathered (neither fetched nor prefetched along DeepSpeed's recorded trace),
-    and every parameter of a sub-layer that runs is (the spy sees real gathers)."""
-    two = run_distributed(_train, 2, Z3_GATHERS, timeout=600)
-    assert two[0] == two[1]
-    for extra in Z3_GATHERS:
-        _assert_gathers_only_what_runs(two[0][" ".join(extra)], " ".join(extra))
-
-
-@pytest.mark.slow
-def test_layer_drop_is_rank_consistent_and_matches_one_worker():
-    """2 workers under ZeRO-1/2/3, sub-layer and sample modes, MoE with expert parallelism 2: no hang (the
-    launcher's timeout fails the test), ranks agree, and the per-step losses equal 1 worker with the same drops;
-    ZeRO-3 (every parameter partitioned) equals ZeRO-1 and never gathers a skipped sub-layer, also for block
-    dropout on a post-norm encoder and a DeepNorm decoder (a skipped block's norms get a zero gradient too)."""
-    two = run_distributed(_train, 2, VARIANTS + [MOE_EP] + [v for pair in POST_DEEP for v in pair], timeout=900)
-    one = run_distributed(_train, 1, VARIANTS, timeout=600)[0]
-    assert two[0] == two[1]
-    for extra in VARIANTS:
-        key = " ".join(extra)
-        got, ref = two[0][key]["losses"], one[key]["losses"]
-        diff = max(abs(a - b) for a, b in zip(got, ref))
-        print(f"{key}: 2 workers vs 1, max |diff| {diff:.2e}; losses {[f'{x:.4f}' for x in got]}")
-        assert diff < 1e-5, key
-        assert got[-1] < got[0], "it trains"
-        if "zero.stage=3" in extra:
-            _assert_gathers_only_what_runs(two[0][key], key)
-    z1, z3 = two[0]["zero.stage=1"]["losses"], two[0][" ".join(Z3)]["losses"]
-    assert max(abs(a - b) for a, b in zip(z1, z3)) < 1e-5, "ZeRO-3 gives skipped blocks a zero gradient too"
-    sub1, sub3 = (two[0][" ".join(v)]["losses"] for v in VARIANTS[3:5])  # the two sub-layer variants
-    assert max(abs(a - b) for a, b in zip(sub1, sub3)) < 1e-5, "... and skipped sub-layers"
-    for z1, z3 in POST_DEEP:  # every parameter of a skipped block, post-norm and DeepNorm norms included
-        diff = max(abs(a - b) for a, b in zip(two[0][" ".join(z1)]["losses"], two[0][" ".join(z3)]["losses"]))
-        print(f"{' '.join(z3)}: ZeRO-3 vs ZeRO-1, max |diff| {diff:.2e}")
-        assert diff < 1e-5, f"ZeRO-3 gives a skipped block's norms a zero gradient too: {' '.join(z3)}"
-        _assert_gathers_only_what_runs(two[0][" ".join(z3)], " ".join(z3))
-    ep, ref = two[0][" ".join(MOE_EP)]["losses"], one[" ".join(VARIANTS[-1])]["losses"]
-    assert max(abs(a - b) for a, b in zip(ep, ref)) < 1e-5, "expert parallelism 2 = experts on one worker"
-
-
-@pytest.mark.parametrize("placement, extra", [("pre", []), ("post", ["model.bias=true", "model.norm=layernorm"]),
-                                              ("sandwich", []), ("deepnorm", []),
-                                              ("pre", ["moe.num_experts=4", "model.activation=swiglu"])])
+@pytest.mark.parametrize(
+    "placement, extra",
+    [
+        ("pre", []),
+        ("post", ["model.bias=true", "model.norm=layernorm"]),
+        ("sandwich", []),
+        ("deepnorm", []),
+        ("pre", ["moe.num_experts=4", "model.activation=swiglu"]),
+    ],
+)
 def test_rho_folded_into_weights_equals_scaled_model(placement, extra):
     """Eq. 95 at inference: folding rho into the sub-layers' last maps gives the same function as scaling."""
     from pretrain.model.layerdrop import fold_branch_scales
@@ -380,17 +267,28 @@ def test_rho_folded_into_weights_equals_scaled_model(placement, extra):
     assert not torch.allclose(model(ids).logits, want, atol=1e-3), "the scales matter"
 
 
-@pytest.mark.parametrize("placement, extra", [("pre", []), ("post", ["model.bias=true", "model.norm=layernorm"]),
-                                              ("sandwich", []),
-                                              ("pre", ["moe.num_experts=4", "model.activation=swiglu"])])
+@pytest.mark.parametrize(
+    "placement, extra",
+    [
+        ("pre", []),
+        ("post", ["model.bias=true", "model.norm=layernorm"]),
+        ("sandwich", []),
+        ("pre", ["moe.num_experts=4", "model.activation=swiglu"]),
+    ],
+)
 def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
     """``prune`` of a ``rho`` model with ``by_depth: linear``: the pruned model is the parent evaluated with the other
     blocks skipped and each kept block scaled by its rho *in the parent* (8 blocks, rate 0.5, every_other: 0.9375,
     0.8125, 0.6875, 0.5625), not by rho recomputed for the child's depth (0.875, 0.75, 0.625, 0.5)."""
     from pretrain.driver.derive import prune_blocks
 
-    cfg = _cfg("model.num_layers=8", f"model.norm_placement={placement}", "layer_drop.scaling=rho",
-               "layer_drop.by_depth=linear", *extra)
+    cfg = _cfg(
+        "model.num_layers=8",
+        f"model.norm_placement={placement}",
+        "layer_drop.scaling=rho",
+        "layer_drop.by_depth=linear",
+        *extra,
+    )
     parent = build_model(cfg.model, 0, cfg.moe)
     with torch.no_grad():  # norm weights and biases away from 1 and 0, so folding them matters too
         g = torch.Generator().manual_seed(5)
@@ -417,8 +315,10 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
     stale = [(0.875, 0.875), (0.75, 0.75), (0.625, 0.625), (0.5, 0.5)]  # rho of the child's depth
     assert stale == inference_scales(cfg.layer_drop, 4)
     wrong = parent(ids, gates=[stale[keep.index(i)] if i in keep else (0.0, 0.0) for i in range(8)]).logits
-    print(f"pruned vs parent with blocks skipped: max |diff| {(got - want).abs().max():.1e}; "
-          f"with the child depth's rho instead: {(wrong - want).abs().max():.1e}")
+    print(
+        f"pruned vs parent with blocks skipped: max |diff| {(got - want).abs().max():.1e}; "
+        f"with the child depth's rho instead: {(wrong - want).abs().max():.1e}"
+    )
     assert not torch.allclose(wrong, want, atol=1e-3), "the scales matter"
 
 
@@ -429,10 +329,16 @@ def test_prune_of_an_inverted_model_keeps_weights_and_config():
     sd = build_model(cfg.model, 0).state_dict()
     child_cfg, out = prune_blocks(cfg, sd, [1, 4])
     assert child_cfg.layer_drop == cfg.layer_drop and child_cfg.model.num_layers == 2
-    assert set(out) == {k.replace("blocks.1.", "blocks.0.").replace("blocks.4.", "blocks.1.") for k in sd
-                        if not k.startswith("blocks.") or k.startswith(("blocks.1.", "blocks.4."))}
-    assert all(torch.equal(out[k], sd[k.replace("blocks.1.", "blocks.4.").replace("blocks.0.", "blocks.1.")])
-               for k in out if k.startswith("blocks."))
+    assert set(out) == {
+        k.replace("blocks.1.", "blocks.0.").replace("blocks.4.", "blocks.1.")
+        for k in sd
+        if not k.startswith("blocks.") or k.startswith(("blocks.1.", "blocks.4."))
+    }
+    assert all(
+        torch.equal(out[k], sd[k.replace("blocks.1.", "blocks.4.").replace("blocks.0.", "blocks.1.")])
+        for k in out
+        if k.startswith("blocks.")
+    )
 
 
 # -- observability: health metrics of executed blocks only, the progress line --------------------------------
@@ -459,7 +365,9 @@ def test_health_metrics_are_logged_for_executed_blocks_only():
     cfg = _cfg()
     layer_drop = LayerDropCallback(cfg, 0, [0])
     trainer = _Trainer(cfg)
-    step = next(s for s in range(1, 50) if (layer_drop.on_step_start(trainer, s) or True) and layer_drop.skipped_blocks())
+    step = next(
+        s for s in range(1, 50) if (layer_drop.on_step_start(trainer, s) or True) and layer_drop.skipped_blocks()
+    )
     skipped = layer_drop.skipped_blocks()
     assert skipped and len(skipped) < 6 and trainer.shared.skipped_blocks == skipped
     health = HealthCallback(every=1)
@@ -467,10 +375,11 @@ def test_health_metrics_are_logged_for_executed_blocks_only():
     health.health["grad_norm/embed"] = 2.0
     trainer.state.step = step
     health.on_step_end(trainer, None)
-    (metrics, at), = trainer.logged
+    ((metrics, at),) = trainer.logged
     assert at == step and metrics["grad_norm/embed"] == 2.0
-    assert {k for k in metrics if "/block" in k} == {f"{name}/block{i:02d}" for i in range(6) if i not in skipped
-                                                    for name in ("grad_norm", "act_rms")}
+    assert {k for k in metrics if "/block" in k} == {
+        f"{name}/block{i:02d}" for i in range(6) if i not in skipped for name in ("grad_norm", "act_rms")
+    }
     alone = _Trainer(cfg, step)  # no layer dropout: every block's metrics
     health.on_step_end(alone, None)
     assert sum("/block" in k for k in alone.logged[0][0]) == 12
@@ -485,82 +394,3 @@ def test_progress_line_shows_active_layers(capsys):
     progress.line(4, metrics)
     with_layers, without = capsys.readouterr().out.splitlines()
     assert "| layers 4.50 |" in with_layers and "layers" not in without
-
-
-# -- end to end: trainer, resume, metrics, eval, prune, export ---------------------------------------------
-
-E2E = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-       "model.max_seq_len=32", "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=3000",
-       "data.num_streams=2", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
-       "train.warmup_steps=2", "train.log_every=1", "train.val_every=0", "train.val_sequences=8",
-       "checkpoint.every_steps=3", "cluster.num_workers=2", "cluster.use_ray=false", "zero.stage=3",
-       "stability.plot_at_end=false", "stability.health_every=1", "layer_drop.rate=0.5",
-       "layer_drop.granularity=sublayer", "layer_drop.scaling=rho", "layer_drop.schedule=linear",
-       "layer_drop.warmup_steps=2"]
-
-
-def _cli(work, *args: str) -> str:
-    import subprocess
-
-    from tests.conftest import PYTHON, cli_env
-
-    proc = subprocess.run([PYTHON, "-m", "pretrain", *args], cwd=work, env=cli_env(work), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
-@pytest.mark.slow
-def test_layer_drop_end_to_end(tmp_path):
-    """2 workers, ZeRO-3, sub-layer drops with rho scaling: an interrupted-and-resumed run reproduces the
-    uninterrupted per-step losses bitwise; MLflow gets train/active_layers and the rate; the final validation
-    (all layers, scaled by rho) equals `eval` of the checkpoint and of its Hugging Face export (rho folded into
-    the weights); `prune layers=every_other` makes a child run that evaluates, resumes and exports."""
-    import json
-    from pathlib import Path
-
-    from mlflow import MlflowClient
-
-    from pretrain.driver.prepare import prepare_new
-    from tests.conftest import ROOT, in_workdir
-
-    cfg_path = ROOT / "configs" / "demo-decoder.yaml"
-    with in_workdir(tmp_path) as work:
-        full = prepare_new(load_config(cfg_path, E2E))
-        tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
-        part = prepare_new(load_config(cfg_path, E2E + tok + ["faults.stop_after_step=3"]))
-        first = run_distributed(train_jobs, 2, [dataclasses.asdict(full), dataclasses.asdict(part)], timeout=900)
-        resumed = dataclasses.replace(part, config={**part.config})
-        resumed.config["faults"] = {**resumed.config["faults"], "stop_after_step": -1}
-        run_distributed(train_jobs, 2, [dataclasses.asdict(resumed)], timeout=900)
-        client = MlflowClient()
-
-        def history(run_id, key):
-            return {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
-
-        ref, got = history(full.run_id, "train/loss"), history(part.run_id, "train/loss")
-        assert sorted(ref) == list(range(1, 7)) and got == ref, (ref, got)
-        active = history(full.run_id, "train/active_layers")
-        assert len(active) == 6 and all(0 < a <= 4 for a in active.values()) and min(active.values()) < 4
-        assert history(full.run_id, "layer_drop/rate") == {s: pytest.approx(min(1.0, (s - 1) / 2) * 0.5)
-                                                          for s in range(1, 7)}
-        final = first[0][0]
-        assert final["val_loss"] > 0
-        params = client.get_run(full.run_id).data.params  # the run plan, logged once as params
-        assert (params["plan.micro_batch"], params["plan.grad_accum"], params["plan.shares"]) == ("4", "1", "4,4")
-
-        ev = json.loads(_cli(work, "eval", full.run_id, "--json"))
-        assert ev["loss"] == pytest.approx(final["val_loss"], rel=1e-5), "eval applies the rho scaling"
-        _cli(work, "export", full.run_id, "--out", str(work / "hf"))
-        ev_hf = json.loads(_cli(work, "eval", str(work / "hf"), "--json"))
-        assert ev_hf["loss"] == pytest.approx(final["val_loss"], rel=1e-4), "the export folds rho in"
-
-        out = _cli(work, "prune", full.run_id, "layers=every_other")
-        child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[prune] new run"))
-        run = client.get_run(child)
-        assert run.data.tags["mlflow.parentRunId"] == full.run_id and run.data.tags["prune.layers"] == "0,2"
-        ev_child = json.loads(_cli(work, "eval", child, "--json"))
-        assert ev_child["loss"] > 0 and ev_child["loss"] != ev["loss"]
-        _cli(work, "export", child, "--out", str(work / "hf_pruned"))
-        _cli(work, "resume", child, "train.max_steps=8", "cluster.num_workers=1")
-        assert sorted(history(child, "train/loss")) == [7, 8], "the pruned run continues from the parent's step"

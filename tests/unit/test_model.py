@@ -47,25 +47,40 @@ def mlm_labels(ids: torch.Tensor, seed: int = 1) -> torch.Tensor:
 # Option grid: forward/backward
 # ----------------------------------------------------------------------------------------------
 
-GRID = list(itertools.product(
-    ["decoder", "encoder"], ["pre", "post", "deepnorm", "sandwich"], ["layernorm", "rmsnorm"],
-    ["learned", "rotary"], ["gelu", "swiglu"], [True, False]))
+GRID = list(
+    itertools.product(
+        ["decoder", "encoder"],
+        ["pre", "post", "deepnorm", "sandwich"],
+        ["layernorm", "rmsnorm"],
+        ["learned", "rotary"],
+        ["gelu", "swiglu"],
+        [True, False],
+    )
+)
 
 
 def grid_cfg(kind, placement, norm, position, activation, tied) -> ModelConfig:
     # Secondary options ride along with the main axes so each one is covered both ways.
-    return tiny(kind=kind, norm_placement=placement, norm=norm, position=position, activation=activation,
-                tie_embeddings=tied,
-                num_kv_heads=2 if position == "rotary" else 0,          # GQA
-                bias=position == "learned",                              # BERT-style biases
-                embedding_norm=kind == "encoder" and position == "learned",
-                mlm_head_transform=kind == "encoder" and activation == "gelu",
-                final_norm=not (placement == "sandwich" and norm == "layernorm"),
-                dropout=0.1, attention_dropout=0.1)
+    return tiny(
+        kind=kind,
+        norm_placement=placement,
+        norm=norm,
+        position=position,
+        activation=activation,
+        tie_embeddings=tied,
+        num_kv_heads=2 if position == "rotary" else 0,  # GQA
+        bias=position == "learned",  # BERT-style biases
+        embedding_norm=kind == "encoder" and position == "learned",
+        mlm_head_transform=kind == "encoder" and activation == "gelu",
+        final_norm=not (placement == "sandwich" and norm == "layernorm"),
+        dropout=0.1,
+        attention_dropout=0.1,
+    )
 
 
-@pytest.mark.parametrize("kind,placement,norm,position,activation,tied", GRID,
-                         ids=["-".join(map(str, c)) for c in GRID])
+@pytest.mark.parametrize(
+    "kind,placement,norm,position,activation,tied", GRID, ids=["-".join(map(str, c)) for c in GRID]
+)
 def test_forward_backward_grid(kind, placement, norm, position, activation, tied):
     cfg = grid_cfg(kind, placement, norm, position, activation, tied)
     model = build_model(cfg, seed=0).train()
@@ -109,6 +124,7 @@ def test_dropout_is_active_only_in_training():
 # ----------------------------------------------------------------------------------------------
 # Attention direction and loss masking
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("position", ["learned", "rotary"])
 @pytest.mark.parametrize("kind", ["decoder", "encoder"])
@@ -192,6 +208,7 @@ def test_vocab_size_must_be_resolved():
 # Init and determinism
 # ----------------------------------------------------------------------------------------------
 
+
 def test_build_model_is_deterministic_and_leaves_global_rng_alone():
     cfg = tiny(position="learned", bias=True, activation="swiglu", tie_embeddings=False)
     torch.manual_seed(123)
@@ -234,10 +251,15 @@ def test_deepnorm_alpha_and_init():
     def xavier(w, gain):
         return gain * math.sqrt(2.0 / (w.shape[0] + w.shape[1]))
 
-    for w, gain in [(blk.attn.q_proj.weight, 1.0), (blk.attn.k_proj.weight, 1.0),
-                    (blk.attn.v_proj.weight, beta), (blk.attn.o_proj.weight, beta),
-                    (blk.ffn.gate_proj.weight, beta), (blk.ffn.up_proj.weight, beta),
-                    (blk.ffn.down_proj.weight, beta)]:
+    for w, gain in [
+        (blk.attn.q_proj.weight, 1.0),
+        (blk.attn.k_proj.weight, 1.0),
+        (blk.attn.v_proj.weight, beta),
+        (blk.attn.o_proj.weight, beta),
+        (blk.ffn.gate_proj.weight, beta),
+        (blk.ffn.up_proj.weight, beta),
+        (blk.ffn.down_proj.weight, beta),
+    ]:
         expected = xavier(w, gain)
         assert abs(w.std().item() - expected) < 0.1 * expected
     # Non-deepnorm placements keep alpha = 1.
@@ -248,22 +270,46 @@ def test_deepnorm_alpha_and_init():
 # Hugging Face Llama parity (conventions the exporter relies on)
 # ----------------------------------------------------------------------------------------------
 
+
 def test_matches_hf_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = tiny(kind="decoder", norm_placement="pre", norm="rmsnorm", position="rotary", activation="swiglu",
-               bias=False, tie_embeddings=False, num_kv_heads=2, norm_eps=1e-6, rope_theta=500.0)
+    cfg = tiny(
+        kind="decoder",
+        norm_placement="pre",
+        norm="rmsnorm",
+        position="rotary",
+        activation="swiglu",
+        bias=False,
+        tie_embeddings=False,
+        num_kv_heads=2,
+        norm_eps=1e-6,
+        rope_theta=500.0,
+    )
     model = build_model(cfg, seed=3).eval()
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=resolved_ffn_size(cfg), num_hidden_layers=L,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=T,
-        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu")
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=resolved_ffn_size(cfg),
+        num_hidden_layers=L,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=T,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
     hf_cfg._attn_implementation = "eager"  # independent of our SDPA path
     with torch.random.fork_rng(devices=[]):
         hf = transformers.LlamaForCausalLM(hf_cfg).eval()
 
-    mapping = {"embed_tokens.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-               "lm_head.weight": "lm_head.weight"}
+    mapping = {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "final_norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
     for i in range(L):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         mapping[ours + "norm1.weight"] = theirs + "input_layernorm.weight"
@@ -285,13 +331,15 @@ def test_matches_hf_llama():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     # The loss convention matches too (HF shifts inside).
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss, rtol=1e-4, atol=1e-4
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # layer_mask and activation checkpointing
 # ----------------------------------------------------------------------------------------------
+
 
 def test_layer_mask_equals_model_without_that_block():
     cfg3 = tiny(num_layers=3, norm="rmsnorm", activation="swiglu")
@@ -339,7 +387,7 @@ def test_activation_checkpointing_matches_plain(kind, mode):
         model.activation_checkpointing = ckpt
         calls = []
         for blk in model.blocks:
-            blk.register_forward_pre_hook(lambda *a: calls.append(1))  # (recompute may stop early)
+            blk.register_forward_pre_hook(lambda *a, calls=calls: calls.append(1))  # (recompute may stop early)
         torch.manual_seed(11)  # same dropout masks in both runs; checkpoint must replay them
         loss = model(ids, labels=labels).loss
         loss.backward()
@@ -390,10 +438,18 @@ def test_selective_recomputation_keeps_matmuls_and_recomputes_the_rest():
 # Utilities
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied,bias,position", [(True, False, "rotary"), (False, True, "learned")])
 def test_param_groups(tied, bias, position):
-    cfg = tiny(tie_embeddings=tied, bias=bias, position=position, norm="layernorm",
-               kind="encoder", mlm_head_transform=True, embedding_norm=True)
+    cfg = tiny(
+        tie_embeddings=tied,
+        bias=bias,
+        position=position,
+        norm="layernorm",
+        kind="encoder",
+        mlm_head_transform=True,
+        embedding_norm=True,
+    )
     model = build_model(cfg, 0)
     groups = param_groups(model, weight_decay=0.1)
     seen = [id(p) for g in groups for p in g["params"]]
@@ -430,7 +486,9 @@ def test_num_parameters_and_flops():
 def test_resolved_ffn_size():
     assert resolved_ffn_size(tiny(hidden_size=256)) == 1024
     assert resolved_ffn_size(tiny(hidden_size=256, activation="swiglu")) == 704  # 682.7 -> 704
-    assert resolved_ffn_size(tiny(hidden_size=4096, activation="swiglu")) == 10944  # 10922.7 -> 10944 (Llama rounds to 256 instead: 11008)
+    assert (
+        resolved_ffn_size(tiny(hidden_size=4096, activation="swiglu")) == 10944
+    )  # 10922.7 -> 10944 (Llama rounds to 256 instead: 11008)
     assert resolved_ffn_size(tiny(hidden_size=32, activation="swiglu")) == 128
     assert resolved_ffn_size(tiny(activation="swiglu", ffn_size=100)) == 100
     model = build_model(tiny(activation="swiglu", ffn_size=48), 0)

@@ -1,46 +1,21 @@
-"""The project as an installed package, and the locked stack on every machine: the ``pretrain`` console command,
-the build configuration, Ray workers without PYTHONPATH, the two locks (CPU and CUDA) with the same versions,
-and the image both cluster manifests name (fast: no build, no install)."""
+"""The project as an installed package, and the locked stack on every machine: the build configuration, Ray workers
+without PYTHONPATH, no installed module importing the tests, the two locks (CPU and CUDA) with the same versions,
+and the image both cluster manifests name (no build, no install). The ``pretrain`` console command and
+``./launch.sh setup``'s refusal run as commands in ``tests/integration/test_package.py``."""
 
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import re
-import subprocess
 import tomllib
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import PYTHON, ROOT, cli_env
-from tests.test_cluster import _walk
+from tests.conftest import ROOT
+from tests.unit.test_cluster import _walk
 
 LOCKS = {"cpu": ROOT / "requirements.lock", "cuda": ROOT / "requirements-cuda.lock"}
-
-
-# -- the package ----------------------------------------------------------------------------------------------
-
-
-def test_console_script_is_python_m_pretrain(tmp_path):
-    """``./launch.sh setup`` installed the project: the venv has a ``pretrain`` command, declared in pyproject.toml
-    and installed from it, and ``pretrain --help`` prints what ``python -m pretrain --help`` prints."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"] == {"pretrain": "pretrain.__main__:main"}
-    (entry,) = importlib.metadata.entry_points(group="console_scripts", name="pretrain")
-    assert entry.value == "pretrain.__main__:main", "the venv's install is stale: ./launch.sh setup"
-    script = Path(PYTHON).parent / "pretrain"
-    assert script.is_file(), f"{script} is missing: ./launch.sh setup installs the project"
-    env = cli_env(tmp_path)
-    command = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=60)
-    module = subprocess.run([PYTHON, "-m", "pretrain", "--help"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=60)
-    assert command.returncode == module.returncode == 0, command.stderr + module.stderr
-    assert command.stdout == module.stdout and "train [CONFIG.yaml]" in command.stdout
-    unknown = subprocess.run([str(script), "nosuchcommand"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=60)
-    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown command 'nosuchcommand'")
 
 
 def test_build_lists_the_four_packages_and_builds_offline():
@@ -57,8 +32,16 @@ def test_build_lists_the_four_packages_and_builds_offline():
     for lock in LOCKS.values():
         assert re.search(r"^setuptools==", lock.read_text(), re.M), f"{lock.name}: the build backend is not locked"
     found = set(find_packages(str(ROOT), include=project["tool"]["setuptools"]["packages"]["find"]["include"]))
-    assert {"pretrain", "pretrain.export.remote_code", "pretrain.train", "pretrain.train.callbacks", "pretrain.driver",
-            "cluster", "eval", "benchmarks"} <= found
+    assert {
+        "pretrain",
+        "pretrain.export.remote_code",
+        "pretrain.train",
+        "pretrain.train.callbacks",
+        "pretrain.driver",
+        "cluster",
+        "eval",
+        "benchmarks",
+    } <= found
     top = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
     assert {p.split(".")[0] for p in found} == top - {"tests"} == {"pretrain", "cluster", "eval", "benchmarks"}
 
@@ -76,13 +59,26 @@ def test_ray_workers_get_no_pythonpath(monkeypatch):
 
 def test_installed_code_imports_nothing_from_tests():
     """Test helpers live under tests/ (the real-process launcher the MoE benchmark also uses is benchmarks/procs.py):
-    no module of the three packages imports ``tests``, and none is only there for the tests."""
+    no module of the three packages imports ``tests``, and none is only there for the tests. The tests are by kind,
+    over one harness: ``tests/unit`` and ``tests/integration`` hold every test file, ``tests/harness.py`` the shared
+    multi-rank machinery."""
     for path in [*ROOT.glob("pretrain/**/*.py"), *ROOT.glob("cluster/**/*.py"), *ROOT.glob("eval/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n == "tests" or n.startswith("tests.") for n in names), path
     assert not (ROOT / "pretrain" / "train" / "procs.py").exists()
+    tests = ROOT / "tests"
+    assert (tests / "harness.py").is_file() and not (tests / "distributed.py").exists()
+    assert not list(tests.glob("test_*.py")), "a test file belongs in tests/unit or tests/integration"
+    for kind in ("unit", "integration"):
+        assert (tests / kind / "__init__.py").is_file() and list((tests / kind).glob("test_*.py")), kind
+    assert not list(tests.glob("*/*/test_*.py")), "one level: tests/unit/test_x.py, tests/integration/test_x.py"
 
 
 # -- the locks ------------------------------------------------------------------------------------------------
@@ -108,8 +104,9 @@ def test_cpu_and_cuda_locks_pin_the_same_versions():
     every file of both is hash-checked."""
     import hashlib
 
-    inputs = hashlib.sha256((ROOT / "requirements-torch.txt").read_bytes()
-                            + (ROOT / "requirements.txt").read_bytes()).hexdigest()
+    inputs = hashlib.sha256(
+        (ROOT / "requirements-torch.txt").read_bytes() + (ROOT / "requirements.txt").read_bytes()
+    ).hexdigest()
     for lock in LOCKS.values():
         assert lock.read_text().startswith(f"# inputs-sha256: {inputs} "), f"{lock.name} is stale: ./launch.sh lock"
     cpu, cuda = _lock(LOCKS["cpu"]), _lock(LOCKS["cuda"])
@@ -123,24 +120,8 @@ def test_cpu_and_cuda_locks_pin_the_same_versions():
     assert "triton" in extra and any(n.startswith("nvidia-nccl") for n in extra), extra
     assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in extra), extra
     assert not any(n.startswith("nvidia-") for n in cpu)
-    for name, lock in (("cpu", cpu), ("cuda", cuda)):
+    for lock in (cpu, cuda):
         assert all(hashes for _, hashes in lock.values()), [n for n, (_, h) in lock.items() if not h]
-
-
-def test_setup_picks_the_lock_and_refuses_an_unknown_choice():
-    """``PRETRAIN_TORCH`` other than cuda|cpu: one line, exit 2, before the venv is touched; the stamp of this
-    venv names the lock it was made from."""
-    proc = subprocess.run(["bash", str(ROOT / "launch.sh"), "setup"], env={"PATH": "/usr/bin:/bin",
-                          "PRETRAIN_TORCH": "rocm", "HOME": str(Path.home())}, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        "[setup] error: PRETRAIN_TORCH must be cuda or cpu, got 'rocm'", proc.stderr
-    stamp = Path(PYTHON).parent.parent / ".pretrain-setup"
-    if stamp.is_file():  # a venv made by ./launch.sh setup (not, e.g., a CI image's)
-        first = stamp.read_text().splitlines()[0]
-        assert re.fullmatch(r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64}", first), first
-    text = (ROOT / "launch.sh").read_text()
-    assert "/proc/driver/nvidia/version" in text and "nvidia-smi" in text
 
 
 def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():

@@ -1,6 +1,7 @@
-"""What a run tells its user (issue 22, criteria 1-2): MFU, data wait and peak memory on every logged step,
-per-source validation and bits per byte, the sources as MLflow datasets and an export as a logged model — from a
-short real CPU run against a real local sqlite MLflow store (no mocks)."""
+"""What a run tells its user: MFU, data wait and peak memory on every logged step, per-source validation and bits
+per byte, the sources as MLflow datasets and an export as a logged model — from a short real CPU run in this process
+against a real local sqlite MLflow store (no mocks). The command's refusal of a bad source name is in
+``tests/integration/test_run_insight.py``."""
 
 from __future__ import annotations
 
@@ -14,14 +15,30 @@ import torch
 
 from pretrain.config import ConfigError, load_config, source_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
-RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.max_seq_len=32",
-       "data.tokenizer_vocab_size=512", "data.tokenizer_train_docs=2000", "train.global_batch_size=4",
-       "train.micro_batch_size=4", "data.num_streams=4", "train.max_steps=4", "train.warmup_steps=1", "train.log_every=2",
-       "train.val_every=4", "train.val_sequences=6", "checkpoint.every_steps=4", "cluster.use_ray=false",
-       "stability.plot_at_end=false", "data.val_holdout=0.2", "eval.tasks=[heldout_lastword]",
-       "eval.max_examples=12"]
+RUN = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "data.tokenizer_vocab_size=512",
+    "data.tokenizer_train_docs=2000",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "data.num_streams=4",
+    "train.max_steps=4",
+    "train.warmup_steps=1",
+    "train.log_every=2",
+    "train.val_every=4",
+    "train.val_sequences=6",
+    "checkpoint.every_steps=4",
+    "cluster.use_ray=false",
+    "stability.plot_at_end=false",
+    "data.val_holdout=0.2",
+    "eval.tasks=[heldout_lastword]",
+    "eval.max_examples=12",
+]
 
 
 def _two_sources(work: Path) -> list[str]:
@@ -35,8 +52,12 @@ def _two_sources(work: Path) -> list[str]:
 
 
 def test_source_names_default_to_the_stem_and_must_be_unique(tmp_path):
-    assert [source_name(p) for p in ("demo", "data/web.jsonl", "corpus/code/", "allenai/c4")] == \
-        ["demo", "web", "code", "c4"]
+    assert [source_name(p) for p in ("demo", "data/web.jsonl", "corpus/code/", "allenai/c4")] == [
+        "demo",
+        "web",
+        "code",
+        "c4",
+    ]
     assert source_name("data/web.jsonl", "web-en") == "web-en"
     with pytest.raises(ConfigError, match=r"data.sources\[1\].name: 'web' is also the name of data.sources\[0\]"):
         load_config(DEMO, ["data.sources=[{path: a/web.jsonl}, {path: b/web.jsonl}]"])
@@ -44,19 +65,6 @@ def test_source_names_default_to_the_stem_and_must_be_unique(tmp_path):
         load_config(DEMO, ["data.val_sources=[{path: x.txt, name: a b}]"])
     with pytest.raises(ConfigError, match="tracking.system_metrics: expected bool"):
         load_config(DEMO, ["tracking.system_metrics=maybe"])
-
-
-def test_bad_new_field_is_one_line_exit_2_before_ray(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import cli_env
-
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", str(DEMO), "data.sources=[{path: demo, name: 'a/b'}]"],
-                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and "data.sources[0].name" in proc.stderr
-    assert "ray" not in proc.stdout.lower()
 
 
 def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(workdir):
@@ -76,7 +84,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     def history(key):
         return {m.step: m.value for m in client.get_metric_history(job.run_id, key)}
 
-    # criterion 1: on every logged step (2 and 4), MFU in (0, 1], the data-wait share in [0, 1), the peak RSS
+    # on every logged step (2 and 4), MFU in (0, 1], the data-wait share in [0, 1), the peak RSS
     for key in ("train/mfu", "train/data_wait_frac", "sys/peak_rss_gb"):
         assert sorted(history(key)) == [2, 4], key
     assert all(0 < v <= 1 for v in history("train/mfu").values())
@@ -84,7 +92,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     assert all(0.05 < v < 64 for v in history("sys/peak_rss_gb").values())  # a python + torch process
     assert float(run.data.params["mfu_peak_tflops_per_worker"]) > 0 and run.data.params["mfu_peak_source"] == "measured"
 
-    # criterion 2: each source's held-out share beside the aggregate; bits per byte for the aggregate and per source
+    # each source's held-out share beside the aggregate; bits per byte for the aggregate and per source
     for name in ("web", "code"):
         assert math.isfinite(metrics[f"val/{name}/loss"]) and metrics[f"val/{name}/bits_per_byte"] > 0
     assert metrics["val/web/loss"] != metrics["val/code/loss"]
@@ -92,7 +100,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     # bits per byte is the loss priced per byte: nats / (ln 2 * bytes) with bytes > 0 tokens' worth of text
     assert metrics["val/bits_per_byte"] < metrics["val/loss"] / math.log(2)
 
-    # criterion 1: the two sources as datasets of the run (training context, a digest, the split)
+    # the two sources as datasets of the run (training context, a digest, the split)
     inputs = run.inputs.dataset_inputs
     assert sorted(d.dataset.name for d in inputs) == ["code", "web"]
     for d in inputs:
@@ -100,7 +108,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
         assert tags["mlflow.data.context"] == "training" and tags["split"] == "train" and tags["val_holdout"] == "0.2"
         assert len(d.dataset.digest) == 12 and str(workdir) in d.dataset.source
 
-    # criterion 3: the built-in task on every validation step; offline `eval --tasks` gives the same numbers
+    # the built-in task on every validation step; offline `eval --tasks` gives the same numbers
     from eval.evaluate import evaluate_tasks, open_source
 
     acc = history("eval/heldout_lastword/acc")
@@ -108,7 +116,7 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     offline = evaluate_tasks(open_source(job.run_id), ["heldout_lastword"], max_examples=12, track=False)
     assert offline == {"eval/heldout_lastword/acc": acc[4]}
 
-    # criterion 1: an export is a logged model of its run (external: MLflow records the directory only)
+    # an export is a logged model of its run (external: MLflow records the directory only)
     report = export_checkpoint(job.run_id, workdir / "exported")
     models = client.search_logged_models([run.info.experiment_id])
     assert len(models) == 1
@@ -119,7 +127,8 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
     assert [o.model_id for o in outputs] == [model.model_id]
 
 
-# -- criterion 3: downstream tasks ----------------------------------------------------------------------------
+# -- downstream tasks -----------------------------------------------------------------------------------------
+
 
 class _CharTokenizer:
     """One token per character (id = code point mod 97 + 3); id 1 is the mask token."""
@@ -130,16 +139,27 @@ class _CharTokenizer:
         return {"input_ids": [ord(c) % 97 + 3 for c in text]}
 
 
-TASK = [{"context": "the cat sat on the", "choices": [" mat", " a", " sofa"], "answer": 0},
-        {"context": "one two three", "choices": [" four", " five!"], "answer": 1},
-        {"context": "abc", "choices": [" x", " yz"], "answer": 1, "type": "multiple_choice"}]
+TASK = [
+    {"context": "the cat sat on the", "choices": [" mat", " a", " sofa"], "answer": 0},
+    {"context": "one two three", "choices": [" four", " five!"], "answer": 1},
+    {"context": "abc", "choices": [" x", " yz"], "answer": 1, "type": "multiple_choice"},
+]
 
 
 def _tiny(kind):
     from pretrain.model import build_model
 
-    cfg = load_config(DEMO, ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32",
-                             "model.num_heads=4", "model.max_seq_len=32", f"model.kind={kind}"])
+    cfg = load_config(
+        DEMO,
+        [
+            "model.vocab_size=101",
+            "model.num_layers=2",
+            "model.hidden_size=32",
+            "model.num_heads=4",
+            "model.max_seq_len=32",
+            f"model.kind={kind}",
+        ],
+    )
     torch.manual_seed(3)
     return build_model(cfg.model, 0, cfg.moe).eval()
 
@@ -157,8 +177,9 @@ def test_task_scores_match_a_hand_computation(tmp_path, kind):
     path.write_text("".join(json.dumps(r) + "\n" for r in TASK))
     task = load_jsonl_task(path, max_examples=10)
     model, tok = _tiny(kind), _CharTokenizer()
-    got = task_metrics(lambda ids, labels: model(ids).logits, prepare_tasks([task], tok, kind, 32), kind,
-                       torch.device("cpu"))
+    got = task_metrics(
+        lambda ids, labels: model(ids).logits, prepare_tasks([task], tok, kind, 32), kind, torch.device("cpu")
+    )
 
     correct = correct_norm = 0
     with torch.no_grad():
@@ -189,8 +210,10 @@ def test_task_scores_match_a_hand_computation(tmp_path, kind):
 def test_heldout_lastword_is_deterministic_and_holds_the_true_word():
     from pretrain.data.tasks import heldout_lastword
 
-    docs = ["The quick brown fox jumps over the lazy dog. A small bird sang in the early morning light. "
-            "We walked along the river until the sun went down."] * 3
+    docs = [
+        "The quick brown fox jumps over the lazy dog. A small bird sang in the early morning light. "
+        "We walked along the river until the sun went down."
+    ] * 3
     a = heldout_lastword(docs, max_examples=5, num_choices=3, seed=1)
     b = heldout_lastword(docs, max_examples=5, num_choices=3, seed=1)
     assert a == b and a.cloze and len(a.examples) == 5
@@ -224,8 +247,11 @@ def test_system_metrics_switch_logs_mlflows_own_samples(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri)
     run_id = client.create_run(client.create_experiment("sys", artifact_location=str(tmp_path / "art"))).info.run_id
-    trainer = SimpleNamespace(ctx=SimpleNamespace(is_main=True), state=SimpleNamespace(step=0),
-                              tracker=SimpleNamespace(enabled=True, run_id=run_id, uri=uri))
+    trainer = SimpleNamespace(
+        ctx=SimpleNamespace(is_main=True),
+        state=SimpleNamespace(step=0),
+        tracker=SimpleNamespace(enabled=True, run_id=run_id, uri=uri),
+    )
     callback = SystemMetrics()
     callback.on_run_start(trainer)
     assert callback.monitor is not None
@@ -237,5 +263,7 @@ def test_system_metrics_switch_logs_mlflows_own_samples(tmp_path, monkeypatch):
     assert any(k.startswith("system/system_memory") for k in logged), logged
     # rank != 0 starts nothing
     other = SystemMetrics()
-    other.on_run_start(SimpleNamespace(ctx=SimpleNamespace(is_main=False), tracker=trainer.tracker, state=trainer.state))
+    other.on_run_start(
+        SimpleNamespace(ctx=SimpleNamespace(is_main=False), tracker=trainer.tracker, state=trainer.state)
+    )
     assert other.monitor is None

@@ -11,8 +11,9 @@ from pretrain.train.schedule import lr_at, wsd_decay_steps
 
 
 def train_cfg(*overrides):
-    return load_config(None, ["train.lr=1.0", "train.min_lr_ratio=0.1", "train.max_steps=100",
-                              "train.warmup_steps=10", *overrides]).train
+    return load_config(
+        None, ["train.lr=1.0", "train.min_lr_ratio=0.1", "train.max_steps=100", "train.warmup_steps=10", *overrides]
+    ).train
 
 
 def test_cosine_is_unchanged():
@@ -43,14 +44,20 @@ def test_wsd_decay_fraction():
     assert lr_at(74, t) == 1.0 and lr_at(75, t) < 1.0
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.decay_steps=-1", "train.decay_steps: must be >= 0"),
-    ("train.decay_fraction=0", "train.decay_fraction: must be in (0, 1]"),
-    ("train.decay_fraction=1.5", "train.decay_fraction: must be in (0, 1]"),
-    ("train.decay_shape=sqrt", "train.decay_shape: expected one of linear, cosine, 1-sqrt"),
-    ("train.decay_steps=95", "train.decay_steps: 95 is more than the 90 steps after warm-up"),
-    ("train.activation_checkpointing=some", "train.activation_checkpointing: expected one of none, full, selective"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.decay_steps=-1", "train.decay_steps: must be >= 0"),
+        ("train.decay_fraction=0", "train.decay_fraction: must be in (0, 1]"),
+        ("train.decay_fraction=1.5", "train.decay_fraction: must be in (0, 1]"),
+        ("train.decay_shape=sqrt", "train.decay_shape: expected one of linear, cosine, 1-sqrt"),
+        ("train.decay_steps=95", "train.decay_steps: 95 is more than the 90 steps after warm-up"),
+        (
+            "train.activation_checkpointing=some",
+            "train.activation_checkpointing: expected one of none, full, selective",
+        ),
+    ],
+)
 def test_bad_values_are_one_line(override, message):
     with pytest.raises(ConfigError) as e:
         train_cfg("train.decay=wsd", override)

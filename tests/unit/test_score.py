@@ -1,5 +1,6 @@
-"""The one scorer (``pretrain/model/score.py``): training's validation, growth's held-back check and ``./launch.sh
-eval`` give identical numbers on the same batches; the sums reduce over ranks; one perplexity cap."""
+"""The one scorer (``pretrain/model/score.py``): growth's held-back check and ``./launch.sh eval`` give identical
+numbers on the same batches; the sums reduce over ranks; one perplexity cap. Through a real DeepSpeed engine on a
+gloo rank (training's validation too): ``tests/integration/test_score.py``."""
 
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ from pretrain.model.score import PPL_CAP_NATS, ScoreSums, mean_cross_entropy, sc
 from pretrain.train.callbacks.growth import held_back_loss
 from pretrain.train.step import evaluate
 
-TINY = ["model.vocab_size=101", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.max_seq_len=16", "model.dropout=0.0"]
+TINY = [
+    "model.vocab_size=101",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.max_seq_len=16",
+    "model.dropout=0.0",
+]
 
 
 def _batches(kind: str, n: int = 3, micro: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -77,8 +85,10 @@ def test_sums_reduce_over_ranks_and_bits_per_byte():
     forward = lambda ids, labels: lookup[id(ids)]  # noqa: E731
     byte_lengths = torch.arange(11) % 4
     whole = score_batches(forward, batches, "decoder", byte_lengths)
-    a, b = score_batches(forward, batches[:2], "decoder", byte_lengths), \
-        score_batches(forward, batches[2:], "decoder", byte_lengths)
+    a, b = (
+        score_batches(forward, batches[:2], "decoder", byte_lengths),
+        score_batches(forward, batches[2:], "decoder", byte_lengths),
+    )
     summed = ScoreSums.from_list([x + y for x, y in zip(a.as_list(), b.as_list())])
     assert summed.tokens == whole.tokens == 4 * 2 * 5
     m = summed.metrics("decoder", with_bytes=True)
@@ -97,31 +107,3 @@ def test_one_perplexity_cap_and_empty_data():
     assert ScoreSums().metrics("encoder", allow_empty=True) == {"loss": 0.0, "ppl": 1.0, "mlm_acc": 0.0}
     # A micro-batch without targets scores 0 (not NaN): it cannot poison a sum.
     assert mean_cross_entropy(torch.randn(1, 4, 5), torch.full((1, 4), -100), causal=True).item() == 0.0
-
-
-def _engine_paths(rank: int, world: int, kind: str) -> tuple[dict, float, dict]:
-    """Training's validation through a real DeepSpeed engine, growth's check and eval on its full weights."""
-    from pretrain.train.module import build_module
-
-    torch.set_num_threads(1)
-    cfg = load_config(None, [*TINY, f"model.kind={kind}", "train.precision=fp32", "zero.stage=1",
-                             "train.global_batch_size=8", "train.micro_batch_size=2", "data.num_streams=1"])
-    module = build_module(cfg)
-    state = module.full_state_dict()
-    batches = _batches(kind)
-    val = evaluate(module, batches)
-    growth = held_back_loss(cfg, state, batches, torch.device("cpu"))
-    model = build_model(cfg.model, 0, cfg.moe, weights=state).eval()
-    ev = score(lambda ids: model(ids).logits, batches, kind)
-    module.engine.destroy()
-    return val, growth, ev
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["decoder", "encoder"])
-def test_the_three_paths_agree_through_a_real_engine(kind):
-    from tests.distributed import run_distributed
-
-    (val, growth, ev), = run_distributed(_engine_paths, 1, kind)
-    assert val["val/loss"] == growth == ev["loss"] and val["val/ppl"] == ev["ppl"]
-    assert val.get("val/mlm_acc") == ev.get("mlm_acc")

@@ -52,7 +52,11 @@ def test_resume_without_pause_and_a_disabled_collector_are_left_alone():
 def test_a_training_command_pauses_only_train_and_resume(monkeypatch):
     import pretrain.__main__ as entry
 
-    for argv, want in ((["pretrain", "train"], True), (["pretrain", "resume", "x"], True),
-                       (["pretrain", "export", "x"], False), (["pretrain"], False)):
+    for argv, want in (
+        (["pretrain", "train"], True),
+        (["pretrain", "resume", "x"], True),
+        (["pretrain", "export", "x"], False),
+        (["pretrain"], False),
+    ):
         monkeypatch.setattr("sys.argv", argv)
         assert entry.pauses_collection() is want, argv

@@ -22,8 +22,14 @@ def test_process_start_is_this_process_start():
 
 
 def test_phases_add_up_and_repeated_phases_sum():
-    marks = [("imports", 100.0), ("run_preparation", 101.0), ("tokenizer", 103.0), ("run_preparation", 103.5),
-             ("ray", 104.0), ("first_step", 110.0)]
+    marks = [
+        ("imports", 100.0),
+        ("run_preparation", 101.0),
+        ("tokenizer", 103.0),
+        ("run_preparation", 103.5),
+        ("ray", 104.0),
+        ("first_step", 110.0),
+    ]
     got = timeline.phases(marks, 111.0)
     assert got == {"imports": 1.0, "run_preparation": 2.5, "tokenizer": 0.5, "ray": 6.0, "first_step": 1.0}
     assert list(got) == ["imports", "run_preparation", "tokenizer", "ray", "first_step"]

@@ -19,14 +19,25 @@ from pretrain.train.callbacks.stability import StabilityCallback
 from pretrain.train.stability import StabilityMonitor, StepSignals
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _trainer(callbacks: list[Callback], state: TrainerState) -> Trainer:
     """A trainer without a module or data: what loading and collecting callback state needs."""
     cfg = load_config(None, ["faults.loss_spike_at_step=3", "train.max_steps=20"])
-    return Trainer(cfg=cfg, plan=None, ctx=None, module=None, batches=None, val_set=[], state=state, tracker=None,
-                   progress=SimpleNamespace(say=lambda line: None), run_dir=Path("."), callbacks=callbacks)
+    return Trainer(
+        cfg=cfg,
+        plan=None,
+        ctx=None,
+        module=None,
+        batches=None,
+        val_set=[],
+        state=state,
+        tracker=None,
+        progress=SimpleNamespace(say=lambda line: None),
+        run_dir=Path("."),
+        callbacks=callbacks,
+    )
 
 
 def _callbacks() -> tuple[StabilityCallback, FaultInjection]:
@@ -43,9 +54,16 @@ def _old_trainer_state() -> dict:
         monitor.decide(StepSignals(step, 5.0 - 0.01 * step, 1.0))
     monitor.note_checkpoint(30, "/runs/r/step_00000030", 240)
     monitor.decide(StepSignals(40, float("nan"), float("nan")))  # an event: a skipped step
-    return {"step": 40, "tokens_seen": 40 * 512, "last_train_loss": 4.6, "last_val": {"val/loss": 4.7},
-            "sequences": 320, "stability": json.loads(json.dumps(monitor.state_dict())),
-            "faults_fired": ["loss_spike"], "callbacks": {"growth": {"applied": [0], "last_growth_step": 12}}}
+    return {
+        "step": 40,
+        "tokens_seen": 40 * 512,
+        "last_train_loss": 4.6,
+        "last_val": {"val/loss": 4.7},
+        "sequences": 320,
+        "stability": json.loads(json.dumps(monitor.state_dict())),
+        "faults_fired": ["loss_spike"],
+        "callbacks": {"growth": {"applied": [0], "last_growth_step": 12}},
+    }
 
 
 def test_an_old_trainer_state_migrates_to_callback_states():
@@ -60,8 +78,11 @@ def test_an_old_trainer_state_migrates_to_callback_states():
     trainer.collect_state()
     saved = json.loads(json.dumps(asdict(state)))  # what a checkpoint writes now
     assert "stability" not in saved and "faults_fired" not in saved
-    assert saved["callbacks"] == {"growth": {"applied": [0], "last_growth_step": 12},
-                                  "stability": old["stability"], "faults_fired": {"fired": ["loss_spike"]}}
+    assert saved["callbacks"] == {
+        "growth": {"applied": [0], "last_growth_step": 12},
+        "stability": old["stability"],
+        "faults_fired": {"fired": ["loss_spike"]},
+    }
     # ... and the new format loads back into fresh callbacks unchanged.
     stability2, faults2 = _callbacks()
     _trainer([stability2, faults2], TrainerState.from_dict(saved))
@@ -140,33 +161,57 @@ def _imported(node: ast.AST) -> list[str]:
 def lookups(train: Path) -> list[str]:
     """Back doors between callbacks in the modules of ``train``: ``trainer.find``, a function-level import of a
     module that defines callbacks, or ``getattr``/``hasattr``/``isinstance`` on the loop variable over callbacks."""
+
     def module(f: Path) -> str:
         return ".".join(("pretrain", "train", *f.relative_to(train).with_suffix("").parts))
 
-    callback_modules = {module(f) for f in train.rglob("*.py")
-                        if any(isinstance(n, ast.ClassDef) and any(getattr(b, "id", "") == "Callback" for b in n.bases)
-                               for n in ast.walk(ast.parse(f.read_text())))}
-    assert {"pretrain.train.callbacks.checkpoint", "pretrain.train.callbacks.growth",
-            "pretrain.train.callbacks.layer_drop", "pretrain.train.callbacks.metrics"} <= callback_modules
+    callback_modules = {
+        module(f)
+        for f in train.rglob("*.py")
+        if any(
+            isinstance(n, ast.ClassDef) and any(getattr(b, "id", "") == "Callback" for b in n.bases)
+            for n in ast.walk(ast.parse(f.read_text()))
+        )
+    }
+    assert {
+        "pretrain.train.callbacks.checkpoint",
+        "pretrain.train.callbacks.growth",
+        "pretrain.train.callbacks.layer_drop",
+        "pretrain.train.callbacks.metrics",
+    } <= callback_modules
     offenders = []
     for f in sorted(train.rglob("*.py")):
         tree = ast.parse(f.read_text())
         for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
-            offenders += [f"{f.name}:{n.lineno} lazy import of {m}" for n in ast.walk(fn) for m in _imported(n)
-                          if m in callback_modules]
+            offenders += [
+                f"{f.name}:{n.lineno} lazy import of {m}"
+                for n in ast.walk(fn)
+                for m in _imported(n)
+                if m in callback_modules
+            ]
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and n.attr == "find" and getattr(n.value, "id", "") == "trainer":
                 offenders.append(f"{f.name}:{n.lineno} trainer.find")
-            loops = [(n, n.target, n.iter)] if isinstance(n, ast.For) else \
-                [(n, g.target, g.iter) for g in getattr(n, "generators", [])]  # comprehensions
+            loops = (
+                [(n, n.target, n.iter)]
+                if isinstance(n, ast.For)
+                else [(n, g.target, g.iter) for g in getattr(n, "generators", [])]
+            )  # comprehensions
             for scope, target, over in loops:
-                if f.name == "trainer.py" or not isinstance(target, ast.Name) or \
-                        getattr(over, "attr", "") != "callbacks":  # the trainer dispatches hooks by name
+                if (
+                    f.name == "trainer.py"
+                    or not isinstance(target, ast.Name)
+                    or getattr(over, "attr", "") != "callbacks"
+                ):  # the trainer dispatches hooks by name
                     continue
-                offenders += [f"{f.name}:{c.lineno} {ast.unparse(c)}" for c in ast.walk(scope)
-                              if isinstance(c, ast.Call) and getattr(c.func, "id", "") in ("getattr", "hasattr",
-                                                                                         "isinstance")
-                              and c.args and getattr(c.args[0], "id", None) == target.id]
+                offenders += [
+                    f"{f.name}:{c.lineno} {ast.unparse(c)}"
+                    for c in ast.walk(scope)
+                    if isinstance(c, ast.Call)
+                    and getattr(c.func, "id", "") in ("getattr", "hasattr", "isinstance")
+                    and c.args
+                    and getattr(c.args[0], "id", None) == target.id
+                ]
     return offenders
 
 

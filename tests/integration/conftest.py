@@ -1,0 +1,36 @@
+"""Integration tests: several processes (real gloo through ``run_distributed``, real Ray, the command line in a
+subprocess). Every test here is marked ``slow``: ``-m "not slow"`` selects exactly ``tests/unit``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.harness import CONFIG, E2E, TASKS, cli, metric_history, run_id_of
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if HERE in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the end-to-end and multi-node tests
+    reproduce (resumed, killed, elastic, spread over nodes)."""
+    work = tmp_path_factory.mktemp("e2e")
+    # with a downstream task (scored on both ranks at validation): the runs that reproduce it have none, so their
+    # equal losses also show that task evaluation leaves training untouched
+    proc = cli(work, "train", CONFIG, *E2E, *TASKS)
+    assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
+    run_id = run_id_of(proc.stdout)
+    losses = metric_history(run_id, uri=f"sqlite:///{work / 'mlflow.db'}")
+    assert sorted(losses) == list(range(1, 9))
+    run_dir = work / "checkpoints" / run_id
+    assert [p.name for p in sorted(run_dir.glob("step_*"))] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    return {"work": work, "run_id": run_id, "losses": losses, "run_dir": run_dir}
