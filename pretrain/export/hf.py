@@ -10,9 +10,12 @@ Export (``./launch.sh export RUN_ID_OR_CHECKPOINT --out DIR [--step N] [--regist
    and ``pretrain_export.json`` (provenance + the data config, used by ``eval``) into a staging dir,
 5. load it back with ``AutoModelFor{CausalLM,MaskedLM}``/``AutoTokenizer`` and fail unless our model and
    the loaded one agree: logits within 1e-4 (fp32) on a random batch, identical token ids on probe
-   texts. Only then the staging dir is renamed to ``--out``.
-6. ``--register NAME``: a new version in the MLflow Model Registry whose source is the exported
-   directory (no weights go through MLflow), linked to the run, tagged with step and checkpoint.
+   texts. Only then its files are moved into ``--out`` (:mod:`pretrain.export.output`: a new or empty
+   directory, or an earlier export whose own files, listed in its manifest, are replaced; no other file
+   in ``--out`` is touched, and what it refuses instead is listed there).
+6. An export of a tracked run is a logged model of that run; ``--register NAME`` adds a new version in the
+   MLflow Model Registry. Both record the exported directory by path (no weights go through MLflow), so
+   the directory's manifest lists them and a later export does not put other weights there.
 
 Import (:mod:`pretrain.export.hf_import`): :func:`import_hf` turns an HF directory of a supported family back into our
 config fields and state dict (export -> import -> export is bitwise lossless).
@@ -22,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -36,6 +37,8 @@ from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
 from pretrain.export.families import StateDict, find_family
 from pretrain.export.hf_import import REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
+from pretrain.export.output import check_out, commit, staging_dir
+from pretrain.export.registry import mlflow_references, record_export, register_model  # noqa: F401 (register_model: re-exported)
 from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
 
 PARITY_TOLERANCE = 1e-4
@@ -250,17 +253,6 @@ class ExportReport:
     registered_version: int | None = None
 
 
-def _prepare_out(out: Path) -> Path:
-    """A fresh staging dir next to ``out``; refuse to clobber a directory we did not write."""
-    out = out.expanduser().resolve()
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / METADATA_FILE).is_file())):
-        raise ConfigError(f"--out {out}: exists and is not an earlier export (remove it or pick another directory)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    return stage
-
-
 def load_exported(path: Path, kind: str):
     """``AutoModelFor{CausalLM,MaskedLM}`` from an export dir (fp32); ExportError on incomplete loading."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
@@ -307,8 +299,12 @@ def export_model(
     probe_texts: list[str] | None = None,
     log=print,
     moe: MoEConfig | None = None,
+    referenced_by: list[dict[str, Any]] | None = None,
 ) -> ExportReport:
-    """Write an HF directory for (``model_cfg``, ``moe``, ``sd``) with ``tokenizer`` and verify it (module doc)."""
+    """Write an HF directory for (``model_cfg``, ``moe``, ``sd``) with ``tokenizer`` and verify it (module doc).
+
+    ``referenced_by``: the MLflow records that will name the directory (kept in its manifest).
+    """
     from transformers import AutoTokenizer
 
     hf_class, reason = export_target(model_cfg, moe)
@@ -317,7 +313,7 @@ def export_model(
     standard = hf_class is not None
     special = special_token_ids(tokenizer)
     hf_model = to_hf_model(model_cfg, sd, special, moe)
-    stage = _prepare_out(out)
+    stage = staging_dir(out)
     try:
         hf_model.save_pretrained(str(stage), max_shard_size=max_shard_size)
         if not standard:
@@ -348,10 +344,7 @@ def export_model(
             **(metadata or {}),
         }
         (stage / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        out = out.expanduser().resolve()
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
+        out = commit(stage, out, referenced_by=referenced_by)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -364,46 +357,6 @@ def export_model(
         shards=shards,
         tokenizer_checks=checks,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Model Registry
-# ----------------------------------------------------------------------------------------------
-
-
-def register_model(
-    name: str, out: Path, *, run_id: str | None, step: int, checkpoint: Path, hf_class: str, uri: str | None = None
-) -> int:
-    """A new version of registered model ``name`` whose source is the exported directory (a file URI).
-
-    Nothing is uploaded: the registry records where the export lives, the run it came from, the step.
-    """
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    from pretrain.train.tracking import tracking_uri
-
-    client = MlflowClient(tracking_uri=uri or tracking_uri(), registry_uri=uri or tracking_uri())
-    try:
-        client.create_registered_model(name, description="Hugging Face exports of pretrain checkpoints")
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    tags = {
-        "pretrain.step": str(step),
-        "pretrain.checkpoint": str(checkpoint),
-        "pretrain.hf_class": hf_class,
-        "pretrain.export_dir": str(out),
-    }
-    mv = client.create_model_version(
-        name,
-        source=Path(out).resolve().as_uri(),
-        run_id=run_id,
-        tags=tags,
-        description=f"{hf_class} export of step {step} ({checkpoint})",
-    )
-    return int(mv.version)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,6 +379,7 @@ def export_checkpoint(
     log=print,
 ) -> ExportReport:
     """Export a committed checkpoint (path or run id) to ``out``; optionally register it."""
+    check_out(Path(out))  # refuse before consolidating the checkpoint (commit checks again)
     loaded = resolve_checkpoint(source, step)
     cfg, ckpt = loaded.config, loaded.ckpt
     world = ckpt.manifest.world_size
@@ -445,35 +399,40 @@ def export_checkpoint(
         "val_sequences": cfg.train.val_sequences,
         "max_seq_len": cfg.model.max_seq_len,
     }
+    refs = mlflow_references(loaded.run_id, register)
     report = export_model(
-        cfg.model, sd, tokenizer, Path(out), max_shard_size=max_shard_size, metadata=meta, log=log, moe=cfg.moe
+        cfg.model,
+        sd,
+        tokenizer,
+        Path(out),
+        max_shard_size=max_shard_size,
+        metadata=meta,
+        log=log,
+        moe=cfg.moe,
+        referenced_by=refs,
     )
     log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
     log(
         f"[export] wrote {report.out} ({report.hf_class}, {report.shards} safetensors shard(s)"
         f"{', trust_remote_code=True' if not report.standard else ''})"
     )
-    if loaded.run_id:  # a run of the tracking store (resolve_checkpoint checked): its Logged models section
-        from pretrain.train.mlflow_records import log_exported_model
-        from pretrain.train.tracking import tracking_uri
-
-        model_id = log_exported_model(
-            tracking_uri(), loaded.run_id, report.out, step=ckpt.step, checkpoint=ckpt.path, hf_class=report.hf_class
-        )
-        log(f"[export] logged model {model_id} of run {loaded.run_id}")
-    if register:
-        report.registered_version = register_model(
-            register, report.out, run_id=loaded.run_id, step=ckpt.step, checkpoint=ckpt.path, hf_class=report.hf_class
-        )
-        link = f"run {loaded.run_id}" if loaded.run_id else "no tracked run"
-        log(f"[export] registered {register} version {report.registered_version} ({link}, step {ckpt.step})")
+    # loaded.run_id: a run of the tracking store (resolve_checkpoint checked)
+    report.registered_version = record_export(
+        report.out,
+        run_id=loaded.run_id,
+        register=register,
+        step=ckpt.step,
+        checkpoint=ckpt.path,
+        hf_class=report.hf_class,
+        log=log,
+    )
     return report
 
 
 def main(argv: list[str]) -> int:
     p = _Parser(prog="launch.sh export", description="Export a checkpoint as a Hugging Face model directory.")
     p.add_argument("source", help="MLflow run id, run directory (latest checkpoint) or checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory (replaced if it is an earlier export)")
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier export (its files)")
     p.add_argument("--step", type=int, default=None, help="export this committed step instead of the latest")
     p.add_argument("--register", default=None, metavar="NAME", help="register in the MLflow Model Registry")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
