@@ -19,18 +19,18 @@ from pretrain.checkpoint import layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_FULL
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
 from pretrain.config import ConfigError, RunConfig, load_config
+from pretrain.config.loading import read_yaml
 
 StateDict = dict[str, torch.Tensor]
 
 
 def config_dict(ckpt: CommittedCheckpoint) -> dict[str, Any]:
-    """The checkpoint's resolved config as a plain dict (CheckpointError when it has none)."""
-    import yaml
-
+    """The checkpoint's resolved config as a plain dict (CheckpointError when it has none), read as a config file is
+    (:func:`~pretrain.config.loading.read_yaml`: an alias bomb is refused before it is expanded)."""
     path = ckpt.path / layout.CONFIG
     if not path.is_file():
         raise CheckpointError(f"{ckpt.path}: no {layout.CONFIG}")
-    return yaml.safe_load(path.read_text()) or {}
+    return read_yaml(path) or {}
 
 
 def read_config(ckpt: CommittedCheckpoint, overrides: list[str] | None = None) -> RunConfig:
@@ -167,6 +167,7 @@ class LoadedCheckpoint:
 
 def pick_step(run_dir: Path, step: int) -> CommittedCheckpoint:
     """The committed checkpoint of ``step`` in ``run_dir``, verified (ConfigError naming the steps there)."""
+    store.check_directory(run_dir)
     found = store.list_committed(run_dir)
     for c in found:
         if c.step == step:

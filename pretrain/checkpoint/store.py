@@ -20,6 +20,7 @@ from typing import Any
 from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
+from pretrain.config.errors import not_a
 
 
 class CheckpointError(RuntimeError):
@@ -320,7 +321,17 @@ def list_committed(run_dir: Path) -> list[CommittedCheckpoint]:
     return sorted(out, key=lambda c: c.step)
 
 
+def check_directory(path: Path) -> None:
+    """:class:`CheckpointError` when ``path`` exists but is no directory (a checkpoint or run directory given as a
+    FIFO, a file, a device): it says what it is, where a lookup would say it holds no checkpoint."""
+    if not_a(path, "a directory"):
+        raise CheckpointError(f"{path} {not_a(path, 'a directory')}")
+
+
 def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
+    """The newest committed checkpoint of ``run_dir`` (None when it has none or does not exist); raises
+    :func:`check_directory`'s error for a path that is no directory."""
+    check_directory(run_dir)
     found = list_committed(run_dir)
     return found[-1] if found else None
 
@@ -329,6 +340,7 @@ def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
     """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
     presence and sizes only, see :func:`verify_or_point_back`)."""
     path = path.resolve()
+    check_directory(path)
     ckpt: CommittedCheckpoint | None
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)

@@ -146,7 +146,10 @@ class CheckpointWriter:
         """Create the staging directory of ``step`` (collective: rank 0 picks the name)."""
         nonce = self.world.broadcast(store.new_nonce() if self.world.rank == 0 else None)
         path = layout.staging_dir(self.run_dir, step, nonce)
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a full disk, a read-only mount: the one line a failed commit gives
+            raise self.failure(step, self.world.rank, one_line(e)) from e
         return Staged(path, step)
 
     def write(self, staged: Staged, contents: Contents) -> dict[str, FileEntry]:
@@ -169,17 +172,23 @@ class CheckpointWriter:
         other file's content is fixed here too (copied or serialized), so the caller may go on training. The
         copies are drawn from ``buffers`` when given. With ``defer_copies`` the bytes of the tensors are copied
         later, by :meth:`Snapshot.finish_copy` (a :class:`BackgroundWrite` runs it first): until then the caller
-        must leave the live state unchanged."""
+        must leave the live state unchanged. A failure of the engine's own save is :meth:`failure`'s one line."""
         rank, stage, model = self.world.rank, staged.path, contents.model
         host_copy = HostCopy(buffers, deferred=defer_copies and in_memory)
         snap = Snapshot(stage)
         if isinstance(model, EngineState):
-            if in_memory and model.snapshot is not None:
-                written, jobs = model.snapshot(weights.ds_engine_dir(stage), host_copy)
-                snap.written += written
-                snap.jobs += jobs
-            else:
-                snap.written += model.save(weights.ds_engine_dir(stage), snap.digests.add)
+            try:
+                if in_memory and model.snapshot is not None:
+                    written, jobs = model.snapshot(weights.ds_engine_dir(stage), host_copy)
+                    snap.written += written
+                    snap.jobs += jobs
+                else:
+                    snap.written += model.save(weights.ds_engine_dir(stage), snap.digests.add)
+            except Exception as e:
+                # The engine's own save (collective) failed on this rank, a full disk say: raised here, at once,
+                # as the one line a failed commit gives (a commit would wait for ranks left in the engine's save).
+                snap.digests.close()
+                raise self.failure(staged.step, rank, one_line(e)) from e
         elif rank == 0:
             full = host_copy(model.weights) if in_memory else model.weights
             snap.jobs.append(FileJob([stage / layout.WEIGHTS], partial(weights.save_full_weights, stage, full)))
@@ -276,9 +285,17 @@ class CheckpointWriter:
             raise store.CheckpointError(f"checkpoint at step {staged.step} failed: {error}")
         return final
 
+    def failure(self, step: int, rank: int, error: str) -> store.CheckpointError:
+        """The error of a save that ``rank`` could not write (``error``: one line), worded as :meth:`outcome`'s."""
+        return store.CheckpointError(
+            f"checkpoint at step {step} failed: {f'rank {rank}: {error}' if self.world.world_size > 1 else error}"
+        )
+
     def save(self, contents: Contents, protect: set[str] | frozenset[str] = frozenset()) -> Path:
-        """Stage, write and commit ``contents`` (collective). A rank's failure to write is reported by
-        :meth:`commit` on every rank (one :class:`store.CheckpointError`), as an asynchronous save's is."""
+        """Stage, write and commit ``contents`` (collective). A rank's failure to write (a full disk) is one
+        :class:`store.CheckpointError`, worded as an asynchronous save's: reported by :meth:`commit` on every rank,
+        or raised by the rank at once when the engine's own save failed (:meth:`snapshot`). Nothing is committed;
+        the checkpoints committed before stay as they are."""
         staged = self.stage(int(contents.trainer_state["step"]))
         snap = self.snapshot(staged, contents, in_memory=False)
         written, failed = write_reporting(snap)
@@ -290,7 +307,12 @@ def write_reporting(snap: Snapshot) -> tuple[dict[str, FileEntry], str | None]:
     try:
         return snap.write(), None
     except Exception as e:
-        return {}, f"{type(e).__name__}: {e}"
+        return {}, one_line(e)
+
+
+def one_line(e: BaseException) -> str:
+    """A rank's failure to write, as every rank reports it: ``OSError: [Errno 28] No space left on device: ...``."""
+    return f"{type(e).__name__}: {e}"
 
 
 def _save_tensors(path: Path, obj: Any) -> None:

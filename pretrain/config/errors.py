@@ -1,11 +1,72 @@
-"""The config error type (its own module so every part of the config tree can raise it)."""
+"""The config error type (its own module so every part of the config tree can raise it) and the helpers that keep
+a user error one short line: :func:`quote` and :func:`clip` bound what a message shows of a value, a key, a path
+or another error's text; :func:`not_a` says what a path that is not a regular file (or directory) is instead."""
 
 from __future__ import annotations
 
+import os
+import reprlib
+import stat
+from pathlib import Path
+
+LIMIT = 200
+"""The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""
+MESSAGE_LIMIT = 2000
+"""The most characters of a whole :class:`ConfigError` message (a last bound: each value is quoted within
+``LIMIT``)."""
+
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def clip(text: object, limit: int = LIMIT) -> str:
+    """``str(text)`` when it has at most ``limit`` characters, else its first ``limit`` followed by
+    ``... (N chars)``, N the length of the whole text."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} chars)"
+
+
+def quote(value: object, limit: int = LIMIT) -> str:
+    """``repr(value)`` in at most ``limit`` characters (plus a short suffix). A longer string or bytes value shows
+    its first ``limit`` characters and ``... (N chars)``, N its length; it is cut before it is repr'd, so a 50 MB
+    value is never copied whole. Any other value is repr'd through :mod:`reprlib` (a few items per container, a
+    few levels deep), so a huge list, or one whose items are aliases of one list, is never expanded."""
+    if isinstance(value, (str, bytes, bytearray)):
+        if len(value) <= limit:
+            return clip(repr(value), limit)  # escapes (\x00) may make the repr longer than the value
+        return f"{repr(value[:limit])[:limit]}... ({len(value):,} chars)"
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxlong, short.maxother = 3, limit, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = short.maxfrozenset = 10
+    try:
+        text = short.repr(value)
+    except ValueError:  # an int beyond Python's 4,300-digit limit of str conversion
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def not_a(path: str | Path, wanted: str = "a regular file") -> str:
+    """``"is a FIFO, not a regular file"`` when ``path`` exists but is not ``wanted`` (``"a regular file"`` or
+    ``"a directory"``; a symbolic link counts as what it points to), for a message ``f"{path} {not_a(path)}"``;
+    '' when it is ``wanted`` or does not exist (or is a broken link). Only ``stat``: a FIFO is never opened, so
+    this never blocks."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, a broken link, a name too long, a NUL byte
+        return ""
+    what = next((kind for test, kind in _KINDS if test(mode)), "an unknown kind of file")
+    return "" if what == wanted else f"is {what}, not {wanted}"
+
 
 class ConfigError(ValueError):
-    """A user error in a config: the message names the full key path. It is one line: line breaks (say, of a
-    value the user typed) become spaces."""
+    """A user error in a config: the message names the full key path. It is one line (line breaks, say of a value
+    the user typed, become spaces) of at most ``MESSAGE_LIMIT`` characters."""
 
     def __init__(self, message: object = "") -> None:
-        super().__init__(" ".join(str(message).splitlines()))
+        super().__init__(clip(" ".join(str(message).splitlines()), MESSAGE_LIMIT))

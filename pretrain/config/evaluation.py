@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.config.errors import ConfigError
+from pretrain.config.errors import ConfigError, not_a, quote
 
 BUILTIN_TASK = "heldout_lastword"
 
@@ -42,11 +43,13 @@ class EvalConfig:
                 name = spec
             else:
                 path = Path(spec).expanduser()
-                if path.suffix != ".jsonl" or not path.is_file():
+                if path.suffix == ".jsonl" and not_a(path):  # a FIFO, a directory: what it is, not "no such file"
+                    raise ConfigError(f"eval.tasks[{i}]: {quote(spec)} {not_a(path)}")
+                if path.suffix != ".jsonl" or not os.path.isfile(path):  # (Path.is_file raises on a too long name)
                     raise ConfigError(
-                        f"eval.tasks[{i}]: {spec!r} is neither {BUILTIN_TASK} nor an existing .jsonl task file"
+                        f"eval.tasks[{i}]: {quote(spec)} is neither {BUILTIN_TASK} nor an existing .jsonl task file"
                     )
                 name = path.stem
             if name in names:
-                raise ConfigError(f"eval.tasks[{i}]: a second task named {name!r}")
+                raise ConfigError(f"eval.tasks[{i}]: a second task named {quote(name)}")
             names.add(name)

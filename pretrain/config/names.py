@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
-from pretrain.config.errors import ConfigError
+from pretrain.config.errors import ConfigError, quote
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -28,10 +28,11 @@ def check_source_names(sources, val_sources) -> None:
         for i, s in enumerate(group):
             where = f"{key}[{i}].name"
             if s.name and not _NAME.fullmatch(s.name):
-                raise ConfigError(f"{where}: {s.name!r}: use letters, digits, '_', '-' and '.' only")
+                raise ConfigError(f"{where}: {quote(s.name)}: use letters, digits, '_', '-' and '.' only")
             name = source_name(s.path, s.name)
             if name in seen:
                 raise ConfigError(
-                    f"{where}: {name!r} is also the name of {seen[name]}; give the sources distinct names (set name)"
+                    f"{where}: {quote(name)} is also the name of {seen[name]}; "
+                    "give the sources distinct names (set name)"
                 )
             seen[name] = f"{key}[{i}]"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pretrain.config.tree import RunConfig
@@ -24,6 +25,7 @@ def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
     for src in [*c.data.sources, *c.data.val_sources]:
         if src.path != "demo" and src.format != "hub" and "://" not in src.path:
             candidate = base / src.path
-            if not Path(src.path).is_absolute() and (candidate.exists() or any(ch in src.path for ch in "*?[")):
-                src.path = str(candidate.resolve()) if candidate.exists() else str(base / src.path)
+            exists = os.path.exists(candidate)  # (Path.exists raises on a name too long)
+            if not Path(src.path).is_absolute() and (exists or any(ch in src.path for ch in "*?[")):
+                src.path = str(candidate.resolve()) if exists else str(base / src.path)
     return c

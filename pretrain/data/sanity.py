@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
+from pretrain.config.errors import clip
 from pretrain.data.sources import (
     REASONS,
     BadRecordError,
@@ -141,7 +142,8 @@ class _Tally:
         reasons = ", ".join(f"{n} {REASONS.get(r, r)}" for r, n in sorted(self.bad.by_reason.items()))
         line = f"no usable record in the first {self.records} ({reasons}; e.g. {self.example})"
         if "missing_field" in self.bad.by_reason and self.fields:
-            line += f"; the records have the fields {', '.join(list(self.fields)[:12])}: set text_field"
+            fields = clip(", ".join(clip(f, 60) for f in itertools.islice(self.fields, 12)))
+            line += f"; the records have the fields {fields}: set text_field"
         return line
 
 
@@ -208,7 +210,7 @@ def _check_rows(rs: ResolvedSource, policy: str) -> str:
         raise
     except Exception as e:  # noqa: BLE001 - unreadable parquet, offline hub, ...: one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"cannot read it: {first}"
+        return f"cannot read it: {clip(first)}"
     if tally.records == 0:
         return "empty: no rows"
     return tally.problem(rs.text_field)
@@ -223,7 +225,7 @@ def check_source(src: SourceConfig, key: str, cfg: DataConfig) -> ResolvedSource
     except OSError as e:
         problem = f"cannot read it: {e.strerror or e}: {e.filename or ''}".rstrip(": ")
     if problem:
-        raise ConfigError(f"{key} ({src.path}): {problem}")
+        raise ConfigError(f"{key} ({clip(src.path)}): {problem}")
     return rs
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import glob as globlib
 import json
+import os
 import re
 import weakref
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
+from pretrain.config.errors import clip, not_a, quote
 from pretrain.data.demo_corpus import build_demo_corpus
 
 if TYPE_CHECKING:
@@ -82,7 +84,7 @@ class BadRecords:
     def add(self, row: dict) -> None:
         msg = " ".join(str(row["msg"]).split())
         if self.policy == "fail":
-            raise BadRecordError(f"{row['file']}:{row['line']}: {msg}")
+            raise BadRecordError(f"{clip(row['file'])}:{row['line']}: {clip(msg)}")
         self.by_reason[row["bad"]] = self.by_reason.get(row["bad"], 0) + 1
         source = str(row.get("source", ""))
         self.by_source[source] = self.by_source.get(source, 0) + 1
@@ -147,7 +149,7 @@ def _bad(reason: str, file: str, line: Any, detail: str = "") -> dict:
 def check_text(value: Any, has_field: bool, field_name: str, file: str, line: Any) -> dict:
     """Validate an extracted text field value, returning a good or a bad record."""
     if not has_field:
-        return _bad("missing_field", file, line, repr(field_name))
+        return _bad("missing_field", file, line, quote(field_name))
     if not isinstance(value, str):
         return _bad("not_string", file, line, type(value).__name__)
     if not value.strip():
@@ -176,12 +178,12 @@ def parse_line(raw: bytes, lineno: int, fmt: str, text_field: str, file: str) ->
     try:
         obj = json.loads(line)
     except ValueError as e:
-        return _bad("invalid_json", file, lineno, getattr(e, "msg", str(e)))
+        return _bad("invalid_json", file, lineno, clip(getattr(e, "msg", e)))
     except RecursionError:
         return _bad("invalid_json", file, lineno, "nested too deeply")
     if isinstance(obj, dict):
         return check_text(obj.get(text_field), text_field in obj, text_field, file, lineno)
-    return _bad("missing_field", file, lineno, f"{text_field!r}; record is a {type(obj).__name__}")
+    return _bad("missing_field", file, lineno, f"{quote(text_field)}; record is a {type(obj).__name__}")
 
 
 def cut_pieces(text: str, size: int) -> Iterator[str]:
@@ -257,8 +259,8 @@ class ResolvedSource:
             ds = datasets.load_dataset("parquet", data_files=[self.files[part]], split="train", streaming=True)
             if ds.column_names is not None and self.text_field not in ds.column_names:
                 raise ValueError(
-                    f"{self.files[part]}: no column {self.text_field!r} "
-                    f"(columns: {', '.join(ds.column_names)}); set text_field in source {self.name!r}"
+                    f"{self.files[part]}: no column {quote(self.text_field)} "
+                    f"(columns: {clip(', '.join(ds.column_names))}); set text_field in source {quote(self.name)}"
                 )
             return ds.select_columns([self.text_field]) if ds.column_names else ds
         try:
@@ -266,8 +268,8 @@ class ResolvedSource:
         except Exception as e:  # noqa: BLE001 - offline, unknown name...: one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
-                f"data source {self.name!r}: could not stream {self.hub_path!r} "
-                f"(not a local path; hub load failed: {first})"
+                f"data source {quote(self.name)}: could not stream {quote(self.hub_path)} "
+                f"(not a local path; hub load failed: {clip(first)})"
             ) from e
 
     def convert(self, row: dict, part: int, index: int) -> dict:
@@ -290,7 +292,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
     A source that resolves to nothing raises :class:`ConfigError` naming ``key`` (e.g. ``data.sources[0]``)
     or, without a key, the source's name."""
     name = src.name or src.path
-    label = f"{key}.path" if key else f"data source {name!r}"
+    label = f"{key}.path" if key else f"data source {quote(name)}"
     base: dict[str, Any] = dict(
         name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars
     )
@@ -306,26 +308,28 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
         return ResolvedSource(
             format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
         )
-    p = Path(src.path).expanduser()
-    if p.is_dir():
+    p, shown = Path(src.path).expanduser(), clip(src.path)
+    if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
         files = sorted(
             f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)
         )
         if src.format == "auto":
             files = [f for f in files if f.suffix.lower() in _EXTENSIONS]
-    elif p.is_file():
+    elif os.path.isfile(p):
         files = [p]
     elif any(c in src.path for c in "*?["):
         files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
+    elif not_a(p):  # a FIFO, a socket, a device: what it is (never opened: reading a FIFO would block)
+        raise ConfigError(f"{label}: {shown} {not_a(p)}")
     elif _looks_like_hub(src.path):
         return ResolvedSource(format="hub", hub_path=src.path, **base)
     else:
-        raise ConfigError(f"{label}: {src.path} does not exist")
+        raise ConfigError(f"{label}: {shown} does not exist")
     if not files:
         where = (
-            f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {src.path}"
-            if p.is_dir()
-            else f"no file matches {src.path}"
+            f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {shown}"
+            if os.path.isdir(p)
+            else f"no file matches {shown}"
         )
         raise ConfigError(f"{label}: {where}")
     fmt: str = src.format
@@ -333,7 +337,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
-            where = f"{key}.format" if key else f"data source {name!r}"
+            where = f"{key}.format" if key else f"data source {quote(name)}"
             raise ConfigError(
                 f"{where}: cannot tell the format of {bad} from its extension; set format (text, json, parquet)"
             )

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pretrain.config import ConfigError, DataConfig
+from pretrain.config.errors import clip
 from pretrain.data.packing import IGNORE_INDEX
 
 BUILTIN = "heldout_lastword"
@@ -64,7 +65,8 @@ def load_jsonl_task(path: str | Path, max_examples: int) -> Task:
                 rec = json.loads(line)
                 ex = Example(str(rec["context"]), [str(c) for c in rec["choices"]], int(rec["answer"]))
             except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"eval.tasks: {path}:{n}: expected {{context, choices, answer}} ({e})") from None
+                why = clip(e)  # a value error may quote the value
+                raise ConfigError(f"eval.tasks: {path}:{n}: expected {{context, choices, answer}} ({why})") from None
             if len(ex.choices) < 2 or not 0 <= ex.answer < len(ex.choices):
                 raise ConfigError(f"eval.tasks: {path}:{n}: need >= 2 choices and 0 <= answer < len(choices)")
             types.add(rec.get("type", "multiple_choice"))

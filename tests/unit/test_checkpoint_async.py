@@ -7,6 +7,10 @@ as a synchronous save, the commit at one step boundary on every rank) are in
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,8 @@ import torch
 
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint import weights
-from pretrain.checkpoint.snapshot import BackgroundWrite, HostBuffers, HostCopy
-from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld, describe
+from pretrain.checkpoint.snapshot import BackgroundWrite, FileJob, HostBuffers, HostCopy
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld, describe
 from pretrain.config import ConfigError, from_dict, load_config, to_dict
 
 
@@ -149,6 +153,45 @@ def test_background_failure_is_the_synchronous_failure(tmp_path, monkeypatch):
         == "checkpoint at step 3 failed: OSError: No space left on device"
     )
     assert not ck.list_committed(tmp_path / "run")
+
+
+def test_a_full_disk_in_the_engines_synchronous_save_is_the_asynchronous_failure(tmp_path):
+    """The disk fills while the engine's own save writes its files (format ``deepspeed``, the one training writes):
+    the synchronous save raises the one-line error the asynchronous commit raises when its background write fills
+    the disk, nothing is committed, and the checkpoint committed before stays the latest and verifies."""
+    tok = _tokenizer(tmp_path)
+    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r")
+    before = writer.save(_contents(tok, step=2))
+
+    def fill(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def engine_save(directory: Path, on_file) -> list[Path]:
+        fill(directory / "mp_rank_00_model_states.pt")
+        return []
+
+    def engine_snapshot(directory: Path, host_copy) -> tuple[list[Path], list[FileJob]]:
+        path = directory / "mp_rank_00_model_states.pt"
+        return [], [FileJob([path], partial(fill, path))]
+
+    contents = dataclasses.replace(_contents(tok), model=EngineState(engine_save, engine_snapshot))
+    with pytest.raises(ck.CheckpointError) as sync_error:
+        writer.save(contents)
+    staged = writer.stage(3)
+    write = BackgroundWrite(writer.snapshot(staged, contents), 3)
+    write.wait()
+    with pytest.raises(ck.CheckpointError) as async_error:
+        writer.commit(staged, describe(contents, "r", 1), frozenset(), write.digests, write.error)
+    assert (
+        str(sync_error.value)
+        == str(async_error.value)
+        == "checkpoint at step 3 failed: OSError: [Errno 28] No space left on device"
+    )
+    latest = ck.latest_committed(tmp_path / "run")
+    assert latest is not None and latest.path == before and latest.step == 2
+    ck.verify(before)
 
 
 def test_async_is_the_yaml_key_and_on_by_default():
