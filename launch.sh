@@ -7,6 +7,7 @@
 #   ./launch.sh lint         setup, then ruff (lint + format check) and mypy, configured in pyproject.toml
 #   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest)
 #   ./launch.sh CMD ...      setup, then python -m pretrain CMD ...   (train, resume, runs, bench, ...)
+#   ./launch.sh [help]       setup, then this usage: python -m pretrain --help and these lines (also -h, --help)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$ROOT/.venv"
@@ -200,8 +201,17 @@ lint() {  # ruff (lint + format) and mypy over the repository, as configured in 
   echo "[lint] ruff and mypy clean in $((SECONDS - t0)) s" >&2
 }
 
-cmd="${1:-train}"
+usage() {  # python -m pretrain --help (every command), then this launcher's own commands (the header above)
+  "$VENV/bin/python" -m pretrain --help
+  echo "launch.sh: the commands above set up .venv first (idempotent), then run python -m pretrain CMD; its own:"
+  sed -n 's/^#   /  /p' "$ROOT/launch.sh"
+}
+
+cmd="${1:-help}"
 case "$cmd" in
+  help|-h|--help)
+    setup
+    usage ;;
   setup)
     setup ;;
   lock)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 
 import torch
@@ -44,8 +45,22 @@ def bench(argv: list[str]) -> int:
     return main(argv)
 
 
+def modes_help() -> str:
+    """The mode table of this module's docstring as plain text (the epilog of ``bench --help``)."""
+    lines = (__doc__ or "").splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    width = lines[rules[0]].index(" ") + 2  # the first column, as the table's rule draws it
+    out = []
+    for line in lines[rules[1] + 1 : rules[2]]:
+        mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
+        out.append(f"  {mode.rstrip():<{width}}{text}")
+    return "modes (--cluster and --checkpoint have options of their own: bench --cluster --help):\n" + "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench")
+    p = argparse.ArgumentParser(
+        prog="launch.sh bench", epilog=modes_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (on stdout; all else on stderr)")
     p.add_argument("--steps", type=int, default=0, help="steps per timed round (default: 8 CPU, 20 GPU)")
     p.add_argument("--rounds", type=int, default=5)

@@ -1,6 +1,8 @@
 """Strict loading of the config tree: YAML plus dotted overrides; unknown keys, duplicate keys, wrong types
 and non-finite or out-of-range numbers raise :class:`ConfigError` naming the full key path; an empty config
-file is refused; round trip through :func:`to_dict` / :func:`from_dict`."""
+file is refused, and so is YAML whose aliases expand it beyond ``MAX_YAML_VALUES`` values (an alias bomb);
+messages show at most ``errors.LIMIT`` characters of a value; round trip through :func:`to_dict` /
+:func:`from_dict`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -16,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pretrain.config.errors import clip, not_a, quote
 from pretrain.config.runtime import YAML_KEY
 from pretrain.config.tree import ConfigError, RunConfig
 
@@ -26,6 +30,7 @@ _HINTS: dict[type, dict[str, Any]] = {}
 _INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _PLUS_INT = re.compile(r"^\+[0-9]+$")  # kept as text by the loader (a growth increment); int keys convert it back
+_INDEXED = re.compile(r"^(\w+)\[([^\]]*)\]$")  # an override's list item: sources[0]
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -41,7 +46,7 @@ def key_of(f: dataclasses.Field) -> str:
 
 
 def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {quote(value)}"
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -58,7 +63,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 (w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices), value
             )
         if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {quote(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -72,7 +77,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return _coerce(arg, value, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: invalid value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{path}: invalid value {quote(value)}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
@@ -88,7 +93,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
         if abs(value) > _INT_MAX:
-            raise ConfigError(f"{path}: {value} is out of range (at most {_INT_MAX} in absolute value)")
+            raise ConfigError(f"{path}: {quote(value)} is out of range (at most {_INT_MAX} in absolute value)")
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
@@ -100,7 +105,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         except OverflowError:
             number = math.inf
         if not math.isfinite(number):
-            raise ConfigError(f"{path}: expected a finite float, got {value!r}")
+            raise ConfigError(f"{path}: expected a finite float, got {quote(value)}")
         return number
     if tp is str:
         if not isinstance(value, str):
@@ -115,7 +120,7 @@ def _build(cls: type, data: dict, path: str) -> Any:
     for key in data:
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"{where}: unknown key (valid: {', '.join(sorted(names))})")
+            raise ConfigError(f"{clip(where)}: unknown key (valid: {', '.join(sorted(names))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
         key = key_of(f)
@@ -150,33 +155,70 @@ def to_dict(cfg: Any) -> Any:
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    """Set ``a.b.c=value`` in a nested dict, checking each prefix names a known section."""
+    """Set ``a.b.c=value`` in a nested dict, checking each key against its section (an unknown key is refused with
+    the valid ones). A list of sections takes an index, ``data.sources[0].text_field=value``: the index names an item
+    of the list the config file gives, or of the default list when the file gives none."""
     keys = dotted.split(".")
     cls: Any = RunConfig
     node = tree
-    for i, key in enumerate(keys):
-        path = ".".join(keys[: i + 1])
-        by_key = {key_of(f): f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if key not in by_key:
-            raise ConfigError(f"{path}: unknown key")
-        if i == len(keys) - 1:
-            node[key] = value
-            return
-        cls = _hints(cls)[by_key[key]]
-        child = node.get(key)
-        if not isinstance(child, dict):
-            child = {}
+    for i, part in enumerate(keys):
+        path = clip(".".join(keys[: i + 1]))
+        indexed = _INDEXED.match(part)
+        key = indexed.group(1) if indexed else part
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"{path}: {'.'.join(keys[:i])} is a value, not a section")
+        fields = {key_of(f): f for f in dataclasses.fields(cls)}
+        if key not in fields:
+            raise ConfigError(f"{path}: unknown key (valid: {', '.join(sorted(fields))})")
+        tp = _hints(typing.cast(type, cls))[fields[key].name]
+        where = ".".join([*keys[:i], key])  # without the index
+        last = i == len(keys) - 1
+        if typing.get_origin(tp) is list and not last and not indexed:
+            raise ConfigError(f"{path}: a list; name an item by its index, e.g. {where}[0].{clip(keys[i + 1])}=...")
+        if indexed:
+            if typing.get_origin(tp) is not list:
+                raise ConfigError(f"{path}: {where} is not a list")
+            items = node.get(key)
+            if items is None:  # not in the file: the default list
+                f = fields[key]
+                items = node[key] = to_dict(f.default_factory() if callable(f.default_factory) else f.default)
+            if not isinstance(items, list):
+                raise ConfigError(f"{where}: expected a list, got {_describe(items)}")
+            items = node[key] = list(items)  # a copy: a YAML alias may share the list with another key
+            text = indexed.group(2)
+            index = int(text) if text.isascii() and text.isdigit() and len(text) < 19 else -1
+            if not 0 <= index < len(items):
+                raise ConfigError(
+                    f"{path}: index {clip(text)} is out of range: {where} has {len(items)} item(s)"
+                    + (f" (indexes 0 to {len(items) - 1})" if items else "")
+                    + f"; to add one, give the whole list: {where}=[...]"
+                )
+            (tp,) = typing.get_args(tp)
+            if last:
+                items[index] = value
+                return
+            if not isinstance(items[index], dict):
+                raise ConfigError(f"{where}[{index}]: expected a mapping, got {_describe(items[index])}")
+            child: dict = dict(items[index])
+            items[index] = child
+        else:
+            if last:
+                node[key] = value
+                return
+            child = node[key] if isinstance(node.get(key), dict) else {}
             node[key] = child
-        node = child
+        cls, node = tp, child
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``key.sub=value`` -> (key, YAML-parsed value; the raw text when it is no YAML value)."""
     if "=" not in text:
-        raise ConfigError(f"{text}: overrides look like key.sub=value")
+        raise ConfigError(f"{clip(text)}: overrides look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw != "" else ""  # noqa: S506 (a SafeLoader)
+        value = _load_value(raw) if raw != "" else ""
+    except ConfigError as e:  # an alias bomb: refused, not read as text
+        raise ConfigError(f"{clip(key.strip())}: {e}") from None
     except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # ValueError: e.g. a date 2001-13-45
         value = raw
     return key.strip(), value
@@ -190,6 +232,54 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.yaml_implicit_resolvers["+"] = [("tag:yaml.org,2002:str", _PLUS_INT), *_Loader.yaml_implicit_resolvers["+"]]
+
+MAX_YAML_VALUES = 100_000
+"""The most values (scalars, lists, mappings, keys) one YAML config file or override value may stand for, each
+``*alias`` counted as a copy of its ``&anchor``: a config has a few hundred, an alias bomb ("billion laughs", ten
+nested lists of nine aliases in 350 bytes) a billion."""
+
+
+def _check_size(node: yaml.Node, sizes: dict[int, int] | None = None, open_: set[int] | None = None) -> int:
+    """How many values the composed ``node`` stands for once its aliases are expanded; :class:`ConfigError` above
+    ``MAX_YAML_VALUES`` or for an alias inside the value it names (a recursive structure). An alias is the very
+    node of its anchor, so memoising by node counts the expansion in time linear in the document, before any
+    Python object is built."""
+    sizes = {} if sizes is None else sizes
+    open_ = set() if open_ is None else open_
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        raise ConfigError("a YAML alias (*name) refers to a value that contains it (a recursive structure)")
+    open_.add(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1
+    for child in children:
+        size += _check_size(child, sizes, open_)
+        if size > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"its YAML aliases (*name) expand it beyond {MAX_YAML_VALUES:,} values (an alias bomb?); a config "
+                f"has a few hundred"
+            )
+    open_.discard(id(node))
+    sizes[id(node)] = size
+    return size
+
+
+def _load_value(text: str) -> Any:
+    """One YAML document as plain data (None when it has none), refused by :func:`_check_size` before it is built."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_size(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _check_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:
@@ -205,7 +295,7 @@ def _check_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:
                 line = key_node.start_mark.line + 1
                 ident = (key_node.tag, key_node.value)
                 if ident in first:
-                    raise ConfigError(f"{where}: duplicate key (lines {first[ident]} and {line})")
+                    raise ConfigError(f"{clip(where)}: duplicate key (lines {first[ident]} and {line})")
                 first[ident] = line
                 _check_duplicates(value_node, where, seen)
     elif isinstance(node, yaml.SequenceNode):
@@ -217,35 +307,38 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or getattr(e, "context", None)
     if problem and mark is not None:
-        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return " ".join(str(e).split())
+        return f"{clip(problem)} (line {mark.line + 1}, column {mark.column + 1})"
+    return clip(" ".join(str(e).split()))
 
 
 def read_yaml(path: str | Path) -> Any:
     """A YAML file as plain data; None for an empty one (no document, or only comments). Invalid YAML,
-    undecodable bytes and duplicate keys raise :class:`ConfigError` naming the file."""
+    undecodable bytes, duplicate keys and aliases that expand it beyond ``MAX_YAML_VALUES`` values raise
+    :class:`ConfigError` naming the file."""
+    where = clip(path)
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        raise ConfigError(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+        raise ConfigError(f"{where}: cannot read the config file ({e.strerror or e})") from None
     loader = None
     try:
         loader = _Loader(text)
         node = loader.get_single_node()
         if node is None:
             return None
+        _check_size(node)  # before anything walks the aliases' expansion
         _check_duplicates(node, "", set())
         return loader.construct_document(node)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(e)}") from None
+        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
     except (ValueError, TypeError) as e:  # PyYAML's constructors: e.g. a date 2001-13-45
-        raise ConfigError(f"{path}: invalid YAML value: {e}") from None
+        raise ConfigError(f"{where}: invalid YAML value: {clip(e)}") from None
     except RecursionError:
-        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -257,17 +350,19 @@ def load_config(
     """Load YAML (or start from ``base``), apply dotted overrides, validate strictly."""
     tree: dict = {} if base is None else json.loads(json.dumps(base))
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{path}: config file not found")
+        p, where = Path(path), clip(path)
+        if not_a(p):  # a FIFO, a directory, a device: never opened (reading a FIFO would block)
+            raise ConfigError(f"{where}: the config file {not_a(p)}")
+        if not os.path.isfile(p):  # (Path.is_file raises on a name too long)
+            raise ConfigError(f"{where}: config file not found")
         loaded = read_yaml(p)
         if loaded is None:
             raise ConfigError(
-                f"{path}: the config file is empty; write the keys to change (or {{}} for all "
+                f"{where}: the config file is empty; write the keys to change (or {{}} for all "
                 f"defaults), or leave the file out to use {DEFAULT_CONFIG.name}"
             )
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, got a {type(loaded).__name__}")
+            raise ConfigError(f"{where}: expected a mapping at the top level, got a {type(loaded).__name__}")
         tree = _merge(tree, loaded)
     for text in overrides:
         key, value = parse_override(text)
@@ -284,7 +379,7 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
         elif path is None:
             path = a
         else:
-            raise ConfigError(f"{a}: unexpected argument (one config file, then key=value overrides)")
+            raise ConfigError(f"{clip(a)}: unexpected argument (one config file, then key=value overrides)")
     return path, overrides
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint import layout
+from pretrain.checkpoint import CheckpointError, layout, read_manifest
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 from pretrain.train.mlflow_records import log_datasets
@@ -26,6 +26,10 @@ TAG_CKPT_LATEST = "pretrain.checkpoint_latest"
 TAG_CKPT_STEP = "pretrain.checkpoint_step"
 TAG_RESUMED_FROM = "pretrain.resumed_from"
 TAG_KIND = "pretrain.model_kind"
+# The experiment's kind in MLflow 3's UI: an experiment without it opens as a GenAI (traces) experiment; this value
+# opens it as model training (runs, metric charts). The UI's constants: mlflow.experimentKind, custom_model_development.
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def tracking_uri() -> str:
@@ -47,19 +51,39 @@ def _local_artifact_root(uri: str) -> str | None:
 
 
 def get_or_create_experiment(uri: str, name: str) -> str:
+    """The id of experiment ``name``, created when missing; either way it is tagged as a model-training experiment
+    (:data:`TAG_EXPERIMENT_KIND`) unless it has a kind already."""
     client = _client(uri)
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    root = _local_artifact_root(uri)
-    location = f"{root}/{name}" if root else None
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except Exception:  # created concurrently by another process
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        root = _local_artifact_root(uri)
+        location = f"{root}/{name}" if root else None
+        try:
+            return client.create_experiment(
+                name, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
+            )
+        except Exception:  # created concurrently by another process
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if TAG_EXPERIMENT_KIND not in exp.tags:  # an experiment made before, or by another tool
+        client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def mark_training_experiments(uri: str) -> int:
+    """Tag every experiment of the store that holds a run of ours (:data:`TAG_KIND`) but has no kind as a
+    model-training experiment (:data:`TAG_EXPERIMENT_KIND`), which MLflow 3's UI would open as a GenAI one; returns
+    how many it tagged."""
+    client = _client(uri)
+    tagged = 0
+    for exp in client.search_experiments():
+        if TAG_EXPERIMENT_KIND in exp.tags:
+            continue
+        if client.search_runs([exp.experiment_id], filter_string=f"tags.`{TAG_KIND}` != ''", max_results=1):
+            client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+            tagged += 1
+    return tagged
 
 
 def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str:
@@ -187,6 +211,21 @@ def run_checkpoint_root(uri: str, run_id: str) -> Path:
     if not root:
         raise ConfigError(f"{run_id}: the run has no checkpoint directory recorded")
     return Path(root)
+
+
+def tokens_trained(run) -> int | None:
+    """The tokens the model of ``run`` has trained on, counted like its checkpoints (a resumed run, and a grown,
+    pruned or annealed child, carry on their parent's count): the latest ``train/tokens_seen`` it logged, else (a
+    derived run that has not trained yet) the manifest of its latest checkpoint; None when neither can be read."""
+    if "train/tokens_seen" in run.data.metrics:
+        return int(run.data.metrics["train/tokens_seen"])
+    latest = run.data.tags.get(TAG_CKPT_LATEST)
+    if not latest:
+        return None
+    try:
+        return read_manifest(Path(latest)).tokens_seen
+    except (CheckpointError, OSError):  # deleted, or storage this machine does not see
+        return None
 
 
 def list_runs(uri: str, max_results: int = 50) -> list:
