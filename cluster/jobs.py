@@ -9,7 +9,7 @@ import sys
 import time
 
 from cluster.head import ClusterError
-from cluster.submit import TERMINAL, api_errors, call_api, check_job_id, connect, resolve_address
+from cluster.submit import STOP_WAIT_KEY, TERMINAL, api_errors, call_api, check_job_id, connect, resolve_address
 
 
 def _address_arg(p: argparse.ArgumentParser) -> None:
@@ -107,18 +107,27 @@ def logs(argv: list[str]) -> int:
 def stop(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh stop", description="stop a running job")
     p.add_argument("job_id")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        help="seconds to wait for the job to end (default: the time its stop may take, checkpoint.stop_timeout_s "
+        "plus a margin, as the job was submitted with; else 60)",
+    )
     _address_arg(p)
     a = p.parse_args(argv)
     job_id = check_job_id(a.job_id)
     address = resolve_address(a.address)
     client = connect(address)
-    current = str(call_api(client, address, client.get_job_status, job_id, job_id=job_id).value)
+    info = call_api(client, address, client.get_job_info, job_id, job_id=job_id)
+    current = str(info.status.value)
     if current in TERMINAL:
         print(f"job {job_id} already ended: {current}")
         return 0
+    wait = a.wait if a.wait is not None else float((info.metadata or {}).get(STOP_WAIT_KEY, 60))
+    print(f"job {job_id}: stopping (the run commits a checkpoint at its current step; waiting up to {wait:.0f} s)")
     call_api(client, address, client.stop_job, job_id, job_id=job_id)
-    deadline = time.time() + a.wait
+    deadline = time.time() + wait
     while True:
         current = str(call_api(client, address, client.get_job_status, job_id, job_id=job_id).value)
         if current in TERMINAL or time.time() >= deadline:
@@ -127,5 +136,5 @@ def stop(argv: list[str]) -> int:
     if current in TERMINAL:
         print(f"job {job_id}: {current}")
         return 0
-    print(f"job {job_id}: stop requested, still {current} after {a.wait:.0f} s")
+    print(f"job {job_id}: stop requested, still {current} after {wait:.0f} s")
     return 1

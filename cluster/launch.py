@@ -5,11 +5,14 @@ Ray code sees only the cluster settings; the training function receives the job 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -103,17 +106,33 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # environment and Train's actors never do (Train gives each one its own), so they would be processes that
         # import Ray at start-up, while the controller and workers start, and are never used.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
-        ray.init(
-            address="local",
-            num_cpus=local_cpus(),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            runtime_env=runtime_env,
-            logging_level=logging.WARNING,
-            configure_logging=True,
-            _system_config={"prestart_worker_first_driver": False},
-        )
+        # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
+        # the whole process group, and the run's stop (pretrain.driver.stop) needs Ray alive to take its checkpoint.
+        with _sigint_ignored():
+            ray.init(
+                address="local",
+                num_cpus=local_cpus(),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                runtime_env=runtime_env,
+                logging_level=logging.WARNING,
+                configure_logging=True,
+                _system_config={"prestart_worker_first_driver": False},
+            )
     return True
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the block runs (in the main thread; elsewhere no signal handler can change)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -> tuple[T, bool]:
@@ -255,14 +274,21 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
 
 def _trainer_class(embedded: bool):
     """Ray Train's ``TorchTrainer``; on an embedded local Ray, :class:`cluster.embedded.EmbeddedTorchTrainer`
-    (without the actors that serve nothing there)."""
-    if not embedded:
-        from ray.train.torch import TorchTrainer
+    (without the actors that serve nothing there). Either without Train's own SIGINT handler, which would abort the
+    workers where the driver's (:mod:`pretrain.driver.stop`) has them stop with a checkpoint."""
+    from ray.train.torch import TorchTrainer
 
-        return TorchTrainer
-    from cluster.embedded import EmbeddedTorchTrainer
+    base = TorchTrainer
+    if embedded:
+        from cluster.embedded import EmbeddedTorchTrainer
 
-    return EmbeddedTorchTrainer
+        base = EmbeddedTorchTrainer
+
+    class Trainer(base):  # type: ignore[valid-type,misc]
+        def _register_sigint_handler(self, controller) -> None:
+            pass
+
+    return Trainer
 
 
 def _reuses_host_memory(job: Job) -> bool:

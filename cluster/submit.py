@@ -82,6 +82,10 @@ JOB_ENV = (
 # Forwarded only to a head on this machine (they name local paths).
 LOCAL_JOB_ENV = ("TORCH_EXTENSIONS_DIR",)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+STOP_MARGIN_S = 30
+"""Seconds Ray Jobs waits after ``checkpoint.stop_timeout_s`` before it kills a stopping job's driver."""
+STOP_WAIT_KEY = "stop_wait_s"
+"""The job's metadata key of the seconds its stop may take (``stop`` waits that long by default)."""
 _RUN_RE = re.compile(r"\[pretrain\] (?:resuming )?run ([0-9a-f]{8,})")
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
@@ -324,6 +328,8 @@ def submit(argv: list[str]) -> int:
             "[submit] note: MLFLOW_TRACKING_URI is not set here: the job uses the cluster's own setting",
             file=sys.stderr,
         )
+    # Ray Jobs' stop sends SIGTERM, then SIGKILL after this many seconds: room for the stop's checkpoint.
+    env.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(int(cfg.checkpoint.stop_timeout_s) + STOP_MARGIN_S))
     python = a.python or (shlex.quote(head.get("python") or sys.executable) if head else "python")
     entrypoint = f"{python} -m pretrain train {JOB_CONFIG_NAME}"
     stage = _stage_working_dir(dump_yaml(cfg))
@@ -336,7 +342,11 @@ def submit(argv: list[str]) -> int:
                 entrypoint=entrypoint,
                 runtime_env=runtime_env,
                 submission_id=a.job_id,
-                metadata={"pretrain_config": cfg.name, "submitted_from": "pretrain submit"},
+                metadata={
+                    "pretrain_config": cfg.name,
+                    "submitted_from": "pretrain submit",
+                    STOP_WAIT_KEY: env["RAY_JOB_STOP_WAIT_TIME_S"],
+                },
             ),
         )
     finally:

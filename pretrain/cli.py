@@ -1,15 +1,20 @@
 """Command line: ``python -m pretrain CMD ...`` (``./launch.sh CMD ...`` sets up .venv first).
 
     train [CONFIG.yaml] [key.sub=value ...] [--dry-run]   train (default config: configs/demo-decoder.yaml);
+                                                  key.sub=value: any config key, e.g. train.max_steps=100 or
+                                                  data.sources[0].text_field=content (docs/configuration.md);
                                                   --dry-run: check everything a run checks first and print its
                                                   plan (model, tokenizer, batch, steps, workers...), start nothing
-    resume RUN_ID|CHECKPOINT_DIR [key=value ...] continue from the latest committed checkpoint
+    resume RUN_ID|CHECKPOINT_DIR [key=value ...]  continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
     ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
     bench [--json] [--no-moe] [--layer-drop] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense,
                                                   all-to-all, data, the real training loop (loop_vs_step_ratio,
                                                   time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
                                                   at rates 0, 0.25, 0.5
+    bench --vs-hf [--repeats N] [--corpus PATH] [--json]   ./launch.sh train against Hugging Face Trainer
+    bench --growth                                scratch vs grown (stack, tile) at equal FLOPs
+    bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     bench --checkpoint [--json] [--sizes 256,512,1024]   checkpoint bytes, loop stall per save (sync/async), save
                                                   vs raw write, per-rank hash seconds, resume to first step
@@ -19,7 +24,7 @@
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
     prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
     grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
-         [heads=..] [ffn=..] [experts=E] [top_k=K] [noise=X] [step=N]       grow the model: a new child run
+         [heads=..] [ffn=..] [experts=E] [top_k=K] [noise=X] [rewarm=N] [step=N]   grow the model: a new child run
     anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]   decay the LR of a (WSD) checkpoint to the floor
                                                   over N steps, optionally on other data: a new child run
     cluster up|down|status                        a local Ray head on 127.0.0.1 (token auth) to submit to
@@ -29,8 +34,9 @@
     logs JOB [--follow] [--address URL]           the job's output
     stop JOB [--address URL]                      stop a job (waits until it is STOPPED)
 
-User errors (config, data, checkpoints) print one line and exit 2, wherever they were detected; internal
-errors print their traceback and exit 1. Training runs keep their full output in RUN_DIR/logs/driver.log.
+CMD --help (or -h): that command's usage and options. User errors (config, data, checkpoints) print one line and
+exit 2, wherever they were detected; internal errors print their traceback and exit 1. Training runs keep their full
+output in RUN_DIR/logs/driver.log.
 """
 
 from __future__ import annotations
@@ -38,54 +44,25 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
+import signal
 import sys
 import traceback
 from pathlib import Path
 
 from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
-
-
-def _print_summary(final: dict, job, uri: str) -> None:
-    cfg_name = job.config["name"]
-    run_id = job.run_id
-    rows = [("final train loss", f"{final.get('final_train_loss', float('nan')):.4f}")]
-    if "val_loss" in final:
-        rows.append(("final val loss", f"{final['val_loss']:.4f}  (ppl {final.get('val_ppl', float('nan')):.1f})"))
-    if "val_mlm_acc" in final:
-        rows.append(("val MLM accuracy", f"{final['val_mlm_acc']:.4f}"))
-    if "unigram_val_loss" in final:
-        rows.append(
-            ("unigram baseline", f"{final['unigram_val_loss']:.4f}  (val loss of a unigram model on the same data)")
-        )
-    rows += [
-        (
-            "tokens/s",
-            f"{final.get('tokens_per_s', 0):,.0f}  ({final.get('tokens_seen', 0):,} tokens, "
-            f"{final.get('step', 0)} steps)",
-        ),
-        ("checkpoint", final.get("checkpoint", "")),
-        ("MLflow run id", run_id),
-    ]
-    if final.get("bad_records"):
-        rows.append(("bad records", f"{final['bad_records']} skipped (see data/bad_records.json in the run)"))
-    print(f"\n== finished: {cfg_name} ==")
-    for k, v in rows:
-        print(f"  {k:<18} {v}")
-    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
-    print("\n  resume:      " + f"{env}./launch.sh resume {run_id} train.max_steps={final.get('step', 0) * 2}")
-    print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
-    print(
-        "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
-        f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
-    )
+from pretrain.config.errors import quote
+from pretrain.usage import asks_help, command_usage
 
 
 def cmd_train(args: list[str]) -> int:
     dry = "--dry-run" in args
     path, overrides = split_args([a for a in args if a != "--dry-run"])
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
+    from pretrain.train.schedule import schedule_warning
+
+    if schedule_warning(cfg.train):
+        print(f"[pretrain] {schedule_warning(cfg.train)}", flush=True)
     if dry:  # the checks and the plan; nothing started or created
         from pretrain.driver.dry_run import dry_run
 
@@ -101,7 +78,9 @@ def cmd_train(args: list[str]) -> int:
     from cluster.launch import prepare_while_ray_starts
 
     # The run is created (MLflow, tokenizer) while Ray starts.
-    return _run_job(
+    from pretrain.driver.run_job import run_job
+
+    return run_job(
         lambda: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True)),
         lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}",
     )
@@ -114,128 +93,28 @@ def cmd_resume(args: list[str]) -> int:
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")
     timeline.enter("run_preparation")
-    return _run_job(
+    from pretrain.driver.run_job import run_job
+
+    return run_job(
         lambda: (prepare_resume(args[0], args[1:]), False), lambda job: f"resuming run {job.run_id} into {job.run_dir}"
     )
 
 
-def _run_job(prepare, announce) -> int:
-    """``prepare()`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
-    it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
-    run exists). ``announce(job)``: the line that names the run."""
-    from cluster.launch import end_ray_with_process, run, stop_ray
-    from pretrain.config import from_dict
-    from pretrain.driver.console import QuietConsole
-    from pretrain.train.tracking import Tracker, tracking_uri
-
-    with QuietConsole(None) as console:
-        job, ray_started = prepare()
-        log = Path(job.run_dir) / "logs" / "driver.log"
-        console.set_log(log)
-        print(f"[pretrain] {announce(job)}", flush=True)
-        print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
-        tracker = Tracker(job.tracking_uri, job.run_id)
-        try:
-            try:
-                final = run(job, from_dict(job.config).cluster)
-            except BaseException:
-                stop_ray(ray_started)
-                raise
-            end_ray_with_process(ray_started)  # the command ends right after the summary
-        except BaseException as e:
-            tracker.finish("FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED")
-            e.add_note(f"full log: {log}")
-            raise
-        tracker.finish("FINISHED")
-    _print_summary(final, job, tracking_uri())
-    return 0
-
-
 def cmd_runs(args: list[str]) -> int:
-    from pretrain.checkpoint import list_committed
-    from pretrain.train import tracking
+    from pretrain.driver.runs import runs
 
-    uri = tracking.tracking_uri()
-    plot = "--plot" in args
-    args = [a for a in args if a != "--plot"]
-    if plot and not args:
-        raise ConfigError("runs --plot: give a run id (runs RUN_ID --plot)")
-    if args:
-        run = tracking.find_run(uri, args[0])
-        if run is None:
-            raise ConfigError(f"{args[0]}: no such run in {uri}")
-        root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
-        print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
-        for line in _lineage(run.data.tags):
-            print(f"  {line}")
-        if run.data.tags.get("pretrain.stability.last_event"):
-            print(
-                f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "
-                f"{run.data.tags['pretrain.stability.last_event']}"
-            )
-        print(f"  {'step':>8} {'tokens':>12} {'train loss':>10} {'val loss':>9}  path")
-        for c in list_committed(Path(root)) if root else []:
-            m = c.manifest.metrics
-            print(
-                f"  {c.step:>8} {c.manifest.tokens_seen:>12,} {m.get('train/loss', float('nan')):>10.4f} "
-                f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}"
-            )
-        if plot:
-            from pretrain.train.plot import plot_run
-
-            out = Path(root) / "training.png" if root and Path(root).is_dir() else Path(f"{args[0]}.png")
-            print(f"plot: {plot_run(uri, args[0], out).resolve()}")
-        return 0
-    runs = tracking.list_runs(uri)
-    if not runs:
-        print(f"no runs in {uri}")
-        return 0
-    print(f"tracking store: {uri}")
-    print(f"{'run id':<34} {'name':<16} {'status':<9} {'step':>6} {'tokens':>11} {'val loss':>8}  latest checkpoint")
-    for r in runs:
-        m, tags = r.data.metrics, r.data.tags
-        step = tags.get(tracking.TAG_CKPT_STEP, "-")
-        print(
-            f"{r.info.run_id:<34} {(r.info.run_name or '')[:16]:<16} {r.info.status:<9} {step:>6} "
-            f"{int(m.get('train/tokens_seen', 0)):>11,} {m.get('val/loss', float('nan')):>8.4f}  "
-            f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}"
-        )
-        for line in _lineage(tags)[:1]:
-            print(f"{'':<34} ^ {line}")
-    return 0
-
-
-def _lineage(tags: dict[str, str]) -> list[str]:
-    """Where a run came from (a derived run's parent) and the growths it went through."""
-    out = []
-    derived = tags.get("pretrain.derived")
-    if derived:
-        parent = tags.get("mlflow.parentRunId") or tags.get("pretrain.parent_checkpoint", "?")
-        step = tags.get("growth.parent_step") or tags.get("prune.parent_step") or tags.get("anneal.parent_step", "?")
-        what = tags.get("growth.operator") or (
-            f"LR decay to the floor over {tags['anneal.steps']} steps ({tags.get('anneal.shape', '?')})"
-            if "anneal.steps" in tags
-            else f"kept blocks {tags.get('prune.layers', '?')}"
-        )
-        out.append(f"{derived} of run {parent} at step {step}: {what}")
-    grown = sorted(
-        (int(k.split(".")[1]), v)
-        for k, v in tags.items()
-        if k.startswith("growth.") and k.endswith(".operator") and k.split(".")[1].isdigit()
-    )
-    for i, op in grown:
-        out.append(f"growth at step {tags.get(f'growth.{i}.at_step', '?')}: {op}")
-    return out
+    return runs(args)
 
 
 def cmd_ui(args: list[str]) -> int:
-    from pretrain.train.tracking import tracking_uri
+    from pretrain.train.tracking import mark_training_experiments, tracking_uri
 
     p = argparse.ArgumentParser(prog="launch.sh ui")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", default="5000")
     a = p.parse_args(args)
     uri = tracking_uri()
+    mark_training_experiments(uri)  # experiments made before the kind tag open as training, not GenAI
     mlflow = Path(sys.executable).with_name("mlflow")
     print(f"[pretrain] MLflow UI for {uri} on http://{a.host}:{a.port}", flush=True)
     os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port])
@@ -358,6 +237,8 @@ COMMANDS = {
     "logs": cmd_logs,
     "stop": cmd_stop,
 }
+# Commands whose argparse answers --help with its options; the others answer with their lines of the table above.
+_ARGPARSE_COMMANDS = {"ui", "bench", "export", "eval", "cluster", "submit", "jobs", "status", "logs", "stop"}
 
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
@@ -419,13 +300,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # warn about falling back to CPU (workers inherit this)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not "Creating initial MLflow database tables..."
     if cmd not in COMMANDS:
-        print(f"error: unknown command {cmd!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        print(f"error: unknown command {quote(cmd)} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    if cmd not in _ARGPARSE_COMMANDS and asks_help(rest):
+        print(command_usage(__doc__ or "", cmd))
+        return 0
     try:
         return COMMANDS[cmd](rest)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), printed already
+        return e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"error: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return 128 + signum
     except Exception as e:  # noqa: BLE001 - user errors become one line; internal ones keep their traceback
         if os.environ.get("PRETRAIN_DEBUG"):
             raise

@@ -7,6 +7,7 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     tokenizer/               the run's tokenizer
     init_weights.pt          ``model.init_from_hf`` weights converted by the driver (when set)
     summary.json             the end-of-run summary
+    stop_request.json        a stop asked for by the driver (a signal, ``stop JOB``); present only while it stops
     step_NNNNNNNN/           committed checkpoints (below)
     .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
     universal-step_N/        a checkpoint's DeepSpeed universal form (resumed on another worker count)
@@ -47,6 +48,7 @@ RUN_CONFIG = CONFIG
 RUN_TOKENIZER = TOKENIZER
 INIT_WEIGHTS = "init_weights.pt"
 SUMMARY = "summary.json"
+STOP_REQUEST = "stop_request.json"
 ABANDONED = "abandoned"
 
 STEP_PREFIX = "step_"

@@ -52,6 +52,16 @@ class CheckpointConfig:
     backward run (they change none of it); the optimizer update, and anything else that changes the state
     (loading, growth), waits for the copy first. The loop then stalls only for what the copy takes beyond the
     forward and backward (counted in ``ckpt/stall_s`` as ``copy_wait_s``). False copies inside the save."""
+    on_stop: Literal["save", "exit"] = "save"
+    """What a stop does — SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C), ``./launch.sh stop JOB``:
+    ``save``: every rank finishes its current step, the run commits a checkpoint at that step (and the save in
+    flight), the MLflow run ends ``KILLED`` with the stop recorded, and the command exits 143 (SIGTERM) or 130
+    (SIGINT) naming the checkpoint and the resume command. ``exit``: the run ends at once, with no new checkpoint (the
+    latest committed one stays). A second signal always ends the run at once."""
+    stop_timeout_s: float = 300.0
+    """Seconds a ``save`` stop may take (the current step and the checkpoint) before the run ends at once, as on a
+    second signal. Keep it under the scheduler's own grace period (Kubernetes ``terminationGracePeriodSeconds``,
+    Slurm ``--signal=TERM@SECONDS``); ``submit`` sets Ray Jobs' (``RAY_JOB_STOP_WAIT_TIME_S``) from it."""
     direct_io: bool = True
     """Write the large engine files (weights, optimizer partitions, experts) with direct I/O (``O_DIRECT``)
     from a few reused buffers, hashed as they are written, instead of through the page cache; a filesystem that
@@ -141,6 +151,9 @@ class FaultsConfig:
     -1 disables."""
     slow_checkpoint_s: float = 60.0
     """The sleep of ``slow_checkpoint_at_step``."""
+    slow_step_s: float = 0.0
+    """Every step first sleeps this long on every rank (the numbers do not change), so a test can act mid-run
+    (send a signal) whatever the machine's speed. 0 disables."""
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pretrain.config.capabilities import GrowthConfig, LayerDropConfig, MoEConfig
-from pretrain.config.errors import ConfigError
+from pretrain.config.errors import ConfigError, quote
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
@@ -145,6 +145,11 @@ class DataConfig:
     bad_records: Literal["skip", "fail"] = "skip"
     """Malformed records (bad JSON, missing text field, undecodable bytes, empty text): ``skip`` counts
     and reports them (file and line); ``fail`` stops with a one-line error."""
+    allow_changed: bool = False
+    """Resume even though a source changed since the checkpoint (size or sampled content; see
+    ``pretrain/data/fingerprint.py``), which a resume otherwise refuses: the data position then no longer means
+    the same documents. The new fingerprint is recorded in MLflow (``data/fingerprint.json``, tag
+    ``pretrain.data.changed``)."""
     mlm_probability: float = 0.15
     """Encoders: fraction of tokens selected for prediction (of which 80% [MASK], 10% random, 10% kept)."""
     repeat: bool = True
@@ -269,6 +274,7 @@ class RunConfig:
             "data.num_streams": d.num_streams,
             "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
+            "checkpoint.stop_timeout_s": self.checkpoint.stop_timeout_s,
         }
         for key, value in positive.items():
             if value <= 0:
@@ -283,6 +289,7 @@ class RunConfig:
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
             "faults.slow_checkpoint_s": self.faults.slow_checkpoint_s,
+            "faults.slow_step_s": self.faults.slow_step_s,
             "cluster.max_failures": c.max_failures,
             "cluster.start_timeout": c.start_timeout,
             "train.num_threads": t.num_threads,
@@ -410,13 +417,13 @@ class RunConfig:
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
             for name in e.TARGETS:
-                spec = str(getattr(e, name))
+                spec, shown = str(getattr(e, name)), quote(str(getattr(e, name)))
                 if spec and not _COUNT.fullmatch(spec):
                     raise ConfigError(
-                        f"{where}.{name}: {spec!r}: expected a factor like 2x, an increment like +4, or a total like 8"
+                        f"{where}.{name}: {shown}: expected a factor like 2x, an increment like +4, or a total like 8"
                     )
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
-                    raise ConfigError(f"{where}.{name}: {spec!r} grows nothing (leave the key out instead)")
+                    raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
         if steps != sorted(set(steps)):
             raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
 

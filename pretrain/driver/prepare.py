@@ -13,6 +13,7 @@ torch, transformers or Ray are imported (this module imports them lazily), so wi
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -23,10 +24,12 @@ from cluster.placement import check_local_layout
 from pretrain import timeline
 from pretrain.checkpoint import layout
 from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
+from pretrain.config.errors import clip, not_a
 from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus
 from pretrain.train import tracking
+from pretrain.train.job import FINGERPRINT_STATE
 
 if TYPE_CHECKING:
     from pretrain.train.job import Job
@@ -53,13 +56,13 @@ def check_writable_dir(path: str, key: str) -> None:
 
 
 def _check_dir(path: str, key: str, what: str) -> None:
-    if path and not Path(path).is_dir():
-        raise ConfigError(f"{key}: {path} is not a directory{what}")
+    if path and not os.path.isdir(path):
+        why = not_a(path, "a directory") or ("is not a directory" if os.path.exists(path) else "does not exist")
+        raise ConfigError(f"{key}: {clip(path)} {why}{what}")
 
 
 def _check_gpu_request(cfg: RunConfig) -> None:
     """``cluster.use_gpu=yes`` on this machine (no cluster address) without a GPU driver cannot start a worker."""
-    import os
 
     local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) or cfg.cluster.trains_in_process()
     if cfg.cluster.use_gpu == "yes" and local and not any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/kfd")):
@@ -171,9 +174,19 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
         elif cfg.model.vocab_size < length:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({length})")
 
+    from pretrain.data.fingerprint import fingerprints
+
+    fingerprint = fingerprints(cfg.data)  # what the run trains on, kept in every checkpoint
     run_id, run_dir, uri = create_run(cfg, tags, complete)
     init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
-    return Job(config=to_dict(cfg), run_id=run_id, run_dir=str(run_dir), tracking_uri=uri, init_weights=init_weights)
+    return Job(
+        config=to_dict(cfg),
+        run_id=run_id,
+        run_dir=str(run_dir),
+        tracking_uri=uri,
+        init_weights=init_weights,
+        data_fingerprint=fingerprint,
+    )
 
 
 def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
@@ -207,13 +220,53 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         cfg = resolve_paths(read_config(ckpt, overrides))
         cfg.validate()
         preflight(cfg)
+        fingerprint, tags = _check_resume(ckpt, cfg, overrides)
         if cfg.tracking.enabled:
             tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
+            _record_data_change(uri, target, fingerprint, tags)
         return Job(
-            config=to_dict(cfg), run_id=target, run_dir=str(root), tracking_uri=uri if cfg.tracking.enabled else ""
+            config=to_dict(cfg),
+            run_id=target,
+            run_dir=str(root),
+            tracking_uri=uri if cfg.tracking.enabled else "",
+            data_fingerprint=fingerprint,
         )
     ckpt = resolve(path, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)
-    job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)})
+    cfg.validate()
+    preflight(cfg)
+    fingerprint, tags = _check_resume(ckpt, cfg, overrides)
+    job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True)
+    if job.tracking_uri:
+        _record_data_change(job.tracking_uri, job.run_id, fingerprint, tags)
     return job
+
+
+def _check_resume(ckpt, cfg: RunConfig, overrides: list[str]) -> tuple[dict, dict[str, str]]:
+    """What a resume of ``ckpt`` as ``cfg`` may change (:mod:`pretrain.driver.resume_checks`; one-line refusals
+    before anything is recorded) and the data it resumes on: (its fingerprint, MLflow tags of a change the user
+    allowed with ``data.allow_changed``, which holds for this resume only)."""
+    from pretrain.checkpoint.reader import read_config, read_trainer_state
+    from pretrain.data.fingerprint import check_unchanged, differences
+    from pretrain.driver.resume_checks import check_resume
+
+    saved = resolve_paths(read_config(ckpt))
+    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path))
+    state = read_trainer_state(ckpt)
+    recorded = (state.get("callbacks") or {}).get(FINGERPRINT_STATE, state.get(FINGERPRINT_STATE))
+    current = check_unchanged(recorded, cfg.data, str(ckpt.path))
+    changed = differences(recorded, current) if recorded is not None else []
+    tags: dict[str, str] = {}
+    if changed:
+        print(f"[pretrain] warning: data.allow_changed: resuming on changed data: {'; '.join(changed)}", flush=True)
+        tags = {"pretrain.data.changed": f"at step {ckpt.manifest.step}: {'; '.join(changed)}"[:4000]}
+    cfg.data.allow_changed = False  # this resume's permission, not the run's
+    return current, tags
+
+
+def _record_data_change(uri: str, run_id: str, fingerprint: dict, tags: dict[str, str]) -> None:
+    if tags:
+        tracker = tracking.Tracker(uri, run_id)
+        tracker.set_tags(tags)
+        tracker.log_json(fingerprint, "data/fingerprint.json")

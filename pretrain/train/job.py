@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FINGERPRINT_STATE = "data_fingerprint"
+"""The key of the data fingerprint in a checkpoint's trainer state (``callbacks``)."""
+
 
 @dataclass(kw_only=True)
 class Job:
@@ -24,3 +27,6 @@ class Job:
     startup: list = field(default_factory=list)
     """The driver's start-up marks (:func:`pretrain.timeline.marks`), continued by the worker up to its first
     step; empty when the job was not started by a command (the worker's timeline then starts at its setup)."""
+    data_fingerprint: dict = field(default_factory=dict)
+    """The fingerprint of the data sources the job trains on (:mod:`pretrain.data.fingerprint`), taken by the driver;
+    every checkpoint keeps it, and a resume compares the sources with it."""

@@ -26,6 +26,7 @@ from pretrain.data import (
 from pretrain.data.tasks import load_tasks
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
+from pretrain.train.callbacks.data_fingerprint import DataFingerprint
 from pretrain.train.callbacks.standard import standard_callbacks
 from pretrain.train.callbacks.task_evaluation import prepare_tasks
 from pretrain.train.checkpointer import Checkpointer
@@ -173,7 +174,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         tracker=tracker,
         progress=progress,
         run_dir=run_dir,
-        callbacks=[*callbacks, *extra_callbacks],
+        callbacks=[*callbacks, DataFingerprint(job_.data_fingerprint), *extra_callbacks],
         last_checkpoint=resume.path if resume is not None else None,
     )
 

@@ -298,6 +298,15 @@ def test_stop_running_job_and_listeners_while_training(head):
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert stop.stdout.strip().endswith("STOPPED")
     assert _cli(work, env, "status", job_id).stdout.strip() == "STOPPED"
+    # the stop was a checkpoint: the driver got SIGTERM from Ray Jobs, the worker finished its step and committed it
+    run_id = re.search(r"MLflow run id: (\w+)", proc.stdout).group(1)
+    m = re.search(r"stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: ", out)
+    assert m, out[-3000:]
+    assert Path(m.group(2)).name == f"step_{int(m.group(1)):08d}" and (Path(m.group(2)) / "manifest.json").is_file()
+    from mlflow import MlflowClient
+
+    run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["pretrain.stop.signal"] == "SIGTERM"
     again = _cli(work, env, "stop", job_id)
     assert again.returncode == 0 and "already ended: STOPPED" in again.stdout
 

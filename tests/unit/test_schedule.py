@@ -67,3 +67,51 @@ def test_bad_values_are_one_line(override, message):
 @pytest.mark.parametrize("value, mode", [("true", "full"), ("false", "none"), ("selective", "selective")])
 def test_activation_checkpointing_booleans_still_work(value, mode):
     assert train_cfg(f"train.activation_checkpointing={value}").activation_checkpointing == mode
+
+
+# -- extending a run: the LR never rises across a resume ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant", "wsd"])
+@pytest.mark.parametrize("step", [5, 10, 50, 85, 100])
+def test_the_overrides_a_summary_prints_never_raise_the_lr(decay, step):
+    import dataclasses
+
+    from pretrain.train.schedule import continue_overrides, raises_lr
+
+    saved = train_cfg(f"train.decay={decay}")
+    longer = continue_overrides(saved, step, 2 * step)
+    resumed = load_config(None, [f"train.{k}={v}" for k, v in _train_items(saved)] + longer).train
+    assert not raises_lr(saved, resumed, step), longer
+    assert resumed.max_steps == 2 * step
+    # a longer constant schedule, or WSD still at its peak, keeps the schedule: max_steps alone
+    if decay == "constant" or (decay == "wsd" and step <= 80):
+        assert longer == [f"train.max_steps={2 * step}"]
+    assert raises_lr(saved, dataclasses.replace(saved, max_steps=2 * step), step) == (len(longer) > 1)
+
+
+def _train_items(t):
+    keys = ("lr", "min_lr_ratio", "max_steps", "warmup_steps", "decay")
+    return [(k, getattr(t, k)) for k in keys]
+
+
+def test_a_longer_cosine_run_is_refused_in_one_line_naming_what_to_use():
+    import dataclasses
+
+    from pretrain.train.schedule import extension_refusal
+
+    saved = train_cfg()
+    line = extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 100)
+    assert "\n" not in line and "train.max_steps 100 -> 200 would raise the LR from 0.1 (step 100)" in line
+    assert "train.decay=constant train.lr=0.1" in line and "train.decay=wsd" in line and "anneal" in line
+    assert extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 5) == ""  # in warm-up: same LR
+    assert extension_refusal(saved, dataclasses.replace(saved, max_steps=50), 40) == ""  # shorter: LR goes down
+    assert extension_refusal(saved, dataclasses.replace(saved, lr=2.0), 60)  # a higher peak mid-decay: a jump
+
+
+def test_a_schedule_that_ends_at_its_peak_is_warned_about():
+    from pretrain.train.schedule import schedule_warning
+
+    assert "never decaying" in schedule_warning(train_cfg("train.max_steps=10"))
+    assert schedule_warning(train_cfg("train.max_steps=11")) == ""
+    assert schedule_warning(train_cfg("train.max_steps=5", "train.decay=constant")) == ""

@@ -1,9 +1,10 @@
-"""Test-only fault injection (``faults.*``): kill a worker, a NaN gradient, an LR spike, a stop."""
+"""Test-only fault injection (``faults.*``): kill a worker, a NaN gradient, an LR spike, a stop, slow steps."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class FaultInjection(Callback):
         return True
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
+        if self.faults.slow_step_s:
+            time.sleep(self.faults.slow_step_s)
         ctx = trainer.ctx
         victim = ctx.rank == min(1, ctx.world_size - 1)
         if self.faults.kill_worker_at_step == step and victim:

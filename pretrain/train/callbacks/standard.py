@@ -18,6 +18,7 @@ order  callback              what it does
 41     SourceValidation      ``val/<source>/*`` after each validation
 42     TaskEvaluation        ``eval.tasks`` every ``eval.every`` steps
 45     EarlyStop             ``train.stop_at_val_loss``: ends the run at a good enough validation
+46     StopOnRequest         a stop the driver asked for (signal, ``stop JOB``): ends the run after this step
 50     CheckpointCallback    committed checkpoints every ``checkpoint.every_steps`` and at the end
 55     CheckpointStats       bytes and seconds each rank hashed for checkpoints
 190    StabilityReport       stability summary, timeline and plot at the end of the run
@@ -48,6 +49,7 @@ from pretrain.train.callbacks.source_validation import SourceValidation
 from pretrain.train.callbacks.speed import SpeedMonitor
 from pretrain.train.callbacks.stability import StabilityCallback
 from pretrain.train.callbacks.stability_report import StabilityReport
+from pretrain.train.callbacks.stop import StopOnRequest
 from pretrain.train.callbacks.system_metrics import SystemMetrics
 from pretrain.train.callbacks.task_evaluation import PreparedTask, TaskEvaluation
 from pretrain.train.callbacks.throughput import ThroughputMonitor
@@ -97,6 +99,7 @@ def standard_callbacks(
         MetricsLogger(),
         ValidationCallback(byte_lengths),
         EarlyStop(trainer_cfg.train.stop_at_val_loss),
+        StopOnRequest(),
         CheckpointCallback(checkpointer),
         SourceValidation(per_source, only_source, byte_lengths),
         TaskEvaluation(tasks, trainer_cfg.eval.every),

@@ -1,0 +1,84 @@
+"""What a resume may change, checked on the driver before anything starts or is recorded: each refusal is one
+line (:class:`ConfigError`, exit 2) that says what can change instead, and the run it would have resumed keeps
+its MLflow status.
+
+* the architecture (parameter shapes) cannot change: ``grow`` and ``prune`` make a new run of another shape;
+* ZeRO-1 and ZeRO-2 checkpoints load into each other; DeepSpeed loads a ZeRO-3 checkpoint only into ZeRO-3;
+* the LR schedule cannot rise across the resume (:func:`pretrain.train.schedule.extension_refusal`);
+* the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.config import ConfigError, RunConfig
+from pretrain.config.errors import quote
+from pretrain.train.schedule import extension_refusal
+
+SHAPE_FIELDS = (
+    "kind",
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_size",
+    "activation",
+    "norm",
+    "norm_placement",
+    "position",
+    "tie_embeddings",
+    "bias",
+    "embedding_norm",
+    "final_norm",
+    "mlm_head_transform",
+    "qk_norm",
+)
+"""``model.*`` fields that decide the parameters' names and shapes (with ``max_seq_len`` for learned positions)."""
+
+MOE_SHAPE_FIELDS = ("num_experts", "every", "layers", "ffn_size")
+
+
+def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str) -> None:
+    """Refuse, in one line, a resume of ``checkpoint`` (saved with ``saved``, at ``step``) as ``cfg``."""
+    changed = _shape_change(saved, cfg)
+    if changed:
+        key, old, new = changed
+        raise ConfigError(
+            f"{key} cannot change at resume (checkpoint {quote(old)}, asked {quote(new)}): the checkpoint's weights "
+            "have other shapes. A bigger or smaller model of this one is a new run: ./launch.sh grow or prune "
+            f"{checkpoint} (docs/growth.md); otherwise resume with {key}={_yaml(old)}"
+        )
+    old_stage, new_stage = saved.zero.stage, cfg.zero.stage
+    if old_stage != new_stage and 3 in (old_stage, new_stage):
+        raise ConfigError(
+            f"zero.stage cannot change from {old_stage} to {new_stage} at resume: DeepSpeed loads ZeRO-1 and ZeRO-2 "
+            "checkpoints into each other, a ZeRO-3 one only into ZeRO-3. Resume with "
+            f"zero.stage={old_stage}, or export the weights (./launch.sh export) and start a run from them "
+            "(model.init_from_hf)"
+        )
+    refusal = extension_refusal(saved.train, cfg.train, step)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def _shape_change(saved: RunConfig, cfg: RunConfig) -> tuple[str, Any, Any] | None:
+    fields = list(SHAPE_FIELDS)
+    if saved.model.position == "learned":
+        fields.append("max_seq_len")
+    for name in fields:
+        old, new = getattr(saved.model, name), getattr(cfg.model, name)
+        if old != new:
+            return f"model.{name}", old, new
+    for name in MOE_SHAPE_FIELDS:
+        old, new = getattr(saved.moe, name), getattr(cfg.moe, name)
+        if old != new:
+            return f"moe.{name}", old, new
+    return None
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return quote(value) if not isinstance(value, str) else value

@@ -1,0 +1,126 @@
+"""Running a prepared job from the command line (``train``, ``resume``): a quiet terminal, the run's stop
+handling (:mod:`pretrain.driver.stop`), its MLflow status, and the lines a user reads at the end — the summary
+with the next commands, or the one line of a stopped run."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+
+def print_summary(final: dict, job, uri: str) -> None:
+    cfg_name = job.config["name"]
+    run_id = job.run_id
+    rows = [("final train loss", f"{final.get('final_train_loss', float('nan')):.4f}")]
+    if "val_loss" in final:
+        rows.append(("final val loss", f"{final['val_loss']:.4f}  (ppl {final.get('val_ppl', float('nan')):.1f})"))
+    if "val_mlm_acc" in final:
+        rows.append(("val MLM accuracy", f"{final['val_mlm_acc']:.4f}"))
+    if "unigram_val_loss" in final:
+        rows.append(
+            ("unigram baseline", f"{final['unigram_val_loss']:.4f}  (val loss of a unigram model on the same data)")
+        )
+    rows += [
+        (
+            "tokens/s",
+            f"{final.get('tokens_per_s', 0):,.0f}  ({final.get('tokens_seen', 0):,} tokens, "
+            f"{final.get('step', 0)} steps)",
+        ),
+        ("checkpoint", final.get("checkpoint", "")),
+        ("MLflow run id", run_id),
+    ]
+    if final.get("bad_records"):
+        rows.append(("bad records", f"{final['bad_records']} skipped (see data/bad_records.json in the run)"))
+    print(f"\n== finished: {cfg_name} ==")
+    for k, v in rows:
+        print(f"  {k:<18} {v}")
+    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+    from pretrain.config import from_dict
+    from pretrain.train.schedule import continue_overrides
+
+    step = int(final.get("step", 0))
+    longer = " ".join(continue_overrides(from_dict(job.config).train, step, 2 * step))  # never a rise of the LR
+    print("\n  resume:      " + f"{env}./launch.sh resume {run_id} {longer}")
+    print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
+    print(
+        "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
+        f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
+    )
+
+
+def run_job(prepare, announce) -> int:
+    """``prepare()`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
+    it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
+    run exists). ``announce(job)``: the line that names the run."""
+    from cluster.launch import end_ray_with_process, run, stop_ray
+    from pretrain.config import from_dict
+    from pretrain.driver.console import QuietConsole
+    from pretrain.driver.stop import StopNow, StopSignals
+    from pretrain.train.tracking import Tracker, tracking_uri
+
+    with QuietConsole(None) as console:
+        job, ray_started = prepare()
+        log = Path(job.run_dir) / "logs" / "driver.log"
+        console.set_log(log)
+        print(f"[pretrain] {announce(job)}", flush=True)
+        print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
+        tracker = Tracker(job.tracking_uri, job.run_id)
+        cfg = from_dict(job.config)
+        stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
+        try:
+            try:
+                with stop:
+                    final = run(job, cfg.cluster)
+            except BaseException:
+                stop_ray(ray_started)
+                raise
+            end_ray_with_process(ray_started)  # the command ends right after the summary
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop that could not wait for its checkpoint
+                signame = stop.signame or "SIGINT"
+                tracker.set_tags({"pretrain.stop.signal": signame, "pretrain.stop.checkpoint": "none (at once)"})
+                tracker.finish("KILLED")
+                raise StopNow(stop.signum or signal.SIGINT, _stopped_at_once(signame, job)) from e
+            tracker.finish("FAILED")
+            e.add_note(f"full log: {log}")
+            raise
+        stopped = final.get("stopped")
+        if stopped:
+            tracker.set_tags(
+                {
+                    "pretrain.stop.signal": stopped["signal"],
+                    "pretrain.stop.step": stopped["step"],
+                    "pretrain.stop.checkpoint": final.get("checkpoint", ""),
+                }
+            )
+        tracker.finish("KILLED" if stopped else "FINISHED")
+    if stopped:
+        return _print_stopped(final, job, tracking_uri(), stop.signum or signal.SIGTERM)
+    print_summary(final, job, tracking_uri())
+    return 0
+
+
+def _stopped_at_once(signame: str, job) -> str:
+    """The line of a run that a stop ended without a new checkpoint: where the latest committed one is."""
+    from pretrain.checkpoint import latest_committed
+
+    last = latest_committed(Path(job.run_dir))
+    where = f"latest committed checkpoint {last.path}" if last is not None else "no committed checkpoint"
+    return f"{signame}: stopped at once, no new checkpoint; {where}; resume: ./launch.sh resume {job.run_id}"
+
+
+def _print_stopped(final: dict, job, uri: str, signum: int) -> int:
+    """The one line of a run that a stop ended with a checkpoint; the command's exit status (143, 130)."""
+    from pretrain.driver.stop import exit_code
+
+    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+    where = final.get("checkpoint") or "no checkpoint (none was written)"
+    print(
+        f"stopped by {final['stopped']['signal']} at step {final['stopped']['step']}: checkpoint {where}; "
+        f"resume: {env}./launch.sh resume {job.run_id}",
+        file=sys.stderr,
+    )
+    return exit_code(signum)

@@ -1,0 +1,93 @@
+"""A stop is a checkpoint: the driver's handling of SIGTERM and SIGINT while a job trains.
+
+The first signal asks the workers to stop: it writes ``RUN_DIR/stop_request.json`` (the run directory is shared by
+every node), which rank 0 reads at each step boundary and every rank learns with one collective
+(:class:`pretrain.train.callbacks.stop.StopOnRequest`). Every rank then finishes its step, the run commits a
+checkpoint at that step and ends as a finished run would, with ``stopped`` in its summary. A second signal, or
+``checkpoint.stop_timeout_s`` without the run having ended, ends it at once (:class:`StopNow`); so does the first
+signal with ``checkpoint.on_stop: exit``.
+
+The same request serves a job of one worker in this process, Ray Train's workers, and a submitted job, whose
+driver gets SIGTERM from ``./launch.sh stop JOB`` (Ray Jobs' stop).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pretrain.train.stop_request import clear_request, write_request
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopNow(KeyboardInterrupt):
+    """The run ends at once (a second signal, the stop's time limit, or ``checkpoint.on_stop: exit``); the command
+    exits ``128 + signum``."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(why)
+        self.signum = signum
+
+
+def exit_code(signum: int) -> int:
+    """The shell's exit status of a process ended by ``signum`` (143 for SIGTERM, 130 for SIGINT)."""
+    return 128 + signum
+
+
+class StopSignals:
+    """``with StopSignals(run_dir, on_stop, timeout_s):`` SIGTERM and SIGINT ask the run to stop (see the module);
+    on the way out the previous handlers are back and the request is gone. ``signame`` is the first signal's name
+    (SIGTERM, SIGINT), empty when none came. Only in the main thread (Python runs signal handlers there)."""
+
+    def __init__(self, run_dir: Path | str, on_stop: str = "save", timeout_s: float = 300.0) -> None:
+        self.run_dir, self.on_stop, self.timeout_s = Path(run_dir), on_stop, timeout_s
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def signame(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def __enter__(self) -> StopSignals:
+        clear_request(self.run_dir)
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        clear_request(self.run_dir)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signum:
+            raise StopNow(self.signum, f"{name} again: stopping at once")
+        self.signum = signum
+        if self.on_stop == "exit":
+            raise StopNow(signum, f"{name}: stopping at once (checkpoint.on_stop: exit)")
+        write_request(self.run_dir, name)
+        _say(
+            f"[pretrain] {name}: stopping after the current step with a checkpoint "
+            f"(at most {self.timeout_s:g} s: checkpoint.stop_timeout_s; {name} again stops at once)"
+        )
+        self._timer = threading.Timer(self.timeout_s, os.kill, args=(os.getpid(), signum))
+        self._timer.daemon = True
+        self._timer.start()
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler (``print`` may be in the middle of a write it interrupted)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass

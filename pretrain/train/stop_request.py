@@ -1,0 +1,40 @@
+"""The stop request: ``RUN_DIR/stop_request.json``, written by the driver when it is asked to stop
+(:mod:`pretrain.driver.stop`) and read by rank 0 at each step boundary
+(:class:`pretrain.train.callbacks.stop.StopOnRequest`). The run directory is shared by every node, so the request
+reaches workers on any node without a channel of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint.layout import STOP_REQUEST
+
+
+def request_path(run_dir: Path | str) -> Path:
+    return Path(run_dir) / STOP_REQUEST
+
+
+def read_request(run_dir: Path | str) -> dict[str, Any] | None:
+    """The stop request in ``run_dir``, or None when there is none."""
+    try:
+        raw = json.loads(request_path(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def write_request(run_dir: Path | str, signame: str) -> None:
+    """Ask the run's workers to stop (atomically: a worker reads a whole request or none)."""
+    path = request_path(run_dir)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"signal": signame, "at": time.time(), "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def clear_request(run_dir: Path | str) -> None:
+    """Remove a stop request (this driver's, or one left by a driver killed before its run ended)."""
+    request_path(run_dir).unlink(missing_ok=True)
