@@ -27,10 +27,12 @@ from pretrain.checkpoint import weights as ckpt_weights
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.paths import resolve_paths
+from pretrain.data.fingerprint import fingerprints
 from pretrain.driver.prepare import create_run
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
 from pretrain.train import tracking
+from pretrain.train.job import FINGERPRINT_STATE
 
 StateDict = dict[str, torch.Tensor]
 
@@ -73,9 +75,11 @@ def derive_run(
         "sequences": int(raw.get("sequences", 0)),
         "last_train_loss": float("nan"),
     }
+    # the data the child trains on (a resume of the child compares its sources with it)
+    state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
     if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
         applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
-        state["callbacks"] = {"growth": {"applied": applied, "last_growth_step": state["step"]}}
+        state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}
     world = LocalWorld()
     if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
         world.world_size = parent.ckpt.manifest.world_size

@@ -247,12 +247,12 @@ def _check_resume(ckpt, cfg: RunConfig, overrides: list[str]) -> tuple[dict, dic
     """What a resume of ``ckpt`` as ``cfg`` may change (:mod:`pretrain.driver.resume_checks`; one-line refusals
     before anything is recorded) and the data it resumes on: (its fingerprint, MLflow tags of a change the user
     allowed with ``data.allow_changed``, which holds for this resume only)."""
-    from pretrain.checkpoint.reader import read_config, read_trainer_state
+    from pretrain.checkpoint.reader import is_full_weights, read_config, read_trainer_state
     from pretrain.data.fingerprint import check_unchanged, differences
     from pretrain.driver.resume_checks import check_resume
 
     saved = resolve_paths(read_config(ckpt))
-    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path))
+    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
     state = read_trainer_state(ckpt)
     recorded = (state.get("callbacks") or {}).get(FINGERPRINT_STATE, state.get(FINGERPRINT_STATE))
     current = check_unchanged(recorded, cfg.data, str(ckpt.path))

@@ -3,7 +3,8 @@ line (:class:`ConfigError`, exit 2) that says what can change instead, and the r
 its MLflow status.
 
 * the architecture (parameter shapes) cannot change: ``grow`` and ``prune`` make a new run of another shape;
-* ZeRO-1 and ZeRO-2 checkpoints load into each other; DeepSpeed loads a ZeRO-3 checkpoint only into ZeRO-3;
+* ZeRO-1 and ZeRO-2 checkpoints load into each other; DeepSpeed loads a ZeRO-3 checkpoint only into ZeRO-3 (a
+  checkpoint of full weights, as ``grow`` and ``prune`` write, into any stage);
 * the LR schedule cannot rise across the resume (:func:`pretrain.train.schedule.extension_refusal`);
 * the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`).
 """
@@ -40,8 +41,9 @@ SHAPE_FIELDS = (
 MOE_SHAPE_FIELDS = ("num_experts", "every", "layers", "ffn_size")
 
 
-def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str) -> None:
-    """Refuse, in one line, a resume of ``checkpoint`` (saved with ``saved``, at ``step``) as ``cfg``."""
+def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, engine_state: bool = True) -> None:
+    """Refuse, in one line, a resume of ``checkpoint`` (saved with ``saved``, at ``step``) as ``cfg``;
+    ``engine_state``: the checkpoint holds DeepSpeed engine state (its ZeRO stage matters), not full weights."""
     changed = _shape_change(saved, cfg)
     if changed:
         key, old, new = changed
@@ -51,7 +53,7 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str) -
             f"{checkpoint} (docs/growth.md); otherwise resume with {key}={_yaml(old)}"
         )
     old_stage, new_stage = saved.zero.stage, cfg.zero.stage
-    if old_stage != new_stage and 3 in (old_stage, new_stage):
+    if engine_state and old_stage != new_stage and 3 in (old_stage, new_stage):
         raise ConfigError(
             f"zero.stage cannot change from {old_stage} to {new_stage} at resume: DeepSpeed loads ZeRO-1 and ZeRO-2 "
             "checkpoints into each other, a ZeRO-3 one only into ZeRO-3. Resume with "

@@ -241,5 +241,9 @@ def test_layer_drop_end_to_end(tmp_path):
         ev_child = json.loads(_cli(work, "eval", child, "--json"))
         assert ev_child["loss"] > 0 and ev_child["loss"] != ev["loss"]
         _cli(work, "export", child, "--out", str(work / "hf_pruned"))
-        _cli(work, "resume", child, "train.max_steps=8", "cluster.num_workers=1")
+        from pretrain.train.schedule import continue_overrides  # what the summary prints: the LR does not rise
+
+        _cli(
+            work, "resume", child, *continue_overrides(load_config(cfg_path, E2E).train, 6, 8), "cluster.num_workers=1"
+        )
         assert sorted(metric_history(child, "train/loss")) == [7, 8], "the pruned run continues from the parent's step"
