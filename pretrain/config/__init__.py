@@ -7,6 +7,7 @@ and is saved in every checkpoint. ``tree.py``: the dataclasses; ``loading.py``: 
 """
 
 from pretrain.config.capabilities import GrowthStep
+from pretrain.config.data import DataConfig, SourceConfig
 from pretrain.config.evaluation import BUILTIN_TASK, EvalConfig
 from pretrain.config.loading import (
     DEFAULT_CONFIG,
@@ -25,14 +26,12 @@ from pretrain.config.tree import (
     CheckpointConfig,
     ClusterConfig,
     ConfigError,
-    DataConfig,
     FaultsConfig,
     GrowthConfig,
     LayerDropConfig,
     ModelConfig,
     MoEConfig,
     RunConfig,
-    SourceConfig,
     StabilityConfig,
     TrackingConfig,
     TrainConfig,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pretrain.checkpoint.store import fsync_dir
 from pretrain.config import ConfigError
 
 MANIFEST_FILE = "pretrain_export_manifest.json"
@@ -179,14 +180,6 @@ def _write_manifest(dest: Path, tmp_dir: Path, files: dict, pending: dict, refs:
     os.replace(tmp, dest)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(stage: Path, out: Path, *, referenced_by: list[dict[str, Any]] | None = None) -> Path:
     """Move the verified export in ``stage`` into ``out`` (module doc) and remove ``stage``; returns ``out``."""
     out = out.expanduser().resolve()
@@ -201,7 +194,7 @@ def commit(stage: Path, out: Path, *, referenced_by: list[dict[str, Any]] | None
     if not out.exists():
         _write_manifest(stage / MANIFEST_FILE, stage, new, {}, refs)
         stage.rename(out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         return out
     earlier = earlier or Earlier()
     for name in sorted(new):
@@ -222,7 +215,7 @@ def commit(stage: Path, out: Path, *, referenced_by: list[dict[str, Any]] | None
     for name in sorted(set(earlier.present) - set(new)):  # the earlier export's own, unchanged (checked above)
         (out / name).unlink(missing_ok=True)
     _write_manifest(out / MANIFEST_FILE, stage, new, {}, refs)
-    _fsync_dir(out)
+    fsync_dir(out)
     shutil.rmtree(stage)
     return out
 
