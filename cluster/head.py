@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from cluster.head_procs import head_processes, session_of, terminate
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
@@ -98,87 +99,6 @@ def read_token(path: Path | str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Processes of this head
-# ------------------------------------------------------------------------------------------------
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
-
-
-def head_processes(state: dict[str, Any]) -> list:
-    """Every live process of the recorded head: same session as the ``ray start`` leader (created after
-    it), their descendants (job drivers start their own sessions), and anything running in the head's
-    temp dir. Nothing else on the machine."""
-    import psutil
-
-    sid = int(state.get("sid", 0))
-    started = float(state.get("started_at", 0)) - 2.0
-    temp_dir = str(state.get("temp_dir", "")).rstrip("/")
-    found: dict[int, Any] = {}
-    if sid <= 1 or not temp_dir:
-        return []
-    ours = _ray_executables(state)
-    for p in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if p.pid == os.getpid() or p.info["create_time"] < started:
-                continue
-            if _session_of(p.pid) == sid:
-                # ... and a Ray binary or the head's Python: a recycled session id is not enough
-                exe = os.path.realpath(p.exe())
-                if any(exe == o or exe.startswith(o + os.sep) for o in ours):
-                    found[p.pid] = p
-                continue
-            cwd = p.cwd()
-            if cwd == temp_dir or cwd.startswith(temp_dir + "/"):
-                found[p.pid] = p
-        except (psutil.Error, OSError):
-            continue
-    for p in list(found.values()):
-        try:
-            for c in p.children(recursive=True):
-                if c.pid != os.getpid():
-                    found.setdefault(c.pid, c)
-        except psutil.Error:
-            continue
-    return list(found.values())
-
-
-def _ray_executables(state: dict[str, Any]) -> list[str]:
-    """Executables a process of this head runs: the Ray package's binaries, the head's Python."""
-    import importlib.util
-
-    out = [os.path.realpath(sys.executable)]
-    if state.get("python"):
-        out.append(os.path.realpath(state["python"]))
-    spec = importlib.util.find_spec("ray")
-    if spec and spec.submodule_search_locations:
-        out += [os.path.realpath(d) for d in spec.submodule_search_locations]
-    return out
-
-
-def _terminate(procs: list, grace_s: float = 10.0) -> int:
-    import psutil
-
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    return len(procs)
-
-
-# ------------------------------------------------------------------------------------------------
 # Network helpers
 # ------------------------------------------------------------------------------------------------
 
@@ -238,7 +158,7 @@ def is_alive(state: dict[str, Any]) -> bool:
         import psutil
 
         p = psutil.Process(pid)
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE and _session_of(pid) == state.get("sid")
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE and session_of(pid) == state.get("sid")
     except Exception:  # noqa: BLE001 - gone, or not ours
         return False
 
@@ -249,7 +169,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"Ray head already running at {state['address']} (./launch.sh cluster down to stop it)")
         return 0
     if state:  # stale: a head that died; clean up leftovers of it
-        _terminate(head_processes(state), grace_s=3)
+        terminate(head_processes(state), grace_s=3)
         _clear_state()
 
     temp_dir = args.temp_dir or default_temp_dir()
@@ -338,7 +258,7 @@ def up(args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         rc = None
     if rc != 0:
-        _terminate(head_processes(state), grace_s=3)
+        terminate(head_processes(state), grace_s=3)
         _clear_state()
         raise ClusterError(f"ray start failed ({_last_error_line(log_path)}); full log: {log_path}")
     state["gcs_pid"] = _find_gcs_pid(state)
@@ -352,7 +272,7 @@ def up(args: argparse.Namespace) -> int:
             break
         time.sleep(0.5)
     if status != 200:
-        _terminate(head_processes(state), grace_s=3)
+        terminate(head_processes(state), grace_s=3)
         _clear_state()
         raise ClusterError(f"the Ray dashboard did not come up at {state['address']} (HTTP {status}); log: {log_path}")
     print(f"Ray head up: {state['address']}  (Jobs API and dashboard; GCS {state['gcs_address']}; 127.0.0.1 only)")
@@ -396,7 +316,7 @@ def down(args: argparse.Namespace) -> int:
         print("no local Ray head recorded (nothing to stop)")
         return 0
     procs = head_processes(state)
-    n = _terminate(procs, grace_s=args.grace)
+    n = terminate(procs, grace_s=args.grace)
     _clear_state()
     print(
         f"Ray head at {state.get('address')} stopped ({n} processes)"

@@ -35,7 +35,7 @@ from pretrain.train.job import Job
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
-from pretrain.train.stability import StabilityControl
+from pretrain.train.stability_control import StabilityControl
 from pretrain.train.tracking import Tracker
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 

@@ -8,7 +8,8 @@ from typing import Any
 from pretrain.model.moe import max_shares
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.resume import rollback_loader
-from pretrain.train.stability import Decision, StabilityControl
+from pretrain.train.stability import Decision
+from pretrain.train.stability_control import StabilityControl
 from pretrain.train.step import StepResult
 from pretrain.train.trainer import Callback, Trainer, is_last_step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
-from pretrain.train.stability import StabilityControl
+from pretrain.train.stability_control import StabilityControl
 from pretrain.train.trainer import Callback, Trainer
 
 

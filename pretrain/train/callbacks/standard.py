@@ -55,7 +55,7 @@ from pretrain.train.callbacks.task_evaluation import PreparedTask, TaskEvaluatio
 from pretrain.train.callbacks.throughput import ThroughputMonitor
 from pretrain.train.callbacks.validation import ValidationCallback
 from pretrain.train.checkpointer import Checkpointer
-from pretrain.train.stability import StabilityControl
+from pretrain.train.stability_control import StabilityControl
 from pretrain.train.trainer import Callback
 
 

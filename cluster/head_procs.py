@@ -1,0 +1,85 @@
+"""The processes of a local Ray head (``cluster up``): finding exactly its own (:func:`head_processes`) and ending
+them (:func:`terminate`), never anything else on the machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def head_processes(state: dict[str, Any]) -> list:
+    """Every live process of the recorded head: same session as the ``ray start`` leader (created after
+    it), their descendants (job drivers start their own sessions), and anything running in the head's
+    temp dir. Nothing else on the machine."""
+    import psutil
+
+    sid = int(state.get("sid", 0))
+    started = float(state.get("started_at", 0)) - 2.0
+    temp_dir = str(state.get("temp_dir", "")).rstrip("/")
+    found: dict[int, Any] = {}
+    if sid <= 1 or not temp_dir:
+        return []
+    ours = _ray_executables(state)
+    for p in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if p.pid == os.getpid() or p.info["create_time"] < started:
+                continue
+            if session_of(p.pid) == sid:
+                # ... and a Ray binary or the head's Python: a recycled session id is not enough
+                exe = os.path.realpath(p.exe())
+                if any(exe == o or exe.startswith(o + os.sep) for o in ours):
+                    found[p.pid] = p
+                continue
+            cwd = p.cwd()
+            if cwd == temp_dir or cwd.startswith(temp_dir + "/"):
+                found[p.pid] = p
+        except (psutil.Error, OSError):
+            continue
+    for p in list(found.values()):
+        try:
+            for c in p.children(recursive=True):
+                if c.pid != os.getpid():
+                    found.setdefault(c.pid, c)
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def _ray_executables(state: dict[str, Any]) -> list[str]:
+    """Executables a process of this head runs: the Ray package's binaries, the head's Python."""
+    import importlib.util
+
+    out = [os.path.realpath(sys.executable)]
+    if state.get("python"):
+        out.append(os.path.realpath(state["python"]))
+    spec = importlib.util.find_spec("ray")
+    if spec and spec.submodule_search_locations:
+        out += [os.path.realpath(d) for d in spec.submodule_search_locations]
+    return out
+
+
+def terminate(procs: list, grace_s: float = 10.0) -> int:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return len(procs)
