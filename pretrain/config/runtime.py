@@ -6,6 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pretrain.config.errors import ConfigError, quote
+
+GPU_MEMORY_GIB: dict[str, float] = {
+    "A10G-24GB": 24,
+    "L4-24GB": 24,
+    "L40S-48GB": 48,
+    "A100-40GB": 40,
+    "A100-80GB": 80,
+    "H100-80GB": 80,
+    "H100-94GB": 94,
+    "H200-141GB": 141,
+    "B200-180GB": 180,
+}
+"""The GPUs ``cluster.gpu_type`` names and their nominal memory in GiB, the figure in the name (the CUDA context,
+NCCL and the allocator take some of it: the plan's verdict keeps a margin)."""
+
 YAML_KEY = "yaml_key"
 """Field metadata: the key users write when it differs from the field name (a Python keyword: ``async``)."""
 
@@ -97,6 +113,23 @@ class ClusterConfig:
     """Seconds a job on a Ray cluster (``address`` / ``RAY_ADDRESS``) waits for the cluster to place all its
     workers, saying every few seconds what is missing, before it ends with one line (exit 2); 0 waits without
     limit (an autoscaler slow to add nodes). An embedded local Ray refuses a layout it cannot place at once."""
+    gpus_per_node: int = 8
+    """GPUs (one worker each) per node in the plan ``train --dry-run`` prints: ``num_workers`` are laid out on
+    ceil(num_workers / gpus_per_node) nodes. Only the plan reads it; Ray places the workers wherever they fit."""
+    gpu_type: str = ""
+    """The GPU the plan checks its memory estimate against (``train --dry-run``: "fits" or "does not fit" and what to
+    change; docs/memory-plan.md), one of :data:`GPU_MEMORY_GIB` (e.g. ``H100-80GB``); empty: no verdict. Naming a
+    GPU also plans GPU workers (bf16 for ``train.precision: auto``) when ``use_gpu`` is ``auto``."""
+
+    def validate(self) -> None:
+        """The plan's fields: ``gpus_per_node`` positive, ``gpu_type`` empty or a known GPU."""
+        if self.gpus_per_node <= 0:
+            raise ConfigError(f"cluster.gpus_per_node: must be > 0, got {self.gpus_per_node}")
+        if self.gpu_type and self.gpu_type not in GPU_MEMORY_GIB:
+            raise ConfigError(
+                f"cluster.gpu_type: {quote(self.gpu_type)} is not a known GPU (known: {', '.join(GPU_MEMORY_GIB)}; "
+                f"empty for no memory verdict)"
+            )
 
     def trains_in_process(self, ray_address: str | None = None) -> bool:
         """Whether the job trains in this process instead of through Ray Train: ``use_ray`` false, or one worker

@@ -248,6 +248,7 @@ class RunConfig:
         for key, value in nonneg.items():
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
+        c.validate()
         if c.cpus_per_worker > 1 and not float(c.cpus_per_worker).is_integer():
             raise ConfigError(
                 f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "

@@ -229,19 +229,31 @@ def check_source(src: SourceConfig, key: str, cfg: DataConfig) -> ResolvedSource
     return rs
 
 
-def check_sources(cfg: DataConfig) -> None:
-    """Every training and validation source resolved (all of them first: the quick refusals), then each
-    one's prefix checked."""
-    keyed = [
+def _keyed(cfg: DataConfig) -> list[tuple[str, SourceConfig]]:
+    """(config key, source) of every training and validation source."""
+    return [
         (f"{key}[{i}]", src)
         for key, sources in (("data.sources", cfg.sources), ("data.val_sources", cfg.val_sources))
         for i, src in enumerate(sources)
     ]
+
+
+def hub_sources(cfg: DataConfig) -> list[ResolvedSource]:
+    """The training and validation sources that are hub datasets (resolving a source opens nothing remote)."""
+    resolved = (resolve_source(src, cfg.cache_dir, key) for key, src in _keyed(cfg) if src.path != "demo")
+    return [rs for rs in resolved if rs.format == "hub"]
+
+
+def check_sources(cfg: DataConfig, open_hub: bool = True) -> None:
+    """Every training and validation source resolved (all of them first: the quick refusals), then each
+    one's prefix checked; ``open_hub=False`` leaves hub datasets unopened (no network)."""
+    keyed = _keyed(cfg)
     for key, src in keyed:
         if src.path != "demo":
             resolve_source(src, cfg.cache_dir, key)
     for key, src in keyed:
-        check_source(src, key, cfg)
+        if open_hub or src.path == "demo" or resolve_source(src, cfg.cache_dir, key).format != "hub":
+            check_source(src, key, cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,9 +431,9 @@ def check_validation_sources(cfg: DataConfig, *, seq_len: int, val_sequences: in
         )
 
 
-def check_corpus(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int) -> SplitPlan:
+def check_corpus(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int, open_hub: bool = True) -> SplitPlan:
     """The driver's corpus check: :func:`check_sources`, :func:`check_validation_sources`, then
-    :func:`plan_split`."""
-    check_sources(cfg)
+    :func:`plan_split` (which open no hub dataset: their documents are taken as they are)."""
+    check_sources(cfg, open_hub)
     check_validation_sources(cfg, seq_len=seq_len, val_sequences=val_sequences)
     return plan_split(cfg, seq_len=seq_len, seed=seed, val_sequences=val_sequences)

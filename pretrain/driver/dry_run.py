@@ -1,22 +1,27 @@
 """``train --dry-run``: the checks a run starts with and its plan, without starting it.
 
-The config is loaded and validated (by the CLI), then :func:`pretrain.driver.prepare.preflight` runs as a real run
-runs it (checkpoint directory writable, worker layout placeable on an embedded Ray, given directories present,
-every corpus source opened and a prefix read, the holdout planned), and the plan is printed: model and its
-parameter count (a shape-only model on the meta device), tokenizer (given, reused from the cache, or to be
-trained), data, batch layout, steps, ZeRO stage, workers, checkpoints, tracking. Nothing is created: no run
-directory, no MLflow run, no Ray; the only file that may appear is the built-in demo corpus in
+The config is loaded and validated (by the CLI), then :func:`pretrain.driver.prepare.preflight` runs what any machine
+can check of the job (checkpoint directory writable, given directories present, every local corpus source opened and
+a prefix read, the holdout planned) and says in one line each what it leaves to the machines that will run it (GPU
+driver, CPUs and GPUs for the worker layout, hub datasets: no network, ``HF_HUB_OFFLINE``). Then the plan is
+printed: model and its parameter count (a shape-only model on the meta device), tokenizer (given, reused from the
+cache, or to be trained), data, batch layout, steps, ZeRO stage, workers, the parallel layout and the memory per GPU
+with a verdict against ``cluster.gpu_type`` (:mod:`pretrain.driver.memory_plan`), checkpoints, tracking. Nothing is
+created: no run directory, no MLflow run, no Ray; the only file that may appear is the built-in demo corpus in
 ``data.cache_dir`` (a cache the run would build the same way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.config import RunConfig, make_plan
 from pretrain.config.paths import resolve_paths
+from pretrain.driver.memory_plan import count_parameters, plan_rows
 from pretrain.driver.prepare import _round_up, preflight
 
 
@@ -58,22 +63,31 @@ def _length_of(tokenizer_json: Path) -> int:
     return len(ids)
 
 
-def _parameters(cfg: RunConfig) -> tuple[int, int]:
-    """(all, non-embedding) parameters of the model, counted on a shape-only (meta) model."""
-    import torch
-
-    from pretrain.model import build_model
-    from pretrain.model.transformer import num_parameters
-
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.train.seed, cfg.moe)
-    return num_parameters(model), num_parameters(model, exclude_embeddings=True)
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Hugging Face libraries imported from here on never reach the network (the dry run opens no hub source)."""
+    keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(dict.fromkeys(keys, "1"))
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def dry_run(cfg: RunConfig, config_path: str) -> int:
     """Check ``cfg`` as ``train`` would and print its plan; creates nothing. Returns the exit code (0)."""
+    with _offline():
+        return _dry_run(cfg, config_path)
+
+
+def _dry_run(cfg: RunConfig, config_path: str) -> int:
     cfg = resolve_paths(cfg)
-    preflight(cfg)
+    skipped = preflight(cfg, probe=False)
     if cfg.model.init_from_hf:
         from pretrain.driver.prepare import _adopt_hf_model
 
@@ -84,7 +98,8 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
         m.vocab_size = _round_up(length, m.vocab_multiple)
     cfg.validate()
     plan = make_plan(cfg, c.num_workers)
-    total, body = _parameters(cfg)
+    counts = count_parameters(cfg)
+    total, body = counts.total, counts.body
     moe = f", MoE {cfg.moe.num_experts} experts top-{cfg.moe.top_k}" if getattr(cfg.moe, "num_experts", 0) else ""
     address = c.address or os.environ.get("RAY_ADDRESS", "")
     where = (
@@ -106,7 +121,7 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
     val = (
         ", ".join(s.name or s.path for s in cfg.data.val_sources)
         if cfg.data.val_sources
-        else f"{cfg.data.val_holdout:.0%} of the training documents held out"
+        else f"{cfg.data.val_holdout:.2%} of the training documents held out"
     )
     rows = [
         ("config", f"{cfg.name} ({config_path})"),
@@ -131,13 +146,16 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
             "workers",
             f"{c.num_workers} x {c.cpus_per_worker:g} CPU{', GPU ' + c.use_gpu if c.use_gpu != 'no' else ''} {where}",
         ),
+        *plan_rows(cfg, plan, counts),
         ("checkpoints", f"every {cfg.checkpoint.every_steps or t.max_steps} steps into {cfg.checkpoint.dir}/RUN_ID"),
         ("tracking", f"MLflow {uri}" if uri else "off (tracking.enabled=false)"),
     ]
     print(
-        "[pretrain] dry run: config valid; preflight passed (checkpoint directory writable, worker layout, "
-        "paths, corpus readable and split planned); nothing was started or created"
+        "[pretrain] dry run: config valid; preflight passed (checkpoint directory writable, batch layout, "
+        "paths, local corpus readable and split planned); nothing was started or created"
     )
+    for line in skipped:
+        print(f"[pretrain] dry run: not checked: {line}")
     for key, value in rows:
         print(f"  {key:<12} {value}")
     return 0

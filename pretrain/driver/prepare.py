@@ -27,7 +27,7 @@ from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
 from pretrain.config.errors import clip, not_a
 from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
-from pretrain.data.sanity import check_corpus
+from pretrain.data.sanity import check_corpus, hub_sources
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -72,14 +72,20 @@ def _check_gpu_request(cfg: RunConfig) -> None:
         )
 
 
-def preflight(cfg: RunConfig) -> None:
+def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     """The driver's checks before anything is created (paths already absolute): directories, the worker layout
     (an embedded local Ray must be able to place it: :func:`cluster.placement.check_local_layout`), then the
     corpus (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
-    too few for a document-level split, and says so in one line."""
+    too few for a document-level split, and says so in one line.
+
+    ``probe=False`` (``train --dry-run``, which plans for another machine): only what this machine can check of
+    any job, never waiting on the network; the GPU driver, the local CPUs and GPUs for the layout, and the hub
+    datasets are not checked. Returns one line for each check left out, saying why."""
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
-    _check_gpu_request(cfg)
-    check_local_layout(cfg.cluster)
+    skipped = [] if probe else _not_probed(cfg)
+    if probe:
+        _check_gpu_request(cfg)
+        check_local_layout(cfg.cluster)
     m, d = cfg.model, cfg.data
     if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:
         raise ConfigError(
@@ -90,11 +96,29 @@ def preflight(cfg: RunConfig) -> None:
     _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
     plan = check_corpus(
-        cfg.data, seq_len=cfg.model.max_seq_len, seed=cfg.train.seed, val_sequences=cfg.train.val_sequences
+        cfg.data,
+        seq_len=cfg.model.max_seq_len,
+        seed=cfg.train.seed,
+        val_sequences=cfg.train.val_sequences,
+        open_hub=probe,
     )
     cfg.data.piece_chars = plan.piece_chars
     if plan.message:
         print(f"[pretrain] {plan.message}", flush=True)
+    return skipped
+
+
+def _not_probed(cfg: RunConfig) -> list[str]:
+    """What ``preflight(probe=False)`` leaves out, one line each."""
+    c, why = cfg.cluster, "(dry run: it plans the job, it does not probe this machine)"
+    out = []
+    if c.use_gpu == "yes":
+        out.append(f"gpu: a GPU driver for cluster.use_gpu=yes {why}")
+    if not c.trains_in_process():
+        out.append(f"workers: room for {c.num_workers} workers x {c.cpus_per_worker:g} CPU(s) {why}")
+    hub = [rs.hub_path for rs in hub_sources(cfg.data)]
+    out += [f"data: hub dataset {name} not opened (dry run: no network)" for name in hub]
+    return out
 
 
 def _round_up(n: int, multiple: int) -> int:

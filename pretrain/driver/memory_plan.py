@@ -1,0 +1,421 @@
+"""The memory one worker (one GPU) needs, from the config alone: what ``train --dry-run`` prints and judges.
+
+A functional core. :func:`count_parameters` counts a shape-only (meta) model; :func:`layout_of` takes from the config
+and its run plan what memory depends on (precision, ZeRO stage, data- and expert-parallel degrees, micro-batch,
+recomputation); :func:`memory` turns them into bytes of weights, gradients, optimizer states and activations; and
+:func:`verdict` compares the total with the GPU ``cluster.gpu_type`` names and says what would make it fit.
+
+The formulas (docs/memory-plan.md) follow what our engine holds. DeepSpeed casts the module to bf16 (no autocast),
+so weights, gradients and activations are in the compute dtype, except where the model computes in fp32 (RMSNorm's
+input copy, attention's log-sum-exp, the loss over the logits). Its optimizer keeps fp32 master weights and the two
+AdamW moments (12 bytes a parameter) under bf16; in fp32, ZeRO-1/2 still clone their fp32 partition (12 bytes),
+ZeRO-3 and ZeRO-0 update the weights themselves (8 bytes). ZeRO-1/2/3 also reduce gradients through a buffer of
+``zero.reduce_bucket_size`` elements, whatever the model's size. Activations are the tensors autograd keeps for the
+backward, counted per token from the shapes of our blocks (``pretrain/model/layers.py``, ``moe.py``). The step's
+peak is the larger of two moments: the backward's start (every kept activation, the logits and the loss's fp32
+working set; under gradient accumulation the earlier micro-batches' gradients too) and the backward once this
+micro-batch's gradients exist (the kept activations, the logits the step still holds, the gradients and the reduce
+bucket, and with recomputation the block being rebuilt). Checked against the tensor memory training allocates on CPU
+(``tests/integration/test_memory_plan.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from pretrain.config import ModelConfig, MoEConfig, RunConfig, RunPlan, make_plan
+from pretrain.config.runtime import GPU_MEMORY_GIB
+
+GIB = float(1 << 30)
+FIT_SHARE = 0.9
+"""A total above this share of the GPU's memory is "tight": the CUDA context, NCCL buffers and allocator
+fragmentation usually take the rest."""
+DS_PREFETCH = 2
+"""ZeRO-3 holds the gathered 16-bit weights of the module it computes and of the one it prefetches."""
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    """Unique parameters (tied weights once), every expert."""
+    body: int
+    """Without token and position embeddings."""
+    active: int
+    """What one token passes through: MoE layers count their router and ``top_k`` experts."""
+    expert: int
+    """Parameters of all experts of all MoE layers (0 for a dense model)."""
+    largest_gather: int
+    """The largest block or embedding: what ZeRO-3 gathers at once."""
+
+
+def count_parameters(cfg: RunConfig) -> ParamCounts:
+    """The parameter counts of ``cfg``'s model, on a shape-only model (the meta device: no memory, milliseconds)."""
+    import torch
+
+    from pretrain.model import build_model
+    from pretrain.model.moe import moe_layers
+    from pretrain.model.transformer import active_parameters, num_parameters
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.train.seed, cfg.moe)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return ParamCounts(
+        total=num_parameters(model),
+        body=num_parameters(model, exclude_embeddings=True),
+        active=active_parameters(model),
+        expert=sum(p.numel() for _, layer in moe_layers(model) for p in layer.experts.parameters()),
+        largest_gather=max([*blocks, model.embed_tokens.weight.numel(), model.lm_head.weight.numel()]),
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a worker's memory depends on besides the model."""
+
+    precision: str
+    """``bf16`` or ``fp32`` (``train.precision: auto`` is bf16 when the plan has GPUs)."""
+    stage: int
+    dp: int
+    """Data-parallel degree (workers)."""
+    ep: int
+    """Expert-parallel degree (``moe.ep_size``; 1 for dense models)."""
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    recompute: str
+    offload: bool
+    gpus: bool
+    """Whether the workers are GPUs (else CPU workers: the numbers are host memory)."""
+
+
+def plans_gpus(cfg: RunConfig) -> bool:
+    """GPU workers: ``cluster.use_gpu: yes``, or ``auto`` with a ``cluster.gpu_type`` named."""
+    return cfg.cluster.use_gpu == "yes" or (cfg.cluster.use_gpu == "auto" and bool(cfg.cluster.gpu_type))
+
+
+def layout_of(cfg: RunConfig, plan: RunPlan, gpus: bool | None = None) -> Layout:
+    """The layout of ``cfg`` under ``plan``; ``gpus`` (default: :func:`plans_gpus`) decides ``precision: auto``."""
+    gpus = plans_gpus(cfg) if gpus is None else gpus
+    precision = cfg.train.precision if cfg.train.precision != "auto" else ("bf16" if gpus else "fp32")
+    return Layout(
+        precision=precision,
+        stage=cfg.zero.stage,
+        dp=plan.world_size,
+        ep=cfg.moe.ep_size if cfg.moe.enabled else 1,
+        micro_batch=plan.micro_batch,
+        grad_accum=plan.grad_accum,
+        seq_len=plan.seq_len,
+        recompute=str(cfg.train.activation_checkpointing),
+        offload=cfg.zero.offload_optimizer and cfg.zero.stage > 0,
+        gpus=gpus,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations: bytes per token that autograd keeps, block by block
+# ----------------------------------------------------------------------------------------------
+
+
+def _norm(m: ModelConfig, size: int, a: int, out: bool = True) -> int:
+    """A norm over ``size`` features: RMSNorm keeps an fp32 copy of its input, the normalized input and 1/rms (fp32);
+    LayerNorm its input, mean and 1/std. ``out``: its output too (kept by the linear layer that reads it)."""
+    kept = 4 * size + a * size + 4 if m.norm == "rmsnorm" else a * size + 8
+    return kept + (a * size if out else 0)
+
+
+def _ffn(m: ModelConfig, size: int, a: int) -> int:
+    """SwiGLU keeps gate, silu(gate), up and their product; GELU its input and output."""
+    return (4 if m.activation == "swiglu" else 2) * a * size
+
+
+def _moe(m: ModelConfig, moe: MoEConfig, size: int, a: int) -> int:
+    """Per token: for each of its ``top_k`` assignments the token copy the experts read, the expert's FFN, its
+    output and the weighted output; the fp32 router logits and probabilities (E each), and the routing indices and
+    weights (about 32 bytes an assignment)."""
+    k = moe.top_k
+    return k * (3 * a * m.hidden_size + _ffn(m, size, a) + 32) + 8 * moe.num_experts + 8
+
+
+def _stacked_experts(m: ModelConfig, moe: MoEConfig, lay: Layout, a: int) -> int:
+    """Bytes per MoE layer, whatever the tokens: the grouped expert GEMM keeps a stacked copy of the local experts'
+    weights for its backward."""
+    per_expert = (3 if m.activation == "swiglu" else 2) * m.hidden_size * _expert_ffn(m, moe)
+    return a * per_expert * moe.num_experts // lay.ep
+
+
+def _block(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int) -> int:
+    """Everything one block keeps (recompute ``none``). The two norms with their outputs (which pre-norm feed to
+    attention and FFN, and post-norm to the next sub-layer); q, k and v (GQA's expanded to every head) and the
+    attention output; the fp32 log-sum-exp per head; the FFN (or MoE); dropout masks (1 byte an element). Fused
+    attention kernels keep no T x T matrix."""
+    d, h = m.hidden_size, m.num_heads
+    kv = m.num_kv_heads or h
+    b = 2 * _norm(m, d, a) + 4 * a * d + 4 * h
+    b += _moe(m, moe, ffn, a) if moe is not None else _ffn(m, ffn, a)
+    if m.qk_norm:
+        b += (h + kv) * _norm(m, d // h, a, out=False)
+    if m.norm_placement == "sandwich":
+        b += 2 * _norm(m, d, a, out=False)
+    if m.dropout > 0:
+        b += 2 * d
+    return b
+
+
+def _selective(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int) -> int:
+    """What ``selective`` keeps of a block (``pretrain/model/recompute.py``): its input and the outputs of the
+    matmuls and of attention."""
+    d, h = m.hidden_size, m.num_heads
+    kv_dim = (m.num_kv_heads or h) * (d // h)
+    b = a * d + a * (d + 2 * kv_dim) + a * d + 4 * h + a * d  # input; q, k, v; attention out + lse; o_proj
+    gated = 2 if m.activation == "swiglu" else 1
+    if moe is None:
+        return b + a * (gated * ffn + d)
+    return b + a * moe.num_experts + moe.top_k * a * (gated * ffn + d)
+
+
+def _dense_ffn(m: ModelConfig) -> int:
+    from pretrain.model.transformer import resolved_ffn_size  # the model's own rule
+
+    return resolved_ffn_size(m)
+
+
+def _expert_ffn(m: ModelConfig, moe: MoEConfig) -> int:
+    return moe.ffn_size or _dense_ffn(m)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch at the two moments that can be the step's peak."""
+
+    kept: float
+    """What the blocks keep for the backward (all of it, or what recomputation keeps) and the embeddings'."""
+    at_start: float
+    """On top at the backward's start, before this micro-batch has a gradient: the head's activations, the logits
+    and the loss's fp32 working set (log-softmax, its gradient, the logits' gradient)."""
+    with_gradients: float
+    """On top once gradients exist: the logits (the step holds the output) and the larger of the head's
+    activations and one block rebuilt by recomputation."""
+
+    @property
+    def total(self) -> float:
+        """The larger of the two."""
+        return self.kept + max(self.at_start, self.with_gradients)
+
+
+def activations(m: ModelConfig, moe: MoEConfig, lay: Layout) -> Activations:
+    """Activation bytes of one micro-batch (``lay.micro_batch`` x ``lay.seq_len`` tokens)."""
+    a = 2 if lay.precision == "bf16" else 4
+    d, tokens = m.hidden_size, lay.micro_batch * lay.seq_len
+    layers = [(moe if moe.is_moe_layer(i) else None) for i in range(m.num_layers)]
+    ffns = [_expert_ffn(m, moe) if x else _dense_ffn(m) for x in layers]
+    full = [_block(m, x, f, a) for x, f in zip(layers, ffns)]
+    stacked = [_stacked_experts(m, moe, lay, a) if x else 0 for x in layers]  # not per token
+    post = m.norm_placement in ("post", "deepnorm")
+    emb = (_norm(m, d, a, out=post) if m.embedding_norm else (a * d if post else 0)) + (d if m.dropout > 0 else 0)
+    head = _norm(m, d, a) if m.final_norm and not post else 0
+    if m.mlm_head_transform:
+        head += a * d + _norm(m, d, a)
+    v = m.vocab_size
+    if lay.recompute == "none":
+        kept, rebuilt, layer_kept = full, [0], sum(stacked)
+    else:
+        kept = [a * d] * len(full) if lay.recompute == "full" else [_selective(m, *xf, a) for xf in zip(layers, ffns)]
+        rebuilt = [tokens * (f - k) + s for f, k, s in zip(full, kept, stacked)]
+        layer_kept = 0
+    return Activations(
+        kept=tokens * (sum(kept) + emb) + layer_kept,
+        at_start=tokens * (head + v * (a + 12)),
+        with_gradients=max(tokens * (a * v + head), tokens * a * v + max(rebuilt)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Per worker
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: float
+    gradients: float
+    """The gradients and ZeRO's reduce bucket(s)."""
+    optimizer: float
+    """On the GPU (0 when offloaded: then ``host_optimizer``)."""
+    activations: Activations
+    accumulates: bool
+    """Gradient accumulation: earlier micro-batches' gradients are alive at a backward's start."""
+    host_optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """The peak: weights and optimizer states, and the larger of the backward's start (with earlier micro-batches'
+        gradients under accumulation) and the backward once this micro-batch's gradients exist."""
+        acts, grads = self.activations, self.gradients
+        start = acts.at_start + (grads if self.accumulates else 0.0)
+        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads)
+
+    def parts(self) -> dict[str, float]:
+        """Each component at its largest (their sum is at least :attr:`total`)."""
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations.total,
+        }
+
+
+def optimizer_bytes(precision: str, stage: int) -> int:
+    """Bytes per parameter of the optimizer: fp32 master (bf16, or fp32 under ZeRO-1/2, which clone their
+    partition) and the two AdamW moments."""
+    return 12 if precision == "bf16" or stage in (1, 2) else 8
+
+
+def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
+    """Bytes one worker holds. Experts: ``1/ep`` of them on each worker, their ZeRO partitions over the ``dp/ep``
+    workers holding the same experts; dense weights partitioned over all ``dp``."""
+    w = 2 if lay.precision == "bf16" else 4
+    dense = counts.total - counts.expert
+    held = dense + counts.expert / lay.ep  # the weights this worker computes with
+    shard = (dense + counts.expert) / lay.dp  # its ZeRO partition (experts: held / (dp / ep))
+    if lay.stage == 3:
+        weights = w * (shard + min(DS_PREFETCH * counts.largest_gather, held))
+    else:
+        weights = w * held
+    gradients = w * ((held if lay.stage < 2 else shard) + reduce_bucket(cfg, lay))
+    opt = optimizer_bytes(lay.precision, lay.stage) * (held if lay.stage == 0 else shard)
+    acts = activations(cfg.model, cfg.moe, lay)
+    accumulates = lay.grad_accum > 1
+    if lay.offload:
+        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt)
+    return Memory(weights, gradients, opt, acts, accumulates)
+
+
+def reduce_bucket(cfg: RunConfig, lay: Layout) -> int:
+    """Elements of ZeRO's gradient reduce buffers: ``zero.reduce_bucket_size`` whatever the model's size (ZeRO-1/2
+    from a step's first gradient to its update, two with ``overlap_comm``; ZeRO-3 for the whole run); none at 0."""
+    if lay.stage == 0:
+        return 0
+    return cfg.zero.reduce_bucket_size * (2 if cfg.zero.overlap_comm and lay.stage < 3 else 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The verdict
+# ----------------------------------------------------------------------------------------------
+
+
+def _batch(cfg: RunConfig, cap: int) -> dict[str, int]:
+    """The plan's micro-batch and accumulation under a micro-batch cap of ``cap``."""
+    c = copy.deepcopy(cfg)
+    c.train.micro_batch_size = cap
+    plan = make_plan(c, cfg.cluster.num_workers)
+    return {"micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum}
+
+
+def fixes(cfg: RunConfig, counts: ParamCounts, lay: Layout, limit: float) -> list[str]:
+    """Single changes after which the total is within ``limit`` bytes, each as ``key=value (total)``; when none
+    is enough alone, all of them together, or what they still need."""
+
+    def total(**change) -> float:
+        return memory(cfg, counts, dataclasses.replace(lay, **change)).total
+
+    out: list[str] = []
+    combined: dict = {}
+    top = 2 if cfg.moe.enabled else 3  # MoE: not with ZeRO-3
+    if lay.stage < top:
+        combined["stage"] = top
+        if (t := total(stage=top)) <= limit:
+            out.append(f"zero.stage={top} ({t / GIB:.1f} GiB)")
+    for mode in ("selective", "full"):
+        if lay.recompute not in (mode, "full"):
+            combined["recompute"] = mode
+            if (t := total(recompute=mode)) <= limit:
+                out.append(f"train.activation_checkpointing={mode} ({t / GIB:.1f} GiB)")
+                break
+    for cap in range(lay.micro_batch - 1, 0, -1):
+        combined.update(batch := _batch(cfg, cap))
+        if batch["micro_batch"] == cap and (t := total(**batch)) <= limit:  # (a cap the plan takes as it is)
+            out.append(f"train.micro_batch_size={cap} ({t / GIB:.1f} GiB)")
+            break
+    if lay.stage > 0:
+        for n in (lay.dp * 2**i for i in range(1, 11)):
+            share = -(-cfg.train.global_batch_size // n)
+            micro = min(lay.micro_batch, share)
+            if (t := total(dp=n, micro_batch=micro, grad_accum=-(-share // micro))) <= limit:
+                out.append(f"more GPUs: cluster.num_workers={n} ({t / GIB:.1f} GiB)")
+                break
+    if lay.stage > 0 and not lay.offload and (t := total(offload=True)) <= limit:
+        out.append(f"zero.offload_optimizer=true ({t / GIB:.1f} GiB)")
+    if out or not combined:
+        return out
+    names = {"stage": "zero.stage", "recompute": "train.activation_checkpointing", "micro_batch": "micro-batch"}
+    both = " + ".join(f"{names[k]}={v}" for k, v in combined.items() if k in names)
+    t = total(**combined)
+    if t <= limit:
+        return [f"{both} together ({t / GIB:.1f} GiB)"]
+    return [f"even {both} need {t / GIB:.1f} GiB: a GPU with more memory, or more GPUs with ZeRO-3"]
+
+
+def verdict(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> str:
+    """One line: the total against ``cluster.gpu_type``'s memory, and what to change when it does not fit."""
+    gpu = cfg.cluster.gpu_type
+    if not gpu:
+        return f"no GPU type named (cluster.gpu_type: one of {', '.join(GPU_MEMORY_GIB)})"
+    cap = GPU_MEMORY_GIB[gpu] * GIB
+    t = memory(cfg, counts, lay).total
+    if t <= FIT_SHARE * cap:
+        return f"{gpu}: fits: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
+    what = "does not fit" if t > cap else f"tight (more than {FIT_SHARE:.0%}; the CUDA context and NCCL take some)"
+    todo = fixes(cfg, counts, lay, FIT_SHARE * cap)
+    lead = "" if todo[:1] and todo[0].startswith("even ") else "to fit: "
+    line = f"{gpu}: {what}: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
+    return line + (f"; {lead}{', or '.join(todo)}" if todo else "")
+
+
+def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[str, str]]:
+    """The dry run's rows: the parallel layout, parameters, memory per worker by component, the verdict."""
+    c, lay = cfg.cluster, layout_of(cfg, plan)
+    if lay.gpus:
+        nodes, per = math.ceil(c.num_workers / c.gpus_per_node), min(c.num_workers, c.gpus_per_node)
+        where = f"{nodes} node(s) x {per} GPU(s) (cluster.gpus_per_node={c.gpus_per_node})"
+    else:
+        where = f"{c.num_workers} CPU worker(s)"
+    params = f"{counts.total / 1e6:,.2f}M" + (
+        f", {counts.active / 1e6:,.2f}M active per token (top-{cfg.moe.top_k} of {cfg.moe.num_experts} experts)"
+        if cfg.moe.enabled
+        else ""
+    )
+    mem, acts = memory(cfg, counts, lay), activations(cfg.model, cfg.moe, lay)
+    w, over = (2 if lay.precision == "bf16" else 4), f"partitioned over {lay.dp}"
+    bucket = reduce_bucket(cfg, lay) * w / GIB
+    offload = f"; offloaded: {mem.host_optimizer / GIB:,.2f} GiB of host memory" if lay.offload else ""
+    parts = {
+        "weights": f"{w} B/param" + (f", {over}, + the gathered layers" if lay.stage == 3 else ""),
+        "gradients": f"{w} B/param"
+        + (f", {over}" if lay.stage >= 2 else "")
+        + (f", + reduce bucket {bucket:,.2f}" if bucket else ""),
+        "optimizer": f"{optimizer_bytes(lay.precision, lay.stage)} B/param"
+        + (f", {over}" if lay.stage else "")
+        + offload,
+        "activations": f"kept for the backward {acts.kept / GIB:,.2f}, + {acts.at_start / GIB:,.2f} logits and loss "
+        f"at the backward's start, or + {acts.with_gradients / GIB:,.2f} once gradients exist",
+    }
+    unit = "GPU" if lay.gpus else "worker (host memory)"
+    less = sum(mem.parts().values()) > mem.total + 1
+    rows = [
+        ("parallel", f"{where}; data parallel {lay.dp}, tensor 1 x sequence 1 x expert {lay.ep}"),
+        ("parameters", params),
+        (
+            "memory",
+            f"{mem.total / GIB:,.2f} GiB per {unit} at the step's peak: {lay.precision}, ZeRO-{lay.stage}, micro-batch "
+            f"{lay.micro_batch} x {lay.seq_len} tokens, recompute {lay.recompute}"
+            + ("; less than the sum below, whose parts are not all at their largest at once" if less else "")
+            + " (docs/memory-plan.md)",
+        ),
+        *(("", f"{k:<12} {v / GIB:8,.2f} GiB  ({parts[k]})") for k, v in mem.parts().items()),
+    ]
+    if lay.gpus:
+        rows.append(("verdict", verdict(cfg, counts, lay)))
+    return rows
