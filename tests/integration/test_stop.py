@@ -18,9 +18,10 @@ from tests.harness import CONFIG, E2E, PYTHON, cli, cli_env, metric_history, run
 SLOW = "faults.slow_step_s=0.4"  # steps slow enough to signal mid-run on any machine (numbers unchanged)
 
 
-def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], group: bool = False):
-    """``python -m pretrain ARGS`` in its own session; once step ``at_step`` is logged, send ``signals`` one after
-    the other (to the whole process group with ``group``, as a terminal's Ctrl-C). Returns (exit code, output)."""
+def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], group: bool = False, after: float = 0):
+    """``python -m pretrain ARGS`` in its own session; ``after`` seconds after step ``at_step`` is logged, send
+    ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C). Returns
+    (exit code, output)."""
     proc = subprocess.Popen(
         [PYTHON, "-m", "pretrain", *args],
         cwd=work,
@@ -35,6 +36,7 @@ def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], gr
     for line in proc.stdout:
         out.append(line)
         if not sent and re.search(rf"step +{at_step}/", line):
+            time.sleep(after)
             for sig in signals:
                 os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
                 time.sleep(0.05)
@@ -89,7 +91,10 @@ def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "KILLED"
 
-    code, out = _signal_at(tmp_path, ["resume", run_id], step + 2, [signal.SIGTERM, signal.SIGTERM])
+    # both signals while the next step runs (it sleeps 1.5 s first): the first asks for a stop after that step, the
+    # second ends the run before the step is over
+    again = ["faults.slow_step_s=1.5", "train.val_every=0"]
+    code, out = _signal_at(tmp_path, ["resume", run_id, *again], step + 2, [signal.SIGTERM] * 2, after=0.5)
     assert code == 143, out
     line = _stop_line(out)
     assert line.startswith("error: SIGTERM: stopped at once, no new checkpoint") and str(ckpt) in line, line
