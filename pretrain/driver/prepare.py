@@ -12,11 +12,12 @@ torch, transformers or Ray are imported (this module imports them lazily), so wi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,19 +157,34 @@ def create_run(
     its MLflow run (a local id when tracking is off) and its directory under ``checkpoint.dir``; then
     ``complete(run_dir)`` settles what needs the directory (tokenizer, vocab size), the config is validated and
     written as the run's config, logged to MLflow, and the run records its checkpoint root (how a run id finds
-    its checkpoints). Returns (run id, run directory, tracking URI or "")."""
+    its checkpoints). Returns (run id, run directory, tracking URI or ""). A run whose creation fails after its
+    MLflow run exists ends ``FAILED`` (``KILLED`` when interrupted), never left ``RUNNING``."""
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
     run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
     run_dir = Path(cfg.checkpoint.dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if complete is not None:
-        complete(run_dir)
-    cfg.validate()
-    (run_dir / layout.RUN_CONFIG).write_text(dump_yaml(cfg))
-    if uri:
-        tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
-        tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
+    with ended_on_error(uri, run_id):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if complete is not None:
+            complete(run_dir)
+        cfg.validate()
+        (run_dir / layout.RUN_CONFIG).write_text(dump_yaml(cfg))
+        if uri:
+            tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
+            tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
     return run_id, run_dir, uri
+
+
+@contextlib.contextmanager
+def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
+    """The MLflow run ``run_id`` ends ``KILLED`` (an interrupt) or ``FAILED`` (any other error) when the block
+    raises; the error goes on."""
+    try:
+        yield
+    except BaseException as e:
+        if uri:
+            with contextlib.suppress(Exception):  # the error itself matters more than its record
+                tracking.Tracker(uri, run_id).finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
 
 
 def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: bool = False) -> Job:
@@ -202,7 +218,8 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
 
     fingerprint = fingerprints(cfg.data)  # what the run trains on, kept in every checkpoint
     run_id, run_dir, uri = create_run(cfg, tags, complete)
-    init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
+    with ended_on_error(uri, run_id):
+        init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     return Job(
         config=to_dict(cfg),
         run_id=run_id,

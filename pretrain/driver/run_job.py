@@ -98,7 +98,7 @@ def run_job(prepare, announce) -> int:
             )
         tracker.finish("KILLED" if stopped else "FINISHED")
     if stopped:
-        return _print_stopped(final, job, tracking_uri(), stop.signum or signal.SIGTERM)
+        return _print_stopped(final, job, stop.signum or signal.SIGTERM)
     print_summary(final, job, tracking_uri())
     return 0
 
@@ -109,18 +109,25 @@ def _stopped_at_once(signame: str, job) -> str:
 
     last = latest_committed(Path(job.run_dir))
     where = f"latest committed checkpoint {last.path}" if last is not None else "no committed checkpoint"
-    return f"{signame}: stopped at once, no new checkpoint; {where}; resume: ./launch.sh resume {job.run_id}"
+    return f"{signame}: stopped at once, no new checkpoint; {where}; resume: {_resume_command(job)}"
 
 
-def _print_stopped(final: dict, job, uri: str, signum: int) -> int:
+def _resume_command(job) -> str:
+    """``./launch.sh resume RUN_ID``, with the tracking store when the user set one in the environment."""
+    from pretrain.train.tracking import tracking_uri
+
+    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(tracking_uri())} "
+    return f"{env}./launch.sh resume {job.run_id}"
+
+
+def _print_stopped(final: dict, job, signum: int) -> int:
     """The one line of a run that a stop ended with a checkpoint; the command's exit status (143, 130)."""
     from pretrain.driver.stop import exit_code
 
-    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
     where = final.get("checkpoint") or "no checkpoint (none was written)"
     print(
         f"stopped by {final['stopped']['signal']} at step {final['stopped']['step']}: checkpoint {where}; "
-        f"resume: {env}./launch.sh resume {job.run_id}",
+        f"resume: {_resume_command(job)}",
         file=sys.stderr,
     )
     return exit_code(signum)
