@@ -108,8 +108,12 @@ def _stopped_at_once(signame: str, job) -> str:
     from pretrain.checkpoint import latest_committed
 
     last = latest_committed(Path(job.run_dir))
-    where = f"latest committed checkpoint {last.path}" if last is not None else "no committed checkpoint"
-    return f"{signame}: stopped at once, no new checkpoint; {where}; resume: {_resume_command(job)}"
+    if last is None:
+        return f"{signame}: stopped at once; the run has no committed checkpoint, so there is nothing to resume"
+    return (
+        f"{signame}: stopped at once, no new checkpoint; latest committed checkpoint {last.path}; "
+        f"resume: {_resume_command(job)}"
+    )
 
 
 def _resume_command(job) -> str:
