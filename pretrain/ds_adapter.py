@@ -443,3 +443,33 @@ def deepspeed_moe_subclass(base: type, adopt_group: Callable[[Any, Any], None], 
         (base, MoE),
         {"__module__": module, "set_deepspeed_parallelism": _set_deepspeed_parallelism, "adopt_group": adopt_group},
     )
+
+
+def tensor_parallel_size() -> int:
+    """The size of DeepSpeed's tensor-parallel (AutoTP) group of this process, 1 without one."""
+    from deepspeed.utils import groups
+
+    group = groups._TENSOR_MODEL_PARALLEL_GROUP
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def reset_parallel_groups() -> None:
+    """Forget DeepSpeed's process-wide parallel groups (tensor/data/expert parallel, its device mesh and ``mpu``)
+    so that the next engine creates those of its own layout: an engine of another tensor-parallel size in the same
+    processes (0.19: ``groups._release_process_group_references(None)`` drops the references, destroys nothing)."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)
+
+
+def tensor_parallel_split(module: torch.nn.Module) -> tuple[int | None, int | None, list[int], int] | None:
+    """How AutoTP split a replaced layer: (weight dim, bias dim or None when the bias is whole, split sizes, this
+    rank's index); None for a layer AutoTP left whole. Column-parallel layers split the output dim of weight and
+    bias, row-parallel ones (``LinearAllreduce``) the weight's input dim (0.19: ``_partition_sizes``, ``tp_index``)."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    if isinstance(module, LinearAllreduce):
+        return 1, None, list(module._partition_sizes), module.tp_index
+    if isinstance(module, LinearLayer):
+        return 0, 0, list(module._partition_sizes), module.tp_index
+    return None

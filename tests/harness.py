@@ -238,7 +238,7 @@ def train_steps(
     for step, ids in enumerate(batches):
         if before is not None:
             before(step)
-        part = shard(ids, rank, world)
+        part = shard(ids, module.plan.data_rank(rank), module.plan.world_size)  # ranks sharing sequences: the same
         micro_seeds = (
             [step_seed(module.cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)] if seeds else None
         )

@@ -27,7 +27,8 @@ from pretrain.config.errors import ConfigError
 @dataclass(frozen=True)
 class RunPlan:
     world_size: int
-    """Workers (data-parallel ranks)."""
+    """Data-parallel ranks: the workers that take different sequences (all workers without model parallelism).
+    Methods taking a ``rank`` take a worker's global rank and use its data-parallel rank (:meth:`data_rank`)."""
     global_batch: int
     """Sequences per optimizer step over all workers (``train.global_batch_size``)."""
     seq_len: int
@@ -43,7 +44,34 @@ class RunPlan:
     val_sequences: int
     """Sequences of the global validation set (``train.val_sequences``; 0 = no validation)."""
     val_shares: tuple[int, ...]
-    """Validation sequences per worker (the sequences :meth:`val_part` selects)."""
+    """Validation sequences per data-parallel rank (the sequences :meth:`val_part` selects)."""
+    sequence_parallel: int = 1
+    """Workers sharing each sequence (``cluster.sequence_parallel``)."""
+    tensor_parallel: int = 1
+    """Workers sharing each layer (``cluster.tensor_parallel``)."""
+
+    @property
+    def model_parallel(self) -> int:
+        """Workers that train on the same sequences (sequence x tensor parallel)."""
+        return self.sequence_parallel * self.tensor_parallel
+
+    @property
+    def workers(self) -> int:
+        """All workers: data-parallel ranks x :attr:`model_parallel`."""
+        return self.world_size * self.model_parallel
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel rank of worker ``rank`` (ranks ``(d * N + s) * M + t``, see ``config/parallel.py``)."""
+        return rank // self.model_parallel
+
+    def shares_data(self, rank: int) -> bool:
+        """Whether worker ``rank`` is the first of the workers training on its sequences (the one whose sums count
+        when every worker's are added up)."""
+        return rank % self.model_parallel == 0
+
+    def share(self, rank: int) -> int:
+        """Sequences worker ``rank`` takes per step (its data-parallel rank's share)."""
+        return self.shares[self.data_rank(rank)]
 
     @property
     def tokens_per_step(self) -> int:
@@ -56,11 +84,11 @@ class RunPlan:
 
     def owned_streams(self, rank: int) -> list[int]:
         """The virtual data streams worker ``rank`` reads, in the order its share concatenates them."""
-        return list(range(rank, self.num_streams, self.world_size))
+        return list(range(self.data_rank(rank), self.num_streams, self.world_size))
 
     def val_part(self, rank: int) -> slice:
         """Which sequences of the global validation set worker ``rank`` evaluates."""
-        return slice(rank, self.val_sequences, self.world_size)
+        return slice(self.data_rank(rank), self.val_sequences, self.world_size)
 
     @property
     def even(self) -> bool:
@@ -74,7 +102,7 @@ class RunPlan:
 
     def micro_batches(self, rank: int) -> int:
         """Micro-batches with data on ``rank`` (the rest of ``grad_accum`` are padding)."""
-        return self.shares[rank] // self.micro_batch
+        return self.share(rank) // self.micro_batch
 
     def gradient_scale(self) -> float:
         """Factor on each real micro-batch's objective so that DeepSpeed's averaging (1/grad_accum per
@@ -88,6 +116,7 @@ class RunPlan:
         micro-batch divides G/S each micro-batch lies in one stream, and its id is (stream, offset)
         flattened — the same id whichever worker holds it. Otherwise ids follow rank order."""
         n = self.micro_batches(rank)
+        rank = self.data_rank(rank)
         if self.per_stream % self.micro_batch:
             first = sum(self.shares[:rank]) // self.micro_batch
             return [first + j for j in range(n)]
@@ -100,8 +129,13 @@ class RunPlan:
             if self.even
             else f"{'/'.join(map(str, self.shares))} sequences per worker (padded to equal passes)"
         )
+        parallel = (
+            f" ({self.world_size} data x {self.sequence_parallel} sequence x {self.tensor_parallel} tensor parallel)"
+            if self.model_parallel > 1
+            else ""
+        )
         return (
-            f"plan: {self.world_size} worker(s), global batch {self.global_batch} x {self.seq_len} tokens "
+            f"plan: {self.workers} worker(s){parallel}, global batch {self.global_batch} x {self.seq_len} tokens "
             f"= {self.tokens_per_step:,} tokens/step; {shares}; micro-batch {self.micro_batch}, "
             f"grad accum {self.grad_accum}"
         )
@@ -109,7 +143,10 @@ class RunPlan:
     def params(self) -> dict[str, int | str]:
         """Flat values for MLflow params (``plan.*``)."""
         return {
-            "plan.world_size": self.world_size,
+            "plan.world_size": self.workers,
+            "plan.data_parallel": self.world_size,
+            "plan.sequence_parallel": self.sequence_parallel,
+            "plan.tensor_parallel": self.tensor_parallel,
             "plan.global_batch": self.global_batch,
             "plan.micro_batch": self.micro_batch,
             "plan.grad_accum": self.grad_accum,
@@ -130,7 +167,15 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 
 def layout(
-    *, world_size: int, global_batch: int, micro_cap: int, num_streams: int, seq_len: int, val_sequences: int = 0
+    *,
+    world_size: int,
+    global_batch: int,
+    micro_cap: int,
+    num_streams: int,
+    seq_len: int,
+    val_sequences: int = 0,
+    sequence_parallel: int = 1,
+    tensor_parallel: int = 1,
 ) -> RunPlan:
     """The batch layout behind ``make_plan(cfg, world_size)`` (in ``tree.py``, beside the config it reads; also
     what data-only tools, e.g. the data throughput probe, plan with); errors name the config keys."""
@@ -166,4 +211,6 @@ def layout(
         grad_accum=max(shares) // micro,
         val_sequences=val_sequences,
         val_shares=val,
+        sequence_parallel=sequence_parallel,
+        tensor_parallel=tensor_parallel,
     )

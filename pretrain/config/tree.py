@@ -14,6 +14,7 @@ from pretrain.config.data import DataConfig
 from pretrain.config.errors import ConfigError, quote
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
+from pretrain.config.parallel import check_model_parallel
 from pretrain.config.plan import RunPlan, layout
 from pretrain.config.runtime import (
     CheckpointConfig,
@@ -409,8 +410,11 @@ def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
     """The plan of ``cfg`` on ``world_size`` workers (see ``plan.py``); a layout that cannot work is refused with a
     :class:`ConfigError` naming what to set."""
     t = cfg.train
+    data_parallel = check_model_parallel(cfg, world_size)
     plan = layout(
-        world_size=world_size,
+        world_size=data_parallel,
+        sequence_parallel=cfg.cluster.sequence_parallel,
+        tensor_parallel=cfg.cluster.tensor_parallel,
         global_batch=t.global_batch_size,
         micro_cap=t.micro_batch_size,
         num_streams=cfg.data.num_streams,

@@ -97,8 +97,8 @@ class TrainBatches:
 
     def __init__(self, cfg: DataConfig, *, kind: str, tokenizer, plan: RunPlan, rank: int, seed: int):
         _check_kind(kind)
-        if not 0 <= rank < plan.world_size:
-            raise ValueError(f"rank {rank} out of range for the plan's {plan.world_size} workers")
+        if not 0 <= rank < plan.workers:
+            raise ValueError(f"rank {rank} out of range for the plan's {plan.workers} workers")
         if plan.num_streams != cfg.num_streams:
             raise ValueError(f"the plan has {plan.num_streams} streams, data.num_streams is {cfg.num_streams}")
         self.cfg, self.kind, self.seq_len, self.tokenizer = cfg, kind, plan.seq_len, tokenizer

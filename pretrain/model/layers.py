@@ -96,7 +96,7 @@ class Attention(nn.Module):
         self.last_logit_max: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, t, d = x.shape  # (B, T, D)
+        b, t, _ = x.shape  # (B, T, D)
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
@@ -104,16 +104,34 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if self.num_kv_heads != self.num_heads:
+        if self.ulysses is None:
+            y = self.attend(q, k, v).transpose(1, 2)  # (B, T, H, hd)
+        else:  # sequence parallel: x is this worker's slice; attention sees the whole sequence for H/N heads
+            y = self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)  # (B, T, H, hd)
+        return self.o_proj(y.reshape(b, t, -1))  # (B, T, H*hd) -> (B, T, D)
+
+    @property
+    def ulysses(self):
+        """DeepSpeed's ``DistributedAttention`` around :meth:`attend` under sequence parallelism, else None."""
+        return self.__dict__.get("_ulysses")
+
+    def use_ulysses(self, attention) -> None:
+        """Run attention through ``attention`` (see :attr:`ulysses`; None: locally). Kept out of the module tree (an
+        ``nn.Module`` attribute would be registered as a submodule): it holds no parameters."""
+        self.__dict__["_ulysses"] = attention
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention of (B, H, T, hd) queries over (B, KV, T, hd) keys and values -> (B, H, T, hd)
+        (the head counts may be any multiple of each other: a worker's share under sequence or tensor parallelism)."""
+        if k.shape[1] != q.shape[1]:
             # HF repeat_kv layout: query heads [j*g, (j+1)*g) share kv head j.
-            g = self.num_heads // self.num_kv_heads
+            g = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(g, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(g, dim=1)  # (B, H, T, hd)
         if self.probe_logits:
             self.last_logit_max = self._logit_max(q, k)
         p = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)  # (B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))  # (B, T, D)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)  # (B, H, T, hd)
 
     @torch.no_grad()
     def _logit_max(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepno
 from pretrain.model.moe import MoEFeedForward, moe_layers
 from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy
+from pretrain.model.sequence_parallel import SequenceShards
 
 
 class ModelOutput(NamedTuple):
@@ -86,6 +87,8 @@ class Transformer(nn.Module):
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: str = "none"  # none | full | selective (pretrain/model/recompute.py)
+        # This worker's slice of each sequence under sequence parallelism (pretrain/model/sequence_parallel.py)
+        self.sequence_shards: SequenceShards | None = None
         # Per block (attention, FFN) output scales used when no gates are given and not training: the rho of
         # Xiao and Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4; see pretrain/model/layerdrop.py) for layer dropout
         # with ``rho`` scaling (set from the training side; an exporter folds them).
@@ -239,19 +242,24 @@ class Transformer(nn.Module):
             raise ValueError(f"gates has {len(gates)} entries for {len(self.blocks)} blocks")
         if gates is None and self.branch_scales is not None and not self.training:
             gates = self.branch_scales
+        sp = self.sequence_shards
+        span = slice(0, t) if sp is None else sp.span(t)  # this worker's positions
+        if sp is not None:
+            input_ids = sp.local(input_ids)  # (B, t)
 
-        x = self.embed_tokens(input_ids)  # (B, T, D)
+        x = self.embed_tokens(input_ids)  # (B, t, D)
         if self.embedding_scale != 1.0:
             x = x * self.embedding_scale
         if self.embed_positions is not None:
-            x = x + self.embed_positions(torch.arange(t, device=input_ids.device))  # + (T, D)
+            positions = torch.arange(span.start, span.stop, device=input_ids.device)
+            x = x + self.embed_positions(positions)  # + (t, D)
         if self.embedding_norm is not None:
             x = self.embedding_norm(x)
         x = self.drop(x)
 
         rope = None
         if self.rope_cos is not None and self.rope_sin is not None:
-            rope = (self.rope_cos[:t], self.rope_sin[:t])  # (T, hd) each
+            rope = (self.rope_cos[span], self.rope_sin[span])  # (t, hd) each: global positions
         recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else "none"
         moe_terms = []
         for i, block in enumerate(self.blocks):
@@ -270,13 +278,32 @@ class Transformer(nn.Module):
             x = self.final_norm(x)
         if self.head_transform is not None:
             x = self.head_transform(x)
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.lm_head(x)  # (B, t, V)
+        if sp is not None:
+            return self._sequence_parallel_output(sp, logits, labels)
         loss = None if labels is None else self.loss(logits, labels)
         z_loss = None
         if labels is not None and self.cfg.z_loss > 0:
             z_loss = self.cfg.z_loss * self.z_term(logits, labels)
         moe_loss = torch.stack(moe_terms).sum() if labels is not None and moe_terms else None
         return ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
+
+    def _sequence_parallel_output(
+        self, sp: SequenceShards, logits: torch.Tensor, labels: torch.Tensor | None
+    ) -> ModelOutput:
+        """The output of a sequence-parallel forward (see ``sequence_parallel.py``): losses as the worker's share of
+        the whole sequences' token means; logits of this worker's slice (B, t, V), or gathered to (B, T, V) without
+        gradients (a scorer compares them with whole-sequence labels)."""
+        loss = z_loss = None
+        if labels is not None:
+            target = sp.local_targets(labels, self.causal)  # (B, t)
+            loss = sp.cross_entropy(logits, target)
+            if self.cfg.z_loss > 0:
+                keep = (target != -100).float()
+                z_loss = self.cfg.z_loss * sp.token_mean(torch.logsumexp(logits.float(), dim=-1).pow(2), keep)
+        if not torch.is_grad_enabled():
+            logits = sp.gather(logits)  # (B, T, V)
+        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss)
 
     def z_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 mean of logsumexp(logits)^2 over the positions that have a target (PaLM z-loss)."""

@@ -26,7 +26,7 @@ from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.checkpoint.snapshot import BackgroundWrite, HostBuffers
 from pretrain.checkpoint.store import CheckpointError
-from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, Staged, describe
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, Staged, describe
 from pretrain.config import RunConfig
 from pretrain.train import dist
 from pretrain.train.health import nonfinite_params
@@ -150,7 +150,7 @@ class Checkpointer:
                 cfg=module.cfg,
                 trainer_state=asdict(state),
                 data_state=batches.state_dict(),
-                model=EngineState(module.save, module.snapshot),
+                model=module.checkpoint_state(),
             )
             if not self.asynchronous:
                 path = self.writer.save(contents, protect())

@@ -8,6 +8,7 @@ import torch
 
 from pretrain import ds_adapter
 from pretrain.config import RunConfig, RunPlan
+from pretrain.train.model_parallel import autotp_section, prepare_tensor_parallel
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -22,7 +23,8 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config dict for ``cfg`` under ``plan``. ``load_universal``: the engine will load a
     universal checkpoint (resuming with a different number of workers). DeepSpeed's batch size is the
-    nominal micro x accumulation x workers (the plan pads uneven shares to equal passes)."""
+    nominal micro x accumulation x workers (the plan pads uneven shares to equal passes; DeepSpeed counts every
+    worker, also those that share sequences under sequence or tensor parallelism)."""
     t, z = cfg.train, cfg.zero
     zero: dict[str, Any] = {"stage": z.stage}
     if z.stage > 0:
@@ -42,7 +44,7 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_univers
     if z.offload_optimizer and z.stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
-        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.world_size,
+        "train_batch_size": plan.micro_batch * plan.grad_accum * plan.workers,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -52,6 +54,7 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_univers
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
         **({"checkpoint": {"load_universal": True}} if load_universal else {}),
+        **({"tensor_parallel": autotp_section(cfg)} if cfg.cluster.tensor_parallel > 1 else {}),
     }
 
 
@@ -85,6 +88,7 @@ def initialize(
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
+    prepare_tensor_parallel(cfg.cluster.tensor_parallel)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -24,6 +24,7 @@ from pretrain import ds_adapter
 from pretrain.checkpoint.layout import DS_TAG
 from pretrain.checkpoint.snapshot import FileJob, HostCopy, save_hashed
 from pretrain.checkpoint.store import CheckpointError
+from pretrain.checkpoint.writer import EngineState, FullWeights
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
 from pretrain.model.compile import compile_blocks, compile_supported
@@ -31,6 +32,7 @@ from pretrain.model.layerdrop import inference_scales
 from pretrain.model.moe import moe_layers
 from pretrain.train.engine import initialize, resolve_precision, set_lr
 from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
+from pretrain.train.model_parallel import apply_sequence_parallel, gather_shards, local_shards
 from pretrain.train.schedule import lr_at
 
 StateDict = dict[str, torch.Tensor]
@@ -108,7 +110,17 @@ class TrainModule:
                     state[names[id(p)]] = full.detach().cpu().clone()
             if self.cfg.model.tie_embeddings and "lm_head.weight" in state:
                 state["lm_head.weight"] = state["embed_tokens.weight"]
-        return gather_experts(model, state)
+        return gather_experts(model, gather_shards(model, state))
+
+    def checkpoint_state(self) -> EngineState | FullWeights:
+        """What a checkpoint of this module holds: the DeepSpeed engine state (``save``/``snapshot``), or under tensor
+        parallelism the whole weights and AdamW moments (AutoTP shards gathered; collective), which resume on any
+        layout and export as they are."""
+        if self.cfg.cluster.tensor_parallel == 1:
+            return EngineState(self.save, self.snapshot)
+        from pretrain.train.optimizer_state import gather_moments
+
+        return FullWeights(self.full_state_dict(), gather_moments(self))
 
     def optimizer_state(self) -> dict:
         """This rank's optimizer state (its ZeRO partition): valid for a module of the same shapes and layout."""
@@ -256,13 +268,16 @@ def build_module(
     model.activation_checkpointing = cast(str, cfg.train.activation_checkpointing)  # str after __post_init__
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
+    apply_sequence_parallel(model, cfg)
     model.to(device)
-    if compile_wanted(cfg.train.compile, device):
+    if cfg.cluster.model_parallel == 1 and compile_wanted(cfg.train.compile, device):
         compile_blocks(model)
     # DeepSpeed casts the module to bf16 before it copies the fp32 master weights: given weights would lose their
     # low bits, so their fp32 values are set into the masters afterwards.
     masters = (
-        {id(p): p.detach().clone() for p in model.parameters()} if weights is not None and precision != "fp32" else None
+        {n: p.detach().clone() for n, p in model.named_parameters()}
+        if weights is not None and precision != "fp32"
+        else None
     )
     # MoE selection biases stay fp32 (DeepSpeed's bf16 cast would lose the small per-step updates)
     biases = [
@@ -277,12 +292,13 @@ def build_module(
         from deepspeed.utils import safe_set_full_fp32_param
 
         unfused = ds_adapter.unfused_fp32_masters(engine)
+        masters = local_shards(engine.module, masters)  # tensor parallelism: this rank's shards
         with torch.no_grad():
-            for p in engine.module.parameters():
+            for n, p in engine.module.named_parameters():
                 if id(p) in unfused:
-                    unfused[id(p)].copy_(masters[id(p)])
+                    unfused[id(p)].copy_(masters[n])
                 else:
-                    safe_set_full_fp32_param(p, masters[id(p)])
+                    safe_set_full_fp32_param(p, masters[n])
     # ZeRO-3 gathers a partitioned weight only when its own module runs: such experts run module by module.
     for _, layer in moe_layers(engine.module):
         layer.grouped_experts = not any(ds_adapter.is_partitioned(p) for p in layer.experts.parameters())

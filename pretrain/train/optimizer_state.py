@@ -17,6 +17,7 @@ import torch
 
 from pretrain import ds_adapter
 from pretrain.train.expert_parallel import global_param_names
+from pretrain.train.model_parallel import gather_shards, local_shards
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -51,6 +52,8 @@ def gather_moments(module) -> dict[str, Any]:
         for key in MOMENTS:
             value = base.state[p][key] if module.zero_stage == 0 else ds_adapter.full_optimizer_state(p, key)
             out[key][name] = value.detach().float().cpu().clone().reshape(shape)
+    for key in MOMENTS:  # tensor parallelism: whole tensors from the AutoTP shards
+        out[key] = gather_shards(module.model, out[key])
     return out
 
 
@@ -65,13 +68,14 @@ def load_moments(module, moments: dict[str, Any]) -> None:
         return
     base = _base(module)
     if not base.state:
-        ids = torch.zeros(module.plan.shares[module.rank], module.cfg.model.max_seq_len, dtype=torch.long)
+        ids = torch.zeros(module.plan.share(module.rank), module.cfg.model.max_seq_len, dtype=torch.long)
         run_step(module, StepInput(0, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, 0.0))
     _link_all_groups(module)
     names = global_param_names(module.model)
+    local = {key: local_shards(module.model, moments[key]) for key in MOMENTS}  # tensor parallelism: this rank's
     for name, p in module.model.named_parameters():
         for key in MOMENTS:
-            value = moments[key][names.get(name, name)].to(module.device, torch.float32)
+            value = local[key][names.get(name, name)].to(module.device, torch.float32)
             if module.zero_stage == 0:
                 base.state[p][key].copy_(value.view_as(base.state[p][key]))
             else:

@@ -126,13 +126,27 @@ class ResumeSource:
     moments: dict | None = None
 
 
-def resume_source(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext, ep_size: int) -> ResumeSource:
-    """What ``ckpt`` holds, ready to restore into a module with expert parallelism ``ep_size`` (0: no MoE): its full
-    weights and moments (for expert-parallel engine state of another layout: its full form, see
-    :func:`expert_layout_changed`), or where its engine state is (for another worker count: the universal form, see
-    :func:`engine_state_dir`)."""
+def resume_source(
+    ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext, ep_size: int, tensor_parallel: int = 1
+) -> ResumeSource:
+    """What ``ckpt`` holds, ready to restore into a module with expert parallelism ``ep_size`` (0: no MoE) and
+    ``tensor_parallel`` AutoTP degree: its full weights and moments (for expert-parallel engine state of another
+    layout, or engine state resumed with tensor parallelism: its full form, see :func:`expert_layout_changed`), or
+    where its engine state is (for another worker count: the universal form, see :func:`engine_state_dir`)."""
     path = ckpt.path
-    if expert_layout_changed(ckpt, ep_size, ctx.world_size):
+    if tensor_parallel > 1 and not reader.is_full_weights(ckpt):
+        if ctx.is_main:
+            print(
+                f"[train] tensor parallel resume: converting the engine state of {ckpt.path.name} to full weights "
+                f"and optimizer moments",
+                flush=True,
+            )
+        path = _converted(
+            ctx,
+            lambda: reader.resharded_full_form(ckpt, run_dir),
+            f"{ckpt.path}: cannot convert to full weights for cluster.tensor_parallel={tensor_parallel}",
+        )
+    elif expert_layout_changed(ckpt, ep_size, ctx.world_size):
         saved = f"moe.ep_size={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
         if ctx.is_main:
             print(
@@ -171,7 +185,9 @@ def load_model_state(module, source: ResumeSource, built: bool = False) -> None:
 
 def rollback_loader(module, run_dir: Path, ctx: dist.DistContext):
     """``load(ckpt)`` for a stability rollback: the checkpoint's model state into ``module``, either format."""
-    return lambda ckpt: load_model_state(module, resume_source(ckpt, run_dir, ctx, ep_size_of(module.cfg)))
+    return lambda ckpt: load_model_state(
+        module, resume_source(ckpt, run_dir, ctx, ep_size_of(module.cfg), module.cfg.cluster.tensor_parallel)
+    )
 
 
 def restore(module, batches: TrainBatches, source: ResumeSource, ctx: dist.DistContext) -> TrainerState:

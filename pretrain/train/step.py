@@ -148,7 +148,7 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
         loss = loss_sum / world
     else:
         loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses), grad_sq, nonfinite], device)
-        loss = loss_sum / plan.real_micro_batches
+        loss = loss_sum / (plan.real_micro_batches * plan.model_parallel)  # model parallel: ranks share batches
     grad_norm = math.sqrt(grad_sq) if nonfinite == 0 and math.isfinite(grad_sq) else float("nan")
     moe = reduce_moe_stats(engine.module, device)
     decision = None
@@ -226,6 +226,8 @@ def evaluate(
         )
     finally:
         engine.train()
+    if not module.plan.shares_data(module.rank):  # the first rank of those scoring the same sequences counts them
+        sums = ScoreSums()
     sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))
     metrics = sums.metrics(kind, with_bytes=byte_lengths is not None, allow_empty=True)
     return {f"{prefix}{k}": v for k, v in metrics.items()}

@@ -1,0 +1,66 @@
+"""The rules of a model-parallel layout (``cluster.sequence_parallel`` N, ``cluster.tensor_parallel`` M), checked at
+config load with the worker count, each refused in one line naming what to set.
+
+Ranks are laid out as ``rank = (d * N + s) * M + t`` (data-parallel index ``d``, sequence-parallel index ``s``,
+tensor-parallel index ``t``): tensor-parallel groups are consecutive ranks, as DeepSpeed's AutoTP mesh makes them, and
+the ``N * M`` ranks of one data-parallel index train on the same sequences (see ``pretrain/train/model_parallel.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pretrain.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.config.tree import RunConfig
+
+
+def check_model_parallel(cfg: RunConfig, world_size: int) -> int:
+    """The data-parallel degree of ``cfg`` on ``world_size`` workers; raises :class:`ConfigError` for a layout that
+    cannot work (divisibility) or a pairing this system does not train (MoE, compiled blocks, ZeRO-3 with AutoTP)."""
+    c, m = cfg.cluster, cfg.model
+    n, t = c.sequence_parallel, c.tensor_parallel
+    if n == 1 and t == 1:
+        return world_size
+    mp = n * t
+    if world_size % mp:
+        raise ConfigError(
+            f"cluster.num_workers: {world_size} workers do not divide into groups of sequence_parallel x "
+            f"tensor_parallel = {n} x {t}; use a multiple of {mp}"
+        )
+    heads, kv = m.num_heads, m.num_kv_heads or m.num_heads
+    for key, degree in (("sequence_parallel", n), ("tensor_parallel", t)):
+        if degree > 1 and (heads % degree or kv % degree):
+            raise ConfigError(
+                f"cluster.{key}: {degree} must divide model.num_heads ({heads}) and the key-value heads ({kv}); "
+                f"each worker holds whole heads"
+            )
+    if n > 1 and m.max_seq_len % n:
+        raise ConfigError(
+            f"cluster.sequence_parallel: {n} must divide model.max_seq_len ({m.max_seq_len}); each worker holds "
+            f"an equal slice of every sequence"
+        )
+    if t > 1:
+        from pretrain.model.transformer import resolved_ffn_size
+
+        if resolved_ffn_size(m) % t:
+            raise ConfigError(
+                f"cluster.tensor_parallel: {t} must divide the FFN size ({resolved_ffn_size(m)}, model.ffn_size)"
+            )
+        if cfg.zero.stage == 3:
+            raise ConfigError(
+                "cluster.tensor_parallel: not with zero.stage 3 (the checkpoint gathers AutoTP shards from ZeRO "
+                "stages 0-2); use zero.stage 1 or 2"
+            )
+    if cfg.moe.enabled:
+        raise ConfigError(
+            f"cluster.sequence_parallel/tensor_parallel: not with MoE (moe.num_experts {cfg.moe.num_experts}); "
+            f"use expert parallelism (moe.ep_size) with data parallelism, or a dense model"
+        )
+    if cfg.train.compile == "yes":
+        raise ConfigError(
+            "train.compile: yes is not supported with cluster.sequence_parallel/tensor_parallel > 1 (their "
+            "collectives run between compiled regions); use train.compile=no"
+        )
+    return world_size // mp
