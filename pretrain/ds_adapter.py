@@ -473,3 +473,13 @@ def tensor_parallel_split(module: torch.nn.Module) -> tuple[int | None, int | No
     if isinstance(module, LinearLayer):
         return 0, 0, list(module._partition_sizes), module.tp_index
     return None
+
+
+def drop_tensor_parallel_input_check(engine) -> None:
+    """Remove the hook AutoTP puts before the first forward, which broadcasts its arguments within the tensor-parallel
+    group and compares them (0.19: ``first_dataloader_check``): its comparison fails on tensors inside lists (the
+    per-sample layer-dropout gates), and the plan gives the ranks of a group the same sequences by construction."""
+    hook = getattr(engine, "first_dataloader_check", None)
+    if hook is not None:
+        hook.remove()
+        engine.first_dataloader_check = None

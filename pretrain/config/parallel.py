@@ -30,12 +30,12 @@ def check_model_parallel(cfg: RunConfig, world_size: int) -> int:
             f"tensor_parallel = {n} x {t}; use a multiple of {mp}"
         )
     heads, kv = m.num_heads, m.num_kv_heads or m.num_heads
-    for key, degree in (("sequence_parallel", n), ("tensor_parallel", t)):
-        if degree > 1 and (heads % degree or kv % degree):
-            raise ConfigError(
-                f"cluster.{key}: {degree} must divide model.num_heads ({heads}) and the key-value heads ({kv}); "
-                f"each worker holds whole heads"
-            )
+    if heads % mp or kv % mp:
+        key = "sequence_parallel" if t == 1 else "tensor_parallel" if n == 1 else "sequence_parallel x tensor_parallel"
+        raise ConfigError(
+            f"cluster.{key}: {mp} must divide model.num_heads ({heads}) and the key-value heads ({kv}, "
+            f"model.num_kv_heads); each worker attends over whole heads"
+        )
     if n > 1 and m.max_seq_len % n:
         raise ConfigError(
             f"cluster.sequence_parallel: {n} must divide model.max_seq_len ({m.max_seq_len}); each worker holds "

@@ -8,7 +8,7 @@ import torch
 
 from pretrain import ds_adapter
 from pretrain.config import RunConfig, RunPlan
-from pretrain.train.model_parallel import autotp_section, prepare_tensor_parallel
+from pretrain.train.model_parallel import autotp_section, mark_shards, prepare_tensor_parallel
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -96,6 +96,8 @@ def initialize(
         dist_init_required=False,
     )
     ds_adapter.use_weights_only_loading(engine)  # a checkpoint file cannot run code
+    ds_adapter.drop_tensor_parallel_input_check(engine)
+    mark_shards(engine.module)
     return engine
 
 

@@ -39,14 +39,30 @@ def _world() -> int:
 def _owner(p: torch.nn.Parameter) -> bool:
     """Whether this rank counts replicated ``p`` in a cross-rank sum: rank 0 for dense weights; for an
     expert-parallel weight (DeepSpeed's ``allreduce = False``) the first rank of its expert-data-parallel group,
-    since each expert-parallel rank holds other experts."""
+    since each expert-parallel rank holds other experts; for a tensor-parallel shard the ranks of the first
+    tensor-parallel group (ranks ``0 .. M-1``), each holding its own shard."""
     if ds_adapter.is_expert_param(p) and tdist.is_initialized():
         return ds_adapter.expert_data_parallel_rank(p) == 0
+    if is_shard(p):
+        return _rank() < ds_adapter.tensor_parallel_size()
     return _rank() == 0
 
 
 def _owned(views: Views) -> Views:
     return [(p, t) for p, t in views if _owner(p)]
+
+
+def is_shard(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` is this rank's AutoTP shard of a split weight (marked by ``model_parallel.mark_shards``)."""
+    return bool(getattr(p, "tensor_parallel_shard", False))
+
+
+def _once_per_tensor_group(views: Views) -> Views:
+    """Under tensor parallelism, ZeRO partitions of weights every tensor-parallel rank holds whole (norms, embeddings,
+    the head) are counted by the first rank of each tensor-parallel group only."""
+    if ds_adapter.tensor_parallel_size() == 1 or _rank() % ds_adapter.tensor_parallel_size() == 0:
+        return views
+    return [(p, t) for p, t in views if is_shard(p)]
 
 
 def block_key(name: str) -> str:
@@ -61,7 +77,7 @@ def grad_views(engine) -> Views:
     """(parameter, gradient) pairs this rank contributes to cross-rank sums: its ZeRO partition, or the replicated
     gradients it owns (see :func:`_owner`)."""
     views, replicated = ds_adapter.grad_views(engine)
-    return _owned(views) if replicated else views
+    return _owned(views) if replicated else _once_per_tensor_group(views)
 
 
 def param_views(engine) -> tuple[Views, bool]:
@@ -72,7 +88,7 @@ def param_views(engine) -> tuple[Views, bool]:
 def counted_param_views(engine) -> Views:
     """The parameter values this rank contributes to cross-rank sums (each value counted once overall)."""
     views, replicated = param_views(engine)
-    return _owned(views) if replicated else views
+    return _owned(views) if replicated else _once_per_tensor_group(views)
 
 
 def grad_signals(engine) -> tuple[float, float]:

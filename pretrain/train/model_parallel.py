@@ -95,6 +95,15 @@ def _splits(model: nn.Module) -> dict[str, tuple[int, list[int], int]]:
     return out
 
 
+def mark_shards(model: nn.Module) -> None:
+    """Mark the parameters AutoTP split (``tensor_parallel_shard``), so cross-rank sums of per-parameter numbers
+    (gradient and parameter norms, ``pretrain/train/health.py``) count the weights left whole once."""
+    params = dict(model.named_parameters())
+    for name in _splits(model):
+        if name in params:
+            params[name].tensor_parallel_shard = True  # type: ignore[attr-defined]
+
+
 def gather_shards(model: nn.Module, state: StateDict) -> StateDict:
     """``state`` (by parameter name: this rank's AutoTP shards, e.g. weights or moments) with every split tensor
     gathered whole over the tensor-parallel group (collective over it; no-op without tensor parallelism)."""
