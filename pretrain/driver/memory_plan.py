@@ -49,6 +49,8 @@ class ParamCounts:
     """Parameters of all experts of all MoE layers (0 for a dense model)."""
     largest_gather: int
     """The largest block or embedding: what ZeRO-3 gathers at once."""
+    split: int = 0
+    """The dense blocks' attention and FFN projections: what tensor parallelism (AutoTP) splits."""
 
 
 def count_parameters(cfg: RunConfig) -> ParamCounts:
@@ -68,7 +70,18 @@ def count_parameters(cfg: RunConfig) -> ParamCounts:
         active=active_parameters(model),
         expert=sum(p.numel() for _, layer in moe_layers(model) for p in layer.experts.parameters()),
         largest_gather=max([*blocks, model.embed_tokens.weight.numel(), model.lm_head.weight.numel()]),
+        split=sum(
+            p.numel()
+            for b in model.blocks
+            for part in (b.attn, b.ffn)
+            for name, p in part.named_parameters()
+            if name.split(".")[0] in SPLIT_PROJECTIONS and "deepspeed_moe" not in name
+        ),
     )
+
+
+SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The layers ``cluster.tensor_parallel`` splits (``pretrain/train/model_parallel.py``)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,7 @@ class Layout:
     """``bf16`` or ``fp32`` (``train.precision: auto`` is bf16 when the plan has GPUs)."""
     stage: int
     dp: int
-    """Data-parallel degree (workers)."""
+    """Data-parallel degree (workers taking different sequences)."""
     ep: int
     """Expert-parallel degree (``moe.ep_size``; 1 for dense models)."""
     micro_batch: int
@@ -89,6 +102,17 @@ class Layout:
     offload: bool
     gpus: bool
     """Whether the workers are GPUs (else CPU workers: the numbers are host memory)."""
+    sp: int = 1
+    """Sequence-parallel degree: each worker holds ``seq_len / sp`` tokens of every sequence."""
+    tp: int = 1
+    """Tensor-parallel degree: each worker holds ``1 / tp`` of the attention and FFN projections and their
+    activations."""
+
+    @property
+    def zero_group(self) -> int:
+        """Workers a ZeRO partition spans: DeepSpeed's data-parallel group, every worker of one tensor-parallel
+        index (``dp x sp``)."""
+        return self.dp * self.sp
 
 
 def plans_gpus(cfg: RunConfig) -> bool:
@@ -111,6 +135,8 @@ def layout_of(cfg: RunConfig, plan: RunPlan, gpus: bool | None = None) -> Layout
         recompute=str(cfg.train.activation_checkpointing),
         offload=cfg.zero.offload_optimizer and cfg.zero.stage > 0,
         gpus=gpus,
+        sp=plan.sequence_parallel,
+        tp=plan.tensor_parallel,
     )
 
 
@@ -146,17 +172,18 @@ def _stacked_experts(m: ModelConfig, moe: MoEConfig, lay: Layout, a: int) -> int
     return a * per_expert * moe.num_experts // lay.ep
 
 
-def _block(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int) -> int:
+def _block(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int, tp: int = 1) -> int:
     """Everything one block keeps (recompute ``none``). The two norms with their outputs (which pre-norm feed to
     attention and FFN, and post-norm to the next sub-layer); q, k and v (GQA's expanded to every head) and the
     attention output; the fp32 log-sum-exp per head; the FFN (or MoE); dropout masks (1 byte an element). Fused
-    attention kernels keep no T x T matrix."""
+    attention kernels keep no T x T matrix. Under tensor parallelism (``tp``) a worker keeps its heads' and its FFN
+    columns' share; the norms see the whole hidden state."""
     d, h = m.hidden_size, m.num_heads
     kv = m.num_kv_heads or h
-    b = 2 * _norm(m, d, a) + 4 * a * d + 4 * h
-    b += _moe(m, moe, ffn, a) if moe is not None else _ffn(m, ffn, a)
+    inner = 4 * a * d + 4 * h + (_moe(m, moe, ffn, a) if moe is not None else _ffn(m, ffn, a))
     if m.qk_norm:
-        b += (h + kv) * _norm(m, d // h, a, out=False)
+        inner += (h + kv) * _norm(m, d // h, a, out=False)
+    b = 2 * _norm(m, d, a) + inner // tp
     if m.norm_placement == "sandwich":
         b += 2 * _norm(m, d, a, out=False)
     if m.dropout > 0:
@@ -164,15 +191,15 @@ def _block(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int) -> int:
     return b
 
 
-def _selective(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int) -> int:
+def _selective(m: ModelConfig, moe: MoEConfig | None, ffn: int, a: int, tp: int = 1) -> int:
     """What ``selective`` keeps of a block (``pretrain/model/recompute.py``): its input and the outputs of the
-    matmuls and of attention."""
+    matmuls and of attention (a ``tp`` share of the split ones)."""
     d, h = m.hidden_size, m.num_heads
     kv_dim = (m.num_kv_heads or h) * (d // h)
-    b = a * d + a * (d + 2 * kv_dim) + a * d + 4 * h + a * d  # input; q, k, v; attention out + lse; o_proj
     gated = 2 if m.activation == "swiglu" else 1
-    if moe is None:
-        return b + a * (gated * ffn + d)
+    if moe is None:  # input, o_proj and down_proj outputs whole; q, k, v, attention out + lse, FFN columns split
+        return 3 * a * d + (a * (d + 2 * kv_dim) + a * d + 4 * h + a * gated * ffn) // tp
+    b = a * d + a * (d + 2 * kv_dim) + a * d + 4 * h + a * d  # input; q, k, v; attention out + lse; o_proj
     return b + a * moe.num_experts + moe.top_k * a * (gated * ffn + d)
 
 
@@ -206,12 +233,12 @@ class Activations:
 
 
 def activations(m: ModelConfig, moe: MoEConfig, lay: Layout) -> Activations:
-    """Activation bytes of one micro-batch (``lay.micro_batch`` x ``lay.seq_len`` tokens)."""
+    """Activation bytes of one micro-batch on one worker (``lay.micro_batch`` x ``lay.seq_len / lay.sp`` tokens)."""
     a = 2 if lay.precision == "bf16" else 4
-    d, tokens = m.hidden_size, lay.micro_batch * lay.seq_len
+    d, tokens = m.hidden_size, lay.micro_batch * lay.seq_len // lay.sp
     layers = [(moe if moe.is_moe_layer(i) else None) for i in range(m.num_layers)]
     ffns = [_expert_ffn(m, moe) if x else _dense_ffn(m) for x in layers]
-    full = [_block(m, x, f, a) for x, f in zip(layers, ffns)]
+    full = [_block(m, x, f, a, lay.tp) for x, f in zip(layers, ffns)]
     stacked = [_stacked_experts(m, moe, lay, a) if x else 0 for x in layers]  # not per token
     post = m.norm_placement in ("post", "deepnorm")
     emb = (_norm(m, d, a, out=post) if m.embedding_norm else (a * d if post else 0)) + (d if m.dropout > 0 else 0)
@@ -222,7 +249,7 @@ def activations(m: ModelConfig, moe: MoEConfig, lay: Layout) -> Activations:
     if lay.recompute == "none":
         kept, rebuilt, layer_kept = full, [0], sum(stacked)
     else:
-        kept = [a * d] * len(full) if lay.recompute == "full" else [_selective(m, *xf, a) for xf in zip(layers, ffns)]
+        kept = [a * d] * len(full) if lay.recompute == "full" else [_selective(m, *xf, a, lay.tp) for xf in zip(layers, ffns)]
         rebuilt = [tokens * (f - k) + s for f, k, s in zip(full, kept, stacked)]
         layer_kept = 0
     return Activations(
@@ -277,9 +304,9 @@ def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     """Bytes one worker holds. Experts: ``1/ep`` of them on each worker, their ZeRO partitions over the ``dp/ep``
     workers holding the same experts; dense weights partitioned over all ``dp``."""
     w = 2 if lay.precision == "bf16" else 4
-    dense = counts.total - counts.expert
+    dense = counts.total - counts.expert - counts.split + counts.split / lay.tp  # tensor parallel: its share
     held = dense + counts.expert / lay.ep  # the weights this worker computes with
-    shard = (dense + counts.expert) / lay.dp  # its ZeRO partition (experts: held / (dp / ep))
+    shard = (dense + counts.expert) / lay.zero_group  # its ZeRO partition (experts: held / (dp / ep))
     if lay.stage == 3:
         weights = w * (shard + min(DS_PREFETCH * counts.largest_gather, held))
     else:
@@ -388,7 +415,7 @@ def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[
         else ""
     )
     mem, acts = memory(cfg, counts, lay), activations(cfg.model, cfg.moe, lay)
-    w, over = (2 if lay.precision == "bf16" else 4), f"partitioned over {lay.dp}"
+    w, over = (2 if lay.precision == "bf16" else 4), f"partitioned over {lay.zero_group}"
     bucket = reduce_bucket(cfg, lay) * w / GIB
     offload = f"; offloaded: {mem.host_optimizer / GIB:,.2f} GiB of host memory" if lay.offload else ""
     parts = {
@@ -405,12 +432,12 @@ def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[
     unit = "GPU" if lay.gpus else "worker (host memory)"
     less = sum(mem.parts().values()) > mem.total + 1
     rows = [
-        ("parallel", f"{where}; data parallel {lay.dp}, tensor 1 x sequence 1 x expert {lay.ep}"),
+        ("parallel", f"{where}; data parallel {lay.dp}, tensor {lay.tp} x sequence {lay.sp} x expert {lay.ep}"),
         ("parameters", params),
         (
             "memory",
             f"{mem.total / GIB:,.2f} GiB per {unit} at the step's peak: {lay.precision}, ZeRO-{lay.stage}, micro-batch "
-            f"{lay.micro_batch} x {lay.seq_len} tokens, recompute {lay.recompute}"
+            f"{lay.micro_batch} x {lay.seq_len // lay.sp} tokens, recompute {lay.recompute}"
             + ("; less than the sum below, whose parts are not all at their largest at once" if less else "")
             + " (docs/memory-plan.md)",
         ),
