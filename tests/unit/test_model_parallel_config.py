@@ -49,7 +49,7 @@ def test_memory_plan_divides_tokens_by_sequence_and_projections_by_tensor_parall
     from pretrain.config import make_plan
 
     def mem(*layout):
-        cfg = load_config(None, [*BASE, "cluster.num_workers=4", "data.num_streams=4", "zero.stage=1", *layout])
+        cfg = load_config(None, [*BASE, "cluster.num_workers=4", "data.num_streams=4", "zero.stage=1", "train.micro_batch_size=2", *layout])
         return memory(cfg, count_parameters(cfg), layout_of(cfg, make_plan(cfg, 4)))
 
     dp, sp, tp = mem(), mem("cluster.sequence_parallel=2"), mem("cluster.tensor_parallel=2")
