@@ -10,6 +10,7 @@ mode                   benchmark
 ``--vs-hf``            ``./launch.sh train`` against Hugging Face Trainer (:mod:`benchmarks.vs_hf`)
 ``--growth``           scratch against grown at equal FLOPs (:mod:`benchmarks.growth`)
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
+``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
 =====================  ======================================================================================
@@ -112,6 +113,13 @@ def main(argv: list[str]) -> int:
         help="only activation recomputation: peak memory and step time of none, full, selective on the "
         "config's model and a larger one (benchmarks/recompute.py)",
     )
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="only sequence/tensor parallelism: 1 worker vs 2 (sequence_parallel=2, tensor_parallel=2) on the demo "
+        "decoder at --seq-len tokens (benchmarks/parallel.py)",
+    )
+    p.add_argument("--seq-len", type=int, default=2048, help="--parallel: the sequence length (default 2048)")
     p.add_argument("rest", nargs="*", help="CONFIG.yaml and key=value overrides")
     a = p.parse_args(argv)
     result_out = sys.stdout
@@ -143,6 +151,11 @@ def measure(a: argparse.Namespace) -> dict:
         from benchmarks.growth import growth_bench, summary
 
         return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
+    if a.parallel:
+        from benchmarks.parallel import parallel_bench
+
+        path = next((r for r in a.rest if "=" not in r), ROOT / "configs" / "demo-decoder.yaml")
+        return parallel_bench(str(path), [r for r in a.rest if "=" in r], a.seq_len, a.steps or 4)
     if a.recompute:
         from benchmarks.recompute import recompute_bench
 
