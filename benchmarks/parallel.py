@@ -14,9 +14,11 @@ on the demo decoder, all measured in this run on real gloo workers (CPU), one op
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
+import sys
 import time
 
 import torch
@@ -64,7 +66,8 @@ def _worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     cfg = from_dict(cfg_dict)
-    module = build_module(cfg)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op-build line is no result (``--json`` on stdout)
+        module = build_module(cfg)
     totals = _install_timers(cfg.cluster.tensor_parallel)
     g = torch.Generator().manual_seed(0)
     shape = (cfg.train.global_batch_size, cfg.model.max_seq_len)

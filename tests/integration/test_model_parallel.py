@@ -40,6 +40,7 @@ CASES = [
     Case("enc-sp2", (*ENC, SP), 2),
     Case("enc-tp2", (*ENC, TP), 2),
     Case("dec-sp2-drop", (*DEC, SP, *DROP), 2),
+    Case("dec-sp2-z3", (*DEC, SP, "zero.stage=3"), 2),
     Case("dec-tp2-drop", (*DEC, TP, *DROP), 2),
     Case("dec-sp2-dp2-z1", (*DEC, SP), 4),
     Case("dec-sp2-dp2-z2", (*DEC, SP, "zero.stage=2"), 4),
