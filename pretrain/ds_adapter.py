@@ -462,7 +462,7 @@ def reset_parallel_groups() -> None:
     groups._release_process_group_references(None)
 
 
-def tensor_parallel_split(module: torch.nn.Module) -> tuple[int | None, int | None, list[int], int] | None:
+def tensor_parallel_split(module: torch.nn.Module) -> tuple[int, int | None, list[int], int] | None:
     """How AutoTP split a replaced layer: (weight dim, bias dim or None when the bias is whole, split sizes, this
     rank's index); None for a layer AutoTP left whole. Column-parallel layers split the output dim of weight and
     bias, row-parallel ones (``LinearAllreduce``) the weight's input dim (0.19: ``_partition_sizes``, ``tp_index``)."""

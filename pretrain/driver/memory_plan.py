@@ -58,6 +58,7 @@ def count_parameters(cfg: RunConfig) -> ParamCounts:
     import torch
 
     from pretrain.model import build_model
+    from pretrain.model.layers import Attention, FeedForward
     from pretrain.model.moe import moe_layers
     from pretrain.model.transformer import active_parameters, num_parameters
 
@@ -73,9 +74,10 @@ def count_parameters(cfg: RunConfig) -> ParamCounts:
         split=sum(
             p.numel()
             for b in model.blocks
-            for part in (b.attn, b.ffn)
+            for part in b.children()
+            if isinstance(part, (Attention, FeedForward))  # not an MoE layer's experts
             for name, p in part.named_parameters()
-            if name.split(".")[0] in SPLIT_PROJECTIONS and "deepspeed_moe" not in name
+            if name.split(".")[0] in SPLIT_PROJECTIONS
         ),
     )
 
@@ -249,7 +251,11 @@ def activations(m: ModelConfig, moe: MoEConfig, lay: Layout) -> Activations:
     if lay.recompute == "none":
         kept, rebuilt, layer_kept = full, [0], sum(stacked)
     else:
-        kept = [a * d] * len(full) if lay.recompute == "full" else [_selective(m, *xf, a, lay.tp) for xf in zip(layers, ffns)]
+        kept = (
+            [a * d] * len(full)
+            if lay.recompute == "full"
+            else [_selective(m, *xf, a, lay.tp) for xf in zip(layers, ffns)]
+        )
         rebuilt = [tokens * (f - k) + s for f, k, s in zip(full, kept, stacked)]
         layer_kept = 0
     return Activations(

@@ -11,12 +11,16 @@ average the average over the ``D`` data-parallel ranks.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from pretrain import ds_adapter
 from pretrain.config import RunConfig
+from pretrain.model import Transformer
+from pretrain.model.layers import Attention
 from pretrain.model.sequence_parallel import SequenceShards, ulysses_attention
 
 StateDict = dict[str, torch.Tensor]
@@ -43,7 +47,7 @@ def sequence_group(world: int, n: int, m: int) -> tuple[dist.ProcessGroup, int]:
     return _SEQUENCE_GROUPS[key]
 
 
-def apply_sequence_parallel(model: nn.Module, cfg: RunConfig) -> None:
+def apply_sequence_parallel(model: Transformer, cfg: RunConfig) -> None:
     """Make ``model`` (a Transformer) keep its slice of every sequence and attend through DeepSpeed's Ulysses
     all-to-all, for ``cluster.sequence_parallel`` > 1 (collective); nothing otherwise."""
     n, m = cfg.cluster.sequence_parallel, cfg.cluster.tensor_parallel
@@ -52,7 +56,8 @@ def apply_sequence_parallel(model: nn.Module, cfg: RunConfig) -> None:
     group, index = sequence_group(dist.get_world_size(), n, m)
     model.sequence_shards = SequenceShards(group, index, n)
     for block in model.blocks:
-        block.attn.use_ulysses(ulysses_attention(block.attn, group))
+        attn = cast(Attention, block.attn)
+        attn.use_ulysses(ulysses_attention(attn, group))
 
 
 def autotp_section(cfg: RunConfig) -> dict:

@@ -117,7 +117,7 @@ class TrainModule:
         parallelism the whole weights and AdamW moments (AutoTP shards gathered; collective), which resume on any
         layout and export as they are."""
         if self.cfg.cluster.tensor_parallel == 1:
-            return EngineState(self.save, self.snapshot)
+            return EngineState(cast(Any, self.save), self.snapshot)
         from pretrain.train.optimizer_state import gather_moments
 
         return FullWeights(self.full_state_dict(), gather_moments(self))

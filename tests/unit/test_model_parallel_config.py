@@ -16,8 +16,14 @@ BASE = (*TINY_MODEL, "data.num_streams=2", "train.global_batch_size=8", "train.m
     ("overrides", "says"),
     [
         (("cluster.num_workers=3", "cluster.sequence_parallel=2"), "cluster.num_workers: 3 workers do not divide"),
-        (("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.num_kv_heads=1"), "must divide model.num_heads"),
-        (("cluster.num_workers=8", "cluster.sequence_parallel=8"), "cluster.sequence_parallel: 8 must divide model.num"),
+        (
+            ("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.num_kv_heads=1"),
+            "must divide model.num_heads",
+        ),
+        (
+            ("cluster.num_workers=8", "cluster.sequence_parallel=8"),
+            "cluster.sequence_parallel: 8 must divide model.num",
+        ),
         (("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.max_seq_len=15"), "divide model.max_seq_len"),
         (("cluster.num_workers=2", "cluster.tensor_parallel=2", "model.ffn_size=33"), "divide the FFN size (33"),
         (("cluster.num_workers=2", "cluster.tensor_parallel=2", "zero.stage=3"), "not with zero.stage 3"),
@@ -35,7 +41,9 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, says):
 def test_plan_maps_ranks_to_data_parallel_ranks():
     from pretrain.config import make_plan
 
-    cfg = load_config(None, [*BASE, "cluster.num_workers=8", "cluster.sequence_parallel=2", "cluster.tensor_parallel=2"])
+    cfg = load_config(
+        None, [*BASE, "cluster.num_workers=8", "cluster.sequence_parallel=2", "cluster.tensor_parallel=2"]
+    )
     plan = make_plan(cfg, 8)
     assert (plan.world_size, plan.workers, plan.model_parallel) == (2, 8, 4)
     assert [plan.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -49,7 +57,10 @@ def test_memory_plan_divides_tokens_by_sequence_and_projections_by_tensor_parall
     from pretrain.config import make_plan
 
     def mem(*layout):
-        cfg = load_config(None, [*BASE, "cluster.num_workers=4", "data.num_streams=4", "zero.stage=1", "train.micro_batch_size=2", *layout])
+        cfg = load_config(
+            None,
+            [*BASE, "cluster.num_workers=4", "data.num_streams=4", "zero.stage=1", "train.micro_batch_size=2", *layout],
+        )
         return memory(cfg, count_parameters(cfg), layout_of(cfg, make_plan(cfg, 4)))
 
     dp, sp, tp = mem(), mem("cluster.sequence_parallel=2"), mem("cluster.tensor_parallel=2")
