@@ -29,7 +29,7 @@ LAYOUTS = {"n1": (1, 1, 1), "sp2": (2, 2, 1), "tp2": (2, 1, 2)}
 """name -> (workers, sequence_parallel, tensor_parallel)."""
 
 
-def _timed(fn, totals: list[float], keep=lambda *a, **k: True):
+def _timed(totals: list[float], fn, keep):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not keep(*args, **kwargs):
@@ -43,19 +43,13 @@ def _timed(fn, totals: list[float], keep=lambda *a, **k: True):
     return wrapper
 
 
-def _install_timers(tp: int) -> list[float]:
-    """Time Ulysses' all-to-alls (``deepspeed.sequence.layer.single_all_to_all``) and, with tensor parallelism,
-    DeepSpeed's all-reduces within the tensor-parallel group (``deepspeed.comm.all_reduce``)."""
-    import deepspeed.comm as ds_comm
-    import deepspeed.sequence.layer as ulysses
+def _install_timers() -> list[float]:
+    """Time Ulysses' all-to-alls and AutoTP's all-reduces (:func:`pretrain.ds_adapter.time_model_parallel_collectives`);
+    the running total is ``[0]`` of the returned list."""
+    from pretrain import ds_adapter
 
     totals = [0.0]
-    ulysses.single_all_to_all = _timed(ulysses.single_all_to_all, totals)
-    if tp > 1:
-        from deepspeed.utils import groups
-
-        group = groups.get_tensor_model_parallel_group()
-        ds_comm.all_reduce = _timed(ds_comm.all_reduce, totals, lambda *a, **k: k.get("group") is group)
+    ds_adapter.time_model_parallel_collectives(functools.partial(_timed, totals))
     return totals
 
 
@@ -68,7 +62,7 @@ def _worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
     cfg = from_dict(cfg_dict)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op-build line is no result (``--json`` on stdout)
         module = build_module(cfg)
-    totals = _install_timers(cfg.cluster.tensor_parallel)
+    totals = _install_timers()
     g = torch.Generator().manual_seed(0)
     shape = (cfg.train.global_batch_size, cfg.model.max_seq_len)
     batches = [torch.randint(0, cfg.model.vocab_size, shape, generator=g) for _ in range(steps + 1)]

@@ -15,6 +15,7 @@
     bench --vs-hf [--repeats N] [--corpus PATH] [--json]   ./launch.sh train against Hugging Face Trainer
     bench --growth                                scratch vs grown (stack, tile) at equal FLOPs
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
+    bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     bench --checkpoint [--json] [--sizes 256,512,1024]   checkpoint bytes, loop stall per save (sync/async), save
                                                   vs raw write, per-rank hash seconds, resume to first step

@@ -445,12 +445,38 @@ def deepspeed_moe_subclass(base: type, adopt_group: Callable[[Any, Any], None], 
     )
 
 
-def tensor_parallel_size() -> int:
-    """The size of DeepSpeed's tensor-parallel (AutoTP) group of this process, 1 without one."""
+def tensor_parallel_group():
+    """DeepSpeed's tensor-parallel (AutoTP) group of this process, None without one (0.19: groups' global)."""
     from deepspeed.utils import groups
 
-    group = groups._TENSOR_MODEL_PARALLEL_GROUP
+    return groups._TENSOR_MODEL_PARALLEL_GROUP
+
+
+def tensor_parallel_size() -> int:
+    """The size of :func:`tensor_parallel_group`, 1 without one."""
+    group = tensor_parallel_group()
     return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def distributed_attention(core: Callable, group) -> torch.nn.Module:
+    """DeepSpeed Ulysses' ``DistributedAttention`` around ``core(q, k, v)`` for batch-first (B, t, heads, hd) tensors
+    (``scatter_idx`` 2 = heads, ``gather_idx`` 1 = sequence; ``batch_dim_idx`` 0 is passed at each call)."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    return DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
+
+
+def time_model_parallel_collectives(wrap: Callable[[Callable, Callable[..., bool]], Callable]) -> None:
+    """For a benchmark: replace Ulysses' all-to-all (0.19: ``deepspeed.sequence.layer.single_all_to_all``) and the
+    all-reduce AutoTP's layers call (``deepspeed.comm.all_reduce``) by ``wrap(fn, keep)``, where ``keep(*args,
+    **kwargs)`` says whether a call is model-parallel communication (an all-reduce within the tensor-parallel group)."""
+    import deepspeed.comm as ds_comm
+    import deepspeed.sequence.layer as ulysses
+
+    ulysses.single_all_to_all = wrap(ulysses.single_all_to_all, lambda *a, **k: True)
+    group = tensor_parallel_group()
+    if group is not None:
+        ds_comm.all_reduce = wrap(ds_comm.all_reduce, lambda *a, **k: k.get("group") is group)
 
 
 def reset_parallel_groups() -> None:

@@ -8,16 +8,14 @@ the ``N * M`` ranks of one data-parallel index train on the same sequences (see 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pretrain.config.errors import ConfigError
 
-if TYPE_CHECKING:
-    from pretrain.config.tree import RunConfig
 
-
-def check_model_parallel(cfg: RunConfig, world_size: int) -> int:
-    """The data-parallel degree of ``cfg`` on ``world_size`` workers; raises :class:`ConfigError` for a layout that
+def check_model_parallel(cfg: Any, world_size: int) -> int:
+    """The data-parallel degree of ``cfg`` (a ``RunConfig``; this module sits below ``tree.py``) on ``world_size``
+    workers; raises :class:`ConfigError` for a layout that
     cannot work (divisibility) or a pairing this system does not train (MoE, compiled blocks, ZeRO-3 with AutoTP)."""
     c, m = cfg.cluster, cfg.model
     n, t = c.sequence_parallel, c.tensor_parallel
@@ -42,11 +40,9 @@ def check_model_parallel(cfg: RunConfig, world_size: int) -> int:
             f"an equal slice of every sequence"
         )
     if t > 1:
-        from pretrain.model.transformer import resolved_ffn_size
-
-        if resolved_ffn_size(m) % t:
+        if m.ffn_width() % t:
             raise ConfigError(
-                f"cluster.tensor_parallel: {t} must divide the FFN size ({resolved_ffn_size(m)}, model.ffn_size)"
+                f"cluster.tensor_parallel: {t} must divide the FFN size ({m.ffn_width()}, model.ffn_size)"
             )
         if cfg.zero.stage == 3:
             raise ConfigError(

@@ -105,6 +105,14 @@ class ModelConfig:
     """A Hugging Face model directory of a supported family to start from (architecture and weights are
     taken from it; the architecture fields above are then ignored). Its tokenizer is used too."""
 
+    def ffn_width(self) -> int:
+        """``ffn_size`` if set, else 4*D (GELU) or 8/3*D rounded up to a multiple of 64 (SwiGLU)."""
+        if self.ffn_size > 0:
+            return self.ffn_size
+        if self.activation == "swiglu":
+            return -(-int(8 * self.hidden_size / 3) // 64) * 64
+        return 4 * self.hidden_size
+
 
 @dataclass(kw_only=True)
 class TrainConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,35 @@ from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepno
 from pretrain.model.moe import MoEFeedForward, moe_layers
 from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy
-from pretrain.model.sequence_parallel import SequenceShards
+
+
+class SequenceShards(Protocol):
+    """This worker's slice of every sequence under sequence parallelism: what the model asks of it. The
+    implementation, with its collectives, is ``pretrain/train/sequence_parallel.py``."""
+
+    def span(self, t: int) -> slice:
+        """The positions of this worker's slice of a sequence of ``t`` tokens."""
+        ...
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> this worker's (B, t, ...) slice."""
+        ...
+
+    def local_targets(self, labels: torch.Tensor, causal: bool) -> torch.Tensor:
+        """The target of each of this worker's positions (decoders: the next token, across slice boundaries)."""
+        ...
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This worker's share of the whole sequences' token-mean cross-entropy."""
+        ...
+
+    def token_mean(self, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """This worker's share of the whole sequences' token mean of ``values`` over ``keep``."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, t, ...) slices of the group -> (B, T, ...), without gradient."""
+        ...
 
 
 class ModelOutput(NamedTuple):
@@ -52,11 +80,7 @@ class ModelOutput(NamedTuple):
 
 def resolved_ffn_size(cfg: ModelConfig) -> int:
     """``cfg.ffn_size`` if set, else 4*D (GELU) or 8/3*D rounded up to a multiple of 64 (SwiGLU)."""
-    if cfg.ffn_size > 0:
-        return cfg.ffn_size
-    if cfg.activation == "swiglu":
-        return -(-int(8 * cfg.hidden_size / 3) // 64) * 64
-    return 4 * cfg.hidden_size
+    return cfg.ffn_width()
 
 
 class HeadTransform(nn.Module):
@@ -87,7 +111,7 @@ class Transformer(nn.Module):
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: str = "none"  # none | full | selective (pretrain/model/recompute.py)
-        # This worker's slice of each sequence under sequence parallelism (pretrain/model/sequence_parallel.py)
+        # This worker's slice of each sequence under sequence parallelism (pretrain/train/sequence_parallel.py)
         self.sequence_shards: SequenceShards | None = None
         # Per block (attention, FFN) output scales used when no gates are given and not training: the rho of
         # Xiao and Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4; see pretrain/model/layerdrop.py) for layer dropout

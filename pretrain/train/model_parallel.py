@@ -5,7 +5,7 @@ optimizer moments) of a tensor-parallel module, gathered from and split back int
 Rank layout (``pretrain/config/parallel.py``): ``rank = (d * N + s) * M + t``. Tensor-parallel groups are ``M``
 consecutive ranks (DeepSpeed's AutoTP mesh); a sequence-parallel group is the ``N`` ranks of one ``(d, t)``, ``M``
 apart. DeepSpeed is not told about sequence parallelism: its data-parallel group spans ``N x D`` ranks (ZeRO
-partitions over all of them), and the loss scaling of ``pretrain/model/sequence_parallel.py`` makes its gradient
+partitions over all of them), and the loss scaling of ``pretrain/train/sequence_parallel.py`` makes its gradient
 average the average over the ``D`` data-parallel ranks.
 """
 
@@ -21,7 +21,7 @@ from pretrain import ds_adapter
 from pretrain.config import RunConfig
 from pretrain.model import Transformer
 from pretrain.model.layers import Attention
-from pretrain.model.sequence_parallel import SequenceShards, ulysses_attention
+from pretrain.train.sequence_parallel import SequenceShards, ulysses_attention
 
 StateDict = dict[str, torch.Tensor]
 
@@ -115,9 +115,7 @@ def gather_shards(model: nn.Module, state: StateDict) -> StateDict:
     splits = _splits(model)
     if not splits:
         return state
-    from deepspeed.utils import groups
-
-    group = groups.get_tensor_model_parallel_group()
+    group = ds_adapter.tensor_parallel_group()
     out = dict(state)
     for name, (dim, sizes, _) in splits.items():
         if name not in out:

@@ -226,7 +226,10 @@ def evaluate(
         )
     finally:
         engine.train()
-    if not module.plan.shares_data(module.rank):  # the first rank of those scoring the same sequences counts them
+    plan = getattr(module, "plan", None)
+    if plan is not None and not plan.shares_data(
+        module.rank
+    ):  # the first rank of those scoring the same sequences counts them
         sums = ScoreSums()
     sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))
     metrics = sums.metrics(kind, with_bytes=byte_lengths is not None, allow_empty=True)

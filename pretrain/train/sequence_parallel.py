@@ -1,5 +1,5 @@
-"""Sequence parallelism (DeepSpeed Ulysses) for the single-device model: what changes when the ``N`` workers of a
-group each hold ``T / N`` tokens of the same sequences.
+"""Sequence parallelism (DeepSpeed Ulysses) for the single-device model (its ``Transformer.sequence_shards``): what
+changes when the ``N`` workers of a group each hold ``T / N`` tokens of the same sequences.
 
 * Every worker of the group gets the whole batch and keeps its slice (:meth:`SequenceShards.local`): token ids,
   and targets taken *before* slicing, so a decoder's last position of one slice predicts the first token of the
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pretrain import ds_adapter
 from pretrain.model.score import IGNORE
 
 
@@ -75,12 +76,10 @@ class SequenceShards:
 
 
 def ulysses_attention(attn, group: dist.ProcessGroup):
-    """DeepSpeed's :class:`DistributedAttention` around ``attn``'s own attention core, for (B, t, heads, hd) q/k/v
-    (batch first: ``scatter_idx`` 2 = heads, ``gather_idx`` 1 = sequence)."""
-    from deepspeed.sequence.layer import DistributedAttention
+    """DeepSpeed's ``DistributedAttention`` around ``attn``'s own attention core, for (B, t, heads, hd) q/k/v."""
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (B, T, h, hd) each
         y = attn.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, h, T, hd)
         return y.transpose(1, 2)  # (B, T, h, hd)
 
-    return DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
+    return ds_adapter.distributed_attention(core, group)
