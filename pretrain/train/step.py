@@ -227,10 +227,8 @@ def evaluate(
     finally:
         engine.train()
     plan = getattr(module, "plan", None)
-    if plan is not None and not plan.shares_data(
-        module.rank
-    ):  # the first rank of those scoring the same sequences counts them
-        sums = ScoreSums()
+    if plan is not None and not plan.shares_data(module.rank):
+        sums = ScoreSums()  # the first of the ranks that score the same sequences counts them
     sums = ScoreSums.from_list(dist.all_reduce_sum(sums.as_list(), device))
     metrics = sums.metrics(kind, with_bytes=byte_lengths is not None, allow_empty=True)
     return {f"{prefix}{k}": v for k, v in metrics.items()}

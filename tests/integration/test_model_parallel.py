@@ -160,14 +160,37 @@ GROWN = [
     "stability.plot_at_end=false",
     "model.dropout=0.0",
     "layer_drop.rate=0.3",
-    "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}]",
+    "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}, {at_step: 5, width: 2x, noise: 0}]",
 ]
+
+
+def test_through_ray_two_workers_equal_one(tmp_path):
+    """`./launch.sh train` as users run it: 2 workers through Ray with sequence parallelism, and with tensor
+    parallelism, log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20 steps."""
+    from mlflow import MlflowClient
+
+    from tests.harness import CONFIG
+
+    base = [o for o in GROWN if not o.startswith(("growth.", "layer_drop.", "train.max_steps", "checkpoint."))]
+    base += ["train.max_steps=20", "checkpoint.every_steps=20"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    losses = {}
+    for name, layout in (("one", ("cluster.num_workers=1",)), ("sp2", (SP,)), ("tp2", (TP,))):
+        run = run_id_of(cli(tmp_path, "train", CONFIG, *base, *layout, timeout=600).stdout)
+        history = sorted((x.step, x.value) for x in client.get_metric_history(run, "train/loss"))
+        assert [step for step, _ in history] == list(range(1, 21))
+        losses[name] = [v for _, v in history]
+    for name in ("sp2", "tp2"):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["one"]))
+        print(f"{name} through Ray vs 1 worker: max relative loss difference {rel:.2e}")
+        assert rel < 1e-5
 
 
 def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     """Through the CLI and Ray (2 workers): a decoder with a growth schedule and layer dropout under sequence
-    parallelism stops after step 4 (a checkpoint); `resume` continues it with tensor parallelism (the engine state
-    converted to full weights and moments); the grown model exports to Hugging Face with the parity check."""
+    parallelism (depth growth at step 2) stops after step 4 (a checkpoint); `resume` continues it with tensor
+    parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
+    tensor-parallel module); the grown model exports to Hugging Face with the parity check."""
     from mlflow import MlflowClient
 
     from tests.harness import CONFIG
@@ -182,4 +205,5 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
     report = cli(tmp_path, "export", run, "--out", str(tmp_path / "hf"), timeout=600).stdout
     assert "LlamaForCausalLM" in report and re.search(r"parity: max \|logits diff\|", report)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 4
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported["num_hidden_layers"], exported["hidden_size"]) == (4, 64)
