@@ -62,7 +62,8 @@ def apply_sequence_parallel(model: Transformer, cfg: RunConfig) -> None:
 
 def autotp_section(cfg: RunConfig) -> dict:
     """The ``tensor_parallel`` section of the DeepSpeed config: AutoTP with a partition config for our layer names
-    (q/k/v, gate/up column-parallel; o/down row-parallel; everything else whole)."""
+    (q/k/v, gate/up column-parallel; o/down row-parallel; everything else whole). The per-head ``q_norm``/``k_norm``
+    stay whole but see only a worker's heads: their gradients are summed over the tensor-parallel group."""
     return {
         "autotp_size": cfg.cluster.tensor_parallel,
         "partition_config": {
@@ -72,6 +73,11 @@ def autotp_section(cfg: RunConfig) -> dict:
                 {
                     "patterns": [r".*\.attn\.[qkv]_proj\.weight$", r".*\.ffn\.(gate|up)_proj\.weight$"],
                     "partition_type": "column",
+                },
+                {
+                    "patterns": [r".*\.attn\.[qk]_norm\.(weight|bias)$"],
+                    "partition_type": "skip",
+                    "grad_allreduce": True,
                 },
             ],
         },

@@ -1,8 +1,9 @@
 """Sequence parallelism (DeepSpeed Ulysses, ``cluster.sequence_parallel``) and tensor parallelism (DeepSpeed AutoTP,
 ``cluster.tensor_parallel``) with real gloo processes: the same per-step losses as 1 process fed the same global
-batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1 and ZeRO-2; with layer dropout), bitwise resume
-on the same layout and resume on another one; and the user's path through the CLI and Ray (a growth schedule and layer
-dropout under sequence parallelism, stopped, resumed with tensor parallelism, exported with the parity check)."""
+batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1, 2 and 3; with layer dropout), bitwise resume
+on the same layout and resume on another one; and the user's path through the CLI and Ray (2 workers equal 1; a growth
+schedule and layer dropout under sequence parallelism, stopped, resumed with tensor parallelism, exported with the
+parity check)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ CASES = [
     Case("enc-1w", ENC, 1),
     Case("dec-drop-1w", (*DEC, *DROP), 1),
     Case("dec-mha-1w", (*DEC, "model.num_kv_heads=4"), 1),
+    Case("dec-qk-1w", (*DEC, "model.qk_norm=true"), 1),
     Case("dec-sp2", (*DEC, SP), 2),
     Case("dec-tp2", (*DEC, TP), 2),
+    Case("dec-qk-tp2", (*DEC, TP, "model.qk_norm=true"), 2),  # per-head norms: gradients summed over the group
+    Case("dec-qk-sp2", (*DEC, SP, "model.qk_norm=true"), 2),
     Case("enc-sp2", (*ENC, SP), 2),
     Case("enc-tp2", (*ENC, TP), 2),
     Case("dec-sp2-drop", (*DEC, SP, *DROP), 2),
@@ -48,7 +52,14 @@ CASES = [
     Case("dec-tp2-dp2-z2", (*DEC, TP, "zero.stage=2"), 4),
     Case("dec-sp2-tp2", (*DEC, SP, TP, "model.num_kv_heads=4"), 4),  # 4 key-value heads: one per worker
 ]
-REFERENCE = {"dec": "dec-1w", "enc": "enc-1w"}
+# case -> the 1-process case it must equal
+REFERENCE = {
+    **{c.id: "dec-1w" for c in CASES if c.id.startswith("dec-")},
+    **{c.id: "enc-1w" for c in CASES if c.id.startswith("enc-")},
+    **{c.id: "dec-drop-1w" for c in CASES if c.id.endswith("-drop")},
+    **{c.id: "dec-qk-1w" for c in CASES if c.id.startswith("dec-qk-")},
+    "dec-sp2-tp2": "dec-mha-1w",
+}
 
 
 def _train(rank: int, world: int, overrides: list[str]) -> list[float]:
@@ -77,13 +88,13 @@ def runs():
     return run_cases(_train, CASES)
 
 
-@pytest.mark.parametrize("case", CASES[4:], ids=case_ids(CASES[4:]))
+@pytest.mark.parametrize("case", CASES[5:], ids=case_ids(CASES[5:]))
 def test_model_parallel_equals_one_process(runs, case):
     """Every rank reports the same losses, and they equal 1 process's on the same global batches within 1e-5
     relative over 20 steps; so do the gradient norms (replicated weights counted once)."""
     ranks = runs[case.id]
     assert all(r == ranks[0] for r in ranks), "every rank must report the same (all-reduced) loss"
-    ref = "dec-drop-1w" if "drop" in case.id else "dec-mha-1w" if case.id == "dec-sp2-tp2" else REFERENCE[case.id[:3]]
+    ref = REFERENCE[case.id]
     losses, norms = ranks[0][:STEPS], ranks[0][STEPS:]
     ref_losses, ref_norms = runs[ref][0][:STEPS], runs[ref][0][STEPS:]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -164,25 +175,27 @@ GROWN = [
 ]
 
 
-def test_through_ray_two_workers_equal_one(tmp_path):
+@pytest.mark.parametrize("preset", ["demo-decoder", "demo-encoder"])
+def test_through_ray_two_workers_equal_one(tmp_path, preset):
     """`./launch.sh train` as users run it: 2 workers through Ray with sequence parallelism, and with tensor
-    parallelism, log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20 steps."""
+    parallelism, log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20 steps
+    (the decoder with RoPE and GQA; the encoder with learned positions, biases, post-norm and the MLM head)."""
     from mlflow import MlflowClient
 
-    from tests.harness import CONFIG
+    from tests.harness import ROOT
 
     base = [o for o in GROWN if not o.startswith(("growth.", "layer_drop.", "train.max_steps", "checkpoint."))]
     base += ["train.max_steps=20", "checkpoint.every_steps=20"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     losses = {}
     for name, layout in (("one", ("cluster.num_workers=1",)), ("sp2", (SP,)), ("tp2", (TP,))):
-        run = run_id_of(cli(tmp_path, "train", CONFIG, *base, *layout, timeout=600).stdout)
-        history = sorted((x.step, x.value) for x in client.get_metric_history(run, "train/loss"))
+        out = cli(tmp_path, "train", str(ROOT / "configs" / f"{preset}.yaml"), *base, *layout, timeout=600).stdout
+        history = sorted((x.step, x.value) for x in client.get_metric_history(run_id_of(out), "train/loss"))
         assert [step for step, _ in history] == list(range(1, 21))
         losses[name] = [v for _, v in history]
     for name in ("sp2", "tp2"):
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["one"]))
-        print(f"{name} through Ray vs 1 worker: max relative loss difference {rel:.2e}")
+        print(f"{preset} {name} through Ray vs 1 worker: max relative loss difference {rel:.2e}")
         assert rel < 1e-5
 
 
