@@ -16,7 +16,8 @@ from pretrain.config.errors import ConfigError
 def check_model_parallel(cfg: Any, world_size: int) -> int:
     """The data-parallel degree of ``cfg`` (a ``RunConfig``; this module sits below ``tree.py``) on ``world_size``
     workers; raises :class:`ConfigError` for a layout that
-    cannot work (divisibility) or a pairing this system does not train (MoE, compiled blocks, ZeRO-3 with AutoTP)."""
+    cannot work (divisibility) or a pairing this system does not train (MoE or ZeRO-3 with AutoTP, compiled
+    blocks)."""
     c, m = cfg.cluster, cfg.model
     n, t = c.sequence_parallel, c.tensor_parallel
     if n == 1 and t == 1:
@@ -49,10 +50,10 @@ def check_model_parallel(cfg: Any, world_size: int) -> int:
                 "cluster.tensor_parallel: not with zero.stage 3 (the checkpoint gathers AutoTP shards from ZeRO "
                 "stages 0-2); use zero.stage 1 or 2"
             )
-    if cfg.moe.enabled:
+    if cfg.moe.enabled and t > 1:
         raise ConfigError(
-            f"cluster.sequence_parallel/tensor_parallel: not with MoE (moe.num_experts {cfg.moe.num_experts}); "
-            f"use expert parallelism (moe.ep_size) with data parallelism, or a dense model"
+            f"cluster.tensor_parallel: not with MoE (moe.num_experts {cfg.moe.num_experts}): AutoTP does not split "
+            f"our experts; use expert parallelism (moe.ep_size), with sequence parallelism if sequences are long"
         )
     if cfg.train.compile == "yes":
         raise ConfigError(

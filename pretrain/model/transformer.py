@@ -303,21 +303,22 @@ class Transformer(nn.Module):
         if self.head_transform is not None:
             x = self.head_transform(x)
         logits = self.lm_head(x)  # (B, t, V)
+        moe_loss = torch.stack(moe_terms).sum() if labels is not None and moe_terms else None
         if sp is not None:
-            return self._sequence_parallel_output(sp, logits, labels)
+            return self._sequence_parallel_output(sp, logits, labels, moe_loss)
         loss = None if labels is None else self.loss(logits, labels)
         z_loss = None
         if labels is not None and self.cfg.z_loss > 0:
             z_loss = self.cfg.z_loss * self.z_term(logits, labels)
-        moe_loss = torch.stack(moe_terms).sum() if labels is not None and moe_terms else None
         return ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
 
     def _sequence_parallel_output(
-        self, sp: SequenceShards, logits: torch.Tensor, labels: torch.Tensor | None
+        self, sp: SequenceShards, logits: torch.Tensor, labels: torch.Tensor | None, moe_loss: torch.Tensor | None
     ) -> ModelOutput:
-        """The output of a sequence-parallel forward (see ``sequence_parallel.py``): losses as the worker's share of
-        the whole sequences' token means; logits of this worker's slice (B, t, V), or gathered to (B, T, V) without
-        gradients (a scorer compares them with whole-sequence labels)."""
+        """The output of a sequence-parallel forward (see ``pretrain/train/sequence_parallel.py``): losses as the
+        worker's share of the whole sequences' token means; logits of this worker's slice (B, t, V), or gathered to
+        (B, T, V) without gradients (a scorer compares them with whole-sequence labels). MoE layers route each token
+        on its own; their auxiliary objective (``moe_loss``) is of this worker's tokens, as with data parallelism."""
         loss = z_loss = None
         if labels is not None:
             target = sp.local_targets(labels, self.causal)  # (B, t)
@@ -327,7 +328,7 @@ class Transformer(nn.Module):
                 z_loss = self.cfg.z_loss * sp.token_mean(torch.logsumexp(logits.float(), dim=-1).pow(2), keep)
         if not torch.is_grad_enabled():
             logits = sp.gather(logits)  # (B, T, V)
-        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss)
+        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
 
     def z_term(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 mean of logsumexp(logits)^2 over the positions that have a target (PaLM z-loss)."""

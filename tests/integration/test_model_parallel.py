@@ -31,12 +31,15 @@ DEC = ("model.num_kv_heads=2",)  # GQA: 2 query heads per key-value head
 ENC = ("model.kind=encoder", "model.position=learned")
 SP, TP = "cluster.sequence_parallel=2", "cluster.tensor_parallel=2"
 DROP = ("layer_drop.rate=0.5", "layer_drop.mode=sample")
+# MoE without a capacity limit or auxiliary terms routes each token on its own: a worker's slice routes as the whole
+MOE = ("moe.num_experts=4", "moe.top_k=2", "moe.aux_loss_weight=0", "moe.router_z_loss_weight=0")
 CASES = [
     Case("dec-1w", DEC, 1),
     Case("enc-1w", ENC, 1),
     Case("dec-drop-1w", (*DEC, *DROP), 1),
     Case("dec-mha-1w", (*DEC, "model.num_kv_heads=4"), 1),
     Case("dec-qk-1w", (*DEC, "model.qk_norm=true"), 1),
+    Case("moe-1w", (*DEC, *MOE), 1),
     Case("dec-sp2", (*DEC, SP), 2),
     Case("dec-tp2", (*DEC, TP), 2),
     Case("dec-qk-tp2", (*DEC, TP, "model.qk_norm=true"), 2),  # per-head norms: gradients summed over the group
@@ -51,6 +54,8 @@ CASES = [
     Case("dec-tp2-dp2-z1", (*DEC, TP), 4),
     Case("dec-tp2-dp2-z2", (*DEC, TP, "zero.stage=2"), 4),
     Case("dec-sp2-tp2", (*DEC, SP, TP, "model.num_kv_heads=4"), 4),  # 4 key-value heads: one per worker
+    Case("moe-sp2-ep2", (*DEC, *MOE, SP, "moe.ep_size=2"), 2),
+    Case("moe-sp2-dp2-ep2", (*DEC, *MOE, SP, "moe.ep_size=2"), 4),
 ]
 # case -> the 1-process case it must equal
 REFERENCE = {
@@ -59,6 +64,7 @@ REFERENCE = {
     **{c.id: "dec-drop-1w" for c in CASES if c.id.endswith("-drop")},
     **{c.id: "dec-qk-1w" for c in CASES if c.id.startswith("dec-qk-")},
     "dec-sp2-tp2": "dec-mha-1w",
+    **{c.id: "moe-1w" for c in CASES if c.id.startswith("moe-")},
 }
 
 
@@ -88,7 +94,7 @@ def runs():
     return run_cases(_train, CASES)
 
 
-@pytest.mark.parametrize("case", CASES[5:], ids=case_ids(CASES[5:]))
+@pytest.mark.parametrize("case", CASES[6:], ids=case_ids(CASES[6:]))
 def test_model_parallel_equals_one_process(runs, case):
     """Every rank reports the same losses, and they equal 1 process's on the same global batches within 1e-5
     relative over 20 steps; so do the gradient norms (replicated weights counted once)."""

@@ -27,7 +27,7 @@ BASE = (*TINY_MODEL, "data.num_streams=2", "train.global_batch_size=8", "train.m
         (("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.max_seq_len=15"), "divide model.max_seq_len"),
         (("cluster.num_workers=2", "cluster.tensor_parallel=2", "model.ffn_size=33"), "divide the FFN size (33"),
         (("cluster.num_workers=2", "cluster.tensor_parallel=2", "zero.stage=3"), "not with zero.stage 3"),
-        (("cluster.num_workers=2", "cluster.sequence_parallel=2", "moe.num_experts=2"), "not with MoE"),
+        (("cluster.num_workers=2", "cluster.tensor_parallel=2", "moe.num_experts=2"), "not with MoE"),
         (("cluster.num_workers=2", "cluster.tensor_parallel=2", "train.compile=yes"), "train.compile: yes"),
         (("cluster.sequence_parallel=0",), "cluster.sequence_parallel: must be >= 1"),
     ],
