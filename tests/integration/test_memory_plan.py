@@ -1,6 +1,6 @@
 """The memory plan (``pretrain/driver/memory_plan.py``, what ``train --dry-run`` prints) against the memory training
 actually allocates: a few fp32 steps of the demo decoder and encoder on CPU through the real DeepSpeed engine (ZeRO-1,
-one rank), the estimate's total within 20 % of the measured peak.
+one rank; and 2 ranks with sequence or tensor parallelism), the estimate's total within 20 % of the measured peak.
 
 How the peak is measured: CPU has no allocator statistics (``torch.cuda.max_memory_allocated``), and the process's
 resident set also counts the Python heap, libraries and freed pages malloc keeps. The torch profiler with
@@ -39,6 +39,19 @@ CASES = {
     "demo-decoder-full-vocab-512": ("demo-decoder", ["train.activation_checkpointing=full", "model.vocab_size=512"]),
     "demo-moe": ("demo-moe", []),
     "demo-moe-encoder": ("demo-moe-encoder", []),
+}
+MODEL_PARALLEL = ["cluster.num_workers=2", "data.num_streams=1"]
+PARALLEL_CASES = {  # 2 workers: the estimate of each rank against its own measured peak
+    "demo-decoder-sp2": ("demo-decoder", [*MODEL_PARALLEL, "cluster.sequence_parallel=2"]),
+    "demo-decoder-sp2-full": (
+        "demo-decoder",
+        [*MODEL_PARALLEL, "cluster.sequence_parallel=2", "train.activation_checkpointing=full"],
+    ),
+    "demo-encoder-tp2": ("demo-encoder", [*MODEL_PARALLEL, "cluster.tensor_parallel=2"]),
+    "demo-decoder-tp2-selective": (
+        "demo-decoder",
+        [*MODEL_PARALLEL, "cluster.tensor_parallel=2", "train.activation_checkpointing=selective"],
+    ),
 }
 STEPS = 2
 
@@ -94,3 +107,16 @@ def test_the_estimate_is_within_20_percent_of_the_measured_peak(measured, case):
     r = {k: v / 2**20 for k, v in measured[case].items()}  # MiB
     report = ", ".join(f"{k} {v:.1f}" for k, v in r.items())
     assert abs(r["estimate"] - r["peak"]) <= 0.2 * r["peak"], f"{case} (MiB): {report}"
+
+
+@pytest.fixture(scope="module")
+def measured_parallel() -> list[dict]:
+    return run_distributed(measure, 2, PARALLEL_CASES, fresh=False)
+
+
+@pytest.mark.parametrize("case", list(PARALLEL_CASES))
+def test_the_estimate_holds_per_rank_under_sequence_and_tensor_parallelism(measured_parallel, case):
+    for rank, ranks in enumerate(measured_parallel):
+        r = {k: v / 2**20 for k, v in ranks[case].items()}  # MiB
+        report = ", ".join(f"{k} {v:.1f}" for k, v in r.items())
+        assert abs(r["estimate"] - r["peak"]) <= 0.2 * r["peak"], f"{case} rank {rank} (MiB): {report}"
