@@ -134,33 +134,26 @@ def resume_source(
     layout, or engine state resumed with tensor parallelism: its full form, see :func:`expert_layout_changed`), or
     where its engine state is (for another worker count: the universal form, see :func:`engine_state_dir`)."""
     path = ckpt.path
+    convert = None  # (what the line says, the error if it fails): engine state to be resumed as full weights
     if tensor_parallel > 1 and not reader.is_full_weights(ckpt):
-        if ctx.is_main:
-            print(
-                f"[train] tensor parallel resume: converting the engine state of {ckpt.path.name} to full weights "
-                f"and optimizer moments",
-                flush=True,
-            )
-        path = _converted(
-            ctx,
-            lambda: reader.resharded_full_form(ckpt, run_dir),
+        convert = (
+            f"tensor parallel resume: converting the engine state of {ckpt.path.name} to full weights and "
+            f"optimizer moments",
             f"{ckpt.path}: cannot convert to full weights for cluster.tensor_parallel={tensor_parallel}",
         )
     elif expert_layout_changed(ckpt, ep_size, ctx.world_size):
         saved = f"moe.ep_size={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
-        if ctx.is_main:
-            print(
-                f"[train] expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, "
-                f"converting the checkpoint to full weights and optimizer moments",
-                flush=True,
-            )
-        path = _converted(
-            ctx,
-            lambda: reader.resharded_full_form(ckpt, run_dir),
+        convert = (
+            f"expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, converting the "
+            f"checkpoint to full weights and optimizer moments",
             f"{ckpt.path}: cannot re-shard the experts saved with {saved}",
         )
     elif not reader.is_full_weights(ckpt):
         return ResumeSource(ckpt, *engine_state_dir(ckpt, run_dir, ctx))
+    if convert is not None:
+        if ctx.is_main:
+            print(f"[train] {convert[0]}", flush=True)
+        path = _converted(ctx, lambda: reader.resharded_full_form(ckpt, run_dir), convert[1])
     return ResumeSource(ckpt, weights=weights.load_full_weights(path), moments=weights.load_optimizer_moments(path))
 
 
