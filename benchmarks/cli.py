@@ -8,7 +8,7 @@ mode                   benchmark
                        MoE against dense (:mod:`benchmarks.step`, :mod:`benchmarks.loop`, :mod:`benchmarks.moe`)
 ``--layer-drop``       also the step at layer-drop rates 0, 0.25, 0.5 (:mod:`benchmarks.layer_drop`)
 ``--vs-hf``            ``./launch.sh train`` against Hugging Face Trainer (:mod:`benchmarks.vs_hf`)
-``--growth``           scratch against grown at equal FLOPs (:mod:`benchmarks.growth`)
+``--growth``           the growth study: scratch against growth recipes at equal FLOPs (:mod:`benchmarks.growth`)
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
 ``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
@@ -102,7 +102,17 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--growth",
         action="store_true",
-        help="only the growth benchmark: scratch vs grown (stack, tile) at equal FLOPs (minutes)",
+        help="only the growth study: scratch vs growth recipes at equal FLOPs, per seed (benchmarks/growth.py; "
+        "about an hour on 2 CPU cores)",
+    )
+    p.add_argument("--tokens", type=int, default=600_000, help="--growth: the budget in target-model tokens")
+    p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
+    p.add_argument("--recipes", default="", help="--growth: only these recipes (comma-separated; default all)")
+    p.add_argument(
+        "--sizes",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="--growth: the trend over three target sizes (auto: when the best recipe saves < 25 %%)",
     )
     p.add_argument(
         "--layer-drop", action="store_true", help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)"
@@ -150,7 +160,15 @@ def measure(a: argparse.Namespace) -> dict:
     if a.growth:
         from benchmarks.growth import growth_bench, summary
 
-        return summary(growth_bench([r for r in a.rest if "=" in r], steps=a.steps or 300))
+        return summary(
+            growth_bench(
+                [r for r in a.rest if "=" in r],
+                tokens=a.tokens,
+                seeds=tuple(int(x) for x in a.seeds.split(",")),
+                only=a.recipes.split(",") if a.recipes else None,
+                sizes={"auto": None, "yes": True, "no": False}[a.sizes],
+            )
+        )
     if a.parallel:
         from benchmarks.parallel import parallel_bench
 

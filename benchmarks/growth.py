@@ -1,178 +1,262 @@
-"""Does growth pay? (``./launch.sh bench --growth``): the same final architecture trained from scratch and grown from
-a smaller model, with the same total training FLOPs, on the demo corpus, measured in one run.
+"""Does growth pay? (``./launch.sh bench --growth``): a target decoder trained from scratch against growth recipes
+that end at the same training FLOPs, for several seeds, on held-out text; each a real run, all MLflow children of
+one parent run.
 
-Variants: ``scratch`` (the final architecture for N steps); ``stack`` (half the depth for S steps, then stacked to the
-full depth: shallow-to-deep stacking, T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective",
-arXiv:2311.17633, sec. 4.2.2); ``tile`` (half the width for S steps, then tiled to the full width: Xiao and Zhu,
-eq. 111, sec. 4.4). A grown variant trains ``M = N - S * F_small / F_big`` steps after growing, so its total FLOPs
-(6N + attention per token, per step) equal the scratch run's. After a growth the optimizer starts fresh and the LR
-re-warms over 20 steps (``growth.rewarm_steps``; without it the first AdamW steps of the fresh moments spike the
-loss). Each run logs the validation loss every ``val_every`` steps; the curves are plotted against
-cumulative FLOPs, and ``growth_flops_saving`` is 1 - (FLOPs at which the grown run first reaches the scratch run's
-final validation loss, interpolated) / (scratch FLOPs); negative or None when it does not get there.
+Every run gets the same budget, ``train.max_flops`` (the target's FLOPs for ``--tokens`` tokens): the product
+derives each run's steps, counting the small model's FLOPs before a growth at its size, so ``scratch`` and a grown
+run end at the same FLOPs with their cosine schedules fully decayed. Growth points are ``at_fraction`` of that
+budget. Validation every 1/25 of the budget (``train.val_every_flops``) gives every run the same FLOPs grid.
+
+``growth_flops_saving`` of a recipe is 1 - (FLOPs at which it first reaches the scratch run's final validation loss)
+/ (scratch FLOPs), per seed (:func:`benchmarks.study.flops_saving`); the table's value is the minimum over seeds.
+When the best recipe saves less than 25 %, or with ``--sizes``, the study also runs scratch, the best recipe and its
+small model alone at two smaller targets: the saving against the target's size, and the share of the budget after
+which the target trained from scratch is ahead of the small model (before it, the small model is the better use of
+FLOPs: the window in which growing can pay).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import time
 from pathlib import Path
 
-from pretrain.checkpoint.layout import RUN_TOKENIZER
+from benchmarks.study import ROOT, Study, corpus_overrides, first_below, flops_saving
 
-ROOT = Path(__file__).resolve().parents[1]
+TARGET = {"num_layers": 8, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4}
+"""The default target decoder (head size 32, so half the width keeps whole heads and key-value groups);
+``model.<key>=N`` overrides of these keys change it."""
 
 
-def _variants(steps: int, small_steps: int, cfg) -> dict[str, list[str]]:
-    m = cfg.model
+def sizes_of(target: dict) -> list[dict]:
+    """The trend's target sizes, smallest first: half and three quarters of ``target`` in depth, width and heads
+    (key-value heads halved), then ``target``."""
+    L, D, H, KV = (target[k] for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads"))
+    half = {"num_layers": L // 2, "hidden_size": D // 2, "num_heads": H // 2, "num_kv_heads": max(1, KV // 2)}
+    three_quarters = {"num_layers": 3 * L // 4, "hidden_size": 3 * D // 4, "num_heads": 3 * H // 4}
+    return [half, {**three_quarters, "num_kv_heads": max(1, KV // 2)}, target]
+
+
+def _model(arch: dict) -> list[str]:
+    return [f"model.{k}={v}" for k, v in arch.items()]
+
+
+def recipes(arch: dict) -> dict[str, list[str]]:
+    """Recipe name -> overrides on the target ``arch``: the small model and one ``growth.schedule`` entry."""
+    depth, width = arch["num_layers"], arch["hidden_size"]
+
+    def stack(factor: int, at: float, *extra: str) -> list[str]:
+        return [
+            f"model.num_layers={depth // factor}",
+            f"growth.schedule=[{{at_fraction: {at}, depth: {depth}, depth_op: stack}}]",  # the total: 6 // 4 * 4 != 6
+            *extra,
+        ]
+
+    half = [f"model.hidden_size={width // 2}", f"model.num_heads={arch['num_heads'] // 2}"]
+    half.append(f"model.num_kv_heads={max(1, arch['num_kv_heads'] // 2)}")
     return {
-        "scratch": [],
-        "stack": [
-            f"model.num_layers={m.num_layers // 2}",
-            f"growth.schedule=[{{at_step: {small_steps}, depth: 2x, depth_op: stack}}]",
-        ],
-        "tile": [
-            f"model.hidden_size={m.hidden_size // 2}",
-            f"model.num_heads={m.num_heads // 2}",
-            f"model.num_kv_heads={(m.num_kv_heads or m.num_heads) // 2}",
-            f"growth.schedule=[{{at_step: {small_steps}, width: 2x, width_op: tile}}]",
-        ],
+        "stack2@5%": stack(2, 0.05),
+        "stack2@10%": stack(2, 0.1),
+        "stack2@20%": stack(2, 0.2),
+        "stack4@5%": stack(4, 0.05),
+        "stack4@10%": stack(4, 0.1),
+        "tile2@10%": [*half, "growth.schedule=[{at_fraction: 0.1, width: 2x, width_op: tile}]"],
+        "stack2@10%:no-rewarm": stack(2, 0.1, "growth.rewarm_steps=0"),
+        "stack2@10%:grown-moments": stack(2, 0.1, "growth.optimizer=grow"),
     }
 
 
-@contextlib.contextmanager
-def _working_dir(path: Path, tracking_uri: str):
-    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
-    os.chdir(path)
-    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
-    try:
-        yield
-    finally:
-        os.chdir(old_cwd)
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-        if old_uri is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = old_uri
+def _small_alone(extra: list[str]) -> list[str]:
+    """A recipe's small model trained on the whole budget, without its growth."""
+    return [o for o in extra if not o.startswith("growth.")]
 
 
-def _flops_per_step(cfg) -> float:
+def _budget(study: Study, arch: dict, tokens: int) -> tuple[float, float]:
+    """(FLOPs of ``tokens`` for the target ``arch``, its block FLOPs share)."""
     from pretrain.config import make_plan
     from pretrain.model import flops_per_token
+    from pretrain.model.budget import block_flops_share
 
+    cfg = study.config(_model(arch))
     plan = make_plan(cfg, cfg.cluster.num_workers)
-    return flops_per_token(cfg.model, plan.seq_len, cfg.moe) * plan.tokens_per_step
+    per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
+    return tokens * per_token, block_flops_share(cfg.model, plan.seq_len, cfg.moe)
 
 
-def _crossing(curve: list[tuple[float, float]], target: float) -> float | None:
-    """First FLOPs at which the (flops, loss) curve reaches ``target``, linearly interpolated."""
-    prev = None
-    for f, loss in curve:
-        if loss <= target:
-            if prev is None:
-                return f
-            (f0, l0) = prev
-            return f0 + (f - f0) * (l0 - target) / (l0 - loss) if l0 != loss else f
-        prev = (f, loss)
-    return None
+def _budget_overrides(flops: float, points: int) -> list[str]:
+    return [f"train.max_flops={flops:.6g}", "train.val_every=0", f"train.val_every_flops={flops / points:.6g}"]
 
 
-def growth_bench(overrides: list[str], steps: int = 300, small_frac: float = 0.4, val_every: int = 20) -> dict:
-    from mlflow import MlflowClient
-
-    from cluster.launch import run
-    from pretrain.config import load_config
-    from pretrain.driver.prepare import prepare_new
-
+def growth_bench(
+    overrides: list[str],
+    *,
+    tokens: int = 600_000,
+    seeds: tuple[int, ...] = (0, 1),
+    only: list[str] | None = None,
+    sizes: bool | None = None,
+    points: int = 25,
+    root: Path | None = None,
+) -> dict:
+    """The study; ``only`` limits the recipes, ``sizes`` forces (True) or skips (False) the trend (None: when the
+    best recipe saves < 25 %). Returns the study's dict (see :func:`summary`)."""
+    corpus, corpus_name = corpus_overrides()
     base = [
-        f"train.max_steps={steps}",
-        f"train.val_every={val_every}",
-        "train.val_sequences=32",
-        "train.log_every=50",
-        "checkpoint.every_steps=0",
         "cluster.use_ray=false",
         "cluster.num_workers=1",
+        "checkpoint.every_steps=0",
         "stability.plot_at_end=false",
-        "model.hidden_size=128",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "data.tokenizer_vocab_size=4096",
-        "model.vocab_size=4096",
+        "train.log_every=50",
+        "train.warmup_steps=20",
         "growth.rewarm_steps=20",
+        "data.val_holdout=0.03",
+        "train.val_sequences=64",
+        "model.vocab_size=4096",
+        "data.tokenizer_vocab_size=4096",
+        *corpus,
         *overrides,
     ]
-    big = load_config(ROOT / "configs" / "demo-decoder.yaml", base)
-    small_steps = int(steps * small_frac)
-    results: dict = {"steps": steps, "small_steps": small_steps, "curves": {}, "total_flops": {}, "run_ids": {}}
-    work = ROOT / ".cache" / "bench-growth" / time.strftime("%Y%m%d-%H%M%S")
-    work.mkdir(parents=True, exist_ok=True)  # runs, checkpoints and the MLflow store stay there for inspection
-    uri = f"sqlite:///{work}/mlflow.db"
-    with _working_dir(work, uri):
-        tok: list[str] = []
-        f_big = _flops_per_step(big)
-        for name, extra in _variants(steps, small_steps, big).items():
-            cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", base + tok + extra)
-            f_small = _flops_per_step(cfg)
-            if name != "scratch":  # same total FLOPs: fewer steps after the growth
-                cfg.train.max_steps = small_steps + int(round((steps * f_big - small_steps * f_small) / f_big))
-            job = prepare_new(cfg)
-            tok = tok or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
-            print(f"[bench growth] {name}: {cfg.train.max_steps} steps", flush=True)
-            run(job, cfg.cluster)
-            results["run_ids"][name] = job.run_id
-            hist = sorted(
-                MlflowClient(tracking_uri=uri).get_metric_history(job.run_id, "val/loss"), key=lambda m: m.step
-            )
-            small = 0 if name == "scratch" else small_steps
-
-            def flops_at(step: int) -> float:  # called in this iteration only
-                return min(step, small) * f_small + max(step - small, 0) * f_big  # noqa: B023
-
-            results["curves"][name] = [(flops_at(m.step), m.value) for m in hist]
-            results["total_flops"][name] = flops_at(cfg.train.max_steps)
-    scratch = results["curves"]["scratch"]
-    target, total = scratch[-1][1], results["total_flops"]["scratch"]
-    results["scratch_final_val_loss"] = target
-    results["final_val_loss"] = {k: c[-1][1] for k, c in results["curves"].items()}
-    results["growth_flops_saving"] = {}
-    for name, curve in results["curves"].items():
-        if name == "scratch":
-            continue
-        hit = _crossing(curve, target)
-        results["growth_flops_saving"][name] = None if hit is None else 1.0 - hit / total
-    results["plot"] = str(_plot(results, work / "growth_vs_scratch.png"))
-    (work / "growth_vs_scratch.json").write_text(json.dumps(results, indent=1))
-    client = MlflowClient(tracking_uri=uri)
-    for run_id in results["run_ids"].values():  # the plot in every run's artifacts
-        client.log_artifact(run_id, results["plot"], "bench")
-    results["mlflow_store"] = uri
-    return results
+    target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
+    base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
+    study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    flops, share = _budget(study, target, tokens)
+    names = [n for n in recipes(target) if only is None or n in only]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        raise SystemExit(
+            f"bench --growth --recipes: unknown {', '.join(unknown)} (known: {', '.join(recipes(target))})"
+        )
+    out: dict = {
+        "target": target,
+        "block_flops_share": share,
+        "budget_flops": flops,
+        "budget_tokens": tokens,
+        "corpus": corpus_name,
+        "seeds": list(seeds),
+        "recipes": {n: recipes(target)[n] for n in names},
+        "curves": {},
+        "run_ids": {},
+    }
+    for seed in seeds:
+        for name in ["scratch", *names]:
+            extra = [*_model(target), *recipes(target).get(name, []), f"train.seed={seed}"]
+            run = study.train(f"{name} seed {seed}", [*extra, *_budget_overrides(flops, points)])
+            out["curves"].setdefault(name, {})[seed] = run.flops
+            out["run_ids"].setdefault(name, {})[seed] = run.run_id
+    savings = {n: {s: flops_saving(out["curves"]["scratch"][s], out["curves"][n][s]) for s in seeds} for n in names}
+    out["growth_flops_saving_per_seed"] = savings
+    out["growth_flops_saving"] = {n: _min_saving(v.values()) for n, v in savings.items()}
+    ranked = sorted(
+        names, key=lambda n: -1e9 if out["growth_flops_saving"][n] is None else out["growth_flops_saving"][n]
+    )
+    out["best_recipe"] = ranked[-1] if ranked else None
+    best = out["best_recipe"]
+    if best and (sizes or (sizes is None and (out["growth_flops_saving"][best] or -1) < 0.25)):
+        out["trend"] = _trend(study, out, best, tokens, seeds[0], points)
+    figure = _plot(out, study.work / "growth_vs_scratch.png")
+    out["plot"] = str(figure)
+    out["mlflow"] = {"tracking_uri": study.uri, "parent_run": study.parent}
+    study.finish(summary(out), figure)
+    return out
 
 
-def _plot(results: dict, path: Path) -> Path:
+def _split(overrides: list[str]) -> list[tuple[str, str]]:
+    return [tuple(o.split("=", 1)) for o in overrides if o.startswith("model.") and "=" in o]  # type: ignore[misc]
+
+
+def _min_saving(values) -> float | None:
+    """The minimum over seeds (a seed that never reaches the scratch loss makes it None)."""
+    values = list(values)
+    return None if any(v is None for v in values) else min(values)
+
+
+def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: int) -> list[dict]:
+    """Per target size: scratch, the best recipe and its small model alone (one seed; the target's scratch and best
+    runs are the study's)."""
+    rows = []
+    for arch in sizes_of(out["target"]):
+        flops, share = _budget(study, arch, tokens)
+        budget = [f"train.seed={seed}", *_budget_overrides(flops, points)]
+        recipe = recipes(arch)[best]
+        if arch == out["target"]:
+            scratch, grown = out["curves"]["scratch"][seed], out["curves"][best][seed]
+        else:
+            scratch = study.train(
+                f"trend {arch['num_layers']}x{arch['hidden_size']} scratch", [*_model(arch), *budget]
+            ).flops
+            grown = study.train(
+                f"trend {arch['num_layers']}x{arch['hidden_size']} {best}", [*_model(arch), *recipe, *budget]
+            ).flops
+        small = study.train(
+            f"trend {arch['num_layers']}x{arch['hidden_size']} small alone",
+            [*_model(arch), *_small_alone(recipe), *budget],
+        ).flops
+        ahead = first_below(scratch, small)
+        rows.append(
+            {
+                "target": arch,
+                "block_flops_share": share,
+                "budget_flops": flops,
+                "growth_flops_saving": flops_saving(scratch, grown),
+                "small_alone_flops_saving": flops_saving(scratch, small),
+                "scratch_ahead_of_small_from": None if ahead is None else ahead / scratch[-1][0],
+                "curves": {"scratch": scratch, best: grown, "small alone": small},
+            }
+        )
+    return rows
+
+
+def _plot(out: dict, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in results["curves"].items():
-        ax.plot([f / 1e12 for f, _ in curve], [v for _, v in curve], marker=".", label=name)
-    ax.axhline(results["scratch_final_val_loss"], color="gray", lw=0.8, ls="--")
+    trend = out.get("trend")
+    fig, axes = plt.subplots(1, 2 if trend else 1, figsize=(13 if trend else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    seed = out["seeds"][0]
+    for name, per_seed in out["curves"].items():
+        curve = per_seed[seed]
+        ax.plot([f / 1e12 for f, _ in curve], [v for _, v in curve], marker=".", ms=3, label=name)
+    ax.axhline(out["curves"]["scratch"][seed][-1][1], color="gray", lw=0.8, ls="--")
     ax.set_xlabel("training FLOPs (1e12)")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"growth vs scratch, same total FLOPs (growth at step {results['small_steps']})")
-    ax.legend()
+    ax.set_title(f"growth vs scratch at equal FLOPs (seed {seed})")
+    ax.legend(fontsize=7)
+    if trend:
+        ax = axes[0][1]
+        for row in trend:
+            arch = row["target"]
+            for name, curve in row["curves"].items():
+                style = {"scratch": "-", "small alone": ":"}.get(name, "--")
+                ax.plot(
+                    [f / row["budget_flops"] for f, _ in curve],
+                    [v for _, v in curve],
+                    style,
+                    label=f"{arch['num_layers']}x{arch['hidden_size']} {name}",
+                )
+        ax.set_xlabel("share of the budget")
+        ax.set_ylabel("validation loss")
+        ax.set_title("three target sizes")
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def summary(results: dict) -> dict:
-    """The bench keys (curves as (TFLOPs, loss) pairs, rounded)."""
-    out = {k: v for k, v in results.items() if k != "curves"}
-    out["curves_tflops_val_loss"] = {
-        k: [(round(f / 1e12, 3), round(v, 4)) for f, v in c] for k, c in results["curves"].items()
-    }
-    return out
+def summary(out: dict) -> dict:
+    """The study's keys, curves rounded ((TFLOPs, loss) pairs)."""
+
+    def rounded(curve):
+        return [(round(f / 1e12, 4), round(v, 4)) for f, v in curve]
+
+    res = {k: v for k, v in out.items() if k not in ("curves", "trend")}
+    res["curves_tflops_val_loss"] = {n: {s: rounded(c) for s, c in per.items()} for n, per in out["curves"].items()}
+    if "trend" in out:
+        res["trend"] = [
+            {
+                **{k: v for k, v in row.items() if k != "curves"},
+                "curves": {n: rounded(c) for n, c in row["curves"].items()},
+            }
+            for row in out["trend"]
+        ]
+    return res

@@ -186,7 +186,14 @@ class GrowthStep:
     unquoted ``+4`` is an increment like ``'+4'`` (the config loader keeps ``+N`` as text)."""
 
     at_step: int = 0
-    """In ``growth.schedule``: grow after this many optimizer steps (the next step trains the grown model)."""
+    """In ``growth.schedule``: grow after this many optimizer steps (the next step trains the grown model). Derived
+    (and printed) when ``at_tokens`` or ``at_fraction`` is set."""
+    at_tokens: int = 0
+    """In ``growth.schedule``: grow once the smaller model has trained on this many tokens (rounded up to whole
+    steps); G_stack (Du et al. 2024, arXiv:2405.15319) states its growth point in tokens."""
+    at_fraction: float = 0.0
+    """In ``growth.schedule``: grow once this fraction of ``train.max_flops`` is spent (rounded up to whole steps);
+    the FLOPs of every model before it counted at its size."""
     depth: str | int = ""
     """Target number of blocks: ``2x`` (a factor), ``+N`` (N more blocks) or ``N`` (a total)."""
     depth_op: Literal["stack", "interleave", "identity"] = "stack"
@@ -213,6 +220,11 @@ class GrowthStep:
     """Symmetry breaking: N(0, (noise * std(W))^2) on every grown or copied weight matrix; 0 disables."""
 
     TARGETS = ("depth", "width", "heads", "ffn")
+
+    @property
+    def derived_step(self) -> bool:
+        """Whether ``at_step`` is derived from ``at_tokens`` or ``at_fraction``."""
+        return bool(self.at_tokens or self.at_fraction)
 
     def __post_init__(self) -> None:
         for name in self.TARGETS:  # an int N (e.g. YAML ``depth: 8``) is the total N, kept as text like ``'8'``

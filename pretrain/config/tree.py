@@ -159,6 +159,15 @@ class TrainConfig:
     """Progress line and MLflow metrics every N steps."""
     val_every: int = 100
     """Validation every N steps (and at the end); 0 only at the end."""
+    val_every_flops: float = 0.0
+    """Also validate each time the run's training FLOPs (``train/flops``: model FLOPs per token times tokens, each
+    growth stage counted at its own size) pass a multiple of this; 0: off. Runs of different sizes, grown or not,
+    are then validated at the same FLOPs (``val_every: 0`` for these points only)."""
+    max_flops: float = 0.0
+    """A training budget in FLOPs (as ``train/flops`` counts them); > 0 derives ``max_steps`` (printed when the run
+    is created): the steps whose FLOPs reach the budget, the model before each growth counted at its size. A run
+    grown by ``growth.schedule`` then ends at the FLOPs of one trained from scratch, and a cosine or linear schedule
+    decays fully at the budget."""
     val_sequences: int = 64
     """Validation sequences (global, split across workers; the same set whatever the worker count)."""
     num_threads: int = 0
@@ -236,6 +245,8 @@ class RunConfig:
             "model.ffn_size": m.ffn_size,
             "train.warmup_steps": t.warmup_steps,
             "train.val_every": t.val_every,
+            "train.val_every_flops": t.val_every_flops,
+            "train.max_flops": t.max_flops,
             "train.val_sequences": t.val_sequences,
             "checkpoint.every_steps": self.checkpoint.every_steps,
             "checkpoint.keep_last": self.checkpoint.keep_last,
@@ -349,7 +360,7 @@ class RunConfig:
             )
         if g.rewarm_steps < 0:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
-        steps = [e.at_step for e in g.schedule]
+        steps = [e.at_step for e in g.schedule if e.at_step or not e.derived_step]  # derived: checked once set
         if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
             why = (
                 "train.val_sequences is 0"
@@ -362,6 +373,17 @@ class RunConfig:
             )
         for i, e in enumerate(g.schedule):
             where = f"growth.schedule[{i}]"
+            if e.at_tokens < 0 or not 0 <= e.at_fraction < 1:
+                raise ConfigError(f"{where}: at_tokens must be >= 0 and at_fraction in (0, 1)")
+            if e.at_tokens and e.at_fraction:
+                raise ConfigError(f"{where}: set one of at_tokens and at_fraction (either gives at_step)")
+            if e.at_fraction and not self.train.max_flops:
+                raise ConfigError(
+                    f"{where}.at_fraction: a fraction of the FLOPs budget needs train.max_flops > 0 "
+                    "(or give the point as at_tokens or at_step)"
+                )
+            if e.derived_step and not e.at_step:
+                continue  # at_step is derived from at_tokens / at_fraction when the run is created
             if not 0 < e.at_step < self.train.max_steps:
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
             if not (e.depth or e.width or e.heads or e.ffn or e.experts):

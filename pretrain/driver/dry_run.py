@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pretrain.config import RunConfig, make_plan
 from pretrain.config.paths import resolve_paths
+from pretrain.driver.budget import resolve_budget
 from pretrain.driver.memory_plan import count_parameters, plan_rows
 from pretrain.driver.prepare import _round_up, preflight
 
@@ -96,7 +97,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
     m, t, c = cfg.model, cfg.train, cfg.cluster
     if m.vocab_size == 0:
         m.vocab_size = _round_up(length, m.vocab_multiple)
-    cfg.validate()
+    resolve_budget(cfg, say=lambda line: print(f"[pretrain] {line}", flush=True)).validate()
     plan = make_plan(cfg, c.num_workers)
     counts = count_parameters(cfg)
     total, body = counts.total, counts.body

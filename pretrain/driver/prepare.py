@@ -29,6 +29,7 @@ from pretrain.config.errors import clip, not_a
 from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus, hub_sources
+from pretrain.driver.budget import resolve_budget
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -196,6 +197,8 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
         preflight(cfg)
     from pretrain.train.job import Job
 
+    vocab_known = bool(cfg.model.vocab_size)
+
     def complete(run_dir: Path) -> None:
         from pretrain.data.tokenizer_cache import run_tokenizer
 
@@ -213,10 +216,14 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
             cfg.model.vocab_size = _round_up(length, cfg.model.vocab_multiple)
         elif cfg.model.vocab_size < length:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({length})")
+        if not vocab_known:
+            resolve_budget(cfg, say=_say)  # FLOPs per token need the vocab size
 
     from pretrain.data.fingerprint import fingerprints
 
     fingerprint = fingerprints(cfg.data)  # what the run trains on, kept in every checkpoint
+    if cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once the vocab is)
+        resolve_budget(cfg, say=_say)
     run_id, run_dir, uri = create_run(cfg, tags, complete)
     with ended_on_error(uri, run_id):
         init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
@@ -241,6 +248,10 @@ def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
     return str(path)
 
 
+def _say(line: str) -> None:
+    print(f"[pretrain] {line}", flush=True)
+
+
 def prepare_resume(target: str, overrides: list[str]) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
     or run directory (a new run that records where it came from)."""
@@ -258,8 +269,7 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
         # a damaged one names the newest that verifies.
         verify_or_point_back(ckpt, full=False)
-        cfg = resolve_paths(read_config(ckpt, overrides))
-        cfg.validate()
+        cfg = resolve_budget(resolve_paths(read_config(ckpt, overrides)), say=_say).validate()
         preflight(cfg)
         fingerprint, tags = _check_resume(ckpt, cfg, overrides)
         if cfg.tracking.enabled:
@@ -275,7 +285,7 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     ckpt = resolve(path, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)
-    cfg.validate()
+    resolve_budget(cfg, say=_say).validate()
     preflight(cfg)
     fingerprint, tags = _check_resume(ckpt, cfg, overrides)
     job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True)

@@ -139,6 +139,9 @@ class _Axis:
     index: torch.Tensor  # (new,) int64
     count: torch.Tensor  # (old,) float
 
+    def to(self, device: torch.device) -> _Axis:
+        return _Axis(self.index.to(device), self.count.to(device))
+
     @staticmethod
     def tile(old: int, k: int) -> _Axis:
         return _Axis(torch.arange(old * k) % old, torch.full((old,), float(k)))
@@ -242,6 +245,9 @@ def grow_width(
         new_kv = cfg.num_kv_heads and new_h // (h // kv)  # the group size h / kv is kept
     else:
         raise ValueError(f"width_op {op!r}: expected tile or net2net")
+    device = next(iter(state.values())).device if state else torch.device("cpu")  # e.g. meta: shapes only
+    hid, qh, kvh, ff = (axis.to(device) for axis in (hid, qh, kvh, ff))
+    ef = ef.to(device) if ef is not None else None
     out: StateDict = {}
     for key, w in state.items():
         out[key] = _grow_tensor(key, w, hid, qh, kvh, ff, ef, cfg)

@@ -87,7 +87,7 @@ def continue_overrides(saved: TrainConfig, step: int, max_steps: int) -> list[st
     """Overrides that resume a run scheduled by ``saved`` after ``step`` steps up to ``max_steps`` without raising
     the LR: ``max_steps`` alone where the schedule would not move (constant; WSD still at its peak), else with the
     LR reached held constant."""
-    longer = [f"train.max_steps={max_steps}"]
+    longer = [*(["train.max_flops=0"] if saved.max_flops else []), f"train.max_steps={max_steps}"]  # else derived
     if not raises_lr(saved, dataclasses.replace(saved, max_steps=max_steps), step):
         return longer
     return [*longer, "train.decay=constant", f"train.lr={_last_lr(step, saved):.8g}"]

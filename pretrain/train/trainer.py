@@ -50,6 +50,8 @@ class TrainerState:
 
     step: int = 0
     tokens_seen: int = 0
+    flops: float = 0.0
+    """Training FLOPs so far (``train/flops``): model FLOPs per token times tokens, each growth stage at its size."""
     last_train_loss: float = float("nan")
     last_val: dict[str, float] = field(default_factory=dict)
     sequences: int = 0
@@ -155,6 +157,7 @@ class Trainer:
         self.shared = Shared()
         self.stop_reason = ""
         self._step_ended = False
+        self._flops: tuple[Any, float] = (None, 0.0)
         for cb in self.callbacks:
             if cb.name and cb.name in state.callbacks:
                 cb.load_state_dict(state.callbacks[cb.name])
@@ -164,6 +167,15 @@ class Trainer:
     def gather(self, hook: str, *args: Any) -> list[Any]:
         """Every callback's answer to ``hook`` (a :class:`Callback` method), in callback order."""
         return [getattr(cb, hook)(*args) for cb in self.callbacks]
+
+    def flops_per_step(self) -> float:
+        """Training FLOPs of one optimizer step of the model trained now (it changes with a growth)."""
+        if self._flops[0] is not self.cfg.model:
+            from pretrain.model import flops_per_token
+
+            per_token = flops_per_token(self.cfg.model, self.plan.seq_len, self.cfg.moe)
+            self._flops = (self.cfg.model, per_token * self.plan.tokens_per_step)
+        return self._flops[1]
 
     def end_step(self) -> None:
         """Skip the remaining callbacks' ``on_step_end`` of this step (after a rollback restored an older step)."""
@@ -193,6 +205,8 @@ class Trainer:
         cfg, plan, state = self.cfg, self.plan, self.state
         t = cfg.train
         micro_ids = plan.micro_batch_ids(self.ctx.rank)
+        if state.step and not state.flops:  # a checkpoint written before FLOPs were counted: the current model's
+            state.flops = state.step * self.flops_per_step()
         self.emit("on_run_start")
         while state.step < t.max_steps and not self.stop_reason:
             torch.manual_seed(step_seed(t.seed, state.step, self.ctx.rank))
@@ -215,6 +229,7 @@ class Trainer:
                 result = run_step(self.module, StepInput(step_no, batch, lr, seeds), self.callbacks)
             state.step += 1
             state.tokens_seen += plan.tokens_per_step
+            state.flops += self.flops_per_step()
             state.sequences += plan.global_batch
             state.last_train_loss = result.loss
             self._step_ended = False

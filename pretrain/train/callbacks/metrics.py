@@ -33,6 +33,7 @@ class MetricsLogger(Callback):
             "train/grad_norm": result.grad_norm,
             "train/tokens_per_s": trainer.progress.window_tokens_per_s(),
             "train/tokens_seen": float(trainer.state.tokens_seen),
+            "train/flops": trainer.state.flops,
             "train/loss_avg": sum(self.window) / len(self.window) if self.window else float("nan"),
         }
         for extra in trainer.gather("extra_metrics"):

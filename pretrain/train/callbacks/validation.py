@@ -1,4 +1,5 @@
-"""Validation every ``train.val_every`` steps, at the last step, and when a run stops early."""
+"""Validation every ``train.val_every`` steps, each ``train.val_every_flops`` training FLOPs, at the last step, and
+when a run stops early."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pretrain.train.trainer import Callback, Trainer, is_last_step, stopped_earl
 
 
 class ValidationCallback(Callback):
-    """Validation every ``train.val_every`` steps, at the last step, and when a run stops early."""
+    """Validation every ``train.val_every`` steps, each time the run's training FLOPs pass a multiple of
+    ``train.val_every_flops``, at the last step, and when a run stops early. Every validation also logs
+    ``val/flops``, the run's training FLOPs at that point (to compare runs of different sizes), and ``val/train_s``,
+    the seconds this process has spent in training steps (validation and checkpoints left out; time to a loss)."""
 
     order = 40
 
@@ -26,15 +30,18 @@ class ValidationCallback(Callback):
             return
         self.validated_at = state.step
         state.last_val = evaluate(trainer.module, trainer.val_set, self.byte_lengths)
-        trainer.tracker.log_metrics(state.last_val, state.step)
+        at = {"val/flops": state.flops, "val/train_s": trainer.progress.train_seconds}
+        trainer.tracker.log_metrics({**state.last_val, **at}, state.step)
         trainer.progress.say(
             f"step {state.step} validation: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_val.items())
         )
         trainer.emit("on_validation", state.last_val)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        every = trainer.cfg.train.val_every
-        if is_last_step(trainer) or (every and trainer.state.step % every == 0):
+        t, state = trainer.cfg.train, trainer.state
+        every, per_flops = t.val_every, t.val_every_flops
+        passed = per_flops and state.flops // per_flops > (state.flops - trainer.flops_per_step()) // per_flops
+        if is_last_step(trainer) or (every and state.step % every == 0) or passed:
             self.run(trainer)
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:

@@ -1,0 +1,171 @@
+"""What the studies (``bench --growth``, ``bench --layer-drop --quality``) share: real training runs in this process
+as MLflow child runs of one parent run per study, validation curves read back from MLflow (loss against training
+FLOPs and against training seconds), and the arithmetic that turns curves into a saving.
+
+Each run is a normal run (``prepare_new`` then ``cluster.launch.run``), so the study measures what a user trains;
+``cluster.use_ray=false`` keeps one process per run on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPORA = ROOT.parent / "shared" / "corpora"
+WIKITEXT = ("wikitext2-valid.txt", "wikitext2-test.txt")
+
+Curve = list[tuple[float, float]]
+"""(x, validation loss) points in training order; x is FLOPs or seconds."""
+
+
+def corpus_overrides() -> tuple[list[str], str]:
+    """The study corpus: the WikiText-2 text beside the project when present (about 675k tokens at a 4,096-token
+    vocabulary), else the built-in demo corpus; (overrides, a line naming it). Runs never repeat data
+    (``data.repeat=false``: a run that would stops with 'data exhausted' and the study fails)."""
+    files = [CORPORA / f for f in WIKITEXT]
+    if all(f.exists() for f in files):
+        sources = ", ".join(f"{{path: {f}}}" for f in files)
+        return [f"data.sources=[{sources}]", "data.repeat=false"], "WikiText-2 validation + test text"
+    return ["data.sources=[{path: demo}]", "data.repeat=false"], "the built-in demo corpus (WikiText-2 not found)"
+
+
+def crossing(curve: Curve, target: float) -> float | None:
+    """The first x at which ``curve`` reaches ``target`` (loss <= target), linearly interpolated between the two
+    points around it; None when it never does."""
+    prev = None
+    for x, loss in curve:
+        if loss <= target:
+            if prev is None:
+                return x
+            x0, l0 = prev
+            return x0 + (x - x0) * (l0 - target) / (l0 - loss)
+        prev = (x, loss)
+    return None
+
+
+def value_at(curve: Curve, x: float) -> float:
+    """``curve``'s loss at ``x``, linearly interpolated (held flat outside the curve)."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, l0), (x1, l1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return l0 + (l1 - l0) * (x - x0) / (x1 - x0) if x1 != x0 else l1
+    return curve[-1][1]
+
+
+def first_below(curve: Curve, other: Curve) -> float | None:
+    """The first x of ``curve`` at which its loss is at or below ``other``'s there (interpolated); None: never."""
+    return next((x for x, loss in curve if loss <= value_at(other, x)), None)
+
+
+def flops_saving(reference: Curve, other: Curve) -> float | None:
+    """1 - (x at which ``other`` first reaches ``reference``'s final loss) / (``reference``'s final x): the share of
+    the reference's FLOPs that ``other`` does not need for the same loss (negative: it needs more; None: never)."""
+    hit = crossing(other, reference[-1][1])
+    return None if hit is None else 1.0 - hit / reference[-1][0]
+
+
+def time_to_loss_speedup(reference: Curve, other: Curve) -> float | None:
+    """``reference``'s final x over the x at which ``other`` first reaches ``reference``'s final loss (> 1: faster);
+    None when ``other`` never gets there."""
+    hit = crossing(other, reference[-1][1])
+    return None if hit is None else reference[-1][0] / hit
+
+
+@contextlib.contextmanager
+def _working_dir(path: Path, tracking_uri: str):
+    old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(path)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    try:
+        yield
+    finally:
+        os.chdir(old_cwd)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if old_uri is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
+
+
+@dataclass
+class RunCurves:
+    """One finished run of a study: its id, validation loss against FLOPs and against training seconds."""
+
+    run_id: str
+    flops: Curve
+    seconds: Curve
+    steps: int
+    config: dict = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        return self.flops[-1][1]
+
+
+class Study:
+    """A parent MLflow run (``name``) in a fresh directory under ``.cache/`` (runs, checkpoints and the MLflow store
+    stay there for inspection), whose :meth:`train` runs are its children."""
+
+    def __init__(self, name: str, base_config: Path, base: list[str], root: Path | None = None) -> None:
+        from mlflow import MlflowClient
+
+        self.name, self.base_config, self.base = name, base_config, base
+        self.work = (root or ROOT / ".cache") / name / time.strftime("%Y%m%d-%H%M%S")
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.uri = f"sqlite:///{self.work}/mlflow.db"
+        self.client = MlflowClient(tracking_uri=self.uri)
+        experiment = self.client.get_experiment_by_name(name)
+        exp_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.parent = self.client.create_run(exp_id, run_name=name).info.run_id
+        self.tokenizer: list[str] = []
+
+    def config(self, extra: list[str]):
+        from pretrain.config import load_config
+
+        return load_config(self.base_config, [*self.base, *self.tokenizer, *extra])
+
+    def train(self, label: str, extra: list[str]) -> RunCurves:
+        """Train ``base + extra`` as a child run named ``label``; the first run's tokenizer is every later run's."""
+        from cluster.launch import run
+        from pretrain.checkpoint.layout import RUN_TOKENIZER
+        from pretrain.config import to_dict
+        from pretrain.driver.prepare import prepare_new
+
+        with _working_dir(self.work, self.uri):
+            cfg = self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
+            job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
+            self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
+            print(f"[{self.name}] {label}: run {job.run_id}", flush=True)
+            final = run(job, cfg.cluster)
+        out = RunCurves(
+            job.run_id,
+            self.curve(job.run_id, "val/flops"),
+            self.curve(job.run_id, "val/train_s"),
+            int(final.get("step", 0)),
+            to_dict(cfg),
+        )
+        if out.steps < cfg.train.max_steps:
+            raise RuntimeError(f"{label}: stopped at step {out.steps} of {cfg.train.max_steps} (data exhausted?)")
+        self.client.log_text(job.run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
+        return out
+
+    def curve(self, run_id: str, x_key: str) -> Curve:
+        """(x, val/loss) at every validation of ``run_id``, x being the metric ``x_key`` logged with it."""
+
+        def history(key: str) -> dict[int, float]:
+            return {m.step: m.value for m in self.client.get_metric_history(run_id, key)}
+
+        loss, xs = history("val/loss"), history(x_key)
+        return [(xs[s], loss[s]) for s in sorted(loss) if s in xs]
+
+    def finish(self, result: dict, figure: Path | None) -> None:
+        """The study's JSON (and figure) as artifacts of the parent run, which ends."""
+        path = self.work / f"{self.name}.json"
+        path.write_text(json.dumps(result, indent=1))
+        self.client.log_artifact(self.parent, str(path), "study")
+        if figure is not None:
+            self.client.log_artifact(self.parent, str(figure), "study")
+        self.client.set_terminated(self.parent)

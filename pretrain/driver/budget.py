@@ -1,0 +1,74 @@
+"""A run's FLOPs budget (``train.max_flops``) and growth points given in tokens or as a fraction of the budget
+(``growth.schedule[i].at_tokens`` / ``at_fraction``), resolved into steps when the run is created or resumed,
+each growth stage counted at its own FLOPs per token (:mod:`pretrain.model.budget`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from pretrain.config import RunConfig, make_plan
+from pretrain.config.errors import ConfigError
+
+
+def stage_flops_per_step(cfg: RunConfig) -> list[float]:
+    """Training FLOPs of one optimizer step before the first growth of ``growth.schedule`` and after each."""
+    from pretrain.model import flops_per_token
+    from pretrain.model.budget import stage_architectures
+
+    plan = make_plan(cfg, cfg.cluster.num_workers)
+    stages = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)
+    return [flops_per_token(m, plan.seq_len, moe) * plan.tokens_per_step for m, moe in stages]
+
+
+def run_flops(cfg: RunConfig, steps: int | None = None) -> float:
+    """Training FLOPs of the first ``steps`` steps (default ``train.max_steps``), growths included."""
+    per_step = stage_flops_per_step(cfg)
+    steps = cfg.train.max_steps if steps is None else steps
+    edges = [0, *(e.at_step for e in cfg.growth.schedule), steps]
+    return sum(f * max(0, min(b, steps) - min(a, steps)) for f, a, b in zip(per_step, edges, edges[1:]))
+
+
+def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print) -> RunConfig:
+    """Sets (in place) each growth's ``at_step`` from its ``at_tokens`` or ``at_fraction``, then ``train.max_steps``
+    from ``train.max_flops``; one line for each value it changes. Idempotent, so a resumed run derives the same
+    steps (and says nothing). A no-op for a run that uses none of them."""
+    t, schedule = cfg.train, cfg.growth.schedule
+    if not t.max_flops and not any(e.derived_step for e in schedule):
+        return cfg
+    per_step = stage_flops_per_step(cfg)  # growth points do not change the architectures, only when they come
+    plan = make_plan(cfg, cfg.cluster.num_workers)
+    spent, step = 0.0, 0
+    for i, entry in enumerate(schedule):
+        where, before = f"growth.schedule[{i}]", entry.at_step
+        if entry.at_tokens:
+            entry.at_step = math.ceil(entry.at_tokens / plan.tokens_per_step)
+        elif entry.at_fraction:
+            goal = entry.at_fraction * t.max_flops
+            entry.at_step = step + max(1, math.ceil((goal - spent) / per_step[i] - 1e-9))
+        if entry.at_step != before and entry.at_tokens:
+            say(
+                f"{where}: at_tokens {entry.at_tokens:,} -> at_step {entry.at_step} "
+                f"({plan.tokens_per_step:,} tokens/step)"
+            )
+        elif entry.at_step != before:
+            say(
+                f"{where}: at_fraction {entry.at_fraction:g} of train.max_flops {t.max_flops:.4g} -> "
+                f"at_step {entry.at_step}"
+            )
+        if entry.at_step <= step:
+            raise ConfigError(f"{where}: at step {entry.at_step}, not after the growth before it (step {step})")
+        spent += (entry.at_step - step) * per_step[i]
+        step = entry.at_step
+    if t.max_flops:
+        if spent >= t.max_flops:
+            raise ConfigError(
+                f"train.max_flops: {t.max_flops:.4g} is spent before the last growth (step {step}, {spent:.4g} FLOPs)"
+            )
+        before, t.max_steps = t.max_steps, step + math.ceil((t.max_flops - spent) / per_step[-1] - 1e-9)
+        if t.max_steps != before:
+            say(
+                f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "
+                f"({per_step[-1]:.4g} FLOPs/step{' after the last growth' if schedule else ''})"
+            )
+    return cfg.validate()
