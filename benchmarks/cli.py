@@ -6,7 +6,8 @@ mode                   benchmark
 =====================  ======================================================================================
 (none)                 the step against a bare PyTorch step, MFU, data throughput, the real loop and its start-up,
                        MoE against dense (:mod:`benchmarks.step`, :mod:`benchmarks.loop`, :mod:`benchmarks.moe`)
-``--layer-drop``       also the step at layer-drop rates 0, 0.25, 0.5 (:mod:`benchmarks.layer_drop`)
+``--layer-drop``       also the step at layer-drop rates 0, 0.25, 0.5 (:mod:`benchmarks.layer_drop`); with
+                       ``--quality`` only the layer-dropout study (:mod:`benchmarks.layer_drop_quality`)
 ``--vs-hf``            ``./launch.sh train`` against Hugging Face Trainer (:mod:`benchmarks.vs_hf`)
 ``--growth``           the growth study: scratch against growth recipes at equal FLOPs (:mod:`benchmarks.growth`)
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
@@ -23,6 +24,7 @@ import contextlib
 import json
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -106,6 +108,11 @@ def main(argv: list[str]) -> int:
         "about an hour on 2 CPU cores)",
     )
     p.add_argument("--tokens", type=int, default=600_000, help="--growth: the budget in target-model tokens")
+    p.add_argument(
+        "--study-dir",
+        default=None,
+        help="--growth, --layer-drop --quality: where the study's runs and MLflow store go (default .cache/ here)",
+    )
     p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
     p.add_argument("--recipes", default="", help="--growth: only these recipes (comma-separated; default all)")
     p.add_argument(
@@ -116,6 +123,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "--layer-drop", action="store_true", help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)"
+    )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="with --layer-drop: only the layer-dropout study (progressive layer dropping's time to loss, pruning "
+        "against a half-depth model from scratch; benchmarks/layer_drop_quality.py; about 40 minutes on 2 CPU cores)",
     )
     p.add_argument(
         "--recompute",
@@ -167,7 +180,17 @@ def measure(a: argparse.Namespace) -> dict:
                 seeds=tuple(int(x) for x in a.seeds.split(",")),
                 only=a.recipes.split(",") if a.recipes else None,
                 sizes={"auto": None, "yes": True, "no": False}[a.sizes],
+                root=Path(a.study_dir) if a.study_dir else None,
             )
+        )
+    if a.layer_drop and a.quality:
+        from benchmarks.layer_drop_quality import study
+
+        return study(
+            [r for r in a.rest if "=" in r],
+            steps=a.steps or 250,
+            seeds=tuple(int(x) for x in a.seeds.split(",")),
+            root=Path(a.study_dir) if a.study_dir else None,
         )
     if a.parallel:
         from benchmarks.parallel import parallel_bench

@@ -56,12 +56,21 @@ def recipes(arch: dict) -> dict[str, list[str]]:
         "stack2@5%": stack(2, 0.05),
         "stack2@10%": stack(2, 0.1),
         "stack2@20%": stack(2, 0.2),
-        "stack4@5%": stack(4, 0.05),
         "stack4@10%": stack(4, 0.1),
         "tile2@10%": [*half, "growth.schedule=[{at_fraction: 0.1, width: 2x, width_op: tile}]"],
-        "stack2@10%:no-rewarm": stack(2, 0.1, "growth.rewarm_steps=0"),
         "stack2@10%:grown-moments": stack(2, 0.1, "growth.optimizer=grow"),
+        # not in the default study (--recipes NAME,...):
+        "stack4@5%": stack(4, 0.05),
+        "stack2@10%:no-rewarm": stack(2, 0.1, "growth.rewarm_steps=0"),
+        "stack2@10%:identity": [
+            f"model.num_layers={depth // 2}",
+            f"growth.schedule=[{{at_fraction: 0.1, depth: {depth}, depth_op: identity}}]",
+        ],
     }
+
+
+DEFAULT_RECIPES = 6
+"""The first recipes of :func:`recipes` run by default."""
 
 
 def _small_alone(extra: list[str]) -> list[str]:
@@ -117,7 +126,8 @@ def growth_bench(
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)
     flops, share = _budget(study, target, tokens)
-    names = [n for n in recipes(target) if only is None or n in only]
+    known = list(recipes(target))
+    names = known[:DEFAULT_RECIPES] if only is None else [n for n in known if n in only]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
         raise SystemExit(
@@ -244,13 +254,13 @@ def _plot(out: dict, path: Path) -> Path:
 
 
 def summary(out: dict) -> dict:
-    """The study's keys, curves rounded ((TFLOPs, loss) pairs)."""
+    """The study's keys, with the curves as (FLOPs, loss) pairs to 6 significant digits."""
 
     def rounded(curve):
-        return [(round(f / 1e12, 4), round(v, 4)) for f, v in curve]
+        return [(float(f"{f:.6g}"), float(f"{v:.6g}")) for f, v in curve]
 
     res = {k: v for k, v in out.items() if k not in ("curves", "trend")}
-    res["curves_tflops_val_loss"] = {n: {s: rounded(c) for s, c in per.items()} for n, per in out["curves"].items()}
+    res["curves_flops_val_loss"] = {n: {s: rounded(c) for s, c in per.items()} for n, per in out["curves"].items()}
     if "trend" in out:
         res["trend"] = [
             {

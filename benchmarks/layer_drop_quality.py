@@ -1,73 +1,222 @@
-"""Layer-dropout quality on the demo corpus (dated results: ``benchmarks/results/``): an 8-layer demo decoder
-trained for the same steps without and with layer dropout; validation loss of the full model and of its
-``every_other`` pruned 4-layer model.
+"""Layer dropout, for what it is used for (``./launch.sh bench --layer-drop --quality``): a decoder of 8 blocks
+trained on held-out text, per seed, as MLflow children of one parent run (:mod:`benchmarks.study`).
 
-    python -m benchmarks.layer_drop_quality [--steps 200] [--rate 0.5] [key=value ...]
+- ``no-drop``: ``--steps`` steps, cosine schedule decayed at the end.
+- ``pld``: progressive layer dropping (Zhang and He 2020, arXiv:2010.13369) in ``layer`` mode (a skipped block does
+  no work): keep probability (1 - theta_bar) exp(-gamma t) + theta_bar, theta_bar = 1 - ``--pld-rate`` at the
+  deepest block and less below it (``by_depth: linear``, PLD's depth rule), with gamma = ``--pld-gamma-t`` / steps
+  (the paper's gamma scaled to this run's length). It trains for as many steps as the FLOPs the no-drop run executes
+  allow (a dropped block's FLOPs are not executed), so both runs execute the same FLOPs.
+  ``pld_time_to_loss_speedup`` = the no-drop run's training seconds to its final validation loss / PLD's training
+  seconds to reach that loss (``val/train_s``, validation and checkpoints left out; None: never reached).
+- ``layer-drop``: constant rate ``--prune-rate`` on every block (LayerDrop, Fan et al. 2019, arXiv:1909.11556),
+  ``--steps`` steps; then ``prune layers=every_other`` and ``eval`` (the user's commands), against a half-depth model
+  trained from scratch on the FLOPs the layer-drop run executed: ``pruned_vs_scratch_half_depth_gap`` (nats; > 0:
+  the pruned model is worse), and the same for the no-drop model pruned (the contrast).
 
-Runs the real CLI (``train``, ``prune``, ``eval``) in a scratch directory with its own MLflow store and prints one
-table row per variant; the numbers are whatever they are.
+Every number is a minimum or maximum over seeds where the goal needs it to hold on every seed (see :func:`study`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
+import contextlib
+import io
+import math
+import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.study import ROOT, Study, corpus_overrides, time_to_loss_speedup
+
+ARCH = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8", "model.num_kv_heads=4"]
 
 
-def _cli(work: Path, *args: str) -> str:
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=work, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return proc.stdout
+def executed_share(rate: float, schedule: str, gamma: float, by_depth: str, blocks: int, steps: int, share: float):
+    """Mean share of the nominal FLOPs per step that layer dropout leaves executed over ``steps`` steps (blocks
+    carry ``share`` of the FLOPs; a dropped block executes none)."""
+    from pretrain.config import LayerDropConfig
+    from pretrain.model.layerdrop import base_rate
+
+    cfg = LayerDropConfig(rate=rate, schedule=schedule, gamma=gamma, by_depth=by_depth)  # type: ignore[arg-type]
+    depth = (blocks + 1) / (2 * blocks) if by_depth == "linear" else 1.0  # mean of (l + 1) / L
+    dropped = sum(base_rate(cfg, t) for t in range(steps)) / steps * depth
+    return 1.0 - share * dropped
 
 
-def _eval_loss(work: Path, target: str) -> float:
-    return float(json.loads(_cli(work, "eval", target, "--json"))["loss"])
+def _pld_steps(steps: int, rate: float, gamma_t: float, blocks: int, share: float) -> int:
+    """PLD steps that execute the FLOPs of ``steps`` no-drop steps (gamma = gamma_t / PLD steps)."""
+    n = steps
+    for _ in range(20):  # a fixed point: the schedule's length sets gamma
+        n_next = math.ceil(steps / executed_share(rate, "progressive", gamma_t / n, "linear", blocks, n, share))
+        if n_next == n:
+            break
+        n = n_next
+    return n
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_drop_quality")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rate", type=float, default=0.5)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args(argv)
+def _prune_and_eval(study: Study, run_id: str, sequences: int) -> float:
+    from eval.evaluate import evaluate
+    from pretrain.driver.derive import prune
+
+    with study.inside():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            prune([run_id, "layers=every_other"])
+        child = re.search(r"\[prune\] new run (\S+):", out.getvalue())
+        if child is None:
+            raise RuntimeError(f"prune {run_id}: no new run in its output:\n{out.getvalue()}")
+        return float(evaluate(child.group(1), sequences=sequences, sample=False)["loss"])
+
+
+def _eval(study: Study, run_id: str, sequences: int) -> float:
+    from eval.evaluate import evaluate
+
+    with study.inside():
+        return float(evaluate(run_id, sequences=sequences, sample=False)["loss"])
+
+
+def study(
+    overrides: list[str],
+    *,
+    steps: int = 250,
+    seeds: tuple[int, ...] = (0, 1),
+    pld_rate: float = 0.5,
+    pld_gamma_t: float = 20.0,
+    prune_rate: float = 0.5,
+    eval_sequences: int = 256,
+    root: Path | None = None,
+) -> dict:
+    """The study; returns its dict (every per-seed value, and the minimum or maximum the goals read)."""
+    from pretrain.config import make_plan
+    from pretrain.model.budget import block_flops_share
+
+    corpus, corpus_name = corpus_overrides()
     base = [
-        str(ROOT / "configs" / "demo-decoder.yaml"),
-        "model.num_layers=8",
-        f"train.max_steps={a.steps}",
+        "cluster.use_ray=false",
+        "cluster.num_workers=1",
         "checkpoint.every_steps=0",
         "stability.plot_at_end=false",
-        *a.overrides,
+        "train.log_every=50",
+        "train.warmup_steps=20",
+        "data.val_holdout=0.03",
+        "train.val_sequences=64",
+        "model.vocab_size=4096",
+        "data.tokenizer_vocab_size=4096",
+        *ARCH,
+        *corpus,
+        *overrides,
     ]
-    variants = {"no layer dropout": [], f"layer dropout {a.rate:g} (layer mode)": [f"layer_drop.rate={a.rate}"]}
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="ld-quality-") as tmp:
-        work = Path(tmp)
-        for name, extra in variants.items():
-            out = _cli(work, "train", *base, *extra)
-            run_id = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
-            tps = next((line.split()[-2] for line in out.splitlines() if "tokens/s" in line and "train" in line), "?")
-            full = _eval_loss(work, run_id)
-            pruned_out = _cli(work, "prune", run_id, "layers=every_other")
-            child = next(
-                line.split()[3].rstrip(":") for line in pruned_out.splitlines() if line.startswith("[prune] new run")
+    st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    cfg = st.config([])
+    blocks, seq = cfg.model.num_layers, make_plan(cfg, 1).seq_len
+    share = block_flops_share(cfg.model, seq, cfg.moe)
+    pld_steps = _pld_steps(steps, pld_rate, pld_gamma_t, blocks, share)
+    gamma = pld_gamma_t / pld_steps
+    ld_share = executed_share(prune_rate, "constant", 1.0, "uniform", blocks, steps, share)
+    half = [f"model.num_layers={blocks // 2}"]
+    half_share = block_flops_share(st.config(half).model, seq, cfg.moe)
+    # half the blocks: per step (1 - share) + share / 2 of the full model's FLOPs (same head, half the blocks)
+    half_steps = round(steps * ld_share / (1 - share + share / 2))
+    every = max(1, steps // 25)
+    pld = [
+        f"layer_drop.rate={pld_rate}",
+        "layer_drop.schedule=progressive",
+        f"layer_drop.gamma={gamma:.6g}",
+        "layer_drop.by_depth=linear",
+        "layer_drop.mode=layer",
+    ]
+    out: dict = {
+        "model": {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")},
+        "corpus": corpus_name,
+        "seeds": list(seeds),
+        "block_flops_share": share,
+        "steps": {"no-drop": steps, "pld": pld_steps, "layer-drop": steps, "half-depth": half_steps},
+        "pld": {"rate": pld_rate, "gamma": gamma, "gamma_x_steps": pld_gamma_t, "by_depth": "linear"},
+        "executed_flops_share": {
+            "pld": steps / pld_steps,
+            "layer-drop": ld_share,
+            "half-depth_block_share": half_share,
+        },
+        "per_seed": {},
+    }
+    for seed in seeds:
+        s = f"train.seed={seed}"
+        nodrop = st.train(f"no-drop seed {seed}", [s, f"train.max_steps={steps}", f"train.val_every={every}"])
+        prog = st.train(f"pld seed {seed}", [s, f"train.max_steps={pld_steps}", f"train.val_every={every}", *pld])
+        ld = st.train(
+            f"layer-drop {prune_rate:g} seed {seed}",
+            [s, f"train.max_steps={steps}", f"train.val_every={every}", f"layer_drop.rate={prune_rate}"],
+        )
+        scratch = st.train(
+            f"half-depth seed {seed}", [s, *half, f"train.max_steps={half_steps}", f"train.val_every={every}"]
+        )
+        half_loss = _eval(st, scratch.run_id, eval_sequences)
+        row = {
+            "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds),
+            "final_val_loss": {"no-drop": nodrop.final_loss, "pld": prog.final_loss, "layer-drop": ld.final_loss},
+            "train_seconds": {
+                "no-drop": nodrop.seconds[-1][0],
+                "pld": prog.seconds[-1][0],
+                "layer-drop": ld.seconds[-1][0],
+            },
+            "half_depth_scratch_loss": half_loss,
+            "full_loss": {
+                "no-drop": _eval(st, nodrop.run_id, eval_sequences),
+                "layer-drop": _eval(st, ld.run_id, eval_sequences),
+            },
+            "pruned_loss": {
+                "no-drop": _prune_and_eval(st, nodrop.run_id, eval_sequences),
+                "layer-drop": _prune_and_eval(st, ld.run_id, eval_sequences),
+            },
+            "curves_seconds": {"no-drop": nodrop.seconds, "pld": prog.seconds},
+            "run_ids": {
+                "no-drop": nodrop.run_id,
+                "pld": prog.run_id,
+                "layer-drop": ld.run_id,
+                "half-depth": scratch.run_id,
+            },
+        }
+        row["pruned_vs_scratch_half_depth_gap"] = row["pruned_loss"]["layer-drop"] - half_loss
+        row["no_drop_pruned_vs_scratch_half_depth_gap"] = row["pruned_loss"]["no-drop"] - half_loss
+        out["per_seed"][seed] = row
+    rows = list(out["per_seed"].values())
+    speedups = [r["pld_time_to_loss_speedup"] for r in rows]
+    out["pld_time_to_loss_speedup"] = None if None in speedups else min(speedups)
+    out["pruned_vs_scratch_half_depth_gap"] = max(r["pruned_vs_scratch_half_depth_gap"] for r in rows)
+    out["no_drop_pruned_vs_scratch_half_depth_gap"] = max(r["no_drop_pruned_vs_scratch_half_depth_gap"] for r in rows)
+    out["goals"] = {
+        "pld_time_to_loss_speedup >= 1.15 on every seed": out["pld_time_to_loss_speedup"] is not None
+        and out["pld_time_to_loss_speedup"] >= 1.15,
+        "pruned_vs_scratch_half_depth_gap <= 0.05 on every seed": out["pruned_vs_scratch_half_depth_gap"] <= 0.05,
+    }
+    figure = _plot(out, st.work / "layer_drop_quality.png")
+    out["plot"] = str(figure)
+    out["mlflow"] = {"tracking_uri": st.uri, "parent_run": st.parent}
+    st.finish(out, figure)
+    return out
+
+
+def _plot(out: dict, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for seed, row in out["per_seed"].items():
+        for name, curve in row["curves_seconds"].items():
+            ax.plot(
+                [x for x, _ in curve],
+                [v for _, v in curve],
+                "-" if name == "pld" else "--",
+                marker=".",
+                ms=3,
+                label=f"{name} seed {seed}",
             )
-            rows.append((name, full, _eval_loss(work, child), tps))
-            print(f"{name}: full {full:.4f}, every_other pruned {rows[-1][2]:.4f}", flush=True)
-    print(f"\n| 8-layer demo decoder, {a.steps} steps | val loss, 8 layers | val loss, every_other (4 layers) |")
-    print("| --- | --- | --- |")
-    for name, full, pruned, _ in rows:
-        print(f"| {name} | {full:.3f} | {pruned:.3f} |")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    ax.set_xlabel("training seconds (validation and checkpoints left out)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("progressive layer dropping against no dropout, same executed FLOPs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -134,7 +134,7 @@ class Study:
         from pretrain.config import to_dict
         from pretrain.driver.prepare import prepare_new
 
-        with _working_dir(self.work, self.uri):
+        with self.inside():
             cfg = self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
             job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
             self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
@@ -151,6 +151,10 @@ class Study:
             raise RuntimeError(f"{label}: stopped at step {out.steps} of {cfg.train.max_steps} (data exhausted?)")
         self.client.log_text(job.run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
         return out
+
+    def inside(self):
+        """A context in the study's directory with its MLflow store (for ``prune``, ``eval`` and the like)."""
+        return _working_dir(self.work, self.uri)
 
     def curve(self, run_id: str, x_key: str) -> Curve:
         """(x, val/loss) at every validation of ``run_id``, x being the metric ``x_key`` logged with it."""

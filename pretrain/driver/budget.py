@@ -29,10 +29,11 @@ def run_flops(cfg: RunConfig, steps: int | None = None) -> float:
     return sum(f * max(0, min(b, steps) - min(a, steps)) for f, a, b in zip(per_step, edges, edges[1:]))
 
 
-def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print) -> RunConfig:
+def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce: bool = False) -> RunConfig:
     """Sets (in place) each growth's ``at_step`` from its ``at_tokens`` or ``at_fraction``, then ``train.max_steps``
-    from ``train.max_flops``; one line for each value it changes. Idempotent, so a resumed run derives the same
-    steps (and says nothing). A no-op for a run that uses none of them."""
+    from ``train.max_flops``; one line for each value it changes (``announce``: each value it derives, for a new
+    run). Idempotent, so a resumed run derives the same steps (and says nothing). A no-op for a run that uses none
+    of them."""
     t, schedule = cfg.train, cfg.growth.schedule
     if not t.max_flops and not any(e.derived_step for e in schedule):
         return cfg
@@ -46,12 +47,13 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print) -> RunCon
         elif entry.at_fraction:
             goal = entry.at_fraction * t.max_flops
             entry.at_step = step + max(1, math.ceil((goal - spent) / per_step[i] - 1e-9))
-        if entry.at_step != before and entry.at_tokens:
+        changed = announce or entry.at_step != before
+        if changed and entry.at_tokens:
             say(
                 f"{where}: at_tokens {entry.at_tokens:,} -> at_step {entry.at_step} "
                 f"({plan.tokens_per_step:,} tokens/step)"
             )
-        elif entry.at_step != before:
+        elif changed and entry.at_fraction:
             say(
                 f"{where}: at_fraction {entry.at_fraction:g} of train.max_flops {t.max_flops:.4g} -> "
                 f"at_step {entry.at_step}"
@@ -66,7 +68,7 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print) -> RunCon
                 f"train.max_flops: {t.max_flops:.4g} is spent before the last growth (step {step}, {spent:.4g} FLOPs)"
             )
         before, t.max_steps = t.max_steps, step + math.ceil((t.max_flops - spent) / per_step[-1] - 1e-9)
-        if t.max_steps != before:
+        if announce or t.max_steps != before:
             say(
                 f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "
                 f"({per_step[-1]:.4g} FLOPs/step{' after the last growth' if schedule else ''})"

@@ -97,7 +97,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
     m, t, c = cfg.model, cfg.train, cfg.cluster
     if m.vocab_size == 0:
         m.vocab_size = _round_up(length, m.vocab_multiple)
-    resolve_budget(cfg, say=lambda line: print(f"[pretrain] {line}", flush=True)).validate()
+    resolve_budget(cfg, say=lambda line: print(f"[pretrain] {line}", flush=True), announce=True).validate()
     plan = make_plan(cfg, c.num_workers)
     counts = count_parameters(cfg)
     total, body = counts.total, counts.body

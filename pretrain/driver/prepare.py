@@ -217,13 +217,13 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
         elif cfg.model.vocab_size < length:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({length})")
         if not vocab_known:
-            resolve_budget(cfg, say=_say)  # FLOPs per token need the vocab size
+            resolve_budget(cfg, say=_say, announce=True)  # FLOPs per token need the vocab size
 
     from pretrain.data.fingerprint import fingerprints
 
     fingerprint = fingerprints(cfg.data)  # what the run trains on, kept in every checkpoint
     if cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once the vocab is)
-        resolve_budget(cfg, say=_say)
+        resolve_budget(cfg, say=_say, announce=True)
     run_id, run_dir, uri = create_run(cfg, tags, complete)
     with ended_on_error(uri, run_id):
         init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""

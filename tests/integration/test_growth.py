@@ -44,16 +44,30 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
     """2 workers under ZeRO-{stage}, optimizer moments grown with the weights: identity depth growth at step 2 and
     tiled width growth at step 4 (both exact: the held-back loss is unchanged), then a stacked depth growth; the data
     stream continues; a run stopped at step 3 (between the growths) and resumed reproduces the uninterrupted losses
-    bitwise, also on one worker after the last growth; the final checkpoint records the grown architecture."""
+    bitwise, also on one worker after the last growth; the final checkpoint records the grown architecture.
+
+    The growth points and the run's length are given as a user gives a budget: the first in tokens, the last as a
+    fraction of ``train.max_flops``, which derives ``max_steps``. ``train/flops`` counts each stage at its size
+    (resumed too) and validation comes each ``train.val_every_flops``."""
     from pathlib import Path
 
     import yaml
 
+    from pretrain.driver.budget import run_flops
     from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
 
     cfg_path = ROOT / "configs" / "demo-decoder.yaml"
-    opts = GROW + [f"zero.stage={stage}", "growth.optimizer=grow"]  # the AdamW moments grow with the weights
+    opts = GROW + [f"zero.stage={stage}", "growth.optimizer=grow", "model.vocab_size=512"]  # moments grown too
+    planned = load_config(cfg_path, opts)
+    budget, at_6 = run_flops(planned), run_flops(planned, 6)
+    opts += [
+        "growth.schedule=[{at_tokens: 512, depth: 2x, depth_op: identity, noise: 0}, {at_step: 4, width: 2x, "
+        f"noise: 0}}, {{at_fraction: {(at_6 - 1) / (budget - 1)!r}, depth: '+1', depth_op: stack}}]",
+        f"train.max_flops={budget - 1!r}",
+        "train.max_steps=1000",  # derived from the budget
+        f"train.val_every_flops={budget / 3!r}",
+    ]
     with in_workdir(tmp_path):
         full = prepare_new(load_config(cfg_path, opts))
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
@@ -83,6 +97,15 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
         assert small["model"]["num_layers"] == 2, "the checkpoint before a growth keeps the old architecture"
         lr = metric_history(full.run_id, "train/lr")
         assert lr[3] < lr[4] and lr[5] < lr[6], "the LR re-warms after each growth"
+        assert full.config["train"]["max_steps"] == 8
+        assert [e["at_step"] for e in full.config["growth"]["schedule"]] == [2, 4, 6]
+        flops = metric_history(full.run_id, "train/flops")
+        assert all(flops[s] == pytest.approx(run_flops(planned, s), rel=1e-12) for s in range(1, 9))
+        assert metric_history(part.run_id, "train/flops") == flops, "counted across the stop and the resumes"
+        val_at = metric_history(full.run_id, "val/flops")
+        every = budget / 3
+        expected = [s for s in range(1, 9) if flops[s] // every > flops.get(s - 1, 0.0) // every or s == 8]
+        assert sorted(val_at) == expected and len(expected) == 3, (val_at, expected)
 
 
 def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data_stream(tmp_path):

@@ -209,16 +209,31 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     """Through the CLI and Ray (2 workers): a decoder with a growth schedule and layer dropout under sequence
     parallelism (depth growth at step 2) stops after step 4 (a checkpoint); `resume` continues it with tensor
     parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
-    tensor-parallel module); the grown model exports to Hugging Face with the parity check."""
+    tensor-parallel module); the grown model exports to Hugging Face with the parity check. The growth points and
+    the length are given as a budget (``at_tokens``, ``at_fraction`` of ``train.max_flops``), derived once and the
+    same on resume."""
     from mlflow import MlflowClient
 
+    from pretrain.config import load_config
+    from pretrain.driver.budget import run_flops
     from tests.harness import CONFIG
 
-    out = cli(tmp_path, "train", CONFIG, *GROWN, SP, "faults.stop_after_step=4", timeout=600).stdout
+    grown = [*GROWN, "model.vocab_size=512"]
+    budget, at_5 = run_flops(load_config(CONFIG, grown)), run_flops(load_config(CONFIG, grown), 5)
+    grown += [
+        "growth.schedule=[{at_tokens: 512, depth: 2x, depth_op: identity, noise: 0}, "
+        f"{{at_fraction: {(at_5 - 1) / (budget - 1)!r}, width: 2x, noise: 0}}]",
+        f"train.max_flops={budget - 1!r}",
+    ]
+    out = cli(tmp_path, "train", CONFIG, *grown, SP, "faults.stop_after_step=4", timeout=600).stdout
     run = run_id_of(out)
     assert "2 data x" not in out and "(1 data x 2 sequence x 1 tensor parallel)" in out
+    assert "growth.schedule[0]: at_tokens 512 -> at_step 2 (256 tokens/step)" in out
+    assert re.search(r"growth.schedule\[1\]: at_fraction \S+ of train.max_flops \S+ -> at_step 5", out)
+    assert re.search(r"train.max_flops \S+ -> train.max_steps 6 ", out)
     out = cli(tmp_path, "resume", run, "cluster.sequence_parallel=1", TP, timeout=600).stdout
     assert "tensor parallel resume" in out and "(1 data x 1 sequence x 2 tensor parallel)" in out
+    assert "train.max_flops" not in out, "a resume derives the same steps"
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     steps = sorted(x.step for x in client.get_metric_history(run, "train/loss"))
     assert steps == [1, 2, 3, 4, 5, 6]
