@@ -244,10 +244,15 @@ class GrowthConfig:
     transformed like the grown model's gradients, m' = T(m) and v' = T^2(v): for ``tile`` by k, g/k for internal
     matrices, embeddings, norms and biases, g for the LM head and routers; copied with stacked blocks; zero for new
     ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``moe.ep_size`` 1."""
-    rewarm_steps: int = 0
-    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues. A run
-    derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else the
-    parent's ``train.warmup_steps``) and re-warms from its first step."""
+    rewarm_steps: int = -1
+    """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues; -1 (the
+    default): ``train.warmup_steps`` (the growth study's recipe: fresh AdamW moments, re-warmed; ``docs/growth.md``).
+    A run derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else
+    the parent's ``train.warmup_steps``) and re-warms from its first step."""
+    def rewarm(self, warmup_steps: int) -> int:
+        """The re-warm in steps (``rewarm_steps``, with -1 resolved to the run's ``warmup_steps``)."""
+        return warmup_steps if self.rewarm_steps < 0 else self.rewarm_steps
+
     check_tolerance: float = 1e-4
     """A function-preserving growth without noise must change the loss on the held-back batch (computed in fp32) by
     at most this (relative), or the run stops with an error. A schedule needs held-back data:

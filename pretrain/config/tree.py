@@ -358,8 +358,8 @@ class RunConfig:
                 "growth.optimizer: grow gathers full optimizer moments, not with moe.ep_size > 1; "
                 "use growth.optimizer reset"
             )
-        if g.rewarm_steps < 0:
-            raise ConfigError(f"growth.rewarm_steps: must be >= 0, got {g.rewarm_steps}")
+        if g.rewarm_steps < -1:
+            raise ConfigError(f"growth.rewarm_steps: must be >= 0 (or -1: train.warmup_steps), got {g.rewarm_steps}")
         steps = [e.at_step for e in g.schedule if e.at_step or not e.derived_step]  # derived: checked once set
         if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
             why = (

@@ -234,7 +234,7 @@ def _rewarm_steps(cfg: RunConfig, option: str | None) -> int:
     """The child's ``growth.rewarm_steps``: ``rewarm=N``, else the parent's re-warm, else its LR warm-up: a grown
     model starts with fresh AdamW moments, which at the parent's LR make the first updates far too large."""
     if option is None:
-        return cfg.growth.rewarm_steps or cfg.train.warmup_steps
+        return max(cfg.growth.rewarm_steps, 0) or cfg.train.warmup_steps
     if not option.isdigit():
         raise ConfigError(f"grow rewarm: {option!r}: expected a number of steps (0: continue at the schedule's LR)")
     return int(option)

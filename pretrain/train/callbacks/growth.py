@@ -105,7 +105,7 @@ class GrowthCallback(Callback):
 
     def __init__(self, cfg: RunConfig) -> None:
         self.schedule = cfg.growth.schedule
-        self.rewarm = cfg.growth.rewarm_steps
+        self.rewarm = cfg.growth.rewarm(cfg.train.warmup_steps)
         self.tolerance = cfg.growth.check_tolerance
         self.keep_optimizer = cfg.growth.optimizer == "grow"
         self.applied: list[int] = []

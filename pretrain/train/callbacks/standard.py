@@ -82,7 +82,7 @@ def standard_callbacks(
     features: list[Callback] = []
     if trainer_cfg.train.profile_at:
         features.append(ProfilerCallback(trainer_cfg.train.profile_at, trainer_cfg.train.profile_steps))
-    if trainer_cfg.growth.schedule or trainer_cfg.growth.rewarm_steps:  # also the re-warm after `grow`
+    if trainer_cfg.growth.schedule or trainer_cfg.growth.rewarm_steps > 0:  # also the re-warm after `grow`
         features.append(GrowthCallback(trainer_cfg))
     if trainer_cfg.layer_drop.enabled:
         features.append(LayerDropCallback(trainer_cfg, rank, plan.micro_batch_ids(rank)))
