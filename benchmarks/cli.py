@@ -114,7 +114,11 @@ def main(argv: list[str]) -> int:
         help="--growth, --layer-drop --quality: where the study's runs and MLflow store go (default .cache/ here)",
     )
     p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
-    p.add_argument("--recipes", default="", help="--growth: only these recipes (comma-separated; default all)")
+    p.add_argument(
+        "--recipes",
+        default="",
+        help="--growth: these recipes (comma-separated; default: the first six of benchmarks/growth.py)",
+    )
     p.add_argument(
         "--sizes",
         choices=("auto", "yes", "no"),

@@ -13,7 +13,10 @@
                                                   time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
                                                   at rates 0, 0.25, 0.5
     bench --vs-hf [--repeats N] [--corpus PATH] [--json]   ./launch.sh train against Hugging Face Trainer
-    bench --growth                                scratch vs grown (stack, tile) at equal FLOPs
+    bench --growth [--seeds 0,1] [--tokens N] [--recipes A,B] [--sizes auto|yes|no] [--json]   the growth study:
+                                                  scratch vs growth recipes at equal FLOPs, per seed
+    bench --layer-drop --quality [--seeds 0,1] [--steps N] [--json]   the layer-dropout study: progressive
+                                                  layer dropping's time to loss, pruned vs half depth from scratch
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
