@@ -192,7 +192,7 @@ def measure(a: argparse.Namespace) -> dict:
 
         return study(
             [r for r in a.rest if "=" in r],
-            steps=a.steps or 250,
+            steps=a.steps or 200,
             seeds=tuple(int(x) for x in a.seeds.split(",")),
             root=Path(a.study_dir) if a.study_dir else None,
         )

@@ -139,7 +139,13 @@ class Study:
             job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
             self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
             print(f"[{self.name}] {label}: run {job.run_id}", flush=True)
-            final = run(job, cfg.cluster)
+            try:
+                final = run(job, cfg.cluster)
+            except BaseException:
+                self.client.set_terminated(job.run_id, "FAILED")
+                self.client.set_terminated(self.parent, "FAILED")
+                raise
+            self.client.set_terminated(job.run_id, "FINISHED")
         out = RunCurves(
             job.run_id,
             self.curve(job.run_id, "val/flops"),

@@ -26,7 +26,8 @@
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
-    prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N]   keep some blocks: a new child run
+    prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N] [scale=inference|train]   keep some
+                                                  blocks: a new child run
     grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
          [heads=..] [ffn=..] [experts=E] [top_k=K] [noise=X] [rewarm=N] [step=N]   grow the model: a new child run
     anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]   decay the LR of a (WSD) checkpoint to the floor

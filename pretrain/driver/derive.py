@@ -3,7 +3,7 @@ a parent checkpoint — the parent's weights reshaped, its data position and cou
 evaluates, resumes and exports like any other. ``prune`` keeps a subset of the blocks; ``grow`` grows the model
 (the operators of ``pretrain/model/growth.py``, the keys of a ``growth.schedule`` entry).
 
-    ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other     # or layers=first:4, layers=[0,2,5]
+    ./launch.sh prune RUN_ID|CHECKPOINT layers=every_other [scale=train]   # or layers=first:4, layers=[0,2,5]
     ./launch.sh grow RUN_ID|CHECKPOINT depth=2x width=2x       # depth_op, width_op, heads, ffn, experts, noise
 
 The checkpoint is written by this process through the checkpoint layer's writer, as full weights (no DeepSpeed engine on
@@ -30,7 +30,7 @@ from pretrain.config.paths import resolve_paths
 from pretrain.data.fingerprint import fingerprints
 from pretrain.driver.prepare import create_run
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
-from pretrain.model.layerdrop import fold_branch_scales, inference_scales, select_blocks
+from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -116,12 +116,17 @@ def parent_engine_state(parent: LoadedCheckpoint) -> EngineState | FullWeights:
     return EngineState(save)
 
 
-def pruned(parent: LoadedCheckpoint, keep: list[int]) -> tuple[RunConfig, StateDict]:
+def pruned(parent: LoadedCheckpoint, keep: list[int], scale: str = "inference") -> tuple[RunConfig, StateDict]:
     """The parent's config and weights with only blocks ``keep`` (see :func:`prune_blocks`)."""
-    return prune_blocks(parent.config, parent.state_dict(inference=False), keep)
+    return prune_blocks(parent.config, parent.state_dict(inference=False), keep, scale)
 
 
-def prune_blocks(cfg: RunConfig, sd: StateDict, keep: list[int]) -> tuple[RunConfig, StateDict]:
+PRUNE_SCALES = ("inference", "train")
+
+
+def prune_blocks(
+    cfg: RunConfig, sd: StateDict, keep: list[int], scale: str = "inference"
+) -> tuple[RunConfig, StateDict]:
     """The config and weights of ``cfg``'s model (training weights ``sd``) with only blocks ``keep``, renumbered
     0..len(keep)-1: the pruned model's forward is the parent's inference forward with the other blocks skipped.
 
@@ -131,11 +136,23 @@ def prune_blocks(cfg: RunConfig, sd: StateDict, keep: list[int]) -> tuple[RunCon
     inference. The rest of ``layer_drop`` is kept: a resumed child goes on dropping layers (inverted: kept
     branches x 1/rho in training), the parent's own training forward again wherever the child's rate of a block
     equals the parent's (``by_depth: uniform``); the fold makes the two parametrizations agree.
+
+    ``scale="train"``: each kept block keeps the scale it ran at in training when it was kept (``inverted``: 1/rho
+    of its rate, folded into its weights; ``rho``: none), the forward a layer-dropout run trained while about
+    ``1 - rate`` of its blocks ran: what pruning to that depth keeps (LayerDrop's pruning, Fan et al. 2019,
+    arXiv:1909.11556). The same as ``inference`` without layer dropout.
     """
+    if scale not in PRUNE_SCALES:
+        raise ConfigError(f"prune scale: {scale!r}: expected one of {', '.join(PRUNE_SCALES)}")
     scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
+    if scale == "train":
+        rates = layer_rates(cfg.layer_drop, cfg.model.num_layers, cfg.layer_drop.rate)
+        inverted = cfg.layer_drop.enabled and cfg.layer_drop.scaling == "inverted"
+        scales = [(1.0 / (1.0 - r), 1.0 / (1.0 - r)) for r in rates] if inverted else None
     layer_drop = cfg.layer_drop
     if scales is not None:
         sd = fold_branch_scales(sd, cfg.model.norm_placement, scales)
+    if cfg.layer_drop.enabled:  # whatever was folded, the child's inference applies nothing more
         layer_drop = dataclasses.replace(layer_drop, scaling="inverted")
     new_index = {old: new for new, old in enumerate(keep)}
     out: StateDict = {}
@@ -159,14 +176,15 @@ def prune_blocks(cfg: RunConfig, sd: StateDict, keep: list[int]) -> tuple[RunCon
 
 
 def prune(argv: list[str]) -> int:
-    """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N]``."""
-    opts = _options(argv, {"layers", "step"}, "prune")
+    """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N] [scale=inference|train]``."""
+    opts = _options(argv, {"layers", "step", "scale"}, "prune")
     parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
     try:
         keep = select_blocks(opts.get("layers", "every_other"), parent.config.model.num_layers)
     except ValueError as e:
         raise ConfigError(f"prune layers: {e}") from None
-    cfg, weights = pruned(parent, keep)
+    scale = opts.get("scale", "inference")
+    cfg, weights = pruned(parent, keep, scale)
     run_id, path = derive_run(
         parent,
         cfg,
@@ -175,11 +193,16 @@ def prune(argv: list[str]) -> int:
             "prune.parent_run_id": parent.run_id or "",
             "prune.parent_step": parent.ckpt.step,
             "prune.layers": ",".join(map(str, keep)),
+            "prune.scale": scale,
         },
         "prune",
     )
     print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
-    if cfg.layer_drop.scaling != parent.config.layer_drop.scaling:
+    ld = parent.config.layer_drop
+    if scale == "train" and ld.enabled:
+        what = "1/rho of their rates folded into their weights" if ld.scaling == "inverted" else "no scale (rho unused)"
+        print(f"[prune] scale=train: the kept blocks run as they trained when kept: {what}")
+    elif cfg.layer_drop.scaling != ld.scaling:
         print(
             "[prune] layer_drop.scaling rho: the parent's rho of the kept blocks is folded into their weights; "
             "the new run uses layer_drop.scaling=inverted (nothing to apply at inference)"

@@ -71,7 +71,7 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     decay would jump back up the curve."""
     if not raises_lr(saved, cfg, step):
         return ""
-    keys = ("max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio", "decay_steps", "decay_fraction")
+    keys = ("max_flops", "max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio", "decay_steps", "decay_fraction")
     changed = ", ".join(
         f"train.{k} {getattr(saved, k)} -> {getattr(cfg, k)}" for k in keys if getattr(saved, k) != getattr(cfg, k)
     )

@@ -51,6 +51,7 @@ def _children(result: dict) -> tuple[MlflowClient, list]:
     runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
     assert any(p.endswith(".json") for p in artifacts) and any(p.endswith(".png") for p in artifacts), artifacts
+    assert parent.info.status == "FINISHED" and {r.info.status for r in runs} == {"FINISHED"}
     return client, runs
 
 

@@ -394,3 +394,29 @@ def test_progress_line_shows_active_layers(capsys):
     progress.line(4, metrics)
     with_layers, without = capsys.readouterr().out.splitlines()
     assert "| layers 4.50 |" in with_layers and "layers" not in without
+
+
+@pytest.mark.parametrize("scaling", ["inverted", "rho"])
+def test_prune_scale_train_is_the_training_forward_with_the_other_blocks_dropped(scaling):
+    """``prune scale=train``: the pruned model is the parent's *training* forward of a step in which exactly the
+    kept blocks ran (``inverted``: kept branches x 1/rho of their rates, here 1/(1 - 0.5 (l + 1) / 8); ``rho``:
+    unscaled), not the inference forward with blocks skipped (``scale=inference``, the default)."""
+    from pretrain.driver.derive import prune_blocks
+
+    cfg = _cfg("model.num_layers=8", f"layer_drop.scaling={scaling}", "layer_drop.by_depth=linear")
+    parent = build_model(cfg.model, 0, cfg.moe)
+    parent.eval()
+    keep = select_blocks("every_other", 8)
+    child_cfg, sd = prune_blocks(cfg, parent.state_dict(), keep, scale="train")
+    assert child_cfg.layer_drop.scaling == "inverted" and inference_scales(child_cfg.layer_drop, 4) is None
+    child = build_model(child_cfg.model, 1, child_cfg.moe)
+    child.load_state_dict(sd)
+    child.eval()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    kept = [1.0 / (1 - 0.5 * (i + 1) / 8) if scaling == "inverted" else 1.0 for i in range(8)]
+    gates = [(kept[i], kept[i]) if i in keep else (0.0, 0.0) for i in range(8)]
+    with torch.no_grad():
+        want, got = parent(ids, gates=gates).logits, child(ids).logits
+        default = prune_blocks(cfg, parent.state_dict(), keep)[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(default[k], sd[k]) for k in sd), "the default (inference) scale differs"
