@@ -25,6 +25,7 @@ import io
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from benchmarks.study import ROOT, Study, corpus_overrides, time_to_loss_speedup
 
@@ -151,7 +152,12 @@ def study(
             f"half-depth seed {seed}", [s, *half, f"train.max_steps={half_steps}", f"train.val_every={every}"]
         )
         half_loss = _eval(st, scratch.run_id, eval_sequences)
-        row = {
+        pruned = {
+            "no-drop": _prune_and_eval(st, nodrop.run_id, eval_sequences),
+            "layer-drop": _prune_and_eval(st, ld.run_id, eval_sequences),
+            "layer-drop, scale=inference": _prune_and_eval(st, ld.run_id, eval_sequences, "inference"),
+        }
+        row: dict[str, Any] = {
             "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds),
             "final_val_loss": {"no-drop": nodrop.final_loss, "pld": prog.final_loss, "layer-drop": ld.final_loss},
             "train_seconds": {
@@ -164,11 +170,10 @@ def study(
                 "no-drop": _eval(st, nodrop.run_id, eval_sequences),
                 "layer-drop": _eval(st, ld.run_id, eval_sequences),
             },
-            "pruned_loss": {
-                "no-drop": _prune_and_eval(st, nodrop.run_id, eval_sequences),
-                "layer-drop": _prune_and_eval(st, ld.run_id, eval_sequences),
-                "layer-drop, scale=inference": _prune_and_eval(st, ld.run_id, eval_sequences, "inference"),
-            },
+            "pruned_loss": pruned,
+            "pruned_vs_scratch_half_depth_gap": pruned["layer-drop"] - half_loss,
+            "no_drop_pruned_vs_scratch_half_depth_gap": pruned["no-drop"] - half_loss,
+            "inference_scale_pruned_vs_scratch_half_depth_gap": pruned["layer-drop, scale=inference"] - half_loss,
             "curves_seconds": {"no-drop": nodrop.seconds, "pld": prog.seconds},
             "run_ids": {
                 "no-drop": nodrop.run_id,
@@ -177,11 +182,6 @@ def study(
                 "half-depth": scratch.run_id,
             },
         }
-        row["pruned_vs_scratch_half_depth_gap"] = row["pruned_loss"]["layer-drop"] - half_loss
-        row["no_drop_pruned_vs_scratch_half_depth_gap"] = row["pruned_loss"]["no-drop"] - half_loss
-        row["inference_scale_pruned_vs_scratch_half_depth_gap"] = (
-            row["pruned_loss"]["layer-drop, scale=inference"] - half_loss
-        )
         out["per_seed"][seed] = row
     rows = list(out["per_seed"].values())
     speedups = [r["pld_time_to_loss_speedup"] for r in rows]
