@@ -177,11 +177,19 @@ class LayerDropConfig:
             raise ConfigError(f"layer_drop.gamma: must be > 0, got {self.gamma}")
 
 
+DEFAULT_GROWTH_FRACTION = 0.2
+"""The growth point of an entry that gives none (as ``at_fraction`` of ``train.max_flops``): the best point of the
+growth study (``bench --growth``; ``docs/growth.md``)."""
+
+
 @dataclass(kw_only=True)
 class GrowthStep:
     """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone.
 
     ``depth``, ``width``, ``heads`` and ``ffn`` are targets: ``2x`` (a factor), ``+N`` (N more) or ``N`` (a total).
+    Without any target (nor ``experts``) an entry (and ``./launch.sh grow``) doubles the depth by stacking, and
+    without ``at_step``, ``at_tokens`` or ``at_fraction`` it grows at ``at_fraction`` 0.2 of ``train.max_flops``:
+    the recipe the growth study measured best (``docs/growth.md``).
     A number may be written as a YAML int (``depth: 8`` is a total of 8 blocks; stored as the text ``'8'``), and an
     unquoted ``+4`` is an increment like ``'+4'`` (the config loader keeps ``+N`` as text)."""
 
@@ -222,15 +230,22 @@ class GrowthStep:
     TARGETS = ("depth", "width", "heads", "ffn")
 
     @property
+    def fraction(self) -> float:
+        """``at_fraction``, or the default point when the entry gives no point at all."""
+        return self.at_fraction or (0.0 if self.at_step or self.at_tokens else DEFAULT_GROWTH_FRACTION)
+
+    @property
     def derived_step(self) -> bool:
-        """Whether ``at_step`` is derived from ``at_tokens`` or ``at_fraction``."""
-        return bool(self.at_tokens or self.at_fraction)
+        """Whether ``at_step`` is derived (from ``at_tokens``, ``at_fraction`` or the default point)."""
+        return bool(self.at_tokens or self.fraction)
 
     def __post_init__(self) -> None:
         for name in self.TARGETS:  # an int N (e.g. YAML ``depth: 8``) is the total N, kept as text like ``'8'``
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(self, name, str(value))
+        if not any(getattr(self, name) != "" for name in self.TARGETS) and not self.experts:
+            self.depth = "2x"  # the study's recipe: half the depth, stacked
 
 
 @dataclass(kw_only=True)
@@ -238,7 +253,8 @@ class GrowthConfig:
     """Model growth inside a running job (``schedule``); ``./launch.sh grow`` takes the same keys offline."""
 
     schedule: list[GrowthStep] = field(default_factory=list)
-    """Growths, each at its ``at_step``."""
+    """Growths, each at its ``at_step``, ``at_tokens`` or ``at_fraction`` (by default ``at_fraction`` 0.2 of
+    ``train.max_flops``)."""
     optimizer: Literal["reset", "grow"] = "reset"
     """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments
     transformed like the grown model's gradients, m' = T(m) and v' = T^2(v): for ``tile`` by k, g/k for internal
@@ -249,6 +265,7 @@ class GrowthConfig:
     default): ``train.warmup_steps`` (the growth study's recipe: fresh AdamW moments, re-warmed; ``docs/growth.md``).
     A run derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else
     the parent's ``train.warmup_steps``) and re-warms from its first step."""
+
     def rewarm(self, warmup_steps: int) -> int:
         """The re-warm in steps (``rewarm_steps``, with -1 resolved to the run's ``warmup_steps``)."""
         return warmup_steps if self.rewarm_steps < 0 else self.rewarm_steps

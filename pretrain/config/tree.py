@@ -377,17 +377,18 @@ class RunConfig:
                 raise ConfigError(f"{where}: at_tokens must be >= 0 and at_fraction in (0, 1)")
             if e.at_tokens and e.at_fraction:
                 raise ConfigError(f"{where}: set one of at_tokens and at_fraction (either gives at_step)")
-            if e.at_fraction and not self.train.max_flops:
+            if e.fraction and not self.train.max_flops:
                 raise ConfigError(
                     f"{where}.at_fraction: a fraction of the FLOPs budget needs train.max_flops > 0 "
                     "(or give the point as at_tokens or at_step)"
+                    if e.at_fraction
+                    else f"{where}: no growth point: set train.max_flops to grow at the default point (at_fraction "
+                    f"{e.fraction:g} of the budget), or give at_step, at_tokens or at_fraction"
                 )
             if e.derived_step and not e.at_step:
                 continue  # at_step is derived from at_tokens / at_fraction when the run is created
             if not 0 < e.at_step < self.train.max_steps:
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
-            if not (e.depth or e.width or e.heads or e.ffn or e.experts):
-                raise ConfigError(f"{where}: grows nothing (set depth, width, heads, ffn or experts)")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
             for name in e.TARGETS:

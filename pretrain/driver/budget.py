@@ -41,11 +41,11 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
     plan = make_plan(cfg, cfg.cluster.num_workers)
     spent, step = 0.0, 0
     for i, entry in enumerate(schedule):
-        where, before = f"growth.schedule[{i}]", entry.at_step
+        where, before, fraction = f"growth.schedule[{i}]", entry.at_step, entry.fraction
         if entry.at_tokens:
             entry.at_step = math.ceil(entry.at_tokens / plan.tokens_per_step)
-        elif entry.at_fraction:
-            goal = entry.at_fraction * t.max_flops
+        elif fraction:
+            goal = fraction * t.max_flops
             entry.at_step = step + max(1, math.ceil((goal - spent) / per_step[i] - 1e-9))
         changed = announce or entry.at_step != before
         if changed and entry.at_tokens:
@@ -53,9 +53,10 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"{where}: at_tokens {entry.at_tokens:,} -> at_step {entry.at_step} "
                 f"({plan.tokens_per_step:,} tokens/step)"
             )
-        elif changed and entry.at_fraction:
+        elif changed and fraction:
+            default = "" if entry.at_fraction else " (the default point)"
             say(
-                f"{where}: at_fraction {entry.at_fraction:g} of train.max_flops {t.max_flops:.4g} -> "
+                f"{where}: at_fraction {fraction:g}{default} of train.max_flops {t.max_flops:.4g} -> "
                 f"at_step {entry.at_step}"
             )
         if entry.at_step <= step:

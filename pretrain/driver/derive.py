@@ -266,7 +266,8 @@ def _rewarm_steps(cfg: RunConfig, option: str | None) -> int:
 def grow(argv: list[str]) -> int:
     """``grow RUN_ID|CHECKPOINT [depth=..] [depth_op=..] [width=..] [width_op=..] [heads=..] [ffn=..] [experts=E]
     [top_k=K] [noise=X] [step=N] [rewarm=N]``: a new child run whose first checkpoint is the grown parent; the child
-    re-warms its LR over ``growth.rewarm_steps`` (``rewarm``; recorded in its config) from the growth step."""
+    re-warms its LR over ``growth.rewarm_steps`` (``rewarm``; recorded in its config) from the growth step. Without
+    a target it doubles the depth by stacking (the growth study's recipe)."""
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
     from pretrain.model.growth import apply_growth, count_parameters
@@ -276,8 +277,8 @@ def grow(argv: list[str]) -> int:
     step_opt, rewarm_opt = opts.pop("step", None), opts.pop("rewarm", None)
     typed = {k: (int(v) if k in ("experts", "top_k") else float(v) if k == "noise" else v) for k, v in opts.items()}
     entry = build_section(GrowthStep, typed, "grow")
-    if not (entry.depth or entry.width or entry.heads or entry.ffn or entry.experts):
-        raise ConfigError("grow: grows nothing (give depth=, width=, heads=, ffn= or experts=)")
+    if not set(typed) & {*GrowthStep.TARGETS, "experts"}:
+        print("[grow] no target given: depth=2x depth_op=stack (the default, the growth study's recipe)")
     parent = resolve_checkpoint(argv[0], int(step_opt) if step_opt else None)
     cfg = parent.config
     sd = parent.state_dict(inference=False)

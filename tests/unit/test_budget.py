@@ -79,6 +79,7 @@ def test_max_flops_and_growth_points_derive_steps():
             "growth.schedule[0]: set one of at_tokens and at_fraction",
         ),
         (["growth.schedule=[{at_fraction: 1.5, depth: 2x}]"], "at_fraction in (0, 1)"),
+        (["growth.schedule=[{depth: 2x}]"], "growth.schedule[0]: no growth point: set train.max_flops to grow at"),
         (["train.max_flops=-1"], "train.max_flops: must be >= 0"),
         (["train.val_every_flops=-1"], "train.val_every_flops: must be >= 0"),
     ],
@@ -86,6 +87,21 @@ def test_max_flops_and_growth_points_derive_steps():
 def test_bad_budgets_are_refused_by_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(DEMO, [*SMALL, *overrides])
+
+
+def test_an_entry_without_a_point_or_a_target_follows_the_study_recipe():
+    """The defaults are the growth study's best recipe: half the depth stacked (``depth: 2x``) at ``at_fraction``
+    0.2 of the budget (``docs/growth.md``)."""
+    assert GrowthStep().depth == "2x" and GrowthStep(width="2x").depth == ""
+    lines: list[str] = []
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{}]"])
+    resolve_budget(cfg, say=lines.append)
+    (entry,) = cfg.growth.schedule
+    assert entry.depth == "2x" and entry.depth_op == "stack"
+    want = "growth.schedule[0]: at_fraction 0.2 (the default point) of train.max_flops 4e+12 -> at_step"
+    assert lines[0] == f"{want} {entry.at_step}"
+    assert run_flops(cfg, entry.at_step - 1) < 0.2 * 4e12 <= run_flops(cfg, entry.at_step)
+    assert cfg.growth.rewarm(cfg.train.warmup_steps) == cfg.train.warmup_steps, "re-warmed over the warm-up"
 
 
 def test_budgets_that_cannot_hold_are_refused_when_resolved():
