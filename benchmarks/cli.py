@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         help="only the growth study: scratch vs growth recipes at equal FLOPs, per seed (benchmarks/growth.py; "
         "about an hour on 2 CPU cores)",
     )
-    p.add_argument("--tokens", type=int, default=600_000, help="--growth: the budget in target-model tokens")
+    p.add_argument("--tokens", type=int, default=500_000, help="--growth: the budget in target-model tokens")
     p.add_argument(
         "--study-dir",
         default=None,

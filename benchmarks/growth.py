@@ -97,7 +97,7 @@ def _budget_overrides(flops: float, points: int) -> list[str]:
 def growth_bench(
     overrides: list[str],
     *,
-    tokens: int = 600_000,
+    tokens: int = 500_000,
     seeds: tuple[int, ...] = (0, 1),
     only: list[str] | None = None,
     sizes: bool | None = None,
