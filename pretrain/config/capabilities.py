@@ -177,9 +177,12 @@ class LayerDropConfig:
             raise ConfigError(f"layer_drop.gamma: must be > 0, got {self.gamma}")
 
 
-DEFAULT_GROWTH_FRACTION = 0.2
-"""The growth point of an entry that gives none (as ``at_fraction`` of ``train.max_flops``): the best point of the
-growth study (``bench --growth``; ``docs/growth.md``)."""
+DEFAULT_GROWTH_FRACTION = 0.1
+"""The growth point of an entry that gives none (as ``at_fraction`` of ``train.max_flops``): the point of the growth
+study's best recipe (``bench --growth``; ``docs/growth.md``)."""
+DEFAULT_GROWTH_DEPTH = "4x"
+"""The target of an entry (or ``./launch.sh grow``) that gives none: the study's best recipe stacks a quarter of
+the depth four times (G_stack's growth factor)."""
 
 
 @dataclass(kw_only=True)
@@ -187,8 +190,8 @@ class GrowthStep:
     """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone.
 
     ``depth``, ``width``, ``heads`` and ``ffn`` are targets: ``2x`` (a factor), ``+N`` (N more) or ``N`` (a total).
-    Without any target (nor ``experts``) an entry (and ``./launch.sh grow``) doubles the depth by stacking, and
-    without ``at_step``, ``at_tokens`` or ``at_fraction`` it grows at ``at_fraction`` 0.2 of ``train.max_flops``:
+    Without any target (nor ``experts``) an entry (and ``./launch.sh grow``) stacks the depth 4x, and without
+    ``at_step``, ``at_tokens`` or ``at_fraction`` it grows at ``at_fraction`` 0.1 of ``train.max_flops``:
     the recipe the growth study measured best (``docs/growth.md``).
     A number may be written as a YAML int (``depth: 8`` is a total of 8 blocks; stored as the text ``'8'``), and an
     unquoted ``+4`` is an increment like ``'+4'`` (the config loader keeps ``+N`` as text)."""
@@ -245,7 +248,7 @@ class GrowthStep:
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(self, name, str(value))
         if not any(getattr(self, name) != "" for name in self.TARGETS) and not self.experts:
-            self.depth = "2x"  # the study's recipe: half the depth, stacked
+            self.depth = DEFAULT_GROWTH_DEPTH  # the study's recipe: a quarter of the depth, stacked
 
 
 @dataclass(kw_only=True)
@@ -253,7 +256,7 @@ class GrowthConfig:
     """Model growth inside a running job (``schedule``); ``./launch.sh grow`` takes the same keys offline."""
 
     schedule: list[GrowthStep] = field(default_factory=list)
-    """Growths, each at its ``at_step``, ``at_tokens`` or ``at_fraction`` (by default ``at_fraction`` 0.2 of
+    """Growths, each at its ``at_step``, ``at_tokens`` or ``at_fraction`` (by default ``at_fraction`` 0.1 of
     ``train.max_flops``)."""
     optimizer: Literal["reset", "grow"] = "reset"
     """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments

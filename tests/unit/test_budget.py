@@ -91,16 +91,16 @@ def test_bad_budgets_are_refused_by_key(overrides, message):
 
 def test_an_entry_without_a_point_or_a_target_follows_the_study_recipe():
     """The defaults are the growth study's best recipe: half the depth stacked (``depth: 2x``) at ``at_fraction``
-    0.2 of the budget (``docs/growth.md``)."""
-    assert GrowthStep().depth == "2x" and GrowthStep(width="2x").depth == ""
+    0.1 of the budget (``docs/growth.md``)."""
+    assert GrowthStep().depth == "4x" and GrowthStep(width="2x").depth == ""
     lines: list[str] = []
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{}]"])
     resolve_budget(cfg, say=lines.append)
     (entry,) = cfg.growth.schedule
-    assert entry.depth == "2x" and entry.depth_op == "stack"
-    want = "growth.schedule[0]: at_fraction 0.2 (the default point) of train.max_flops 4e+12 -> at_step"
+    assert entry.depth == "4x" and entry.depth_op == "stack"
+    want = "growth.schedule[0]: at_fraction 0.1 (the default point) of train.max_flops 4e+12 -> at_step"
     assert lines[0] == f"{want} {entry.at_step}"
-    assert run_flops(cfg, entry.at_step - 1) < 0.2 * 4e12 <= run_flops(cfg, entry.at_step)
+    assert run_flops(cfg, entry.at_step - 1) < 0.1 * 4e12 <= run_flops(cfg, entry.at_step)
     assert cfg.growth.rewarm(cfg.train.warmup_steps) == cfg.train.warmup_steps, "re-warmed over the warm-up"
 
 
