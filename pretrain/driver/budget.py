@@ -75,3 +75,21 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"({per_step[-1]:.4g} FLOPs/step{' after the last growth' if schedule else ''})"
             )
     return cfg.validate()
+
+
+def keep_resolved_budget(saved: RunConfig, cfg: RunConfig) -> None:
+    """A resumed run keeps the steps derived when it was created: its checkpoint records the architecture of its
+    step (a grown one after a growth), so they cannot be derived again. Refuses, in one line, a new budget or a
+    growth point that would need deriving."""
+    if cfg.train.max_flops and cfg.train.max_flops != saved.train.max_flops:
+        raise ConfigError(
+            f"train.max_flops: {saved.train.max_flops:.4g} -> {cfg.train.max_flops:.4g}: a budget is resolved into "
+            f"train.max_steps ({saved.train.max_steps}) when the run is created; to train on, resume with "
+            "train.max_flops=0 and train.max_steps=N"
+        )
+    for i, entry in enumerate(cfg.growth.schedule):
+        if not entry.at_step:
+            raise ConfigError(
+                f"growth.schedule[{i}]: a growth added on resume needs its point as at_step (at_tokens and "
+                "at_fraction are resolved when a run is created)"
+            )

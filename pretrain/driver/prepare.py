@@ -29,7 +29,7 @@ from pretrain.config.errors import clip, not_a
 from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus, hub_sources
-from pretrain.driver.budget import resolve_budget
+from pretrain.driver.budget import keep_resolved_budget, resolve_budget
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -216,13 +216,16 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
             cfg.model.vocab_size = _round_up(length, cfg.model.vocab_multiple)
         elif cfg.model.vocab_size < length:
             raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer ({length})")
-        if not vocab_known:
+        if fresh and not vocab_known:
             resolve_budget(cfg, say=_say, announce=True)  # FLOPs per token need the vocab size
 
     from pretrain.data.fingerprint import fingerprints
 
     fingerprint = fingerprints(cfg.data)  # what the run trains on, kept in every checkpoint
-    if cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once the vocab is)
+    fresh = not cfg.checkpoint.resume_from  # a resumed run keeps the steps derived when it was created
+    if not fresh:
+        keep_resolved_budget(cfg, cfg)
+    elif cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once known)
         resolve_budget(cfg, say=_say, announce=True)
     run_id, run_dir, uri = create_run(cfg, tags, complete)
     with ended_on_error(uri, run_id):
@@ -269,7 +272,8 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
         # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
         # a damaged one names the newest that verifies.
         verify_or_point_back(ckpt, full=False)
-        cfg = resolve_budget(resolve_paths(read_config(ckpt, overrides)), say=_say).validate()
+        cfg = resolve_paths(read_config(ckpt, overrides)).validate()
+        keep_resolved_budget(read_config(ckpt, []), cfg)
         preflight(cfg)
         fingerprint, tags = _check_resume(ckpt, cfg, overrides)
         if cfg.tracking.enabled:
@@ -285,7 +289,8 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     ckpt = resolve(path, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.resume_from = str(ckpt.path)
-    resolve_budget(cfg, say=_say).validate()
+    cfg.validate()
+    keep_resolved_budget(read_config(ckpt, []), cfg)
     preflight(cfg)
     fingerprint, tags = _check_resume(ckpt, cfg, overrides)
     job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True)

@@ -115,6 +115,22 @@ def test_budgets_that_cannot_hold_are_refused_when_resolved():
         resolve_budget(backwards, say=lambda _: None)
 
 
+def test_a_resume_keeps_the_derived_steps():
+    """A checkpoint after a growth records the grown model, so a resume never derives again: a new budget, or a
+    growth point that would need deriving, is refused in one line."""
+    from pretrain.driver.budget import keep_resolved_budget
+
+    saved = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    resolve_budget(saved, say=lambda _: None)
+    keep_resolved_budget(saved, saved)
+    more = load_config(DEMO, [*SMALL, "train.max_flops=8e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    with pytest.raises(ConfigError, match=r"train.max_flops: 4e\+12 -> 8e\+12: a budget is resolved into"):
+        keep_resolved_budget(saved, more)
+    added = load_config(DEMO, [*SMALL, "growth.schedule=[{at_tokens: 5000, depth: 2x}]"])
+    with pytest.raises(ConfigError, match=r"growth.schedule\[0\]: a growth added on resume needs its point"):
+        keep_resolved_budget(saved, added)
+
+
 def test_continuing_a_budgeted_run_lifts_the_budget():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
     assert continue_overrides(cfg.train, 100, 400)[0] == "train.max_flops=0"  # else max_steps is derived again
