@@ -82,7 +82,7 @@ def _budget(study: Study, arch: dict, tokens: int) -> tuple[float, float]:
     """(FLOPs of ``tokens`` for the target ``arch``, its block FLOPs share)."""
     from pretrain.config import make_plan
     from pretrain.model import flops_per_token
-    from pretrain.model.budget import block_flops_share
+    from pretrain.model.growth_stages import block_flops_share
 
     cfg = study.config(_model(arch))
     plan = make_plan(cfg, cfg.cluster.num_workers)

@@ -57,7 +57,7 @@ def _pld_steps(steps: int, rate: float, gamma_t: float, blocks: int, share: floa
 
 def _prune_and_eval(study: Study, run_id: str, sequences: int, scale: str = "train") -> float:
     from eval.evaluate import evaluate
-    from pretrain.driver.derive import prune
+    from pretrain.driver.prune import prune
 
     with study.inside():
         out = io.StringIO()
@@ -89,7 +89,7 @@ def study(
 ) -> dict:
     """The study; returns its dict (every per-seed value, and the minimum or maximum the goals read)."""
     from pretrain.config import make_plan
-    from pretrain.model.budget import block_flops_share
+    from pretrain.model.growth_stages import block_flops_share
 
     corpus, corpus_name = corpus_overrides()
     base = [

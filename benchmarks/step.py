@@ -133,7 +133,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     ``stability.health_every`` steps, as a fraction of the step time."""
     from pretrain.train.callbacks.health import HealthCallback
     from pretrain.train.health import HealthProbe
-    from pretrain.train.stability import StabilityMonitor
+    from pretrain.train.stability.monitor import StabilityMonitor
     from pretrain.train.step import StepHooks, StepInput, run_step
 
     module = micro_batch_module(cfg, device)

@@ -107,7 +107,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # import Ray at start-up, while the controller and workers start, and are never used.
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
-        # the whole process group, and the run's stop (pretrain.driver.stop) needs Ray alive to take its checkpoint.
+        # the whole process group, and the run's stop (pretrain.driver.signals) needs Ray alive to take its checkpoint.
         with _sigint_ignored():
             ray.init(
                 address="local",
@@ -275,7 +275,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
 def _trainer_class(embedded: bool):
     """Ray Train's ``TorchTrainer``; on an embedded local Ray, :class:`cluster.embedded.EmbeddedTorchTrainer`
     (without the actors that serve nothing there). Either without Train's own SIGINT handler, which would abort the
-    workers where the driver's (:mod:`pretrain.driver.stop`) has them stop with a checkpoint."""
+    workers where the driver's (:mod:`pretrain.driver.signals`) has them stop with a checkpoint."""
     from ray.train.torch import TorchTrainer
 
     base = TorchTrainer

@@ -170,13 +170,13 @@ def cmd_eval(args: list[str]) -> int:
 
 
 def cmd_grow(args: list[str]) -> int:
-    from pretrain.driver.derive import grow
+    from pretrain.driver.grow import grow
 
     return grow(args)
 
 
 def cmd_prune(args: list[str]) -> int:
-    from pretrain.driver.derive import prune
+    from pretrain.driver.prune import prune
 
     return prune(args)
 

@@ -210,7 +210,7 @@ class FaultsConfig:
 
 @dataclass(kw_only=True)
 class StabilityConfig:
-    """Training-stability monitoring and control (see ``pretrain/train/stability.py``).
+    """Training-stability monitoring and control (see ``pretrain/train/stability/monitor.py``).
 
     Every step, the all-reduced loss and pre-clipping gradient norm are checked before the optimizer
     step: non-finite values, spikes against rolling median/MAD statistics, and a rising loss trend.

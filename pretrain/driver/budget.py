@@ -1,6 +1,6 @@
 """A run's FLOPs budget (``train.max_flops``) and growth points given in tokens or as a fraction of the budget
 (``growth.schedule[i].at_tokens`` / ``at_fraction``), resolved into steps when the run is created or resumed,
-each growth stage counted at its own FLOPs per token (:mod:`pretrain.model.budget`)."""
+each growth stage counted at its own FLOPs per token (:mod:`pretrain.model.growth_stages`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pretrain.config.errors import ConfigError
 def stage_flops_per_step(cfg: RunConfig) -> list[float]:
     """Training FLOPs of one optimizer step before the first growth of ``growth.schedule`` and after each."""
     from pretrain.model import flops_per_token
-    from pretrain.model.budget import stage_architectures
+    from pretrain.model.growth_stages import stage_architectures
 
     plan = make_plan(cfg, cfg.cluster.num_workers)
     stages = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)

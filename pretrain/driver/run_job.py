@@ -1,5 +1,5 @@
 """Running a prepared job from the command line (``train``, ``resume``): a quiet terminal, the run's stop
-handling (:mod:`pretrain.driver.stop`), its MLflow status, and the lines a user reads at the end — the summary
+handling (:mod:`pretrain.driver.signals`), its MLflow status, and the lines a user reads at the end — the summary
 with the next commands, or the one line of a stopped run."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def run_job(prepare, announce) -> int:
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
-    from pretrain.driver.stop import StopNow, StopSignals
+    from pretrain.driver.signals import StopNow, StopSignals
     from pretrain.train.tracking import Tracker, tracking_uri
 
     with QuietConsole(None) as console:
@@ -126,7 +126,7 @@ def _resume_command(job) -> str:
 
 def _print_stopped(final: dict, job, signum: int) -> int:
     """The one line of a run that a stop ended with a checkpoint; the command's exit status (143, 130)."""
-    from pretrain.driver.stop import exit_code
+    from pretrain.driver.signals import exit_code
 
     where = final.get("checkpoint") or "no checkpoint (none was written)"
     print(

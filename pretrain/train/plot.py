@@ -4,7 +4,7 @@
 
 Reads the metric history and the ``stability/timeline.json`` artifact of an MLflow run, or takes series
 and events directly (:func:`plot_training`). A leaf module: imports nothing else from the package (matplotlib and
-MLflow only, lazily); :meth:`pretrain.train.stability_control.StabilityControl.plot` and ``runs --plot`` import it.
+MLflow only, lazily); :meth:`pretrain.train.stability.control.StabilityControl.plot` and ``runs --plot`` import it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pretrain.model.moe import moe_layers, update_balance_biases
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.health import grad_signals
-from pretrain.train.stability import StepSignals
+from pretrain.train.stability.monitor import StepSignals
 
 
 def step_seed(seed: int, step: int, index: int) -> int:
@@ -52,35 +52,44 @@ class StepInput:
 
 
 class StepHooks:
-    """Extension points inside one step (callbacks subclass this; every method is a no-op by default).
-    The order of the calls is fixed by :func:`run_step`."""
+    """Extension points inside one step, part of the callback contract (:mod:`pretrain.train.callbacks.base`, where
+    the events around them are): callbacks subclass this; every method is a no-op by default. :func:`run_step`
+    calls each hook on every callback in the callbacks' ``order``, at fixed points: per micro-batch
+    ``before_forward`` and ``forward_kwargs`` (each callback's pair in turn), the forward, ``after_forward``,
+    ``objective``, the backward; then ``after_backward``, ``decide``, ``before_update``, the optimizer update,
+    ``after_update``. ``module`` is the :class:`~pretrain.train.module.TrainModule`. A hook that changes the math
+    of the update must give every rank the same answer (``decide`` gets identical inputs on every rank)."""
 
     def before_forward(self, module, index: int) -> None:
-        """Before the forward of micro-batch ``index`` (after its RNG seed is set)."""
+        """Before the forward of micro-batch ``index`` (after its RNG seed is set): arm per-forward probes."""
 
     def forward_kwargs(self, module, index: int) -> dict[str, Any]:
-        """Extra keyword arguments of the model's forward for micro-batch ``index`` (e.g. layer-drop gates)."""
+        """Extra keyword arguments of the model's forward for micro-batch ``index`` (e.g. layer-drop gates); the
+        callbacks' dicts are merged in order (a later callback's key wins)."""
         return {}
 
     def after_forward(self, module, index: int, output) -> None:
-        """After the forward of micro-batch ``index``."""
+        """After the forward of micro-batch ``index`` (``output``: the model's output, before backward). Read only."""
 
     def objective(self, objective: torch.Tensor, index: int, count: int) -> torch.Tensor:
-        """The objective of micro-batch ``index`` of ``count`` before backward (may wrap it)."""
+        """The objective of micro-batch ``index`` of ``count`` before backward (may wrap it); chained: each callback
+        gets the previous one's result, and the last one's is what backward runs on."""
         return objective
 
     def after_backward(self, module) -> None:
-        """After the last backward of the step, before the gradient norm and the update."""
+        """After the last backward of the step, before the gradient norm and the update (gradients are there)."""
 
     def decide(self, signals: StepSignals) -> Any:
-        """From the reduced signals, before the update: an object with a bool ``apply``, or None (no opinion)."""
+        """From the reduced signals (same on every rank), before the update: an object with a bool ``apply``, or
+        None (no opinion). The first callback's answer that is not None is the step's decision
+        (``StepResult.decision``); the later callbacks are not asked."""
         return None
 
     def before_update(self, module) -> None:
-        """Right before the optimizer update (after the decision)."""
+        """Right before the optimizer update (after the decision; an asynchronous save's copy has finished)."""
 
     def after_update(self, module) -> None:
-        """Right after the optimizer update."""
+        """Right after the optimizer update (or after the suppressed one, when the decision skipped it)."""
 
 
 @dataclass

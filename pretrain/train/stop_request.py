@@ -1,6 +1,6 @@
 """The stop request: ``RUN_DIR/stop_request.json``, written by the driver when it is asked to stop
-(:mod:`pretrain.driver.stop`) and read by rank 0 at each step boundary
-(:class:`pretrain.train.callbacks.stop.StopOnRequest`). The run directory is shared by every node, so the request
+(:mod:`pretrain.driver.signals`) and read by rank 0 at each step boundary
+(:class:`pretrain.train.callbacks.stopping.StopOnRequest`). The run directory is shared by every node, so the request
 reaches workers on any node without a channel of its own."""
 
 from __future__ import annotations

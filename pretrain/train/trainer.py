@@ -1,27 +1,12 @@
 """The trainer: a generic loop that runs steps and emits ordered events to callbacks.
 
-Events, in the order a run emits them (every callback sees each event, callbacks in ascending ``order``):
-
-    on_run_start(trainer)
-    per step:  on_step_start(trainer, step)       the batch is fetched; ``step`` is the 1-based number
-               lr_factor(step) of every callback  multiplies the scheduled LR
-               run_step(module, input, hooks=callbacks)   the step's own hooks (see StepHooks):
-                   before_forward / after_forward / objective per micro-batch, decide, before/after_update
-               on_step_end(trainer, result)       counters already advanced; a callback may end the step's
-                                                  events early (``trainer.end_step()``, e.g. after a rollback)
-    on_model_changed(trainer)                     the module was rebuilt on another architecture (growth)
-    on_validation(trainer, metrics)               whenever validation ran (ValidationCallback)
-    on_checkpoint(trainer, path)                  whenever a checkpoint was saved (CheckpointCallback): its
-                                                  contents are fixed; committed at ``path`` now (synchronous)
-                                                  or at a later step boundary (``checkpoint.async``)
-    on_rollback(trainer)                          a stability rollback is about to restore a committed
-                                                  checkpoint (a save in flight is committed first)
-    on_nonfinite_weights(trainer, step)           a save found NaN/Inf weights (nothing was written)
-    on_run_end(trainer, final)                    ``final``: the summary dict, callbacks add to it
+The callback contract — every event and step hook, when it runs, what it may change, the ``order`` of the
+callbacks — is :mod:`pretrain.train.callbacks.base` (the :class:`Callback` base and the :class:`Shared` blackboard);
+the standard set of a run is declared in :mod:`pretrain.train.callbacks.standard`.
 
 A new behaviour at step N (a growth schedule, a layer-drop schedule) is a new callback plus a config section;
 the loop does not change (see docs/architecture.md). Callbacks never look each other up: what one offers the others
-goes through the trainer — the :class:`Shared` blackboard, the events above (``on_model_changed``), and the
+goes through the trainer — the :class:`Shared` blackboard, the events (``on_model_changed``), and the
 aggregated answers of :meth:`Trainer.gather` (``extra_metrics``, ``protected_paths``).
 """
 
@@ -38,9 +23,10 @@ import torch
 from pretrain.config import RunConfig, RunPlan
 from pretrain.data import TrainBatches
 from pretrain.train import dist
+from pretrain.train.callbacks.base import Callback, Shared
 from pretrain.train.progress import Progress
 from pretrain.train.ranges import loop_range
-from pretrain.train.step import StepHooks, StepInput, StepResult, run_step, step_seed
+from pretrain.train.step import StepInput, run_step, step_seed
 from pretrain.train.tracking import Tracker
 
 
@@ -70,64 +56,6 @@ class TrainerState:
             if key not in known and value is not None:
                 callbacks.setdefault(key, value)
         return cls(**{k: v for k, v in raw.items() if k in known and k != "callbacks"}, callbacks=callbacks)
-
-
-@dataclass
-class Shared:
-    """What callbacks publish for each other, typed (a callback never looks another up by type). Each field has
-    one writer; any callback may read it."""
-
-    skipped_blocks: frozenset[int] = frozenset()
-    """Blocks that do no work in the current step (layer dropout in ``layer`` mode; set at ``on_step_start``)."""
-    last_event_step: int = 0
-    """Step of the latest stability event, 0 before any (the stability guard; current from its ``on_step_end``)."""
-    data_wait_s: float = 0.0
-    """Seconds the current step waited for its batch (the trainer; set before ``on_step_start``)."""
-
-
-class Callback(StepHooks):
-    """Base of the trainer's callbacks: every event is a no-op; ``order`` sorts them (ascending).
-    Stateful callbacks return their state from ``state_dict`` (saved in every checkpoint, under ``name``)."""
-
-    order: int = 100
-    name: str = ""
-
-    def on_run_start(self, trainer: Trainer) -> None: ...
-
-    def on_step_start(self, trainer: Trainer, step: int) -> None: ...
-
-    def lr_factor(self, step: int) -> float:
-        return 1.0
-
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
-
-    def on_model_changed(self, trainer: Trainer) -> None:
-        """``trainer.module`` now holds another architecture (``trainer.cfg`` is the new config)."""
-
-    def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
-
-    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        """A checkpoint of this step was saved; ``trainer.last_checkpoint`` is the newest committed one."""
-
-    def on_rollback(self, trainer: Trainer) -> None:
-        """A committed checkpoint is about to be restored into the running job (a stability rollback)."""
-
-    def on_nonfinite_weights(self, trainer: Trainer, step: int) -> None: ...
-
-    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None: ...
-
-    def extra_metrics(self) -> dict[str, float]:
-        """Metrics this callback adds to each logged ``train/*`` line (``MetricsLogger`` gathers them)."""
-        return {}
-
-    def protected_paths(self) -> set[str]:
-        """Committed checkpoints that pruning must keep (``CheckpointCallback`` gathers them)."""
-        return set()
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Trainer:

@@ -26,8 +26,8 @@ from pretrain.data import (
 from pretrain.data.tasks import load_tasks
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
-from pretrain.train.callbacks.data_fingerprint import DataFingerprint
-from pretrain.train.callbacks.standard import standard_callbacks
+from pretrain.train.callbacks.base import Callback
+from pretrain.train.callbacks.standard import RunParts, standard_callbacks
 from pretrain.train.callbacks.task_evaluation import prepare_tasks
 from pretrain.train.checkpointer import Checkpointer
 from pretrain.train.host_memory import keep_freed_host_memory
@@ -35,9 +35,9 @@ from pretrain.train.job import Job
 from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
-from pretrain.train.stability_control import StabilityControl
+from pretrain.train.stability.control import StabilityControl
 from pretrain.train.tracking import Tracker
-from pretrain.train.trainer import Callback, Trainer, TrainerState
+from pretrain.train.trainer import Trainer, TrainerState
 
 
 def train_loop(job: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
 
 def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ()) -> Trainer:
     """This worker's :class:`Trainer` for ``job``: the plan, the module (resumed when a committed checkpoint
-    exists), the data, the standard callbacks, those of the enabled features and ``extra_callbacks``."""
+    exists), the data, the standard callbacks (those of the enabled features) and ``extra_callbacks``."""
     job_ = Job(**job)
     hashed_at_setup = store.hash_tally()  # what the resume verification hashes is counted from here
     if job_.startup:
@@ -153,19 +153,22 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     control = StabilityControl(cfg, state, ctx, run_dir, tracker, progress)
     checkpointer = Checkpointer(cfg, run_dir, ctx, tracker)
     callbacks = standard_callbacks(
-        cfg,
-        control,
-        checkpointer,
-        job_.tracking_uri,
-        plan,
-        ctx.rank,
-        run_id=job_.run_id,
-        tokenizer=tokenizer,
-        per_source=per_source,
-        only_source=only,
-        tasks=tasks,
-        hashed_at_setup=hashed_at_setup,
-        byte_lengths=byte_lengths,
+        RunParts(
+            cfg,
+            control,
+            checkpointer,
+            job_.tracking_uri,
+            plan,
+            ctx.rank,
+            run_id=job_.run_id,
+            tokenizer=tokenizer,
+            per_source=per_source,
+            only_source=only,
+            tasks=tasks,
+            hashed_at_setup=hashed_at_setup,
+            data_fingerprint=job_.data_fingerprint,
+            byte_lengths=byte_lengths,
+        )
     )
     return Trainer(
         cfg=cfg,
@@ -178,7 +181,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         tracker=tracker,
         progress=progress,
         run_dir=run_dir,
-        callbacks=[*callbacks, DataFingerprint(job_.data_fingerprint), *extra_callbacks],
+        callbacks=[*callbacks, *extra_callbacks],
         last_checkpoint=resume.path if resume is not None else None,
     )
 

@@ -248,7 +248,7 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
     from mlflow import MlflowClient
 
     from pretrain.config import GrowthStep
-    from pretrain.driver.derive import _held_back_batch
+    from pretrain.driver.grow import _held_back_batch
     from pretrain.export.checkpoints import resolve_checkpoint
     from pretrain.model.growth import apply_growth
     from pretrain.train.callbacks.growth import grown_config, held_back_loss

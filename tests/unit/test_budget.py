@@ -13,7 +13,7 @@ from benchmarks.study import crossing, first_below, flops_saving, time_to_loss_s
 from pretrain.config import ConfigError, GrowthStep, load_config
 from pretrain.driver.budget import resolve_budget, run_flops, stage_flops_per_step
 from pretrain.model import flops_per_token
-from pretrain.model.budget import block_flops_share, grown_architecture
+from pretrain.model.growth_stages import block_flops_share, grown_architecture
 from pretrain.train.schedule import continue_overrides
 from tests.conftest import ROOT
 

@@ -66,7 +66,7 @@ def test_cli_errors_user_one_line_internal_traceback(monkeypatch, capsys):
         'Training failed.\nTraceback (most recent call last):\n  File "w.py", line 3\n'
         "pretrain.config.errors.ConfigError: data.sources[0].path: /c.jsonl: no file matches"
     )
-    from pretrain.train.stability import StabilityHaltError
+    from pretrain.train.stability.monitor import StabilityHaltError
 
     cases = [
         (internal, 1, None),

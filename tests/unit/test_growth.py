@@ -406,7 +406,7 @@ def test_held_back_loss_is_fp32_whatever_the_ambient_precision():
 
 def test_stability_restarts_at_a_growth():
     from pretrain.config import StabilityConfig
-    from pretrain.train.stability import StabilityMonitor, StepSignals
+    from pretrain.train.stability.monitor import StabilityMonitor, StepSignals
 
     mon = StabilityMonitor(StabilityConfig(warmup_steps=0, good_after_steps=0))
     for s in range(1, 20):

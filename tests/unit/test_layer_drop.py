@@ -280,7 +280,7 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
     """``prune`` of a ``rho`` model with ``by_depth: linear``: the pruned model is the parent evaluated with the other
     blocks skipped and each kept block scaled by its rho *in the parent* (8 blocks, rate 0.5, every_other: 0.9375,
     0.8125, 0.6875, 0.5625), not by rho recomputed for the child's depth (0.875, 0.75, 0.625, 0.5)."""
-    from pretrain.driver.derive import prune_blocks
+    from pretrain.driver.prune import prune_blocks
 
     cfg = _cfg(
         "model.num_layers=8",
@@ -323,7 +323,7 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
 
 
 def test_prune_of_an_inverted_model_keeps_weights_and_config():
-    from pretrain.driver.derive import prune_blocks
+    from pretrain.driver.prune import prune_blocks
 
     cfg = _cfg("layer_drop.by_depth=linear")
     sd = build_model(cfg.model, 0).state_dict()
@@ -350,7 +350,7 @@ class _Trainer:
     def __init__(self, cfg, step: int = 0) -> None:
         from types import SimpleNamespace
 
-        from pretrain.train.trainer import Shared
+        from pretrain.train.callbacks.base import Shared
 
         self.shared, self.state, self.logged = Shared(), SimpleNamespace(step=step), []
         self.module = SimpleNamespace(cfg=cfg)
@@ -401,7 +401,7 @@ def test_prune_scale_train_is_the_training_forward_with_the_other_blocks_dropped
     """``prune scale=train``: the pruned model is the parent's *training* forward of a step in which exactly the
     kept blocks ran (``inverted``: kept branches x 1/rho of their rates, here 1/(1 - 0.5 (l + 1) / 8); ``rho``:
     unscaled), not the inference forward with blocks skipped (``scale=inference``, the default)."""
-    from pretrain.driver.derive import prune_blocks
+    from pretrain.driver.prune import prune_blocks
 
     cfg = _cfg("model.num_layers=8", f"layer_drop.scaling={scaling}", "layer_drop.by_depth=linear")
     parent = build_model(cfg.model, 0, cfg.moe)

@@ -60,12 +60,11 @@ def test_callbacks_run_in_order_and_early_stop_ends_the_run():
     from types import SimpleNamespace
 
     from pretrain.train.callbacks.checkpoint import CheckpointCallback
-    from pretrain.train.callbacks.early_stop import EarlyStop
     from pretrain.train.callbacks.health import HealthCallback
     from pretrain.train.callbacks.metrics import MetricsLogger
     from pretrain.train.callbacks.speed import SpeedMonitor
-    from pretrain.train.callbacks.stability import StabilityCallback
-    from pretrain.train.callbacks.stability_report import StabilityReport
+    from pretrain.train.callbacks.stability import StabilityCallback, StabilityReport
+    from pretrain.train.callbacks.stopping import EarlyStop
     from pretrain.train.callbacks.validation import ValidationCallback
     from pretrain.train.trainer import Trainer
 
@@ -129,7 +128,7 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
 
     from pretrain import startup_gc
     from pretrain.driver.prepare import prepare_new
-    from pretrain.train.trainer import Callback
+    from pretrain.train.callbacks.base import Callback
     from pretrain.train.worker import build_trainer
 
     class Recorder(Callback):

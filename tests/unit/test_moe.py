@@ -12,7 +12,7 @@ import torch
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig, load_config
 from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
-from pretrain.train.stability import StabilityMonitor
+from pretrain.train.stability.monitor import StabilityMonitor
 from tests.conftest import ROOT
 from tests.harness import TINY_MODEL
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, StabilityConfig, load_config
-from pretrain.train.stability import StabilityMonitor, StepSignals, robust_z, trend_rise
+from pretrain.train.stability.monitor import StabilityMonitor, StepSignals, robust_z, trend_rise
 from tests.conftest import ROOT
 
 # ----------------------------------------------------------------------------------------------

@@ -12,12 +12,13 @@ from types import SimpleNamespace
 
 from pretrain.checkpoint import layout
 from pretrain.config import load_config
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.checkpoint import CheckpointCallback
 from pretrain.train.callbacks.fault_injection import FaultInjection
 from pretrain.train.callbacks.metrics import MetricsLogger
 from pretrain.train.callbacks.stability import StabilityCallback
-from pretrain.train.stability import StabilityMonitor, StepSignals
-from pretrain.train.trainer import Callback, Trainer, TrainerState
+from pretrain.train.stability.monitor import StabilityMonitor, StepSignals
+from pretrain.train.trainer import Trainer, TrainerState
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import layout
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer, is_last_step, stopped_early
+from pretrain.train.trainer import Trainer, is_last_step, stopped_early
 
 
 class CheckpointCallback(Callback):

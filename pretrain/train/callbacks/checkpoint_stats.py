@@ -26,7 +26,8 @@ from typing import Any
 from pretrain.checkpoint import store
 from pretrain.checkpoint.store import HashTally
 from pretrain.train import dist
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.callbacks.base import Callback
+from pretrain.train.trainer import Trainer
 
 
 class CheckpointStats(Callback):

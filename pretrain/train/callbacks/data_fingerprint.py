@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.job import FINGERPRINT_STATE
-from pretrain.train.trainer import Callback
 
 
 class DataFingerprint(Callback):
     """Keeps the job's data fingerprint (taken by the driver: :mod:`pretrain.data.fingerprint`) in the trainer
     state of every checkpoint. A resumed run keeps the fingerprint of the data it resumed on, not the saved one."""
 
+    order = 100  # the default: it only answers state_dict, whenever a checkpoint is written
     name = FINGERPRINT_STATE
 
     def __init__(self, fingerprint: dict[str, Any]) -> None:

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from pretrain.config import RunConfig
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer, is_last_step
+from pretrain.train.trainer import Trainer, is_last_step
 
 SPIKE_LR_FACTOR = 1000.0  # faults.loss_spike_at_step
 

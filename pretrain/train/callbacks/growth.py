@@ -17,8 +17,9 @@ from pretrain.model.growth_moments import grow_moments
 from pretrain.model.layerdrop import inference_scales
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.optimizer_state import gather_moments, load_moments
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 
 class GrowthCheckError(RuntimeError):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.health import HealthProbe
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 
 class HealthCallback(Callback):

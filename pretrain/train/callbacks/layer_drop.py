@@ -8,8 +8,9 @@ from typing import Any
 from pretrain import ds_adapter
 from pretrain.config import RunConfig
 from pretrain.model.layerdrop import Gates, base_rate, executed_blocks, inference_scales, training_gates
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 
 class LayerDropCallback(Callback):

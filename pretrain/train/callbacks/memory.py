@@ -13,7 +13,8 @@ import resource
 import torch
 
 from pretrain.train import dist
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.callbacks.base import Callback
+from pretrain.train.trainer import Trainer
 
 GB = float(1 << 30)
 

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 from pretrain.model.moe import routing_metrics
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer, is_last_step
+from pretrain.train.trainer import Trainer, is_last_step
 
 
 class MetricsLogger(Callback):

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.ranges import PREFIX
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 TABLE_ROWS = 40
 

@@ -8,8 +8,9 @@ from typing import Any
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.store import write_json
 from pretrain.train import dist
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 SUMMARY_FILE = layout.SUMMARY
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.step import evaluate
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 
 class SourceValidation(Callback):

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from pretrain import startup_gc, timeline
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 LOOP_WARMUP_STEPS = 5
 """Steps left out of ``loop_tokens_per_s`` (allocator and kernel warm-up, the first MLflow calls)."""

@@ -1,4 +1,9 @@
-"""The stability guard as a callback: every update's decision and its actions (skip, roll back, halt, cool-down)."""
+"""Stability control as callbacks (the parts: :mod:`pretrain.train.stability`):
+
+* :class:`StabilityCallback` (order 10): the guard of every update — its decision and the actions (skip, roll back,
+  halt, cool-down);
+* :class:`StabilityReport` (order 190): the stability summary, timeline and plot at the end of a run.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.model.moe import max_shares
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.resume import rollback_loader
-from pretrain.train.stability import Decision
-from pretrain.train.stability_control import StabilityControl
+from pretrain.train.stability.control import StabilityControl
+from pretrain.train.stability.monitor import Decision
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer, is_last_step
+from pretrain.train.trainer import Trainer, is_last_step
 
 
 class StabilityCallback(Callback):
@@ -88,3 +94,19 @@ class StabilityCallback(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state)
+
+
+class StabilityReport(Callback):
+    """At the end: the stability summary in the result, the timeline flushed, the plot drawn (rank 0)."""
+
+    order = 190
+
+    def __init__(self, control: StabilityControl, tracking_uri: str) -> None:
+        self.control, self.tracking_uri = control, tracking_uri
+
+    def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
+        final["stability"] = self.control.monitor.summary()
+        if trainer.ctx.is_main:
+            self.control.flush(force=True)
+            if trainer.cfg.stability.plot_at_end:
+                final["plot"] = self.control.plot(self.tracking_uri)

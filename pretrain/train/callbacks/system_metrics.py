@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.callbacks.base import Callback
+from pretrain.train.trainer import Trainer
 
 
 class SystemMetrics(Callback):

@@ -12,7 +12,8 @@ import torch
 from pretrain.data.tasks import Task, choice_rows
 from pretrain.model.score import Forward, score_batches
 from pretrain.train import dist
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.callbacks.base import Callback
+from pretrain.train.trainer import Trainer
 
 
 @dataclass

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.step import StepResult, evaluate
-from pretrain.train.trainer import Callback, Trainer, is_last_step, stopped_early
+from pretrain.train.trainer import Trainer, is_last_step, stopped_early
 
 
 class ValidationCallback(Callback):

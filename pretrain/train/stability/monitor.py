@@ -1,7 +1,7 @@
 """Training-stability control: detectors, the policy decision and the event timeline.
 
 A functional core (:class:`StabilityMonitor`: no tensors, files or process groups); the loop's thin impure shell
-is :class:`pretrain.train.stability_control.StabilityControl` (progress lines, MLflow, rollbacks). The step hands
+is :class:`pretrain.train.stability.control.StabilityControl` (progress lines, MLflow, rollbacks). The step hands
 :meth:`StabilityMonitor.decide` the *all-reduced* loss and gradient norm of one step before the
 optimizer step, so every rank makes the same decision from the same inputs and the same (checkpointed)
 state; the loop carries the decision out (skip the update, roll back, halt).

@@ -1,5 +1,5 @@
 """The loop's side of stability control: a thin impure shell around :class:`StabilityMonitor` (the functional
-core in :mod:`pretrain.train.stability`): events to progress lines and MLflow, halts and rollbacks."""
+core in :mod:`pretrain.train.stability.monitor`): events to progress lines and MLflow, halts and rollbacks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pretrain.checkpoint.store import CommittedCheckpoint
 from pretrain.config import RunConfig
 from pretrain.train import dist, tracking
 from pretrain.train.progress import Progress
-from pretrain.train.stability import REPORT_FILE, TAG_LAST_EVENT, StabilityMonitor, event_line
+from pretrain.train.stability.monitor import REPORT_FILE, TAG_LAST_EVENT, StabilityMonitor, event_line
 from pretrain.train.tracking import Tracker
 
 

@@ -15,8 +15,9 @@ import torch
 
 from pretrain.model import flops_per_token
 from pretrain.model.peak import device_peak
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.step import StepResult
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
 
 PEAK_SECONDS = 0.5
 

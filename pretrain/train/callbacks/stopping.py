@@ -1,14 +1,40 @@
-"""A stop asked for by the driver (a signal, ``./launch.sh stop JOB``): the run ends after the current step."""
+"""Ending a run before ``train.max_steps``, as callbacks (the driver's signal handling: :mod:`pretrain.driver.signals`;
+the request file between the two: :mod:`pretrain.train.stop_request`):
+
+* :class:`EarlyStop` (order 45): ``train.stop_at_val_loss``, the run ends at the first validation at or below the
+  target;
+* :class:`StopOnRequest` (order 46): a stop asked for by the driver (a signal, ``./launch.sh stop JOB``), the run
+  ends after the current step.
+
+Either way the run ends as a finished one does: validation, a checkpoint at that step, the summary.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pretrain.train import dist
+from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.step import StepResult
 from pretrain.train.stop_request import read_request
-from pretrain.train.trainer import Callback, Trainer
+from pretrain.train.trainer import Trainer
+
+
+class EarlyStop(Callback):
+    """``train.stop_at_val_loss``: end the run at the first validation at or below the target."""
+
+    order = 45  # after validation has run in a step's on_step_end
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+
+    def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.target and metrics["val/loss"] <= self.target and trainer.state.step < trainer.cfg.train.max_steps:
+            trainer.progress.say(
+                f"val/loss {metrics['val/loss']:.4f} <= train.stop_at_val_loss {self.target}: stopping"
+            )
+            trainer.stop("train.stop_at_val_loss")
 
 
 class StopOnRequest(Callback):

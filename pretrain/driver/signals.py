@@ -2,7 +2,7 @@
 
 The first signal asks the workers to stop: it writes ``RUN_DIR/stop_request.json`` (the run directory is shared by
 every node), which rank 0 reads at each step boundary and every rank learns with one collective
-(:class:`pretrain.train.callbacks.stop.StopOnRequest`). Every rank then finishes its step, the run commits a
+(:class:`pretrain.train.callbacks.stopping.StopOnRequest`). Every rank then finishes its step, the run commits a
 checkpoint at that step and ends as a finished run would, with ``stopped`` in its summary. A second signal, or
 ``checkpoint.stop_timeout_s`` without the run having ended, ends it at once (:class:`StopNow`); so does the first
 signal with ``checkpoint.on_stop: exit``.
