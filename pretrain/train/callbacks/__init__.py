@@ -1,2 +1,3 @@
-"""The trainer's callbacks, one per module; :mod:`pretrain.train.callbacks.standard` assembles the set a run uses
-(its docstring lists them in order). The base class and the events are in :mod:`pretrain.train.trainer`."""
+"""The trainer's callbacks, one concern per module. The contract — the :class:`Callback` base, every event and hook,
+the ``order`` — is :mod:`pretrain.train.callbacks.base`; :mod:`pretrain.train.callbacks.standard` declares the set a
+run uses (its docstring lists them in order)."""
