@@ -98,6 +98,11 @@ class ParallelDims:
         """The expert-parallel index of global ``rank`` (expert-parallel groups are consecutive ranks)."""
         return rank % self.expert
 
+    def expert_data_rank(self, rank: int) -> int:
+        """The index of global ``rank`` in its expert-data-parallel group (the ranks holding the same experts, which
+        partition their ZeRO state): the index of its expert-parallel group."""
+        return rank // self.expert
+
     def shares_data(self, rank: int) -> bool:
         """Whether ``rank`` is the first of the workers training on its sequences (the one whose sums count when
         every worker's are added up)."""

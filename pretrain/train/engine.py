@@ -83,7 +83,7 @@ def initialize(
     precision: str,
     load_universal: bool = False,
 ):
-    """Wrap ``model`` (expert parallelism already applied) in a DeepSpeed engine; torch.distributed
+    """Wrap ``model`` (already parallelized) in a DeepSpeed engine; torch.distributed
     must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
     import deepspeed  # heavy import, kept local
 

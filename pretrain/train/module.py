@@ -1,6 +1,6 @@
 """The TrainModule: model, DeepSpeed engine (optimizer, ZeRO partitions, expert groups) and LR schedule of one
-run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> apply expert
-parallelism -> parameter groups -> ``deepspeed.initialize``" that training (and its validation), growth's
+run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> parallelize
+(``pretrain/parallel``) -> parameter groups -> ``deepspeed.initialize``" that training (and its validation), growth's
 rebuilds, the benchmarks and the tests use. Export and offline evaluation, which need no optimizer, load a
 checkpoint's full weights into :func:`pretrain.model.build_model` (``weights=``), the model construction used here.
 
@@ -251,8 +251,9 @@ def build_module(
     load_universal: bool = False,
 ) -> TrainModule:
     """The module of ``cfg`` on this worker: the seeded model (or ``weights``, a full state dict with every
-    expert), expert parallelism applied, wrapped in DeepSpeed. torch.distributed must be initialized; ``plan``
-    defaults to the plan for the current world size, ``rank`` to this process's rank, ``device`` to CPU.
+    expert), its parallel layout ``plan.dims`` applied (``pretrain.parallel.apply.parallelize``), wrapped in
+    DeepSpeed. torch.distributed must be initialized; ``plan`` defaults to the plan for the current world size,
+    ``rank`` to this process's rank, ``device`` to CPU.
     ``load_universal``: the engine will load a universal checkpoint (resume on another worker count)."""
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     plan = plan or make_plan(cfg, world)

@@ -40,6 +40,7 @@ def test_groups_partition_the_ranks():
     assert d.sequence_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # the N ranks of one (d, t), M apart
     assert d.expert_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [d.expert_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [d.expert_data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     for groups in (d.tensor_groups(), d.sequence_groups(), d.expert_groups()):
         assert sorted(r for g in groups for r in g) == list(range(8))
     for group in d.sequence_groups():  # one sequence: same data and tensor index, every slice once
