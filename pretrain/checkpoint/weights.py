@@ -163,6 +163,7 @@ def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDi
     pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *MOMENTS)}
     for path in files:
         rank = ds_adapter.rank_of_state_file(path.name)
+        assert rank is not None, path  # zero_optimizer_files lists per-rank files only
         for group in ds_adapter.zero_partitions(path):
             ep = world // group["partitions"]
             dims = ParallelDims(world=world, expert=ep)  # the saved expert layout
