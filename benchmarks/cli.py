@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--parallel",
         action="store_true",
-        help="only sequence/tensor parallelism: 1 worker vs 2 (sequence_parallel=2, tensor_parallel=2) on the demo "
+        help="only sequence/tensor parallelism: 1 worker vs 2 (parallel.sequence=2, parallel.tensor=2) on the demo "
         "decoder at --seq-len tokens (benchmarks/parallel.py)",
     )
     p.add_argument("--seq-len", type=int, default=2048, help="--parallel: the sequence length (default 2048)")
@@ -237,7 +237,7 @@ def measure(a: argparse.Namespace) -> dict:
     # One worker, no accumulation: each timed call is exactly one optimizer step on both sides.
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     cfg.data.num_streams = 1
-    cfg.moe.ep_size = 1  # all experts on the one worker (the MoE part measures expert parallelism separately)
+    cfg.parallel.expert = 1  # all experts on the one worker (the MoE part measures expert parallelism separately)
     steps = a.steps or (20 if gpu else 8)
     result = run_bench(cfg, steps, a.rounds)
     if not a.no_loop:  # the loop a user runs, on the same model, batch and threads as the step just timed

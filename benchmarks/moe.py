@@ -4,7 +4,7 @@
   FFN of the same *active* size (``top_k * moe.ffn_size``; same attention, embeddings, everything else), one
   worker, interleaved best-of-N rounds. The MoE step pays for routing, sorting/gathering tokens and the per-expert
   loop, which a dense FFN does not;
-- ``moe_all_to_all_frac``: with ``moe.ep_size = 2`` on 2 real gloo workers, the share of the step's wall time
+- ``moe_all_to_all_frac``: with ``parallel.expert = 2`` on 2 real gloo workers, the share of the step's wall time
   spent inside the token all-to-alls (forward and backward, including the wait for the slower peer), mean over
   ranks of the timed steps.
 """
@@ -36,7 +36,7 @@ def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
 
 
 def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
-    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_size=1))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert=1))
     batches = random_batches(cfg, steps, device)
     t_dense, t_moe = interleaved_best(
         [_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)], batches, device, rounds
@@ -54,7 +54,7 @@ def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: in
 
 def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
     from pretrain.config import from_dict
-    from pretrain.train.expert_parallel import exchanges
+    from pretrain.parallel.expert import exchanges
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     cfg = from_dict(cfg_dict)
@@ -76,12 +76,12 @@ def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
 
 
 def all_to_all_share(cfg: RunConfig, steps: int) -> dict:
-    """2 gloo workers, ``moe.ep_size=2``, fp32, each worker one micro-batch per step (CPU)."""
+    """2 gloo workers, ``parallel.expert=2``, fp32, each worker one micro-batch per step (CPU)."""
     from benchmarks.procs import run_distributed
     from pretrain.config import to_dict
 
     d = to_dict(cfg)
-    d["moe"]["ep_size"] = 2
+    d["parallel"]["expert"] = 2
     d["cluster"]["num_workers"] = 2
     d["zero"]["stage"] = 1
     d["train"]["global_batch_size"] = 2 * cfg.train.micro_batch_size

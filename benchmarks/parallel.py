@@ -1,7 +1,7 @@
 """``./launch.sh bench --parallel``: sequence parallelism (DeepSpeed Ulysses) and tensor parallelism (DeepSpeed AutoTP)
 on the demo decoder, all measured in this run on real gloo workers (CPU), one optimizer step per timed call:
 
-- per layout (1 worker; 2 workers with ``cluster.sequence_parallel=2``; 2 workers with ``cluster.tensor_parallel=2``)
+- per layout (1 worker; 2 workers with ``parallel.sequence=2``; 2 workers with ``parallel.tensor=2``)
   at the same sequence length and global batch: tokens/s, and each rank's peak resident memory (``ru_maxrss``:
   the process's whole footprint, Python and torch included);
 - ``*_comm_frac``: the share of the step's wall time inside DeepSpeed's Ulysses all-to-alls (sequence parallel) or
@@ -26,7 +26,7 @@ import torch
 from pretrain.config import RunConfig, load_config, make_plan, to_dict
 
 LAYOUTS = {"n1": (1, 1, 1), "sp2": (2, 2, 1), "tp2": (2, 1, 2)}
-"""name -> (workers, sequence_parallel, tensor_parallel)."""
+"""name -> (workers, parallel.sequence, parallel.tensor)."""
 
 
 def _timed(totals: list[float], fn, keep):
@@ -100,8 +100,8 @@ def bench_config(path: str, overrides: list[str], seq_len: int, layout: tuple[in
             *overrides,
             f"model.max_seq_len={seq_len}",
             f"cluster.num_workers={workers}",
-            f"cluster.sequence_parallel={sp}",
-            f"cluster.tensor_parallel={tp}",
+            f"parallel.sequence={sp}",
+            f"parallel.tensor={tp}",
         ],
     )
 

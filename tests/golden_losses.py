@@ -34,7 +34,7 @@ COMMON = [
 CASES: dict[str, tuple[str, list[str]]] = {
     "decoder-1w": ("demo-decoder", ["cluster.num_workers=1"]),
     "encoder-2w-zero3": ("demo-encoder", ["cluster.num_workers=2", "zero.stage=3", "train.micro_batch_size=4"]),
-    "moe-2w-ep2": ("demo-moe", ["cluster.num_workers=2", "moe.ep_size=2"]),
+    "moe-2w-ep2": ("demo-moe", ["cluster.num_workers=2", "parallel.expert=2"]),
     "decoder-2w-zero2-dropout": (
         "demo-decoder",
         [

@@ -35,7 +35,7 @@ class Manifest:
     config_hash: str = ""
     model_kind: str = ""
     moe_ep_size: int = 0
-    """``moe.ep_size`` the experts were partitioned with; 0 for a dense model."""
+    """``parallel.expert`` (formerly ``moe.ep_size``) the experts were partitioned with; 0 for a dense model."""
     data_position: dict[str, Any] = field(default_factory=dict)
     """``global_sequences`` consumed and ``num_streams``."""
     rng: dict[str, Any] = field(default_factory=dict)

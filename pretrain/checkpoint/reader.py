@@ -20,6 +20,7 @@ from pretrain.checkpoint.manifest import FORMAT_FULL
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.config.loading import read_yaml
+from pretrain.config.moved import migrate
 
 StateDict = dict[str, torch.Tensor]
 
@@ -30,7 +31,7 @@ def config_dict(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     path = ckpt.path / layout.CONFIG
     if not path.is_file():
         raise CheckpointError(f"{ckpt.path}: no {layout.CONFIG}")
-    return read_yaml(path) or {}
+    return migrate(read_yaml(path) or {})  # written by an older version: moved keys under their new names
 
 
 def read_config(ckpt: CommittedCheckpoint, overrides: list[str] | None = None) -> RunConfig:
@@ -80,7 +81,7 @@ def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
     moe = cfg.moe
     if is_full_weights(ckpt):
         sd = weights.load_full_weights(ckpt.path)
-    elif moe.enabled and (ckpt.manifest.moe_ep_size or moe.ep_size) > 1:
+    elif moe.enabled and (ckpt.manifest.moe_ep_size or cfg.parallel.expert) > 1:
         ds_tag = weights.ds_engine_dir(ckpt.path) / layout.DS_TAG
         sd = weights.strip_module_prefix(weights.expert_parallel_state_dict(ds_tag))
         sd = {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
@@ -105,7 +106,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     if cfg.zero.stage not in (1, 2):
         raise CheckpointError(
             f"{ckpt.path}: re-sharding experts needs a ZeRO-1/2 checkpoint (this one: ZeRO-"
-            f"{cfg.zero.stage}); resume with moe.ep_size={ckpt.manifest.moe_ep_size} "
+            f"{cfg.zero.stage}); resume with parallel.expert={ckpt.manifest.moe_ep_size} "
             f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}"
         )
     sd = full_state_dict(ckpt, cfg)  # buffers (and shapes) from the module state

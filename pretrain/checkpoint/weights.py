@@ -23,6 +23,7 @@ import torch
 from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint, fsync_dir, new_nonce
+from pretrain.parallel.dims import ParallelDims
 
 StateDict = dict[str, torch.Tensor]
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -162,14 +163,16 @@ def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDi
     pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *MOMENTS)}
     for path in files:
         rank = ds_adapter.rank_of_state_file(path.name)
+        assert rank is not None, path  # zero_optimizer_files lists per-rank files only
         for group in ds_adapter.zero_partitions(path):
             ep = world // group["partitions"]
-            offset = (rank % ep) * (num_experts // ep) if group["moe"] else 0
+            dims = ParallelDims(world=world, expert=ep)  # the saved expert layout
+            offset = dims.expert_rank(rank) * (num_experts // ep) if group["moe"] else 0
             step = max(step, group["step"])
             for name, (start, numel) in group["slices"].items():
                 name = _global_expert_name(name, offset)
                 for key, by_name in pieces.items():
-                    by_name.setdefault(name, {})[rank // ep] = group[key][start : start + numel]
+                    by_name.setdefault(name, {})[dims.expert_data_rank(rank)] = group[key][start : start + numel]
     merged = {
         key: {name: torch.cat([parts[i] for i in sorted(parts)]).float() for name, parts in by_name.items()}
         for key, by_name in pieces.items()

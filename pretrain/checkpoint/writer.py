@@ -118,7 +118,7 @@ def describe(contents: Contents, run_id: str, world_size: int) -> Manifest:
         tokens_seen=int(state.get("tokens_seen", 0)),
         config_hash=config_hash(cfg),
         model_kind=cfg.model.kind,
-        moe_ep_size=cfg.moe.ep_size if cfg.moe.enabled else 0,
+        moe_ep_size=cfg.parallel.expert if cfg.moe.enabled else 0,
         data_position={"global_sequences": int(state.get("sequences", 0)), "num_streams": cfg.data.num_streams},
         rng={"scheme": RNG_SCHEME, "states": layout.RNG_PATTERN},
         metrics={"train/loss": state.get("last_train_loss", float("nan")), **state.get("last_val", {})},

@@ -46,9 +46,6 @@ class MoEConfig:
     router_z_loss_weight: float = 0.001
     """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE: Zoph et al.
     2022, arXiv:2202.08906)."""
-    ep_size: int = 1
-    """Expert-parallel degree: each worker holds num_experts / ep_size experts of every MoE layer and tokens
-    travel by all-to-all; must divide num_experts and the worker count. 1 = experts replicated like dense weights."""
     collapse_share: float = 0.9
     """The stability monitor flags a router collapse when one expert of a layer receives more than this share of
     the layer's routed tokens for ``collapse_steps`` consecutive steps."""
@@ -77,7 +74,7 @@ class MoEConfig:
             return index in self.layers
         return (index + 1) % self.every == 0
 
-    def validate(self, num_layers: int, num_workers: int, zero_stage: int) -> None:
+    def validate(self, num_layers: int) -> None:
         if self.num_experts < 0:
             raise ConfigError(f"moe.num_experts: must be >= 0, got {self.num_experts}")
         if not self.enabled:
@@ -105,25 +102,6 @@ class MoEConfig:
             raise ConfigError(f"moe.bias_rate: must be > 0 with moe.balance={self.balance}, got {self.bias_rate}")
         if not 0.0 < self.collapse_share <= 1.0:
             raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
-        if self.ep_size < 1 or self.num_experts % self.ep_size:
-            raise ConfigError(f"moe.ep_size: {self.ep_size} must divide moe.num_experts {self.num_experts}")
-        if self.ep_size > 1 and zero_stage == 0:
-            raise ConfigError(
-                "zero.stage: expert parallelism (moe.ep_size > 1) needs ZeRO-1 or 2 (DeepSpeed's stage-0 gradient "
-                "norm mis-weights expert-parallel gradients); use zero.stage 1 or 2, or moe.ep_size 1"
-            )
-        if self.ep_size > 1 and zero_stage == 3:
-            raise ConfigError(
-                "zero.stage: ZeRO-3 cannot partition expert-parallel weights (moe.ep_size > 1); use zero.stage 1 "
-                "or 2, or moe.ep_size 1 (experts are then sharded by ZeRO-3 like dense weights)"
-            )
-        self.check_world_size(num_workers)
-
-    def check_world_size(self, world_size: int) -> None:
-        if self.enabled and world_size % self.ep_size:
-            raise ConfigError(
-                f"moe.ep_size: {self.ep_size} must divide the worker count {world_size} (cluster.num_workers)"
-            )
 
 
 @dataclass(kw_only=True)
@@ -262,7 +240,7 @@ class GrowthConfig:
     """Optimizer state after a growth: ``reset`` (fresh AdamW moments for the grown model) or ``grow`` (the moments
     transformed like the grown model's gradients, m' = T(m) and v' = T^2(v): for ``tile`` by k, g/k for internal
     matrices, embeddings, norms and biases, g for the LM head and routers; copied with stacked blocks; zero for new
-    ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``moe.ep_size`` 1."""
+    ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``parallel.expert`` 1."""
     rewarm_steps: int = -1
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues; -1 (the
     default): ``train.warmup_steps`` (the growth study's recipe: fresh AdamW moments, re-warmed; ``docs/growth.md``).

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from pretrain.config.errors import clip, not_a, quote
+from pretrain.config.moved import check_key, migrate
 from pretrain.config.runtime import YAML_KEY
 from pretrain.config.tree import ConfigError, RunConfig
 
@@ -119,6 +120,7 @@ def _build(cls: type, data: dict, path: str) -> Any:
     names = {key_of(f) for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
+            check_key(path, str(key))
             where = f"{path}.{key}" if path else str(key)
             raise ConfigError(f"{clip(where)}: unknown key (valid: {', '.join(sorted(names))})")
     kwargs = {}
@@ -169,6 +171,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             raise ConfigError(f"{path}: {'.'.join(keys[:i])} is a value, not a section")
         fields = {key_of(f): f for f in dataclasses.fields(cls)}
         if key not in fields:
+            check_key(".".join(keys[:i]), key)
             raise ConfigError(f"{path}: unknown key (valid: {', '.join(sorted(fields))})")
         tp = _hints(typing.cast(type, cls))[fields[key].name]
         where = ".".join([*keys[:i], key])  # without the index
@@ -347,8 +350,9 @@ def read_yaml(path: str | Path) -> Any:
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
 ) -> RunConfig:
-    """Load YAML (or start from ``base``), apply dotted overrides, validate strictly."""
-    tree: dict = {} if base is None else json.loads(json.dumps(base))
+    """Load YAML (or start from ``base``: a stored, resolved config, whose moved keys are migrated), apply dotted
+    overrides, validate strictly."""
+    tree: dict = {} if base is None else migrate(base)
     if path is not None:
         p, where = Path(path), clip(path)
         if not_a(p):  # a FIFO, a directory, a device: never opened (reading a FIFO would block)

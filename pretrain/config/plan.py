@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config.errors import ConfigError
+from pretrain.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -45,29 +46,38 @@ class RunPlan:
     """Sequences of the global validation set (``train.val_sequences``; 0 = no validation)."""
     val_shares: tuple[int, ...]
     """Validation sequences per data-parallel rank (the sequences :meth:`val_part` selects)."""
-    sequence_parallel: int = 1
-    """Workers sharing each sequence (``cluster.sequence_parallel``)."""
-    tensor_parallel: int = 1
-    """Workers sharing each layer (``cluster.tensor_parallel``)."""
+    dims: ParallelDims = ParallelDims()
+    """The parallel layout of all workers (``pretrain/parallel/dims.py``): degrees, rank mapping, process groups.
+    :func:`layout` without ``dims``: data parallelism only."""
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Workers sharing each sequence (``parallel.sequence``)."""
+        return self.dims.sequence
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Workers sharing each layer (``parallel.tensor``)."""
+        return self.dims.tensor
 
     @property
     def model_parallel(self) -> int:
         """Workers that train on the same sequences (sequence x tensor parallel)."""
-        return self.sequence_parallel * self.tensor_parallel
+        return self.dims.model_parallel
 
     @property
     def workers(self) -> int:
         """All workers: data-parallel ranks x :attr:`model_parallel`."""
-        return self.world_size * self.model_parallel
+        return self.dims.world
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of worker ``rank`` (ranks ``(d * N + s) * M + t``, see ``config/parallel.py``)."""
-        return rank // self.model_parallel
+        """The data-parallel rank of worker ``rank`` (:meth:`ParallelDims.data_rank`)."""
+        return self.dims.data_rank(rank)
 
     def shares_data(self, rank: int) -> bool:
         """Whether worker ``rank`` is the first of the workers training on its sequences (the one whose sums count
         when every worker's are added up)."""
-        return rank % self.model_parallel == 0
+        return self.dims.shares_data(rank)
 
     def share(self, rank: int) -> int:
         """Sequences worker ``rank`` takes per step (its data-parallel rank's share)."""
@@ -129,11 +139,7 @@ class RunPlan:
             if self.even
             else f"{'/'.join(map(str, self.shares))} sequences per worker (padded to equal passes)"
         )
-        parallel = (
-            f" ({self.world_size} data x {self.sequence_parallel} sequence x {self.tensor_parallel} tensor parallel)"
-            if self.model_parallel > 1
-            else ""
-        )
+        parallel = f" ({self.dims.describe()})" if self.model_parallel > 1 else ""
         return (
             f"plan: {self.workers} worker(s){parallel}, global batch {self.global_batch} x {self.seq_len} tokens "
             f"= {self.tokens_per_step:,} tokens/step; {shares}; micro-batch {self.micro_batch}, "
@@ -174,11 +180,11 @@ def layout(
     num_streams: int,
     seq_len: int,
     val_sequences: int = 0,
-    sequence_parallel: int = 1,
-    tensor_parallel: int = 1,
+    dims: ParallelDims | None = None,
 ) -> RunPlan:
-    """The batch layout behind ``make_plan(cfg, world_size)`` (in ``tree.py``, beside the config it reads; also
-    what data-only tools, e.g. the data throughput probe, plan with); errors name the config keys."""
+    """The batch layout of ``world_size`` data-parallel ranks behind ``make_plan(cfg, world_size)`` (in ``tree.py``,
+    beside the config it reads, which sets ``dims``; also what data-only tools, e.g. the data throughput probe, plan
+    with); errors name the config keys."""
     if world_size < 1:
         raise ConfigError(f"cluster.num_workers: must be >= 1, got {world_size}")
     if world_size > num_streams:
@@ -211,6 +217,5 @@ def layout(
         grad_accum=max(shares) // micro,
         val_sequences=val_sequences,
         val_shares=val,
-        sequence_parallel=sequence_parallel,
-        tensor_parallel=tensor_parallel,
+        dims=dims or ParallelDims(world=world_size),
     )

@@ -121,27 +121,8 @@ class ClusterConfig:
     change; docs/memory-plan.md), one of :data:`GPU_MEMORY_GIB` (e.g. ``H100-80GB``); empty: no verdict. Naming a
     GPU also plans GPU workers (bf16 for ``train.precision: auto``) when ``use_gpu`` is ``auto``."""
 
-    sequence_parallel: int = 1
-    """Workers that share each sequence (DeepSpeed Ulysses): each holds ``max_seq_len / N`` of its tokens, and
-    attention exchanges sequence shards for head shards (all-to-all) so it still sees the whole sequence.
-    ``num_workers`` must be a multiple of ``sequence_parallel x tensor_parallel``; the quotient is the
-    data-parallel degree. Needs the attention and key-value head counts and ``max_seq_len`` divisible by it.
-    See docs/parallelism.md."""
-    tensor_parallel: int = 1
-    """Workers that share each layer (DeepSpeed AutoTP): the attention and FFN projections are split column- and
-    row-wise across them; embeddings, norms and the LM head stay whole. Needs the head counts and the FFN size
-    divisible by it, and ZeRO stage 0, 1 or 2. See docs/parallelism.md."""
-
-    @property
-    def model_parallel(self) -> int:
-        """Workers that train on the same sequences: ``sequence_parallel x tensor_parallel``."""
-        return self.sequence_parallel * self.tensor_parallel
-
     def validate(self) -> None:
-        """The plan's fields: ``gpus_per_node`` positive, ``gpu_type`` empty or a known GPU, parallel degrees >= 1."""
-        for name in ("sequence_parallel", "tensor_parallel"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"cluster.{name}: must be >= 1, got {getattr(self, name)}")
+        """The plan's fields: ``gpus_per_node`` positive, ``gpu_type`` empty or a known GPU."""
         if self.gpus_per_node <= 0:
             raise ConfigError(f"cluster.gpus_per_node: must be > 0, got {self.gpus_per_node}")
         if self.gpu_type and self.gpu_type not in GPU_MEMORY_GIB:
@@ -166,6 +147,27 @@ class ClusterConfig:
             and self.max_failures == 0
             and not self.ray_for_one_worker
         )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The parallel layout: how many workers share each sequence, each layer, the experts of each MoE layer. The
+    data-parallel degree is what remains: ``cluster.num_workers / (sequence x tensor)``. The layout, its rank
+    mapping and its rules live in ``pretrain/parallel/`` (docs/parallelism.md)."""
+
+    sequence: int = 1
+    """Workers that share each sequence (DeepSpeed Ulysses): each holds ``max_seq_len / N`` of its tokens, and
+    attention exchanges sequence shards for head shards (all-to-all) so it still sees the whole sequence.
+    ``cluster.num_workers`` must be a multiple of ``sequence x tensor``; the quotient is the data-parallel degree.
+    Needs the attention and key-value head counts and ``model.max_seq_len`` divisible by it."""
+    tensor: int = 1
+    """Workers that share each layer (DeepSpeed AutoTP): the attention and FFN projections are split column- and
+    row-wise across them; embeddings, norms and the LM head stay whole. Needs the head counts and the FFN size
+    divisible by it, and ZeRO stage 0, 1 or 2; not with MoE."""
+    expert: int = 1
+    """Expert-parallel degree (MoE models): each worker holds ``moe.num_experts / expert`` experts of every MoE
+    layer and tokens travel by all-to-all; must divide ``moe.num_experts`` and the worker count, with ZeRO stage
+    1 or 2. 1 = experts replicated like dense weights. Ignored for a dense model."""
 
 
 @dataclass(kw_only=True)

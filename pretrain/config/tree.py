@@ -1,10 +1,12 @@
 """The config tree: one dataclass per section (the capability sections moe, layer_drop, growth are in
-capabilities.py; data and its sources in data.py; zero, checkpoint, cluster, tracking, faults and stability in
-runtime.py), a docstring on every field, cross-field rules in :meth:`RunConfig.validate` (and
-``MoEConfig.validate``). Strict loading lives in ``loading.py``."""
+capabilities.py; data and its sources in data.py; zero, checkpoint, cluster, parallel, tracking, faults and
+stability in runtime.py), a docstring on every field, cross-field rules in :meth:`RunConfig.validate` (and
+``MoEConfig.validate``; the rules of the parallel layout in ``pretrain/parallel/rules.py``). Strict loading lives in
+``loading.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -14,16 +16,18 @@ from pretrain.config.data import DataConfig
 from pretrain.config.errors import ConfigError, quote
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
-from pretrain.config.parallel import check_model_parallel
 from pretrain.config.plan import RunPlan, layout
 from pretrain.config.runtime import (
     CheckpointConfig,
     ClusterConfig,
     FaultsConfig,
+    ParallelConfig,
     StabilityConfig,
     TrackingConfig,
     ZeroConfig,
 )
+from pretrain.parallel import rules  # a module, not its names: rules.py imports pretrain.config.errors
+from pretrain.parallel.dims import ParallelDims
 
 BYTE_LEVEL_VOCAB = 260
 """The smallest trained tokenizer: a byte-level BPE has the 256 bytes and 4 special tokens."""
@@ -208,6 +212,7 @@ class RunConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
@@ -269,6 +274,7 @@ class RunConfig:
             if value < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {value}")
         c.validate()
+        rules.check_degrees(self.parallel)
         if c.cpus_per_worker > 1 and not float(c.cpus_per_worker).is_integer():
             raise ConfigError(
                 f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "
@@ -321,7 +327,9 @@ class RunConfig:
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
-        self.moe.validate(m.num_layers, c.num_workers, self.zero.stage)
+        self.moe.validate(m.num_layers)
+        rules.check_expert(self)
+        rules.check_expert_world(self, c.num_workers)
         self.layer_drop.validate()
         self._validate_growth()
         self.eval.validate(bool(self.data.val_sources) or self.data.val_holdout > 0)
@@ -353,11 +361,7 @@ class RunConfig:
 
     def _validate_growth(self) -> None:
         g = self.growth
-        if g.optimizer == "grow" and self.moe.ep_size > 1:
-            raise ConfigError(
-                "growth.optimizer: grow gathers full optimizer moments, not with moe.ep_size > 1; "
-                "use growth.optimizer reset"
-            )
+        rules.check_growth(self)
         if g.rewarm_steps < -1:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0 (or -1: train.warmup_steps), got {g.rewarm_steps}")
         steps = [e.at_step for e in g.schedule if e.at_step or not e.derived_step]  # derived: checked once set
@@ -441,16 +445,14 @@ def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
     """The plan of ``cfg`` on ``world_size`` workers (see ``plan.py``); a layout that cannot work is refused with a
     :class:`ConfigError` naming what to set."""
     t = cfg.train
-    data_parallel = check_model_parallel(cfg, world_size)
+    data_parallel = rules.check_model_parallel(cfg, world_size)
     plan = layout(
         world_size=data_parallel,
-        sequence_parallel=cfg.cluster.sequence_parallel,
-        tensor_parallel=cfg.cluster.tensor_parallel,
         global_batch=t.global_batch_size,
         micro_cap=t.micro_batch_size,
         num_streams=cfg.data.num_streams,
         seq_len=cfg.model.max_seq_len,
         val_sequences=t.val_sequences,
     )
-    cfg.moe.check_world_size(world_size)
-    return plan
+    rules.check_expert_world(cfg, world_size)
+    return dataclasses.replace(plan, dims=ParallelDims.from_config(cfg, world_size))  # the one layout of the job

@@ -83,7 +83,7 @@ def count_parameters(cfg: RunConfig) -> ParamCounts:
 
 
 SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The layers ``cluster.tensor_parallel`` splits (``pretrain/train/model_parallel.py``)."""
+"""The layers ``parallel.tensor`` splits (``pretrain/parallel/tensor.py``)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Layout:
     dp: int
     """Data-parallel degree (workers taking different sequences)."""
     ep: int
-    """Expert-parallel degree (``moe.ep_size``; 1 for dense models)."""
+    """Expert-parallel degree (``parallel.expert``; 1 for dense models)."""
     micro_batch: int
     grad_accum: int
     seq_len: int
@@ -129,16 +129,16 @@ def layout_of(cfg: RunConfig, plan: RunPlan, gpus: bool | None = None) -> Layout
     return Layout(
         precision=precision,
         stage=cfg.zero.stage,
-        dp=plan.world_size,
-        ep=cfg.moe.ep_size if cfg.moe.enabled else 1,
+        dp=plan.dims.data,
+        ep=plan.dims.expert,
         micro_batch=plan.micro_batch,
         grad_accum=plan.grad_accum,
         seq_len=plan.seq_len,
         recompute=str(cfg.train.activation_checkpointing),
         offload=cfg.zero.offload_optimizer and cfg.zero.stage > 0,
         gpus=gpus,
-        sp=plan.sequence_parallel,
-        tp=plan.tensor_parallel,
+        sp=plan.dims.sequence,
+        tp=plan.dims.tensor,
     )
 
 

@@ -9,7 +9,7 @@ the router z-loss (ST-MoE: Zoph et al. 2022, arXiv:2202.08906). With ``capacity_
 assignments beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then
 token order), so the drop decision never depends on other workers; evaluation is dropless.
 
-The layer is built with all E experts. Expert parallelism (``pretrain/train/expert_parallel.py``) keeps, on
+The layer is built with all E experts. Expert parallelism (``pretrain/parallel/expert.py``) keeps, on
 expert-parallel rank r of ``ep_size``, experts [r*E/ep, (r+1)*E/ep) only, and routes the tokens, sorted by
 expert, through ``exchange`` (the all-to-all to the workers holding the experts and back); with ``ep_size`` 1
 they run on the local experts.
@@ -72,7 +72,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, ffn_size: int) -> None:
         nn.Module.__init__(self)  # not super(): an expert-parallel subclass skips DeepSpeed MoE's __init__
         self.num_experts = moe.num_experts
-        # Built with every expert; pretrain/train/expert_parallel.py keeps a worker's slice (ep_size > 1).
+        # Built with every expert; pretrain/parallel/expert.py keeps a worker's slice (ep_size > 1).
         self.ep_size = 1
         self.ep_rank = 0
         self.num_local_experts = moe.num_experts
@@ -87,7 +87,7 @@ class MoEFeedForward(nn.Module):
         self.deepspeed_moe = _Inner(cfg, ffn_size, moe.num_experts, self.num_local_experts, moe.selection_bias)
         self.exchange: Callable[[MoEFeedForward, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """(layer, tokens sorted by global expert, per-expert counts) -> expert outputs in the same order;
-        required when ep_size > 1 (see pretrain/train/expert_parallel.py)."""
+        required when ep_size > 1 (see pretrain/parallel/expert.py)."""
         self.grouped_experts = True
         """Whether the local experts may run as one grouped GEMM (where device and dtype support it) rather than
         module by module; the training side turns it off when the expert weights are partitioned (ZeRO-3 gathers
@@ -166,8 +166,8 @@ class MoEFeedForward(nn.Module):
             return self.exchange(self, tokens, counts)
         if self.ep_size > 1:
             raise RuntimeError(
-                "an MoE layer with moe.ep_size > 1 needs its all-to-all exchange "
-                "(pretrain.train.expert_parallel.apply_expert_parallel)"
+                "an MoE layer with parallel.expert > 1 needs its all-to-all exchange "
+                "(pretrain.parallel.expert.apply_expert_parallel)"
             )
         return self.run_local(tokens, counts)
 

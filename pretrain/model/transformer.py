@@ -27,7 +27,7 @@ from pretrain.model.score import mean_cross_entropy
 
 class SequenceShards(Protocol):
     """This worker's slice of every sequence under sequence parallelism: what the model asks of it. The
-    implementation, with its collectives, is ``pretrain/train/sequence_parallel.py``."""
+    implementation, with its collectives, is ``pretrain/parallel/sequence.py``."""
 
     def span(self, t: int) -> slice:
         """The positions of this worker's slice of a sequence of ``t`` tokens."""
@@ -111,7 +111,7 @@ class Transformer(nn.Module):
         self.moe = moe if moe is not None else MoEConfig()
         self.causal = cfg.kind == "decoder"
         self.activation_checkpointing: str = "none"  # none | full | selective (pretrain/model/recompute.py)
-        # This worker's slice of each sequence under sequence parallelism (pretrain/train/sequence_parallel.py)
+        # This worker's slice of each sequence under sequence parallelism (pretrain/parallel/sequence.py)
         self.sequence_shards: SequenceShards | None = None
         # Per block (attention, FFN) output scales used when no gates are given and not training: the rho of
         # Xiao and Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4; see pretrain/model/layerdrop.py) for layer dropout
@@ -315,7 +315,7 @@ class Transformer(nn.Module):
     def _sequence_parallel_output(
         self, sp: SequenceShards, logits: torch.Tensor, labels: torch.Tensor | None, moe_loss: torch.Tensor | None
     ) -> ModelOutput:
-        """The output of a sequence-parallel forward (see ``pretrain/train/sequence_parallel.py``): losses as the
+        """The output of a sequence-parallel forward (see ``pretrain/parallel/sequence.py``): losses as the
         worker's share of the whole sequences' token means; logits of this worker's slice (B, t, V), or gathered to
         (B, T, V) without gradients (a scorer compares them with whole-sequence labels). MoE layers route each token
         on its own; their auxiliary objective (``moe_loss``) is of this worker's tokens, as with data parallelism."""

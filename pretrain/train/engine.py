@@ -8,7 +8,7 @@ import torch
 
 from pretrain import ds_adapter
 from pretrain.config import RunConfig, RunPlan
-from pretrain.train.model_parallel import autotp_section, mark_shards, prepare_tensor_parallel
+from pretrain.parallel.apply import after_engine, before_engine, deepspeed_sections
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
@@ -54,7 +54,7 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_univers
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
         **({"checkpoint": {"load_universal": True}} if load_universal else {}),
-        **({"tensor_parallel": autotp_section(cfg)} if cfg.cluster.tensor_parallel > 1 else {}),
+        **deepspeed_sections(plan.dims),
     }
 
 
@@ -83,12 +83,12 @@ def initialize(
     precision: str,
     load_universal: bool = False,
 ):
-    """Wrap ``model`` (expert parallelism already applied) in a DeepSpeed engine; torch.distributed
+    """Wrap ``model`` (already parallelized) in a DeepSpeed engine; torch.distributed
     must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
-    prepare_tensor_parallel(cfg.cluster.tensor_parallel)
+    before_engine(plan.dims)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -96,8 +96,7 @@ def initialize(
         dist_init_required=False,
     )
     ds_adapter.use_weights_only_loading(engine)  # a checkpoint file cannot run code
-    ds_adapter.drop_tensor_parallel_input_check(engine)
-    mark_shards(engine.module)
+    after_engine(engine)
     return engine
 
 

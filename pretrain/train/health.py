@@ -53,7 +53,7 @@ def _owned(views: Views) -> Views:
 
 
 def is_shard(p: torch.nn.Parameter) -> bool:
-    """Whether ``p`` is this rank's AutoTP shard of a split weight (marked by ``model_parallel.mark_shards``)."""
+    """Whether ``p`` is this rank's AutoTP shard of a split weight (``parallel.tensor.mark_shards`` marks it)."""
     return bool(getattr(p, "tensor_parallel_shard", False))
 
 

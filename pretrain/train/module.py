@@ -1,6 +1,6 @@
 """The TrainModule: model, DeepSpeed engine (optimizer, ZeRO partitions, expert groups) and LR schedule of one
-run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> apply expert
-parallelism -> parameter groups -> ``deepspeed.initialize``" that training (and its validation), growth's
+run, built by :func:`build_module` — the one copy of the recipe "build model -> load weights -> parallelize
+(``pretrain/parallel``) -> parameter groups -> ``deepspeed.initialize``" that training (and its validation), growth's
 rebuilds, the benchmarks and the tests use. Export and offline evaluation, which need no optimizer, load a
 checkpoint's full weights into :func:`pretrain.model.build_model` (``weights=``), the model construction used here.
 
@@ -30,9 +30,8 @@ from pretrain.model import Transformer, build_model, param_groups
 from pretrain.model.compile import compile_blocks, compile_supported
 from pretrain.model.layerdrop import inference_scales
 from pretrain.model.moe import moe_layers
+from pretrain.parallel.apply import full_state, local_state, parallelize
 from pretrain.train.engine import initialize, resolve_precision, set_lr
-from pretrain.train.expert_parallel import apply_expert_parallel, gather_experts
-from pretrain.train.model_parallel import apply_sequence_parallel, gather_shards, local_shards
 from pretrain.train.schedule import lr_at
 
 StateDict = dict[str, torch.Tensor]
@@ -110,13 +109,13 @@ class TrainModule:
                     state[names[id(p)]] = full.detach().cpu().clone()
             if self.cfg.model.tie_embeddings and "lm_head.weight" in state:
                 state["lm_head.weight"] = state["embed_tokens.weight"]
-        return gather_experts(model, gather_shards(model, state))
+        return full_state(model, state)
 
     def checkpoint_state(self) -> EngineState | FullWeights:
         """What a checkpoint of this module holds: the DeepSpeed engine state (``save``/``snapshot``), or under tensor
         parallelism the whole weights and AdamW moments (AutoTP shards gathered; collective), which resume on any
         layout and export as they are."""
-        if self.cfg.cluster.tensor_parallel == 1:
+        if self.plan.dims.tensor == 1:
             return EngineState(cast(Any, self.save), self.snapshot)
         from pretrain.train.optimizer_state import gather_moments
 
@@ -252,8 +251,9 @@ def build_module(
     load_universal: bool = False,
 ) -> TrainModule:
     """The module of ``cfg`` on this worker: the seeded model (or ``weights``, a full state dict with every
-    expert), expert parallelism applied, wrapped in DeepSpeed. torch.distributed must be initialized; ``plan``
-    defaults to the plan for the current world size, ``rank`` to this process's rank, ``device`` to CPU.
+    expert), its parallel layout ``plan.dims`` applied (``pretrain.parallel.apply.parallelize``), wrapped in
+    DeepSpeed. torch.distributed must be initialized; ``plan`` defaults to the plan for the current world size,
+    ``rank`` to this process's rank, ``device`` to CPU.
     ``load_universal``: the engine will load a universal checkpoint (resume on another worker count)."""
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     plan = plan or make_plan(cfg, world)
@@ -267,10 +267,9 @@ def build_module(
     model = build_model(cfg.model, cfg.train.seed, cfg.moe, weights=weights)
     model.activation_checkpointing = cast(str, cfg.train.activation_checkpointing)  # str after __post_init__
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
-    apply_expert_parallel(model, cfg.moe.ep_size if cfg.moe.enabled else 1, rank)
-    apply_sequence_parallel(model, cfg)
+    parallelize(model, plan.dims, rank)  # pretrain/parallel: experts, sequence shards (AutoTP: in the engine)
     model.to(device)
-    if cfg.cluster.model_parallel == 1 and compile_wanted(cfg.train.compile, device):
+    if not plan.dims.enabled and compile_wanted(cfg.train.compile, device):
         compile_blocks(model)
     # DeepSpeed casts the module to bf16 before it copies the fp32 master weights: given weights would lose their
     # low bits, so their fp32 values are set into the masters afterwards.
@@ -292,7 +291,7 @@ def build_module(
         from deepspeed.utils import safe_set_full_fp32_param
 
         unfused = ds_adapter.unfused_fp32_masters(engine)
-        masters = local_shards(engine.module, masters)  # tensor parallelism: this rank's shards
+        masters = local_state(engine.module, masters)  # tensor parallelism: this rank's shards
         with torch.no_grad():
             for n, p in engine.module.named_parameters():
                 if id(p) in unfused:

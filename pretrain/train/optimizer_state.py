@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from pretrain import ds_adapter
-from pretrain.train.expert_parallel import global_param_names
-from pretrain.train.model_parallel import gather_shards, local_shards
+from pretrain.parallel.expert import global_param_names
+from pretrain.parallel.tensor import gather_shards, local_shards
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -62,14 +62,14 @@ def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunCon
         return cfg
     merged = to_dict(cfg)
     merged["model"] = saved["model"]
-    merged["moe"] = {**saved.get("moe", {}), "ep_size": cfg.moe.ep_size}
+    merged["moe"] = saved.get("moe", {})  # (the parallel section, expert parallelism included, is the current one)
     return from_dict(merged)
 
 
 def expert_layout_changed(ckpt: CommittedCheckpoint, ep_size: int, world_size: int) -> bool:
     """Whether ``ckpt`` holds expert-parallel engine state of another layout than ``ep_size`` (0: no MoE) on
     ``world_size`` workers. DeepSpeed partitions the experts' ZeRO state over the expert-data-parallel group, which
-    changes with ``moe.ep_size`` and the worker count, and loads it (also its universal form) only into the same
+    changes with ``parallel.expert`` and the worker count, and loads it (also its universal form) only into the same
     groups: such a checkpoint resumes through its full form (:func:`reader.resharded_full_form`). Full weights, dense
     checkpoints and ``ep_size`` 1 on both sides (experts are then ordinary data-parallel weights, re-sharded for
     another worker count by the universal form) need no conversion."""
@@ -139,12 +139,12 @@ def resume_source(
         convert = (
             f"tensor parallel resume: converting the engine state of {ckpt.path.name} to full weights and "
             f"optimizer moments",
-            f"{ckpt.path}: cannot convert to full weights for cluster.tensor_parallel={tensor_parallel}",
+            f"{ckpt.path}: cannot convert to full weights for parallel.tensor={tensor_parallel}",
         )
     elif expert_layout_changed(ckpt, ep_size, ctx.world_size):
-        saved = f"moe.ep_size={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
+        saved = f"parallel.expert={ckpt.manifest.moe_ep_size} on {ckpt.manifest.world_size} workers"
         convert = (
-            f"expert re-layout: {saved} -> moe.ep_size={ep_size} on {ctx.world_size} workers, converting the "
+            f"expert re-layout: {saved} -> parallel.expert={ep_size} on {ctx.world_size} workers, converting the "
             f"checkpoint to full weights and optimizer moments",
             f"{ckpt.path}: cannot re-shard the experts saved with {saved}",
         )
@@ -159,7 +159,7 @@ def resume_source(
 
 def ep_size_of(cfg: RunConfig) -> int:
     """The expert-parallel degree a module of ``cfg`` has (0: no MoE), what :func:`resume_source` resumes into."""
-    return cfg.moe.ep_size if cfg.moe.enabled else 0
+    return cfg.parallel.expert if cfg.moe.enabled else 0
 
 
 def load_model_state(module, source: ResumeSource, built: bool = False) -> None:
@@ -179,7 +179,7 @@ def load_model_state(module, source: ResumeSource, built: bool = False) -> None:
 def rollback_loader(module, run_dir: Path, ctx: dist.DistContext):
     """``load(ckpt)`` for a stability rollback: the checkpoint's model state into ``module``, either format."""
     return lambda ckpt: load_model_state(
-        module, resume_source(ckpt, run_dir, ctx, ep_size_of(module.cfg), module.cfg.cluster.tensor_parallel)
+        module, resume_source(ckpt, run_dir, ctx, ep_size_of(module.cfg), module.plan.dims.tensor)
     )
 
 

@@ -78,11 +78,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     resume = find_resume_point(cfg, run_dir, ctx)
     if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
         cfg = checkpoint_architecture(cfg, resume)
-    source = (
-        resume_source(resume, run_dir, ctx, ep_size_of(cfg), cfg.cluster.tensor_parallel)
-        if resume is not None
-        else None
-    )
+    source = resume_source(resume, run_dir, ctx, ep_size_of(cfg), plan.dims.tensor) if resume is not None else None
     weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
     if source is not None and source.weights is not None:  # a full-weights checkpoint (a derived run)
         weights = source.weights

@@ -130,7 +130,7 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
         "growth.optimizer=grow",
         "growth.schedule=[{at_step: 2, depth: 2x}, {at_step: 4, width: 2x, noise: 0}]",
     ]
-    moe = base + ["zero.stage=2", "moe.ep_size=2", "growth.schedule=[{at_step: 3, experts: 4, top_k: 2, noise: 0}]"]
+    moe = base + ["zero.stage=2", "parallel.expert=2", "growth.schedule=[{at_step: 3, experts: 4, top_k: 2, noise: 0}]"]
     with in_workdir(tmp_path):
         jobs = {"dec1": prepare_new(load_config(dec_cfg, dec + ["zero.stage=1"]))}
         tok = [f"data.tokenizer={Path(jobs['dec1'].run_dir) / 'tokenizer'}"]
@@ -159,7 +159,7 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
         for name in ("enc1", "enc3"):
             assert (saved(name, "model")["num_layers"], saved(name, "model")["hidden_size"]) == (4, 64)
         assert history("enc3", "train/loss")[7] == pytest.approx(history("enc1", "train/loss")[7], rel=1e-4)
-        assert saved("moe", "moe")["num_experts"] == 4 and saved("moe", "moe")["ep_size"] == 2
+        assert saved("moe", "moe")["num_experts"] == 4 and saved("moe", "parallel")["expert"] == 2
         assert "moe/block0/max_share" in client.get_run(jobs["moe"].run_id).data.metrics
 
         def data_state(name):
@@ -174,7 +174,7 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     """`grow` on a run trained by 2 workers under ZeRO-3 (partitioned weights merged): identity depth + tiled width
     without noise (the held-back loss is unchanged, logged), a child MLflow run tagged with its parent that `runs`
     shows, resumes (on 1 worker) and exports with a passing parity check; `grow experts=4` upcycles, trains with
-    expert parallelism (2 workers, moe.ep_size=2) and exports as Mixtral."""
+    expert parallelism (2 workers, parallel.expert=2) and exports as Mixtral."""
     import json
     import subprocess
 
@@ -228,7 +228,7 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
         "train.max_steps=6",
         "cluster.use_ray=true",
         "cluster.num_workers=2",
-        "moe.ep_size=2",
+        "parallel.expert=2",
         "zero.stage=1",
     )
     assert "2 worker(s)" in out

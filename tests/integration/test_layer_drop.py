@@ -38,7 +38,7 @@ VARIANTS = {  # each on 2 workers and on 1 (id + "-2w", id + "-1w")
     "z1-moe": ("zero.stage=1", *MOE),
 }
 TWO_WORKERS_ONLY = {
-    "z1-moe-ep2": ("zero.stage=1", *MOE, "moe.ep_size=2"),
+    "z1-moe-ep2": ("zero.stage=1", *MOE, "parallel.expert=2"),
     # block dropout on post-norm and DeepNorm: a skipped block's norms get no gradient either (ZeRO-3 must zero them)
     "z1-encoder": ("zero.stage=1", *ENCODER),
     "z3-encoder": (*Z3, *ENCODER),

@@ -42,11 +42,11 @@ CASES = {
 }
 MODEL_PARALLEL = ["cluster.num_workers=2", "data.num_streams=1"]
 PARALLEL_CASES = {  # 2 workers: the estimate of each rank against its own measured peak
-    "demo-decoder-sp2": ("demo-decoder", [*MODEL_PARALLEL, "cluster.sequence_parallel=2"]),
-    "demo-encoder-tp2": ("demo-encoder", [*MODEL_PARALLEL, "cluster.tensor_parallel=2"]),
+    "demo-decoder-sp2": ("demo-decoder", [*MODEL_PARALLEL, "parallel.sequence=2"]),
+    "demo-encoder-tp2": ("demo-encoder", [*MODEL_PARALLEL, "parallel.tensor=2"]),
     "demo-decoder-tp2-selective": (
         "demo-decoder",
-        [*MODEL_PARALLEL, "cluster.tensor_parallel=2", "train.activation_checkpointing=selective"],
+        [*MODEL_PARALLEL, "parallel.tensor=2", "train.activation_checkpointing=selective"],
     ),
 }
 STEPS = 2

@@ -1,5 +1,5 @@
-"""Sequence parallelism (DeepSpeed Ulysses, ``cluster.sequence_parallel``) and tensor parallelism (DeepSpeed AutoTP,
-``cluster.tensor_parallel``) with real gloo processes: the same per-step losses as 1 process fed the same global
+"""Sequence parallelism (DeepSpeed Ulysses, ``parallel.sequence``) and tensor parallelism (DeepSpeed AutoTP,
+``parallel.tensor``) with real gloo processes: the same per-step losses as 1 process fed the same global
 batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1, 2 and 3; with layer dropout), bitwise resume
 on the same layout and resume on another one; and the user's path through the CLI and Ray (2 workers equal 1; a growth
 schedule and layer dropout under sequence parallelism, stopped, resumed with tensor parallelism, exported with the
@@ -29,7 +29,7 @@ COMMON = (
 )
 DEC = ("model.num_kv_heads=2",)  # GQA: 2 query heads per key-value head
 ENC = ("model.kind=encoder", "model.position=learned")
-SP, TP = "cluster.sequence_parallel=2", "cluster.tensor_parallel=2"
+SP, TP = "parallel.sequence=2", "parallel.tensor=2"
 DROP = ("layer_drop.rate=0.5", "layer_drop.mode=sample")
 # MoE without a capacity limit or auxiliary terms routes each token on its own: a worker's slice routes as the whole
 MOE = ("moe.num_experts=4", "moe.top_k=2", "moe.aux_loss_weight=0", "moe.router_z_loss_weight=0")
@@ -54,8 +54,8 @@ CASES = [
     Case("dec-tp2-dp2-z1", (*DEC, TP), 4),
     Case("dec-tp2-dp2-z2", (*DEC, TP, "zero.stage=2"), 4),
     Case("dec-sp2-tp2", (*DEC, SP, TP, "model.num_kv_heads=4"), 4),  # 4 key-value heads: one per worker
-    Case("moe-sp2-ep2", (*DEC, *MOE, SP, "moe.ep_size=2"), 2),
-    Case("moe-sp2-dp2-ep2", (*DEC, *MOE, SP, "moe.ep_size=2"), 4),
+    Case("moe-sp2-ep2", (*DEC, *MOE, SP, "parallel.expert=2"), 2),
+    Case("moe-sp2-dp2-ep2", (*DEC, *MOE, SP, "parallel.expert=2"), 4),
 ]
 # case -> the 1-process case it must equal
 REFERENCE = {
@@ -231,7 +231,7 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     assert "growth.schedule[0]: at_tokens 512 -> at_step 2 (256 tokens/step)" in out
     assert re.search(r"growth.schedule\[1\]: at_fraction \S+ of train.max_flops \S+ -> at_step 5", out)
     assert re.search(r"train.max_flops \S+ -> train.max_steps 6 ", out)
-    out = cli(tmp_path, "resume", run, "cluster.sequence_parallel=1", TP, timeout=600).stdout
+    out = cli(tmp_path, "resume", run, "parallel.sequence=1", TP, timeout=600).stdout
     assert "tensor parallel resume" in out and "(1 data x 1 sequence x 2 tensor parallel)" in out
     assert "-> train.max_steps" not in out and "-> at_step" not in out, "a resume derives the same steps"
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -43,7 +43,7 @@ def _ep(
     return Case(
         f"{name}-{world}w",
         (
-            f"moe.ep_size={ep}",
+            f"parallel.expert={ep}",
             f"moe.top_k={k}",
             f"zero.stage={stage}",
             f"moe.capacity_factor={cap}",
@@ -147,7 +147,7 @@ def _aux_loss_keeps_no_bias(res: dict) -> None:
 
 def _zero3_like_zero1(res: dict) -> None:
     zero3 = max(abs(a[0] - b[0]) for a, b in zip(res["ep1-top2-z1-2w"][0], res["ep1-top2-z3-2w"][0]))
-    print(f"ZeRO-3 (moe.ep_size=1: experts sharded like dense weights) vs ZeRO-1: max |loss diff| {zero3:.2e}")
+    print(f"ZeRO-3 (parallel.expert=1: experts sharded like dense weights) vs ZeRO-1: max |loss diff| {zero3:.2e}")
     assert zero3 < 1e-5
 
 
@@ -173,7 +173,7 @@ EXTRA_CHECKS = {
 @pytest.mark.parametrize("case", EP_CASES, ids=case_ids(EP_CASES))
 def test_expert_parallel_equals_replicated_experts(ep_cases, case):
     """Every rank reports the same reduced values; EP=2 and EP=4 equal EP=1 on the same data (losses, grad norms,
-    routing counts, health metrics); ZeRO-3 with ep_size 1 trains the MoE model like ZeRO-1; loss-free balancing
+    routing counts, health metrics); ZeRO-3 with parallel.expert 1 trains the MoE model like ZeRO-1; loss-free balancing
     gives the same biases for EP=2 and EP=1; capacity 1.0 drops assignments."""
     ranks = ep_cases[case.id]
     assert all(r == ranks[0] for r in ranks), "every rank reports the same reduced values"
@@ -220,7 +220,7 @@ TINY = [
     "checkpoint.every_steps=4",
     "cluster.num_workers=2",
     "cluster.use_ray=false",
-    "moe.ep_size=2",
+    "parallel.expert=2",
     "moe.collapse_share=0.26",
     "moe.collapse_steps=3",
     "stability.plot_at_end=false",
@@ -242,12 +242,12 @@ def ep_runs(tmp_path_factory):
     def prepare(*over: str):
         return prepare_new(load_config(MOE_CONFIG, [*TINY, *over]))
 
-    base = [o for o in TINY if not o.startswith(("moe.ep_size", "cluster.num_workers", "moe.collapse"))]
+    base = [o for o in TINY if not o.startswith(("parallel.expert", "cluster.num_workers", "moe.collapse"))]
     with in_workdir(tmp_path_factory.mktemp("moe")) as work:
         full = prepare()
         tok = [f"data.tokenizer={Path(full.run_dir) / 'tokenizer'}"]
-        replicated = prepare(*tok, "moe.ep_size=1")
-        layout_ref = prepare_new(load_config(MOE_CONFIG, base + tok + ["moe.ep_size=1", "cluster.num_workers=1"]))
+        replicated = prepare(*tok, "parallel.expert=1")
+        layout_ref = prepare_new(load_config(MOE_CONFIG, base + tok + ["parallel.expert=1", "cluster.num_workers=1"]))
         run_jobs(1, [layout_ref], fresh=False)
         # each prepared once the checkpoint it resumes from exists (the driver checks checkpoint.resume_from)
         ep2 = prepare_new(
@@ -256,7 +256,7 @@ def ep_runs(tmp_path_factory):
                 base
                 + tok
                 + [
-                    "moe.ep_size=2",
+                    "parallel.expert=2",
                     "cluster.num_workers=2",
                     f"checkpoint.resume_from={Path(layout_ref.run_dir) / 'step_00000004'}",
                 ],
@@ -270,7 +270,7 @@ def ep_runs(tmp_path_factory):
                 base
                 + tok
                 + [
-                    "moe.ep_size=1",
+                    "parallel.expert=1",
                     "cluster.num_workers=2",
                     "zero.stage=2",
                     f"checkpoint.resume_from={Path(ep2.run_dir) / 'step_00000008'}",
@@ -279,7 +279,7 @@ def ep_runs(tmp_path_factory):
         )
         elastic = prepare(
             *tok,
-            "moe.ep_size=1",
+            "parallel.expert=1",
             "cluster.num_workers=1",
             f"checkpoint.resume_from={Path(replicated.run_dir) / 'step_00000004'}",
         )
@@ -333,14 +333,14 @@ def test_ep_resume_is_bitwise(ep_runs):
 
 
 def test_replicated_experts_resume_elastically(ep_runs):
-    """With moe.ep_size 1 the experts are ordinary data-parallel weights: 2 workers -> 1 through DeepSpeed's
+    """With parallel.expert 1 the experts are ordinary data-parallel weights: 2 workers -> 1 through DeepSpeed's
     universal checkpoint continues the run (1 worker accumulates what 2 workers all-reduce)."""
     uri = ep_runs["uri"]
     ref = metric_history(ep_runs["replicated"].run_id, "train/loss", uri)
     got = metric_history(ep_runs["elastic"].run_id, "train/loss", uri)
     assert sorted(got) == list(range(5, 13))
     diff = max(abs(got[s] - ref[s]) for s in got)
-    print(f"\nMoE (ep_size 1) elastic 2 -> 1 workers: max |loss diff| {diff:.2e}")
+    print(f"\nMoE (parallel.expert 1) elastic 2 -> 1 workers: max |loss diff| {diff:.2e}")
     assert diff < 1e-5
 
 
@@ -374,7 +374,7 @@ def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs,
     loaded = resolve_checkpoint(str(ckpt))
     sd = loaded.state_dict()
     cfg = loaded.config
-    reference = build_model(cfg.model, 0, MoEConfig(**{**asdict(cfg.moe), "ep_size": 1})).state_dict()
+    reference = build_model(cfg.model, 0, MoEConfig(**asdict(cfg.moe))).state_dict()
     assert set(sd) == set(reference), "a full state dict: every expert of every layer, nothing else"
     experts = [k for k in sd if ".deepspeed_experts." in k]
     assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down)
@@ -405,7 +405,7 @@ def test_demo_moe_through_the_cli_and_ray_with_ep2_then_export_and_eval(tmp_path
         "train.max_steps=6",
         "checkpoint.every_steps=6",
         "train.val_every=0",
-        "moe.ep_size=2",
+        "parallel.expert=2",
         "moe.ffn_size=64",
     ]
     train = cli(tmp_path, "train", str(ROOT / "configs" / "demo-moe.yaml"), *over)

@@ -426,7 +426,7 @@ def test_optimizer_grow_refused_with_expert_parallelism():
             None,
             [
                 "moe.num_experts=4",
-                "moe.ep_size=2",
+                "parallel.expert=2",
                 "cluster.num_workers=2",
                 "data.num_streams=2",
                 "growth.optimizer=grow",

@@ -15,7 +15,7 @@ _PARALLEL_NAMES = {"rank", "world_size", "world", "ep_rank", "ep_size", "local_r
 
 def test_model_code_is_single_device():
     """No rank, world size or process group reaches model code: expert parallelism and sharding are applied from
-    ``pretrain.train`` (``expert_parallel.py``, the DeepSpeed engine)."""
+    ``pretrain.parallel`` (``expert.py``, ``sequence.py``, ``tensor.py``) and the DeepSpeed engine."""
     offenders = []
     files = sorted((ROOT / "pretrain" / "model").glob("*.py"))
     assert len(files) >= 5

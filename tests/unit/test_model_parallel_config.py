@@ -1,4 +1,4 @@
-"""The layout rules of ``cluster.sequence_parallel`` / ``cluster.tensor_parallel`` (one-line refusals at config load),
+"""The layout rules of ``parallel.sequence`` / ``parallel.tensor`` (one-line refusals at config load),
 the plan's rank mapping, and the dry-run plan of a model-parallel layout."""
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ BASE = (*TINY_MODEL, "data.num_streams=2", "train.global_batch_size=8", "train.m
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (("cluster.num_workers=3", "cluster.sequence_parallel=2"), "cluster.num_workers: 3 workers do not divide"),
+        (("cluster.num_workers=3", "parallel.sequence=2"), "cluster.num_workers: 3 workers do not divide"),
         (
-            ("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.num_kv_heads=1"),
+            ("cluster.num_workers=2", "parallel.sequence=2", "model.num_kv_heads=1"),
             "must divide model.num_heads",
         ),
         (
-            ("cluster.num_workers=8", "cluster.sequence_parallel=8"),
-            "cluster.sequence_parallel: 8 must divide model.num",
+            ("cluster.num_workers=8", "parallel.sequence=8"),
+            "parallel.sequence: 8 must divide model.num",
         ),
-        (("cluster.num_workers=2", "cluster.sequence_parallel=2", "model.max_seq_len=15"), "divide model.max_seq_len"),
-        (("cluster.num_workers=2", "cluster.tensor_parallel=2", "model.ffn_size=33"), "divide the FFN size (33"),
-        (("cluster.num_workers=2", "cluster.tensor_parallel=2", "zero.stage=3"), "not with zero.stage 3"),
-        (("cluster.num_workers=2", "cluster.tensor_parallel=2", "moe.num_experts=2"), "not with MoE"),
-        (("cluster.num_workers=2", "cluster.tensor_parallel=2", "train.compile=yes"), "train.compile: yes"),
-        (("cluster.sequence_parallel=0",), "cluster.sequence_parallel: must be >= 1"),
+        (("cluster.num_workers=2", "parallel.sequence=2", "model.max_seq_len=15"), "divide model.max_seq_len"),
+        (("cluster.num_workers=2", "parallel.tensor=2", "model.ffn_size=33"), "divide the FFN size (33"),
+        (("cluster.num_workers=2", "parallel.tensor=2", "zero.stage=3"), "not with zero.stage 3"),
+        (("cluster.num_workers=2", "parallel.tensor=2", "moe.num_experts=2"), "not with MoE"),
+        (("cluster.num_workers=2", "parallel.tensor=2", "train.compile=yes"), "train.compile: yes"),
+        (("parallel.sequence=0",), "parallel.sequence: must be >= 1"),
     ],
 )
 def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, says):
@@ -41,9 +41,7 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, says):
 def test_plan_maps_ranks_to_data_parallel_ranks():
     from pretrain.config import make_plan
 
-    cfg = load_config(
-        None, [*BASE, "cluster.num_workers=8", "cluster.sequence_parallel=2", "cluster.tensor_parallel=2"]
-    )
+    cfg = load_config(None, [*BASE, "cluster.num_workers=8", "parallel.sequence=2", "parallel.tensor=2"])
     plan = make_plan(cfg, 8)
     assert (plan.world_size, plan.workers, plan.model_parallel) == (2, 8, 4)
     assert [plan.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -63,7 +61,7 @@ def test_memory_plan_divides_tokens_by_sequence_and_projections_by_tensor_parall
         )
         return memory(cfg, count_parameters(cfg), layout_of(cfg, make_plan(cfg, 4)))
 
-    dp, sp, tp = mem(), mem("cluster.sequence_parallel=2"), mem("cluster.tensor_parallel=2")
+    dp, sp, tp = mem(), mem("parallel.sequence=2"), mem("parallel.tensor=2")
     assert sp.activations.kept == pytest.approx(dp.activations.kept / 2, rel=0.01)
     assert sp.weights == dp.weights and sp.optimizer == dp.optimizer  # ZeRO over all 4 either way
     assert tp.weights < dp.weights and tp.activations.kept < dp.activations.kept

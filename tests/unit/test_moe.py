@@ -163,13 +163,14 @@ def test_layer_selection_and_independent_expert_init():
 
 def test_expert_parallel_slices_equal_the_full_model():
     """Worker r of EP=2 holds exactly experts [2r, 2r+2) of the EP=1 model; everything else is identical."""
-    from pretrain.train.expert_parallel import apply_expert_parallel
+    from pretrain.config import make_plan
+    from pretrain.parallel.expert import apply_expert_parallel
 
     full = build_model(_small().model, 5, _small().moe).state_dict()
     for rank in (0, 1):
-        ep = _small("moe.ep_size=2", "cluster.num_workers=2")
+        ep = _small("parallel.expert=2", "cluster.num_workers=2")
         model = build_model(ep.model, 5, ep.moe)  # every expert; the worker keeps its slice (as build_module does)
-        assert apply_expert_parallel(model, ep.moe.ep_size, rank) == len(moe_layers(model)) == 2
+        assert apply_expert_parallel(model, make_plan(ep, 2).dims, rank) == len(moe_layers(model)) == 2
         part = model.state_dict()
         assert sum(".deepspeed_experts." in k for k in part) * 2 == sum(".deepspeed_experts." in k for k in full)
         for key, value in part.items():
@@ -238,10 +239,10 @@ def test_aux_losses_and_metrics():
     "over,message",
     [
         (["moe.top_k=5"], "moe.top_k"),
-        (["moe.ep_size=3", "cluster.num_workers=3"], "moe.ep_size: 3 must divide moe.num_experts"),
-        (["moe.ep_size=2"], "moe.ep_size: 2 must divide the worker count 1"),
-        (["moe.ep_size=2", "cluster.num_workers=2", "zero.stage=3"], "zero.stage: ZeRO-3 cannot partition"),
-        (["moe.ep_size=2", "cluster.num_workers=2", "zero.stage=0"], "zero.stage: expert parallelism"),
+        (["parallel.expert=3", "cluster.num_workers=3"], "parallel.expert: 3 must divide moe.num_experts"),
+        (["parallel.expert=2"], "parallel.expert: 2 must divide the worker count 1"),
+        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=3"], "zero.stage: ZeRO-3 cannot partition"),
+        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=0"], "zero.stage: expert parallelism"),
         (["moe.layers=[7]"], "moe.layers[0]: block 7 does not exist"),
         (["moe.every=3"], "moe.every: 3 selects no block"),
         (["moe.capacity_factor=-1"], "moe.capacity_factor"),
@@ -331,8 +332,8 @@ def test_router_collapse_is_flagged_once_per_streak():
 
 
 def test_expert_parallel_state_of_another_layout_is_converted(tmp_path):
-    """Expert-parallel engine state resumes on another ep_size or worker count through its full form; the same
-    layout, dense checkpoints, ep_size 1 on both sides (elastic like a dense model) and full weights need none."""
+    """Expert-parallel engine state resumes on another expert degree or worker count through its full form; the same
+    layout, dense checkpoints, expert degree 1 on both sides (elastic like a dense model) and full weights need none."""
     from pretrain.checkpoint import store as ckpt_io
     from pretrain.checkpoint.manifest import Manifest
     from pretrain.train.resume import expert_layout_changed

@@ -91,9 +91,10 @@ def held_back_loss(
 
 def grown_config(cfg: RunConfig, model, moe) -> RunConfig:
     """``cfg`` with the grown architecture (expert parallelism kept when the new expert count allows it)."""
-    if moe.enabled and moe.num_experts % cfg.moe.ep_size:
-        moe = dataclasses.replace(moe, ep_size=1)
-    return dataclasses.replace(cfg, model=model, moe=moe).validate()
+    parallel = cfg.parallel
+    if moe.enabled and moe.num_experts % parallel.expert:
+        parallel = dataclasses.replace(parallel, expert=1)
+    return dataclasses.replace(cfg, model=model, moe=moe, parallel=parallel).validate()
 
 
 class GrowthCallback(Callback):

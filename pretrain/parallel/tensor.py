@@ -1,71 +1,30 @@
-"""Sequence parallelism (DeepSpeed Ulysses) and tensor parallelism (DeepSpeed AutoTP) on the training side: the
-process groups, applying them to a model, the AutoTP section of the DeepSpeed config, and the whole weights (and
-optimizer moments) of a tensor-parallel module, gathered from and split back into its shards.
+"""Tensor parallelism (DeepSpeed AutoTP): the AutoTP section of the DeepSpeed config (DeepSpeed splits the layers
+when the engine is built), marking the split parameters, and the whole weights (and optimizer moments) of a
+tensor-parallel module, gathered from and split back into its shards.
 
-Rank layout (``pretrain/config/parallel.py``): ``rank = (d * N + s) * M + t``. Tensor-parallel groups are ``M``
-consecutive ranks (DeepSpeed's AutoTP mesh); a sequence-parallel group is the ``N`` ranks of one ``(d, t)``, ``M``
-apart. DeepSpeed is not told about sequence parallelism: its data-parallel group spans ``N x D`` ranks (ZeRO
-partitions over all of them), and the loss scaling of ``pretrain/train/sequence_parallel.py`` makes its gradient
-average the average over the ``D`` data-parallel ranks.
+Rank layout (``pretrain/parallel/dims.py``): ``rank = (d * N + s) * M + t``; tensor-parallel groups are the ``M``
+consecutive ranks of one ``(d, s)`` (DeepSpeed's AutoTP mesh), created by DeepSpeed and reached through
+``pretrain.ds_adapter``.
 """
 
 from __future__ import annotations
-
-from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from pretrain import ds_adapter
-from pretrain.config import RunConfig
-from pretrain.model import Transformer
-from pretrain.model.layers import Attention
-from pretrain.train.sequence_parallel import SequenceShards, ulysses_attention
+from pretrain.parallel.dims import ParallelDims
 
 StateDict = dict[str, torch.Tensor]
 
-# Process groups are created collectively, once per layout and default group (a growth rebuild reuses them).
-_SEQUENCE_GROUPS: dict[tuple[int, int, int, int], tuple[dist.ProcessGroup, int]] = {}
 
-
-def sequence_group(world: int, n: int, m: int) -> tuple[dist.ProcessGroup, int]:
-    """(this rank's sequence-parallel group, its index in it). Collective the first time for a layout: every rank
-    creates every group, in the same order."""
-    key = (id(dist.group.WORLD), world, n, m)
-    if key not in _SEQUENCE_GROUPS:
-        rank, mine = dist.get_rank(), None
-        for first in range(world):
-            if (first // m) % n:  # not the first of its group
-                continue
-            ranks = [first + s * m for s in range(n)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = (group, ranks.index(rank))
-        assert mine is not None
-        _SEQUENCE_GROUPS[key] = mine
-    return _SEQUENCE_GROUPS[key]
-
-
-def apply_sequence_parallel(model: Transformer, cfg: RunConfig) -> None:
-    """Make ``model`` (a Transformer) keep its slice of every sequence and attend through DeepSpeed's Ulysses
-    all-to-all, for ``cluster.sequence_parallel`` > 1 (collective); nothing otherwise."""
-    n, m = cfg.cluster.sequence_parallel, cfg.cluster.tensor_parallel
-    if n == 1:
-        return
-    group, index = sequence_group(dist.get_world_size(), n, m)
-    model.sequence_shards = SequenceShards(group, index, n)
-    for block in model.blocks:
-        attn = cast(Attention, block.attn)
-        attn.use_ulysses(ulysses_attention(attn, group))
-
-
-def autotp_section(cfg: RunConfig) -> dict:
+def autotp_section(dims: ParallelDims) -> dict:
     """The ``tensor_parallel`` section of the DeepSpeed config: AutoTP with a partition config for our layer names
     (q/k/v, gate/up column-parallel; o/down row-parallel; everything else whole). The per-head ``q_norm``/``k_norm``
     stay whole but see only a worker's heads: their gradients are summed over the tensor-parallel group."""
     return {
-        "autotp_size": cfg.cluster.tensor_parallel,
+        "autotp_size": dims.tensor,
         "partition_config": {
             "use_default_specs": False,
             "layer_specs": [
@@ -84,9 +43,15 @@ def autotp_section(cfg: RunConfig) -> dict:
     }
 
 
-def prepare_tensor_parallel(size: int) -> None:
-    """Before an engine of tensor-parallel ``size`` is built: drop DeepSpeed's groups of another size (processes that
-    built such an engine before, e.g. a test's), so DeepSpeed creates those of this layout."""
+def deepspeed_section(dims: ParallelDims) -> dict:
+    """This parallelism's part of the DeepSpeed config: ``{"tensor_parallel": ...}`` under tensor parallelism."""
+    return {"tensor_parallel": autotp_section(dims)} if dims.tensor > 1 else {}
+
+
+def prepare_tensor_parallel(dims: ParallelDims) -> None:
+    """Before an engine of tensor-parallel degree ``dims.tensor`` is built: drop DeepSpeed's groups of another size
+    (processes that built such an engine before, e.g. a test's), so DeepSpeed creates those of this layout."""
+    size = dims.tensor
     if ds_adapter.tensor_parallel_size() != size and (size > 1 or ds_adapter.tensor_parallel_size() > 1):
         ds_adapter.reset_parallel_groups()
 

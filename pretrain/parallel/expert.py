@@ -1,6 +1,8 @@
-"""Expert parallelism, applied to a built model from outside (the model code stays single-device).
+"""Expert parallelism (``parallel.expert``), applied to a built model from outside (the model code stays
+single-device).
 
-:func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank (the model is built
+:func:`apply_expert_parallel` keeps on each worker the slice of experts of its expert-parallel rank
+(:meth:`pretrain.parallel.dims.ParallelDims.expert_rank`; the model is built
 with all of them, so every layout has the same expert weights) and turns every such MoE layer into a DeepSpeed MoE layer
 (the instance's class becomes a subclass that is also ``deepspeed.moe.layer.MoE``, the way FSDP2's ``fully_shard`` swaps
 classes) and tags its expert parameters as DeepSpeed does (both in :mod:`pretrain.ds_adapter`). The DeepSpeed engine
@@ -24,6 +26,7 @@ import torch.nn as nn
 
 from pretrain import ds_adapter
 from pretrain.model.moe import MoEFeedForward, moe_layers
+from pretrain.parallel.dims import ParallelDims
 
 
 class _AllToAll(torch.autograd.Function):
@@ -88,11 +91,6 @@ def _deepspeed_moe_class() -> type:
     return ds_adapter.deepspeed_moe_subclass(MoEFeedForward, _adopt_group, "ExpertParallelMoE", __name__)
 
 
-def expert_parallel_rank(rank: int, ep_size: int) -> int:
-    """EP rank of global ``rank``: expert-parallel groups are consecutive ranks (DeepSpeed's layout)."""
-    return rank % ep_size
-
-
 def shard_experts(layer: MoEFeedForward, ep_size: int, ep_rank: int) -> None:
     """Keep experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of a layer built with all E experts."""
     if layer.num_experts % ep_size or not 0 <= ep_rank < ep_size:
@@ -105,15 +103,16 @@ def shard_experts(layer: MoEFeedForward, ep_size: int, ep_rank: int) -> None:
     layer.ep_size, layer.ep_rank, layer.num_local_experts = ep_size, ep_rank, local
 
 
-def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> int:
-    """Shard the experts of every MoE layer over ``ep_size`` workers (this worker: global ``rank``) and make
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int) -> int:
+    """Shard the experts of every MoE layer over ``dims.expert`` workers (this worker: global ``rank``) and make
     those layers DeepSpeed MoE layers (see module doc); before ``deepspeed.initialize``. Returns how many
-    layers it converted (0 for dense models and ``ep_size`` 1)."""
+    layers it converted (0 for dense models and ``parallel.expert`` 1)."""
+    ep_size = dims.expert
     if ep_size == 1:
         return 0  # experts are ordinary data-parallel weights
     converted = 0
     for _, layer in moe_layers(model):
-        shard_experts(layer, ep_size, expert_parallel_rank(rank, ep_size))
+        shard_experts(layer, ep_size, dims.expert_rank(rank))
         layer.__class__ = _deepspeed_moe_class()
         ds_adapter.tag_expert_layer(layer, layer.experts, layer.ep_size)
         converted += 1

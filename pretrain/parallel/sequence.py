@@ -1,5 +1,7 @@
-"""Sequence parallelism (DeepSpeed Ulysses) for the single-device model (its ``Transformer.sequence_shards``): what
-changes when the ``N`` workers of a group each hold ``T / N`` tokens of the same sequences.
+"""Sequence parallelism (DeepSpeed Ulysses), applied to the single-device model from outside
+(:func:`apply_sequence_parallel` sets its ``Transformer.sequence_shards`` and each attention's Ulysses core): what
+changes when the ``N = parallel.sequence`` workers of a group each hold ``T / N`` tokens of the same sequences (the
+groups: :meth:`pretrain.parallel.dims.ParallelDims.sequence_group`).
 
 * Every worker of the group gets the whole batch and keeps its slice (:meth:`SequenceShards.local`): token ids,
   and targets taken *before* slicing, so a decoder's last position of one slice predicts the first token of the
@@ -18,13 +20,17 @@ changes when the ``N`` workers of a group each hold ``T / N`` tokens of the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from pretrain import ds_adapter
+from pretrain.model import Transformer
+from pretrain.model.layers import Attention
 from pretrain.model.score import IGNORE
+from pretrain.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class SequenceShards:
     def span(self, t: int) -> slice:
         """The positions of this worker's slice of a sequence of ``t`` tokens."""
         if t % self.size:
-            raise ValueError(f"sequence length {t} is not divisible by cluster.sequence_parallel {self.size}")
+            raise ValueError(f"sequence length {t} is not divisible by parallel.sequence {self.size}")
         n = t // self.size
         return slice(self.index * n, (self.index + 1) * n)
 
@@ -83,3 +89,15 @@ def ulysses_attention(attn, group: dist.ProcessGroup):
         return y.transpose(1, 2)  # (B, T, h, hd)
 
     return ds_adapter.distributed_attention(core, group)
+
+
+def apply_sequence_parallel(model: Transformer, dims: ParallelDims) -> None:
+    """Make ``model`` keep its slice of every sequence and attend through DeepSpeed's Ulysses all-to-all, for
+    ``parallel.sequence`` > 1 (collective: the groups are created the first time); nothing otherwise."""
+    if dims.sequence == 1:
+        return
+    group, index = dims.sequence_group()
+    model.sequence_shards = SequenceShards(group, index, dims.sequence)
+    for block in model.blocks:
+        attn = cast(Attention, block.attn)
+        attn.use_ulysses(ulysses_attention(attn, group))
