@@ -1,6 +1,6 @@
 """Golden per-step losses: fixed runs through the real CLI (real Ray, real gloo, real MLflow) whose
 per-step training loss, gradient norm and final validation loss must stay bitwise identical on CPU
-across refactorings. ``tests/integration/test_golden.py`` reruns the cases and compares them with the files.
+across refactorings. ``tests/integration/train/test_golden.py`` reruns the cases and compares them with the files.
 
     python -m tests.golden_losses            # (re)record every case into tests/golden/*.json
     python -m tests.golden_losses CASE ...   # only these cases

@@ -2,7 +2,7 @@
 
 * the tiny model (``TINY_MODEL``, ``tiny_config``), learnable global batches and each rank's shard of one;
 * ``run_distributed(fn, world_size, *args)``: real processes joined by a real gloo group: fresh ones
-  (``benchmarks/procs.py``), or with ``fresh=False`` the session's processes of that world size, started once and
+  (``pretrain/train/spawn.py``), or with ``fresh=False`` the session's processes of that world size, started once and
   kept (``_RankPool``), which skips the seconds every fresh process spends on imports and its first DeepSpeed
   engine;
 * ``train_steps``: steps of a DeepSpeed module (``build_module`` + ``run_step``) on this rank's shards, and
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import procs
+from pretrain.train import spawn
 
 __all__ = [
     "CONFIG",
@@ -105,8 +105,8 @@ def _serve(rank: int, world: int, port: int, store_path: str, tasks, results, pa
 
 class _RankPool:
     """``world`` real processes joined by a real gloo group, kept for the session: each call sends every rank the
-    same function, which runs as in ``benchmarks.procs.run_distributed``. A failed or timed-out call ends the pool (a
-    rank may be stuck in a collective); the next call starts a new one."""
+    same function, which runs as in ``pretrain.train.spawn.run_distributed``. A failed or timed-out call ends the
+    pool (a rank may be stuck in a collective); the next call starts a new one."""
 
     def __init__(self, world: int) -> None:
         import torch.multiprocessing as mp
@@ -175,7 +175,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     processes wrote, output a test captures); else the session's processes of that world size, which run it in the
     caller's working directory and environment."""
     if fresh:
-        return procs.run_distributed(fn, world_size, *args, timeout=timeout)
+        return spawn.run_distributed(fn, world_size, *args, timeout=timeout)
     pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
     try:
         return pool.run(fn, args, timeout)

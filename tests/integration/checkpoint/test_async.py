@@ -12,7 +12,7 @@ import torch
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from tests.harness import run_distributed
-from tests.unit.test_checkpoint_async import _digests
+from tests.unit.checkpoint.test_snapshot import _digests
 
 
 class _Tracker:
@@ -44,7 +44,7 @@ def _engine_saves(rank: int, world: int, work: str) -> dict:
     from pretrain.train.module import build_module
     from pretrain.train.step import StepInput, run_step
     from pretrain.train.trainer import TrainerState as _State
-    from tests.integration.test_checkpoint_hashing import tiny_zero2_config
+    from tests.integration.checkpoint.test_hashing import tiny_zero2_config
 
     torch.set_num_threads(1)
     work_dir = Path(work)

@@ -16,7 +16,7 @@ from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import FORMAT_FULL, Manifest
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
 from tests.harness import run_distributed
-from tests.unit.test_checkpoint import _commit, _stage
+from tests.unit.checkpoint.test_store import _commit, _stage
 
 
 def _die_during_commit(run_dir):

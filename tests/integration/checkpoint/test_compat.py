@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 from tests.conftest import FIXTURES, PYTHON, cli_env
-from tests.unit.test_checkpoint_compat import OLD
+from tests.unit.checkpoint.test_reader import OLD
 
 
 def test_old_checkpoint_resumes_bitwise(tmp_path):

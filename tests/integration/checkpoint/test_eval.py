@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.integration.test_export import run_cli
-from tests.unit.test_export import (  # noqa: F401 - the autouse fixture is used by name
+from tests.integration.checkpoint.test_export import run_cli
+from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is used by name
     one_thread,
     perturbed_state,
     small_run_config,

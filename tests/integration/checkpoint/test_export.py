@@ -21,7 +21,7 @@ from pretrain.export.hf import our_model, parity_batch
 from pretrain.model import build_model
 from tests.conftest import PYTHON, cli_env
 from tests.harness import run_distributed
-from tests.unit.test_export import (  # noqa: F401 - fixtures are used by name
+from tests.unit.export.test_hf import (  # noqa: F401 - fixtures are used by name
     BERT_CFG,
     one_thread,
     perturbed_state,

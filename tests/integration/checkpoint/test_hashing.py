@@ -16,7 +16,7 @@ from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store
 from tests.conftest import PYTHON, cli_env
 from tests.harness import run_distributed
-from tests.unit.test_checkpoint_hashing import OLD
+from tests.unit.checkpoint.test_store_hashing import OLD
 
 
 def tiny_zero2_config(work_dir: Path, *extra: str):

@@ -14,7 +14,7 @@ import pytest
 
 from pretrain.config import load_config
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.unit.test_bad_input import words
+from tests.unit.data.test_sanity import words
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 

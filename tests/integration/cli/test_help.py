@@ -1,7 +1,7 @@
 """Help where users look, as users run it: a bare ``./launch.sh`` (and ``help``, ``-h``, ``--help``) prints the usage
 and exits 0 instead of training; a trained run and its pruned and grown children show in ``runs`` with whole names
 and their tokens, in an experiment MLflow's UI opens as model training. The in-process checks:
-``tests/unit/test_cli_help.py``."""
+``tests/unit/house/test_cli_help.py``."""
 
 from __future__ import annotations
 

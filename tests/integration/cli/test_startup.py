@@ -13,8 +13,8 @@ import psutil
 
 from pretrain.data.tokenizer_cache import run_tokenizer
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.integration.test_bad_input import assert_refused
-from tests.unit.test_data import make_docs, write_txt
+from tests.integration.cli.test_bad_input import assert_refused
+from tests.unit.data.test_stream import make_docs, write_txt
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 

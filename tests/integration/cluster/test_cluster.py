@@ -22,7 +22,7 @@ import pytest
 
 from pretrain.train.dist import free_port as _free_port
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.unit.test_cluster import _CLIENT_ENV_DROP
+from tests.unit.cluster.test_submit import _CLIENT_ENV_DROP
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 TINY = [

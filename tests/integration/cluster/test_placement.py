@@ -14,7 +14,7 @@ import pytest
 from cluster import placement
 from pretrain.config import ConfigError, load_config
 from tests.conftest import PYTHON, cli_env
-from tests.unit.test_placement import DEMO
+from tests.unit.cluster.test_placement import DEMO
 
 
 def test_three_workers_on_two_cpus_are_refused_in_one_line_before_ray_starts(tmp_path):

@@ -20,7 +20,7 @@ from tests.harness import (
     run_jobs,
     train_steps,
 )
-from tests.unit.test_layer_drop import GLOBAL, STEPS, Z3, _cfg
+from tests.unit.model.test_layerdrop import GLOBAL, STEPS, Z3, _cfg
 
 # -- rank consistency on real workers ---------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pretrain.config import load_config
 from pretrain.model import build_model
 from pretrain.train.callbacks.growth import held_back_loss
 from pretrain.train.step import evaluate
-from tests.unit.test_score import TINY, _batches
+from tests.unit.model.test_score import TINY, _batches
 
 
 def _engine_paths(rank: int, world: int, kind: str) -> tuple[dict, float, dict]:

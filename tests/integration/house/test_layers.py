@@ -4,7 +4,7 @@
     > pretrain.model | pretrain.data > pretrain.config
 
 plus the single-device model rule (``pretrain.model`` imports neither DeepSpeed nor Ray; the rest of that rule is
-checked on the source in ``tests/unit/test_layers.py``), run by ``lint-imports`` in a subprocess.
+checked on the source in ``tests/unit/house/test_layers.py``), run by ``lint-imports`` in a subprocess.
 
 Run by hand: ``PYTHONPATH=. .venv/bin/lint-imports``.
 """

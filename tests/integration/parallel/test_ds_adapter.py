@@ -1,5 +1,6 @@
 """The MoE expert path is the training side's choice, on a real gloo rank: ZeRO-3 runs the experts module by module,
-ZeRO-1 as one grouped GEMM (the adapter's rule itself is checked on the source in ``tests/unit/test_ds_adapter.py``)."""
+ZeRO-1 as one grouped GEMM (the adapter's rule itself is checked on the source in
+``tests/unit/house/test_ds_adapter.py``)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from tests.harness import (
     run_jobs,
     train_steps,
 )
-from tests.unit.test_moe import GLOBAL, MICRO, STEPS, _small
+from tests.unit.model.test_moe import GLOBAL, MICRO, STEPS, _small
 
 # ----------------------------------------------------------------------------------------------
 # Expert parallelism on real gloo ranks

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.unit.test_anneal import TINY
+from tests.unit.driver.test_anneal import TINY
 
 
 def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.harness import learnable_batches, run_distributed, tiny_config, train_steps
-from tests.unit.test_lifecycle import DEMO
+from tests.unit.train.test_worker import DEMO
 
 # -- the TrainModule on 2 workers: rebuild mid-run, given weights, optimizer moments ------------------------
 
@@ -171,7 +171,7 @@ def test_full_optimizer_moments_roundtrip_zero_0_to_3(module_runs):
 def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
     """``./launch.sh train cluster.num_workers=W`` for W = 1-4, as users run it (the CLI, Ray Train on an embedded
     local Ray; one worker with ``cluster.ray_for_one_worker=true``, since by default it trains in the command's
-    process — ``tests/integration/test_bench.py`` runs that path), with the demo's global batch 16 and micro-batch
+    process — ``tests/integration/bench/test_bench.py`` runs that path), with the demo's global batch 16 and micro-batch
     cap 16 (3 workers: uneven 6/6/4 shares padded to equal passes): every rank runs as a Ray Train worker, none
     waits for placement (more workers than CPUs take a fractional ``cluster.cpus_per_worker``, as the refusal of a
     whole CPU each says), and the same global batches give the same losses up to float rounding."""

@@ -3,7 +3,7 @@ before Ray."""
 
 from __future__ import annotations
 
-from tests.unit.test_run_insight import DEMO
+from tests.unit.train.test_mlflow_records import DEMO
 
 
 def test_bad_new_field_is_one_line_exit_2_before_ray(tmp_path):

@@ -1,6 +1,6 @@
 """``./launch.sh bench --checkpoint``: the raw write limit it measures, the per-rank hashing a run records for it
 (``CheckpointStats``, the process-wide hash tally), the rows and targets it builds from the runs' summaries. One tiny
-size end to end through the CLI and Ray is in ``tests/integration/test_bench_checkpoint.py``."""
+size end to end through the CLI and Ray is in ``tests/integration/bench/test_checkpoint.py``."""
 
 from __future__ import annotations
 

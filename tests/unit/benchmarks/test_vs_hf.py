@@ -1,5 +1,5 @@
 """``./launch.sh bench --vs-hf``: both sides train the same architecture from the same weights on the same token
-stream. The bench mode end to end is in ``tests/integration/test_bench_vs_hf.py``."""
+stream. The bench mode end to end is in ``tests/integration/bench/test_vs_hf.py``."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.hashed_write import CHUNK, HashingFile
 from pretrain.checkpoint.snapshot import HostCopy, Snapshot
-from tests.unit.test_checkpoint import _commit
+from tests.unit.checkpoint.test_store import _commit
 
 
 def _state(nbytes: int) -> dict:

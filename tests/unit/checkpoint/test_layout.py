@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pretrain.checkpoint import layout
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 FILE_NAMES = {
     layout.MANIFEST,

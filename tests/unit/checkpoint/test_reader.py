@@ -1,6 +1,6 @@
 """Checkpoints of an older layout still work: ``tests/fixtures/old_checkpoint/step_00000002`` was written by an
 older version (see the README there) and is kept unchanged. It exports with a passing parity check; its bitwise
-resume is in ``tests/integration/test_checkpoint_compat.py``."""
+resume is in ``tests/integration/checkpoint/test_compat.py``."""
 
 from __future__ import annotations
 

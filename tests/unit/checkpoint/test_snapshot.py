@@ -2,8 +2,8 @@
 state in place), the background write produces the files a synchronous save writes, a background failure is a
 one-line error, at most one snapshot exists, and ``checkpoint.async`` is the YAML key. Two gloo ranks (the same bytes
 as a synchronous save, the commit at one step boundary on every rank) are in
-``tests/integration/test_checkpoint_async.py``; the SIGKILL of the whole job during a background write is in
-``tests/integration/test_train_e2e.py``."""
+``tests/integration/checkpoint/test_async.py``; the SIGKILL of the whole job during a background write is in
+``tests/integration/train/test_train_e2e.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The checkpoint layer on its own: the commit protocol (staging, manifest, checksums, discovery), the typed manifest
 (old manifests parse), the collective writer in a world of one (full weights and optimizer moments round-trip) and
 the reader. A process killed mid-commit and the resume of full weights on a gloo rank are in
-``tests/integration/test_checkpoint.py``."""
+``tests/integration/checkpoint/test_checkpoint.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checksums without reading: the early presence check hashes no file, accepts manifests without sizes, and finds a
 size mismatch. Hashing on real ranks and the ``verify`` command are in
-``tests/integration/test_checkpoint_hashing.py``."""
+``tests/integration/checkpoint/test_hashing.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Cluster jobs without a cluster: the shipped cluster manifests and the multi-node doc, and the Jobs API client's
 logic (commands, address and token resolution, the job environment, the staged working directory). The commands
-and a real local Ray head are in ``tests/integration/test_cluster.py``."""
+and a real local Ray head are in ``tests/integration/cluster/test_cluster.py``."""
 
 from __future__ import annotations
 

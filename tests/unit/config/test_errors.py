@@ -1,8 +1,8 @@
 """User errors stay one short line whatever the input (pretrain/config/errors.py: ``quote``, ``clip``, ``not_a``):
 a 1 MB config value, a 50 MB record, a YAML alias bomb, a FIFO where a file or directory belongs. The one-line
-exits of the CLI for the usual refusals are in ``tests/unit/test_console.py`` and
-``tests/integration/test_bad_input.py``; the synchronous save on a full disk is in
-``tests/unit/test_checkpoint_async.py``."""
+exits of the CLI for the usual refusals are in ``tests/unit/driver/test_console.py`` and
+``tests/integration/cli/test_bad_input.py``; the synchronous save on a full disk is in
+``tests/unit/checkpoint/test_snapshot.py``."""
 
 from __future__ import annotations
 

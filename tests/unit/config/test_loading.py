@@ -1,5 +1,5 @@
 """The config tree: strict loading, full key paths in errors, round-trip, every preset validates (the command's
-one-line errors: ``tests/integration/test_config.py``)."""
+one-line errors: ``tests/integration/cli/test_config.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Bad input, from config to corpus to checkpoint: the driver's corpus sanity (pretrain/data/sanity.py), the
 driver's file-system checks (pretrain/driver/prepare.py), and the sequence-level fallback for a corpus of too few
-documents. The command line's one-line refusals are in ``tests/integration/test_bad_input.py``."""
+documents. The command line's one-line refusals are in ``tests/integration/cli/test_bad_input.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A first step in seconds: the tokenizer cache (trained once per corpus and settings, reused, rebuilt when
-damaged). ``train --dry-run`` and the imports of a fresh command are in ``tests/integration/test_startup.py``."""
+damaged). ``train --dry-run`` and the imports of a fresh command are in ``tests/integration/cli/test_startup.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from pretrain.config import DataConfig, SourceConfig
 from pretrain.data.tokenizer import TRAINER_SETTINGS
 from pretrain.data.tokenizer_cache import cache_key, lookup, run_tokenizer
-from tests.unit.test_data import make_docs, write_txt
+from tests.unit.data.test_stream import make_docs, write_txt
 
 SAMPLE = "The tokenizer of an unchanged corpus is trained once — naïve café 東京 ☕"
 

@@ -1,5 +1,5 @@
 """Annealing a WSD run (``./launch.sh anneal``): the child's schedule and its argument checks. The command end to
-end is in ``tests/integration/test_anneal.py``."""
+end is in ``tests/integration/train/test_anneal.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The quiet console of a training run: everything to the run's log, only user lines to the terminal. With other
-processes (children, Ray, a real run) in ``tests/integration/test_console.py``."""
+processes (children, Ray, a real run) in ``tests/integration/cli/test_console.py``."""
 
 from __future__ import annotations
 

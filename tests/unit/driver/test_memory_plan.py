@@ -1,6 +1,6 @@
 """The plan before a GPU job: ``train --dry-run`` of every preset on this machine (no GPU, two CPUs, no network) at
 cluster scale, and the memory formulas of ``pretrain/driver/memory_plan.py`` against numbers worked out by hand.
-The estimate against memory measured while training is ``tests/integration/test_memory_plan.py``."""
+The estimate against memory measured while training is ``tests/integration/train/test_memory_plan.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Evaluation: the metric core by hand, bytes per token, checkpoint vs exported directory agreement. The command
-(JSON and table output, MLflow logging, the optional harness) is in ``tests/integration/test_eval.py``."""
+(JSON and table output, MLflow logging, the optional harness) is in ``tests/integration/checkpoint/test_eval.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from eval.evaluate import evaluate, score, token_byte_lengths
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
 from tests.conftest import corpus_lines
-from tests.unit.test_export import (  # noqa: F401 - the autouse fixture is used by name
+from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is used by name
     V,
     one_thread,
     perturbed_state,

@@ -1,6 +1,6 @@
 """Hugging Face export/import: key maps alone, exact rewrites, parity over the option grid through the
 written directory, bitwise export -> import -> export, tokenizer fidelity. The CLI and the export of a real ZeRO-3
-checkpoint written by two gloo workers (registered in MLflow) are in ``tests/integration/test_export.py``."""
+checkpoint written by two gloo workers (registered in MLflow) are in ``tests/integration/checkpoint/test_export.py``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ V, D, L, T = 512, 32, 2, 16
 
 
 # ----------------------------------------------------------------------------------------------
-# Helpers shared with test_eval.py and tests/integration/test_export.py (the tokenizer fixtures are in conftest.py)
+# Helpers shared with tests/unit/eval/test_evaluate.py and tests/integration/checkpoint/test_export.py
+# (the tokenizer fixtures are in conftest.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -547,7 +548,7 @@ def test_foreign_remote_code_is_not_trusted(tokenizer, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Run configs of checkpoints (the CLI and registry tests are in tests/integration/test_export.py)
+# Run configs of checkpoints (the CLI and registry tests are in tests/integration/checkpoint/test_export.py)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.export.output import MANIFEST_FILE
-from tests.unit.test_export import (  # noqa: F401 - fixtures are used by name
+from tests.unit.export.test_hf import (  # noqa: F401 - fixtures are used by name
     one_thread,
     perturbed_state,
     small_run_config,

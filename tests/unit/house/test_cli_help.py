@@ -1,7 +1,7 @@
 """Help where users look: every command answers ``--help`` and ``-h`` with its usage on stdout, exit 0 and nothing
 done; the top-level help lists every command and every bench mode; ``runs`` shows whole run names and the tokens
 of derived runs; the MLflow experiment is a model-training one (``mlflow.experimentKind``). Bare ``./launch.sh`` and
-a real train/prune/grow through the command line: ``tests/integration/test_cli_help.py``."""
+a real train/prune/grow through the command line: ``tests/integration/cli/test_help.py``."""
 
 from __future__ import annotations
 

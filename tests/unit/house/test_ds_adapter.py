@@ -18,9 +18,9 @@ adapter:
   checkpoint file name (``mp_rank_*_model_states.pt``, ...) outside a docstring.
 
 Model code reads no DeepSpeed attribute at all (the same rule, and ``pretrain.model`` imports no DeepSpeed: the
-import-linter contract that ``tests/integration/test_layers.py`` checks). The MoE state-dict names that DeepSpeed's
-checkpoint format requires (``deepspeed_moe``, ``deepspeed_experts``) are names of our modules, not DeepSpeed
-attributes.
+import-linter contract that ``tests/integration/house/test_layers.py`` checks). The MoE state-dict names that
+DeepSpeed's checkpoint format requires (``deepspeed_moe``, ``deepspeed_experts``) are names of our modules, not
+DeepSpeed attributes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADAPTER = ROOT / "pretrain" / "ds_adapter.py"
 SCANNED = ("pretrain", "cluster", "eval", "benchmarks")
 

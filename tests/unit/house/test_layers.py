@@ -1,13 +1,13 @@
 """Model code is single-device, checked on the source: neither ``torch.distributed`` nor a rank or world size in any
 signature of the model package. The import-linter contracts (``.importlinter``: the package layers and
-``pretrain.model`` importing neither DeepSpeed nor Ray) run in ``tests/integration/test_layers.py``."""
+``pretrain.model`` importing neither DeepSpeed nor Ray) run in ``tests/integration/house/test_layers.py``."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 _PARALLEL_NAMES = {"rank", "world_size", "world", "ep_rank", "ep_size", "local_rank", "process_group"}

@@ -1,7 +1,7 @@
 """The project as an installed package, and the locked stack on every machine: the build configuration, Ray workers
 without PYTHONPATH, no installed module importing the tests, the two locks (CPU and CUDA) with the same versions,
 and the image both cluster manifests name (no build, no install). The ``pretrain`` console command and
-``./launch.sh setup``'s refusal run as commands in ``tests/integration/test_package.py``."""
+``./launch.sh setup``'s refusal run as commands in ``tests/integration/house/test_package.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from tests.conftest import ROOT
-from tests.unit.test_cluster import _walk
+from tests.unit.cluster.test_submit import _walk
 
 LOCKS = {"cpu": ROOT / "requirements.lock", "cuda": ROOT / "requirements-cuda.lock"}
 
@@ -58,11 +58,13 @@ def test_ray_workers_get_no_pythonpath(monkeypatch):
 
 
 def test_installed_code_imports_nothing_from_tests():
-    """Test helpers live under tests/ (the real-process launcher the MoE benchmark also uses is benchmarks/procs.py):
-    no module of the three packages imports ``tests``, and none is only there for the tests. The tests are by kind,
-    over one harness: ``tests/unit`` and ``tests/integration`` hold every test file, ``tests/harness.py`` the shared
+    """Test helpers live under tests/: no module of the four installed packages imports ``tests`` (the real-process
+    launcher the ``bench`` modes and the tests share is ``pretrain/train/spawn.py``), and the tests import no test
+    plumbing from ``benchmarks``. The tests mirror the source tree over one harness: ``tests/unit/<package>/
+    test_<module>.py`` (a directory per source package; ``house/`` for the house rules that span packages; the top
+    modules of ``pretrain`` directly in ``tests/unit``), ``tests/integration/<area>/``, ``tests/harness.py`` the shared
     multi-rank machinery."""
-    for path in [*ROOT.glob("pretrain/**/*.py"), *ROOT.glob("cluster/**/*.py"), *ROOT.glob("eval/**/*.py")]:
+    for path in [*(p for pkg in ("pretrain", "cluster", "eval", "benchmarks") for p in ROOT.glob(f"{pkg}/**/*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]
@@ -72,13 +74,24 @@ def test_installed_code_imports_nothing_from_tests():
                 else []
             )
             assert not any(n == "tests" or n.startswith("tests.") for n in names), path
-    assert not (ROOT / "pretrain" / "train" / "procs.py").exists()
+    assert not (ROOT / "benchmarks" / "procs.py").exists() and (ROOT / "pretrain" / "train" / "spawn.py").is_file()
     tests = ROOT / "tests"
+    assert "benchmarks" not in (tests / "harness.py").read_text()
     assert (tests / "harness.py").is_file() and not (tests / "distributed.py").exists()
     assert not list(tests.glob("test_*.py")), "a test file belongs in tests/unit or tests/integration"
     for kind in ("unit", "integration"):
-        assert (tests / kind / "__init__.py").is_file() and list((tests / kind).glob("test_*.py")), kind
-    assert not list(tests.glob("*/*/test_*.py")), "one level: tests/unit/test_x.py, tests/integration/test_x.py"
+        assert (tests / kind / "__init__.py").is_file(), kind
+        for d in (p for p in (tests / kind).rglob("*") if p.is_dir() and p.name != "__pycache__"):
+            assert (d / "__init__.py").is_file(), f"{d} needs an __init__.py (test modules are named by package)"
+    assert not list((tests / "integration").glob("test_*.py")), "integration tests go in tests/integration/<area>/"
+    pending = {Path("parallel"), Path("train/stability")}  # packages the same sweep creates on the other branches
+    for d in (p for p in (tests / "unit").rglob("*") if p.is_dir() and p.name not in ("__pycache__", "house")):
+        rel = d.relative_to(tests / "unit")
+        mirrored = (ROOT / "pretrain" / rel).is_dir() or (ROOT / rel).is_dir() or rel in pending
+        assert mirrored, f"tests/unit/{rel} mirrors no package"
+        assert list(d.glob("test_*.py")), d
+    for f in (tests / "unit").glob("test_*.py"):
+        assert (ROOT / "pretrain" / f.name.removeprefix("test_")).is_file(), f"{f.name} mirrors no pretrain module"
 
 
 # -- the locks ------------------------------------------------------------------------------------------------

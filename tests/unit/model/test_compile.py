@@ -1,6 +1,6 @@
 """``train.compile``: regional compilation of the blocks gives the eager losses (fp32, within 1e-5 relative), layer
 dropout's changing decisions do not recompile, growth recompiles only new block shapes. The compiled training job
-on 2 workers (resume exact) is in ``tests/integration/test_compile.py``."""
+on 2 workers (resume exact) is in ``tests/integration/train/test_compile.py``."""
 
 from __future__ import annotations
 

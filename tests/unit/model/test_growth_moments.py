@@ -14,7 +14,7 @@ from pretrain.config import GrowthStep
 from pretrain.model import build_model
 from pretrain.model.growth import apply_growth
 from pretrain.model.growth_moments import grow_moments
-from tests.unit.test_growth import ARCHS, _cfg, _ids
+from tests.unit.model.test_growth import ARCHS, _cfg, _ids
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -1,6 +1,6 @@
 """Layer dropout in one process: pure schedule and decisions, the model's gates, skipped blocks doing no work, the
 ZeRO-3 settings of layer mode, rho scaling, folding and pruning, and what a run shows of it. Rank consistency on real
-workers and the end-to-end run are in ``tests/integration/test_layer_drop.py``."""
+workers and the end-to-end run are in ``tests/integration/growth/test_layer_drop.py``."""
 
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def test_rho_scaling_applies_at_inference_only():
 
 def test_zero3_layer_mode_turns_prefetch_off():
     """DeepSpeed's trace-based prefetch would gather skipped blocks: layer mode under ZeRO-3 turns it off (the
-    2-worker test in tests/integration/test_layer_drop.py checks that no skipped block is gathered)."""
+    2-worker test in tests/integration/growth/test_layer_drop.py checks that no skipped block is gathered)."""
     from pretrain.config import make_plan
     from pretrain.train.engine import deepspeed_config
 

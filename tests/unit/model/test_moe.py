@@ -1,6 +1,6 @@
 """Mixture-of-Experts in one process: routing semantics, grouped experts, loss-free balancing, config checks, the
 expert-parallel slices and layout conversion, the collapse flag, and HF export. Expert parallelism on real gloo
-ranks and the real train loop with EP=2 are in ``tests/integration/test_moe.py``."""
+ranks and the real train loop with EP=2 are in ``tests/integration/parallel/test_moe.py``."""
 
 from __future__ import annotations
 

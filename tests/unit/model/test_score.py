@@ -1,6 +1,6 @@
 """The one scorer (``pretrain/model/score.py``): growth's held-back check and ``./launch.sh eval`` give identical
 numbers on the same batches; the sums reduce over ranks; one perplexity cap. Through a real DeepSpeed engine on a
-gloo rank (training's validation too): ``tests/integration/test_score.py``."""
+gloo rank (training's validation too): ``tests/integration/growth/test_score.py``."""
 
 from __future__ import annotations
 

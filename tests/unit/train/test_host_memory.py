@@ -1,6 +1,6 @@
 """Freed host memory kept for the next step (``train.reuse_host_memory``, ``pretrain/train/host_memory.py``): the
 workers' allocator environment. The effect, measured in a fresh process, is in
-``tests/integration/test_host_memory.py``."""
+``tests/integration/train/test_host_memory.py``."""
 
 from __future__ import annotations
 

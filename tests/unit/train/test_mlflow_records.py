@@ -1,7 +1,7 @@
 """What a run tells its user: MFU, data wait and peak memory on every logged step, per-source validation and bits
 per byte, the sources as MLflow datasets and an export as a logged model — from a short real CPU run in this process
 against a real local sqlite MLflow store (no mocks). The command's refusal of a bad source name is in
-``tests/integration/test_run_insight.py``."""
+``tests/integration/train/test_run_insight.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from pretrain.config import ConfigError, load_config, source_name
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 RUN = [
     "model.num_layers=2",

@@ -19,7 +19,7 @@ from pretrain.train.callbacks.stability import StabilityCallback
 from pretrain.train.stability import StabilityMonitor, StepSignals
 from pretrain.train.trainer import Callback, Trainer, TrainerState
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _trainer(callbacks: list[Callback], state: TrainerState) -> Trainer:

@@ -1,6 +1,6 @@
 """The training lifecycle in one process: the run plan and the event-driven trainer (ordered callbacks, a new
 behaviour without editing the loop). The TrainModule on real gloo ranks and the demo on 1-4 Ray workers are in
-``tests/integration/test_lifecycle.py``."""
+``tests/integration/train/test_lifecycle.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stability monitoring and control in one process: detectors and policies (pure), model stabilizers, and the PNG.
 The skip on real gloo ranks, fault injection in real training and halt through the CLI are in
-``tests/integration/test_stability.py``."""
+``tests/integration/train/test_stability.py``."""
 
 from __future__ import annotations
 

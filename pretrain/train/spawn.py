@@ -1,8 +1,10 @@
-"""``run_distributed(fn, world_size, *args)``: run ``fn(rank, world_size, *args)`` in real processes
-joined by a real gloo process group; returns each rank's return value (rank order).
+"""``run_distributed(fn, world_size, *args)``: run ``fn(rank, world_size, *args)`` in ``world_size`` fresh local
+processes joined by a real gloo process group; returns each rank's return value (rank order).
 
-Not part of training (jobs run through Ray or torchrun): the MoE benchmark (``benchmarks/moe.py``) and the tests
-(``tests/harness.py``) use it, so it lives beside the benchmarks, importable without ``tests/``.
+Not how training runs (jobs run through Ray or torchrun, see ``dist.py``): the ``bench`` modes that measure several
+ranks on one machine (``benchmarks/moe.py``, ``benchmarks/parallel.py``) and the multi-rank tests
+(``tests/harness.py``) start their ranks with it. It lives beside ``dist.py`` because both the installed ``bench``
+command and the tests need it, and neither ``benchmarks`` nor ``pretrain`` may import ``tests``.
 
 The processes meet through a file store in a fresh temporary directory, not a TCP port picked in advance: a port
 that was free when picked can be taken before rank 0 listens on it (EADDRINUSE), a race a busy machine loses."""
