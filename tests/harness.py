@@ -11,8 +11,10 @@
   them: ``run_cases`` runs a whole table in one set of processes per world size, so a module-scoped fixture runs it
   once and a test parametrized over the rows checks each one;
 * the real training loop on ranks (``train_jobs``, ``run_jobs``) and what it logged (``metric_history``);
-* the command line (``cli``, ``run_id_of``) and the tiny end-to-end run (``E2E``, ``TASKS``) that the reference run,
-  the end-to-end, multi-node, console and MoE tests share.
+* the command line (``cli``: ``python -m pretrain`` and the exit code it must end with; ``start_cli``: one
+  that runs on while the test signals or follows it; ``run_id_of``) and the
+  tiny end-to-end run (``E2E``, ``TASKS``) that the reference run, the end-to-end, multi-node, console and MoE tests
+  share.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "run_id_of",
     "run_jobs",
     "shard",
+    "start_cli",
     "step_losses",
     "tiny_config",
     "train_jobs",
@@ -346,8 +349,17 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def cli(work: Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store); asserts exit 0."""
+def cli(
+    work: Path,
+    *args: str,
+    expect: int | None = 0,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store unless ``env`` is given), its output captured as
+    text; asserts the exit code is ``expect`` (0: success, 2: a user error refused in one line, 1: an internal
+    error; ``None``: any, the caller checks). Returns the completed process (``returncode``, ``stdout``,
+    ``stderr``)."""
     proc = subprocess.run(
         [PYTHON, "-m", "pretrain", *args],
         cwd=work,
@@ -356,8 +368,18 @@ def cli(work: Path, *args: str, timeout: int = 300, env: dict[str, str] | None =
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if expect is not None:
+        assert proc.returncode == expect, (
+            f"{args} exited {proc.returncode}, not {expect}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
+
+
+def start_cli(work: Path, *args: str, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    """``python -m pretrain ARGS`` started in ``work`` (its own MLflow store unless ``env`` is given) and not waited
+    for: for a test that signals, kills or follows the command while it runs; ``popen``: ``subprocess.Popen``'s
+    options (pipes, a session of its own). Text mode."""
+    return subprocess.Popen([PYTHON, "-m", "pretrain", *args], cwd=work, env=env or cli_env(work), text=True, **popen)
 
 
 def run_id_of(stdout: str) -> str:

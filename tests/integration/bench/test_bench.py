@@ -4,42 +4,33 @@ the real training loop's (``python -m pretrain train`` through Ray, as users run
 from __future__ import annotations
 
 import json
-import subprocess
 
-from tests.conftest import PYTHON, cli_env
+from tests.harness import cli
 
 
 def test_bench_json_reports_mfu_ratios_compile_cost_layer_drop_speeds_and_the_real_loop(tmp_path):
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "bench",
-            "--json",
-            "--no-moe",
-            "--layer-drop",
-            "--steps",
-            "2",
-            "--rounds",
-            "1",
-            "--loop-steps",
-            "12",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.max_seq_len=32",
-            "train.micro_batch_size=4",
-            "data.tokenizer_vocab_size=512",
-            "model.vocab_size=512",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
+    proc = cli(
+        tmp_path,
+        "bench",
+        "--json",
+        "--no-moe",
+        "--layer-drop",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--loop-steps",
+        "12",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.num_heads=4",
+        "model.max_seq_len=32",
+        "train.micro_batch_size=4",
+        "data.tokenizer_vocab_size=512",
+        "model.vocab_size=512",
+        expect=0,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # nothing else on stdout
     for key in (
         "tokens_per_s",

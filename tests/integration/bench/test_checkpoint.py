@@ -3,42 +3,33 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
-from tests.conftest import PYTHON, cli_env
+from tests.harness import cli
 
 
 def test_bench_checkpoint_json_for_a_tiny_size(tmp_path):
     """One tiny size through the CLI: a synchronous run with a save before its last step, its resume and (when
     the key exists) the asynchronous run, all through Ray with 2 workers."""
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "bench",
-            "--checkpoint",
-            "--json",
-            "--sizes",
-            "64",
-            "--layers",
-            "2",
-            "--every",
-            "2",
-            "--saves",
-            "1",
-            "--dir",
-            str(tmp_path / "bench"),
-            "data.tokenizer_vocab_size=512",
-            "model.vocab_size=512",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
+    proc = cli(
+        tmp_path,
+        "bench",
+        "--checkpoint",
+        "--json",
+        "--sizes",
+        "64",
+        "--layers",
+        "2",
+        "--every",
+        "2",
+        "--saves",
+        "1",
+        "--dir",
+        str(tmp_path / "bench"),
+        "data.tokenizer_vocab_size=512",
+        "model.vocab_size=512",
+        expect=0,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     result = json.loads(proc.stdout)
     (row,) = result["sizes"]
     assert row["hidden"] == 64 and row["checkpoint_bytes"] > 0

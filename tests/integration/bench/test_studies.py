@@ -5,13 +5,12 @@ parent MLflow run whose children are the study's runs, with the curves and the f
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from mlflow import MlflowClient
 
 from benchmarks.study import flops_saving, time_to_loss_speedup
-from tests.conftest import PYTHON, cli_env
+from tests.harness import cli
 
 TINY = [
     "model.num_layers=2",
@@ -33,15 +32,7 @@ TINY = [
 def _bench(tmp_path, *args: str) -> dict:
     keys = {a.split("=")[0] for a in args if "=" in a}
     tiny = [o for o in TINY if o.split("=")[0] not in keys]
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "bench", "--json", "--study-dir", str(tmp_path / "study"), *args, *tiny],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli(tmp_path, "bench", "--json", "--study-dir", str(tmp_path / "study"), *args, *tiny, expect=0, timeout=900)
     return json.loads(proc.stdout)
 
 

@@ -3,48 +3,39 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
-from tests.conftest import PYTHON, cli_env
+from tests.harness import cli
 
 
 def test_bench_vs_hf_runs_both_commands(tmp_path):
     """A tiny decoder, 8 steps: both commands run, the JSON has both sides and the ratios."""
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "bench",
-            "--vs-hf",
-            "--json",
-            "--loop-steps",
-            "8",
-            "--corpus",
-            "demo",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.num_kv_heads=2",
-            "model.max_seq_len=32",
-            "train.warmup_steps=2",
-            "data.tokenizer_vocab_size=512",
-            "data.tokenizer_train_docs=2000",
-            "train.log_every=2",
-            "stability.health_every=2",
-            "train.val_sequences=8",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
+    proc = cli(
+        tmp_path,
+        "bench",
+        "--vs-hf",
+        "--json",
+        "--loop-steps",
+        "8",
+        "--corpus",
+        "demo",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.max_seq_len=32",
+        "train.warmup_steps=2",
+        "data.tokenizer_vocab_size=512",
+        "data.tokenizer_train_docs=2000",
+        "train.log_every=2",
+        "stability.health_every=2",
+        "train.val_sequences=8",
+        expect=0,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
     assert r["hf_class"] == "LlamaForCausalLM" and r["steps"] == 8 and r["corpus"] == "demo"
     for side in ("hf", "ours"):

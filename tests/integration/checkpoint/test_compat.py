@@ -6,33 +6,25 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
-from tests.conftest import FIXTURES, PYTHON, cli_env
+from tests.conftest import FIXTURES
+from tests.harness import cli
 from tests.unit.checkpoint.test_reader import OLD
 
 
 def test_old_checkpoint_resumes_bitwise(tmp_path):
     expected = json.loads((FIXTURES / "old_checkpoint" / "expected_step4.json").read_text())
     ckpt = shutil.copytree(OLD, tmp_path / "old" / OLD.name)
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "resume",
-            str(ckpt),
-            "train.max_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            f"data.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
+    cli(
+        tmp_path,
+        "resume",
+        str(ckpt),
+        "train.max_steps=4",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        expect=0,
         timeout=600,
     )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     (final,) = (tmp_path / "ckpt").glob("*/step_00000004/manifest.json")
     metrics = json.loads(final.read_text())["metrics"]
     assert metrics["train/loss"] == expected["train/loss"] and metrics["val/loss"] == expected["val/loss"], metrics

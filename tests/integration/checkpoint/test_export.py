@@ -19,8 +19,8 @@ from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import dump_yaml, load_config
 from pretrain.export.hf import our_model, parity_batch
 from pretrain.model import build_model
-from tests.conftest import PYTHON, cli_env
-from tests.harness import run_distributed
+from tests.conftest import cli_env
+from tests.harness import cli, run_distributed
 from tests.unit.export.test_hf import (  # noqa: F401 - fixtures are used by name
     BERT_CFG,
     one_thread,
@@ -30,14 +30,9 @@ from tests.unit.export.test_hf import (  # noqa: F401 - fixtures are used by nam
 )
 
 
-def run_cli(cwd: Path, *args: str, ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**cli_env(cwd), "OMP_NUM_THREADS": "1"}  # tiny models: threads only add synchronization
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if ok:
-        assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+def run_cli(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``cli`` (exit 0) with one thread per process: tiny models, threads only add synchronization."""
+    return cli(cwd, *args, timeout=timeout, env={**cli_env(cwd), "OMP_NUM_THREADS": "1"})
 
 
 def test_cli_export_from_checkpoint_and_errors(tokenizer_dir, workdir, capsys):

@@ -7,15 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store
-from tests.conftest import PYTHON, cli_env
-from tests.harness import run_distributed
+from tests.harness import cli, run_distributed
 from tests.unit.checkpoint.test_store_hashing import OLD
 
 
@@ -143,30 +141,18 @@ def test_each_rank_hashes_only_its_own_files(tmp_path):
     )
 
 
-def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "pretrain", "verify", *args],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_verify_command(tmp_path):
     ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
-    ok = _cli(tmp_path, str(ckpt))
-    assert ok.returncode == 0 and ok.stdout.startswith(f"verify: OK {ckpt} (step 2, "), ok.stdout + ok.stderr
-    assert _cli(tmp_path, str(tmp_path / "run")).returncode == 0  # a run directory: its latest checkpoint
+    ok = cli(tmp_path, "verify", str(ckpt), expect=0)
+    assert ok.stdout.startswith(f"verify: OK {ckpt} (step 2, "), ok.stdout + ok.stderr
+    cli(tmp_path, "verify", str(tmp_path / "run"), expect=0)  # a run directory: its latest checkpoint
     rel = "ds/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"
     with open(ckpt / rel, "r+b") as f:
         f.seek(100)
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 0xFF]))
-    bad = _cli(tmp_path, str(ckpt))
-    assert bad.returncode == 2, bad.stdout + bad.stderr
+    bad = cli(tmp_path, "verify", str(ckpt), expect=2)
     assert bad.stderr.strip().splitlines() == [
         f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"
     ]
@@ -180,24 +166,16 @@ def test_resume_finds_a_flipped_byte_in_the_worker(tmp_path):
     data = bytearray((ckpt / rel).read_bytes())
     data[-1] ^= 0xFF
     (ckpt / rel).write_bytes(bytes(data))
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "resume",
-            str(ckpt),
-            "train.max_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            f"data.cache_dir={tmp_path / 'cache'}",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
+    proc = cli(
+        tmp_path,
+        "resume",
+        str(ckpt),
+        "train.max_steps=4",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        expect=2,
         timeout=600,
     )
-    assert proc.returncode == 2, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert errors == [f"error: {ckpt}: checksum mismatch for {rel}; no older checkpoint of this run verifies"], (
         proc.stderr[-3000:]

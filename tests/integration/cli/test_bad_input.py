@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import load_config
-from tests.conftest import PYTHON, ROOT, cli_env
+from tests.conftest import ROOT
+from tests.harness import cli
 from tests.unit.data.test_sanity import words
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
@@ -24,16 +25,10 @@ CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 # ----------------------------------------------------------------------------------------------
 
 
-def cli(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+def timed_train(tmp_path: Path, *args: str, expect: int = 2) -> tuple[subprocess.CompletedProcess, float]:
+    """``train ARGS`` through ``cli`` (exit ``expect``) and its wall time in seconds."""
     start = time.perf_counter()
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", *args],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli(tmp_path, "train", *args, expect=expect, timeout=120)
     return proc, time.perf_counter() - start
 
 
@@ -49,14 +44,14 @@ def assert_refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
 def test_cli_refuses_a_corrupt_corpus_at_once(tmp_path):
     rnd = tmp_path / "random.txt"
     rnd.write_bytes(random.Random(0).randbytes(200_000))
-    proc, seconds = cli(tmp_path, CONFIG, f"data.sources=[{{path: {rnd}}}]", "train.max_steps=2")
+    proc, seconds = timed_train(tmp_path, CONFIG, f"data.sources=[{{path: {rnd}}}]", "train.max_steps=2")
     assert_refused(proc, "data.sources[0]", str(rnd), "not text")
     assert seconds < 2.0, seconds
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_cli_refuses_config_errors_at_once(tmp_path):
-    proc, seconds = cli(tmp_path, CONFIG, "model.max_seq_len=1")
+    proc, seconds = timed_train(tmp_path, CONFIG, "model.max_seq_len=1")
     assert_refused(proc, "model.max_seq_len")
     assert seconds < 2.0, seconds
 
@@ -96,7 +91,7 @@ def test_cli_refusals(tmp_path, case):
         jsonl.write_text(f"{good}\n{good}\n{{broken\n{good}\n")
         args.append("data.bad_records=fail")
         needles = [f"{jsonl}:3: invalid JSON"]
-    proc, seconds = cli(tmp_path, *args)
+    proc, seconds = timed_train(tmp_path, *args)
     assert_refused(proc, *needles)
     assert seconds < 10.0, seconds  # nothing heavy started (the 2 s bound is asserted above, twice)
 
@@ -116,8 +111,7 @@ def test_cli_trains_a_single_huge_document(tmp_path):
         "train.val_sequences=4",
         "stability.plot_at_end=false",
     ]
-    proc, _ = cli(tmp_path, *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, _ = timed_train(tmp_path, *args, expect=0)
     notes = [line for line in proc.stdout.splitlines() if "sequence-level split" in line]
     assert len(notes) == 1 and notes[0].startswith("[pretrain] data: 1 document ("), proc.stdout[-3000:]
     assert "final val loss" in proc.stdout

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.conftest import PYTHON, ROOT, cli_env
+from tests.conftest import ROOT, cli_env
+from tests.harness import cli
 
 
 @pytest.mark.parametrize(
@@ -19,15 +18,7 @@ from tests.conftest import PYTHON, ROOT, cli_env
     ],
 )
 def test_cli_config_errors_exit_2_with_one_line(tmp_path, args):
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", *args],
-        cwd=ROOT,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
+    proc = cli(ROOT, "train", *args, expect=2, timeout=120, env=cli_env(tmp_path))
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stderr

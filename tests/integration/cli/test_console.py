@@ -11,8 +11,7 @@ import time
 import pytest
 
 from pretrain.driver.console import QuietConsole
-from tests.conftest import PYTHON, cli_env
-from tests.harness import CONFIG, E2E, metric_history, run_id_of
+from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of
 
 
 def test_quiet_console_keeps_everything_in_the_log(tmp_path, capfd):
@@ -96,18 +95,7 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     opts = [o for o in E2E if not o.startswith(("train.max_steps", "cluster.num_workers"))]
     opts += ["train.max_steps=4", "cluster.num_workers=1", "cluster.ray_for_one_worker=true"]  # through Ray
 
-    def cli(*args, timeout=300):
-        return subprocess.run(
-            [PYTHON, "-m", "pretrain", *args],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    first = cli("train", CONFIG, *opts)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    first = cli(tmp_path, "train", CONFIG, *opts, expect=0)
     ours = ("[pretrain]", "[train]", "==", "  ", "")
     assert all(line.startswith(ours) for line in first.stdout.splitlines()), first.stdout
     assert first.stderr.strip() == "", first.stderr
@@ -120,17 +108,16 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     with open(run_dir / "step_00000004" / "data" / "rank_0.json", "ab") as f:
         f.write(b" ")  # damaged after commit
     t0 = time.time()
-    refused = cli("resume", run_id, "train.max_steps=6")
+    refused = cli(tmp_path, "resume", run_id, "train.max_steps=6", expect=2)
     good = run_dir / "step_00000002"
-    assert refused.returncode == 2 and time.time() - t0 < 30, refused.stderr
+    assert time.time() - t0 < 30, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         f"error: {run_dir / 'step_00000004'}: checksum mismatch for data/rank_0.json; the newest checkpoint that "
         f"verifies is step 2: resume from it with ./launch.sh resume {good}"
     ]
     assert "Ray" not in refused.stdout, "refused before Ray started"
 
-    in_worker = cli("train", CONFIG, *opts, f"checkpoint.resume_from={run_dir / 'step_00000004'}")
-    assert in_worker.returncode == 2, in_worker.stdout[-3000:] + in_worker.stderr[-3000:]
+    in_worker = cli(tmp_path, "train", CONFIG, *opts, f"checkpoint.resume_from={run_dir / 'step_00000004'}", expect=2)
     assert "Traceback" not in in_worker.stdout + in_worker.stderr
     errors = [line for line in in_worker.stderr.splitlines() if line.strip()]
     assert (
@@ -139,8 +126,8 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
         and "newest checkpoint that verifies is step 2" in errors[0]
     ), in_worker.stderr
 
-    again = cli("resume", str(good))  # what the message says (a new run from step 2, same config: 4 steps)
-    assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    again = cli(tmp_path, "resume", str(good), expect=0)  # what the message says (a new run from step 2: 4 steps)
+    assert "resumed from" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ref, new = metric_history(run_id, uri=uri), metric_history(run_id_of(again.stdout), uri=uri)
     assert sorted(new) == [3, 4] and all(new[s] == ref[s] for s in (3, 4)), (ref, new)

@@ -13,20 +13,22 @@ import psutil
 
 from pretrain.data.tokenizer_cache import run_tokenizer
 from tests.conftest import PYTHON, ROOT, cli_env
+from tests.harness import cli
 from tests.integration.cli.test_bad_input import assert_refused
 from tests.unit.data.test_stream import make_docs, write_txt
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 
 
-def dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", CONFIG, *args, "--dry-run"],
-        cwd=tmp_path,
+def dry_run(tmp_path: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    return cli(
+        tmp_path,
+        "train",
+        CONFIG,
+        *args,
+        "--dry-run",
+        expect=expect,
         env={**cli_env(tmp_path), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
 
 
@@ -42,7 +44,6 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
         "cluster.cpus_per_worker=0.5",
     )
     proc = dry_run(tmp_path, *args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "preflight passed" in out and "nothing was started or created" in out
     assert "4 layers x 256" in out and "vocab 448" in out and "M parameters" in out
@@ -51,7 +52,7 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
     assert "trained at start on 800 documents" in out and "not cached yet" in out
     assert "through an embedded local Ray" in out  # two workers
     one = dry_run(tmp_path, *args[:-2])
-    assert one.returncode == 0 and "in this process (one worker: nothing for Ray to do" in one.stdout
+    assert "in this process (one worker: nothing for Ray to do" in one.stdout
     assert not (tmp_path / "ck").exists() and not (tmp_path / "mlflow.db").exists() and not cache.exists()
 
     # once the tokenizer is cached, the plan says so (and counts the model with its real vocabulary)
@@ -63,12 +64,13 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
     preflight(cfg)
     run_tokenizer(cfg.data, tmp_path / "tok", lambda _: None)
     proc = dry_run(tmp_path, *args)
-    assert proc.returncode == 0 and "reused from cache" in proc.stdout and "(400 tokens)" in proc.stdout
+    assert "reused from cache" in proc.stdout and "(400 tokens)" in proc.stdout
 
     # checks fail as a run's would: one line, exit 2
-    assert_refused(dry_run(tmp_path, "model.bogus=1"), "model.bogus")
-    assert_refused(dry_run(tmp_path, "checkpoint.dir=/proc/pretrain-x"), "checkpoint.dir")
-    assert_refused(dry_run(tmp_path, *args, f"data.sources=[{{path: {tmp_path / 'missing.txt'}}}]"), "missing.txt")
+    assert_refused(dry_run(tmp_path, "model.bogus=1", expect=2), "model.bogus")
+    assert_refused(dry_run(tmp_path, "checkpoint.dir=/proc/pretrain-x", expect=2), "checkpoint.dir")
+    missing = f"data.sources=[{{path: {tmp_path / 'missing.txt'}}}]"
+    assert_refused(dry_run(tmp_path, *args, missing, expect=2), "missing.txt")
     assert not (tmp_path / "ck").exists() and not (tmp_path / "mlflow.db").exists()
 
 

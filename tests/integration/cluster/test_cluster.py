@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.train.dist import free_port as _free_port
-from tests.conftest import PYTHON, ROOT, cli_env
+from tests.conftest import ROOT, cli_env
+from tests.harness import cli, start_cli
 from tests.unit.cluster.test_submit import _CLIENT_ENV_DROP
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
@@ -54,12 +55,6 @@ def _env(work: Path, head_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _cli(work: Path, env: dict[str, str], *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PYTHON, "-m", "pretrain", *args], cwd=work, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
@@ -70,11 +65,30 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_bad_config_exits_2_before_contacting_anything(tmp_path):
     env = _env(tmp_path, tmp_path / "head")
     port = _free_port()  # nothing listens there: had submit tried to send, it would say "cannot reach"
-    proc = _cli(tmp_path, env, "submit", "--address", f"http://127.0.0.1:{port}", CONFIG, "model.num_layerz=2")
-    assert proc.returncode == 2
+    proc = cli(
+        tmp_path,
+        "submit",
+        "--address",
+        f"http://127.0.0.1:{port}",
+        CONFIG,
+        "model.num_layerz=2",
+        expect=2,
+        timeout=120,
+        env=env,
+    )
     assert "model.num_layerz" in _one_error_line(proc)
-    proc = _cli(tmp_path, env, "submit", "--address", f"http://127.0.0.1:{port}", CONFIG, "train.max_steps=-1")
-    assert proc.returncode == 2 and "train.max_steps" in _one_error_line(proc)
+    proc = cli(
+        tmp_path,
+        "submit",
+        "--address",
+        f"http://127.0.0.1:{port}",
+        CONFIG,
+        "train.max_steps=-1",
+        expect=2,
+        timeout=120,
+        env=env,
+    )
+    assert "train.max_steps" in _one_error_line(proc)
 
 
 @pytest.mark.parametrize(
@@ -84,18 +98,17 @@ def test_bad_config_exits_2_before_contacting_anything(tmp_path):
 def test_unreachable_address_is_one_line(tmp_path, cmd):
     env = _env(tmp_path, tmp_path / "head")
     port = _free_port()
-    proc = _cli(tmp_path, env, *cmd, "--address", f"http://127.0.0.1:{port}")
-    assert proc.returncode == 1
+    proc = cli(tmp_path, *cmd, "--address", f"http://127.0.0.1:{port}", expect=1, timeout=120, env=env)
     line = _one_error_line(proc)
     assert line.startswith("error: cannot reach the Ray Jobs API at http://127.0.0.1:") and str(port) in line
 
 
 def test_cluster_down_and_status_without_a_head(tmp_path):
     env = _env(tmp_path, tmp_path / "head")
-    proc = _cli(tmp_path, env, "cluster", "down")
-    assert proc.returncode == 0 and "nothing to stop" in proc.stdout
-    proc = _cli(tmp_path, env, "cluster", "status")
-    assert proc.returncode == 1 and "no local Ray head" in proc.stdout
+    proc = cli(tmp_path, "cluster", "down", expect=0, timeout=120, env=env)
+    assert "nothing to stop" in proc.stdout
+    proc = cli(tmp_path, "cluster", "status", expect=1, timeout=120, env=env)
+    assert "no local Ray head" in proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +123,8 @@ def head(tmp_path_factory):
     env = _env(work, head_dir)
     state = None
     try:
-        proc = _cli(
+        proc = cli(
             work,
-            env,
             "cluster",
             "up",
             "--dashboard-port",
@@ -121,9 +133,10 @@ def head(tmp_path_factory):
             temp_dir,
             "--num-cpus",
             "2",
+            expect=0,
             timeout=240,
+            env=env,
         )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
         state = json.loads((head_dir / "state.json").read_text())
         yield {
             "work": work,
@@ -137,7 +150,7 @@ def head(tmp_path_factory):
         if state is None and (head_dir / "state.json").is_file():
             state = json.loads((head_dir / "state.json").read_text())
         try:
-            _cli(work, env, "cluster", "down", "--grace", "3", timeout=120)
+            cli(work, "cluster", "down", "--grace", "3", expect=None, timeout=120, env=env)
         finally:
             if state:  # whatever survived `down` (it should be nothing): kill it, by session / temp dir
                 import psutil
@@ -173,8 +186,7 @@ def _wait_status(work, env, job_id: str, want: set[str], timeout: float) -> str:
     deadline = time.time() + timeout
     status = ""
     while time.time() < deadline:
-        proc = _cli(work, env, "status", job_id)
-        assert proc.returncode == 0, proc.stderr
+        proc = cli(work, "status", job_id, expect=0, timeout=120, env=env)
         status = proc.stdout.strip()
         if status in want:
             return status
@@ -202,49 +214,46 @@ def test_head_is_local_only_and_authenticated(head):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == code
-    proc = _cli(work, {**env, "RAY_AUTH_TOKEN": "wrong-token"}, "jobs")
-    assert proc.returncode == 1
+    proc = cli(work, "jobs", expect=1, timeout=120, env={**env, "RAY_AUTH_TOKEN": "wrong-token"})
     line = _one_error_line(proc)
     assert line.startswith("error: authentication failed at ") and "wrong-token" not in line
     # a client with no token at all (no local-head state, empty HOME)
     bare = _env(work, work / "no-head", HOME=str(work / "home"))
-    proc = _cli(work, bare, "status", "raysubmit_x", "--address", state["address"])
-    assert proc.returncode == 1 and "authentication failed" in _one_error_line(proc)
+    proc = cli(work, "status", "raysubmit_x", "--address", state["address"], expect=1, timeout=120, env=bare)
+    assert "authentication failed" in _one_error_line(proc)
 
-    proc = _cli(work, env, "cluster", "status")
-    assert proc.returncode == 0 and "alive" in proc.stdout and "CPU" in proc.stdout
-    proc = _cli(work, env, "cluster", "up")  # idempotent
-    assert proc.returncode == 0 and "already running" in proc.stdout
+    proc = cli(work, "cluster", "status", expect=0, timeout=120, env=env)
+    assert "alive" in proc.stdout and "CPU" in proc.stdout
+    proc = cli(work, "cluster", "up", expect=0, timeout=120, env=env)  # idempotent
+    assert "already running" in proc.stdout
 
 
 def test_submit_tiny_job_end_to_end(head):
     work, env = head["work"], head["env"]
-    before = _cli(work, env, "jobs")
-    assert before.returncode == 0, before.stderr
-    bad = _cli(work, env, "submit", CONFIG, *TINY, "model.hidden_size=oops")
-    assert bad.returncode == 2 and "model.hidden_size" in _one_error_line(bad)
-    assert _cli(work, env, "jobs").stdout.count("raysubmit_") == before.stdout.count("raysubmit_")  # nothing sent
+    before = cli(work, "jobs", expect=0, timeout=120, env=env)
+    bad = cli(work, "submit", CONFIG, *TINY, "model.hidden_size=oops", expect=2, timeout=120, env=env)
+    assert "model.hidden_size" in _one_error_line(bad)
+    after = cli(work, "jobs", expect=None, timeout=120, env=env)
+    assert after.stdout.count("raysubmit_") == before.stdout.count("raysubmit_")  # nothing sent
 
-    proc = _cli(work, env, "submit", CONFIG, *TINY, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = cli(work, "submit", CONFIG, *TINY, expect=0, timeout=240, env=env)
     lines = proc.stdout.splitlines()
     m_job = re.fullmatch(r"job id: (raysubmit_\w+)", lines[0])
     m_run = re.fullmatch(r"MLflow run id: ([0-9a-f]{32})", lines[1])
     assert m_job and m_run, proc.stdout
     job_id, run_id = m_job.group(1), m_run.group(1)
 
-    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", _cli(
-        work, env, "logs", job_id
+    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", cli(
+        work, "logs", job_id, expect=None, timeout=120, env=env
     ).stdout[-3000:]
-    logs = _cli(work, env, "logs", job_id)
-    assert logs.returncode == 0
+    logs = cli(work, "logs", job_id, expect=0, timeout=120, env=env)
     assert "== finished: demo-decoder ==" in logs.stdout and re.search(rf"MLflow run id\s+{run_id}", logs.stdout)
     assert "Found multiple active Ray instances" not in logs.stdout  # Ray's actors know their cluster
-    follow = _cli(work, env, "logs", job_id, "--follow", timeout=60)  # a finished job: prints and returns
-    assert follow.returncode == 0 and "== finished" in follow.stdout
-    jobs = _cli(work, env, "jobs")
+    follow = cli(work, "logs", job_id, "--follow", expect=0, timeout=60, env=env)  # a finished job: prints and returns
+    assert "== finished" in follow.stdout
+    jobs = cli(work, "jobs", expect=None, timeout=120, env=env)
     assert re.search(rf"{job_id}\s+SUCCEEDED", jobs.stdout), jobs.stdout
-    verbose = _cli(work, env, "status", "-v", job_id)
+    verbose = cli(work, "status", "-v", job_id, expect=None, timeout=120, env=env)
     assert verbose.stdout.splitlines()[0] == "SUCCEEDED" and "-m pretrain train _pretrain_job.yaml" in verbose.stdout
 
     # the run went to the test's MLflow store, its checkpoint next to the submitting cwd
@@ -253,21 +262,20 @@ def test_submit_tiny_job_end_to_end(head):
     run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
     assert run.info.status == "FINISHED"
     assert (work / "checkpoints" / run_id / "step_00000003" / "manifest.json").is_file()
-    assert _cli(work, env, "status", "raysubmit_nosuchjob").returncode == 1
+    cli(work, "status", "raysubmit_nosuchjob", expect=1, timeout=120, env=env)
 
 
 def test_stop_running_job_and_listeners_while_training(head):
     work, env, state = head["work"], head["env"], head["state"]
     long = [a for a in TINY if not a.startswith("train.max_steps")] + ["train.max_steps=2000"]
-    proc = _cli(work, env, "submit", CONFIG, *long, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = cli(work, "submit", CONFIG, *long, expect=0, timeout=240, env=env)
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     assert "MLflow run id: " in proc.stdout
 
     deadline = time.time() + 180
-    while "[train] " not in _cli(work, env, "logs", job_id).stdout:  # the worker group is up
+    while "[train] " not in cli(work, "logs", job_id, expect=None, timeout=120, env=env).stdout:  # the workers are up
         assert time.time() < deadline, "training did not start"
-        assert _cli(work, env, "status", job_id).stdout.strip() in ("PENDING", "RUNNING")
+        assert cli(work, "status", job_id, expect=None, timeout=120, env=env).stdout.strip() in ("PENDING", "RUNNING")
         time.sleep(2)
     found = _listeners(state)
     wide = [x for x in found if x[0] not in LOOPBACK]
@@ -278,18 +286,11 @@ def test_stop_running_job_and_listeners_while_training(head):
     assert all(name.startswith("ray::RayTrainWorker") for _, _, name in wide), wide
     assert len(wide) <= 1, wide
 
-    follower = subprocess.Popen(
-        [PYTHON, "-m", "pretrain", "logs", job_id, "--follow"],
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    follower = start_cli(work, "logs", job_id, "--follow", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         time.sleep(3)
         assert follower.poll() is None  # still following a running job
-        stop = _cli(work, env, "stop", job_id, timeout=120)
+        stop = cli(work, "stop", job_id, expect=None, timeout=120, env=env)
         out, err = follower.communicate(timeout=60)  # the stream ends with the job
     finally:
         if follower.poll() is None:
@@ -297,7 +298,7 @@ def test_stop_running_job_and_listeners_while_training(head):
     assert follower.returncode == 0 and "[pretrain] run " in out and "Traceback" not in err, err
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert stop.stdout.strip().endswith("STOPPED")
-    assert _cli(work, env, "status", job_id).stdout.strip() == "STOPPED"
+    assert cli(work, "status", job_id, expect=None, timeout=120, env=env).stdout.strip() == "STOPPED"
     # the stop was a checkpoint: the driver got SIGTERM from Ray Jobs, the worker finished its step and committed it
     run_id = re.search(r"MLflow run id: (\w+)", proc.stdout).group(1)
     m = re.search(r"stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: ", out)
@@ -307,16 +308,24 @@ def test_stop_running_job_and_listeners_while_training(head):
 
     run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
     assert run.info.status == "KILLED" and run.data.tags["pretrain.stop.signal"] == "SIGTERM"
-    again = _cli(work, env, "stop", job_id)
-    assert again.returncode == 0 and "already ended: STOPPED" in again.stdout
+    again = cli(work, "stop", job_id, expect=0, timeout=120, env=env)
+    assert "already ended: STOPPED" in again.stdout
 
 
 def test_job_failing_on_the_cluster_is_one_line(head):
     work, env = head["work"], head["env"]
     # valid config, but the data does not exist where the job runs: the driver fails before a run starts
-    proc = _cli(work, env, "submit", CONFIG, *TINY, "data.sources=[{path: /nonexistent/corpus.jsonl}]", timeout=240)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = cli(
+        work,
+        "submit",
+        CONFIG,
+        *TINY,
+        "data.sources=[{path: /nonexistent/corpus.jsonl}]",
+        expect=1,
+        timeout=240,
+        env=env,
+    )
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     line = _one_error_line(proc)
     assert line.startswith(f"error: job {job_id} FAILED") and "/nonexistent/corpus.jsonl" in line, line
-    assert _cli(work, env, "status", job_id).stdout.strip() == "FAILED"
+    assert cli(work, "status", job_id, expect=None, timeout=120, env=env).stdout.strip() == "FAILED"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import CONFIG, E2E, PYTHON, cli_env, metric_history
+from tests.harness import CONFIG, E2E, PYTHON, cli, cli_env, metric_history, start_cli
 
 DRIVER = Path(__file__).resolve().parent / "cluster_driver.py"
 
@@ -98,29 +98,23 @@ def test_two_nodes_match_single_node_and_survive_node_loss(cluster, tmp_path, re
         "[pretrain] waiting for the cluster to place 2 worker(s) of {CPU: 1} (STRICT_SPREAD): 1/2 fit its "
         "free resources, missing CPU 1; giving up in "
     )
-    short = subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", *spread, "cluster.start_timeout=6"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    short = cli(tmp_path, "train", *spread, "cluster.start_timeout=6", expect=2, env=env)
     errors = [ln for ln in short.stderr.splitlines() if ln.strip()]
-    assert short.returncode == 2 and len(errors) == 1, short.stdout[-2000:] + short.stderr[-2000:]
+    assert len(errors) == 1, short.stdout[-2000:] + short.stderr[-2000:]
     assert errors[0].startswith(
         "error: cluster.start_timeout: the cluster placed no group of 2 worker(s) of "
         "{CPU: 1} (STRICT_SPREAD) in 6 s (1/2 fit its free resources; missing CPU 1)"
     ), errors
     assert waiting in short.stdout and "Traceback" not in short.stdout + short.stderr
 
-    job = subprocess.Popen(
-        [PYTHON, "-m", "pretrain", "train", *spread, "cluster.max_failures=2"],
-        cwd=tmp_path,
+    job = start_cli(
+        tmp_path,
+        "train",
+        *spread,
+        "cluster.max_failures=2",
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,
     )
     early: list[str] = []

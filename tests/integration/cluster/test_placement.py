@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import time
 import types
 
@@ -13,7 +12,8 @@ import pytest
 
 from cluster import placement
 from pretrain.config import ConfigError, load_config
-from tests.conftest import PYTHON, cli_env
+from tests.conftest import cli_env
+from tests.harness import cli
 from tests.unit.cluster.test_placement import DEMO
 
 
@@ -24,17 +24,19 @@ def test_three_workers_on_two_cpus_are_refused_in_one_line_before_ray_starts(tmp
     share = 1 if cpus < 3 else cpus // 3 + 1  # 3 x share > cpus
     env = cli_env(tmp_path)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", DEMO, "cluster.num_workers=3", f"cluster.cpus_per_worker={share}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+    proc = cli(
+        tmp_path,
+        "train",
+        DEMO,
+        "cluster.num_workers=3",
+        f"cluster.cpus_per_worker={share}",
+        expect=2,
         timeout=120,
+        env=env,
     )
     took = time.monotonic() - t0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert len(lines) == 1, proc.stdout + proc.stderr
     fraction = math.floor(cpus / 3 * 100) / 100
     assert lines[0] == (
         f"error: cluster.num_workers: 3 workers x cluster.cpus_per_worker={share} need {3 * share} CPUs, but this "

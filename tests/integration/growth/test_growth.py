@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from tests.harness import metric_history, run_jobs
+from tests.harness import cli, metric_history, run_jobs
 
 # -- in a running job ------------------------------------------------------------------------------------------
 
@@ -176,22 +176,13 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     shows, resumes (on 1 worker) and exports with a passing parity check; `grow experts=4` upcycles, trains with
     expert parallelism (2 workers, moe.ep_size=2) and exports as Mixtral."""
     import json
-    import subprocess
 
     from mlflow import MlflowClient
 
-    from tests.conftest import PYTHON, ROOT, cli_env
+    from tests.conftest import ROOT
 
-    def cli(*args):
-        proc = subprocess.run(
-            [PYTHON, "-m", "pretrain", *args],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    def run(*args):
+        proc = cli(tmp_path, *args, expect=0, timeout=600)
         return proc.stdout
 
     base = [o for o in GROW if not o.startswith("growth.")] + [
@@ -200,9 +191,9 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
         "zero.stage=3",
         "zero.param_persistence_threshold=0",
     ]
-    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
+    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
-    out = cli("grow", parent, "depth=+2", "depth_op=identity", "width=2x", "noise=0")
+    out = run("grow", parent, "depth=+2", "depth_op=identity", "width=2x", "noise=0")
     child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     tags = client.get_run(child).data.tags
@@ -210,19 +201,19 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     assert tags["mlflow.parentRunId"] == parent and "depth 2->4 identity" in tags["growth.operator"]
     m = client.get_run(child).data.metrics
     assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=1e-5)
-    assert f"growth of run {parent} at step 4" in cli("runs", child)
-    assert f"^ growth of run {parent}" in cli("runs")
-    cli("resume", child, "train.max_steps=6", "cluster.num_workers=1")
+    assert f"growth of run {parent} at step 4" in run("runs", child)
+    assert f"^ growth of run {parent}" in run("runs")
+    run("resume", child, "train.max_steps=6", "cluster.num_workers=1")
     hist = {x.step for x in client.get_metric_history(child, "train/loss")}
     assert hist == {5, 6}, "the grown run continues the parent's step count and data"
-    report = cli("export", child, "--out", str(tmp_path / "hf_grown"))
+    report = run("export", child, "--out", str(tmp_path / "hf_grown"))
     assert "LlamaForCausalLM" in report and "parity" in report
     cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (4, 64, False)
-    out = cli("grow", parent, "experts=4", "noise=0")
+    out = run("grow", parent, "experts=4", "noise=0")
     moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
     # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
-    out = cli(
+    out = run(
         "resume",
         moe_child,
         "train.max_steps=6",
@@ -234,7 +225,7 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
     assert "2 worker(s)" in out
     hist = {x.step for x in client.get_metric_history(moe_child, "train/loss")}
     assert hist == {5, 6} and client.get_metric_history(moe_child, "moe/block0/expert3_tokens")
-    report = cli("export", moe_child, "--out", str(tmp_path / "hf_moe"))  # its EP=2 checkpoint
+    report = run("export", moe_child, "--out", str(tmp_path / "hf_moe"))  # its EP=2 checkpoint
     assert "MixtralForCausalLM" in report
 
 
@@ -243,7 +234,6 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
     at depth 4): identity depth growth keeps the held-back loss in the job (``growth.schedule``, checked by the run
     itself and logged) and with ``grow`` on the committed checkpoint; the same growth with rho recomputed for the
     new depth (the weights not rescaled) moves the loss on the same batch past the growth check's tolerance."""
-    import subprocess
 
     from mlflow import MlflowClient
 
@@ -252,18 +242,10 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
     from pretrain.export.checkpoints import resolve_checkpoint
     from pretrain.model.growth import apply_growth
     from pretrain.train.callbacks.growth import grown_config, held_back_loss
-    from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
+    from tests.conftest import ROOT, in_workdir
 
-    def cli(*args):
-        proc = subprocess.run(
-            [PYTHON, "-m", "pretrain", *args],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    def run(*args):
+        proc = cli(tmp_path, *args, expect=0, timeout=600)
         return proc.stdout
 
     rho = ["layer_drop.rate=0.8", "layer_drop.scaling=rho", "layer_drop.by_depth=linear", "train.lr=1e-2"]
@@ -277,13 +259,13 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
             "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}]",
         ]
     )
-    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
+    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     m = client.get_run(parent).data.metrics
     print(f"in the job: {m['growth/loss_before']:.6f} -> {m['growth/loss_after']:.6f}")
     assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=2e-6)
-    out = cli("grow", parent, "depth=2x", "depth_op=identity", "noise=0")
+    out = run("grow", parent, "depth=2x", "depth_op=identity", "noise=0")
     child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
     m = client.get_run(child).data.metrics
     print(f"offline: {m['growth/loss_before']:.6f} -> {m['growth/loss_after']:.6f}")
@@ -306,23 +288,14 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
     worker for 10 steps. The child starts with fresh AdamW moments: it re-warms its LR (`growth.rewarm_steps`,
     recorded in its config), and its validation loss after the 10 steps is not above its parent's at the growth
     point."""
-    import subprocess
 
     import yaml
     from mlflow import MlflowClient
 
-    from tests.conftest import PYTHON, ROOT, cli_env
+    from tests.conftest import ROOT
 
-    def cli(*args):
-        proc = subprocess.run(
-            [PYTHON, "-m", "pretrain", *args],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    def run(*args):
+        proc = cli(tmp_path, *args, expect=0, timeout=900)
         return proc.stdout
 
     parent_opts = [
@@ -342,15 +315,15 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
         "data.num_streams=2",
         "stability.plot_at_end=false",
     ]
-    out = cli("train", str(ROOT / "configs" / "demo-decoder.yaml"), *parent_opts)
+    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *parent_opts)
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
-    out = cli("grow", parent, "depth=2x", "depth_op=identity", "width=2x", "width_op=tile", "noise=0")
+    out = run("grow", parent, "depth=2x", "depth_op=identity", "width=2x", "width_op=tile", "noise=0")
     child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_dir = next(p for p in tmp_path.rglob(child) if p.is_dir() and (p / "config.yaml").exists())
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["growth"]["rewarm_steps"] == 20, "a grown run re-warms (the parent's warm-up), recorded in its config"
-    cli("resume", child, "train.max_steps=30", "train.val_every=10", "cluster.num_workers=1")
+    run("resume", child, "train.max_steps=30", "train.val_every=10", "cluster.num_workers=1")
 
     def history(run_id, key):
         return {x.step: x.value for x in client.get_metric_history(run_id, key)}

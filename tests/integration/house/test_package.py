@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from tests.conftest import PYTHON, ROOT, cli_env
+from tests.harness import cli
 
 # -- the package ----------------------------------------------------------------------------------------------
 
@@ -26,10 +27,8 @@ def test_console_script_is_python_m_pretrain(tmp_path):
     assert script.is_file(), f"{script} is missing: ./launch.sh setup installs the project"
     env = cli_env(tmp_path)
     command = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    module = subprocess.run(
-        [PYTHON, "-m", "pretrain", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert command.returncode == module.returncode == 0, command.stderr + module.stderr
+    module = cli(tmp_path, "--help", expect=0, timeout=60, env=env)
+    assert command.returncode == 0, command.stderr
     assert command.stdout == module.stdout and "train [CONFIG.yaml]" in command.stdout
     unknown = subprocess.run(
         [str(script), "nosuchcommand"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import learnable_batches, run_distributed, tiny_config, train_steps
+from tests.harness import cli, learnable_batches, run_distributed, tiny_config, train_steps
 from tests.unit.train.test_worker import DEMO
 
 # -- the TrainModule on 2 workers: rebuild mid-run, given weights, optimizer moments ------------------------
@@ -178,9 +178,6 @@ def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
     import json
     import math
     import os
-    import subprocess
-
-    from tests.conftest import PYTHON, cli_env
 
     steps = [
         "train.max_steps=3",
@@ -196,26 +193,18 @@ def test_default_demo_runs_on_1_to_4_workers_through_ray(tmp_path):
     finals, tok = {}, []
     for workers in (1, 3, 4, 2):
         share = min(1.0, math.floor(cpus / workers * 100) / 100)
-        proc = subprocess.run(
-            [
-                PYTHON,
-                "-m",
-                "pretrain",
-                "train",
-                str(DEMO),
-                *steps,
-                *tok,
-                f"cluster.num_workers={workers}",
-                f"cluster.cpus_per_worker={share:g}",
-                *(["cluster.ray_for_one_worker=true"] if workers == 1 else []),
-            ],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
+        proc = cli(
+            tmp_path,
+            "train",
+            str(DEMO),
+            *steps,
+            *tok,
+            f"cluster.num_workers={workers}",
+            f"cluster.cpus_per_worker={share:g}",
+            *(["cluster.ray_for_one_worker=true"] if workers == 1 else []),
+            expect=0,
             timeout=900,
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         run_dir = Path(proc.stdout.split("checkpoints in ", 1)[1].split()[0])
         ranks = {int(r) for r in re.findall(rf"^\[train\] rank (\d)/{workers} on Ray node", proc.stdout, re.M)}
         assert ranks == set(range(workers)), (workers, proc.stdout[-3000:])

@@ -3,23 +3,12 @@ before Ray."""
 
 from __future__ import annotations
 
+from tests.harness import cli
 from tests.unit.train.test_mlflow_records import DEMO
 
 
 def test_bad_new_field_is_one_line_exit_2_before_ray(tmp_path):
-    import subprocess
-    import sys
 
-    from tests.conftest import cli_env
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "pretrain", "train", str(DEMO), "data.sources=[{path: demo, name: 'a/b'}]"],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
+    proc = cli(tmp_path, "train", str(DEMO), "data.sources=[{path: demo, name: 'a/b'}]", expect=2, timeout=120)
     assert proc.stderr.strip().count("\n") == 0 and "data.sources[0].name" in proc.stderr
     assert "ray" not in proc.stdout.lower()

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from pretrain.config import load_config
-from tests.conftest import PYTHON, ROOT, cli_env, in_workdir
-from tests.harness import Case, case_ids, metric_history, run_cases, run_jobs, shard, tiny_config
+from tests.conftest import ROOT, in_workdir
+from tests.harness import Case, case_ids, cli, metric_history, run_cases, run_jobs, shard, tiny_config
 
 # ----------------------------------------------------------------------------------------------
 # The skip is an exact no-op, for every ZeRO stage (2 real gloo ranks)
@@ -374,16 +373,7 @@ def test_resume_through_a_rollback_is_bitwise(fault_runs):
 
 def test_halt_policy_stops_with_one_line_and_a_report_then_plot(tmp_path):
     args = [a.replace("cluster.num_workers=2", "cluster.num_workers=1") for a in TINY]
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "train", *args, "stability.policy=halt", "faults.nan_grad_at_step=3"],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = cli(tmp_path, "train", *args, "stability.policy=halt", "faults.nan_grad_at_step=3", expect=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stability halt at step 3: nonfinite" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "[train] HALT:" in proc.stdout
@@ -395,16 +385,7 @@ def test_halt_policy_stops_with_one_line_and_a_report_then_plot(tmp_path):
     assert report["halted"]["step"] == 3 and report["policy"] == "halt"
     assert not list((tmp_path / "checkpoints" / run_id).glob("step_*"))  # nothing after step 0 was committed
 
-    plot = subprocess.run(
-        [PYTHON, "-m", "pretrain", "runs", run_id, "--plot"],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert plot.returncode == 0, plot.stderr[-2000:]
+    plot = cli(tmp_path, "runs", run_id, "--plot", expect=0, timeout=120)
     path = Path(plot.stdout.strip().splitlines()[-1].split("plot: ", 1)[1])
     assert path.is_file() and path.stat().st_size > 10_000
     print("\n" + errors[0] + "\nplot:", path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from tests.harness import CONFIG, E2E, PYTHON, cli, cli_env, metric_history, run_id_of
+from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
 
 SLOW = "faults.slow_step_s=0.4"  # steps slow enough to signal mid-run on any machine (numbers unchanged)
 
@@ -22,15 +22,7 @@ def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], gr
     """``python -m pretrain ARGS`` in its own session; ``after`` seconds after step ``at_step`` is logged, send
     ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C). Returns
     (exit code, output)."""
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "pretrain", *args],
-        cwd=work,
-        env=cli_env(work),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_cli(work, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     out, sent = [], False
     assert proc.stdout is not None
     for line in proc.stdout:

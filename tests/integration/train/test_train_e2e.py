@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import CONFIG, E2E, PYTHON, cli, cli_env, metric_history, run_id_of
+from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
 
 
 def _losses(tmp_path: Path, run_id: str) -> dict[int, float]:
@@ -44,22 +44,15 @@ def killed_job(reference):
     ``checkpoint.async`` (the default) writes step 6's checkpoint in the background (slowed to 600 s by the fault
     hook) while training goes on to step 8, whose save waits for it; the job is killed there."""
     work = reference["work"]
-    proc = subprocess.Popen(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "train",
-            CONFIG,
-            *E2E,
-            "faults.slow_checkpoint_at_step=6",
-            "faults.slow_checkpoint_s=600",
-        ],
-        cwd=work,
-        env=cli_env(work),
+    proc = start_cli(
+        work,
+        "train",
+        CONFIG,
+        *E2E,
+        "faults.slow_checkpoint_at_step=6",
+        "faults.slow_checkpoint_s=600",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,
     )
     run_id, seen = None, []
@@ -183,24 +176,15 @@ def test_bad_records_fail_policy_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = '{"text": "A perfectly fine sentence about the weather and the sea."}\n'
     bad.write_text(good * 50 + '{"text": "unterminated\n' + good * 5)
-    proc = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pretrain",
-            "train",
-            *E2E,
-            f"data.sources=[{{path: {bad}}}]",
-            "data.bad_records=fail",
-            "cluster.use_ray=false",
-        ],
-        cwd=tmp_path,
-        env=cli_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = cli(
+        tmp_path,
+        "train",
+        *E2E,
+        f"data.sources=[{{path: {bad}}}]",
+        "data.bad_records=fail",
+        "cluster.use_ray=false",
+        expect=2,
     )
-    assert proc.returncode != 0
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert err and f"{bad}:51" in err[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
