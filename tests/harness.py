@@ -1,6 +1,7 @@
 """The harness of the multi-rank tests, shared by the feature files instead of their own copies.
 
-* the tiny model (``TINY_MODEL``, ``tiny_config``), learnable global batches and each rank's shard of one;
+* the one tiny model (``TINY_MODEL``, ``tiny_config``; ``tiny_model(**changes)`` where a test needs it changed),
+  learnable global batches and each rank's shard of one;
 * ``run_distributed(fn, world_size, *args)``: real processes joined by a real gloo group: fresh ones
   (``pretrain/train/spawn.py``), or with ``fresh=False`` the session's processes of that world size, started once and
   kept (``_RankPool``), which skips the seconds every fresh process spends on imports and its first DeepSpeed
@@ -57,6 +58,7 @@ __all__ = [
     "start_cli",
     "step_losses",
     "tiny_config",
+    "tiny_model",
     "train_jobs",
     "train_steps",
 ]
@@ -198,7 +200,21 @@ TINY_MODEL = (
     "model.num_heads=4",
     "model.max_seq_len=16",
 )
-"""The step-level tests' model: 2 blocks of width 32 over a vocabulary of 101, sequences of 16 tokens."""
+"""The tests' one tiny model: 2 blocks of width 32 over a vocabulary of 101, sequences of 16 tokens. Tests that need
+another one say how it differs: ``tiny_model(...)``."""
+
+
+def tiny_model(**changes: object) -> list[str]:
+    """The tiny model's overrides (``TINY_MODEL``) with ``changes`` to it: ``tiny_model(num_layers=4,
+    num_kv_heads=2)`` sets ``model.num_layers=4`` and adds ``model.num_kv_heads=2``; ``None`` leaves a key unset (the
+    preset's value, or for ``vocab_size`` the run's tokenizer's)."""
+    model: dict[str, object] = dict(o.removeprefix("model.").split("=", 1) for o in TINY_MODEL)
+    for key, value in changes.items():
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = str(value).lower() if isinstance(value, bool) else value
+    return [f"model.{k}={v}" for k, v in model.items()]
 
 
 def tiny_config(*overrides: str, preset: str | Path | None = None):
@@ -391,11 +407,7 @@ def run_id_of(stdout: str) -> str:
 
 
 E2E = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, dropout=0.1, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",
@@ -408,7 +420,6 @@ E2E = [
     "train.val_sequences=8",
     "checkpoint.every_steps=2",
     "cluster.num_workers=2",
-    "model.dropout=0.1",
     "train.decay=constant",
 ]
 """The tiny end-to-end run of ``configs/demo-decoder.yaml``: 2 Ray workers, 8 steps, a checkpoint every 2."""

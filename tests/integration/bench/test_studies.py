@@ -10,20 +10,15 @@ import pytest
 from mlflow import MlflowClient
 
 from benchmarks.study import flops_saving, time_to_loss_speedup
-from tests.harness import cli
+from tests.harness import cli, tiny_model
 
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=512),
     "train.global_batch_size=4",
     "data.num_streams=4",
     "train.micro_batch_size=4",
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=2000",
-    "model.vocab_size=512",
     "train.val_sequences=4",
     "train.warmup_steps=2",
 ]

@@ -15,7 +15,7 @@ from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import FORMAT_FULL, Manifest
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
-from tests.harness import run_distributed
+from tests.harness import TINY_MODEL, run_distributed
 from tests.unit.checkpoint.test_store import _commit, _stage
 
 
@@ -59,11 +59,7 @@ def _full_weights_resume(rank: int, world: int, work: str) -> dict:
     cfg = load_config(
         None,
         [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.max_seq_len=16",
+            *TINY_MODEL,
             "zero.stage=1",
             "train.global_batch_size=4",
             "train.micro_batch_size=4",

@@ -13,7 +13,7 @@ import torch
 
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store
-from tests.harness import cli, run_distributed
+from tests.harness import TINY_MODEL, cli, run_distributed
 from tests.unit.checkpoint.test_store_hashing import OLD
 
 
@@ -27,11 +27,7 @@ def tiny_zero2_config(work_dir: Path, *extra: str):
     return load_config(
         None,
         [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.max_seq_len=16",
+            *TINY_MODEL,
             "zero.stage=2",
             "train.global_batch_size=4",
             "train.micro_batch_size=2",

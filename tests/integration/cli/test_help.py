@@ -12,14 +12,10 @@ import pytest
 
 from pretrain.cli import COMMANDS
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.harness import CONFIG, cli, run_id_of
+from tests.harness import CONFIG, cli, run_id_of, tiny_model
 
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=300",
     "data.tokenizer_train_docs=1000",
     "data.num_streams=2",

@@ -22,16 +22,12 @@ import pytest
 
 from pretrain.train.dist import free_port as _free_port
 from tests.conftest import ROOT, cli_env
-from tests.harness import cli, start_cli
+from tests.harness import cli, start_cli, tiny_model
 from tests.unit.cluster.test_submit import _CLIENT_ENV_DROP
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 TINY = [
-    "model.num_layers=1",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.num_kv_heads=0",
-    "model.max_seq_len=32",
+    *tiny_model(num_layers=1, num_heads=2, num_kv_heads=0, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=300",
     "data.tokenizer_train_docs=500",
     "data.num_streams=2",

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from pretrain.config import load_config
-from tests.harness import cli, metric_history, run_jobs
+from tests.harness import cli, metric_history, run_jobs, tiny_model
 
 # -- in a running job ------------------------------------------------------------------------------------------
 
 GROW = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",

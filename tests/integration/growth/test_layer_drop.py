@@ -18,6 +18,7 @@ from tests.harness import (
     metric_history,
     run_cases,
     run_jobs,
+    tiny_model,
     train_steps,
 )
 from tests.unit.model.test_layerdrop import GLOBAL, STEPS, Z3, _cfg
@@ -159,11 +160,7 @@ def test_layer_drop_is_rank_consistent_and_matches_one_worker(runs, case):
 # -- end to end: trainer, resume, metrics, eval, prune, export ---------------------------------------------
 
 E2E = [
-    "model.num_layers=4",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(num_layers=4, hidden_size=64, num_kv_heads=2, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.harness import Case, case_ids, cli, learnable_batches, run_cases, run_distributed, run_id_of
+from tests.harness import Case, case_ids, cli, learnable_batches, run_cases, run_distributed, run_id_of, tiny_model
 
 STEPS, GLOBAL, MICRO = 20, 8, 4
 COMMON = (
@@ -157,11 +157,7 @@ def test_resume_on_the_same_and_another_layout(tmp_path):
 
 
 GROWN = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(num_kv_heads=2, max_seq_len=32, dropout=0.0, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",
@@ -175,7 +171,6 @@ GROWN = [
     "checkpoint.every_steps=2",
     "cluster.num_workers=2",
     "stability.plot_at_end=false",
-    "model.dropout=0.0",
     "layer_drop.rate=0.3",
     "growth.schedule=[{at_step: 2, depth: 2x, depth_op: identity, noise: 0}, {at_step: 5, width: 2x, noise: 0}]",
 ]

@@ -27,6 +27,7 @@ from tests.harness import (
     run_cases,
     run_id_of,
     run_jobs,
+    tiny_model,
     train_steps,
 )
 from tests.unit.model.test_moe import GLOBAL, MICRO, STEPS, _small
@@ -200,12 +201,7 @@ def test_expert_parallel_equals_replicated_experts(ep_cases, case):
 # ----------------------------------------------------------------------------------------------
 
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
-    "model.ffn_size=128",
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, ffn_size=128, vocab_size=None),
     "moe.ffn_size=96",
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pretrain.config import load_config
-from tests.harness import metric_history, run_jobs
+from tests.harness import metric_history, run_jobs, tiny_model
 
 
 def test_compiled_training_job_resumes_exactly(tmp_path, capfd):
@@ -20,10 +20,7 @@ def test_compiled_training_job_resumes_exactly(tmp_path, capfd):
     from tests.conftest import ROOT, in_workdir
 
     opts = [
-        "model.num_layers=2",
-        "model.hidden_size=32",
-        "model.num_heads=4",
-        "model.max_seq_len=32",
+        *tiny_model(max_seq_len=32, vocab_size=None),
         "data.tokenizer_vocab_size=512",
         "data.tokenizer_train_docs=3000",
         "data.num_streams=2",

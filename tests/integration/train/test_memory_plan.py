@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_distributed
+from tests.harness import run_distributed, tiny_model
 
 DEMO = [  # big enough that weights and activations dwarf the small tensors the estimate leaves out
-    "model.vocab_size=4096",
-    "model.hidden_size=256",
-    "model.num_layers=4",
-    "model.max_seq_len=128",
+    *tiny_model(vocab_size=4096, hidden_size=256, num_layers=4, max_seq_len=128, num_heads=None),
     "train.micro_batch_size=16",
     "train.global_batch_size=16",
     "train.precision=fp32",

@@ -13,7 +13,7 @@ import torch
 
 from pretrain.config import load_config
 from tests.conftest import ROOT, in_workdir
-from tests.harness import Case, case_ids, cli, metric_history, run_cases, run_jobs, shard, tiny_config
+from tests.harness import Case, case_ids, cli, metric_history, run_cases, run_jobs, shard, tiny_config, tiny_model
 
 # ----------------------------------------------------------------------------------------------
 # The skip is an exact no-op, for every ZeRO stage (2 real gloo ranks)
@@ -202,11 +202,7 @@ def test_skip_leaves_weights_and_optimizer_bitwise_unchanged_all_stages(skip_run
 # ----------------------------------------------------------------------------------------------
 
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",

@@ -21,6 +21,7 @@ from pretrain.checkpoint import weights
 from pretrain.checkpoint.snapshot import BackgroundWrite, FileJob, HostBuffers, HostCopy
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld, describe
 from pretrain.config import ConfigError, from_dict, load_config, to_dict
+from tests.harness import tiny_model
 
 
 def test_host_copy_is_a_copy_that_keeps_sharing_and_flags():
@@ -53,10 +54,7 @@ def _contents(tok: Path, step: int = 3) -> Contents:
     cfg = load_config(
         None,
         [
-            "model.vocab_size=64",
-            "model.hidden_size=16",
-            "model.num_heads=2",
-            "model.num_layers=1",
+            *tiny_model(vocab_size=64, hidden_size=16, num_heads=2, num_layers=1, max_seq_len=None),
             f"data.tokenizer={tok}",
         ],
     )

@@ -17,6 +17,7 @@ from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
 from tests.conftest import FIXTURES
+from tests.harness import tiny_model
 
 
 def _stage(run_dir, step, world=2, nonce="n1"):
@@ -123,12 +124,7 @@ def _contents(tokenizer_dir, step=3, moments=None):
     cfg = load_config(
         None,
         [
-            "model.num_layers=1",
-            "model.hidden_size=16",
-            "model.num_heads=2",
-            "model.num_kv_heads=2",
-            "model.vocab_size=64",
-            "model.max_seq_len=8",
+            *tiny_model(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, vocab_size=64, max_seq_len=8),
             f"data.tokenizer={tokenizer_dir}",
         ],
     )

@@ -8,12 +8,10 @@ import pytest
 from pretrain.config import ConfigError, load_config
 from pretrain.driver.anneal import anneal, annealed_config
 from pretrain.train.schedule import lr_at
+from tests.harness import tiny_model
 
 TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.max_seq_len=32",
+    *tiny_model(max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=500",
     "data.num_streams=2",

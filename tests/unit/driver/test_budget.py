@@ -16,9 +16,10 @@ from pretrain.model import flops_per_token
 from pretrain.model.budget import block_flops_share, grown_architecture
 from pretrain.train.schedule import continue_overrides
 from tests.conftest import ROOT
+from tests.harness import tiny_model
 
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
-SMALL = ["model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4"]
+SMALL = [*tiny_model(vocab_size=512, hidden_size=64, max_seq_len=None)]
 SMALL += ["model.num_kv_heads=2"]
 
 
@@ -36,7 +37,9 @@ def test_block_flops_share_is_what_the_blocks_compute():
     m, total = cfg.model, flops_per_token(cfg.model, 128)
     outside = 6.0 * (m.vocab_size * m.hidden_size + m.hidden_size)  # the LM head matmul and the final norm
     assert block_flops_share(m, 128) == pytest.approx(1 - outside / total, rel=1e-12)
-    big = load_config(DEMO, ["model.vocab_size=512", "model.num_layers=8", "model.hidden_size=256"]).model
+    big = load_config(
+        DEMO, [*tiny_model(vocab_size=512, num_layers=8, hidden_size=256, num_heads=None, max_seq_len=None)]
+    ).model
     assert block_flops_share(big, 128) > block_flops_share(m, 128)
 
 

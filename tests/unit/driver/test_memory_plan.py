@@ -23,6 +23,7 @@ from pretrain.driver.memory_plan import (
     verdict,
 )
 from tests.conftest import ROOT
+from tests.harness import tiny_model
 
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -93,19 +94,19 @@ def test_an_unknown_gpu_type_is_refused_in_one_line():
 
 
 SMALL = [
-    "model.kind=decoder",
-    "model.norm=rmsnorm",
-    "model.norm_placement=pre",
-    "model.activation=swiglu",
-    "model.position=rotary",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_size=128",
-    "model.num_layers=2",
-    "model.vocab_size=256",
-    "model.max_seq_len=32",
-    "model.tie_embeddings=false",
+    *tiny_model(
+        kind="decoder",
+        norm="rmsnorm",
+        norm_placement="pre",
+        activation="swiglu",
+        position="rotary",
+        hidden_size=64,
+        num_kv_heads=2,
+        ffn_size=128,
+        vocab_size=256,
+        max_seq_len=32,
+        tie_embeddings=False,
+    ),
     "train.global_batch_size=16",
     "train.micro_batch_size=4",
     "cluster.num_workers=4",

@@ -33,6 +33,7 @@ from pretrain.export.hf import (
 )
 from pretrain.model import build_model
 from tests.conftest import WIKITEXT, corpus_lines
+from tests.harness import tiny_model
 
 V, D, L, T = 512, 32, 2, 16
 
@@ -560,11 +561,7 @@ def small_run_config(tmp: Path, tokenizer_dir: Path, model: list[str], extra: li
     return load_config(
         None,
         [
-            f"model.vocab_size={V}",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.max_seq_len=32",
+            *tiny_model(max_seq_len=32, vocab_size=V),
             "zero.stage=0",
             f"data.tokenizer={tokenizer_dir}",
             f"data.sources=[{{path: '{val}'}}]",

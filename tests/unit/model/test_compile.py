@@ -12,17 +12,9 @@ from pretrain.model import build_model, param_groups
 from pretrain.model.compile import compile_blocks, is_compiled
 from pretrain.model.growth import apply_growth
 from pretrain.model.layerdrop import training_gates
+from tests.harness import tiny_model
 
-SMALL = [
-    "model.vocab_size=101",
-    "model.num_layers=3",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=16",
-    "model.dropout=0.0",
-    "train.precision=fp32",
-]
+SMALL = [*tiny_model(num_layers=3, num_kv_heads=2, dropout=0.0), "train.precision=fp32"]
 
 
 def compile_counters() -> dict[str, int]:

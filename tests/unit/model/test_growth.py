@@ -11,7 +11,7 @@ import torch
 from pretrain.config import load_config
 from pretrain.model import build_model
 from pretrain.model.growth import add_noise, grow_depth, grow_width, resolve_count, upcycle
-from tests.harness import tiny_config
+from tests.harness import TINY_MODEL, tiny_config, tiny_model
 
 
 def _cfg(*extra: str):
@@ -200,11 +200,7 @@ def test_depth_growth_of_a_rho_linear_model_keeps_each_blocks_inference_scale(pl
     run = load_config(
         None,
         [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.max_seq_len=16",
+            *TINY_MODEL,
             f"model.norm_placement={placement}",
             *extra,
             "layer_drop.rate=0.8",
@@ -380,14 +376,7 @@ def test_held_back_loss_is_fp32_whatever_the_ambient_precision():
 
     cfg = load_config(
         None,
-        [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.num_kv_heads=2",
-            "model.max_seq_len=16",
-        ],
+        [*tiny_model(num_kv_heads=2)],
     )
     model = build_model(cfg.model, 0, cfg.moe).eval()
     ids = _ids()

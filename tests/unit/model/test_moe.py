@@ -14,7 +14,7 @@ from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
 from pretrain.train.stability import StabilityMonitor
 from tests.conftest import ROOT
-from tests.harness import TINY_MODEL
+from tests.harness import TINY_MODEL, tiny_model
 
 STEPS, GLOBAL, MICRO = 4, 8, 4
 SMALL = [
@@ -459,17 +459,7 @@ def test_moe_encoder_trains_on_masked_tokens():
     """The same MoE layer in a bidirectional masked LM: the objective (MLM loss + aux) goes down."""
     cfg = load_config(
         ROOT / "configs" / "demo-moe-encoder.yaml",
-        [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.ffn_size=64",
-            "moe.ffn_size=32",
-            "model.max_seq_len=16",
-            "model.dropout=0.0",
-            "moe.every=1",
-        ],
+        [*tiny_model(ffn_size=64, dropout=0.0), "moe.ffn_size=32", "moe.every=1"],
     )
     model = build_model(cfg.model, 0, cfg.moe).train()
     assert len(moe_layers(model)) == 2 and not model.causal

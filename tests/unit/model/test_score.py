@@ -16,16 +16,9 @@ from pretrain.model import build_model
 from pretrain.model.score import PPL_CAP_NATS, ScoreSums, mean_cross_entropy, score_batches
 from pretrain.train.callbacks.growth import held_back_loss
 from pretrain.train.step import evaluate
+from tests.harness import tiny_model
 
-TINY = [
-    "model.vocab_size=101",
-    "model.num_layers=2",
-    "model.hidden_size=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=16",
-    "model.dropout=0.0",
-]
+TINY = [*tiny_model(num_kv_heads=2, dropout=0.0)]
 
 
 def _batches(kind: str, n: int = 3, micro: int = 2) -> list[dict[str, torch.Tensor]]:

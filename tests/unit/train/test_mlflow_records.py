@@ -14,14 +14,12 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, load_config, source_name
+from tests.harness import tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 RUN = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.max_seq_len=32",
+    *tiny_model(hidden_size=64, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=2000",
     "train.global_batch_size=4",
@@ -151,14 +149,7 @@ def _tiny(kind):
 
     cfg = load_config(
         DEMO,
-        [
-            "model.vocab_size=101",
-            "model.num_layers=2",
-            "model.hidden_size=32",
-            "model.num_heads=4",
-            "model.max_seq_len=32",
-            f"model.kind={kind}",
-        ],
+        [*tiny_model(max_seq_len=32), f"model.kind={kind}"],
     )
     torch.manual_seed(3)
     return build_model(cfg.model, 0, cfg.moe).eval()

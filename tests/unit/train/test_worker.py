@@ -11,6 +11,7 @@ import pytest
 
 from pretrain.config import ConfigError, load_config, make_plan
 from tests.conftest import ROOT
+from tests.harness import tiny_model
 
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 
@@ -98,11 +99,7 @@ def test_callbacks_run_in_order_and_early_stop_ends_the_run():
 # -- the trainer: one real run, events recorded -------------------------------------------------------------
 
 RUN = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=2000",
     "train.global_batch_size=8",
