@@ -14,7 +14,7 @@ import torch
 from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store
 from tests.harness import TINY_MODEL, cli, run_distributed
-from tests.unit.checkpoint.test_store_hashing import OLD
+from tests.unit.checkpoint.test_store import OLD
 
 
 def tiny_zero2_config(work_dir: Path, *extra: str):

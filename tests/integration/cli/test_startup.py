@@ -15,7 +15,7 @@ from pretrain.data.tokenizer_cache import run_tokenizer
 from tests.conftest import PYTHON, ROOT, cli_env
 from tests.harness import cli
 from tests.integration.cli.test_bad_input import assert_refused
-from tests.unit.data.test_stream import make_docs, write_txt
+from tests.unit.data.common import make_docs, write_txt
 
 CONFIG = str(ROOT / "configs" / "demo-decoder.yaml")
 

@@ -1,6 +1,7 @@
 """A stop is a checkpoint, through the command line as users stop a run: SIGTERM (a scheduler's preemption) to a
 run training in the command's process, Ctrl-C (SIGINT to the terminal's whole process group) to a run of two Ray
-workers, a second signal. (``./launch.sh stop JOB`` on a submitted job: ``test_cluster.py``.)"""
+workers, a second signal. (``./launch.sh stop JOB`` on a submitted job:
+``tests/integration/cluster/test_cluster.py``.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""How a checkpoint's bytes reach the disk and host memory: a file hashed as it is written (direct I/O where the
-filesystem allows it, buffered where not), pruned checkpoints deleted off the loop, and an asynchronous snapshot
-whose bytes are copied later (the state it reads must wait for it)."""
+"""How a checkpoint's bytes reach the disk (``pretrain/checkpoint/hashed_write.py``): a file hashed as it is written
+(direct I/O where the filesystem allows it, buffered where not)."""
 
 from __future__ import annotations
 
@@ -11,11 +10,8 @@ import pytest
 import torch
 
 from pretrain.checkpoint import hashed_write
-from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.hashed_write import CHUNK, HashingFile
-from pretrain.checkpoint.snapshot import HostCopy, Snapshot
-from tests.unit.checkpoint.test_store import _commit
 
 
 def _state(nbytes: int) -> dict:
@@ -99,29 +95,3 @@ def test_a_failed_save_leaves_no_digest_and_closes_the_file(tmp_path):
             torch.save({"big": torch.zeros(CHUNK // 2), "bad": Unpicklable()}, f)
             f.close()
     assert f._fd is None  # closed by the context manager
-
-
-def test_pruned_checkpoints_leave_sight_at_once_and_are_deleted_later(tmp_path):
-    for step in (1, 2, 3):
-        _commit(tmp_path, step)
-    trash = ck.prune(tmp_path, keep_last=1, delete=False)
-    assert [c.step for c in ck.list_committed(tmp_path)] == [3]  # resume and rollback no longer see them
-    assert len(trash) == 2 and all(p.is_dir() and p.name.startswith(ly.LEFTOVER_PREFIXES) for p in trash)
-    ck.cleanup_staging(tmp_path)  # a run killed before deleting them: the next start does
-    assert not any(p.exists() for p in trash)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ly.step_dir_name(3)]
-
-
-def test_a_deferred_snapshot_copies_the_bytes_it_met_when_told_and_not_before(tmp_path):
-    live = {"w": torch.arange(10, dtype=torch.float32), "tied": None}
-    live["tied"] = live["w"][2:5]  # a view: shares the storage, as in a state dict
-    copy = HostCopy(deferred=True)
-    snap_state = copy(live)
-    assert snap_state["tied"].untyped_storage().data_ptr() == snap_state["w"].untyped_storage().data_ptr()
-    snap = Snapshot(tmp_path, deferred_copy=copy.copy_pending)
-    assert not snap.copied.is_set()
-    snap.finish_copy()
-    assert snap.copied.is_set()
-    live["w"].add_(100)  # the live state changes after the copy: the snapshot keeps the values it copied
-    assert torch.equal(snap_state["w"], torch.arange(10, dtype=torch.float32))
-    assert torch.equal(snap_state["tied"], torch.tensor([2.0, 3.0, 4.0]))

@@ -1,6 +1,7 @@
 """Asynchronous checkpoint save in one process: the host snapshot is a real copy (training may go on mutating the
 state in place), the background write produces the files a synchronous save writes, a background failure is a
-one-line error, at most one snapshot exists, and ``checkpoint.async`` is the YAML key. Two gloo ranks (the same bytes
+one-line error, at most one snapshot exists, a deferred snapshot copies the bytes it met when told (the state it
+reads must wait for it), and ``checkpoint.async`` is the YAML key. Two gloo ranks (the same bytes
 as a synchronous save, the commit at one step boundary on every rank) are in
 ``tests/integration/checkpoint/test_async.py``; the SIGKILL of the whole job during a background write is in
 ``tests/integration/train/test_train_e2e.py``."""
@@ -18,7 +19,7 @@ import torch
 
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint import weights
-from pretrain.checkpoint.snapshot import BackgroundWrite, FileJob, HostBuffers, HostCopy
+from pretrain.checkpoint.snapshot import BackgroundWrite, FileJob, HostBuffers, HostCopy, Snapshot
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld, describe
 from pretrain.config import ConfigError, from_dict, load_config, to_dict
 from tests.harness import tiny_model
@@ -205,3 +206,18 @@ def test_async_is_the_yaml_key_and_on_by_default():
         ConfigError, match=r"^checkpoint.asink: unknown key \(valid: async, dir, direct_io, every_steps"
     ):
         from_dict({"checkpoint": {"asink": True}})
+
+
+def test_a_deferred_snapshot_copies_the_bytes_it_met_when_told_and_not_before(tmp_path):
+    live = {"w": torch.arange(10, dtype=torch.float32), "tied": None}
+    live["tied"] = live["w"][2:5]  # a view: shares the storage, as in a state dict
+    copy = HostCopy(deferred=True)
+    snap_state = copy(live)
+    assert snap_state["tied"].untyped_storage().data_ptr() == snap_state["w"].untyped_storage().data_ptr()
+    snap = Snapshot(tmp_path, deferred_copy=copy.copy_pending)
+    assert not snap.copied.is_set()
+    snap.finish_copy()
+    assert snap.copied.is_set()
+    live["w"].add_(100)  # the live state changes after the copy: the snapshot keeps the values it copied
+    assert torch.equal(snap_state["w"], torch.arange(10, dtype=torch.float32))
+    assert torch.equal(snap_state["tied"], torch.tensor([2.0, 3.0, 4.0]))

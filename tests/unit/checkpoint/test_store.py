@@ -1,23 +1,24 @@
-"""The checkpoint layer on its own: the commit protocol (staging, manifest, checksums, discovery), the typed manifest
-(old manifests parse), the collective writer in a world of one (full weights and optimizer moments round-trip) and
-the reader. A process killed mid-commit and the resume of full weights on a gloo rank are in
-``tests/integration/checkpoint/test_checkpoint.py``."""
+"""Committed checkpoints on disk (``pretrain/checkpoint/store.py``): the commit protocol (staging, manifest,
+checksums, discovery), damaged checkpoints, pruning (out of sight at once, deleted off the loop), and checksums
+without reading (the early presence check hashes no file, accepts manifests without sizes, finds a size mismatch).
+A process killed mid-commit and the resume of full weights on a gloo rank are in
+``tests/integration/checkpoint/test_checkpoint.py``; hashing on real ranks and the ``verify`` command in
+``tests/integration/checkpoint/test_hashing.py``."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
 from pretrain.checkpoint import layout as ly
-from pretrain.checkpoint import reader, weights
+from pretrain.checkpoint import reader
 from pretrain.checkpoint import store as ck
-from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FORMAT_FULL, Manifest
-from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+from pretrain.checkpoint.manifest import Manifest
 from tests.conftest import FIXTURES
-from tests.harness import tiny_model
 
 
 def _stage(run_dir, step, world=2, nonce="n1"):
@@ -100,101 +101,40 @@ def test_damaged_checkpoint_names_the_newest_that_verifies(tmp_path):
         ck.resolve(tmp_path)
 
 
-FIXTURE = FIXTURES / "old_checkpoint" / "step_00000002"
+OLD = FIXTURES / "old_checkpoint" / "step_00000002"
 
 
-def test_old_manifest_parses_and_round_trips():
-    """A manifest written before the typed schema (the fixture's): every field read, the format is DeepSpeed engine
-    state, and nothing is lost when it is written back."""
-    raw = json.loads((FIXTURE / ly.MANIFEST).read_text())
-    assert "format" not in raw
-    m = ck.read_manifest(FIXTURE)
-    assert (m.step, m.world_size, m.format, m.global_sequences) == (2, 1, FORMAT_DEEPSPEED, 16)
-    assert m.files[ly.data_file(0)].bytes == (FIXTURE / ly.data_file(0)).stat().st_size
-    assert {k: v for k, v in m.to_dict().items() if k != "format"} == raw
-    ck.verify(FIXTURE, m)
-    assert Manifest.from_dict({**raw, "future_key": 1}).to_dict()["future_key"] == 1
-    with pytest.raises(ValueError, match="unknown checkpoint format 'zip'"):
-        Manifest.from_dict({**raw, "format": "zip"})
+def test_presence_check_reads_no_file_and_old_manifests_without_sizes(tmp_path, monkeypatch):
+    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
+    raw = json.loads((ckpt / ly.MANIFEST).read_text())
+    for entry in raw["files"].values():
+        del entry["bytes"]  # a manifest that recorded no sizes
+    (ckpt / ly.MANIFEST).write_text(json.dumps(raw))
+    ck.verify(ckpt)  # still verifies (checksums)
+    monkeypatch.setattr(ck, "sha256_file", lambda p: pytest.fail(f"read {p}"))
+    found = ck.resolve(ckpt, full=False)  # the driver's early check: no file is hashed
+    rel = "rng/rank_0.pt"
+    (ckpt / rel).unlink()
+    with pytest.raises(ck.CheckpointError, match=f"missing file {rel}; no older checkpoint of this run verifies"):
+        ck.verify_or_point_back(found, full=False)
 
 
-def _contents(tokenizer_dir, step=3, moments=None):
-    from pretrain.config import load_config
-
-    cfg = load_config(
-        None,
-        [
-            *tiny_model(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, vocab_size=64, max_seq_len=8),
-            f"data.tokenizer={tokenizer_dir}",
-        ],
-    )
-    a = torch.randn(3, 4)
-    weights = {"a.weight": a, "b.bias": torch.randn(5), "tied.weight": a}  # tied weights share one tensor
-    state = {"step": step, "tokens_seen": 96, "sequences": 12, "last_train_loss": 2.5, "last_val": {"val/loss": 2.0}}
-    return Contents(
-        cfg=cfg, trainer_state=state, data_state={"streams": {"0": {"pos": 12}}}, model=FullWeights(weights, moments)
-    )
+def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
+    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
+    monkeypatch.setattr(ck, "sha256_file", lambda p: pytest.fail(f"read {p}"))
+    rel = "trainer_state.json"
+    with open(ckpt / rel, "a") as f:
+        f.write(" ")
+    with pytest.raises(ck.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
+        ck.resolve(ckpt, full=False)
 
 
-def test_writer_full_weights_round_trip(tmp_path):
-    """Derived runs' path: the writer in a world of one, without an engine: full weights and AdamW moments written
-    as safetensors, committed (manifest format ``full``), registered once, and read back exactly."""
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
-    moments = {"step": 7, "exp_avg": {"a.weight": torch.randn(3, 4)}, "exp_avg_sq": {"a.weight": torch.rand(3, 4)}}
-    contents = _contents(tmp_path / "tok", moments=moments)
-    registered = []
-    writer = CheckpointWriter(
-        tmp_path / "run",
-        LocalWorld(),
-        "run-1",
-        keep_last=1,
-        register=lambda path, manifest: registered.append((path, manifest.step)),
-    )
-    path = writer.save(contents)
-    assert registered == [(path, 3)] and path.name == ly.step_dir_name(3)
-    ckpt = ck.resolve(tmp_path / "run")
-    m = ckpt.manifest
-    assert (m.format, m.run_id, m.tokens_seen, m.global_sequences, m.metrics) == (
-        FORMAT_FULL,
-        "run-1",
-        96,
-        12,
-        {"train/loss": 2.5, "val/loss": 2.0},
-    )
-    assert {
-        ly.WEIGHTS,
-        ly.OPTIMIZER,
-        ly.CONFIG,
-        ly.TRAINER_STATE,
-        ly.data_file(0),
-        ly.rng_file(0),
-        f"{ly.TOKENIZER}/tokenizer.json",
-    } <= set(m.files)
-    loaded = reader.load(ckpt)
-    sd = loaded.state_dict()
-    assert sd.keys() == contents.model.weights.keys()
-    assert all(torch.equal(sd[k], contents.model.weights[k]) for k in sd)
-    back = weights.load_optimizer_moments(ckpt.path)
-    assert back["step"] == 7 and all(
-        torch.equal(back[k]["a.weight"], moments[k]["a.weight"]) for k in ("exp_avg", "exp_avg_sq")
-    )
-    assert loaded.trainer_state()["sequences"] == 12 and loaded.data_position()["streams"] == {"0": {"pos": 12}}
-    assert loaded.config.model.hidden_size == 16
-    writer.save(_contents(tmp_path / "tok", step=5))  # keep_last=1 prunes step 3
-    assert [c.step for c in ck.list_committed(tmp_path / "run")] == [5]
-    assert weights.load_optimizer_moments(tmp_path / "run" / ly.step_dir_name(5)) is None
-
-
-def test_writer_failure_is_one_error_and_nothing_committed(tmp_path):
-    (tmp_path / "tok").mkdir()
-
-    def register(path, manifest):
-        raise OSError("tracking store down")
-
-    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r", register=register)
-    with pytest.raises(ck.CheckpointError, match=r"^checkpoint at step 3 failed: OSError: tracking store down$"):
-        writer.save(_contents(tmp_path / "tok"))
-    staged = writer.stage(4)
-    with pytest.raises(ck.CheckpointError, match=rf"incomplete checkpoint, missing {ly.data_file(0)}, {ly.WEIGHTS}"):
-        writer.commit(staged, Manifest(step=4, format=FORMAT_FULL))
+def test_pruned_checkpoints_leave_sight_at_once_and_are_deleted_later(tmp_path):
+    for step in (1, 2, 3):
+        _commit(tmp_path, step)
+    trash = ck.prune(tmp_path, keep_last=1, delete=False)
+    assert [c.step for c in ck.list_committed(tmp_path)] == [3]  # resume and rollback no longer see them
+    assert len(trash) == 2 and all(p.is_dir() and p.name.startswith(ly.LEFTOVER_PREFIXES) for p in trash)
+    ck.cleanup_staging(tmp_path)  # a run killed before deleting them: the next start does
+    assert not any(p.exists() for p in trash)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ly.step_dir_name(3)]

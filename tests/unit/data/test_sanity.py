@@ -41,11 +41,6 @@ def refusal(cfg: DataConfig) -> str:
     return msg
 
 
-# ----------------------------------------------------------------------------------------------
-# Corpus sanity: one line naming the source
-# ----------------------------------------------------------------------------------------------
-
-
 def test_empty_no_text_field_and_blank_sources_are_refused(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
@@ -137,11 +132,6 @@ def test_parquet_and_hub_sources_are_checked_on_their_first_rows(tmp_path):
     assert "cannot read it" in refusal(cfg_for(broken))
     hub = DataConfig(sources=[SourceConfig(path="no-such-org/no-such-dataset", format="hub")])
     assert refusal(hub).startswith("data.sources[0] (no-such-org/no-such-dataset): cannot read it: ")
-
-
-# ----------------------------------------------------------------------------------------------
-# Too few documents: the sequence-level fallback
-# ----------------------------------------------------------------------------------------------
 
 
 def test_ordinary_corpora_keep_the_document_level_split(tmp_path):
@@ -238,11 +228,6 @@ def test_pieces_train_and_validate_deterministically_on_any_worker_count(huge_se
     assert len(val) == 8 and all(torch.equal(a[0], b[0]) for a, b in zip(val, again))
     train_rows = {row for step in one for row in step}
     assert not train_rows & {tuple(x.tolist()) for x, _ in val}
-
-
-# ----------------------------------------------------------------------------------------------
-# Driver file-system checks
-# ----------------------------------------------------------------------------------------------
 
 
 def test_checkpoint_dir_must_be_creatable_and_writable(tmp_path):

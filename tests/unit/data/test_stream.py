@@ -1,210 +1,35 @@
-"""Tests of pretrain.data: demo corpus, tokenizer, packing, mixtures, virtual streams, exact and elastic
-resume, bad records, MLM masking, validation holdout, unigram baseline, parquet sources."""
+"""Mixtures, the validation holdout and virtual document streams (``pretrain/data/stream.py``): repeats, mixture
+weights, world-size independence, prefetch, exact and elastic resume. The shared corpus, tokenizer and helpers of
+the ``pretrain/data`` tests are in ``conftest.py`` and ``common.py`` beside this file."""
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import json
-import math
-import random
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.config import DataConfig, SourceConfig, layout
-from pretrain.data import (
-    BadRecordError,
-    TrainBatches,
-    build_demo_corpus,
-    data_throughput,
-    load_or_train_tokenizer,
-    merge_states,
-    resolve_sources,
-    training_documents,
-    unigram_baseline_loss,
-    validation_batches,
-    validation_sequences,
+from pretrain.config import DataConfig, SourceConfig
+from pretrain.data import TrainBatches, merge_states, training_documents, validation_batches, validation_sequences
+from tests.unit.data.common import (
+    T,
+    batches,
+    complete_docs,
+    data_cfg,
+    drain,
+    make_docs,
+    plan,
+    rows,
+    steps,
+    stream_tokens,
+    write_jsonl,
+    write_parquet,
+    write_txt,
 )
-from pretrain.data.packing import IGNORE_INDEX
-
-WORDS = (
-    "the a of to and in is that it for on with as was by be at this from or an are which but not have "
-    "model data token stream packing river mountain garden window library engine signal theory "
-    "naïve café Größe façade déjà señor smörgåsbord 東京 データ ☕ emoji🙂 tab\tseparated"
-).split(" ")
-T = 32
-
-
-def make_docs(n: int, tag: str, seed: int = 0) -> list[str]:
-    """Unique documents of very different lengths (some span several sequences)."""
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        k = rng.choice([3, 5, 8, 12, 20, 40, 90]) if i % 17 else 250
-        docs.append(f"{tag} {i}: " + " ".join(rng.choice(WORDS) for _ in range(k)))
-    return docs
-
-
-def write_txt(path: Path, docs: list[str], blank_every: int = 0) -> Path:
-    lines = []
-    for i, d in enumerate(docs):
-        lines.append(d)
-        if blank_every and i % blank_every == 0:
-            lines.append("   ")  # blank lines of txt files are skipped silently
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
-    return path
-
-
-def write_parquet(path: Path, texts: list) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(
-        pa.table({"text": pa.array(texts, type=pa.string()), "n": list(range(len(texts)))}), path, row_group_size=97
-    )
-    return path
-
 
 pytestmark = pytest.mark.usefixtures("datasets_cache")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("corpus")
-    return write_txt(d / "docs.txt", make_docs(1500, "doc"), blank_every=50)
-
-
-@pytest.fixture(scope="module")
-def tok(corpus, tmp_path_factory):
-    cfg = DataConfig(sources=[SourceConfig(path=str(corpus))], tokenizer_vocab_size=400, tokenizer_train_docs=1000)
-    return load_or_train_tokenizer(cfg, tmp_path_factory.mktemp("tok"))
-
-
-def data_cfg(*paths, **kw) -> DataConfig:
-    base = dict(sources=[SourceConfig(path=str(p)) for p in paths], num_streams=4, val_holdout=0.0)
-    base.update(kw)
-    return DataConfig(**base)
-
-
-def batches(cfg, tok, *, rank=0, world=1, G=8, kind="decoder", seed=7) -> TrainBatches:
-    return TrainBatches(cfg, kind=kind, tokenizer=tok, plan=plan(cfg, world, G), rank=rank, seed=seed)
-
-
-def plan(cfg, world: int, G: int, seq_len: int = T, val: int = 0):
-    return layout(
-        world_size=world, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len, val_sequences=val
-    )
-
-
-def steps(tb: TrainBatches, n: int) -> list[dict]:
-    return [tb.next_step() for _ in range(n)]
-
-
-def stream_tokens(all_steps: list[dict], owned: list[int], per_stream: int) -> dict[int, list[int]]:
-    """Concatenated input_ids emitted by each stream over the given steps (decoder batches)."""
-    out = {s: [] for s in owned}
-    for b in all_steps:
-        for j, s in enumerate(owned):
-            for row in b["input_ids"][j * per_stream : (j + 1) * per_stream]:
-                out[s].extend(row.tolist())
-    return out
-
-
-def complete_docs(tokens: list[int], tok) -> list[str]:
-    """Decode the documents that lie completely inside an emitted token stream."""
-    eos = tok.eos_token_id
-    cuts = [i for i, t in enumerate(tokens) if t == eos]
-    return [tok.decode(tokens[a + 1 : b]) for a, b in zip([-1, *cuts], cuts)][1:] if cuts else []
-
-
-def rows(batch: dict) -> list[tuple]:
-    return sorted(tuple(r) for r in batch["input_ids"].tolist())
-
-
-# ----------------------------------------------------------------------------------------------
-# Demo corpus and tokenizer
-# ----------------------------------------------------------------------------------------------
-
-
-def test_demo_corpus_is_real_deterministic_and_cached(tmp_path):
-    a = build_demo_corpus(tmp_path / "a")
-    b = build_demo_corpus(tmp_path / "b")
-    data = a.read_bytes()
-    assert len(data) >= 1_200_000
-    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(b.read_bytes()).hexdigest()
-    text = data.decode("utf-8")
-    lines = text.splitlines()
-    assert len(lines) > 5000 and all(line.strip() for line in lines)
-    assert len(set(lines)) == len(lines)
-    assert sum(c.isalpha() or c == " " for c in text) / len(text) > 0.9
-    common = collections.Counter(w.lower() for w in text.split()).most_common(5)
-    assert {"the", "a", "of", "to", "is"} & {w for w, _ in common}
-    mtime = a.stat().st_mtime_ns
-    assert build_demo_corpus(tmp_path / "a") == a and a.stat().st_mtime_ns == mtime  # reused
-    a.write_text("corrupted\n")
-    assert build_demo_corpus(tmp_path / "a").read_bytes() == data  # checksum mismatch: rebuilt
-
-
-def test_demo_source_resolves_under_cache_dir(tmp_path, monkeypatch, tok):
-    monkeypatch.chdir(tmp_path)
-    cfg = DataConfig(cache_dir="rel_cache", num_streams=2)  # default sources: [demo]
-    (src,) = resolve_sources(cfg.sources, cfg.cache_dir)
-    assert Path(src.files[0]) == (tmp_path / "rel_cache" / "demo_corpus_v1.txt").resolve()
-    b = batches(cfg, tok, G=4).next_step()
-    assert b["input_ids"].shape == (4, T)
-
-
-def test_tokenizer_deterministic_roundtrip_specials(corpus, tok, tmp_path):
-    cfg = DataConfig(sources=[SourceConfig(path=str(corpus))], tokenizer_vocab_size=400, tokenizer_train_docs=1000)
-    again = load_or_train_tokenizer(cfg)
-    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
-    assert len(tok) == 400
-    specials = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>")}
-    assert tok.eos_token == tok.bos_token == "<|endoftext|>"
-    assert (tok.pad_token, tok.mask_token, tok.unk_token) == ("<|pad|>", "<|mask|>", "<|unk|>")
-    assert set(specials.values()) == set(tok.all_special_ids) and len(set(specials.values())) == 4
-    for s in ["naïve café 東京 ☕🙂", "  leading and\ttabs\n\nand newlines  ", "Ünïcödé — “quotes” 𝔘 \u200b end"]:
-        ids = tok(s, add_special_tokens=False)["input_ids"]
-        assert tok.bos_token_id not in ids
-        assert tok.decode(ids) == s
-    # the saved directory loads through data.tokenizer
-    saved = tmp_path / "saved"
-    load_or_train_tokenizer(cfg, saved)
-    loaded = load_or_train_tokenizer(DataConfig(tokenizer=str(saved)))
-    assert loaded("déjà vu")["input_ids"] == tok("déjà vu")["input_ids"]
-    with pytest.raises(ValueError, match="data.tokenizer"):
-        load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "missing")))
-
-
-# ----------------------------------------------------------------------------------------------
-# Packing, mixtures, virtual streams
-# ----------------------------------------------------------------------------------------------
-
-
-def test_packing_loses_and_duplicates_nothing(corpus, tok):
-    cfg = data_cfg(corpus)
-    tb = batches(cfg, tok, G=8)
-    got = steps(tb, 30)
-    assert all(b["input_ids"].shape == (8, T) and b["input_ids"].dtype == torch.int64 for b in got)
-    assert all(torch.equal(b["input_ids"], b["labels"]) for b in got)  # decoder: the model shifts
-    docs = list(training_documents(cfg, seed=7))
-    assert len(docs) == 1500
-    eos = tok.eos_token_id
-    for s, tokens in stream_tokens(got, [0, 1, 2, 3], 2).items():
-        expected = []
-        for ids in tok(docs[s::4], add_special_tokens=False)["input_ids"]:
-            expected.extend([*ids, eos])
-        assert len(tokens) == 30 * 2 * T
-        assert tokens == expected[: len(tokens)]  # exact order, every document followed by eos
-        assert complete_docs(tokens, tok) == docs[s::4][1 : len(complete_docs(tokens, tok)) + 1]
 
 
 def test_repeat_restarts_streams_and_no_repeat_stops(tmp_path, tok):
@@ -268,11 +93,6 @@ def test_world_size_independence_and_disjointness(corpus, tok, kind):
         single = {d for toks in stream_tokens(s1, [0, 1, 2, 3], 2).values() for d in complete_docs(toks, tok)}
         assert docs[0] and docs[1] and not docs[0] & docs[1]
         assert docs[0] | docs[1] == single
-
-
-# ----------------------------------------------------------------------------------------------
-# Exact and elastic resume
-# ----------------------------------------------------------------------------------------------
 
 
 def resume_sources(tmp_path: Path) -> list[Path]:
@@ -392,109 +212,6 @@ def test_exact_resume_same_and_across_world_sizes(tmp_path, tok, kind):
         ).load_state_dict({"streams": merged["streams"]})
 
 
-# ----------------------------------------------------------------------------------------------
-# Bad records
-# ----------------------------------------------------------------------------------------------
-
-
-def bad_jsonl(path: Path) -> tuple[Path, dict[int, str]]:
-    lines = [
-        json.dumps({"text": "a good first document with several words"}).encode(),  # 1
-        b'{"text": "unterminated',  # 2 invalid JSON
-        json.dumps({"body": "no text field here"}).encode(),  # 3 missing field
-        json.dumps({"text": 42}).encode(),  # 4 non-string
-        b'{"text": "bad bytes \xff\xfe here"}',  # 5 bad UTF-8
-        json.dumps({"text": ""}).encode(),  # 6 empty
-        json.dumps({"text": "another good document, the last one"}).encode(),  # 7
-        json.dumps({"text": " \t "}).encode(),  # 8 whitespace only
-    ]
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    return path, {2: "invalid_json", 3: "missing_field", 4: "not_string", 5: "bad_utf8", 6: "empty", 8: "empty"}
-
-
-def drain(tb: TrainBatches) -> int:
-    n = 0
-    try:
-        while True:
-            tb.next_step()
-            n += 1
-    except StopIteration:
-        return n
-
-
-def test_bad_records_skip_reports_file_and_line(tmp_path, tok):
-    path, bad = bad_jsonl(tmp_path / "bad.jsonl")
-    cfg = data_cfg(path, num_streams=2, repeat=False)
-    tb = batches(cfg, tok, G=2)
-    drain(tb)
-    summary = tb.bad_record_summary()
-    assert summary["total"] == len(bad)
-    assert summary["by_reason"] == dict(collections.Counter(bad.values()))
-    assert len(summary["examples"]) == len(bad)
-    for example, line in zip(summary["examples"], sorted(bad)):
-        assert example.startswith(f"{path}:{line}: ") and "\n" not in example
-    assert sorted(training_documents(cfg)) == [
-        "a good first document with several words",
-        "another good document, the last one",
-    ]
-    # two workers: each bad record is counted by exactly one of them
-    totals = []
-    for r in range(2):
-        x = batches(cfg, tok, G=2, rank=r, world=2)
-        drain(x)
-        totals.append(x.bad_record_summary()["total"])
-    assert sum(totals) == len(bad)
-
-
-def test_bad_records_fail_raises_one_line(tmp_path, tok):
-    path, _ = bad_jsonl(tmp_path / "bad.jsonl")
-    cfg = data_cfg(path, num_streams=2, bad_records="fail")
-    with pytest.raises(BadRecordError) as err:
-        batches(cfg, tok, G=2).next_step()
-    assert isinstance(err.value, ValueError)
-    msg = str(err.value)
-    assert msg.startswith(f"{path}:2: ") and "JSON" in msg and "\n" not in msg
-    txt = tmp_path / "bytes.txt"
-    txt.write_bytes(b"fine line one\n\nfine line two\nbroken \xc3\x28 line\n")
-    with pytest.raises(BadRecordError, match=rf"^{txt}:4: undecodable"):
-        list(training_documents(data_cfg(txt, bad_records="fail")))
-
-
-# ----------------------------------------------------------------------------------------------
-# MLM masking, validation, baseline, parquet, throughput
-# ----------------------------------------------------------------------------------------------
-
-
-def test_mlm_masking(corpus, tok):
-    cfg = data_cfg(corpus, mlm_probability=0.15)
-    enc = steps(batches(cfg, tok, kind="encoder", G=16), 20)
-    dec = steps(batches(cfg, tok, kind="decoder", G=16), 20)
-    x = torch.cat([b["input_ids"] for b in enc])
-    y = torch.cat([b["labels"] for b in enc])
-    orig = torch.cat([b["input_ids"] for b in dec])
-    special = torch.zeros(len(tok), dtype=torch.bool)
-    special[tok.all_special_ids] = True
-    selected = y != IGNORE_INDEX
-    assert torch.equal(y[selected], orig[selected])
-    assert torch.equal(x[~selected], orig[~selected])
-    assert not selected[special[orig]].any()  # separators never predicted
-    assert special[orig].any()
-    rate = selected.sum().item() / (~special[orig]).sum().item()
-    assert 0.13 < rate < 0.17
-    xs, os_ = x[selected], orig[selected]
-    masked = (xs == tok.mask_token_id).float().mean().item()
-    kept = (xs == os_).float().mean().item()
-    replaced = xs[(xs != tok.mask_token_id) & (xs != os_)]
-    assert 0.77 < masked < 0.83 and 0.08 < kept < 0.13
-    assert 0.07 < replaced.numel() / xs.numel() < 0.12
-    assert not special[replaced].any() and replaced.max() < len(tok)
-    # masks do not depend on the worker count
-    two = [steps(batches(cfg, tok, kind="encoder", G=16, rank=r, world=2), 3) for r in range(2)]
-    for step in range(3):
-        merged = torch.cat([two[0][step]["labels"], two[1][step]["labels"]])
-        assert sorted(map(tuple, merged.tolist())) == sorted(map(tuple, enc[step]["labels"].tolist()))
-
-
 def test_validation_holdout_and_sources(corpus, tok, tmp_path):
     cfg = data_cfg(corpus, val_holdout=0.2, repeat=False)
     val = validation_sequences(cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=40, seed=7)
@@ -565,53 +282,3 @@ def test_validation_holdout_and_sources(corpus, tok, tmp_path):
 
 def drain_count(cfg: DataConfig, tok) -> int:
     return drain(batches(cfg, tok, G=8))
-
-
-@pytest.mark.parametrize("kind", ["decoder", "encoder"])
-def test_unigram_baseline(corpus, tok, kind):
-    cfg = data_cfg(corpus, val_holdout=0.1)
-    loss = unigram_baseline_loss(cfg, kind=kind, seq_len=T, tokenizer=tok, val_sequences=32, seed=7)
-    assert math.isfinite(loss) and 1.0 < loss < math.log(len(tok))
-
-
-def test_parquet_source_and_source_resolution(tmp_path, tok):
-    d = tmp_path / "pq"
-    d.mkdir()
-    docs = make_docs(300, "pq", seed=4)
-    write_parquet(d / "b.parquet", docs[150:])
-    write_parquet(d / "a.parquet", docs[:100] + [None, "  "] + docs[100:150])
-    (d / ".hidden.parquet").write_bytes(b"not parquet")
-    cfg = data_cfg(d, num_streams=2, repeat=False)
-    (src,) = resolve_sources(cfg.sources, cfg.cache_dir)
-    assert src.format == "parquet" and [Path(f).name for f in src.files] == ["a.parquet", "b.parquet"]
-    assert list(training_documents(cfg)) == docs
-    tb = batches(cfg, tok, G=2)
-    assert drain(tb) > 10
-    summary = tb.bad_record_summary()
-    assert summary["by_reason"] == {"empty": 1, "not_string": 1}
-    assert summary["by_source"] == {str(d): 2}
-    assert summary["examples"][0].startswith(f"{d / 'a.parquet'}:row 100: ")
-    # glob and explicit format; a missing local file is a clear error
-    glob_cfg = data_cfg(str(d / "*.parquet"), num_streams=2)
-    assert list(training_documents(glob_cfg)) == docs
-    with pytest.raises(ValueError, match="does not exist"):
-        resolve_sources([SourceConfig(path=str(tmp_path / "nope.txt"))], tmp_path)
-    with pytest.raises(ValueError, match="column"):
-        list(training_documents(data_cfg(d, num_streams=2, sources=[SourceConfig(path=str(d), text_field="body")])))
-    text_as_json = write_txt(tmp_path / "objs.data", [json.dumps({"text": x}) for x in docs[:5]])
-    assert (
-        list(
-            training_documents(
-                DataConfig(sources=[SourceConfig(path=str(text_as_json), format="json")], val_holdout=0.0)
-            )
-        )
-        == docs[:5]
-    )
-
-
-def test_data_throughput_is_positive(corpus, tok):
-    cfg = data_cfg(corpus)
-    threads = torch.get_num_threads()
-    assert data_throughput(cfg, kind="decoder", seq_len=T, tokenizer=tok, seconds=0.3) > 1000
-    assert data_throughput(cfg, kind="encoder", seq_len=T, tokenizer=tok, seconds=0.3) > 1000
-    assert torch.get_num_threads() == threads  # restored after measuring with one thread

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from pretrain.config import DataConfig, SourceConfig
 from pretrain.data.tokenizer import TRAINER_SETTINGS
 from pretrain.data.tokenizer_cache import cache_key, lookup, run_tokenizer
-from tests.unit.data.test_stream import make_docs, write_txt
+from tests.unit.data.common import make_docs, write_txt
 
 SAMPLE = "The tokenizer of an unchanged corpus is trained once — naïve café 東京 ☕"
 

@@ -1,5 +1,6 @@
-"""The training lifecycle in one process: the run plan and the event-driven trainer (ordered callbacks, a new
-behaviour without editing the loop). The TrainModule on real gloo ranks and the demo on 1-4 Ray workers are in
+"""The training lifecycle in one process (``pretrain/train/worker.py``: ``build_trainer``, ``train_loop``): the
+event-driven trainer (ordered callbacks, a new behaviour without editing the loop); the run plan is in
+``tests/unit/config/test_plan.py``. The TrainModule on real gloo ranks and the demo on 1-4 Ray workers are in
 ``tests/integration/train/test_lifecycle.py``."""
 
 from __future__ import annotations
@@ -9,47 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import ConfigError, load_config, make_plan
+from pretrain.config import load_config
 from tests.conftest import ROOT
 from tests.harness import tiny_model
 
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
-
-
-# -- the run plan ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "workers, micro, accum, shares",
-    [(1, 16, 1, (16,)), (2, 8, 1, (8, 8)), (3, 2, 3, (6, 6, 4)), (4, 4, 1, (4, 4, 4, 4)), (8, 2, 1, (2,) * 8)],
-)
-def test_plan_keeps_the_global_batch_on_any_worker_count(workers, micro, accum, shares):
-    cfg = load_config(DEMO, [f"cluster.num_workers={workers}"])  # the default demo, unchanged otherwise
-    plan = make_plan(cfg, workers)
-    assert (plan.micro_batch, plan.grad_accum, plan.shares) == (micro, accum, shares)
-    assert sum(plan.shares) == plan.global_batch == cfg.train.global_batch_size == 16
-    assert plan.tokens_per_step == 16 * cfg.model.max_seq_len
-    assert sum(plan.val_shares) == cfg.train.val_sequences
-    # DeepSpeed's averaging (1/accum per micro-batch, mean over workers) times the scale = mean over real ones.
-    assert plan.gradient_scale() * plan.real_micro_batches == workers * plan.grad_accum
-    ids = sorted(i for r in range(workers) for i in plan.micro_batch_ids(r))
-    assert ids == list(range(plan.real_micro_batches)), "every real micro-batch has one global id"
-
-
-def test_plan_micro_batch_is_a_cap_and_bad_layouts_name_what_to_set():
-    plan = make_plan(load_config(DEMO, ["train.micro_batch_size=4"]), 1)
-    assert (plan.micro_batch, plan.grad_accum) == (4, 4)
-    plan = make_plan(load_config(DEMO, ["train.micro_batch_size=5"]), 1)
-    assert (plan.micro_batch, plan.grad_accum) == (4, 4), "the largest micro-batch within the cap that splits 16"
-    with pytest.raises(
-        ConfigError,
-        match=r"^cluster.num_workers: 16 workers but only data.num_streams=8 .*"
-        r"set data.num_streams to a multiple of 16",
-    ):
-        load_config(DEMO, ["cluster.num_workers=16"])
-    assert "plan: 3 worker(s), global batch 16" in make_plan(load_config(DEMO), 3).describe()
-    with pytest.raises(ConfigError, match="^train.val_sequences: 2 is fewer than the 4 workers"):
-        load_config(DEMO, ["cluster.num_workers=4", "train.val_sequences=2"])
 
 
 # -- callbacks ---------------------------------------------------------------------------------------------
