@@ -77,8 +77,8 @@ def _ep_worker(rank: int, world: int, cfg_dict: dict, steps: int) -> dict:
 
 def all_to_all_share(cfg: RunConfig, steps: int) -> dict:
     """2 gloo workers, ``parallel.expert=2``, fp32, each worker one micro-batch per step (CPU)."""
-    from benchmarks.procs import run_distributed
     from pretrain.config import to_dict
+    from pretrain.train.spawn import run_distributed
 
     d = to_dict(cfg)
     d["parallel"]["expert"] = 2

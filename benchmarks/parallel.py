@@ -8,7 +8,7 @@ on the demo decoder, all measured in this run on real gloo workers (CPU), one op
   AutoTP's all-reduces (tensor parallel), forward and backward, including the wait for the slower peer, mean over
   ranks;
 - ``longest_seq_len``: the longest ``model.max_seq_len`` whose dry-run memory plan (``pretrain/driver/memory_plan.py``,
-  checked against measured memory in ``tests/integration/test_memory_plan.py``) fits a worker's share of this
+  checked against measured memory in ``tests/integration/train/test_memory_plan.py``) fits a worker's share of this
   machine's memory, per layout.
 """
 
@@ -126,7 +126,7 @@ def longest_seq_len(path: str, overrides: list[str], layout: tuple[int, int, int
 
 
 def parallel_bench(path: str, overrides: list[str], seq_len: int, steps: int) -> dict:
-    from benchmarks.procs import run_distributed
+    from pretrain.train.spawn import run_distributed
 
     out: dict = {"parallel_config": os.path.basename(path), "parallel_seq_len": seq_len, "parallel_steps": steps}
     memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -2,9 +2,9 @@
 
 Everything else uses DeepSpeed's documented API only (``deepspeed.initialize``, the engine's public methods,
 ``deepspeed.zero.GatheredParameters``, the ``deepspeed.utils.safe_*`` accessors, ``zero_to_fp32``,
-``deepspeed.moe.layer.MoE``); ``tests/unit/test_ds_adapter.py`` fails when another module reads a DeepSpeed internal. A
-DeepSpeed upgrade is checked here: each function says which behaviour it relies on. Written and tested against
-DeepSpeed 0.19.8 (``requirements.lock``); "0.19" below means that version.
+``deepspeed.moe.layer.MoE``); ``tests/unit/house/test_ds_adapter.py`` fails when another module reads a DeepSpeed
+internal. A DeepSpeed upgrade is checked here: each function says which behaviour it relies on. Written and tested
+against DeepSpeed 0.19.8 (``requirements.lock``); "0.19" below means that version.
 
 It knows nothing of our packages (engines, optimizers and parameters come in as plain objects), so every layer that
 holds DeepSpeed objects can use it: it sits in the lowest tier of ``.importlinter`` beside ``pretrain.model`` and

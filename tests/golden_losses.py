@@ -1,6 +1,6 @@
 """Golden per-step losses: fixed runs through the real CLI (real Ray, real gloo, real MLflow) whose
 per-step training loss, gradient norm and final validation loss must stay bitwise identical on CPU
-across refactorings. ``tests/integration/test_golden.py`` reruns the cases and compares them with the files.
+across refactorings. ``tests/integration/train/test_golden.py`` reruns the cases and compares them with the files.
 
     python -m tests.golden_losses            # (re)record every case into tests/golden/*.json
     python -m tests.golden_losses CASE ...   # only these cases
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tests.harness import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
@@ -60,10 +61,7 @@ def run_case(name: str, work: Path) -> dict:
         HF_DATASETS_OFFLINE="1",
     )
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "pretrain", "train", str(ROOT / "configs" / f"{preset}.yaml"), *COMMON, *overrides]
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc = cli(work, "train", str(ROOT / "configs" / f"{preset}.yaml"), *COMMON, *overrides, timeout=600, env=env)
     run_id = next(line.split()[-1] for line in proc.stdout.splitlines() if line.strip().startswith("MLflow run id"))
     from mlflow import MlflowClient
 

@@ -1,8 +1,9 @@
 """The harness of the multi-rank tests, shared by the feature files instead of their own copies.
 
-* the tiny model (``TINY_MODEL``, ``tiny_config``), learnable global batches and each rank's shard of one;
+* the one tiny model (``TINY_MODEL``, ``tiny_config``; ``tiny_model(**changes)`` where a test needs it changed),
+  learnable global batches and each rank's shard of one;
 * ``run_distributed(fn, world_size, *args)``: real processes joined by a real gloo group: fresh ones
-  (``benchmarks/procs.py``), or with ``fresh=False`` the session's processes of that world size, started once and
+  (``pretrain/train/spawn.py``), or with ``fresh=False`` the session's processes of that world size, started once and
   kept (``_RankPool``), which skips the seconds every fresh process spends on imports and its first DeepSpeed
   engine;
 * ``train_steps``: steps of a DeepSpeed module (``build_module`` + ``run_step``) on this rank's shards, and
@@ -11,8 +12,10 @@
   them: ``run_cases`` runs a whole table in one set of processes per world size, so a module-scoped fixture runs it
   once and a test parametrized over the rows checks each one;
 * the real training loop on ranks (``train_jobs``, ``run_jobs``) and what it logged (``metric_history``);
-* the command line (``cli``, ``run_id_of``) and the tiny end-to-end run (``E2E``, ``TASKS``) that the reference run,
-  the end-to-end, multi-node, console and MoE tests share.
+* the command line (``cli``: ``python -m pretrain`` and the exit code it must end with; ``start_cli``: one
+  that runs on while the test signals or follows it; ``run_id_of``) and the
+  tiny end-to-end run (``E2E``, ``TASKS``) that the reference run, the end-to-end, multi-node, console and MoE tests
+  share.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import procs
+from pretrain.train import spawn
 
 __all__ = [
     "CONFIG",
@@ -52,8 +55,10 @@ __all__ = [
     "run_id_of",
     "run_jobs",
     "shard",
+    "start_cli",
     "step_losses",
     "tiny_config",
+    "tiny_model",
     "train_jobs",
     "train_steps",
 ]
@@ -105,8 +110,8 @@ def _serve(rank: int, world: int, port: int, store_path: str, tasks, results, pa
 
 class _RankPool:
     """``world`` real processes joined by a real gloo group, kept for the session: each call sends every rank the
-    same function, which runs as in ``benchmarks.procs.run_distributed``. A failed or timed-out call ends the pool (a
-    rank may be stuck in a collective); the next call starts a new one."""
+    same function, which runs as in ``pretrain.train.spawn.run_distributed``. A failed or timed-out call ends the
+    pool (a rank may be stuck in a collective); the next call starts a new one."""
 
     def __init__(self, world: int) -> None:
         import torch.multiprocessing as mp
@@ -175,7 +180,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     processes wrote, output a test captures); else the session's processes of that world size, which run it in the
     caller's working directory and environment."""
     if fresh:
-        return procs.run_distributed(fn, world_size, *args, timeout=timeout)
+        return spawn.run_distributed(fn, world_size, *args, timeout=timeout)
     pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _RankPool(world_size))
     try:
         return pool.run(fn, args, timeout)
@@ -195,7 +200,21 @@ TINY_MODEL = (
     "model.num_heads=4",
     "model.max_seq_len=16",
 )
-"""The step-level tests' model: 2 blocks of width 32 over a vocabulary of 101, sequences of 16 tokens."""
+"""The tests' one tiny model: 2 blocks of width 32 over a vocabulary of 101, sequences of 16 tokens. Tests that need
+another one say how it differs: ``tiny_model(...)``."""
+
+
+def tiny_model(**changes: object) -> list[str]:
+    """The tiny model's overrides (``TINY_MODEL``) with ``changes`` to it: ``tiny_model(num_layers=4,
+    num_kv_heads=2)`` sets ``model.num_layers=4`` and adds ``model.num_kv_heads=2``; ``None`` leaves a key unset (the
+    preset's value, or for ``vocab_size`` the run's tokenizer's)."""
+    model: dict[str, object] = dict(o.removeprefix("model.").split("=", 1) for o in TINY_MODEL)
+    for key, value in changes.items():
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = str(value).lower() if isinstance(value, bool) else value
+    return [f"model.{k}={v}" for k, v in model.items()]
 
 
 def tiny_config(*overrides: str, preset: str | Path | None = None):
@@ -346,8 +365,17 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def cli(work: Path, *args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store); asserts exit 0."""
+def cli(
+    work: Path,
+    *args: str,
+    expect: int | None = 0,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store unless ``env`` is given), its output captured as
+    text; asserts the exit code is ``expect`` (0: success, 2: a user error refused in one line, 1: an internal
+    error; ``None``: any, the caller checks). Returns the completed process (``returncode``, ``stdout``,
+    ``stderr``)."""
     proc = subprocess.run(
         [PYTHON, "-m", "pretrain", *args],
         cwd=work,
@@ -356,8 +384,18 @@ def cli(work: Path, *args: str, timeout: int = 300, env: dict[str, str] | None =
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if expect is not None:
+        assert proc.returncode == expect, (
+            f"{args} exited {proc.returncode}, not {expect}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
+
+
+def start_cli(work: Path, *args: str, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
+    """``python -m pretrain ARGS`` started in ``work`` (its own MLflow store unless ``env`` is given) and not waited
+    for: for a test that signals, kills or follows the command while it runs; ``popen``: ``subprocess.Popen``'s
+    options (pipes, a session of its own). Text mode."""
+    return subprocess.Popen([PYTHON, "-m", "pretrain", *args], cwd=work, env=env or cli_env(work), text=True, **popen)
 
 
 def run_id_of(stdout: str) -> str:
@@ -369,11 +407,7 @@ def run_id_of(stdout: str) -> str:
 
 
 E2E = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.max_seq_len=32",
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, dropout=0.1, vocab_size=None),
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",
@@ -386,7 +420,6 @@ E2E = [
     "train.val_sequences=8",
     "checkpoint.every_steps=2",
     "cluster.num_workers=2",
-    "model.dropout=0.1",
     "train.decay=constant",
 ]
 """The tiny end-to-end run of ``configs/demo-decoder.yaml``: 2 Ray workers, 8 steps, a checkpoint every 2."""

@@ -1,5 +1,5 @@
 """The on-disk layout of a run directory and of one committed checkpoint: every file and directory name, here
-and nowhere else (``tests/unit/test_checkpoint_layout.py`` fails when one is spelled outside this package).
+and nowhere else (``tests/unit/checkpoint/test_layout.py`` fails when one is spelled outside this package).
 
 A run directory (``checkpoint.dir / RUN_ID``)::
 

@@ -16,7 +16,7 @@ peak is the larger of two moments: the backward's start (every kept activation, 
 working set; under gradient accumulation the earlier micro-batches' gradients too) and the backward once this
 micro-batch's gradients exist (the kept activations, the logits the step still holds, the gradients and the reduce
 bucket, and with recomputation the block being rebuilt). Checked against the tensor memory training allocates on CPU
-(``tests/integration/test_memory_plan.py``).
+(``tests/integration/train/test_memory_plan.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ stay eager (where DeepSpeed's hooks live).
 
 Layer dropout passes its decisions as block arguments: a skipped block is not called at all, a scale is a
 Python float that dynamo does not specialize on (``specialize_float`` is off in torch >= 2.6), and a per-sample
-gate is a tensor, so a changing drop pattern does not recompile (tests/unit/test_compile.py counts it).
+gate is a tensor, so a changing drop pattern does not recompile (tests/unit/model/test_compile.py counts it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""The studies as users run them, on a tiny budget (no number of theirs asserted): ``bench --growth`` and
+``bench --layer-drop --quality`` print one JSON object last, computed from the curves they report, and leave a
+parent MLflow run whose children are the study's runs, with the curves and the figure as artifacts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from benchmarks.study import flops_saving, time_to_loss_speedup
+from tests.harness import cli, tiny_model
+
+TINY = [
+    *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=512),
+    "train.global_batch_size=4",
+    "data.num_streams=4",
+    "train.micro_batch_size=4",
+    "data.tokenizer_vocab_size=512",
+    "data.tokenizer_train_docs=2000",
+    "train.val_sequences=4",
+    "train.warmup_steps=2",
+]
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    keys = {a.split("=")[0] for a in args if "=" in a}
+    tiny = [o for o in TINY if o.split("=")[0] not in keys]
+    proc = cli(tmp_path, "bench", "--json", "--study-dir", str(tmp_path / "study"), *args, *tiny, expect=0, timeout=900)
+    return json.loads(proc.stdout)
+
+
+def _children(result: dict) -> tuple[MlflowClient, list]:
+    client = MlflowClient(tracking_uri=result["mlflow"]["tracking_uri"])
+    parent = client.get_run(result["mlflow"]["parent_run"])
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
+    assert any(p.endswith(".json") for p in artifacts) and any(p.endswith(".png") for p in artifacts), artifacts
+    assert parent.info.status == "FINISHED" and {r.info.status for r in runs} == {"FINISHED"}
+    return client, runs
+
+
+def test_growth_study_on_a_tiny_budget(tmp_path):
+    r = _bench(tmp_path, "--growth", "--tokens", "3000", "--recipes", "stack2@10%", "--seeds", "0,1", "--sizes", "no")
+    assert r["seeds"] == [0, 1] and r["target"]["num_layers"] == 2 and 0 < r["block_flops_share"] < 1
+    assert r["budget_tokens"] == 3000 and r["best_recipe"] == "stack2@10%"
+    curves = r["curves_flops_val_loss"]
+    for seed in ("0", "1"):
+        scratch, grown = curves["scratch"][seed], curves["stack2@10%"][seed]
+        assert len(scratch) >= 20 and len(grown) >= 20, "validation at every 1/25 of the budget"
+        assert scratch[-1][0] == pytest.approx(r["budget_flops"], rel=0.05), "scratch spends the budget"
+        assert grown[-1][0] == pytest.approx(scratch[-1][0], rel=0.05), "and so does the grown run"
+        want = flops_saving(scratch, grown)
+        got = r["growth_flops_saving_per_seed"]["stack2@10%"][seed]
+        assert (got is None and want is None) or got == pytest.approx(want, abs=1e-4)
+    per_seed = list(r["growth_flops_saving_per_seed"]["stack2@10%"].values())
+    assert r["growth_flops_saving"]["stack2@10%"] == (None if None in per_seed else min(per_seed))
+    client, runs = _children(r)
+    assert len(runs) == 4, "scratch and the recipe, for each seed"
+    for run in runs:
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "study")] == ["study/curves.json"]
+
+
+def test_layer_drop_study_on_a_tiny_budget(tmp_path):
+    r = _bench(tmp_path, "--layer-drop", "--quality", "--steps", "8", "--seeds", "0", "model.num_layers=4")
+    assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"] == 8
+    row = r["per_seed"]["0"]
+    curves = row["curves_seconds"]
+    assert row["pld_time_to_loss_speedup"] == time_to_loss_speedup(curves["no-drop"], curves["pld"])
+    assert row["pruned_vs_scratch_half_depth_gap"] == row["pruned_loss"]["layer-drop"] - row["half_depth_scratch_loss"]
+    assert r["pruned_vs_scratch_half_depth_gap"] == row["pruned_vs_scratch_half_depth_gap"]
+    assert set(r["goals"].values()) <= {True, False}
+    _, runs = _children(r)
+    assert len(runs) == 4, "no-drop, PLD, layer dropout and half depth"

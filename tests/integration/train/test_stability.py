@@ -1,0 +1,387 @@
+"""Stability control on real gloo ranks: the skip as an exact no-op for every ZeRO stage (a table of layouts run
+once), fault injection in real 2-worker training (NaN skipped, spike rolled back), bitwise resume through a
+rollback, and halt with a report through the CLI, then the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import load_config
+from tests.conftest import ROOT, in_workdir
+from tests.harness import Case, case_ids, cli, metric_history, run_cases, run_jobs, shard, tiny_config, tiny_model
+
+# ----------------------------------------------------------------------------------------------
+# The skip is an exact no-op, for every ZeRO stage (2 real gloo ranks)
+# ----------------------------------------------------------------------------------------------
+
+LAYOUTS = [
+    Case(f"z{stage}-{precision}", (f"zero.stage={stage}", f"train.precision={precision}"), 2)
+    for stage, precision in [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16")]
+]
+
+
+def _engine_cfg(world: int, overrides: list[str]):
+    return tiny_config(
+        f"cluster.num_workers={world}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "data.num_streams=2",
+        "train.seed=3",
+        *overrides,
+    )
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    """This rank's parameters, master weights and optimizer state."""
+    from pretrain.ds_adapter import base_optimizer
+    from pretrain.train.health import param_views
+
+    out = [t.detach().clone() for _, t in param_views(engine)[0]]
+    for state in base_optimizer(engine.optimizer).state.values():
+        out += [v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)) for _, v in sorted(state.items())]
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+        out += [t.detach().clone() for t in getattr(engine.optimizer, name, None) or []]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _Verdict:
+    def __init__(self, apply: bool):
+        self.apply = apply
+
+
+class _Verdict:
+    def __init__(self, apply: bool):
+        self.apply = apply
+
+
+def _skip_worker(rank: int, world: int, overrides: list[str], ckpt_dir: str) -> dict:
+    """One layout, two trajectories of the same data: with skipped updates (a skipped first step, a skip with finite
+    gradients, one with a NaN gradient on the last rank only) and without them."""
+    from pretrain.train.callbacks.fault_injection import _NaNGrad
+    from pretrain.train.callbacks.health import HealthCallback
+    from pretrain.train.health import HealthProbe
+    from pretrain.train.module import build_module
+    from pretrain.train.step import StepHooks, StepInput, run_step
+
+    class Guard(StepHooks):
+        """The verdict of every update, and NaN gradients on this rank when ``corrupt``."""
+
+        def __init__(self, apply: bool, corrupt: bool):
+            self.apply, self.corrupt = apply, corrupt
+
+        def decide(self, signals):
+            return _Verdict(self.apply)
+
+        def objective(self, objective, index, count):
+            return _NaNGrad.apply(objective) if self.corrupt and index == count - 1 else objective
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 101, (8, 16), generator=g) for _ in range(4)]
+    per = 8 // world
+    out: dict = {}
+    finals = []
+    for trajectory in ("with_skips", "without"):
+        cfg = _engine_cfg(world, overrides)
+        stage, precision = cfg.zero.stage, cfg.train.precision
+        module = build_module(cfg)
+        assert module.plan.micro_batch == 2 and module.plan.shares == (per,) * world
+        assert module.precision == precision and module.cfg.train.weight_decay == 0.1
+        engine = module.engine
+        health = HealthCallback(every=1)
+
+        def step(ids, apply=True, probe=False, corrupt=False, module=module, health=health):
+            part = shard(ids, rank, world)
+            health.probe = HealthProbe(module.engine) if probe else None
+            health.health = {}
+            r = run_step(
+                module,
+                StepInput(1, {"input_ids": part, "labels": part}, 1e-2),
+                [Guard(apply, corrupt and rank == world - 1), health],
+            )
+            return r, health.health
+
+        if trajectory == "with_skips":
+            before = _snapshot(engine)
+            step(data[3], apply=False)  # a skipped *first* step (nothing initialized yet)
+            out["first_skip_unchanged"] = _same(before, _snapshot(engine))
+        r, health_metrics = step(data[0], probe=True)
+        out["health"] = {k: v for k, v in health_metrics.items() if "/" not in k[7:] or "block01" in k}
+        out["grad_norm"] = r.grad_norm
+        step(data[1])
+        if trajectory == "with_skips":
+            before = _snapshot(engine)
+            r, _ = step(data[3], apply=False)  # finite gradients: DeepSpeed alone would update
+            out["skip_unchanged"] = _same(before, _snapshot(engine)) and math.isfinite(r.grad_norm)
+            r, _ = step(data[2], apply=False, corrupt=True)  # NaN on one rank only
+            out["nan_seen"] = not math.isfinite(r.grad_norm)
+            out["nan_unchanged"] = _same(before, _snapshot(engine))
+            if stage == 1 and precision == "fp32":  # a rollback's restore, mid-training, is exact
+                engine.save_checkpoint(ckpt_dir, tag="t")
+                saved = _snapshot(engine)
+                step(data[2])
+                engine.load_checkpoint(ckpt_dir, tag="t")
+                out["restore_exact"] = _same(saved, _snapshot(engine))
+        r, _ = step(data[2])
+        finals.append((r.loss, _snapshot(engine)))
+        if stage == 1 and precision == "fp32" and trajectory == "with_skips":
+            out["nan_checkpoint_refused"] = _refuses_nan_checkpoint(module, cfg, rank, Path(ckpt_dir) / "run")
+    out["same_as_never_seen"] = finals[0][0] == finals[1][0] and _same(finals[0][1], finals[1][1])
+    return out
+
+
+def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
+    """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged."""
+    from pretrain.train import dist
+    from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
+    from pretrain.train.tracking import Tracker
+    from pretrain.train.trainer import TrainerState
+
+    if rank == 1:
+        next(module.engine.module.parameters()).data.view(-1)[0] = float("nan")
+    try:
+        Checkpointer(cfg, run_dir, dist.setup("no"), Tracker("", "x")).save(module, None, TrainerState(step=9))
+    except NonFiniteWeightsError:
+        return not run_dir.exists()
+    return False
+
+
+@pytest.fixture(scope="module")
+def skip_runs(tmp_path_factory):
+    return run_cases(_skip_worker, LAYOUTS, str(tmp_path_factory.mktemp("skip") / "ds"), timeout=600)
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=case_ids(LAYOUTS))
+def test_skip_leaves_weights_and_optimizer_bitwise_unchanged_all_stages(skip_runs, case):
+    """A skipped update (the first step, finite gradients, a NaN gradient on one rank) leaves the parameters, master
+    weights and optimizer state bitwise unchanged, and the run ends where one that never saw the skipped batches
+    ends; the health metrics are the same whatever the ZeRO stage holds where. Under ZeRO-1 (fp32) a rollback's
+    restore is exact and a checkpoint with a NaN in one rank's replica is refused on every rank."""
+    ranks = skip_runs[case.id]
+    r0, r1 = ranks
+    assert r0 == r1 or all(r0[k] == r1[k] for k in r0 if k != "health")
+    print(f"\n{case.id}: " + ", ".join(f"{k}={v}" for k, v in r0.items() if k != "health"))
+    for check in ("first_skip_unchanged", "skip_unchanged", "nan_seen", "nan_unchanged", "same_as_never_seen"):
+        assert r0[check] is True, (case.id, check)
+    health = r0["health"]
+    assert health["health/grad_norm"] == pytest.approx(r0["grad_norm"], rel=1e-4)
+    assert health["health/nonfinite_grads"] == 0 and 0 < health["health/update_ratio"] < 1
+    assert {
+        "health/act_rms/block01",
+        "health/act_max/block01",
+        "health/attn_logit_max",
+        "health/logit_ms",
+        "health/param_norm/block01",
+    } <= set(health)
+    if case.id == "z1-fp32":
+        assert r0["restore_exact"] is True and r0["nan_checkpoint_refused"] is True
+        print("health metrics (ZeRO-1):", {k: round(v, 5) for k, v in health.items()})
+    if case.id in ("z0-fp32", "z2-fp32", "z3-fp32"):  # the same numbers whatever the stage holds where
+        ref = skip_runs["z1-fp32"][0]["health"]
+        for k in (
+            "health/grad_norm",
+            "health/param_norm",
+            "health/update_ratio",
+            "health/grad_norm/block01",
+            "health/act_rms/block01",
+            "health/attn_logit_max",
+        ):
+            assert health[k] == pytest.approx(ref[k], rel=1e-4), (case.id, k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fault injection in real 2-worker training (the real train_loop on real gloo ranks)
+# ----------------------------------------------------------------------------------------------
+
+TINY = [
+    *tiny_model(hidden_size=64, num_kv_heads=2, max_seq_len=32, vocab_size=None),
+    "data.tokenizer_vocab_size=512",
+    "data.tokenizer_train_docs=3000",
+    "data.num_streams=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.max_steps=24",
+    "train.warmup_steps=2",
+    "train.decay=constant",
+    "train.log_every=1",
+    "train.val_every=0",
+    "train.val_sequences=8",
+    "checkpoint.every_steps=4",
+    "cluster.num_workers=2",
+    "cluster.use_ray=false",
+    "stability.window=16",
+    "stability.warmup_steps=6",
+    "stability.good_after_steps=2",
+    "stability.health_every=4",
+    "stability.lr_cooldown_steps=4",
+    "stability.max_consecutive_skips=3",
+    "stability.plot_at_end=false",
+]
+
+
+def _all_finite(root: Path) -> tuple[int, list[str]]:
+    """(tensors checked, files holding NaN/Inf) over every checkpoint file under ``root``."""
+    checked, bad = 0, []
+
+    def walk(x, f):
+        nonlocal checked
+        if torch.is_tensor(x):
+            checked += 1
+            if x.is_floating_point() and not torch.isfinite(x).all():
+                bad.append(f)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, f)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, f)
+
+    for f in sorted(root.rglob("*.pt")):
+        walk(torch.load(f, map_location="cpu", weights_only=False), str(f))
+    return checked, bad
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    """Four real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at
+    step 5 (policy skip), LR x1000 at step 13 (policy rollback), and the rollback run resumed from its
+    step-8 checkpoint (before the fault)."""
+    from pretrain.driver.prepare import prepare_new
+
+    with in_workdir(tmp_path_factory.mktemp("stability")) as work:
+        clean = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", TINY))
+        tok = [f"data.tokenizer={Path(clean.run_dir) / 'tokenizer'}"]
+        nan = prepare_new(
+            load_config(
+                ROOT / "configs" / "demo-decoder.yaml",
+                TINY + tok + ["stability.policy=skip", "faults.nan_grad_at_step=5"],
+            )
+        )
+        spike_over = TINY + tok + ["stability.policy=rollback", "faults.loss_spike_at_step=13"]
+        spike = prepare_new(
+            load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over + ["stability.plot_at_end=true"])
+        )
+        resumed = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over))
+        # resumes from a checkpoint the spike run writes first in the same processes (the driver's preflight
+        # would refuse a checkpoint.resume_from that does not exist yet, so it is set on the prepared job)
+        resumed.config["checkpoint"] = {
+            **resumed.config["checkpoint"],
+            "resume_from": str(Path(spike.run_dir) / "step_00000008"),
+        }
+        jobs = [clean, nan, spike, resumed]
+        ranks = run_jobs(2, jobs, fresh=False)
+        yield {
+            "work": work,
+            "jobs": dict(zip(("clean", "nan", "spike", "resumed"), jobs)),
+            "ranks": ranks,
+            "final": dict(zip(("clean", "nan", "spike", "resumed"), ranks[0])),
+        }
+
+
+def test_nan_gradient_on_one_rank_is_skipped_on_all_ranks(fault_runs):
+    clean, nan = fault_runs["final"]["clean"], fault_runs["final"]["nan"]
+    timelines = [r[1]["stability"]["timeline"] for r in fault_runs["ranks"]]
+    print("\nNaN run events (rank 0):", timelines[0])
+    assert timelines[0] == timelines[1], "every rank must decide the same"
+    assert [(e["step"], e["kind"], e["action"]) for e in timelines[0]] == [(5, "nonfinite", "skip")]
+    assert nan["stability"]["skipped_steps"] == 1 and nan["step"] == 24
+    rel = abs(nan["final_train_loss"] - clean["final_train_loss"]) / clean["final_train_loss"]
+    rel_val = abs(nan["val_loss"] - clean["val_loss"]) / clean["val_loss"]
+    print(
+        f"final train loss: clean {clean['final_train_loss']:.4f}, NaN-skipped {nan['final_train_loss']:.4f} "
+        f"({100 * rel:.2f}%); val loss {clean['val_loss']:.4f} vs {nan['val_loss']:.4f} ({100 * rel_val:.2f}%)"
+    )
+    assert rel < 0.05 and rel_val < 0.05
+    with_health = metric_history(fault_runs["jobs"]["nan"].run_id, "health/grad_norm/block01")
+    assert sorted(with_health) == [4, 8, 12, 16, 20, 24]
+
+
+def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_runs):
+    spike = fault_runs["final"]["spike"]
+    events = spike["stability"]["timeline"]
+    assert events == fault_runs["ranks"][1][2]["stability"]["timeline"]
+    print("\nspike run events:", [(e["step"], e["kind"], e["action"], e["detail"]) for e in events])
+    kinds = [(e["step"], e["kind"], e["action"]) for e in events]
+    assert kinds[0] == (14, "loss_spike", "rollback"), kinds
+    rb = events[1]
+    # Checkpoint 12 saw only one healthy step before the spike: the newest good one is step 8.
+    assert (rb["kind"], rb["to_step"], rb["data_window"]) == ("rollback", 8, [8 * 8, 14 * 8])
+    assert spike["stability"]["skipped_windows"] == [[64, 112]] and spike["stability"]["rollbacks"] == 1
+    assert spike["step"] == 24 and math.isfinite(spike["final_train_loss"]) and math.isfinite(spike["val_loss"])
+    run_dir = Path(fault_runs["jobs"]["spike"].run_dir)
+    state = json.loads((run_dir / "step_00000024" / "trainer_state.json").read_text())
+    assert state["sequences"] == (24 + 6) * 8 and state["callbacks"]["faults_fired"] == {"fired": ["loss_spike"]}
+    assert [Path(p).parent.name for p in rb["abandoned"]] == ["abandoned"]  # the old step_12
+    from mlflow import MlflowClient
+
+    client, run_id = MlflowClient(), fault_runs["jobs"]["spike"].run_id
+    run = client.get_run(run_id)
+    assert run.data.metrics["stability/events"] == 2 and run.data.metrics["stability/rollbacks"] == 1
+    assert run.data.tags["pretrain.stability.last_event"] == "step 14: rollback -> restored"
+    timeline = json.loads(Path(client.download_artifacts(run_id, "stability/timeline.json")).read_text())
+    assert timeline["timeline"] == events and timeline["skipped_windows"] == [[64, 112]]
+    losses = metric_history(fault_runs["jobs"]["spike"].run_id)
+    assert max(losses.values()) < 10 and sorted(losses) == list(range(1, 25))
+    assert Path(spike["plot"]).is_file()
+    for job in fault_runs["jobs"].values():  # every checkpoint ever written, abandoned ones included
+        checked, bad = _all_finite(Path(job.run_dir))
+        assert checked > 0 and not bad, bad
+
+
+def test_resume_through_a_rollback_is_bitwise(fault_runs):
+    """Resumed from step 8 (before the injected spike): the same spike, the same rollback, the same
+    skipped window and the same losses and final weights, bit for bit."""
+    from pretrain.export.checkpoints import consolidated_state_dict
+
+    spike, resumed = fault_runs["final"]["spike"], fault_runs["final"]["resumed"]
+
+    def events(final: dict) -> list[dict]:  # without the paths, which name each run's own directory
+        return [
+            {k: v for k, v in e.items() if k not in ("checkpoint", "abandoned")} for e in final["stability"]["timeline"]
+        ]
+
+    assert events(spike) == events(resumed) and len(events(spike)) == 2
+    a, b = metric_history(fault_runs["jobs"]["spike"].run_id), metric_history(fault_runs["jobs"]["resumed"].run_id)
+    print(
+        "\nrollback run:",
+        {s: round(v, 5) for s, v in a.items() if s > 8},
+        "\nresumed run: ",
+        {s: round(v, 5) for s, v in b.items()},
+    )
+    assert sorted(b) == list(range(9, 25)) and all(a[s] == b[s] for s in b)
+    wa = consolidated_state_dict(Path(fault_runs["jobs"]["spike"].run_dir) / "step_00000024", zero_stage=1)
+    wb = consolidated_state_dict(Path(fault_runs["jobs"]["resumed"].run_dir) / "step_00000024", zero_stage=1)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# ----------------------------------------------------------------------------------------------
+# Halt, through the CLI (one in-process worker), and the plot command
+# ----------------------------------------------------------------------------------------------
+
+
+def test_halt_policy_stops_with_one_line_and_a_report_then_plot(tmp_path):
+    args = [a.replace("cluster.num_workers=2", "cluster.num_workers=1") for a in TINY]
+    proc = cli(tmp_path, "train", *args, "stability.policy=halt", "faults.nan_grad_at_step=3", expect=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stability halt at step 3: nonfinite" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "[train] HALT:" in proc.stdout
+    assert "stability event #1 at step 3: nonfinite -> halt" in proc.stdout
+    run_id = next(
+        line.split()[2].rstrip(":") for line in proc.stdout.splitlines() if line.startswith("[pretrain] run ")
+    )
+    report = json.loads((tmp_path / "checkpoints" / run_id / "stability_report.json").read_text())
+    assert report["halted"]["step"] == 3 and report["policy"] == "halt"
+    assert not list((tmp_path / "checkpoints" / run_id).glob("step_*"))  # nothing after step 0 was committed
+
+    plot = cli(tmp_path, "runs", run_id, "--plot", expect=0, timeout=120)
+    path = Path(plot.stdout.strip().splitlines()[-1].split("plot: ", 1)[1])
+    assert path.is_file() and path.stat().st_size > 10_000
+    print("\n" + errors[0] + "\nplot:", path)

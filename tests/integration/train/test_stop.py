@@ -1,0 +1,96 @@
+"""A stop is a checkpoint, through the command line as users stop a run: SIGTERM (a scheduler's preemption) to a
+run training in the command's process, Ctrl-C (SIGINT to the terminal's whole process group) to a run of two Ray
+workers, a second signal. (``./launch.sh stop JOB`` on a submitted job:
+``tests/integration/cluster/test_cluster.py``.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
+
+SLOW = "faults.slow_step_s=0.4"  # steps slow enough to signal mid-run on any machine (numbers unchanged)
+
+
+def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], group: bool = False, after: float = 0):
+    """``python -m pretrain ARGS`` in its own session; ``after`` seconds after step ``at_step`` is logged, send
+    ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C). Returns
+    (exit code, output)."""
+    proc = start_cli(work, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out, sent = [], False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.append(line)
+        if not sent and re.search(rf"step +{at_step}/", line):
+            time.sleep(after)
+            for sig in signals:
+                os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+                time.sleep(0.05)
+            sent = True
+    assert sent, "".join(out)
+    return proc.wait(timeout=120), "".join(out)
+
+
+def _stop_line(output: str) -> str:
+    (line,) = [ln for ln in output.splitlines() if ln.startswith(("stopped by", "error:"))]
+    return line
+
+
+def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_run(reference, tmp_path):
+    """Ctrl-C reaches the driver and Ray's processes; the 2 workers finish the step, commit a checkpoint there, the
+    command exits 130 with one line naming it and the resume command, the MLflow run is KILLED with the stop
+    recorded; the resumed run's later steps are the uninterrupted run's, bitwise."""
+    args = ["train", CONFIG, *E2E, SLOW]
+    code, out = _signal_at(tmp_path, args, 3, [signal.SIGINT], group=True)
+    assert code == 130, out
+    line = _stop_line(out)
+    m = re.match(r"stopped by SIGINT at step (\d+): checkpoint (\S+); resume: .*\./launch\.sh resume (\w+)$", line)
+    assert m, line
+    step, ckpt, run_id = int(m.group(1)), Path(m.group(2)), m.group(3)
+    assert 3 <= step < 8 and ckpt.name == f"step_{step:08d}" and (ckpt / "manifest.json").is_file()
+    assert "Traceback" not in out
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["pretrain.stop.signal"] == "SIGINT" and run.data.tags["pretrain.stop.step"] == str(step)
+    assert not (ckpt.parent / "stop_request.json").exists()
+
+    resumed = cli(tmp_path, "resume", run_id, "faults.slow_step_s=0")
+    assert f"resumed from {ckpt}" in resumed.stdout
+    losses = metric_history(run_id_of(resumed.stdout), uri=uri)
+    expected = {s: v for s, v in reference["losses"].items() if s > step}
+    assert {s: losses[s] for s in expected} == expected
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
+    """One worker in the command's process: SIGTERM commits a checkpoint at the step reached (exit 143, KILLED);
+    resumed and sent SIGTERM twice, it ends at once (exit 143) naming the latest committed checkpoint, with the MLflow
+    run KILLED, not FAILED or left RUNNING."""
+    one = [*E2E, "cluster.num_workers=1", "checkpoint.every_steps=0", "train.max_steps=40", SLOW]
+    code, out = _signal_at(tmp_path, ["train", CONFIG, *one], 2, [signal.SIGTERM])
+    assert code == 143, out
+    m = re.match(r"stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: .* resume (\w+)$", _stop_line(out))
+    assert m, out
+    step, ckpt, run_id = int(m.group(1)), Path(m.group(2)), m.group(3)
+    assert ckpt.name == f"step_{step:08d}" and step < 40
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    # both signals while the next step runs (it sleeps 1.5 s first): the first asks for a stop after that step, the
+    # second ends the run before the step is over
+    again = ["faults.slow_step_s=1.5", "train.val_every=0"]
+    code, out = _signal_at(tmp_path, ["resume", run_id, *again], step + 2, [signal.SIGTERM] * 2, after=0.5)
+    assert code == 143, out
+    line = _stop_line(out)
+    assert line.startswith("error: SIGTERM: stopped at once, no new checkpoint") and str(ckpt) in line, line
+    assert "Traceback" not in out
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert sorted(p.name for p in ckpt.parent.glob("step_*")) == [ckpt.name]

@@ -1,0 +1,140 @@
+"""Committed checkpoints on disk (``pretrain/checkpoint/store.py``): the commit protocol (staging, manifest,
+checksums, discovery), damaged checkpoints, pruning (out of sight at once, deleted off the loop), and checksums
+without reading (the early presence check hashes no file, accepts manifests without sizes, finds a size mismatch).
+A process killed mid-commit and the resume of full weights on a gloo rank are in
+``tests/integration/checkpoint/test_checkpoint.py``; hashing on real ranks and the ``verify`` command in
+``tests/integration/checkpoint/test_hashing.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from pretrain.checkpoint import layout as ly
+from pretrain.checkpoint import reader
+from pretrain.checkpoint import store as ck
+from pretrain.checkpoint.manifest import Manifest
+from tests.conftest import FIXTURES
+
+
+def _stage(run_dir, step, world=2, nonce="n1"):
+    stage = ly.staging_dir(run_dir, step, nonce)
+    (stage / ly.DS_DIR / ly.DS_TAG).mkdir(parents=True)
+    (stage / ly.DS_DIR / ly.DS_TAG / "model.pt").write_bytes(os.urandom(1000))
+    for r in range(world):
+        ck.write_json(stage / ly.data_file(r), {"streams": {str(r): {"pos": step}}})
+        (stage / ly.rng_file(r)).parent.mkdir(exist_ok=True)
+        torch.save({"torch": torch.get_rng_state()}, stage / ly.rng_file(r))
+    return stage
+
+
+def _commit(run_dir, step, world=2, **fields):
+    return ck.commit(_stage(run_dir, step, world), run_dir, Manifest(step=step, world_size=2, **fields))
+
+
+def test_commit_list_resolve_verify(tmp_path):
+    for step in (2, 4):
+        _commit(tmp_path, step, tokens_seen=step * 10)
+    found = ck.list_committed(tmp_path)
+    assert [c.step for c in found] == [2, 4]
+    latest = ck.resolve(tmp_path)
+    assert latest.step == 4 and latest.manifest.tokens_seen == 40
+    assert set(latest.manifest.files) >= {"data/rank_0.json", "data/rank_1.json", "rng/rank_0.pt"}
+    merged, rng = reader.load_rank_state(latest.path, 1)
+    assert merged["streams"] == {"0": {"pos": 4}, "1": {"pos": 4}}
+    assert torch.equal(rng["torch"], torch.get_rng_state())
+
+
+def test_uncommitted_staging_is_invisible_and_cleaned(tmp_path):
+    _commit(tmp_path, 2)
+    _stage(tmp_path, 4, nonce="crashed")  # a save that died before commit
+    assert ck.latest_committed(tmp_path).step == 2
+    ck.cleanup_staging(tmp_path)
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_incomplete_stage_is_refused(tmp_path):
+    stage = _stage(tmp_path, 2, world=1)
+    with pytest.raises(ck.CheckpointError, match="missing data/rank_1.json"):
+        ck.commit(stage, tmp_path, Manifest(step=2, world_size=2))
+    assert ck.latest_committed(tmp_path) is None
+
+
+def test_corruption_is_detected(tmp_path):
+    path = _commit(tmp_path, 2)
+    with open(path / ly.DS_DIR / ly.DS_TAG / "model.pt", "r+b") as f:
+        f.write(b"\0\0\0\0")
+    with pytest.raises(ck.CheckpointError, match="checksum mismatch"):
+        ck.resolve(path)
+    (path / ly.MANIFEST).write_text("{not json")
+    assert ck.list_committed(tmp_path) == []
+
+
+def test_prune_keeps_newest(tmp_path):
+    for step in (1, 2, 3):
+        _commit(tmp_path, step)
+    ck.prune(tmp_path, keep_last=2)
+    assert [c.step for c in ck.list_committed(tmp_path)] == [2, 3]
+
+
+def test_damaged_checkpoint_names_the_newest_that_verifies(tmp_path):
+    for step in (2, 4, 6):
+        _commit(tmp_path, step)
+    for step in (4, 6):  # the two newest are damaged
+        with open(tmp_path / ly.step_dir_name(step) / ly.DS_DIR / ly.DS_TAG / "model.pt", "r+b") as f:
+            f.write(b"\0\0\0\0")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.resolve(tmp_path)
+    good = tmp_path / ly.step_dir_name(2)
+    assert str(e.value) == (
+        f"{tmp_path / ly.step_dir_name(6)}: checksum mismatch for {ly.DS_DIR}/{ly.DS_TAG}/model.pt; "
+        f"the newest checkpoint that verifies is step 2: resume from it with "
+        f"./launch.sh resume {good}"
+    )
+    assert ck.resolve(good).step == 2  # what that command resolves
+    (good / ly.DS_DIR / ly.DS_TAG / "model.pt").unlink()
+    with pytest.raises(ck.CheckpointError, match="no older checkpoint of this run verifies"):
+        ck.resolve(tmp_path)
+
+
+OLD = FIXTURES / "old_checkpoint" / "step_00000002"
+
+
+def test_presence_check_reads_no_file_and_old_manifests_without_sizes(tmp_path, monkeypatch):
+    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
+    raw = json.loads((ckpt / ly.MANIFEST).read_text())
+    for entry in raw["files"].values():
+        del entry["bytes"]  # a manifest that recorded no sizes
+    (ckpt / ly.MANIFEST).write_text(json.dumps(raw))
+    ck.verify(ckpt)  # still verifies (checksums)
+    monkeypatch.setattr(ck, "sha256_file", lambda p: pytest.fail(f"read {p}"))
+    found = ck.resolve(ckpt, full=False)  # the driver's early check: no file is hashed
+    rel = "rng/rank_0.pt"
+    (ckpt / rel).unlink()
+    with pytest.raises(ck.CheckpointError, match=f"missing file {rel}; no older checkpoint of this run verifies"):
+        ck.verify_or_point_back(found, full=False)
+
+
+def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
+    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
+    monkeypatch.setattr(ck, "sha256_file", lambda p: pytest.fail(f"read {p}"))
+    rel = "trainer_state.json"
+    with open(ckpt / rel, "a") as f:
+        f.write(" ")
+    with pytest.raises(ck.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
+        ck.resolve(ckpt, full=False)
+
+
+def test_pruned_checkpoints_leave_sight_at_once_and_are_deleted_later(tmp_path):
+    for step in (1, 2, 3):
+        _commit(tmp_path, step)
+    trash = ck.prune(tmp_path, keep_last=1, delete=False)
+    assert [c.step for c in ck.list_committed(tmp_path)] == [3]  # resume and rollback no longer see them
+    assert len(trash) == 2 and all(p.is_dir() and p.name.startswith(ly.LEFTOVER_PREFIXES) for p in trash)
+    ck.cleanup_staging(tmp_path)  # a run killed before deleting them: the next start does
+    assert not any(p.exists() for p in trash)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ly.step_dir_name(3)]

@@ -1,0 +1,96 @@
+"""The collective writer in a world of one (``pretrain/checkpoint/writer.py``): full weights and optimizer moments
+round-trip through the reader; a failed write is one error and commits nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.checkpoint import layout as ly
+from pretrain.checkpoint import reader, weights
+from pretrain.checkpoint import store as ck
+from pretrain.checkpoint.manifest import FORMAT_FULL, Manifest
+from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+from tests.harness import tiny_model
+
+
+def _contents(tokenizer_dir, step=3, moments=None):
+    from pretrain.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            *tiny_model(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=2, vocab_size=64, max_seq_len=8),
+            f"data.tokenizer={tokenizer_dir}",
+        ],
+    )
+    a = torch.randn(3, 4)
+    weights = {"a.weight": a, "b.bias": torch.randn(5), "tied.weight": a}  # tied weights share one tensor
+    state = {"step": step, "tokens_seen": 96, "sequences": 12, "last_train_loss": 2.5, "last_val": {"val/loss": 2.0}}
+    return Contents(
+        cfg=cfg, trainer_state=state, data_state={"streams": {"0": {"pos": 12}}}, model=FullWeights(weights, moments)
+    )
+
+
+def test_writer_full_weights_round_trip(tmp_path):
+    """Derived runs' path: the writer in a world of one, without an engine: full weights and AdamW moments written
+    as safetensors, committed (manifest format ``full``), registered once, and read back exactly."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    moments = {"step": 7, "exp_avg": {"a.weight": torch.randn(3, 4)}, "exp_avg_sq": {"a.weight": torch.rand(3, 4)}}
+    contents = _contents(tmp_path / "tok", moments=moments)
+    registered = []
+    writer = CheckpointWriter(
+        tmp_path / "run",
+        LocalWorld(),
+        "run-1",
+        keep_last=1,
+        register=lambda path, manifest: registered.append((path, manifest.step)),
+    )
+    path = writer.save(contents)
+    assert registered == [(path, 3)] and path.name == ly.step_dir_name(3)
+    ckpt = ck.resolve(tmp_path / "run")
+    m = ckpt.manifest
+    assert (m.format, m.run_id, m.tokens_seen, m.global_sequences, m.metrics) == (
+        FORMAT_FULL,
+        "run-1",
+        96,
+        12,
+        {"train/loss": 2.5, "val/loss": 2.0},
+    )
+    assert {
+        ly.WEIGHTS,
+        ly.OPTIMIZER,
+        ly.CONFIG,
+        ly.TRAINER_STATE,
+        ly.data_file(0),
+        ly.rng_file(0),
+        f"{ly.TOKENIZER}/tokenizer.json",
+    } <= set(m.files)
+    loaded = reader.load(ckpt)
+    sd = loaded.state_dict()
+    assert sd.keys() == contents.model.weights.keys()
+    assert all(torch.equal(sd[k], contents.model.weights[k]) for k in sd)
+    back = weights.load_optimizer_moments(ckpt.path)
+    assert back["step"] == 7 and all(
+        torch.equal(back[k]["a.weight"], moments[k]["a.weight"]) for k in ("exp_avg", "exp_avg_sq")
+    )
+    assert loaded.trainer_state()["sequences"] == 12 and loaded.data_position()["streams"] == {"0": {"pos": 12}}
+    assert loaded.config.model.hidden_size == 16
+    writer.save(_contents(tmp_path / "tok", step=5))  # keep_last=1 prunes step 3
+    assert [c.step for c in ck.list_committed(tmp_path / "run")] == [5]
+    assert weights.load_optimizer_moments(tmp_path / "run" / ly.step_dir_name(5)) is None
+
+
+def test_writer_failure_is_one_error_and_nothing_committed(tmp_path):
+    (tmp_path / "tok").mkdir()
+
+    def register(path, manifest):
+        raise OSError("tracking store down")
+
+    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r", register=register)
+    with pytest.raises(ck.CheckpointError, match=r"^checkpoint at step 3 failed: OSError: tracking store down$"):
+        writer.save(_contents(tmp_path / "tok"))
+    staged = writer.stage(4)
+    with pytest.raises(ck.CheckpointError, match=rf"incomplete checkpoint, missing {ly.data_file(0)}, {ly.WEIGHTS}"):
+        writer.commit(staged, Manifest(step=4, format=FORMAT_FULL))

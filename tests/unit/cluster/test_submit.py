@@ -1,0 +1,210 @@
+"""Cluster jobs without a cluster: the shipped cluster manifests and the multi-node doc, and the Jobs API client's
+logic (commands, address and token resolution, the job environment, the staged working directory). The commands
+and a real local Ray head are in ``tests/integration/cluster/test_cluster.py``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+MANIFESTS = ROOT / "cluster" / "manifests"
+_CLIENT_ENV_DROP = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+
+
+# ------------------------------------------------------------------------------------------------
+# Manifests
+# ------------------------------------------------------------------------------------------------
+
+
+def _docs(name: str) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d is not None]
+    assert docs, f"{name} is empty"
+    return docs
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_kuberay_rayjob_manifest():
+    docs = _docs("kuberay-rayjob.yaml")
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind"), d
+    (job,) = [d for d in docs if d["kind"] == "RayJob"]
+    assert job["apiVersion"] == "ray.io/v1"
+    spec = job["spec"]
+    assert "python -m pretrain train" in spec["entrypoint"]
+    assert "checkpoint.dir=/mnt/shared" in spec["entrypoint"]
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
+    cluster = spec["rayClusterSpec"]
+    assert cluster["authOptions"]["mode"] == "token"
+    head = cluster["headGroupSpec"]
+    assert "dashboard-host" in head["rayStartParams"]
+    pvcs = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert pvcs and all(
+        "ReadWriteMany" in d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim"
+    )
+
+    def mounts_shared(pod_spec: dict) -> bool:
+        vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+        for c in pod_spec["containers"]:
+            for m in c.get("volumeMounts", []):
+                claim = vols.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
+                if m["mountPath"] == "/mnt/shared" and claim in pvcs:
+                    return True
+        return False
+
+    assert mounts_shared(head["template"]["spec"])
+    groups = cluster["workerGroupSpecs"]
+    assert groups
+    for g in groups:
+        pod = g["template"]["spec"]
+        assert mounts_shared(pod)
+        gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for c in pod["containers"]]
+        assert all(int(n) >= 1 for n in gpus), gpus
+
+
+def test_cluster_launcher_manifest():
+    (cfg,) = _docs("cluster-launcher-aws.yaml")
+    for key in (
+        "cluster_name",
+        "provider",
+        "auth",
+        "available_node_types",
+        "head_node_type",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    ):
+        assert key in cfg, key
+    assert cfg["provider"]["type"] in ("aws", "gcp")
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    workers = [t for name, t in types.items() if name != cfg["head_node_type"]]
+    assert workers and all(t["resources"].get("GPU", 0) >= 1 for t in workers)
+    head_start = " ".join(cfg["head_start_ray_commands"])
+    assert "--head" in head_start and "--dashboard-host=127.0.0.1" in head_start
+    assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
+    mounts = " ".join(cfg.get("initialization_commands", []) + cfg.get("setup_commands", []))
+    assert re.search(r"mount .*/mnt/shared", mounts), "shared checkpoint storage is not mounted"
+    assert "./launch.sh submit --address http://127.0.0.1:8265" in (MANIFESTS / "cluster-launcher-aws.yaml").read_text()
+
+
+def test_mlflow_server_manifest():
+    docs = _docs("mlflow-server.yaml")
+    kinds = {d["kind"]: d for d in docs}
+    assert {"Deployment", "Service"} <= set(kinds)
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"]
+    (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
+    cmd = " ".join(container.get("command", []) + container.get("args", []))
+    assert "mlflow server" in cmd and "--backend-store-uri" in cmd and "--artifacts-destination" in cmd
+    assert kinds["Service"]["spec"]["type"] == "ClusterIP"
+
+
+def test_multinode_doc_covers_the_essentials():
+    text = (ROOT / "docs" / "multi-node.md").read_text()
+    for needle in (
+        "NCCL_SOCKET_IFNAME",
+        "NCCL_IB_",
+        "NCCL_DEBUG",
+        "checkpoint.dir",
+        "shared",
+        "MLFLOW_TRACKING_URI",
+        "runtime_env",
+        "./launch.sh resume",
+        "checkpoint.resume_from",
+        "cluster up",
+        "RAY_AUTH_TOKEN",
+    ):
+        assert needle in text, needle
+
+
+# ------------------------------------------------------------------------------------------------
+# Client logic (no cluster)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_commands_registered():
+    from pretrain.cli import COMMANDS
+    from pretrain.cli import __doc__ as doc
+
+    for name in ("cluster", "submit", "jobs", "status", "logs", "stop"):
+        assert name in COMMANDS
+        assert f"\n    {name} " in doc
+
+
+def test_address_and_token_resolution(tmp_path, monkeypatch):
+    from cluster import submit
+
+    for k in _CLIENT_ENV_DROP:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "auth_token").write_text("a" * 64)
+    (tmp_path / "head" / "state.json").write_text(
+        json.dumps({"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")})
+    )
+    assert submit.resolve_address(None) == "http://127.0.0.1:18999"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
+    assert submit.resolve_address(None) == "http://10.0.0.5:8265"
+    assert submit.resolve_address("https://head:443/") == "https://head:443"
+    with pytest.raises(submit.ClusterError):
+        submit.resolve_address("ray://head:10001")
+    # the local head's token only for the local head's address
+    assert submit.auth_token("http://localhost:18999") == ("a" * 64, "the local head's token file")
+    assert submit.auth_token("http://10.0.0.5:8265") == ("", "")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
+    (tmp_path / "tok").write_text("b" * 64 + "\n")
+    assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
+    assert submit.auth_token("http://127.0.0.1:18999")[0] == "c" * 64
+
+
+def test_job_env_is_an_allowlist(monkeypatch):
+    from cluster import submit
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    monkeypatch.setenv("MY_VAR", "x")
+    env = submit.job_env(local=False, extra=["MY_VAR", "OTHER=1"])
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "PATH" not in env and "HOME" not in env
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert env["MY_VAR"] == "x" and env["OTHER"] == "1" and env["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+    assert "TORCH_EXTENSIONS_DIR" not in env
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    local = submit.job_env(local=True, extra=[], gcs_address="127.0.0.1:6379")
+    assert local["MLFLOW_TRACKING_URI"].startswith("sqlite:////") and local["RAY_ADDRESS"] == "127.0.0.1:6379"
+    with pytest.raises(submit.ClusterError):
+        submit.job_env(local=False, extra=["NOT_SET_ANYWHERE_123"])
+
+
+def test_staged_working_dir_mirrors_repo_with_excludes():
+    from cluster import submit
+
+    stage = submit._stage_working_dir("name: x\n")
+    try:
+        names = {p.name for p in stage.iterdir()}
+        assert {"pretrain", "cluster", "configs"} <= names
+        assert not names & {".venv", ".git", ".cache", "checkpoints", "mlflow.db", "mlartifacts"}
+        assert (stage / submit.JOB_CONFIG_NAME).read_text() == "name: x\n"
+        assert (stage / "pretrain").is_symlink()
+        assert not any(p.exists() and not p.is_symlink() for p in stage.iterdir() if p.name != submit.JOB_CONFIG_NAME)
+    finally:
+        shutil.rmtree(stage)
+    assert not (ROOT / submit.JOB_CONFIG_NAME).exists()  # nothing written into the checkout

@@ -1,0 +1,32 @@
+"""The tokenizer (``pretrain/data/tokenizer.py``): trained deterministically, round-trips text, has its specials."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import DataConfig, SourceConfig
+from pretrain.data import load_or_train_tokenizer
+
+pytestmark = pytest.mark.usefixtures("datasets_cache")
+
+
+def test_tokenizer_deterministic_roundtrip_specials(corpus, tok, tmp_path):
+    cfg = DataConfig(sources=[SourceConfig(path=str(corpus))], tokenizer_vocab_size=400, tokenizer_train_docs=1000)
+    again = load_or_train_tokenizer(cfg)
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert len(tok) == 400
+    specials = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>")}
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>"
+    assert (tok.pad_token, tok.mask_token, tok.unk_token) == ("<|pad|>", "<|mask|>", "<|unk|>")
+    assert set(specials.values()) == set(tok.all_special_ids) and len(set(specials.values())) == 4
+    for s in ["naïve café 東京 ☕🙂", "  leading and\ttabs\n\nand newlines  ", "Ünïcödé — “quotes” 𝔘 \u200b end"]:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        assert tok.bos_token_id not in ids
+        assert tok.decode(ids) == s
+    # the saved directory loads through data.tokenizer
+    saved = tmp_path / "saved"
+    load_or_train_tokenizer(cfg, saved)
+    loaded = load_or_train_tokenizer(DataConfig(tokenizer=str(saved)))
+    assert loaded("déjà vu")["input_ids"] == tok("déjà vu")["input_ids"]
+    with pytest.raises(ValueError, match="data.tokenizer"):
+        load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "missing")))

@@ -1,0 +1,60 @@
+"""Annealing a WSD run (``./launch.sh anneal``): the child's schedule and its argument checks. The command end to
+end is in ``tests/integration/train/test_anneal.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import ConfigError, load_config
+from pretrain.driver.anneal import anneal, annealed_config
+from pretrain.train.schedule import lr_at
+from tests.harness import tiny_model
+
+TINY = [
+    *tiny_model(max_seq_len=32, vocab_size=None),
+    "data.tokenizer_vocab_size=512",
+    "data.tokenizer_train_docs=500",
+    "data.num_streams=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+    "train.lr=1e-2",
+    "train.min_lr_ratio=0.1",
+    "train.warmup_steps=2",
+    "train.log_every=1",
+    "train.val_every=0",
+    "train.val_sequences=8",
+    "checkpoint.every_steps=2",
+    "cluster.num_workers=1",
+    "cluster.use_ray=false",
+    "stability.plot_at_end=false",
+]
+
+
+def test_annealed_schedule_decays_from_the_checkpoint_lr_to_the_floor():
+    parent = load_config(None, TINY + ["train.decay=wsd", "train.max_steps=1000", "train.decay_steps=200"])
+    child = annealed_config(parent, 400, 50, ["train.decay_shape=linear"])
+    t = child.train
+    assert (t.decay, t.max_steps, t.decay_steps, t.warmup_steps) == ("wsd", 450, 50, 0)
+    lrs = [lr_at(s, t) for s in range(400, 450)]
+    assert lrs[0] == pytest.approx(1e-2 - 0.9e-2 / 50) and lrs[-1] == pytest.approx(1e-3)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    # from a point of a cosine run: from the LR of the checkpoint's last step (49), to the same absolute floor
+    cos = load_config(None, TINY + ["train.max_steps=100"])
+    t = annealed_config(cos, 50, 10).train
+    assert t.lr == pytest.approx(lr_at(49, cos.train)) and lr_at(59, t) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["steps=5"], "give a run id or a checkpoint directory first"),
+        (["RUN"], "steps=N (the length of the decay, > 0) is required"),
+        (["RUN", "steps=0"], "steps=N (the length of the decay, > 0) is required"),
+        (["RUN", "steps=5", "depth=2x"], "anneal: unknown option(s) ['depth']"),
+        (["RUN", "steps=5", "step=x"], "step=S must be a checkpoint step"),
+    ],
+)
+def test_bad_anneal_arguments_are_one_line(args, message):
+    with pytest.raises(ConfigError) as e:
+        anneal(args)
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,164 @@
+"""FLOPs budgets and growth points (``train.max_flops``, ``growth.schedule[i].at_tokens`` / ``at_fraction``): the
+architecture after a growth from configs alone, the blocks' share of the FLOPs, the steps derived and their
+one-line refusals; and the study arithmetic of ``bench --growth`` / ``--layer-drop --quality`` on known curves."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from benchmarks.study import crossing, first_below, flops_saving, time_to_loss_speedup, value_at
+from pretrain.config import ConfigError, GrowthStep, load_config
+from pretrain.driver.budget import resolve_budget, run_flops, stage_flops_per_step
+from pretrain.model import flops_per_token
+from pretrain.model.growth_stages import block_flops_share, grown_architecture
+from pretrain.train.schedule import continue_overrides
+from tests.conftest import ROOT
+from tests.harness import tiny_model
+
+DEMO = ROOT / "configs" / "demo-decoder.yaml"
+SMALL = [*tiny_model(vocab_size=512, hidden_size=64, max_seq_len=None)]
+SMALL += ["model.num_kv_heads=2"]
+
+
+def test_grown_architecture_from_configs_alone():
+    cfg = load_config(DEMO, SMALL)
+    deep, _ = grown_architecture(cfg.model, cfg.moe, GrowthStep(depth="2x"))
+    assert (deep.num_layers, deep.hidden_size) == (4, 64)
+    wide, _ = grown_architecture(cfg.model, cfg.moe, GrowthStep(width="2x", width_op="tile"))
+    assert (wide.hidden_size, wide.num_heads, wide.num_kv_heads, wide.tie_embeddings) == (128, 8, 4, False)
+    assert flops_per_token(wide, 128) > 2 * flops_per_token(cfg.model, 128), "width 2x: about 4x the block FLOPs"
+
+
+def test_block_flops_share_is_what_the_blocks_compute():
+    cfg = load_config(DEMO, SMALL)
+    m, total = cfg.model, flops_per_token(cfg.model, 128)
+    outside = 6.0 * (m.vocab_size * m.hidden_size + m.hidden_size)  # the LM head matmul and the final norm
+    assert block_flops_share(m, 128) == pytest.approx(1 - outside / total, rel=1e-12)
+    big = load_config(
+        DEMO, [*tiny_model(vocab_size=512, num_layers=8, hidden_size=256, num_heads=None, max_seq_len=None)]
+    ).model
+    assert block_flops_share(big, 128) > block_flops_share(m, 128)
+
+
+def test_max_flops_and_growth_points_derive_steps():
+    lines: list[str] = []
+    per_token = 16 * 128  # tokens per step of the demo: 16 sequences of 128
+    over = [*SMALL, "growth.schedule=[{at_tokens: 5000, depth: 2x}, {at_fraction: 0.5, width: 2x}]"]
+    cfg = load_config(DEMO, [*over, "train.max_flops=4e12"])
+    resolve_budget(cfg, say=lines.append)
+    first, second = cfg.growth.schedule
+    assert first.at_step == math.ceil(5000 / per_token) == 3
+    per_step = stage_flops_per_step(cfg)
+    assert len(per_step) == 3 and per_step[0] < per_step[1] < per_step[2]
+    assert run_flops(cfg, second.at_step - 1) < 0.5 * 4e12 <= run_flops(cfg, second.at_step)
+    assert run_flops(cfg, cfg.train.max_steps - 1) < 4e12 <= run_flops(cfg)
+    assert lines == [
+        "growth.schedule[0]: at_tokens 5,000 -> at_step 3 (2,048 tokens/step)",
+        f"growth.schedule[1]: at_fraction 0.5 of train.max_flops 4e+12 -> at_step {second.at_step}",
+        f"train.max_flops 4e+12 -> train.max_steps {cfg.train.max_steps} ({per_step[2]:.4g} FLOPs/step after the "
+        "last growth)",
+    ]
+    again: list[str] = []
+    steps = (first.at_step, second.at_step, cfg.train.max_steps)
+    resolve_budget(cfg, say=again.append)  # a resume derives the same steps and says nothing
+    assert again == [] and (first.at_step, second.at_step, cfg.train.max_steps) == steps
+    plain = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
+    resolve_budget(plain, say=lambda _: None)
+    assert plain.train.max_steps == math.ceil(1e12 / stage_flops_per_step(plain)[0])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["growth.schedule=[{at_fraction: 0.1, depth: 2x}]"],
+            "growth.schedule[0].at_fraction: a fraction of the FLOPs budget needs train.max_flops > 0",
+        ),
+        (
+            ["train.max_flops=1e12", "growth.schedule=[{at_fraction: 0.1, at_tokens: 10, depth: 2x}]"],
+            "growth.schedule[0]: set one of at_tokens and at_fraction",
+        ),
+        (["growth.schedule=[{at_fraction: 1.5, depth: 2x}]"], "at_fraction in (0, 1)"),
+        (["growth.schedule=[{depth: 2x}]"], "growth.schedule[0]: no growth point: set train.max_flops to grow at"),
+        (["train.max_flops=-1"], "train.max_flops: must be >= 0"),
+        (["train.val_every_flops=-1"], "train.val_every_flops: must be >= 0"),
+    ],
+)
+def test_bad_budgets_are_refused_by_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(DEMO, [*SMALL, *overrides])
+
+
+def test_an_entry_without_a_point_or_a_target_follows_the_study_recipe():
+    """The defaults are the growth study's best recipe: half the depth stacked (``depth: 2x``) at ``at_fraction``
+    0.1 of the budget (``docs/growth.md``)."""
+    assert GrowthStep().depth == "4x" and GrowthStep(width="2x").depth == ""
+    lines: list[str] = []
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{}]"])
+    resolve_budget(cfg, say=lines.append)
+    (entry,) = cfg.growth.schedule
+    assert entry.depth == "4x" and entry.depth_op == "stack"
+    want = "growth.schedule[0]: at_fraction 0.1 (the default point) of train.max_flops 4e+12 -> at_step"
+    assert lines[0] == f"{want} {entry.at_step}"
+    assert run_flops(cfg, entry.at_step - 1) < 0.1 * 4e12 <= run_flops(cfg, entry.at_step)
+    assert cfg.growth.rewarm(cfg.train.warmup_steps) == cfg.train.warmup_steps, "re-warmed over the warm-up"
+
+
+def test_budgets_that_cannot_hold_are_refused_when_resolved():
+    spent = load_config(DEMO, [*SMALL, "train.max_flops=1e9", "growth.schedule=[{at_tokens: 100000, depth: 2x}]"])
+    with pytest.raises(ConfigError, match="train.max_flops: 1e\\+09 is spent before the last growth"):
+        resolve_budget(spent, say=lambda _: None)
+    backwards = load_config(
+        DEMO, [*SMALL, "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_tokens: 5000, width: 2x}]"]
+    )
+    with pytest.raises(ConfigError, match=r"growth.schedule\[1\]: at step 3, not after the growth before it"):
+        resolve_budget(backwards, say=lambda _: None)
+
+
+def test_a_resume_keeps_the_derived_steps():
+    """A checkpoint after a growth records the grown model, so a resume never derives again: a new budget, or a
+    growth point that would need deriving, is refused in one line."""
+    from pretrain.driver.budget import keep_resolved_budget
+
+    saved = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    resolve_budget(saved, say=lambda _: None)
+    keep_resolved_budget(saved, saved)
+    more = load_config(DEMO, [*SMALL, "train.max_flops=8e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    with pytest.raises(ConfigError, match=r"train.max_flops: 4e\+12 -> 8e\+12: a budget is resolved into"):
+        keep_resolved_budget(saved, more)
+    added = load_config(DEMO, [*SMALL, "growth.schedule=[{at_tokens: 5000, depth: 2x}]"])
+    with pytest.raises(ConfigError, match=r"growth.schedule\[0\]: a growth added on resume needs its point"):
+        keep_resolved_budget(saved, added)
+
+
+def test_continuing_a_budgeted_run_lifts_the_budget():
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
+    assert continue_overrides(cfg.train, 100, 400)[0] == "train.max_flops=0"  # else max_steps is derived again
+    assert "train.max_flops=0" not in continue_overrides(load_config(DEMO, SMALL).train, 100, 400)
+
+
+# -- the studies' arithmetic ----------------------------------------------------------------------------------
+
+SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
+
+
+def test_saving_from_known_curves():
+    grown = [(1.0, 4.5), (2.0, 3.2), (3.0, 2.9), (4.0, 2.8)]
+    assert crossing(grown, 3.0) == pytest.approx(2.0 + (3.2 - 3.0) / (3.2 - 2.9))  # interpolated between 2 and 3
+    assert flops_saving(SCRATCH, grown) == pytest.approx(1 - (2.0 + 0.2 / 0.3) / 4.0)
+    assert flops_saving(SCRATCH, SCRATCH) == 0.0
+    assert flops_saving(SCRATCH, [(1.0, 6.0), (4.0, 3.1)]) is None, "never reaches the scratch loss"
+    assert flops_saving(SCRATCH, [(2.0, 2.0)]) == 0.5, "already there at its first point"
+    assert time_to_loss_speedup(SCRATCH, [(1.0, 4.0), (2.0, 3.0)]) == 2.0
+    assert time_to_loss_speedup(SCRATCH, [(8.0, 3.0)]) == 0.5
+
+
+def test_interpolation_and_first_below():
+    assert value_at(SCRATCH, 2.5) == pytest.approx(3.75)
+    assert value_at(SCRATCH, 0.0) == 5.0 and value_at(SCRATCH, 9.0) == 3.0
+    small = [(1.0, 4.0), (2.0, 3.8), (3.0, 3.7), (4.0, 3.65)]
+    assert first_below(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
+    assert first_below(small, [(1.0, 1.0), (4.0, 1.0)]) is None

@@ -1,0 +1,133 @@
+"""Evaluation: the metric core by hand, bytes per token, checkpoint vs exported directory agreement. The command
+(JSON and table output, MLflow logging, the optional harness) is in ``tests/integration/checkpoint/test_eval.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eval.evaluate import evaluate, score, token_byte_lengths
+from pretrain.config import ConfigError
+from pretrain.export.hf import export_checkpoint
+from tests.conftest import corpus_lines
+from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is used by name
+    V,
+    one_thread,
+    perturbed_state,
+    small_run_config,
+    write_checkpoint,
+)
+
+# ----------------------------------------------------------------------------------------------
+# The metric core
+# ----------------------------------------------------------------------------------------------
+
+
+def test_score_decoder_by_hand():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g)
+    ids = torch.randint(0, 7, (2, 5), generator=g)
+    labels = ids.clone()
+    labels[1, 3] = -100
+    byte_lengths = torch.tensor([0, 1, 2, 3, 1, 1, 4])
+    out = score(lambda x: logits, [{"input_ids": ids, "labels": labels}], "decoder", byte_lengths)
+    target = labels[:, 1:]
+    keep = target != -100
+    nll = F.cross_entropy(logits[:, :-1][keep], target[keep], reduction="sum").item()
+    assert out["tokens"] == 7 and out["bytes"] == int(byte_lengths[target[keep]].sum())
+    assert out["loss"] == pytest.approx(nll / 7, rel=1e-6)
+    assert out["ppl"] == pytest.approx(math.exp(nll / 7), rel=1e-6)
+    assert out["bits_per_byte"] == pytest.approx(nll / (math.log(2) * out["bytes"]), rel=1e-6)
+    assert "mlm_acc" not in out
+
+
+def test_score_encoder_by_hand():
+    logits = torch.full((1, 4, 5), -10.0)
+    logits[0, 0, 2] = logits[0, 1, 3] = logits[0, 2, 0] = 10.0
+    labels = torch.tensor([[2, 1, -100, -100]])
+    out = score(lambda x: logits, [{"input_ids": labels.clamp(min=0), "labels": labels}], "encoder")
+    assert out["tokens"] == 2 and out["mlm_acc"] == 0.5 and "bits_per_byte" not in out
+    with pytest.raises(ValueError, match="no predicted tokens"):
+        score(lambda x: logits, [{"input_ids": labels, "labels": torch.full_like(labels, -100)}], "encoder")
+
+
+def test_token_bytes_spell_the_text(tokenizer):
+    """For byte-level BPE, the bytes of the tokens of a text are exactly its UTF-8 bytes."""
+    lengths = token_byte_lengths(tokenizer, V)
+    texts = corpus_lines(300) + ["naïve café 日本語 🙂", "  spaces\tand\nnewlines "]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert int(lengths[ids].sum()) == len(text.encode("utf-8")), text
+    assert lengths[tokenizer.eos_token_id] == 0 and lengths[len(tokenizer) :].sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint vs exported directory
+# ----------------------------------------------------------------------------------------------
+
+AGREE = {
+    "llama-decoder": ["model.norm=rmsnorm", "model.activation=swiglu", "model.num_kv_heads=2"],
+    "remote-code-decoder": ["model.norm_placement=sandwich", "model.tie_embeddings=false"],
+    "bert-encoder": [
+        "model.kind=encoder",
+        "model.norm_placement=post",
+        "model.position=learned",
+        "model.embedding_norm=true",
+        "model.mlm_head_transform=true",
+        "model.bias=true",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_checkpoint_and_export_agree(name, tokenizer_dir, workdir):
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE[name])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    export_checkpoint(str(ckpt), workdir / "hf", log=lambda *a: None)
+    a = evaluate(str(ckpt))
+    b = evaluate(str(workdir / "hf"))
+    print(f"\n{name}: checkpoint loss {a['loss']:.6f}, export loss {b['loss']:.6f}")
+    assert a["tokens"] == b["tokens"] > 0 and a["sequences"] == b["sequences"] == 16
+    for key in ("loss", "ppl", "bits_per_byte", "mlm_acc"):
+        assert (
+            (key in a)
+            == (key in b)
+            == (
+                key in (("loss", "ppl", "mlm_acc") if cfg.model.kind == "encoder" else ("loss", "ppl", "bits_per_byte"))
+            )
+        )
+        if key in a:
+            assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(a[key])), key
+    if cfg.model.kind == "decoder":
+        assert a["bytes"] == b["bytes"] > a["tokens"]  # BPE tokens average more than a byte
+        assert a["sample"] == b["sample"]  # greedy, same weights: same text
+    # Other data than the run's validation set.
+    other = workdir / "other.txt"
+    other.write_text("\n".join(corpus_lines(400)[:200]) + "\n", encoding="utf-8")
+    c = evaluate(str(ckpt), data=[str(other)], sample=False)
+    assert c["data"] == [str(other)] and c["loss"] != a["loss"]
+
+
+def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
+    import transformers
+
+    transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(str(tmp_path / "bert"))
+    tokenizer.save_pretrained(str(tmp_path / "bert"))
+    with pytest.raises(ConfigError, match="--data"):
+        evaluate(str(tmp_path / "bert"))
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
+    out = evaluate(str(tmp_path / "bert"), data=[str(data)], sequences=4)
+    assert out["kind"] == "encoder" and 0.0 <= out["mlm_acc"] <= 1.0 and out["seq_len"] == 32

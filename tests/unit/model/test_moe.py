@@ -1,0 +1,480 @@
+"""Mixture-of-Experts in one process: routing semantics, grouped experts, loss-free balancing, config checks, the
+expert-parallel slices and layout conversion, the collapse flag, and HF export. Expert parallelism on real gloo
+ranks and the real train loop with EP=2 are in ``tests/integration/parallel/test_moe.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig, load_config
+from pretrain.model import build_model
+from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
+from pretrain.train.stability.monitor import StabilityMonitor
+from tests.conftest import ROOT
+from tests.harness import TINY_MODEL, tiny_model
+
+STEPS, GLOBAL, MICRO = 4, 8, 4
+SMALL = [
+    *TINY_MODEL,
+    "model.dropout=0.0",
+    "model.activation=swiglu",
+    "data.num_streams=2",
+    f"train.global_batch_size={GLOBAL}",
+    f"train.micro_batch_size={MICRO}",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    f"train.max_steps={STEPS}",
+    "train.precision=fp32",
+    "moe.num_experts=4",
+]
+"""The tiny model with 4 experts in every block, 4 steps of a global batch of 8."""
+
+
+def _small(*over: str):
+    return load_config(None, SMALL + list(over))
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing semantics
+# ----------------------------------------------------------------------------------------------
+
+
+def _naive(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Per-token reference: softmax -> top-k -> (renormalize) -> weighted sum of expert FFNs."""
+    h = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        p = layer.router(h[t]).float().softmax(-1)
+        w, idx = p.topk(layer.top_k)
+        if layer.normalize_top_k:
+            w = w / w.sum()
+        for wi, e in sorted(zip(w.tolist(), idx.tolist()), key=lambda z: z[1]):
+            out[t] += wi * layer.experts[e](h[t : t + 1])[0]
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("k,normalize", [(1, True), (2, True), (2, False), (4, True)])
+def test_routing_matches_per_token_reference(k, normalize):
+    cfg = _small(f"moe.top_k={k}", f"moe.normalize_top_k={str(normalize).lower()}")
+    model = build_model(cfg.model, 0, cfg.moe)
+    layer = moe_layers(model)[0][1]
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), _naive(layer, x), rtol=0, atol=1e-6)
+
+
+def _router_lm_grad(k: int) -> float:
+    """Norm of the routers' gradient from the language-model loss alone (auxiliary and z losses off)."""
+    cfg = _small(f"moe.top_k={k}", "moe.aux_loss_weight=0", "moe.router_z_loss_weight=0")
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(2))
+    model(ids, labels=ids).loss.backward()
+    return math.sqrt(sum(float(layer.router.weight.grad.square().sum()) for _, layer in moe_layers(model)))
+
+
+def test_top1_router_learns_from_the_lm_loss():
+    """Top-1 with the default normalize_top_k: renormalizing one weight gives p/p = 1 and no router gradient; top-1
+    uses Switch's weight (the chosen expert's probability) instead, so the router learns from the loss."""
+    top1, top2 = _router_lm_grad(1), _router_lm_grad(2)
+    assert top1 > 0.05 * top2 > 0, (top1, top2)
+
+
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
+def test_grouped_experts_equal_the_expert_loop(activation, bias):
+    """One grouped GEMM per projection gives the per-expert loop's outputs and gradients, empty experts included."""
+    from pretrain.model import moe as moe_mod
+
+    assert moe_mod.grouped_mm_supported(torch.device("cpu"), torch.float32)
+    cfg = _small(f"model.activation={activation}", f"model.bias={str(bias).lower()}", "model.hidden_size=64")
+    experts = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1].experts
+    counts = torch.tensor([5, 0, 11, 3])
+    x = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(2))
+    r = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (moe_mod.loop_ffn, moe_mod.grouped_ffn):
+        xi = x.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        y = fn(experts, xi, counts)
+        (y * r).sum().backward()
+        results.append((y.detach(), xi.grad, [p.grad.clone() for p in experts.parameters()]))
+    (y0, gx0, gp0), (y1, gx1, gp1) = results
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    assert len(gp1) == len(gp0) == len(list(experts.parameters()))  # every expert has a gradient (zeros if empty)
+    for a, b in zip(gp1, gp0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(float(p.abs().sum()) == 0 for p in (experts[1].up_proj.weight.grad, experts[1].down_proj.weight.grad))
+
+
+def test_grouped_experts_train_like_the_expert_loop(monkeypatch):
+    """20 fp32 AdamW steps of a small MoE decoder: grouped GEMM and the expert loop give the same losses (1e-5
+    relative), and the grouped path is the one that runs by default."""
+    from pretrain.model import moe as moe_mod
+    from pretrain.model import param_groups
+
+    calls = {"grouped": 0}
+    grouped = moe_mod.grouped_ffn
+
+    def counting(*a):
+        calls["grouped"] += 1
+        return grouped(*a)
+
+    def losses(use_grouped: bool) -> list[float]:
+        monkeypatch.setattr(moe_mod, "grouped_ffn", counting)
+        if not use_grouped:
+            monkeypatch.setattr(moe_mod, "grouped_mm_supported", lambda device, dtype: False)
+        cfg = _small("moe.top_k=2")
+        torch.manual_seed(0)
+        model = build_model(cfg.model, 0, cfg.moe)
+        opt = torch.optim.AdamW(param_groups(model, 0.01), lr=3e-3)
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for _ in range(20):
+            ids = torch.randint(0, 101, (4, 16), generator=g)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+        monkeypatch.undo()
+        return out
+
+    ref = losses(False)
+    assert calls["grouped"] == 0
+    got = losses(True)
+    assert calls["grouped"] == 20 * 2  # every forward of both MoE blocks
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert ref[-1] < ref[0]
+
+
+def test_layer_selection_and_independent_expert_init():
+    cfg = load_config(None, SMALL + ["model.num_layers=6", "moe.every=2"])
+    assert [i for i, _ in moe_layers(build_model(cfg.model, 0, cfg.moe))] == [1, 3, 5]
+    cfg = load_config(None, SMALL + ["model.num_layers=6", "moe.layers=[0, 4]"])
+    model = build_model(cfg.model, 0, cfg.moe)
+    assert [i for i, _ in moe_layers(model)] == [0, 4]
+    experts = moe_layers(model)[0][1].experts
+    ws = [e.up_proj.weight for e in experts]
+    assert all(not torch.equal(ws[0], w) for w in ws[1:]), "experts must not be copies of one expert"
+    assert ws[0].std().item() == pytest.approx(cfg.model.init_std, rel=0.2)
+
+
+def test_expert_parallel_slices_equal_the_full_model():
+    """Worker r of EP=2 holds exactly experts [2r, 2r+2) of the EP=1 model; everything else is identical."""
+    from pretrain.config import make_plan
+    from pretrain.parallel.expert import apply_expert_parallel
+
+    full = build_model(_small().model, 5, _small().moe).state_dict()
+    for rank in (0, 1):
+        ep = _small("parallel.expert=2", "cluster.num_workers=2")
+        model = build_model(ep.model, 5, ep.moe)  # every expert; the worker keeps its slice (as build_module does)
+        assert apply_expert_parallel(model, make_plan(ep, 2).dims, rank) == len(moe_layers(model)) == 2
+        part = model.state_dict()
+        assert sum(".deepspeed_experts." in k for k in part) * 2 == sum(".deepspeed_experts." in k for k in full)
+        for key, value in part.items():
+            if ".deepspeed_experts." in key:
+                head, tail = key.split(".deepspeed_experts.")
+                local, rest = tail.split(".", 1)
+                key = f"{head}.deepspeed_experts.{2 * rank + int(local)}.{rest}"
+            assert torch.equal(full[key], value), key
+
+
+def test_capacity_drops_in_training_only_and_first_choices_win():
+    cfg = _small("moe.top_k=2", "moe.capacity_factor=0.5")
+    model = build_model(cfg.model, 0, cfg.moe)
+    layer = moe_layers(model)[0][1]
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(2))
+    layer.train()
+    layer(x)
+    layer.commit_stats()
+    stats = layer.take_stats()
+    m = routing_metrics({0: stats})
+    # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert, 16 of 32 assignments at most
+    assert m["moe/block0/dropped_frac"] >= 0.5 - 1e-6
+    assert sum(m[f"moe/block0/expert{e}_tokens"] for e in range(4)) == 32
+    layer.eval()
+    dropless = _naive(layer, x)
+    torch.testing.assert_close(layer(x), dropless, rtol=0, atol=1e-6)
+    layer.commit_stats()
+    assert layer.take_stats().sum() == 0, "evaluation forwards do not count"
+
+
+def test_activation_checkpointing_counts_routing_once_and_keeps_gradients():
+    cfg = _small()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))
+    grads, stats = [], []
+    for recompute in ("none", "full", "selective"):
+        model = build_model(cfg.model, 0, cfg.moe).train()
+        model.activation_checkpointing = recompute
+        model(ids, labels=ids).objective().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        stats.append([layer.take_stats() for _, layer in moe_layers(model)])
+    for g, s in zip(grads[1:], stats[1:]):
+        torch.testing.assert_close(g, grads[0])
+        for a, b in zip(s, stats[0]):
+            torch.testing.assert_close(a, b)
+
+
+def test_aux_losses_and_metrics():
+    cfg = _small("moe.aux_loss_weight=0.5", "moe.router_z_loss_weight=0.25")
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = model(ids, labels=ids)
+    layers = moe_layers(model)
+    manual = sum(layer.aux_loss for _, layer in layers)
+    torch.testing.assert_close(out.moe_loss, manual)
+    torch.testing.assert_close(out.objective(), out.loss + out.moe_loss)
+    m = routing_metrics({i: layer.take_stats() for i, layer in layers})
+    for i, _ in layers:
+        assert 0.25 <= m[f"moe/block{i}/max_share"] <= 1.0
+        assert 0 < m[f"moe/block{i}/router_entropy"] <= math.log(4) + 1e-6
+        assert m[f"moe/block{i}/aux_loss"] >= 1.0 - 1e-6  # Switch balance loss is minimal (1) when uniform
+        assert m[f"moe/block{i}/dropped_frac"] == 0.0
+    assert build_model(_small("moe.num_experts=0").model, 0, None)(ids, labels=ids).moe_loss is None
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (["moe.top_k=5"], "moe.top_k"),
+        (["parallel.expert=3", "cluster.num_workers=3"], "parallel.expert: 3 must divide moe.num_experts"),
+        (["parallel.expert=2"], "parallel.expert: 2 must divide the worker count 1"),
+        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=3"], "zero.stage: ZeRO-3 cannot partition"),
+        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=0"], "zero.stage: expert parallelism"),
+        (["moe.layers=[7]"], "moe.layers[0]: block 7 does not exist"),
+        (["moe.every=3"], "moe.every: 3 selects no block"),
+        (["moe.capacity_factor=-1"], "moe.capacity_factor"),
+        (["moe.top_k=x"], "moe.top_k: expected int"),
+        (["moe.balance=loss"], "moe.balance: expected one of aux_loss, bias, both"),
+        (["moe.balance=bias", "moe.bias_rate=0"], "moe.bias_rate: must be > 0 with moe.balance=bias"),
+        (["moe.bias_rate=-1"], "moe.bias_rate: must be >= 0"),
+    ],
+)
+def test_bad_moe_config_is_named(over, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _small(*over)
+
+
+def test_loss_free_balancing_evens_a_skewed_router_without_an_aux_loss():
+    """moe.balance=bias: with the router frozen and skewed towards expert 0, the selection bias alone brings the
+    busiest expert's share from ~0.5 towards uniform (0.25) within 80 steps; the combine weights stay the router's
+    probabilities of the chosen experts; no Switch loss enters the objective."""
+    cfg = _small(
+        "moe.balance=bias",
+        "moe.bias_rate=0.01",
+        "moe.top_k=1",
+        "moe.normalize_top_k=false",
+        "moe.router_z_loss_weight=0",
+    )
+    layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1].train()
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(32, generator=g)
+    u /= u.norm()
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.3, generator=g)
+        layer.router.weight[0] += 2 * u
+    shares = []
+    for _ in range(80):
+        x = torch.randn(4, 16, 32, generator=g) + u
+        layer(x)
+        assert float(layer.aux_loss) == 0.0
+        layer.commit_stats()
+        routed = layer.take_stats()[:4]
+        shares.append(float(routed.max() / routed.sum()))
+        layer.update_bias(routed)
+    first, last = sum(shares[:5]) / 5, sum(shares[-10:]) / 10
+    print(f"\nmax expert share: first 5 steps {first:.3f}, last 10 steps {last:.3f}; bias {layer.selection_bias}")
+    assert first > 0.45 and last < 0.35
+    assert layer.selection_bias[0] < 0 < layer.selection_bias[1:].min()
+    h = x.reshape(-1, 32)  # the last batch: chosen by probs + bias, weighted by probs alone
+    probs = layer.router(h).float().softmax(-1)
+    chosen = (probs + layer.selection_bias).topk(1).indices
+    ref = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for e in sorted(chosen[t].tolist()):
+            ref[t] += probs[t, e] * layer.experts[e](h[t : t + 1])[0]
+    torch.testing.assert_close(layer(x).reshape(-1, 32), ref, rtol=0, atol=1e-6)
+    assert not torch.equal(chosen, probs.topk(1).indices), "the bias changed some choices"
+
+
+def test_loss_free_balancing_bias_is_saved_grown_and_bf16_safe():
+    cfg = _small("moe.balance=both")
+    model = build_model(cfg.model, 0, cfg.moe)
+    key = "blocks.0.ffn.deepspeed_moe.gate.expert_bias"
+    assert torch.equal(model.state_dict()[key], torch.zeros(4))
+    assert key not in build_model(_small().model, 0, _small().moe).state_dict()  # aux_loss: checkpoints unchanged
+    sd = {**model.state_dict(), key: torch.tensor([0.1, -0.2, 0.3, -0.4])}
+    assert torch.equal(build_model(cfg.model, 0, cfg.moe, weights=sd).state_dict()[key], sd[key])
+    layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1]
+    assert layer.aux_loss_weight == cfg.moe.aux_loss_weight  # both: the Switch loss stays
+
+
+def test_zero3_with_ep1_and_presets_validate():
+    _small("zero.stage=3", "cluster.num_workers=2")  # experts are ordinary weights: ZeRO-3 shards them
+    for name in ("demo-moe", "mixtral-8x-1b", "demo-moe-encoder"):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert cfg.moe.enabled
+    demo = load_config(ROOT / "configs" / "demo-moe.yaml")
+    assert (demo.model.kind, demo.moe.num_experts, demo.moe.top_k) == ("decoder", 4, 2)
+
+
+def test_router_collapse_is_flagged_once_per_streak():
+    mon = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    kinds = []
+    for step, share in enumerate([0.9, 0.9, 0.5, 0.9, 0.9, 0.9, 0.95, 0.99], start=1):
+        kinds += [(e["step"], e["kind"], e["action"]) for e in mon.router_collapse(step, {1: share, 3: 0.3})]
+    assert kinds == [(6, "router_collapse", "log")]
+    again = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    again.load_state_dict(mon.state_dict())
+    assert again.s.collapse_streaks == {"1": 5, "3": 0}
+
+
+def test_expert_parallel_state_of_another_layout_is_converted(tmp_path):
+    """Expert-parallel engine state resumes on another expert degree or worker count through its full form; the same
+    layout, dense checkpoints, expert degree 1 on both sides (elastic like a dense model) and full weights need none."""
+    from pretrain.checkpoint import store as ckpt_io
+    from pretrain.checkpoint.manifest import Manifest
+    from pretrain.train.resume import expert_layout_changed
+
+    def ckpt(world, ep, fmt="deepspeed"):
+        return ckpt_io.CommittedCheckpoint(tmp_path, 8, Manifest(step=8, world_size=world, moe_ep_size=ep, format=fmt))
+
+    assert not expert_layout_changed(ckpt(2, 2), 2, 2)
+    assert not expert_layout_changed(ckpt(2, 1), 1, 1)
+    assert not expert_layout_changed(ckpt(2, 0), 0, 1)
+    assert not expert_layout_changed(ckpt(1, 2, "full"), 2, 4)
+    assert expert_layout_changed(ckpt(2, 2), 1, 2)
+    assert expert_layout_changed(ckpt(2, 2), 2, 4)
+    assert expert_layout_changed(ckpt(1, 1), 2, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export of MoE models (the EP=2 checkpoint's export is an integration test)
+# ----------------------------------------------------------------------------------------------
+
+
+def _perturbed(cfg, moe, seed=0):
+    model = build_model(cfg, seed, moe)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for _, layer in moe_layers(model):
+            if layer.selection_bias is not None:  # large enough to change the chosen experts
+                layer.selection_bias.copy_(torch.randn(layer.num_experts, generator=g) * 0.3)
+    return model.state_dict()
+
+
+MIXTRAL_LIKE = dict(
+    kind="decoder",
+    vocab_size=300,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_seq_len=32,
+    activation="swiglu",
+    norm="rmsnorm",
+    norm_placement="pre",
+    position="rotary",
+    tie_embeddings=False,
+)
+
+
+@pytest.mark.parametrize(
+    "model_kw,moe_kw,expected",
+    [
+        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2), "MixtralForCausalLM"),
+        (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "PretrainTransformerForCausalLM"),  # top-1: Switch's weight p
+        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, every=2), "PretrainTransformerForCausalLM"),
+        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, normalize_top_k=False), "PretrainTransformerForCausalLM"),
+        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, balance="bias"), "PretrainTransformerForCausalLM"),
+        ({**MIXTRAL_LIKE, "qk_norm": True}, dict(num_experts=4, top_k=2, every=2), "Qwen3MoeForCausalLM"),
+        (
+            {**MIXTRAL_LIKE, "qk_norm": True, "num_layers": 3},
+            dict(num_experts=4, top_k=2, layers=[0, 2], normalize_top_k=False),
+            "Qwen3MoeForCausalLM",
+        ),
+        (
+            {**MIXTRAL_LIKE, "qk_norm": True, "tie_embeddings": True},
+            dict(num_experts=4, top_k=1),
+            "Qwen3MoeForCausalLM",
+        ),
+        (
+            dict(
+                kind="encoder",
+                vocab_size=300,
+                hidden_size=32,
+                num_layers=2,
+                num_heads=4,
+                max_seq_len=32,
+                activation="gelu",
+                norm="layernorm",
+                norm_placement="post",
+                position="learned",
+                bias=True,
+                embedding_norm=True,
+                mlm_head_transform=True,
+            ),
+            dict(num_experts=4, top_k=2, ffn_size=48),
+            "PretrainTransformerForMaskedLM",
+        ),
+    ],
+)
+def test_moe_export_parity(model_kw, moe_kw, expected, tmp_path):
+    """Mixtral or Qwen3-MoE when exact, else the self-contained remote-code model (encoders have no HF MoE class);
+    the export re-checks logits parity, and a fresh load agrees with our model on another batch."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.export.hf import export_model, load_exported, logits_max_abs_diff, our_model, parity_batch
+
+    cfg, moe = ModelConfig(**model_kw), MoEConfig(**moe_kw)
+    tok_dir = tmp_path / "tok"
+    train_tokenizer([f"the {i} cat sat on the mat {i * 7}" for i in range(300)], 300).save_pretrained(str(tok_dir))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    sd = _perturbed(cfg, moe)
+    report = export_model(cfg, sd, tokenizer, tmp_path / "hf", log=lambda *a: None, moe=moe)
+    assert report.hf_class == expected and report.max_abs_diff < 1e-5
+    loaded = load_exported(tmp_path / "hf", cfg.kind)
+    assert type(loaded).__name__ == expected
+    diff = logits_max_abs_diff(our_model(cfg, sd, moe), loaded, parity_batch(cfg, seed=7))
+    qk = ", qk_norm" if cfg.qk_norm else ""
+    print(f"\n{expected} ({moe_kw}{qk}): max |logits diff| {report.max_abs_diff:.2e} / {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_moe_export_refuses_what_no_target_represents():
+    from pretrain.export.hf import export_target
+
+    enc = ModelConfig(kind="encoder", vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, qk_norm=True)
+    hf_class, reason = export_target(enc, MoEConfig(num_experts=4))
+    assert hf_class is None and reason.startswith("cannot export: model.qk_norm")
+    hf_class, reason = export_target(ModelConfig(**MIXTRAL_LIKE), MoEConfig(num_experts=4, every=2))
+    assert hf_class is None and "trust_remote_code=True" in reason and "MixtralForCausalLM: blocks [0]" in reason
+
+
+def test_moe_encoder_trains_on_masked_tokens():
+    """The same MoE layer in a bidirectional masked LM: the objective (MLM loss + aux) goes down."""
+    cfg = load_config(
+        ROOT / "configs" / "demo-moe-encoder.yaml",
+        [*tiny_model(ffn_size=64, dropout=0.0), "moe.ffn_size=32", "moe.every=1"],
+    )
+    model = build_model(cfg.model, 0, cfg.moe).train()
+    assert len(moe_layers(model)) == 2 and not model.causal
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    ids = (torch.randint(0, 101, (8, 1), generator=g) + torch.arange(16)) % 101
+    labels = torch.where(torch.rand(ids.shape, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    inputs = torch.where(labels != -100, torch.zeros_like(ids), ids)  # token 0 as the mask
+    losses = []
+    for _ in range(30):
+        out = model(inputs, labels=labels)
+        assert out.moe_loss is not None
+        out.objective().backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+    assert losses[-1] < losses[0] - 1.0, losses

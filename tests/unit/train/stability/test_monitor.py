@@ -1,0 +1,279 @@
+"""Stability monitoring and control in one process: detectors and policies (pure), model stabilizers, and the PNG.
+The skip on real gloo ranks, fault injection in real training and halt through the CLI are in
+``tests/integration/train/test_stability.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pretrain.config import ConfigError, ModelConfig, StabilityConfig, load_config
+from pretrain.train.stability.monitor import StabilityMonitor, StepSignals, robust_z, trend_rise
+from tests.conftest import ROOT
+
+# ----------------------------------------------------------------------------------------------
+# The functional core
+# ----------------------------------------------------------------------------------------------
+
+
+def _noisy(step: int, base: float = 3.0) -> float:
+    """A deterministic, gently noisy, slowly falling series."""
+    return base - 0.001 * step + 0.02 * math.sin(step * 1.7)
+
+
+def _monitor(**kw) -> StabilityMonitor:
+    defaults = dict(window=32, warmup_steps=10, good_after_steps=3, divergence_window=0)
+    return StabilityMonitor(StabilityConfig(**{**defaults, **kw}))
+
+
+def _feed(m: StabilityMonitor, steps: range, loss=_noisy, grad=lambda s: 1.0 + 0.05 * math.cos(s)):
+    return [m.decide(StepSignals(s, loss(s), grad(s))) for s in steps]
+
+
+def test_robust_statistics_and_trend():
+    hist = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02]
+    assert robust_z(5.0, hist[:5]) is None  # too little history
+    assert robust_z(1.0, hist) == pytest.approx(0.0, abs=1e-9)
+    assert robust_z(5.0, hist) > 20 and robust_z(0.5, hist) < 0  # one-sided use: only rises are spikes
+    assert robust_z(1.01, [1.0] * 10) == pytest.approx(1.0)  # sigma floor: 1% of the median
+    assert trend_rise([1.0 + 0.01 * i for i in range(50)]) == pytest.approx(0.49 / 1.245, rel=1e-6)
+    assert trend_rise([3.0 - 0.01 * i for i in range(50)]) < 0
+
+
+@pytest.mark.parametrize(
+    "policy, action", [("log", "log"), ("skip", "skip"), ("rollback", "rollback"), ("halt", "halt")]
+)
+def test_loss_spike_action_per_policy(policy, action):
+    m = _monitor(policy=policy)
+    assert all(d.action == "ok" for d in _feed(m, range(1, 30)))
+    m.note_checkpoint(29, "/ckpt/29", 29 * 8)
+    _feed(m, range(30, 33))  # 3 healthy steps: checkpoint 29 becomes good
+    d = m.decide(StepSignals(33, 9.0, 1.0))
+    assert d.action == action and d.event["kind"] == "loss_spike"
+    assert d.apply == (action == "log")
+    assert (
+        m.decide(StepSignals(34, float("nan"), float("nan"))).action
+        == {"log": "log", "skip": "skip", "rollback": "skip", "halt": "halt"}[policy]
+    )
+
+
+def test_warmup_and_grad_spike_and_nonfinite():
+    m = _monitor(policy="skip")
+    assert m.decide(StepSignals(3, 50.0, 1.0)).action == "ok"  # warm-up: no spike detection...
+    assert m.decide(StepSignals(4, 3.0, float("inf"))).action == "skip"  # ... but non-finite always
+    _feed(m, range(5, 30))
+    d = m.decide(StepSignals(30, _noisy(30), 40.0))
+    assert (d.action, d.event["kind"]) == ("skip", "grad_spike")
+    quiet = _monitor(policy="skip", detect_grad_spikes=False)
+    _feed(quiet, range(1, 30))
+    assert quiet.decide(StepSignals(30, _noisy(30), 40.0)).action == "ok"
+
+
+def test_consecutive_skips_escalate_and_rollbacks_are_limited():
+    m = _monitor(policy="skip", max_consecutive_skips=3)
+    _feed(m, range(1, 20))
+    nan = StepSignals(20, float("nan"), float("nan"))
+    assert [m.decide(nan).action for _ in range(3)] == ["skip", "skip", "halt"]
+
+    m = _monitor(policy="rollback", max_consecutive_skips=2, max_rollbacks=1)
+    _feed(m, range(1, 20))
+    assert m.decide(nan).action == "skip"
+    assert m.decide(nan).action == "halt"  # escalation to rollback, but no good checkpoint exists
+    m = _monitor(policy="rollback", max_rollbacks=1)
+    _feed(m, range(1, 20))
+    m.note_checkpoint(19, "/c/19", 152)
+    _feed(m, range(20, 25))
+    assert m.decide(StepSignals(25, 9.0, 1.0)).action == "rollback"
+    ev = m.rolled_back(25, m.rollback_target(), 152, 200, [])
+    assert ev["data_window"] == [152, 200] and m.s.skipped_windows == [[152, 200]]
+    assert m.lr_factor(20) == 0.5 and m.lr_factor(19 + 50) == 0.5 and m.lr_factor(19 + 51) == 1.0
+    _feed(m, range(20, 30))
+    assert m.decide(StepSignals(30, 9.0, 1.0)).action == "halt"  # the second rollback is over the limit
+
+
+def test_checkpoint_goodness_taint_and_target():
+    m = _monitor(policy="rollback", good_after_steps=3)
+    _feed(m, range(1, 20))
+    m.note_checkpoint(19, "/c/19", 1)
+    _feed(m, range(20, 23))
+    m.note_checkpoint(22, "/c/22", 2)
+    _feed(m, range(23, 25))  # 22 has seen 2 healthy steps: pending
+    assert m.rollback_target()["step"] == 19
+    assert m.decide(StepSignals(25, 9.0, 1.0)).action == "rollback"
+    _feed(m, range(26, 30))  # a spike tainted 22: never a target, however many healthy steps follow
+    assert m.rollback_target()["step"] == 19 and [c["step"] for c in m.s.checkpoints] == [19]
+    assert m.protected_paths() == {"/c/19"}
+
+
+def test_nonfinite_weights_roll_back_or_halt():
+    m = _monitor(policy="rollback")
+    _feed(m, range(1, 20))
+    assert m.nonfinite_weights(19).action == "halt"  # no good checkpoint yet
+    m.note_checkpoint(19, "/c/19", 1)
+    _feed(m, range(20, 24))
+    assert m.nonfinite_weights(24).action == "rollback"
+    assert _monitor(policy="skip").nonfinite_weights(5).action == "halt"
+
+
+def test_divergence_is_detected_once_per_window():
+    m = _monitor(policy="rollback", divergence_window=40, divergence_threshold=0.05)
+    m.note_checkpoint(1, "/c/1", 0)
+    rising = [m.decide(StepSignals(s, 2.0 + 0.004 * s + 0.01 * math.sin(s), 1.0)) for s in range(1, 120)]
+    kinds = [(d.event["step"], d.action) for d in rising if d.event]
+    print("\ndivergence events:", kinds)
+    assert kinds and kinds[0][1] == "rollback" and all(k == "rollback" for _, k in kinds)
+    assert all(b - a >= 40 for (a, _), (b, _) in zip(kinds, kinds[1:]))
+    flat = _monitor(divergence_window=40)
+    assert not any(d.event for d in _feed(flat, range(1, 200)))
+
+
+def test_state_round_trip_gives_identical_decisions():
+    sig = [StepSignals(s, 9.0 if s in (40, 41) else _noisy(s), float("nan") if s == 50 else 1.0) for s in range(1, 80)]
+    a = _monitor(policy="skip")
+    first = [a.decide(x) for x in sig[:30]]
+    b = _monitor(policy="skip")
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as in trainer_state.json
+    rest_a, rest_b = [a.decide(x) for x in sig[30:]], [b.decide(x) for x in sig[30:]]
+    assert [d.action for d in rest_a] == [d.action for d in rest_b]
+    assert a.state_dict() == b.state_dict()
+    assert [e["step"] for e in a.s.timeline] == [40, 41, 50] and all(d.action == "ok" for d in first)
+
+
+def test_stability_config_validation():
+    cfg = load_config(ROOT / "configs" / "demo-decoder.yaml")
+    assert cfg.stability.policy == "skip" and cfg.stability.health_every > 0
+    for override, message in [
+        ("stability.policy=undo", "stability.policy: expected one of log, skip"),
+        ("stability.window=4", "stability.window: must be >= 8"),
+        ("stability.spike_threshold=0", "stability.spike_threshold: must be > 0"),
+        ("stability.lr_cooldown_factor=2", "stability.lr_cooldown_factor"),
+        ("model.z_loss=-1", "model.z_loss: must be >= 0"),
+        ("faults.nan_grad_at_step=x", "faults.nan_grad_at_step: expected int"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            load_config(None, [override])
+
+
+# ----------------------------------------------------------------------------------------------
+# Model stabilizers
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiny(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=101, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, **kw)
+
+
+def test_stabilizers_are_off_by_default_and_do_what_they_say():
+    from pretrain.model import build_model
+
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = build_model(_tiny(), 0)
+    assert not any("q_norm" in k for k in plain.state_dict()) and plain.embedding_scale == 1.0
+    out = plain(ids, labels=ids)
+    assert out.z_loss is None
+
+    z = build_model(_tiny(z_loss=1e-3), 0)  # same weights: the z-loss adds no parameters
+    zout = z(ids, labels=ids)
+    assert torch.equal(zout.loss, out.loss)
+    lse = torch.logsumexp(out.logits[:, :-1].float(), -1)
+    torch.testing.assert_close(zout.z_loss, 1e-3 * lse.pow(2).mean())
+
+    qk = build_model(_tiny(qk_norm=True), 0)
+    assert {"blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight"} <= set(qk.state_dict())
+    assert qk.blocks[0].attn.q_norm.weight.shape == (8,)
+    scaled = build_model(_tiny(embedding_scale=0.0), 0)
+    assert scaled.embedding_scale == pytest.approx(math.sqrt(32))
+
+    # The attention-logit probe is a side computation: outputs are bitwise unchanged.
+    attn = plain.blocks[0].attn
+    attn.probe_logits = True
+    probed = plain(ids).logits
+    assert torch.equal(probed, out.logits) and attn.last_logit_max is not None
+    x = plain.blocks[0].norm1(plain.embed_tokens(ids))
+    from pretrain.model.layers import apply_rotary
+
+    q = attn.q_proj(x).view(2, 16, 4, 8).transpose(1, 2)
+    k = attn.k_proj(x).view(2, 16, 4, 8).transpose(1, 2)
+    cos, sin = plain.rope_cos[:16], plain.rope_sin[:16]
+    s = apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-1, -2) / math.sqrt(8)
+    s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(attn.last_logit_max, s.amax())
+
+
+def _train_synthetic(cfg: ModelConfig, lr: float, steps: int, seed: int = 1) -> list[float]:
+    """Plain AdamW on learnable sequences (start + stride * t mod V), no LR warm-up: loss per step."""
+    from pretrain.model import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(cfg, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        ids = (
+            torch.randint(0, 101, (8, 1), generator=g) + torch.randint(1, 4, (8, 1), generator=g) * torch.arange(16)
+        ) % 101
+        out = model(ids, labels=ids)
+        (out.loss + (out.z_loss if out.z_loss is not None else 0.0)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
+def test_deep_post_ln_stalls_without_a_stabilizer_and_trains_with_deepnorm():
+    """48 layers of width 32, post-LN, LR 1.2e-2 without warm-up: plain post-LN is stuck at the uniform
+    loss ln(101) = 4.62; DeepNorm residual scaling (+ its init and an embedding norm) trains."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: threads only contend
+    try:
+        _deep_post_ln()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _deep_post_ln() -> None:
+    base = dict(
+        vocab_size=101, max_seq_len=16, num_layers=48, hidden_size=32, num_heads=4, norm="layernorm", position="learned"
+    )
+    runs = {
+        "post-LN": ModelConfig(**base, norm_placement="post"),
+        "post-LN + DeepNorm": ModelConfig(**base, norm_placement="deepnorm", embedding_norm=True),
+    }
+    means = {}
+    for name, cfg in runs.items():
+        losses = _train_synthetic(cfg, lr=1.2e-2, steps=100)
+        means[name] = [sum(losses[i : i + 10]) / 10 for i in range(0, 100, 10)]
+        print(f"\n{name:>20}: loss per 10 steps " + " ".join(f"{x:.3f}" for x in means[name]))
+    assert means["post-LN"][-1] > 4.3, "plain deep post-LN should stall near ln(V) here"
+    assert means["post-LN + DeepNorm"][-1] < 3.0, "DeepNorm should train"
+
+
+# ----------------------------------------------------------------------------------------------
+# The picture
+# ----------------------------------------------------------------------------------------------
+
+
+def test_plot_training_png(tmp_path):
+    from pretrain.train.plot import plot_training, split_replayed
+
+    final, gone = split_replayed([(5, 1.0), (10, 0.9), (14, 143.0), (10, 0.95), (15, 0.8)])
+    assert final == [(5, 1.0), (10, 0.95), (15, 0.8)] and gone == [[(10, 0.9), (14, 143.0)]]
+    series = {
+        "train/loss": [(s, 3 - 0.01 * s) for s in range(1, 15)]
+        + [(15, 40.0)]
+        + [(s, 3 - 0.011 * s) for s in range(9, 40)],
+        "train/grad_norm": [(s, 1.0) for s in range(1, 40)],
+        "val/loss": [(20, 2.8), (39, 2.6)],
+    }
+    events = [
+        {"step": 5, "kind": "nonfinite", "action": "skip"},
+        {"step": 15, "kind": "loss_spike", "action": "rollback"},
+        {"step": 15, "kind": "rollback", "action": "restored", "to_step": 8},
+    ]
+    out = plot_training(series, events, tmp_path / "p.png", title="test")
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
