@@ -51,7 +51,7 @@ What a hook may change: the counters in ``trainer.state`` belong to the loop (a 
 ``on_model_changed``; ``trainer.stop(reason)`` ends the run after the current step; ``trainer.last_checkpoint`` is
 set by whoever commits or restores a checkpoint; each field of ``trainer.shared`` has one writer. Callbacks never
 look each other up or import each other: what one offers the others goes through the trainer (``shared``, the
-events, ``gather``); ``tests/unit/test_trainer_core.py`` checks the source for it.
+events, ``gather``); ``tests/unit/train/test_trainer.py`` checks the source for it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from pretrain.train.step import StepHooks, StepResult
 
 TrainerArg: TypeAlias = Any
 """The running :class:`pretrain.train.trainer.Trainer`. Not imported here: the trainer imports this module, and no
-import cycle is allowed (``tests/unit/test_import_cycles.py`` counts ``TYPE_CHECKING`` imports too); a callback
+import cycle is allowed (``tests/unit/house/test_import_cycles.py`` counts ``TYPE_CHECKING`` imports too); a callback
 annotates its hooks' ``trainer`` as ``Trainer``."""
 
 

@@ -1,6 +1,5 @@
 """FLOPs budgets and growth points (``train.max_flops``, ``growth.schedule[i].at_tokens`` / ``at_fraction``): the
-architecture after a growth from configs alone, the blocks' share of the FLOPs, the steps derived and their
-one-line refusals; and the study arithmetic of ``bench --growth`` / ``--layer-drop --quality`` on known curves."""
+steps derived and their one-line refusals."""
 
 from __future__ import annotations
 
@@ -9,11 +8,8 @@ import re
 
 import pytest
 
-from benchmarks.study import crossing, first_below, flops_saving, time_to_loss_speedup, value_at
 from pretrain.config import ConfigError, GrowthStep, load_config
 from pretrain.driver.budget import resolve_budget, run_flops, stage_flops_per_step
-from pretrain.model import flops_per_token
-from pretrain.model.growth_stages import block_flops_share, grown_architecture
 from pretrain.train.schedule import continue_overrides
 from tests.conftest import ROOT
 from tests.harness import tiny_model
@@ -21,26 +17,6 @@ from tests.harness import tiny_model
 DEMO = ROOT / "configs" / "demo-decoder.yaml"
 SMALL = [*tiny_model(vocab_size=512, hidden_size=64, max_seq_len=None)]
 SMALL += ["model.num_kv_heads=2"]
-
-
-def test_grown_architecture_from_configs_alone():
-    cfg = load_config(DEMO, SMALL)
-    deep, _ = grown_architecture(cfg.model, cfg.moe, GrowthStep(depth="2x"))
-    assert (deep.num_layers, deep.hidden_size) == (4, 64)
-    wide, _ = grown_architecture(cfg.model, cfg.moe, GrowthStep(width="2x", width_op="tile"))
-    assert (wide.hidden_size, wide.num_heads, wide.num_kv_heads, wide.tie_embeddings) == (128, 8, 4, False)
-    assert flops_per_token(wide, 128) > 2 * flops_per_token(cfg.model, 128), "width 2x: about 4x the block FLOPs"
-
-
-def test_block_flops_share_is_what_the_blocks_compute():
-    cfg = load_config(DEMO, SMALL)
-    m, total = cfg.model, flops_per_token(cfg.model, 128)
-    outside = 6.0 * (m.vocab_size * m.hidden_size + m.hidden_size)  # the LM head matmul and the final norm
-    assert block_flops_share(m, 128) == pytest.approx(1 - outside / total, rel=1e-12)
-    big = load_config(
-        DEMO, [*tiny_model(vocab_size=512, num_layers=8, hidden_size=256, num_heads=None, max_seq_len=None)]
-    ).model
-    assert block_flops_share(big, 128) > block_flops_share(m, 128)
 
 
 def test_max_flops_and_growth_points_derive_steps():
@@ -138,27 +114,3 @@ def test_continuing_a_budgeted_run_lifts_the_budget():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
     assert continue_overrides(cfg.train, 100, 400)[0] == "train.max_flops=0"  # else max_steps is derived again
     assert "train.max_flops=0" not in continue_overrides(load_config(DEMO, SMALL).train, 100, 400)
-
-
-# -- the studies' arithmetic ----------------------------------------------------------------------------------
-
-SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
-
-
-def test_saving_from_known_curves():
-    grown = [(1.0, 4.5), (2.0, 3.2), (3.0, 2.9), (4.0, 2.8)]
-    assert crossing(grown, 3.0) == pytest.approx(2.0 + (3.2 - 3.0) / (3.2 - 2.9))  # interpolated between 2 and 3
-    assert flops_saving(SCRATCH, grown) == pytest.approx(1 - (2.0 + 0.2 / 0.3) / 4.0)
-    assert flops_saving(SCRATCH, SCRATCH) == 0.0
-    assert flops_saving(SCRATCH, [(1.0, 6.0), (4.0, 3.1)]) is None, "never reaches the scratch loss"
-    assert flops_saving(SCRATCH, [(2.0, 2.0)]) == 0.5, "already there at its first point"
-    assert time_to_loss_speedup(SCRATCH, [(1.0, 4.0), (2.0, 3.0)]) == 2.0
-    assert time_to_loss_speedup(SCRATCH, [(8.0, 3.0)]) == 0.5
-
-
-def test_interpolation_and_first_below():
-    assert value_at(SCRATCH, 2.5) == pytest.approx(3.75)
-    assert value_at(SCRATCH, 0.0) == 5.0 and value_at(SCRATCH, 9.0) == 3.0
-    small = [(1.0, 4.0), (2.0, 3.8), (3.0, 3.7), (4.0, 3.65)]
-    assert first_below(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
-    assert first_below(small, [(1.0, 1.0), (4.0, 1.0)]) is None

@@ -1,5 +1,6 @@
 """``ParallelDims``: the degrees, the rank mapping ``rank = (d * N + s) * M + t``, the expert mapping and the group
-layouts (the process groups themselves are created in the gloo tests of tests/integration/test_model_parallel.py)."""
+layouts (the process groups themselves are created in the gloo tests of
+tests/integration/parallel/test_model_parallel.py)."""
 
 from __future__ import annotations
 

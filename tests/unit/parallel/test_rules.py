@@ -60,7 +60,6 @@ def test_rules_import_no_torch():
     assert out.strip() == "False"
 
 
-
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [

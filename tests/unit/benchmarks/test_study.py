@@ -1,0 +1,29 @@
+"""The study arithmetic of ``bench --growth`` / ``--layer-drop --quality`` on known curves
+(``benchmarks/study.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.study import crossing, first_below, flops_saving, time_to_loss_speedup, value_at
+
+SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
+
+
+def test_saving_from_known_curves():
+    grown = [(1.0, 4.5), (2.0, 3.2), (3.0, 2.9), (4.0, 2.8)]
+    assert crossing(grown, 3.0) == pytest.approx(2.0 + (3.2 - 3.0) / (3.2 - 2.9))  # interpolated between 2 and 3
+    assert flops_saving(SCRATCH, grown) == pytest.approx(1 - (2.0 + 0.2 / 0.3) / 4.0)
+    assert flops_saving(SCRATCH, SCRATCH) == 0.0
+    assert flops_saving(SCRATCH, [(1.0, 6.0), (4.0, 3.1)]) is None, "never reaches the scratch loss"
+    assert flops_saving(SCRATCH, [(2.0, 2.0)]) == 0.5, "already there at its first point"
+    assert time_to_loss_speedup(SCRATCH, [(1.0, 4.0), (2.0, 3.0)]) == 2.0
+    assert time_to_loss_speedup(SCRATCH, [(8.0, 3.0)]) == 0.5
+
+
+def test_interpolation_and_first_below():
+    assert value_at(SCRATCH, 2.5) == pytest.approx(3.75)
+    assert value_at(SCRATCH, 0.0) == 5.0 and value_at(SCRATCH, 9.0) == 3.0
+    small = [(1.0, 4.0), (2.0, 3.8), (3.0, 3.7), (4.0, 3.65)]
+    assert first_below(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
+    assert first_below(small, [(1.0, 1.0), (4.0, 1.0)]) is None
