@@ -6,6 +6,11 @@ across refactorings. ``tests/integration/train/test_golden.py`` reruns the cases
     python -m tests.golden_losses CASE ...   # only these cases
 
 Record only on purpose: a change of these numbers is a change of results.
+
+Float sums are bitwise stable only for the same kernels and the same split of the work, so the cases pin both:
+one intra-op thread per worker (``train.num_threads=1``) and the AVX2 code paths of ATen, MKL (its conditional
+numerical reproducibility mode) and oneDNN (:data:`PINNED_ISA`), which every x86-64 CPU the suite runs on has.
+Without the pins, goldens recorded on an AVX2 machine miss an AVX-512 one by about 1e-7.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ COMMON = [
     "checkpoint.every_steps=6",
     "data.tokenizer_train_docs=5000",
     "stability.plot_at_end=false",
+    "train.num_threads=1",
 ]
+# The CPU code paths the cases run on, whatever the machine's widest instruction set (see the module docstring).
+PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 # name -> (preset, overrides). Each case exercises a different path of the step.
 CASES: dict[str, tuple[str, list[str]]] = {
@@ -59,6 +67,7 @@ def run_case(name: str, work: Path) -> dict:
         PYTHONPATH=str(ROOT),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
+        **PINNED_ISA,
     )
     env.pop("RAY_ADDRESS", None)
     proc = cli(work, "train", str(ROOT / "configs" / f"{preset}.yaml"), *COMMON, *overrides, timeout=600, env=env)
