@@ -39,7 +39,10 @@ def bench(argv: list[str]) -> int:
     is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
+        from cluster.requires import require_ray
 
+        if not {"-h", "--help"} & set(argv):
+            require_ray("./launch.sh bench --cluster")
         return cluster_bench(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.head_procs import head_processes, session_of, terminate
+from cluster.requires import require_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
@@ -397,9 +398,12 @@ def main(argv: list[str]) -> int:
     return {"up": up, "down": down, "status": status}[a.action](a)
 
 
-def run_cli(fn, argv: list[str]) -> int:
-    """Run a cluster command: a ClusterError (unreachable, authentication, unknown job...) is one line on
-    stderr and exit code 1; config errors propagate to the CLI (exit 2)."""
+def run_cli(fn, argv: list[str], command: str) -> int:
+    """Run the cluster command ``command``: a ClusterError (unreachable, authentication, unknown job...) is one
+    line on stderr and exit code 1; config errors, and Ray not installed (:func:`cluster.requires.require_ray`),
+    propagate to the CLI (exit 2). Its ``--help`` needs no Ray."""
+    if not {"-h", "--help"} & set(argv):
+        require_ray(f"./launch.sh {command}")
     try:
         return fn(argv)
     except ClusterError as e:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
+from cluster.requires import require_ray_for
 from pretrain import startup_gc, timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.job import Job
@@ -82,6 +83,7 @@ def worker_env(reuse_host_memory: bool = False) -> dict[str, str]:
 def ensure_ray(cluster: ClusterConfig) -> bool:
     """Connect to ``cluster.address`` / ``RAY_ADDRESS``, or start an embedded local Ray bound to
     127.0.0.1 without a dashboard. Returns True when this call started Ray (caller shuts it down)."""
+    require_ray_for(cluster)
     address = _ray_address(cluster)
     import ray
 

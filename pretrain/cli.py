@@ -190,37 +190,37 @@ def cmd_anneal(args: list[str]) -> int:
 def cmd_cluster(args: list[str]) -> int:
     from cluster import head
 
-    return head.run_cli(head.main, args)
+    return head.run_cli(head.main, args, "cluster")
 
 
 def cmd_submit(args: list[str]) -> int:
     from cluster import head, submit
 
-    return head.run_cli(submit.submit, args)
+    return head.run_cli(submit.submit, args, "submit")
 
 
 def cmd_jobs(args: list[str]) -> int:
     from cluster import head, jobs
 
-    return head.run_cli(jobs.jobs, args)
+    return head.run_cli(jobs.jobs, args, "jobs")
 
 
 def cmd_status(args: list[str]) -> int:
     from cluster import head, jobs
 
-    return head.run_cli(jobs.status, args)
+    return head.run_cli(jobs.status, args, "status")
 
 
 def cmd_logs(args: list[str]) -> int:
     from cluster import head, jobs
 
-    return head.run_cli(jobs.logs, args)
+    return head.run_cli(jobs.logs, args, "logs")
 
 
 def cmd_stop(args: list[str]) -> int:
     from cluster import head, jobs
 
-    return head.run_cli(jobs.stop, args)
+    return head.run_cli(jobs.stop, args, "stop")
 
 
 COMMANDS = {

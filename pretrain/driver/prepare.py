@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.placement import check_local_layout
+from cluster.requires import require_ray_for
 from pretrain import timeline
 from pretrain.checkpoint import layout
 from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
@@ -87,6 +88,7 @@ def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     skipped = [] if probe else _not_probed(cfg)
     if probe:
         _check_gpu_request(cfg)
+        require_ray_for(cfg.cluster)
         check_local_layout(cfg.cluster)
     m, d = cfg.model, cfg.data
     if not d.tokenizer and not m.init_from_hf and 0 < m.vocab_size < BYTE_LEVEL_VOCAB:

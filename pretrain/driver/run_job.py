@@ -58,11 +58,17 @@ def run_job(prepare, announce) -> int:
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
+    from pretrain.driver.launched import follow, launched
     from pretrain.driver.signals import StopNow, StopSignals
     from pretrain.train.tracking import Tracker, tracking_uri
 
+    launch = launched()
+    if launch is not None and not launch.leads:  # torchrun: rank 0 prepares and tracks the run
+        return follow(launch)
     with QuietConsole(None) as console:
         job, ray_started = prepare()
+        if launch is not None:
+            launch.publish(job)
         log = Path(job.run_dir) / "logs" / "driver.log"
         console.set_log(log)
         print(f"[pretrain] {announce(job)}", flush=True)

@@ -1,0 +1,82 @@
+"""One run per launch: the CLI under ``torchrun`` (or any launcher that starts it once per rank with ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, as Slurm + torchrun does).
+
+Every rank runs ``python -m pretrain train ...``; left alone, each would create a run of its own (an MLflow run, a
+tokenizer, a checkpoint directory) and the ranks would write one checkpoint into different directories. Here rank
+0 alone prepares the job and tracks the run; it hands the prepared job to the other ranks through the launcher's
+key-value store (the c10d store ``env://`` names: torchrun's agent store, or one that rank 0 hosts), and they
+train it as followers: no run of their own, no summary, their output in ``RUN_DIR/logs/rank_N.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# How long a follower waits for rank 0's job: the preparation may train a tokenizer over a large corpus. When rank 0
+# fails instead, the launcher ends the followers (torchrun stops the whole group).
+JOB_WAIT = timedelta(hours=24)
+
+
+@dataclass
+class Launch:
+    """This process's place in a multi-process launch."""
+
+    rank: int
+    world_size: int
+    _store: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def _key(self) -> str:
+        # A restarted launch (torchrun --max-restarts) prepares anew: one key per attempt.
+        return f"pretrain/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def store(self):
+        """The launch's key-value store, opened once: where rank 0 hosts it (no torchrun agent), it lives as long
+        as this object, so the job stays readable while the followers start."""
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store, _, _ = next(dist.rendezvous("env://", rank=self.rank, world_size=self.world_size))
+            self._store.set_timeout(JOB_WAIT)
+        return self._store
+
+    def publish(self, job: Any) -> None:
+        """Rank 0: hand the prepared ``job`` to the other ranks."""
+        self.store().set(self._key(), json.dumps(asdict(job)))
+
+    def receive(self) -> dict[str, Any]:
+        """Any other rank: rank 0's job (as a dict), once it is prepared."""
+        return json.loads(self.store().get(self._key()))
+
+
+def launched(env: Mapping[str, str] = os.environ) -> Launch | None:
+    """The launch this process is one rank of, per ``env`` (this process's environment), or None: a plain process,
+    or one of Ray Train's workers (whose world Ray sets up after the command's preparation)."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+    except ValueError:
+        return None
+    if world <= 1 or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    return Launch(rank, world)
+
+
+def follow(launch: Launch) -> int:
+    """A rank other than 0: train rank 0's job, output in ``RUN_DIR/logs/rank_N.log``; exit status 0."""
+    from cluster.launch import train_worker
+    from pretrain.driver.console import QuietConsole
+
+    job = launch.receive()
+    with QuietConsole(Path(job["run_dir"]) / "logs" / f"rank_{launch.rank}.log"):
+        train_worker(job)
+    return 0
