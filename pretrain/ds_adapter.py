@@ -26,6 +26,24 @@ import torch
 
 Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
 
+# -- communication backend ------------------------------------------------------------------------------------------
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op(world_size: int) -> None:
+    """A world of one has no peer to reduce with, so DeepSpeed's shared-memory CPU all-reduce op is not built for
+    it. 0.19: ``deepspeed.comm.torch.build_shm_op`` builds it (a JIT C++ build on its first use on a machine, tens
+    of seconds) when the communication backend starts in ``deepspeed.initialize``, unless
+    ``deepspeed.ops.__compatible_ops__`` marks it incompatible; marked so, the backend uses torch.distributed alone.
+    Larger worlds keep the op (DeepSpeed's CPU all-reduce)."""
+    if world_size == 1:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
 # -- parameters (ZeRO-3 partitioning) -----------------------------------------------------------------------------
 
 

@@ -89,6 +89,7 @@ def initialize(
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     before_engine(plan.dims)
+    ds_adapter.skip_shm_comm_op(torch.distributed.get_world_size())
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

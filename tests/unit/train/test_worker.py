@@ -158,6 +158,9 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
         "run_end",
     ], "EarlyStop (val loss <= 100) ends the run after the first validation"
     assert final["step"] == 2 and final["run_id"] == job.run_id and trainer.stop_reason == "train.stop_at_val_loss"
+    import deepspeed.comm.comm as ds_comm
+
+    assert ds_comm.cdb.shm_comm_op is None, "a world of one builds no shared-memory all-reduce op"
     run_dir = Path(job.run_dir)
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 2
     trace = json.loads((run_dir / "profile" / "rank0_steps1-2.json").read_text())
