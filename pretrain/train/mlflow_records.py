@@ -23,9 +23,14 @@ EXPORT_DIR_TAG = "pretrain.export_dir"
 
 
 def mlflow_client(uri: str):
-    """An MLflow client of ``uri`` (telemetry off unless the user turned it on)."""
+    """An MLflow client of ``uri`` (telemetry off unless the user turned it on); a new local store starts from
+    MLflow's empty one (:mod:`pretrain.train.mlflow_store`)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
+
+    from pretrain.train.mlflow_store import seed_store
+
+    seed_store(uri)
 
     return MlflowClient(tracking_uri=uri)
 
