@@ -122,8 +122,8 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     start = decay_start(saved)
     if start is not None and step > start:
         line += (
-            " (the LR reached, held) — or plan a run of open length with train.decay=wsd and end it with "
-            "./launch.sh anneal (docs/schedules.md)"
+            f" (the schedule's LR of step {step + 1}, held) — or plan a run of open length with train.decay=wsd and "
+            "end it with ./launch.sh anneal (docs/schedules.md)"
         )
     return line
 
