@@ -6,7 +6,7 @@ its MLflow status.
 * ZeRO-1 and ZeRO-2 checkpoints load into each other; DeepSpeed loads a ZeRO-3 checkpoint only into ZeRO-3 (a
   checkpoint of full weights, as ``grow`` and ``prune`` write, into any stage);
 * the LR cannot jump up across the resume: a changed schedule may not give the next step a higher LR than the
-  checkpoint's did (:func:`pretrain.train.schedule.extension_refusal`);
+  last step trained had and the checkpoint's schedule gives it (:func:`pretrain.train.schedule.extension_refusal`);
 * the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`).
 """
 

@@ -96,11 +96,12 @@ def keeps_schedule(saved: TrainConfig, cfg: TrainConfig, step: int) -> bool:
 def raises_lr(saved: TrainConfig, cfg: TrainConfig, step: int) -> bool:
     """Whether resuming after ``step`` steps trained under ``saved`` with the schedule of ``cfg`` is a jump of the LR:
     ``cfg`` changes the schedule of the steps trained and gives the next step (0-based ``step``) a higher LR than
-    ``saved`` gives it. A schedule kept (:func:`keeps_schedule`) is no jump, whatever comes after: a continuing
-    warm-up rises as the uninterrupted run does (also past ``saved.max_steps``)."""
+    both the last step trained had and ``saved`` gives the next step. A schedule kept (:func:`keeps_schedule`) is
+    no jump, whatever comes after: a continuing warm-up rises as the uninterrupted run's does (also past
+    ``saved.max_steps``)."""
     if step <= 0 or keeps_schedule(saved, cfg, step):
         return False
-    return lr_at(step, cfg) > lr_at(step, saved) * (1 + TOLERANCE)
+    return lr_at(step, cfg) > max(lr_at(step - 1, saved), lr_at(step, saved)) * (1 + TOLERANCE)
 
 
 def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
@@ -112,18 +113,18 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     changed = ", ".join(
         f"train.{k} {getattr(saved, k)} -> {getattr(cfg, k)}" for k in keys if getattr(saved, k) != getattr(cfg, k)
     )
-    changed = changed or "the schedule"
     inputs = ", ".join(f"train.{k}" for k in schedule_inputs(saved, step) if k != "wsd_decay_steps")
     line = (
-        f"{changed} would raise the LR at step {step + 1} from {lr_at(step, saved):.3g} to {lr_at(step, cfg):.3g} "
-        f"(step {step} trained at {lr_at(step - 1, saved):.3g}): the LRs of the {step} steps trained are a function "
-        f"of {inputs}. To train on without a jump: {' '.join(continue_overrides(saved, step, cfg.max_steps))}"
+        f"{changed or 'the schedule'} would raise the LR from {lr_at(step - 1, saved):.3g} (step {step}) to "
+        f"{lr_at(step, cfg):.3g} at step {step + 1}, where the checkpoint's schedule gives {lr_at(step, saved):.3g}: "
+        f"the LRs of the {step} steps trained are a function of {inputs}. To train on without a jump: "
+        f"{' '.join(continue_overrides(saved, step, cfg.max_steps))}"
     )
     start = decay_start(saved)
     if start is not None and step > start:
         line += (
-            f" (the schedule's LR of step {step + 1}, held) — or plan a run of open length with train.decay=wsd and "
-            "end it with ./launch.sh anneal (docs/schedules.md)"
+            " (the LR reached, held) — or plan a run of open length with train.decay=wsd and end it with "
+            "./launch.sh anneal (docs/schedules.md)"
         )
     return line
 
@@ -131,12 +132,12 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
 def continue_overrides(saved: TrainConfig, step: int, max_steps: int) -> list[str]:
     """Overrides that resume after ``step`` steps trained under ``saved`` up to ``max_steps`` without a jump of the
     LR and without a new warm-up: ``max_steps`` alone where that keeps the schedule of the steps trained (no decay
-    yet, or ``constant``), else the LR the schedule gives the next step, held (``decay: constant``; the decay began
-    after the warm-up, so the warm-up does not run again)."""
+    yet, or ``constant``), else the LR of the last step trained, held (``decay: constant``; the decay began after
+    the warm-up, so the warm-up does not run again)."""
     longer = [*(["train.max_flops=0"] if saved.max_flops else []), f"train.max_steps={max_steps}"]  # else derived
     if keeps_schedule(saved, dataclasses.replace(saved, max_steps=max_steps, max_flops=0.0), step):
         return longer
-    return [*longer, "train.decay=constant", f"train.lr={lr_at(step, saved):.8g}"]
+    return [*longer, "train.decay=constant", f"train.lr={lr_at(step - 1, saved):.8g}"]
 
 
 def train_longer(saved: TrainConfig, step: int) -> str:

@@ -115,8 +115,8 @@ def test_extending_a_preset_keeps_its_schedule_and_refuses_only_a_decay_moved(pr
     """A run of a preset's schedule resumed with a larger train.max_steps: ``finished``: a smoke test of ``step``
     steps (its max_steps) extended to the preset's; else the preset interrupted at ``step``, extended to twice its
     max_steps. Inside the warm-up, at its end, and for a constant run, max_steps alone continues the uninterrupted
-    run's LRs exactly; after a decay began that is refused in one line, and the command it names holds the LR the
-    schedule gives the next step, without a new warm-up."""
+    run's LRs exactly; after a decay began that is refused in one line, and the command it names holds the LR
+    reached, without a new warm-up."""
     _, preset_train = preset
     base = dataclasses.replace(preset_train, decay=decay)
     step = _point(base, where)
@@ -141,8 +141,8 @@ def test_extending_a_preset_keeps_its_schedule_and_refuses_only_a_decay_moved(pr
     assert " ".join(overrides) in line and "train.decay=wsd" in line
     resumed = load_config(None, [f"train.{k}={v}" for k, v in _train_items(saved)] + overrides).train
     assert extension_refusal(saved, resumed, step) == "" and resumed.max_steps == target
-    # the LR the schedule gives the next step, held: no jump up, no warm-up again
-    assert lr_at(step, resumed) == pytest.approx(lr_at(step, saved), rel=1e-7)  # printed to 8 digits
+    # the LR reached, held: no jump up, no warm-up again
+    assert lr_at(step, resumed) == pytest.approx(lr_at(step - 1, saved), rel=1e-7)  # printed to 8 digits
     assert set(_lrs(resumed, range(step, target, max(1, (target - step) // 50)))) == {lr_at(step, resumed)}
 
 
@@ -156,8 +156,8 @@ def test_the_overrides_a_summary_prints_never_raise_the_lr(decay, step):
     assert not raises_lr(saved, resumed, step), longer
     assert resumed.max_steps == 2 * step
     # the steps trained keep their LRs (the next step's then is the uninterrupted run's: at a WSD's last peak step it
-    # stays at the peak), or the next step's LR is at most what the schedule gives it
-    assert keeps_schedule(saved, resumed, step) or lr_at(step, resumed) <= lr_at(step, saved) * (1 + 1e-7)
+    # stays at the peak), or the next step's LR is at most the LR reached
+    assert keeps_schedule(saved, resumed, step) or lr_at(step, resumed) <= lr_at(step - 1, saved) * (1 + 1e-7)
     # a constant run, a warm-up (up to its end, and a cosine's step at the peak after it), WSD still at its peak
     # or the same max_steps keeps its schedule: max_steps alone
     start = {"cosine": 11, "linear": 11, "constant": 10**9, "wsd": 80}[decay]
@@ -172,16 +172,21 @@ def _train_items(t):
 def test_a_longer_cosine_run_is_refused_in_one_line_naming_what_to_use():
     saved = train_cfg()
     line = extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 100)
-    assert "\n" not in line and "train.max_steps 100 -> 200 would raise the LR at step 101 from 0.1 to 0.587" in line
-    assert "train.max_steps=200 train.decay=constant train.lr=0.1 " in line
+    assert "\n" not in line and "train.max_steps 100 -> 200 would raise the LR from 0.1 (step 100) to 0.587" in line
+    assert "train.max_steps=200 train.decay=constant train.lr=0.10027413 " in line
     assert "train.decay=wsd" in line and "anneal" in line
     assert extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 5) == ""  # in warm-up: same LR
     assert extension_refusal(saved, dataclasses.replace(saved, max_steps=50), 40) == ""  # shorter: LR goes down
     assert extension_refusal(saved, dataclasses.replace(saved, lr=0.5), 40) == ""  # a lower peak: LR goes down
     assert extension_refusal(saved, dataclasses.replace(saved, lr=2.0), 60)  # a higher peak mid-decay: a jump
+    # a finished cosine extended, its LR at step 5 the one of step 4 (no rise from the LR reached), is no jump
+    short = dataclasses.replace(saved, warmup_steps=2, max_steps=4)
+    assert lr_at(4, dataclasses.replace(short, max_steps=6)) == pytest.approx(lr_at(3, short))
+    assert extension_refusal(short, dataclasses.replace(short, max_steps=6), 4) == ""
+    assert extension_refusal(short, dataclasses.replace(short, max_steps=7), 4)
     # a higher peak in the warm-up is a jump too; the command named keeps the schedule
     line = extension_refusal(saved, dataclasses.replace(saved, lr=2.0), 5)
-    assert "train.lr 1.0 -> 2.0 would raise the LR at step 6 from 0.6 to 1.2" in line
+    assert "train.lr 1.0 -> 2.0 would raise the LR from 0.5 (step 5) to 1.2 at step 6" in line
     assert line.endswith("To train on without a jump: train.max_steps=100")
 
 
