@@ -109,22 +109,27 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     (:func:`raises_lr`), in one line with the overrides that train on instead; '' when it would not."""
     if not raises_lr(saved, cfg, step):
         return ""
-    keys = ("max_flops", "max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio", "decay_steps", "decay_fraction")
+    keys = (
+        *("max_flops", "max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio"),
+        *("decay_steps", "decay_fraction", "decay_shape"),
+    )
     changed = ", ".join(
         f"train.{k} {getattr(saved, k)} -> {getattr(cfg, k)}" for k in keys if getattr(saved, k) != getattr(cfg, k)
     )
-    inputs = ", ".join(f"train.{k}" for k in schedule_inputs(saved, step) if k != "wsd_decay_steps")
+    names = {"wsd_decay_steps": "decay_steps (or train.decay_fraction)"}
+    inputs = ", ".join(f"train.{names.get(k, k)}" for k in schedule_inputs(saved, step))
+    overrides = continue_overrides(saved, step, cfg.max_steps)
     line = (
         f"{changed or 'the schedule'} would raise the LR from {lr_at(step - 1, saved):.3g} (step {step}) to "
         f"{lr_at(step, cfg):.3g} at step {step + 1}, where the checkpoint's schedule gives {lr_at(step, saved):.3g}: "
         f"the LRs of the {step} steps trained are a function of {inputs}. To train on without a jump: "
-        f"{' '.join(continue_overrides(saved, step, cfg.max_steps))}"
+        f"{' '.join(overrides)}"
     )
-    start = decay_start(saved)
-    if start is not None and step > start:
-        line += (
-            " (the LR reached, held) — or plan a run of open length with train.decay=wsd and end it with "
-            "./launch.sh anneal (docs/schedules.md)"
+    if "train.decay=constant" in overrides and saved.decay != "constant":
+        line += " (the LR reached, held) — or " + (
+            "anneal a checkpoint of the stable phase with ./launch.sh anneal (docs/schedules.md)"
+            if saved.decay == "wsd"
+            else "plan a run of open length with train.decay=wsd and end it with ./launch.sh anneal (docs/schedules.md)"
         )
     return line
 
