@@ -342,7 +342,7 @@ class RunConfig:
             raise ConfigError(f"train.decay_steps: must be >= 0, got {t.decay_steps}")
         if not 0.0 < t.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
-        if t.decay == "wsd" and t.decay_steps > t.max_steps - t.warmup_steps:
+        if t.decay == "wsd" and t.decay_steps and t.decay_steps > t.max_steps - t.warmup_steps:  # 0: a fraction
             raise ConfigError(
                 f"train.decay_steps: {t.decay_steps} is more than the {t.max_steps - t.warmup_steps} "
                 f"steps after warm-up (train.max_steps - train.warmup_steps)"

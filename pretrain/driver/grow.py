@@ -14,6 +14,7 @@ from pretrain.checkpoint.writer import FullWeights
 from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.train.schedule import train_longer
 
 
 def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
@@ -114,7 +115,7 @@ def grow(argv: list[str]) -> int:
             f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)"
         )
     print(
-        f"  resume:  ./launch.sh resume {run_id} train.max_steps={parent.ckpt.step * 2}\n"
+        f"  resume:  ./launch.sh resume {run_id} {train_longer(new_cfg.train, parent.ckpt.step)}\n"
         f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
     )
     return 0

@@ -14,6 +14,7 @@ from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
+from pretrain.train.schedule import train_longer
 
 StateDict = dict[str, torch.Tensor]
 
@@ -117,6 +118,6 @@ def prune(argv: list[str]) -> int:
     print(f"[prune] new run {run_id}: checkpoint {path}")
     print(
         f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
-        f"train.max_steps={parent.ckpt.step * 2}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+        f"{train_longer(cfg.train, parent.ckpt.step)}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}"
     )
     return 0

@@ -5,7 +5,8 @@ its MLflow status.
 * the architecture (parameter shapes) cannot change: ``grow`` and ``prune`` make a new run of another shape;
 * ZeRO-1 and ZeRO-2 checkpoints load into each other; DeepSpeed loads a ZeRO-3 checkpoint only into ZeRO-3 (a
   checkpoint of full weights, as ``grow`` and ``prune`` write, into any stage);
-* the LR schedule cannot rise across the resume (:func:`pretrain.train.schedule.extension_refusal`);
+* the LR cannot jump up across the resume: a changed schedule may not give the next step a higher LR than the
+  last step trained had and the checkpoint's schedule gives it (:func:`pretrain.train.schedule.extension_refusal`);
 * the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`).
 """
 

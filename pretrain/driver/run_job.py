@@ -39,10 +39,9 @@ def print_summary(final: dict, job, uri: str) -> None:
         print(f"  {k:<18} {v}")
     env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
     from pretrain.config import from_dict
-    from pretrain.train.schedule import continue_overrides
+    from pretrain.train.schedule import train_longer
 
-    step = int(final.get("step", 0))
-    longer = " ".join(continue_overrides(from_dict(job.config).train, step, 2 * step))  # never a rise of the LR
+    longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
     print("\n  resume:      " + f"{env}./launch.sh resume {run_id} {longer}")
     print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
     print(

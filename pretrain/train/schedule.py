@@ -48,49 +48,107 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def _last_lr(step: int, cfg: TrainConfig) -> float:
-    """The LR of the run's ``step``-th step (1-based; past ``max_steps``: of its last step)."""
-    return lr_at(min(step, cfg.max_steps) - 1, cfg)
+DECAY_INPUTS: dict[str, tuple[str, ...]] = {
+    "constant": (),
+    "linear": ("decay", "max_steps", "min_lr_ratio"),
+    "cosine": ("decay", "max_steps", "min_lr_ratio"),
+    "wsd": ("decay", "max_steps", "min_lr_ratio", "decay_shape"),
+}
+"""``train.*`` keys a decay's LRs depend on, besides ``lr`` and ``warmup_steps`` (WSD: also its phase's length)."""
+
+TOLERANCE = 1e-6
+"""Relative LR difference that is no rise: a printed LR's rounding (``continue_overrides`` prints 8 digits)."""
+
+
+def decay_start(cfg: TrainConfig) -> int | None:
+    """The first step (0-based) whose LR depends on how the schedule decays; None: never (``constant``).
+
+    Before it, the LR is the warm-up ``lr * (step + 1) / warmup_steps`` and then the peak ``lr``: a function of
+    ``lr`` and ``warmup_steps`` alone. A cosine or linear decay spans ``warmup_steps`` (progress 0: the peak) to
+    ``max_steps``, so its step ``warmup_steps + 1`` is the first below the peak; WSD's decay phase is the last
+    ``wsd_decay_steps`` steps of ``max_steps`` (its first step already below the peak)."""
+    if cfg.decay == "constant":
+        return None
+    if cfg.decay == "wsd":
+        return max(cfg.warmup_steps, cfg.max_steps - wsd_decay_steps(cfg))
+    return cfg.warmup_steps + 1
+
+
+def schedule_inputs(cfg: TrainConfig, steps: int) -> dict[str, object]:
+    """What the LRs of the first ``steps`` steps are a function of: ``lr`` and ``warmup_steps``, and once those steps
+    reach the decay (:func:`decay_start`) also the decay's keys (:data:`DECAY_INPUTS`). Two schedules with the same
+    inputs give those steps the same LRs."""
+    inputs: dict[str, object] = {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps}
+    start = decay_start(cfg)
+    if start is not None and steps > start:
+        inputs.update({k: getattr(cfg, k) for k in DECAY_INPUTS[cfg.decay]})
+        if cfg.decay == "wsd":
+            inputs["wsd_decay_steps"] = wsd_decay_steps(cfg)
+    return inputs
+
+
+def keeps_schedule(saved: TrainConfig, cfg: TrainConfig, step: int) -> bool:
+    """Whether the schedule of ``cfg`` gives the ``step`` steps a checkpoint trained under ``saved`` the LRs they
+    had: a warm-up or a peak extended by ``max_steps`` alone, a constant run; not a decay moved by ``max_steps``."""
+    return schedule_inputs(saved, step) == schedule_inputs(cfg, step)
 
 
 def raises_lr(saved: TrainConfig, cfg: TrainConfig, step: int) -> bool:
-    """Whether resuming a run scheduled by ``saved`` after ``step`` steps with the schedule of ``cfg`` raises the LR
-    above both the last step's and what ``saved`` planned next (a rise of the saved schedule itself, the warm-up,
-    is no jump)."""
-    if step <= 0:
+    """Whether resuming after ``step`` steps trained under ``saved`` with the schedule of ``cfg`` is a jump of the LR:
+    ``cfg`` changes the schedule of the steps trained and gives the next step (0-based ``step``) a higher LR than
+    both the last step trained had and ``saved`` gives the next step. A schedule kept (:func:`keeps_schedule`) is
+    no jump, whatever comes after: a continuing warm-up rises as the uninterrupted run's does (also past
+    ``saved.max_steps``)."""
+    if step <= 0 or keeps_schedule(saved, cfg, step):
         return False
-    before = _last_lr(step, saved)
-    planned = lr_at(step, saved) if step < saved.max_steps else before
-    return lr_at(step, cfg) > max(planned, before) * (1 + 1e-6)  # a printed LR's rounding is no rise
+    return lr_at(step, cfg) > max(lr_at(step - 1, saved), lr_at(step, saved)) * (1 + TOLERANCE)
 
 
 def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
-    """Why resuming a run scheduled by ``saved`` after ``step`` steps with the schedule of ``cfg`` would raise the
-    LR (:func:`raises_lr`), in one line; '' when it would not. The schedule is a function of ``max_steps``: a larger
-    ``max_steps`` moves a cosine or linear decay (and WSD's decay phase) later, so a run whose LR has started to
-    decay would jump back up the curve."""
+    """Why resuming after ``step`` steps trained under ``saved`` with the schedule of ``cfg`` would make the LR jump
+    (:func:`raises_lr`), in one line with the overrides that train on instead; '' when it would not."""
     if not raises_lr(saved, cfg, step):
         return ""
-    keys = ("max_flops", "max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio", "decay_steps", "decay_fraction")
+    keys = (
+        *("max_flops", "max_steps", "lr", "decay", "warmup_steps", "min_lr_ratio"),
+        *("decay_steps", "decay_fraction", "decay_shape"),
+    )
     changed = ", ".join(
         f"train.{k} {getattr(saved, k)} -> {getattr(cfg, k)}" for k in keys if getattr(saved, k) != getattr(cfg, k)
     )
-    return (
-        f"{changed or 'the schedule'} would raise the LR from {_last_lr(step, saved):.3g} (step {step}) to "
-        f"{lr_at(step, cfg):.3g} at step {step + 1}: a '{saved.decay}' schedule is a function of train.max_steps. "
-        f"To train on without a jump, hold the LR reached: {' '.join(continue_overrides(saved, step, cfg.max_steps))}"
-        " — or plan a run of open length with train.decay=wsd and end it with ./launch.sh anneal (docs/schedules.md)"
+    names = {"wsd_decay_steps": "decay_steps (or train.decay_fraction)"}
+    inputs = ", ".join(f"train.{names.get(k, k)}" for k in schedule_inputs(saved, step))
+    overrides = continue_overrides(saved, step, cfg.max_steps)
+    line = (
+        f"{changed or 'the schedule'} would raise the LR from {lr_at(step - 1, saved):.3g} (step {step}) to "
+        f"{lr_at(step, cfg):.3g} at step {step + 1}, where the checkpoint's schedule gives {lr_at(step, saved):.3g}: "
+        f"the LRs of the {step} steps trained are a function of {inputs}. To train on without a jump: "
+        f"{' '.join(overrides)}"
     )
+    if "train.decay=constant" in overrides and saved.decay != "constant":
+        line += " (the LR reached, held) — or " + (
+            "anneal a checkpoint of the stable phase with ./launch.sh anneal (docs/schedules.md)"
+            if saved.decay == "wsd"
+            else "plan a run of open length with train.decay=wsd and end it with ./launch.sh anneal (docs/schedules.md)"
+        )
+    return line
 
 
 def continue_overrides(saved: TrainConfig, step: int, max_steps: int) -> list[str]:
-    """Overrides that resume a run scheduled by ``saved`` after ``step`` steps up to ``max_steps`` without raising
-    the LR: ``max_steps`` alone where the schedule would not move (constant; WSD still at its peak), else with the
-    LR reached held constant."""
+    """Overrides that resume after ``step`` steps trained under ``saved`` up to ``max_steps`` without a jump of the
+    LR and without a new warm-up: ``max_steps`` alone where that keeps the schedule of the steps trained (no decay
+    yet, or ``constant``), else the LR of the last step trained, held (``decay: constant``; the decay began after
+    the warm-up, so the warm-up does not run again)."""
     longer = [*(["train.max_flops=0"] if saved.max_flops else []), f"train.max_steps={max_steps}"]  # else derived
-    if not raises_lr(saved, dataclasses.replace(saved, max_steps=max_steps), step):
+    if keeps_schedule(saved, dataclasses.replace(saved, max_steps=max_steps, max_flops=0.0), step):
         return longer
-    return [*longer, "train.decay=constant", f"train.lr={_last_lr(step, saved):.8g}"]
+    return [*longer, "train.decay=constant", f"train.lr={lr_at(step - 1, saved):.8g}"]
+
+
+def train_longer(saved: TrainConfig, step: int) -> str:
+    """The overrides of the "train longer" command a run, or a run derived from it, prints after ``step`` steps:
+    twice the steps, by :func:`continue_overrides`."""
+    return " ".join(continue_overrides(saved, step, 2 * step))
 
 
 def schedule_warning(cfg: TrainConfig) -> str:

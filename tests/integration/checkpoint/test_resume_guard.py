@@ -1,12 +1,14 @@
 """What a resume may change, through the command line: one-line refusals (exit 2) before anything starts, the run
-left as it was; the summary's "train longer" command continues without raising the LR; a changed corpus is
-refused unless ``data.allow_changed=true``, which MLflow records."""
+left as it was; a run extended inside its warm-up by ``train.max_steps`` alone is the uninterrupted run; the
+summary's "train longer" command continues without raising the LR; a changed corpus is refused unless
+``data.allow_changed=true``, which MLflow records."""
 
 from __future__ import annotations
 
 import random
 import re
 
+import pytest
 from mlflow import MlflowClient
 
 from pretrain.cli import main
@@ -18,6 +20,7 @@ RUN = [
     "train.max_steps=6",
     "checkpoint.every_steps=3",
     "train.decay=cosine",
+    "train.warmup_steps=8",  # the first 6 steps are inside the warm-up, steps 10-12 decay
 ]
 
 
@@ -42,7 +45,8 @@ def _refused(capsys, *args: str) -> str:
 def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "corpus.txt"
     _corpus(corpus, 3000)
-    first = cli(tmp_path, "train", CONFIG, *RUN, f"data.sources=[{{path: {corpus}}}]")
+    data = f"data.sources=[{{path: {corpus}}}]"
+    first = cli(tmp_path, "train", CONFIG, *RUN, data)
     run_id = run_id_of(first.stdout)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -50,8 +54,17 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert client.get_run(run_id).info.status == "FINISHED"
 
-    line = _refused(capsys, "resume", run_id, "train.max_steps=12")
-    assert line.startswith("error: train.max_steps 6 -> 12 would raise the LR from") and "train.decay=wsd" in line
+    # inside the warm-up the summary's command is max_steps alone, and the run it resumes is the uninterrupted one
+    assert re.search(rf"resume: .*\./launch\.sh resume {run_id} train\.max_steps=12$", first.stdout, re.M)
+    whole = run_id_of(cli(tmp_path, "train", CONFIG, *RUN, data, "train.max_steps=12").stdout)
+    second = cli(tmp_path, "resume", run_id, "train.max_steps=12")
+    for key in ("train/loss", "train/lr"):
+        assert metric_history(run_id, key, uri=uri) == metric_history(whole, key, uri=uri), key
+    assert sorted(metric_history(run_id, uri=uri)) == list(range(1, 13))
+
+    # past step 9 the cosine decays: a larger max_steps would move the decay and raise the LR
+    line = _refused(capsys, "resume", run_id, "train.max_steps=24")
+    assert line.startswith("error: train.max_steps 12 -> 24 would raise the LR from") and "decay=wsd" in line
     line = _refused(capsys, "resume", run_id, "model.hidden_size=128")
     assert "model.hidden_size cannot change at resume (checkpoint 64, asked 128)" in line and "grow" in line
     line = _refused(capsys, "resume", run_id, "zero.stage=3")
@@ -60,22 +73,23 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     with open(corpus, "a") as f:  # the corpus grows under the run
         f.write("an appended line.\n" * 10)
     line = _refused(capsys, "resume", run_id)
-    assert re.search(rf"data changed since checkpoint \S+step_00000006: data\.sources\[0\]: {corpus} size", line)
+    assert re.search(rf"data changed since checkpoint \S+step_00000012: data\.sources\[0\]: {corpus} size", line)
     assert "data.allow_changed=true" in line
     assert client.get_run(run_id).info.status == "FINISHED"  # every refusal left the run as it was
     assert not client.get_run(run_id).data.tags.get("pretrain.data.changed")
 
     # the summary's command trains on without a jump of the LR (here: the LR reached, held), on the changed data
-    longer = re.search(rf"resume: .*\./launch\.sh resume {run_id} (.+)$", first.stdout, re.M).group(1).split()
-    assert longer[0] == "train.max_steps=12" and "train.decay=constant" in longer
+    longer = re.search(rf"resume: .*\./launch\.sh resume {run_id} (.+)$", second.stdout, re.M).group(1).split()
+    assert longer[0] == "train.max_steps=24" and "train.decay=constant" in longer
     cli(tmp_path, "resume", run_id, *longer, "data.allow_changed=true")
     lr = metric_history(run_id, "train/lr", uri=uri)
-    assert sorted(lr)[-1] == 12 and max(lr[s] for s in range(7, 13)) <= lr[6] * (1 + 1e-6)
+    held = {lr[s] for s in range(13, 25)}
+    assert sorted(lr)[-1] == 24 and len(held) == 1 and held.pop() == pytest.approx(lr[12], rel=1e-7)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert f"{corpus} size" in run.data.tags["pretrain.data.changed"]
     # the permission held for that resume only: the next one compares with the data it resumed on
-    line = _refused(capsys, "resume", run_id, "train.max_steps=12", "model.hidden_size=32")
+    line = _refused(capsys, "resume", run_id, "train.max_steps=48", "model.hidden_size=32")
     assert "model.hidden_size" in line
     _corpus(corpus, 3000, seed=1)
-    assert "data changed since checkpoint" in _refused(capsys, "resume", run_id, "train.max_steps=12")
+    assert "data changed since checkpoint" in _refused(capsys, "resume", run_id, "train.max_steps=48")
