@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    parser = _Parser(prog="install", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else argv
+    tag = "wheelhouse" if argv[:1] == ["wheelhouse"] else "setup"  # the launch.sh command it serves, in messages
+    parser = _Parser(prog=tag, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("probe", help="this Python's torch: VERSION CUDA SITE_DIR, or refused")
     p.add_argument("venv", type=Path)
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("uv-sources", help="pip's package sources as uv arguments, one a line (SSL_CERT_FILE=...)")
     p.add_argument("kind", choices=["all", "lock", "cuda", "cuda-lock"])
     args = parser.parse_args(argv)
-    tag = "[wheelhouse]" if args.command == "wheelhouse" else "[setup]"
+    tag = f"[{tag}]"
     try:
         if args.command == "probe":
             found = probe(args.venv, ROOT / "pyproject.toml", args.auto, args.offline)

@@ -66,17 +66,20 @@ def parse_lock(text: str) -> tuple[list[str], dict[str, Pin]]:
             rest = stripped.removeprefix("# via").strip()
             in_via = not rest
             if rest:
-                pin.via.add(_parent(rest))
+                pin.via |= _parent(rest)
         elif in_via and stripped.startswith("#   "):
-            pin.via.add(_parent(stripped.removeprefix("#").strip()))
+            pin.via |= _parent(stripped.removeprefix("#").strip())
         else:
             in_via = False
     return header, pins
 
 
-def _parent(text: str) -> str:
-    """``-r requirements.txt`` and ``-c ...`` are the inputs themselves; anything else names a package."""
-    return TOP if text.startswith(("-r", "-c")) else canonical(text.split()[0])
+def _parent(text: str) -> set[str]:
+    """``-r requirements.txt``: asked for by name; ``-c FILE``: a constraint (a version, not a need), no parent;
+    anything else names a package."""
+    if text.startswith("-c"):
+        return set()
+    return {TOP} if text.startswith("-r") else {canonical(text.split()[0])}
 
 
 def left_out(pins: dict[str, Pin], roots: set[str], keep: set[str]) -> set[str]:
