@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cluster.lockfile import (
     ROOT,
+    TOP,
     InstallError,
     Pin,
     build_requires,
@@ -125,7 +126,7 @@ def wheelhouse(args: argparse.Namespace) -> None:
         (stage / "files").rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    _report(manifest, out, pins)
+    _report(manifest, out)
 
 
 def _build_sdists(files: Path, lock: Path, args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -198,6 +199,10 @@ def _manifest(
     missing = want - {e["name"] for e in entries}
     if missing or len(entries) != len(want):
         raise InstallError(f"the download is missing {', '.join(sorted(missing))} (or holds two files of one)", 1)
+    size = {e["name"]: e["bytes"] for e in entries}
+    keep = build_requires(ROOT / "pyproject.toml")
+    asked = [n for n, pin in pins.items() if n in want and (TOP in pin.via or not pin.via)]  # uv: the installer
+    weighs = {t: sum(size[n] for n in left_out(pins, drop | {t}, keep) - drop) for t in asked}
     return {
         "lock": lock.name,
         "lock_sha256": sha256(lock),
@@ -207,10 +212,12 @@ def _manifest(
         "left_out": sorted(drop),
         "bytes": sum(e["bytes"] for e in entries),
         "files": sorted(entries, key=lambda e: -e["bytes"]),
+        # each package requirements.txt asks for: its bytes and those of every package only it needs
+        "by_requirement": dict(sorted(weighs.items(), key=lambda kv: -kv[1])),
     }
 
 
-def _report(manifest: dict, out: Path, pins: dict[str, Pin], top: int = 15) -> None:
+def _report(manifest: dict, out: Path, top: int = 15) -> None:
     mib = 1 << 20
     files = manifest["files"]
     print(f"[wheelhouse] {len(files)} wheels for CPython {manifest['python']} on {manifest['platform']} in {out}")
@@ -220,6 +227,13 @@ def _report(manifest: dict, out: Path, pins: dict[str, Pin], top: int = 15) -> N
     if rest:
         print(f"  {sum(f['bytes'] for f in rest) / mib:7.1f} MiB  the other {len(rest)} wheels")
     print(f"  {manifest['bytes'] / mib:7.1f} MiB  in all (manifest with every size and sha256: {out / MANIFEST})")
+    weighs = manifest["by_requirement"]
+    shared = manifest["bytes"] - sum(weighs.values())
+    print(
+        "[wheelhouse] by requirement, each with what only it needs: "
+        + ", ".join(f"{n} {b / mib:.1f}" for n, b in list(weighs.items())[:top] if b >= mib / 10)
+        + f"; needed by several: {shared / mib:.1f} MiB"
+    )
     print(
         f"[wheelhouse] left out: {', '.join(manifest['left_out'])} (the environment's torch and what only it needs"
         + (f"; --without {','.join(manifest['without'])}" if manifest["without"] else "")

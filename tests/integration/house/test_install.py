@@ -188,6 +188,9 @@ def test_offline_setup_installs_a_wheelhouse_with_no_network(tmp_path, environme
     _, pins = parse_lock((ROOT / "requirements.lock").read_text())
     assert files["deepspeed"]["file"] == "deepspeed-0.19.8-py3-none-any.whl"
     assert files["deepspeed"]["built_from"]["sha256"] in pins["deepspeed"].hashes  # the lock's sdist, built here
+    weighs = manifest["by_requirement"]  # each asked-for package with what only it needs; uv, the installer
+    assert weighs["deepspeed"] == files["deepspeed"]["bytes"] + files["hjson"]["bytes"], weighs
+    assert weighs["uv"] == files["uv"]["bytes"] and "[wheelhouse] by requirement, each with what only" in proc.stdout
     total = sum(f["bytes"] for f in files.values()) / 2**20
     assert re.search(rf"^ +{total:.1f} MiB  in all \(manifest", proc.stdout, re.M), proc.stdout
     assert re.search(
