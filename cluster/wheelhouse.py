@@ -256,6 +256,11 @@ def install_requirements(lock: Path, wheels: Path | None) -> tuple[str, str]:
         names = ", ".join(sorted(drop))
         title = [f"# What ./launch.sh setup installs around the environment's torch: {lock.name} less {names}"]
         return lock_text(title, pins, drop, {}), f"left to the environment: {names}"
+    if not (wheels / MANIFEST).is_file():  # gone since the venv was set up from it (its stamp names it)
+        raise InstallError(
+            f"{wheels}: no wheelhouse here any more ({MANIFEST}); ./launch.sh setup --offline DIR names "
+            "another, or rm -r .venv to set up online"
+        )
     manifest = json.loads((wheels / MANIFEST).read_text())
     if manifest["lock_sha256"] != sha256(lock):
         raise InstallError(

@@ -121,6 +121,8 @@ def test_offline_refuses_a_wheelhouse_of_another_lock_python_or_platform(tmp_pat
     for i, (changes, message) in enumerate(cases):
         with pytest.raises(InstallError, match=message):
             wh.install_requirements(LOCK, _wheelhouse(tmp_path / str(i), **changes))
+    with pytest.raises(InstallError, match=r"gone: no wheelhouse here any more \(wheelhouse.json\)"):
+        wh.install_requirements(LOCK, tmp_path / "gone")  # the one a venv's stamp names, deleted since
     other = {"file": "deepspeed-0.19.8.tar.gz", "sha256": "cd" * 32}
     files = [{"name": "deepspeed", "sha256": "ab" * 32, "file": "deepspeed.whl", "built_from": other}]
     with pytest.raises(InstallError, match="built from an sdist that is not the lock's"):
