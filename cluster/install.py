@@ -2,7 +2,8 @@
 ``./launch.sh setup`` (``PRETRAIN_TORCH=system``, ``--offline DIR``) and ``./launch.sh wheelhouse``.
 
 Standard library only: launch.sh runs it with the Python that setup uses, before anything is installed
-(``python -m cluster.install COMMAND ...``; ``verify`` runs in the new venv, which has ``packaging``). Errors are one
+(``python cluster/install.py COMMAND ...``, the checkout first on PYTHONPATH as launch.sh exports it; ``verify`` runs
+in the new venv, which has ``packaging``). Errors are one
 line on stderr and exit 2 (bad input, nothing changed) or 1 (an install that does not hold).
 
 The environment's torch is read from its metadata (no import) and must lie in ``[tool.pretrain] torch`` of
