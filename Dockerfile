@@ -16,13 +16,14 @@ RUN mkdir -p /app && chown ray:users /app
 USER ray
 WORKDIR /app
 
-# The dependency layer: the launcher, the locks and the package skeleton. `./launch.sh setup` installs exactly
-# requirements-cuda.lock, every file hash-checked (uv, fetched by pip and checked against its pin in the lock),
-# then this project, editable: its code is the COPY below, so a code change does not reinstall the stack.
+# The dependency layer: the launcher, the locks, the package skeleton and setup's Python half (cluster/install.py
+# and what it imports). `./launch.sh setup` installs exactly requirements-cuda.lock, every file hash-checked (uv,
+# fetched by pip and checked against its pin in the lock), then this project, editable: its code is the COPY below,
+# so a code change does not reinstall the stack.
 COPY --chown=ray:users launch.sh pyproject.toml requirements.txt requirements-torch.txt requirements.lock \
      requirements-cuda.lock ./
 COPY --chown=ray:users pretrain/__init__.py pretrain/
-COPY --chown=ray:users cluster/__init__.py cluster/
+COPY --chown=ray:users cluster/__init__.py cluster/install.py cluster/lockfile.py cluster/wheelhouse.py cluster/
 COPY --chown=ray:users eval/__init__.py eval/
 COPY --chown=ray:users benchmarks/__init__.py benchmarks/
 RUN ./launch.sh setup && rm -rf /home/ray/.cache/uv \

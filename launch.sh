@@ -2,7 +2,10 @@
 # Thin launcher: ensures .venv (idempotent setup), then runs `python -m pretrain "$@"`.
 #   ./launch.sh setup        create/update .venv: exactly one lock (uv, hash-checked) + this project (editable, no deps):
 #                            requirements-cuda.lock on a machine with an NVIDIA driver, else requirements.lock (CPU
-#                            torch); PRETRAIN_TORCH=cuda|cpu forces either
+#                            torch); PRETRAIN_TORCH=cuda|cpu forces either. PRETRAIN_TORCH=system (the default where
+#                            $PYTHON has a CUDA torch): keep that torch, install the rest of requirements.lock around it
+#   ./launch.sh setup --offline DIR   the same around the environment's torch, from a wheelhouse, with no network
+#   ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev]   the wheels setup --offline needs
 #   ./launch.sh lock         re-resolve both locks from requirements-torch.txt + requirements.txt (same versions)
 #   ./launch.sh lint         setup, then ruff (lint + format check) and mypy, configured in pyproject.toml
 #   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest)
@@ -15,6 +18,7 @@ PY="${PYTHON:-python3}"
 LOCK="$ROOT/requirements.lock"             # CPU torch (this machine's +cpu wheel, pip's find-links)
 CUDA_LOCK="$ROOT/requirements-cuda.lock"   # the same versions, torch's default (CUDA) build from the package index
 UV_VERSION="0.13.9"   # the installer; fetched with pip, hash-checked against its entry in requirements.lock
+INSTALL="$ROOT/cluster/install.py"        # setup's Python half: the environment's torch, wheelhouses (stdlib only)
 
 # Quiet, local-only defaults for the whole stack (users may override any of them).
 export MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
@@ -30,7 +34,8 @@ inputs_hash() {  # what requirements.lock was resolved from (recorded in its fir
   cat "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1
 }
 
-ensure_uv() {  # sets UV: uv $UV_VERSION, fetched once per user with this Python's pip and its package index
+ensure_uv() {  # [WHEELHOUSE] sets UV: uv $UV_VERSION, fetched once per user with this Python's pip and its package index
+  # (or taken from the wheelhouse: no pip, no network)
   local dir="${XDG_CACHE_HOME:-$HOME/.cache}/pretrain/uv-$UV_VERSION"
   UV="$dir/uv"
   [[ -x "$UV" ]] && return 0
@@ -42,7 +47,13 @@ ensure_uv() {  # sets UV: uv $UV_VERSION, fetched once per user with this Python
   # The pin with its hashes, from the lock (pip checks the wheel against them); version-only before the first lock.
   sed -n "/^uv==${UV_VERSION//./\\.} /,/[^\\\\]\$/p" "$LOCK" 2>/dev/null >"$tmp/uv.txt" || true
   [[ -s "$tmp/uv.txt" ]] || { echo "uv==$UV_VERSION" >"$tmp/uv.txt"; hashes=(); }
-  if ! "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: "${hashes[@]}" \
+  if [[ -n "${1:-}" ]]; then
+    local wheel
+    wheel="$(find "$1" -maxdepth 1 -name "uv-$UV_VERSION-*.whl" | head -n1)"
+    [[ -n "$wheel" ]] && grep -q "sha256:$(sha256sum "$wheel" | cut -d' ' -f1)" "$tmp/uv.txt" \
+      || { echo "[setup] error: $1 holds no uv $UV_VERSION wheel with a sha256 of the lock's" >&2; exit 1; }
+    cp "$wheel" "$tmp/"
+  elif ! "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: ${hashes[@]+"${hashes[@]}"} \
        -d "$tmp" -r "$tmp/uv.txt" >"$tmp/log" 2>&1; then
     cat "$tmp/log" >&2
     echo "[setup] error: could not fetch uv==$UV_VERSION with '$PY -m pip' (or put uv $UV_VERSION on PATH)" >&2
@@ -63,35 +74,9 @@ PYEOF
   rm -rf "$tmp"
 }
 
-uv_sources() {  # $1=all|lock|cuda|cuda-lock. uv reads no pip configuration: pass it the package sources pip uses
-  # here (pip.conf files, PIP_* variables). "lock" leaves out extra indexes (local mirrors), so that the lock records
-  # the main index's hashes of every file; find-links stays (this machine's CPU torch wheel). The cuda kinds leave out
-  # find-links: torch==X also matches a local X+cpu wheel there, and the CUDA lock wants the index's default build.
-  # Skipped if UV_* are set.
-  [[ -n "${UV_INDEX_URL:-}${UV_DEFAULT_INDEX:-}${UV_INDEX:-}${UV_EXTRA_INDEX_URL:-}${UV_FIND_LINKS:-}" ]] && return 0
-  "$PY" - "$1" <<'PYEOF'
-import ast, subprocess, sys
-out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-conf = {}
-for line in out.splitlines():
-    key, _, value = line.partition("=")
-    try:
-        conf[key] = ast.literal_eval(value)
-    except (SyntaxError, ValueError):
-        pass
-def get(name):  # pip's precedence: PIP_* variables, then [install], then [global]
-    for section in (":env:", "install", "global"):
-        if f"{section}.{name}" in conf:
-            return str(conf[f"{section}.{name}"]).split()
-    return []
-names = {"all": ["index-url", "find-links", "extra-index-url"], "lock": ["index-url", "find-links"],
-         "cuda": ["index-url", "extra-index-url"], "cuda-lock": ["index-url"]}[sys.argv[1]]
-for name in names:
-    for value in get(name):
-        print(f"--{name}={value}")
-for value in get("cert")[:1]:
-    print(f"SSL_CERT_FILE={value}")  # pip's CA bundle (uv otherwise uses its own roots)
-PYEOF
+uv_sources() {  # $1=all|lock|cuda|cuda-lock: pip's package sources (pip.conf, PIP_*) as uv arguments, one a line, and
+  # SSL_CERT_FILE=pip's CA bundle; what each kind leaves out and why: cluster/install.py (uv_sources)
+  "$PY" "$INSTALL" uv-sources "$1"
 }
 
 run_uv() {  # run_uv SOURCES ARGS... (SOURCES: see uv_sources): uv with pip's package sources and CA bundle
@@ -136,51 +121,103 @@ lock() {
   echo "[lock] ./launch.sh setup installs one of them (PRETRAIN_TORCH=cuda|cpu, default: cuda with an NVIDIA driver)" >&2
 }
 
-torch_kind() {  # cpu|cuda: PRETRAIN_TORCH, else cuda on a machine with an NVIDIA driver
-  case "${PRETRAIN_TORCH:-}" in
-    cpu|cuda) echo "$PRETRAIN_TORCH" ;;
-    "") if [[ -e /proc/driver/nvidia/version ]] || command -v nvidia-smi >/dev/null; then echo cuda; else echo cpu; fi ;;
-    *) echo "[setup] error: PRETRAIN_TORCH must be cuda or cpu, got '$PRETRAIN_TORCH'" >&2; return 2 ;;
+torch_kind() {  # [WHEELHOUSE] sets KIND=cpu|cuda|system (PRETRAIN_TORCH; else system where $PY has a CUDA torch or
+  # setup is offline, cuda on a machine with an NVIDIA driver, else cpu) and, for system, TORCH="VERSION CUDA SITE_DIR"
+  KIND="${PRETRAIN_TORCH:-}" TORCH=""
+  case "$KIND" in
+    cpu|cuda) [[ -z "${1:-}" ]] || { echo "[setup] error: setup --offline keeps the environment's torch (a wheelhouse holds none): PRETRAIN_TORCH=$KIND contradicts it" >&2; return 2; } ;;
+    system) ;;
+    "") local rc=0
+        [[ -n "${1:-}" ]] && KIND=system || "$PY" "$INSTALL" probe --auto "$VENV" >/dev/null || rc=$?
+        if [[ -n "$KIND" || $rc -eq 0 ]]; then KIND=system
+        elif [[ $rc -ne 1 ]]; then return 2  # a CUDA torch outside the supported range: probe said so
+        elif [[ -e /proc/driver/nvidia/version ]] || command -v nvidia-smi >/dev/null; then KIND=cuda
+        else KIND=cpu; fi ;;
+    *) echo "[setup] error: PRETRAIN_TORCH must be cuda, cpu or system, got '$KIND'" >&2; return 2 ;;
   esac
+  [[ "$KIND" != system ]] || TORCH="$("$PY" "$INSTALL" probe ${1:+--offline} "$VENV")" || return 2
 }
 
-setup() {
-  # The stamp records which lock (name, sha256) and which pyproject.toml the venv was made from.
-  local stamp="$VENV/.pretrain-setup" kind lock want_lock want_project
-  kind="$(torch_kind)" || exit 2
+setup() {  # setup [--offline WHEELHOUSE]
+  # The stamp records which lock (name, sha256; the environment's torch, the wheelhouse) and which pyproject.toml the
+  # venv was made from. A venv made offline stays offline: later setups install from the wheelhouse its stamp names.
+  local stamp="$VENV/.pretrain-setup" lock want_lock want_project offline="" req
+  if [[ $# -gt 0 ]]; then
+    [[ "$1" == --offline && $# -eq 2 ]] \
+      || { echo "[setup] error: usage: ./launch.sh setup [--offline WHEELHOUSE_DIR]" >&2; exit 2; }
+    [[ -f "$2/wheelhouse.json" ]] \
+      || { echo "[setup] error: --offline $2: not a wheelhouse (no wheelhouse.json; ./launch.sh wheelhouse DIR makes one)" >&2; exit 2; }
+    offline="$(cd "$2" && pwd)"
+  elif [[ -f "$stamp" ]]; then
+    offline="$(sed -n '1s/.* from wheelhouse //p' "$stamp")"
+  fi
+  torch_kind "$offline" || exit 2
   lock="$LOCK"
-  [[ "$kind" == cuda ]] && lock="$CUDA_LOCK"
+  [[ "$KIND" == cuda ]] && lock="$CUDA_LOCK"
   [[ -f "$lock" ]] || { echo "[setup] error: $lock is missing: ./launch.sh lock" >&2; exit 1; }
   want_lock="$(basename "$lock") sha256=$(sha256sum "$lock" | cut -d' ' -f1)"
+  [[ "$KIND" == system ]] && want_lock+=" around the environment's torch $TORCH"
+  [[ -n "$offline" ]] && want_lock+=" from wheelhouse $offline"
   want_project="pyproject.toml sha256=$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
   grep -q "^# inputs-sha256: $(inputs_hash) " "$lock" \
     || echo "[setup] warning: requirements*.txt changed since $(basename "$lock") was made (setup installs the lock): ./launch.sh lock" >&2
   if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want_lock"$'\n'"$want_project" ]]; then
     return 0
   fi
-  local t0=$SECONDS
-  ensure_uv
+  local t0=$SECONDS uv_offline=()
+  [[ -n "$offline" ]] && uv_offline=(--offline --no-index --find-links "$offline")
+  ensure_uv "$offline"
   if [[ ! -x "$VENV/bin/python" || ! -f "$stamp" || "$(head -n1 "$stamp")" != "$want_lock" ]]; then
-    echo "[setup] creating/updating $VENV from $(basename "$lock") ($kind torch; first time takes under a minute)" >&2
-    [[ -x "$VENV/bin/python" ]] || UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
+    echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
+    local py_version='import sys; print(*sys.version_info[:2])'
+    if [[ ! -x "$VENV/bin/python" || "$("$VENV/bin/python" -c "$py_version")" != "$("$PY" -c "$py_version")" ]]; then
+      UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
+    fi
+    req="$lock"
+    if [[ "$KIND" == system ]]; then  # the lock less torch and what only torch needs (and a wheelhouse's --without)
+      req="$VENV/.pretrain-requirements.txt"
+      "$PY" "$INSTALL" requirements "$LOCK" ${offline:+--wheelhouse "$offline"} >"$req" || exit $?
+    fi
     # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the
-    # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there. Bytecode compiled now like
-    # pip does: with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile what it imports.
-    run_uv "$([[ "$kind" == cuda ]] && echo cuda || echo all)" pip sync -q --python "$VENV/bin/python" \
-      --require-hashes --compile-bytecode --build-constraints "$lock" "$lock"
+    # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there, or only from the wheelhouse.
+    # Bytecode compiled now like pip does: with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile
+    # what it imports.
+    if [[ -n "$offline" ]]; then
+      UV_PYTHON_DOWNLOADS=never "$UV" pip sync -q --python "$VENV/bin/python" --require-hashes --compile-bytecode \
+        "${uv_offline[@]}" "$req"
+    else
+      run_uv "$([[ "$KIND" == cuda ]] && echo cuda || echo all)" pip sync -q --python "$VENV/bin/python" \
+        --require-hashes --compile-bytecode --build-constraints "$lock" "$req"
+    fi
+  fi
+  # system: the venv sees the environment's packages after its own (a .pth file of the venv), else none of them.
+  if [[ "$KIND" == system ]]; then
+    "$PY" "$INSTALL" link "$VENV" "${TORCH##* }"
+  else
+    rm -f "$VENV"/lib/python*/site-packages/_pretrain_environment.pth
   fi
   # This project, editable and without dependencies (the lock has them), built by the lock's setuptools: the
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
-  run_uv all pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
+  if [[ -n "$offline" ]]; then
+    UV_PYTHON_DOWNLOADS=never "$UV" pip install -q --python "$VENV/bin/python" "${uv_offline[@]}" --no-deps \
+      --no-build-isolation -e "$ROOT"
+  else
+    run_uv all pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
+  fi
+  # system: torch imports from the environment, and every package it requires is there in a version it accepts.
+  [[ "$KIND" != system ]] || "$VENV/bin/python" "$INSTALL" verify "${TORCH%% *}" || exit 1
   printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp"
   sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the lock's sha256 alone: a second, simpler stamp
-  [[ "$kind" == cpu ]] || { echo "[setup] done in $((SECONDS - t0)) s" >&2; return 0; }
+  if [[ "$KIND" == cuda || ( "$KIND" == system && "$(cut -d' ' -f2 <<<"$TORCH")" != cpu ) ]]; then
+    echo "[setup] done in $((SECONDS - t0)) s" >&2  # a CUDA torch: no CPU comm op to build
+    return 0
+  fi
   # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init (tens of CPU-seconds). Build it now
   # in the background, detached, cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that comes first waits for
   # it (torch's lock file in the build directory) rather than building it again; if it fails, DeepSpeed builds it (or
   # falls back to gloo) at first use. SIGTERM still releases that lock; after a kill -9 mid-build, delete the
-  # leftover .cache/torch_extensions/deepspeed_shm_comm/lock (torch would wait on it forever). Not with the CUDA
-  # lock: GPUs communicate through NCCL, and a container build (Dockerfile) would kill it mid-build.
+  # leftover .cache/torch_extensions/deepspeed_shm_comm/lock (torch would wait on it forever). Not with a CUDA
+  # torch: GPUs communicate through NCCL, and a container build (Dockerfile) would kill it mid-build.
   mkdir -p "$ROOT/.cache"
   local detach=()
   command -v setsid >/dev/null && detach=(setsid)
@@ -189,6 +226,13 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 from deepspeed.comm.torch import build_shm_op
 build_shm_op()" </dev/null >"$ROOT/.cache/deepspeed-shm-op.log" 2>&1 &
   echo "[setup] done in $((SECONDS - t0)) s (DeepSpeed's CPU comm op builds in the background: .cache/deepspeed-shm-op.log)" >&2
+}
+
+wheelhouse() {  # DIR [--python X.Y] [--platform TAG] [--without ray,dev]: what setup --offline installs (no .venv needed)
+  [[ $# -ge 1 && "$1" != -* ]] \
+    || { echo "[wheelhouse] error: usage: ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev]" >&2; exit 2; }
+  ensure_uv
+  exec "$PY" "$INSTALL" wheelhouse "$@" --lock "$LOCK" --uv "$UV"
 }
 
 lint() {  # ruff (lint + format) and mypy over the repository, as configured in pyproject.toml; exit 1 on a finding
@@ -213,7 +257,11 @@ case "$cmd" in
     setup
     usage ;;
   setup)
-    setup ;;
+    shift
+    setup "$@" ;;
+  wheelhouse)
+    shift
+    wheelhouse "$@" ;;
   lock)
     lock ;;
   lint)

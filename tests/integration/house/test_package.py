@@ -37,8 +37,8 @@ def test_console_script_is_python_m_pretrain(tmp_path):
 
 
 def test_setup_picks_the_lock_and_refuses_an_unknown_choice():
-    """``PRETRAIN_TORCH`` other than cuda|cpu: one line, exit 2, before the venv is touched; the stamp of this
-    venv names the lock it was made from."""
+    """``PRETRAIN_TORCH`` other than cuda|cpu|system: one line, exit 2, before the venv is touched; the stamp of this
+    venv names the lock it was made from (and the environment's torch it was set up around, if any)."""
     proc = subprocess.run(
         ["bash", str(ROOT / "launch.sh"), "setup"],
         env={"PATH": "/usr/bin:/bin", "PRETRAIN_TORCH": "rocm", "HOME": str(Path.home())},
@@ -47,11 +47,14 @@ def test_setup_picks_the_lock_and_refuses_an_unknown_choice():
         timeout=60,
     )
     assert (
-        proc.returncode == 2 and proc.stderr.strip() == "[setup] error: PRETRAIN_TORCH must be cuda or cpu, got 'rocm'"
+        proc.returncode == 2
+        and proc.stderr.strip() == "[setup] error: PRETRAIN_TORCH must be cuda, cpu or system, got 'rocm'"
     ), proc.stderr
     stamp = Path(PYTHON).parent.parent / ".pretrain-setup"
     if stamp.is_file():  # a venv made by ./launch.sh setup (not, e.g., a CI image's)
         first = stamp.read_text().splitlines()[0]
-        assert re.fullmatch(r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64}", first), first
+        assert re.fullmatch(
+            r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64}( around the environment's torch .*)?", first
+        )
     text = (ROOT / "launch.sh").read_text()
     assert "/proc/driver/nvidia/version" in text and "nvidia-smi" in text

@@ -142,6 +142,12 @@ def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
     assert "gpu" in base or "cuda" in base, base
     assert re.search(r"^ENV PRETRAIN_TORCH=cuda", docker, re.M) and "DS_BUILD_OPS=0" in docker
     assert "./launch.sh setup" in docker and "requirements-cuda.lock" in docker
+    copied = {
+        p
+        for line in re.findall(r"^COPY (?:--\S+ )*(.*?)(?: \./?)?$", docker.replace("\\\n", " "), re.M)
+        for p in line.split()
+    }
+    assert {"cluster/install.py", "cluster/lockfile.py", "cluster/wheelhouse.py"} <= copied  # setup runs them
     job = [d for d in yaml.safe_load_all((ROOT / "cluster/manifests/kuberay-rayjob.yaml").read_text()) if d]
     images = {c["image"] for d in job for node in _walk(d) for c in node.get("containers", [])}
     launcher = yaml.safe_load((ROOT / "cluster/manifests/cluster-launcher-aws.yaml").read_text())
