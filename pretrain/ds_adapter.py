@@ -62,8 +62,8 @@ def grad_views(engine) -> tuple[Views, bool]:
       ``optimizer.params_in_partition[group]``; padding tensors carry ``_zero_padding``;
     * ZeRO-3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
       ``optimizer.fp16_groups[group]``;
-    * bf16 without ZeRO (``BF16_Optimizer``): full fp32 gradients in ``fp32_groups_gradients`` beside
-      ``bf16_groups`` (replicated);
+    * bf16 ZeRO-1 with fp32 gradient accumulation (``BF16_Optimizer``): full fp32 gradients in
+      ``fp32_groups_gradients`` beside ``bf16_groups`` (replicated);
     * stage 0 fp32: full averaged gradients on ``p.grad`` (replicated);
     * offloaded optimizer states: ``deepspeed.utils.safe_get_full_grad`` per parameter (public, collective;
       replicated)."""
@@ -77,7 +77,7 @@ def grad_views(engine) -> tuple[Views, bool]:
         return views, False
     if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
         return zero3_grad_partitions(opt), False
-    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
+    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16 ZeRO-1
         return [(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)], True
     if engine.zero_optimization_stage() == 0:
         return [(p, p.grad) for p in engine.module.parameters() if p.grad is not None], True

@@ -31,7 +31,9 @@ class ZeroConfig:
     stage: int = 1
     """DeepSpeed ZeRO stage: 0 (plain data parallel), 1, 2 or 3."""
     offload_optimizer: bool = False
-    """Offload optimizer state to CPU memory (stages 1-3, GPU runs)."""
+    """Offload optimizer state to CPU memory (stages 1-3): the fp32 masters and AdamW moments live in host memory
+    and torch's fused AdamW steps them there (on GPU runs, GPU memory for host memory and a step that waits on the
+    host)."""
     reduce_bucket_size: int = 50_000_000
     """Elements per gradient reduction bucket."""
     overlap_comm: bool = False

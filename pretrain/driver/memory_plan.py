@@ -306,18 +306,33 @@ def optimizer_bytes(precision: str, stage: int) -> int:
     return 12 if precision == "bf16" or stage in (1, 2) else 8
 
 
+def held_and_shard(counts: ParamCounts, lay: Layout) -> tuple[float, float]:
+    """The parameters a worker computes with (tensor parallelism: its share of the split ones; its experts only),
+    and its ZeRO partition (experts: held / (dp / ep))."""
+    dense = counts.total - counts.expert - counts.split + counts.split / lay.tp
+    return dense + counts.expert / lay.ep, (dense + counts.expert) / lay.zero_group
+
+
+def gradient_bytes(precision: str, stage: int) -> int:
+    """Bytes per parameter of its gradient (``pretrain/train/engine.py``): fp32 4. bf16 sums micro-batches in fp32
+    from ZeRO-1 on: ZeRO-1 keeps the bf16 gradient and its fp32 sum, both whole (6; DeepSpeed's BF16_Optimizer),
+    ZeRO-2/3 an fp32 partition (4); ZeRO-0 adds in bf16 (2)."""
+    if precision != "bf16":
+        return 4
+    return {0: 2, 1: 6}.get(stage, 4)
+
+
 def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     """Bytes one worker holds. Experts: ``1/ep`` of them on each worker, their ZeRO partitions over the ``dp/ep``
     workers holding the same experts; dense weights partitioned over all ``dp``."""
     w = 2 if lay.precision == "bf16" else 4
-    dense = counts.total - counts.expert - counts.split + counts.split / lay.tp  # tensor parallel: its share
-    held = dense + counts.expert / lay.ep  # the weights this worker computes with
-    shard = (dense + counts.expert) / lay.zero_group  # its ZeRO partition (experts: held / (dp / ep))
+    held, shard = held_and_shard(counts, lay)
     if lay.stage == 3:
         weights = w * (shard + min(DS_PREFETCH * counts.largest_gather, held))
     else:
         weights = w * held
-    gradients = w * ((held if lay.stage < 2 else shard) + reduce_bucket(cfg, lay))
+    gradients = gradient_bytes(lay.precision, lay.stage) * (held if lay.stage < 2 else shard)
+    gradients += REDUCE_BYTES * reduce_bucket(cfg, lay, held)
     opt = optimizer_bytes(lay.precision, lay.stage) * (held if lay.stage == 0 else shard)
     acts = activations(cfg.model, cfg.moe, lay)
     accumulates = lay.grad_accum > 1
@@ -326,11 +341,19 @@ def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     return Memory(weights, gradients, opt, acts, accumulates)
 
 
-def reduce_bucket(cfg: RunConfig, lay: Layout) -> int:
+REDUCE_BYTES = 4
+"""Bytes of an element of the reduce buffers: gradients are reduced in fp32 (bf16 runs too)."""
+
+
+def reduce_bucket(cfg: RunConfig, lay: Layout, held: float) -> float:
     """Elements of ZeRO's gradient reduce buffers: ``zero.reduce_bucket_size`` whatever the model's size (ZeRO-1/2
-    from a step's first gradient to its update, two with ``overlap_comm``; ZeRO-3 for the whole run); none at 0."""
+    from a step's first gradient to its update, two with ``overlap_comm``; ZeRO-3 for the whole run); none at 0.
+    bf16 ZeRO-1 (BF16_Optimizer) reduces through the engine instead, which flattens up to 500M elements of the fp32
+    gradients at a time (``held``: the gradients this worker holds)."""
     if lay.stage == 0:
         return 0
+    if lay.stage == 1 and lay.precision == "bf16":
+        return min(held, 500_000_000)
     return cfg.zero.reduce_bucket_size * (2 if cfg.zero.overlap_comm and lay.stage < 3 else 1)
 
 
@@ -422,11 +445,11 @@ def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[
     )
     mem, acts = memory(cfg, counts, lay), activations(cfg.model, cfg.moe, lay)
     w, over = (2 if lay.precision == "bf16" else 4), f"partitioned over {lay.zero_group}"
-    bucket = reduce_bucket(cfg, lay) * w / GIB
+    bucket = reduce_bucket(cfg, lay, held_and_shard(counts, lay)[0]) * REDUCE_BYTES / GIB
     offload = f"; offloaded: {mem.host_optimizer / GIB:,.2f} GiB of host memory" if lay.offload else ""
     parts = {
         "weights": f"{w} B/param" + (f", {over}, + the gathered layers" if lay.stage == 3 else ""),
-        "gradients": f"{w} B/param"
+        "gradients": f"{gradient_bytes(lay.precision, lay.stage)} B/param"
         + (f", {over}" if lay.stage >= 2 else "")
         + (f", + reduce bucket {bucket:,.2f}" if bucket else ""),
         "optimizer": f"{optimizer_bytes(lay.precision, lay.stage)} B/param"

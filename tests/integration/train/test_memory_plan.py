@@ -32,6 +32,8 @@ CASES = {
     "demo-decoder-full": ("demo-decoder", ["train.activation_checkpointing=full"]),
     "demo-decoder-selective": ("demo-decoder", ["train.activation_checkpointing=selective"]),
     "demo-decoder-accumulation": ("demo-decoder", ["train.micro_batch_size=8"]),
+    # bf16 ZeRO-1: the bf16 gradients, their fp32 sum (BF16_Optimizer) and its fp32 reduction
+    "demo-decoder-bf16-accumulation": ("demo-decoder", ["train.precision=bf16", "train.micro_batch_size=8"]),
     # a small vocabulary: the peak comes once gradients exist, while the last block is rebuilt
     "demo-decoder-full-vocab-512": ("demo-decoder", ["train.activation_checkpointing=full", "model.vocab_size=512"]),
     "demo-moe": ("demo-moe", []),
