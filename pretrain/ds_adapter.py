@@ -18,6 +18,7 @@ import functools
 import importlib
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -169,6 +170,17 @@ def load_partitioned_optimizer_state(optimizer, state: dict, world_size: int) ->
 
 
 # -- engine and checkpoints ---------------------------------------------------------------------------------------
+
+
+def engine_args(device: torch.device) -> Any:
+    """The ``args`` of ``deepspeed.initialize`` that keep the engine on ``device`` (None off CUDA). 0.19's engine
+    calls ``set_device`` on ``args.device_rank`` when the args have one, else on the ``LOCAL_RANK`` environment
+    variable (``_set_distributed_vars``): not this worker's GPU where each worker sees only its own (Slurm's
+    ``--gpus-per-task=1``: an invalid ordinal from local rank 1 on), nor where Ray assigned the node's GPUs in
+    another order. AutoTP's partitioning still selects ``LOCAL_RANK``'s device (``_apply_autotp_partitioning``)."""
+    if device.type != "cuda" or device.index is None:
+        return None
+    return types.SimpleNamespace(device_rank=device.index)
 
 
 def set_universal_load(engine, universal: bool) -> None:

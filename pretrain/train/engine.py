@@ -107,14 +107,17 @@ def initialize(
     plan: RunPlan,
     precision: str,
     load_universal: bool = False,
+    device: torch.device | None = None,
 ):
-    """Wrap ``model`` (already parallelized) in a DeepSpeed engine; torch.distributed
-    must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
+    """Wrap ``model`` (already parallelized, on ``device``) in a DeepSpeed engine that stays on ``device``;
+    torch.distributed must already be initialized. Use :func:`pretrain.train.module.build_module`, not this,
+    directly."""
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     before_engine(plan.dims)
     engine, _, _, _ = deepspeed.initialize(
+        args=ds_adapter.engine_args(device or torch.device("cpu")),
         model=model,
         optimizer=optimizer,
         config=deepspeed_config(cfg, plan, precision, load_universal),

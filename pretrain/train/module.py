@@ -283,7 +283,13 @@ def build_module(
         (layer, layer.selection_bias.clone()) for _, layer in moe_layers(model) if layer.selection_bias is not None
     ]
     engine = initialize(
-        model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision, load_universal=load_universal
+        model,
+        param_groups(model, cfg.train.weight_decay),
+        cfg,
+        plan,
+        precision,
+        load_universal=load_universal,
+        device=device,
     )
     for layer, bias in biases:
         layer.deepspeed_moe.gate.expert_bias = bias

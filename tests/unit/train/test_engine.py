@@ -45,3 +45,11 @@ def test_bf16_gradients_are_summed_and_reduced_in_fp32(stage):
     assert ds.get("data_types") == (None if stage == 0 else {"grad_accum_dtype": "fp32"})
     fp32 = _ds("fp32", f"zero.stage={stage}")
     assert "communication_data_type" not in fp32 and "data_types" not in fp32
+
+
+def test_the_engine_stays_on_the_workers_gpu():
+    """DeepSpeed would select LOCAL_RANK's GPU; the args name the worker's own (its index among the visible ones)."""
+    from pretrain.ds_adapter import engine_args
+
+    assert engine_args(torch.device("cuda", 3)).device_rank == 3
+    assert engine_args(torch.device("cpu")) is None
