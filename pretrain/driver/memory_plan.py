@@ -31,6 +31,10 @@ from pretrain.config.runtime import GPU_MEMORY_GIB
 
 GIB = float(1 << 30)
 FIT_SHARE = 0.9
+CUDA_CONTEXT = 1.0 * (1 << 30)
+"""What a GPU worker holds outside torch's allocator (its CUDA context and loaded kernels, cuBLAS workspaces, NCCL's
+communicator buffers), which ``torch.cuda.max_memory_allocated`` and so the plan's total leave out: the verdict adds
+it before the 90 % share."""
 """A total above this share of the GPU's memory is "tight": the CUDA context, NCCL buffers and allocator
 fragmentation usually take the rest."""
 DS_PREFETCH = 2
@@ -281,14 +285,20 @@ class Memory:
     accumulates: bool
     """Gradient accumulation: earlier micro-batches' gradients are alive at a backward's start."""
     host_optimizer: float = 0.0
+    probe: float = 0.0
+    """What the health probe adds on its steps (``stability.health_every``) beside the forward's activations: one
+    head's fp32 attention scores and their masked copy (the attention logit max), or, after the forward, its fp32
+    chunks of the output logits on top of the backward's start."""
 
     @property
     def total(self) -> float:
         """The peak: weights and optimizer states, and the larger of the backward's start (with earlier micro-batches'
-        gradients under accumulation) and the backward once this micro-batch's gradients exist."""
+        gradients under accumulation), the backward once this micro-batch's gradients exist, and a health step's
+        probe."""
         acts, grads = self.activations, self.gradients
-        start = acts.at_start + (grads if self.accumulates else 0.0)
-        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads)
+        held = grads if self.accumulates else 0.0
+        start = acts.at_start + held
+        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads, self.probe + held)
 
     def parts(self) -> dict[str, float]:
         """Each component at its largest (their sum is at least :attr:`total`)."""
@@ -336,9 +346,21 @@ def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     opt = optimizer_bytes(lay.precision, lay.stage) * (held if lay.stage == 0 else shard)
     acts = activations(cfg.model, cfg.moe, lay)
     accumulates = lay.grad_accum > 1
+    probe = health_probe(cfg, lay, acts) if cfg.stability.health_every > 0 else 0.0
     if lay.offload:
-        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt)
-    return Memory(weights, gradients, opt, acts, accumulates)
+        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt, probe=probe)
+    return Memory(weights, gradients, opt, acts, accumulates, probe=probe)
+
+
+def health_probe(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
+    """Bytes of the health probe's copies (``pretrain/train/health.py``, ``Attention._logit_max``): 8 per element of
+    one head's (b, T, T) scores (fp32, and masked when causal; attention sees the whole sequence under sequence
+    parallelism), or the backward's start and two fp32 chunks of the output logits."""
+    from pretrain.train.health import LOGIT_CHUNK
+
+    v, tokens = cfg.model.vocab_size, lay.micro_batch * lay.seq_len // lay.sp
+    chunk = min(max(1, LOGIT_CHUNK // v), tokens) * v  # elements of one fp32 chunk
+    return max(8 * lay.micro_batch * lay.seq_len**2, acts.at_start + 8 * chunk)
 
 
 REDUCE_BYTES = 4
@@ -421,10 +443,10 @@ def verdict(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> str:
         return f"no GPU type named (cluster.gpu_type: one of {', '.join(GPU_MEMORY_GIB)})"
     cap = GPU_MEMORY_GIB[gpu] * GIB
     t = memory(cfg, counts, lay).total
-    if t <= FIT_SHARE * cap:
+    if t + CUDA_CONTEXT <= FIT_SHARE * cap:
         return f"{gpu}: fits: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
-    what = "does not fit" if t > cap else f"tight (more than {FIT_SHARE:.0%}; the CUDA context and NCCL take some)"
-    todo = fixes(cfg, counts, lay, FIT_SHARE * cap)
+    what = "does not fit" if t + CUDA_CONTEXT > cap else f"tight (more than {FIT_SHARE:.0%} with the CUDA context)"
+    todo = fixes(cfg, counts, lay, FIT_SHARE * cap - CUDA_CONTEXT)
     lead = "" if todo[:1] and todo[0].startswith("even ") else "to fit: "
     line = f"{gpu}: {what}: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
     return line + (f"; {lead}{', or '.join(todo)}" if todo else "")
@@ -456,7 +478,8 @@ def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[
         + (f", {over}" if lay.stage else "")
         + offload,
         "activations": f"kept for the backward {acts.kept / GIB:,.2f}, + {acts.at_start / GIB:,.2f} logits and loss "
-        f"at the backward's start, or + {acts.with_gradients / GIB:,.2f} once gradients exist",
+        f"at the backward's start, or + {acts.with_gradients / GIB:,.2f} once gradients exist"
+        + (f"; health-probe steps + {mem.probe / GIB:,.2f}" if mem.probe else ""),
     }
     unit = "GPU" if lay.gpus else "worker (host memory)"
     less = sum(mem.parts().values()) > mem.total + 1

@@ -159,7 +159,10 @@ def test_the_formulas_against_hand_computed_numbers():
     # gradient accumulation: the earlier micro-batches' gradients are alive at a backward's start
     two = memory(cfg, counts, replace(lay, micro_batch=2, grad_accum=2))
     half = activations(cfg.model, cfg.moe, replace(lay, micro_batch=2))
-    assert two.total == 5 * 106_816 + half.kept + two.gradients + max(half.at_start, half.with_gradients)
+    # and a health step's probe: the backward's start and the micro-batch's 2 x 32 x 256 logits as one fp32 chunk,
+    # copied twice (more than one head's 2 x 32 x 32 fp32 attention scores and their masked copy)
+    assert two.probe == half.at_start + 8 * (2 * 32) * 256
+    assert two.total == 5 * 106_816 + half.kept + two.gradients + max(half.at_start, half.with_gradients, two.probe)
 
     # fp32: 4-byte weights and gradients; ZeRO-1/2 clone their fp32 partition (12 B), ZeRO-3 and 0 do not (8 B)
     for stage, opt in ((0, 8 * 106_816), (1, 12 * 106_816 / 4), (2, 12 * 106_816 / 4), (3, 8 * 106_816 / 4)):
