@@ -183,6 +183,16 @@ def engine_args(device: torch.device) -> Any:
     return types.SimpleNamespace(device_rank=device.index)
 
 
+def loaded_accelerator() -> str | None:
+    """The device type of the accelerator DeepSpeed chose (``cuda``, ``cpu``, ...), or None before DeepSpeed is
+    imported. 0.19 chooses it once, at import, from ``DS_ACCELERATOR`` or by probing (``get_accelerator``)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
 def set_universal_load(engine, universal: bool) -> None:
     """Whether the engine's next ``load_checkpoint`` reads DeepSpeed's universal form (another worker count). 0.19
     reads it from the engine's config at load time (``engine.load_universal_checkpoint()`` returns

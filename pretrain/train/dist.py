@@ -4,12 +4,12 @@ under torchrun (env vars), or as one plain process (a world of one, so DeepSpeed
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from pretrain import ds_adapter
 from pretrain.ports import free_port  # noqa: F401  (re-exported: dist.free_port)
 
 
@@ -83,11 +83,8 @@ def match_deepspeed_accelerator(gpu: bool) -> None:
     GPU. Where DeepSpeed is already imported with the other accelerator, says so in one line."""
     want = "cuda" if gpu else "cpu"
     os.environ["DS_ACCELERATOR"] = want
-    if "deepspeed" in sys.modules:
-        from deepspeed.accelerator import get_accelerator
-
-        if (have := get_accelerator().device_name()) != want:
-            raise RuntimeError(f"DeepSpeed was imported with its {have} accelerator before this {want} run started")
+    if (have := ds_adapter.loaded_accelerator()) not in (None, want):
+        raise RuntimeError(f"DeepSpeed was imported with its {have} accelerator before this {want} run started")
 
 
 def setup(use_gpu: str) -> DistContext:
