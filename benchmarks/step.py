@@ -103,7 +103,7 @@ def step_benchmark(cfg: RunConfig, device: torch.device, precision: str, steps: 
     else:
         out["compiled_ratio_vs_bare_pytorch"] = None
         out["compile_unavailable"] = why_not
-    default_compiled = can_compile and compile_wanted(cfg.train.compile, device)
+    default_compiled = can_compile and compile_wanted(cfg.train.compile, device, cfg.zero.stage)
     out["compile_default"] = "yes" if default_compiled else "no"
     out["tokens_per_s"] = out["compiled_tokens_per_s"] if default_compiled else eager
     out["ratio_vs_bare_pytorch"] = out["tokens_per_s"] / bare

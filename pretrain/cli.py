@@ -295,6 +295,12 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""``PYTORCH_CUDA_ALLOC_CONF`` unless the user set it: the caching allocator grows segments in place instead of
+keeping blocks of each size apart, so allocations that vary in size from step to step (activations of packed
+sequences, MoE token counts, ZeRO-3 gathers) fragment less and runs near the memory plan's total do not run out."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -304,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(dev).exists() for dev in ("/dev/nvidiactl", "/dev/kfd")):  # no GPU driver: DeepSpeed would
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # warn about falling back to CPU (workers inherit this)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not "Creating initial MLflow database tables..."
+    # Before any CUDA allocation; workers get it too (cluster/launch.py forwards it).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     if cmd not in COMMANDS:
         print(f"error: unknown command {quote(cmd)} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import functools
 import importlib
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -80,8 +81,8 @@ def grad_views(engine) -> tuple[Views, bool]:
       ``optimizer.params_in_partition[group]``; padding tensors carry ``_zero_padding``;
     * ZeRO-3: ``optimizer.averaged_gradients[group]`` holds this rank's partition of each parameter of
       ``optimizer.fp16_groups[group]``;
-    * bf16 without ZeRO (``BF16_Optimizer``): full fp32 gradients in ``fp32_groups_gradients`` beside
-      ``bf16_groups`` (replicated);
+    * bf16 ZeRO-1 with fp32 gradient accumulation (``BF16_Optimizer``): full fp32 gradients in
+      ``fp32_groups_gradients`` beside ``bf16_groups`` (replicated);
     * stage 0 fp32: full averaged gradients on ``p.grad`` (replicated);
     * offloaded optimizer states: ``deepspeed.utils.safe_get_full_grad`` per parameter (public, collective;
       replicated)."""
@@ -95,7 +96,7 @@ def grad_views(engine) -> tuple[Views, bool]:
         return views, False
     if groups is not None and hasattr(opt, "fp16_groups") and not getattr(opt, "offload_optimizer", False):
         return zero3_grad_partitions(opt), False
-    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16, no ZeRO
+    if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):  # bf16 ZeRO-1
         return [(p, g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for p, g in zip(ps, gs)], True
     if engine.zero_optimization_stage() == 0:
         return [(p, p.grad) for p in engine.module.parameters() if p.grad is not None], True
@@ -187,6 +188,27 @@ def load_partitioned_optimizer_state(optimizer, state: dict, world_size: int) ->
 
 
 # -- engine and checkpoints ---------------------------------------------------------------------------------------
+
+
+def engine_args(device: torch.device) -> Any:
+    """The ``args`` of ``deepspeed.initialize`` that keep the engine on ``device`` (None off CUDA). 0.19's engine
+    calls ``set_device`` on ``args.device_rank`` when the args have one, else on the ``LOCAL_RANK`` environment
+    variable (``_set_distributed_vars``): not this worker's GPU where each worker sees only its own (Slurm's
+    ``--gpus-per-task=1``: an invalid ordinal from local rank 1 on), nor where Ray assigned the node's GPUs in
+    another order. AutoTP's partitioning still selects ``LOCAL_RANK``'s device (``_apply_autotp_partitioning``)."""
+    if device.type != "cuda" or device.index is None:
+        return None
+    return types.SimpleNamespace(device_rank=device.index)
+
+
+def loaded_accelerator() -> str | None:
+    """The device type of the accelerator DeepSpeed chose (``cuda``, ``cpu``, ...), or None before DeepSpeed is
+    imported. 0.19 chooses it once, at import, from ``DS_ACCELERATOR`` or by probing (``get_accelerator``)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
 
 
 def set_universal_load(engine, universal: bool) -> None:

@@ -31,7 +31,9 @@ class ZeroConfig:
     stage: int = 1
     """DeepSpeed ZeRO stage: 0 (plain data parallel), 1, 2 or 3."""
     offload_optimizer: bool = False
-    """Offload optimizer state to CPU memory (stages 1-3, GPU runs)."""
+    """Offload optimizer state to CPU memory (stages 1-3): the fp32 masters and AdamW moments live in host memory
+    and torch's fused AdamW steps them there (on GPU runs, GPU memory for host memory and a step that waits on the
+    host)."""
     reduce_bucket_size: int = 50_000_000
     """Elements per gradient reduction bucket."""
     overlap_comm: bool = False
@@ -91,7 +93,9 @@ class ClusterConfig:
     num_workers: int = 1
     """Training workers (processes). Each gets ``cpus_per_worker`` CPUs and one GPU when ``use_gpu``."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
-    """``auto`` uses GPUs when the cluster has them."""
+    """``auto`` uses GPUs when the cluster has one for every worker (a worker's node: one per local worker), else
+    the CPU; ``yes`` refuses fewer GPUs than workers; ``no`` runs on the CPU (DeepSpeed's CPU accelerator, also on
+    a GPU node)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker in Ray. A fraction (e.g. 0.5) lets more workers than CPUs share a machine: Ray
     places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads`` threads)."""

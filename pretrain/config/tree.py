@@ -187,8 +187,10 @@ class TrainConfig:
     compile: Literal["auto", "yes", "no"] = "auto"
     """Compile each Transformer block with ``torch.compile`` (regional: embeddings, loss, optimizer stay eager).
     ``auto``: on for CUDA, off on CPU, where it costs a one-time compile of seconds per block shape and gains
-    little at demo sizes (``./launch.sh bench`` measures both; results in ``benchmarks/results/``). Layer dropout does
-    not recompile."""
+    little at demo sizes (``./launch.sh bench`` measures both; results in ``benchmarks/results/``), and off under
+    ZeRO-3 (DeepSpeed's parameter gathers are module hooks inside the blocks; ``yes`` is refused there). Layer
+    dropout does not recompile; the health probe's forwards (``stability.health_every``) run eagerly, so its hooks
+    recompile nothing."""
     stop_at_val_loss: float = 0.0
     """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
     profile_at: int = 0
@@ -329,6 +331,7 @@ class RunConfig:
         self._validate_stability()
         self.moe.validate(m.num_layers)
         rules.check_expert(self)
+        rules.check_compile(self)
         rules.check_expert_world(self, c.num_workers)
         self.layer_drop.validate()
         self._validate_growth()

@@ -31,6 +31,10 @@ from pretrain.config.runtime import GPU_MEMORY_GIB
 
 GIB = float(1 << 30)
 FIT_SHARE = 0.9
+CUDA_CONTEXT = 1.0 * (1 << 30)
+"""What a GPU worker holds outside torch's allocator (its CUDA context and loaded kernels, cuBLAS workspaces, NCCL's
+communicator buffers), which ``torch.cuda.max_memory_allocated`` and so the plan's total leave out: the verdict adds
+it before the 90 % share."""
 """A total above this share of the GPU's memory is "tight": the CUDA context, NCCL buffers and allocator
 fragmentation usually take the rest."""
 DS_PREFETCH = 2
@@ -281,14 +285,20 @@ class Memory:
     accumulates: bool
     """Gradient accumulation: earlier micro-batches' gradients are alive at a backward's start."""
     host_optimizer: float = 0.0
+    probe: float = 0.0
+    """What the health probe adds on its steps (``stability.health_every``) beside the forward's activations: one
+    head's fp32 attention scores and their masked copy (the attention logit max), or, after the forward, its fp32
+    chunks of the output logits on top of the backward's start."""
 
     @property
     def total(self) -> float:
         """The peak: weights and optimizer states, and the larger of the backward's start (with earlier micro-batches'
-        gradients under accumulation) and the backward once this micro-batch's gradients exist."""
+        gradients under accumulation), the backward once this micro-batch's gradients exist, and a health step's
+        probe."""
         acts, grads = self.activations, self.gradients
-        start = acts.at_start + (grads if self.accumulates else 0.0)
-        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads)
+        held = grads if self.accumulates else 0.0
+        start = acts.at_start + held
+        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads, self.probe + held)
 
     def parts(self) -> dict[str, float]:
         """Each component at its largest (their sum is at least :attr:`total`)."""
@@ -306,31 +316,66 @@ def optimizer_bytes(precision: str, stage: int) -> int:
     return 12 if precision == "bf16" or stage in (1, 2) else 8
 
 
+def held_and_shard(counts: ParamCounts, lay: Layout) -> tuple[float, float]:
+    """The parameters a worker computes with (tensor parallelism: its share of the split ones; its experts only),
+    and its ZeRO partition (experts: held / (dp / ep))."""
+    dense = counts.total - counts.expert - counts.split + counts.split / lay.tp
+    return dense + counts.expert / lay.ep, (dense + counts.expert) / lay.zero_group
+
+
+def gradient_bytes(precision: str, stage: int) -> int:
+    """Bytes per parameter of its gradient (``pretrain/train/engine.py``): fp32 4. bf16 sums micro-batches in fp32
+    from ZeRO-1 on: ZeRO-1 keeps the bf16 gradient and its fp32 sum, both whole (6; DeepSpeed's BF16_Optimizer),
+    ZeRO-2/3 an fp32 partition (4); ZeRO-0 adds in bf16 (2)."""
+    if precision != "bf16":
+        return 4
+    return {0: 2, 1: 6}.get(stage, 4)
+
+
 def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     """Bytes one worker holds. Experts: ``1/ep`` of them on each worker, their ZeRO partitions over the ``dp/ep``
     workers holding the same experts; dense weights partitioned over all ``dp``."""
     w = 2 if lay.precision == "bf16" else 4
-    dense = counts.total - counts.expert - counts.split + counts.split / lay.tp  # tensor parallel: its share
-    held = dense + counts.expert / lay.ep  # the weights this worker computes with
-    shard = (dense + counts.expert) / lay.zero_group  # its ZeRO partition (experts: held / (dp / ep))
+    held, shard = held_and_shard(counts, lay)
     if lay.stage == 3:
         weights = w * (shard + min(DS_PREFETCH * counts.largest_gather, held))
     else:
         weights = w * held
-    gradients = w * ((held if lay.stage < 2 else shard) + reduce_bucket(cfg, lay))
+    gradients = gradient_bytes(lay.precision, lay.stage) * (held if lay.stage < 2 else shard)
+    gradients += REDUCE_BYTES * reduce_bucket(cfg, lay, held)
     opt = optimizer_bytes(lay.precision, lay.stage) * (held if lay.stage == 0 else shard)
     acts = activations(cfg.model, cfg.moe, lay)
     accumulates = lay.grad_accum > 1
+    probe = health_probe(cfg, lay, acts) if cfg.stability.health_every > 0 else 0.0
     if lay.offload:
-        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt)
-    return Memory(weights, gradients, opt, acts, accumulates)
+        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt, probe=probe)
+    return Memory(weights, gradients, opt, acts, accumulates, probe=probe)
 
 
-def reduce_bucket(cfg: RunConfig, lay: Layout) -> int:
+def health_probe(cfg: RunConfig, lay: Layout, acts: Activations) -> float:
+    """Bytes of the health probe's copies (``pretrain/train/health.py``, ``Attention._logit_max``): 8 per element of
+    one head's (b, T, T) scores (fp32, and masked when causal; attention sees the whole sequence under sequence
+    parallelism), or the backward's start and two fp32 chunks of the output logits."""
+    from pretrain.train.health import LOGIT_CHUNK
+
+    v, tokens = cfg.model.vocab_size, lay.micro_batch * lay.seq_len // lay.sp
+    chunk = min(max(1, LOGIT_CHUNK // v), tokens) * v  # elements of one fp32 chunk
+    return max(8 * lay.micro_batch * lay.seq_len**2, acts.at_start + 8 * chunk)
+
+
+REDUCE_BYTES = 4
+"""Bytes of an element of the reduce buffers: gradients are reduced in fp32 (bf16 runs too)."""
+
+
+def reduce_bucket(cfg: RunConfig, lay: Layout, held: float) -> float:
     """Elements of ZeRO's gradient reduce buffers: ``zero.reduce_bucket_size`` whatever the model's size (ZeRO-1/2
-    from a step's first gradient to its update, two with ``overlap_comm``; ZeRO-3 for the whole run); none at 0."""
+    from a step's first gradient to its update, two with ``overlap_comm``; ZeRO-3 for the whole run); none at 0.
+    bf16 ZeRO-1 (BF16_Optimizer) reduces through the engine instead, which flattens up to 500M elements of the fp32
+    gradients at a time (``held``: the gradients this worker holds)."""
     if lay.stage == 0:
         return 0
+    if lay.stage == 1 and lay.precision == "bf16":
+        return min(held, 500_000_000)
     return cfg.zero.reduce_bucket_size * (2 if cfg.zero.overlap_comm and lay.stage < 3 else 1)
 
 
@@ -398,10 +443,10 @@ def verdict(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> str:
         return f"no GPU type named (cluster.gpu_type: one of {', '.join(GPU_MEMORY_GIB)})"
     cap = GPU_MEMORY_GIB[gpu] * GIB
     t = memory(cfg, counts, lay).total
-    if t <= FIT_SHARE * cap:
+    if t + CUDA_CONTEXT <= FIT_SHARE * cap:
         return f"{gpu}: fits: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
-    what = "does not fit" if t > cap else f"tight (more than {FIT_SHARE:.0%}; the CUDA context and NCCL take some)"
-    todo = fixes(cfg, counts, lay, FIT_SHARE * cap)
+    what = "does not fit" if t + CUDA_CONTEXT > cap else f"tight (more than {FIT_SHARE:.0%} with the CUDA context)"
+    todo = fixes(cfg, counts, lay, FIT_SHARE * cap - CUDA_CONTEXT)
     lead = "" if todo[:1] and todo[0].startswith("even ") else "to fit: "
     line = f"{gpu}: {what}: {t / GIB:.1f} of {cap / GIB:g} GiB per GPU"
     return line + (f"; {lead}{', or '.join(todo)}" if todo else "")
@@ -422,18 +467,19 @@ def plan_rows(cfg: RunConfig, plan: RunPlan, counts: ParamCounts) -> list[tuple[
     )
     mem, acts = memory(cfg, counts, lay), activations(cfg.model, cfg.moe, lay)
     w, over = (2 if lay.precision == "bf16" else 4), f"partitioned over {lay.zero_group}"
-    bucket = reduce_bucket(cfg, lay) * w / GIB
+    bucket = reduce_bucket(cfg, lay, held_and_shard(counts, lay)[0]) * REDUCE_BYTES / GIB
     offload = f"; offloaded: {mem.host_optimizer / GIB:,.2f} GiB of host memory" if lay.offload else ""
     parts = {
         "weights": f"{w} B/param" + (f", {over}, + the gathered layers" if lay.stage == 3 else ""),
-        "gradients": f"{w} B/param"
+        "gradients": f"{gradient_bytes(lay.precision, lay.stage)} B/param"
         + (f", {over}" if lay.stage >= 2 else "")
         + (f", + reduce bucket {bucket:,.2f}" if bucket else ""),
         "optimizer": f"{optimizer_bytes(lay.precision, lay.stage)} B/param"
         + (f", {over}" if lay.stage else "")
         + offload,
         "activations": f"kept for the backward {acts.kept / GIB:,.2f}, + {acts.at_start / GIB:,.2f} logits and loss "
-        f"at the backward's start, or + {acts.with_gradients / GIB:,.2f} once gradients exist",
+        f"at the backward's start, or + {acts.with_gradients / GIB:,.2f} once gradients exist"
+        + (f"; health-probe steps + {mem.probe / GIB:,.2f}" if mem.probe else ""),
     }
     unit = "GPU" if lay.gpus else "worker (host memory)"
     less = sum(mem.parts().values()) > mem.total + 1

@@ -135,12 +135,17 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def _logit_max(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Largest scaled logit q.k/sqrt(hd) over the allowed (causal) positions, as an fp32 scalar."""
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, T, T)
-        if self.causal:
-            t = s.shape[-1]
-            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        return s.amax()
+        """Largest scaled logit q.k/sqrt(hd) over the allowed (causal) positions, as an fp32 scalar. One head at a
+        time: the fp32 (B, T, T) scores of one head (and their masked copy) are all it holds beside the forward."""
+        t = q.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1) if self.causal else None
+        best = torch.full((), float("-inf"), device=q.device)
+        for h in range(q.shape[1]):
+            s = torch.matmul(q[:, h].float(), k[:, h].float().transpose(-1, -2)) * self.head_dim**-0.5  # (B, T, T)
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            best = torch.maximum(best, s.amax())
+        return best
 
 
 class FeedForward(nn.Module):

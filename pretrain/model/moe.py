@@ -139,7 +139,7 @@ class MoEFeedForward(nn.Module):
         expert = chosen.t().reshape(-1)  # (kN,) first choices of all tokens, then second choices
         token = torch.arange(n, device=h.device).repeat(k)
         weight = weights.t().reshape(-1)
-        routed = torch.bincount(expert, minlength=e)
+        routed = expert_counts(expert, e)
         if self.training and self.capacity_factor > 0:
             capacity = math.ceil(self.capacity_factor * n * k / e)
             onehot = F.one_hot(expert, e)  # (kN, E)
@@ -148,7 +148,7 @@ class MoEFeedForward(nn.Module):
             expert, token, weight = expert[keep], token[keep], weight[keep]
         order = torch.argsort(expert, stable=True)
         expert, token, weight = expert[order], token[order], weight[order]
-        counts = torch.bincount(expert, minlength=e)  # (E,) kept assignments per expert
+        counts = expert_counts(expert, e)  # (E,) kept assignments per expert
         y = self._run_experts(h[token], counts)  # (M, D), rows in (expert, arrival) order
         y = (y * weight.unsqueeze(-1)).to(h.dtype)  # fp32 weights, like HF
         out = torch.zeros_like(h).index_add_(0, token, y)
@@ -214,6 +214,12 @@ class MoEFeedForward(nn.Module):
         if stats is None:
             return torch.zeros(self.num_experts + len(STAT_FIELDS) + 1, device=self.router.weight.device)
         return stats
+
+
+def expert_counts(expert: torch.Tensor, e: int) -> torch.Tensor:
+    """(E,) int64 assignments per expert, on the device without a host read (CUDA's ``bincount`` reads the
+    largest index to size its output); integer adds, so exact and deterministic."""
+    return torch.zeros(e, dtype=torch.long, device=expert.device).scatter_add_(0, expert, torch.ones_like(expert))
 
 
 def loop_ffn(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

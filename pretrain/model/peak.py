@@ -12,8 +12,21 @@ import time
 
 import torch
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
-"""Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA datasheets."""
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3"), GH200's H100
+    ("H200", 989.0),  # SXM ("NVIDIA H200"), GH200
+    ("B200", 2250.0),
+    ("A100", 312.0),  # SXM and PCIe
+    ("L40S", 362.0),
+    ("A10G", 125.0),
+    ("L4", 121.0),
+)
+"""Dense bf16 tensor-core peaks (TFLOP/s, half the datasheets' "with sparsity" figures) from NVIDIA datasheets, by a
+part of the name ``torch.cuda.get_device_name`` gives; the first that matches counts, so the PCIe and NVL cards (lower
+clocks and power) come before their SXM namesakes."""
 
 
 def _sync(device: torch.device) -> None:
@@ -23,7 +36,7 @@ def _sync(device: torch.device) -> None:
 
 def datasheet_peak(device_name: str) -> float | None:
     """FLOP/s of the datasheet bf16 peak of a GPU whose name contains a known model, else None."""
-    for key, value in PEAK_BF16_TFLOPS.items():
+    for key, value in PEAK_BF16_TFLOPS:
         if key in device_name:
             return value * 1e12
     return None

@@ -6,6 +6,7 @@ the single-device model above it.
 * ``rules.py``: what composes (divisibility, ZeRO stages, MoE, compiled blocks), checked at config load.
 * ``sequence.py`` (DeepSpeed Ulysses), ``tensor.py`` (DeepSpeed AutoTP), ``expert.py`` (expert parallelism): one
   module per parallelism, how it is applied to a model, its DeepSpeed config section, gather/split of its shards.
+* ``collectives.py``: collectives on host tensors, run on the process group's device (NCCL takes CUDA tensors only).
 * ``apply.py``: :func:`~pretrain.parallel.apply.parallelize`, the one entry point ``build_module`` calls.
 
 This ``__init__`` imports nothing: ``pretrain.config`` imports ``dims`` and ``rules`` (pure, no torch), while the

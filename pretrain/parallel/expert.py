@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from pretrain import ds_adapter
 from pretrain.model.moe import MoEFeedForward, moe_layers
+from pretrain.parallel import collectives
 from pretrain.parallel.dims import ParallelDims
 
 
@@ -121,7 +122,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int) -> in
 
 def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` (this worker's state dict, experts under local ids) with every expert of every sharded MoE
-    layer under its global id, all-gathered over the expert-parallel group (collective on that group)."""
+    layer under its global id, all-gathered over the expert-parallel group (collective on that group; host tensors
+    gathered on the group's device, returned on the host)."""
     out = dict(state)
     for block, layer in moe_layers(model):
         if layer.ep_size == 1:
@@ -134,8 +136,7 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
                 del out[key]
         for name in sorted(local):  # same order on every rank: "<local id>.<param>"
             e, rest = name.split(".", 1)
-            parts = [torch.empty_like(local[name]) for _ in range(layer.ep_size)]
-            tdist.all_gather(parts, local[name].contiguous(), group=group)
+            parts = collectives.all_gather(local[name], [local[name].shape] * layer.ep_size, group)
             for r, t in enumerate(parts):
                 out[f"{prefix}{r * layer.num_local_experts + int(e)}.{rest}"] = t
     return out

@@ -40,6 +40,17 @@ def check_expert(cfg: Any) -> None:
         )
 
 
+def check_compile(cfg: Any) -> None:
+    """Compiled blocks (``train.compile``) against ZeRO-3: DeepSpeed gathers and releases each layer's partitioned
+    weights in hooks on every module inside a block, which a compiled block would break its graph at (and, as the
+    partitions change shape, guard on); ``auto`` leaves ZeRO-3 runs eager, ``yes`` is refused."""
+    if cfg.train.compile == "yes" and cfg.zero.stage == 3:
+        raise ConfigError(
+            "train.compile: yes is not supported with zero.stage 3 (DeepSpeed gathers each layer's weights in module "
+            "hooks inside the compiled blocks); use train.compile=auto or no, or zero.stage 1 or 2"
+        )
+
+
 def check_expert_world(cfg: Any, world_size: int) -> None:
     """The expert-parallel degree divides the worker count (an MoE model only)."""
     ep = cfg.parallel.expert

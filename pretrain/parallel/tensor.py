@@ -10,10 +10,10 @@ consecutive ranks of one ``(d, s)`` (DeepSpeed's AutoTP mesh), created by DeepSp
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from pretrain import ds_adapter
+from pretrain.parallel import collectives
 from pretrain.parallel.dims import ParallelDims
 
 StateDict = dict[str, torch.Tensor]
@@ -82,7 +82,8 @@ def mark_shards(model: nn.Module) -> None:
 
 def gather_shards(model: nn.Module, state: StateDict) -> StateDict:
     """``state`` (by parameter name: this rank's AutoTP shards, e.g. weights or moments) with every split tensor
-    gathered whole over the tensor-parallel group (collective over it; no-op without tensor parallelism)."""
+    gathered whole over the tensor-parallel group (collective over it, on its device: host tensors come back on the
+    host; no-op without tensor parallelism)."""
     splits = _splits(model)
     if not splits:
         return state
@@ -91,14 +92,9 @@ def gather_shards(model: nn.Module, state: StateDict) -> StateDict:
     for name, (dim, sizes, _) in splits.items():
         if name not in out:
             continue
-        local = out[name].contiguous()
-        shape = list(local.shape)
-        parts = []
-        for size in sizes:
-            shape[dim] = size
-            parts.append(torch.empty(shape, dtype=local.dtype, device=local.device))
-        dist.all_gather(parts, local, group=group)
-        out[name] = torch.cat(parts, dim=dim)
+        local = out[name]
+        shapes = [[size if d == dim else n for d, n in enumerate(local.shape)] for size in sizes]
+        out[name] = torch.cat(collectives.all_gather(local, shapes, group), dim=dim)
     return out
 
 

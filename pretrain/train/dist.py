@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pretrain import ds_adapter
 from pretrain.ports import free_port  # noqa: F401  (re-exported: dist.free_port)
 
 
@@ -37,15 +38,57 @@ def _ray_context():
         return None
 
 
+def _ray_device() -> torch.device:
+    import ray.train.torch
+
+    return ray.train.torch.get_device()
+
+
 def _ray_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
 
 
+def gpu_count(use_gpu: str, local_world: int) -> int:
+    """The GPUs this node's workers get: 0 for a CPU run. ``cluster.use_gpu`` ``auto`` uses GPUs only when every
+    local worker has its own (NCCL refuses two ranks on one GPU); ``yes`` with fewer GPUs than local workers is
+    refused in one line."""
+    if use_gpu == "no" or not torch.cuda.is_available():
+        return 0
+    n = torch.cuda.device_count()
+    if n >= local_world:
+        return n
+    if use_gpu == "yes":
+        raise ValueError(
+            f"cluster.use_gpu: yes, with {local_world} workers on this node but {n} GPU(s) visible to them "
+            "(one GPU per worker): fewer workers per node, or cluster.use_gpu=no"
+        )
+    return 0
+
+
+def gpu_device(local_rank: int, ray_device: torch.device | None = None) -> torch.device:
+    """This worker's GPU: the one Ray assigned it (``ray.train.torch.get_device``: its index among the visible
+    devices, whether each worker sees its own or all of the node's), else the local rank's among the visible
+    devices (torchrun: all of them; one per task, as Slurm's ``--gpus-per-task=1`` gives: the only one)."""
+    if ray_device is not None and ray_device.type == "cuda":
+        return ray_device
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def match_deepspeed_accelerator(gpu: bool) -> None:
+    """Make DeepSpeed's accelerator this run's device: ``DS_ACCELERATOR`` (read once, at DeepSpeed's first import)
+    is set to ``cuda`` or ``cpu`` here, whatever a driver without a GPU passed on (a CPU head node, a laptop that
+    submits); a CPU run on a GPU node would otherwise get DeepSpeed's CUDA accelerator, which moves the model to the
+    GPU. Where DeepSpeed is already imported with the other accelerator, says so in one line."""
+    want = "cuda" if gpu else "cpu"
+    os.environ["DS_ACCELERATOR"] = want
+    if (have := ds_adapter.loaded_accelerator()) not in (None, want):
+        raise RuntimeError(f"DeepSpeed was imported with its {have} accelerator before this {want} run started")
+
+
 def setup(use_gpu: str) -> DistContext:
-    """Join (or create) the default process group and pick this worker's device."""
-    want_gpu = use_gpu != "no" and torch.cuda.is_available()
+    """Join (or create) the default process group and pick this worker's device (and DeepSpeed's accelerator)."""
     ray_ctx = _ray_context() if dist.is_initialized() else None
     if ray_ctx is not None:
         rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
@@ -56,6 +99,12 @@ def setup(use_gpu: str) -> DistContext:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    want_gpu = gpu_count(use_gpu, local_world) > 0
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        want_gpu = False  # a group another launcher made for CPU tensors (gloo): the run is on the CPU
+    match_deepspeed_accelerator(want_gpu)
+    if not dist.is_initialized():
         alone = "WORLD_SIZE" not in os.environ  # a plain single process
         if alone:
             os.environ.update(
@@ -74,7 +123,7 @@ def setup(use_gpu: str) -> DistContext:
         store = dist.HashStore() if alone else None
         dist.init_process_group("nccl" if want_gpu else "gloo", rank=rank, world_size=world, store=store)
     if want_gpu:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = gpu_device(local_rank, _ray_device() if ray_ctx is not None else None)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -41,8 +41,22 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_univers
             # the parameters of blocks that layer dropout skips this step. No prefetch: only what runs is gathered
             # (costs the gather/compute overlap on GPUs; none on CPU).
             zero["stage3_prefetch_bucket_size"] = 0
-    if z.offload_optimizer and z.stage > 0:
+    extra: dict[str, Any] = {}
+    if precision == "bf16":
+        # DeepSpeed's bf16 defaults add each micro-batch's gradients into bf16 and reduce them in bf16 (8 bits of
+        # mantissa: the sum of N micro-batches loses about log2(N) of them). Gradients are summed and reduced in
+        # fp32, as Megatron-LM does for bf16: ZeRO-1 through DeepSpeed's BF16_Optimizer (fp32 gradients beside the
+        # bf16 weights), ZeRO-2/3 into fp32 gradient partitions. ZeRO-0 cannot (0.19 refuses a grad_accum_dtype
+        # other than the weights' there): its micro-batches add in bf16, its reduction is fp32.
+        extra["communication_data_type"] = "fp32"
+        if z.stage > 0:
+            extra["data_types"] = {"grad_accum_dtype": "fp32"}
+    if offloads_optimizer(cfg):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # DeepSpeed refuses any client optimizer but its own CPU Adam under offload unless told otherwise; ours
+        # is torch's fused AdamW (build_optimizer), a vectorized multi-threaded host kernel that needs no C++ op
+        # built at first use.
+        extra["zero_force_ds_cpu_optimizer"] = False
     return {
         "train_batch_size": plan.micro_batch * plan.grad_accum * plan.workers,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
@@ -53,15 +67,26 @@ def deepspeed_config(cfg: RunConfig, plan: RunPlan, precision: str, load_univers
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
+        **extra,
         **({"checkpoint": {"load_universal": True}} if load_universal else {}),
         **deepspeed_sections(plan.dims),
     }
 
 
+def offloads_optimizer(cfg: RunConfig) -> bool:
+    """ZeRO keeps the fp32 masters and the AdamW moments in host memory and steps them there
+    (``zero.offload_optimizer``, stages 1-3)."""
+    return cfg.zero.offload_optimizer and cfg.zero.stage > 0
+
+
 def build_optimizer(param_groups: list[dict], cfg: RunConfig) -> torch.optim.Optimizer:
-    """A torch AdamW (not DeepSpeed's fused CPU Adam, whose C++ op is JIT-built at first use on CPU)."""
+    """A torch AdamW (not DeepSpeed's CPU Adam, whose C++ op is JIT-built at first use). Offloaded, DeepSpeed steps
+    it on the host's fp32 partitions: there it is the fused implementation (torch's vectorized, multi-threaded CPU
+    kernel), not the per-tensor loop torch otherwise picks for host tensors; on the GPU torch's default
+    (``foreach``) stands."""
     t = cfg.train
-    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    fused = True if offloads_optimizer(cfg) else None
+    return torch.optim.AdamW(param_groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fused)
 
 
 def expert_param_groups(param_groups: list[dict]) -> list[dict]:
@@ -82,15 +107,18 @@ def initialize(
     plan: RunPlan,
     precision: str,
     load_universal: bool = False,
+    device: torch.device | None = None,
 ):
-    """Wrap ``model`` (already parallelized) in a DeepSpeed engine; torch.distributed
-    must already be initialized. Use :func:`pretrain.train.module.build_module`, not this, directly."""
+    """Wrap ``model`` (already parallelized, on ``device``) in a DeepSpeed engine that stays on ``device``;
+    torch.distributed must already be initialized. Use :func:`pretrain.train.module.build_module`, not this,
+    directly."""
     import deepspeed  # heavy import, kept local
 
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     before_engine(plan.dims)
     ds_adapter.skip_shm_comm_op(torch.distributed.get_world_size())
     engine, _, _, _ = deepspeed.initialize(
+        args=ds_adapter.engine_args(device or torch.device("cpu")),
         model=model,
         optimizer=optimizer,
         config=deepspeed_config(cfg, plan, precision, load_universal),

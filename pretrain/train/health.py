@@ -24,6 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from pretrain import ds_adapter
+from pretrain.model.compile import is_compiled
 
 Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
 
@@ -91,15 +92,16 @@ def counted_param_views(engine) -> Views:
     return _owned(views) if replicated else _once_per_tensor_group(views)
 
 
-def grad_signals(engine) -> tuple[float, float]:
-    """This rank's (sum of squared gradients, 0/1 non-finite) contribution; sum them across ranks."""
+def grad_signals(engine, device: torch.device) -> torch.Tensor:
+    """This rank's (sum of squared gradients, 0/1 non-finite) contribution as a float64 (2,) tensor on ``device``,
+    not read by the host (the step reads it with its other signals, once); sum them across ranks."""
     views = grad_views(engine)
     if not views:
-        return 0.0, 0.0
+        return torch.zeros(2, dtype=torch.float64, device=device)
     # One fused pass, like clip_grad_norm_; accumulated in fp32 even for bf16 gradients.
     norms = torch._foreach_norm([g.detach() for _, g in views], 2, dtype=torch.float32)
-    sq = float(torch.stack(norms).double().pow(2).sum())  # fp64: a huge norm must not overflow to inf
-    return sq, 0.0 if math.isfinite(sq) else 1.0
+    sq = torch.stack(norms).double().pow(2).sum().to(device)  # fp64: a huge norm must not overflow to inf
+    return torch.stack([sq, (~torch.isfinite(sq)).double()])
 
 
 def nonfinite_params(engine) -> float:
@@ -114,6 +116,10 @@ def nonfinite_params(engine) -> float:
     return float(sum(int((~torch.isfinite(t)).sum()) for _, t in views))
 
 
+LOGIT_CHUNK = 1 << 24
+"""Output-logit elements the probe copies to fp32 at a time (64 MiB; the memory plan counts two such copies)."""
+
+
 class HealthProbe:
     """Collects one step's health metrics; every rank must call :meth:`reduce` (collective)."""
 
@@ -125,12 +131,18 @@ class HealthProbe:
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
         self._hooks: list = []
+        self._eager = False
         self._before: list[torch.Tensor] | None = None
 
     # -- forward of the first micro-batch -------------------------------------------------------
 
     def attach(self) -> None:
-        """Hooks on every block (activation RMS/max) and attention logit probes, for one forward."""
+        """Hooks on every block (activation RMS/max) and attention logit probes, for one forward. Compiled blocks
+        run that forward eagerly (``torch.compiler.set_stance("force_eager")`` until :meth:`detach`): new hooks
+        and the probe flag inside a compiled block would recompile it on every probed step."""
+        if hasattr(self.model, "blocks") and is_compiled(self.model) and hasattr(torch.compiler, "set_stance"):
+            torch.compiler.set_stance("force_eager")
+            self._eager = True
         for i, block in enumerate(getattr(self.model, "blocks", [])):
             self._hooks.append(block.register_forward_hook(self._activation_hook(f"block{i:02d}")))
             if hasattr(block, "attn"):
@@ -149,6 +161,9 @@ class HealthProbe:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._eager:
+            torch.compiler.set_stance("default")
+            self._eager = False
         for i, block in enumerate(getattr(self.model, "blocks", [])):
             attn = getattr(block, "attn", None)
             if attn is None:
@@ -156,9 +171,15 @@ class HealthProbe:
             if attn.last_logit_max is not None:
                 self.maxes[f"attn_logit_max/block{i:02d}"] = float(attn.last_logit_max)
             attn.probe_logits, attn.last_logit_max = False, None
-        logits = output.logits.detach().float()  # (B, T, V)
-        self.sums["logit_ms"] = float(logits.pow(2).mean()) / _world()
-        self.sums["logsumexp_sq"] = float(torch.logsumexp(logits, dim=-1).pow(2).mean()) / _world()
+        logits = output.logits.detach()  # (B, T, V)
+        rows = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
+        sq = lse = torch.zeros((), dtype=torch.float64, device=rows.device)
+        for part in rows.split(max(1, LOGIT_CHUNK // rows.shape[-1])):  # fp32 copies of one chunk at a time
+            x = part.float()
+            sq = sq + x.pow(2).sum(dtype=torch.float64)
+            lse = lse + torch.logsumexp(x, dim=-1).pow(2).sum(dtype=torch.float64)
+        self.sums["logit_ms"] = float(sq / rows.numel()) / _world()
+        self.sums["logsumexp_sq"] = float(lse / rows.shape[0]) / _world()
         if getattr(output, "z_loss", None) is not None:
             self.sums["z_loss"] = float(output.z_loss.detach()) / _world()
 

@@ -230,10 +230,11 @@ class TrainModule:
         self.cfg, self.plan, self.engine, self.precision = new.cfg, new.plan, new.engine, new.precision
 
 
-def compile_wanted(setting: str, device: torch.device) -> bool:
-    """``train.compile`` resolved for ``device``: ``auto`` compiles on CUDA only; ``yes`` where inductor cannot run
-    is refused with the reason."""
-    if setting == "no" or (setting == "auto" and device.type != "cuda"):
+def compile_wanted(setting: str, device: torch.device, zero_stage: int = 0) -> bool:
+    """``train.compile`` resolved for ``device``: ``auto`` compiles on CUDA only, and not under ZeRO-3 (whose
+    parameter hooks run inside the blocks; ``yes`` is refused there at config load); ``yes`` where inductor cannot
+    run is refused with the reason."""
+    if setting == "no" or (setting == "auto" and (device.type != "cuda" or zero_stage == 3)):
         return False
     ok, why = compile_supported(device)
     if not ok and setting == "yes":
@@ -269,7 +270,7 @@ def build_module(
     model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
     parallelize(model, plan.dims, rank)  # pretrain/parallel: experts, sequence shards (AutoTP: in the engine)
     model.to(device)
-    if not plan.dims.enabled and compile_wanted(cfg.train.compile, device):
+    if not plan.dims.enabled and compile_wanted(cfg.train.compile, device, cfg.zero.stage):
         compile_blocks(model)
     # DeepSpeed casts the module to bf16 before it copies the fp32 master weights: given weights would lose their
     # low bits, so their fp32 values are set into the masters afterwards.
@@ -283,7 +284,13 @@ def build_module(
         (layer, layer.selection_bias.clone()) for _, layer in moe_layers(model) if layer.selection_bias is not None
     ]
     engine = initialize(
-        model, param_groups(model, cfg.train.weight_decay), cfg, plan, precision, load_universal=load_universal
+        model,
+        param_groups(model, cfg.train.weight_decay),
+        cfg,
+        plan,
+        precision,
+        load_universal=load_universal,
+        device=device,
     )
     for layer, bias in biases:
         layer.deepspeed_moe.gate.expert_bias = bias

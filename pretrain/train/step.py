@@ -145,21 +145,25 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
             objective = h.objective(objective, i, len(mbs))
         engine.backward(objective)
         if i < real:
-            losses.append(out.loss.detach().float().item())
+            losses.append(out.loss.detach().float())  # read by the host once, after the last backward
         if i < len(mbs) - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
     for h in hooks:
         h.after_backward(module)
-    grad_sq, nonfinite = grad_signals(engine)
     world = torch.distributed.get_world_size()
+    local = _loss_sum(losses, device)  # float64, summed in micro-batch order
     if scale is None:  # every rank ran the same number of real micro-batches
-        loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses) / len(losses), grad_sq, nonfinite], device)
+        local = local / len(losses)
+    signals = torch.cat([local.view(1), grad_signals(engine, device)])
+    if world > 1:
+        torch.distributed.all_reduce(signals)
+    # The step's one read by the host: the reduced loss and gradient signals, and the MoE routing statistics.
+    (loss_sum, grad_sq, nonfinite), moe = read_signals(signals, engine.module, device)
+    if scale is None:
         loss = loss_sum / world
     else:
-        loss_sum, grad_sq, nonfinite = dist.all_reduce_sum([sum(losses), grad_sq, nonfinite], device)
         loss = loss_sum / (plan.real_micro_batches * plan.model_parallel)  # model parallel: ranks share batches
     grad_norm = math.sqrt(grad_sq) if nonfinite == 0 and math.isfinite(grad_sq) else float("nan")
-    moe = reduce_moe_stats(engine.module, device)
     decision = None
     for h in hooks:
         decision = h.decide(StepSignals(inp.step, loss, grad_norm)) if decision is None else decision
@@ -176,15 +180,28 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     return StepResult(loss, grad_norm, applied, decision, moe)
 
 
-def reduce_moe_stats(model, device: torch.device) -> dict[int, torch.Tensor]:
-    """Take every MoE layer's accumulated routing statistics and sum them over ranks (one all-reduce)."""
+def _loss_sum(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The micro-batches' fp32 losses added in order in float64 on the device (the sum a host would form from
+    their values, bit for bit, without reading each)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x in losses:
+        total = total + x.double()
+    return total
+
+
+def read_signals(signals: torch.Tensor, model, device: torch.device) -> tuple[list[float], dict[int, torch.Tensor]]:
+    """``signals`` (reduced float64 on the device) as floats, and every MoE layer's accumulated routing statistics
+    summed over ranks (one all-reduce; fp32 host tensors by block index), read by the host in one copy."""
     layers = moe_layers(model)
     if not layers:
-        return {}
+        return signals.tolist(), {}
     rows = [layer.take_stats().to(device) for _, layer in layers]
     flat = torch.cat(rows)
     torch.distributed.all_reduce(flat)
-    return {i: part.cpu() for (i, _), part in zip(layers, flat.split([r.numel() for r in rows]))}
+    host = torch.cat([signals, flat.double()]).cpu()  # fp32 -> fp64 -> fp32: exact
+    n = signals.numel()
+    parts = host[n:].float().split([r.numel() for r in rows])
+    return host[:n].tolist(), {i: part for (i, _), part in zip(layers, parts)}
 
 
 @contextmanager

@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO correctness with real gloo processes: the stage does not change the trajectory, and 2 workers
-equal 1 process fed the same global batches. The cases are a table of config overrides run once (one set of
-processes per world size); each row is checked against its reference row."""
+"""DeepSpeed ZeRO correctness with real gloo processes: the stage (and offloading the optimizer) does not change the
+trajectory, and 2 workers equal 1 process fed the same global batches. The cases are a table of config overrides run
+once (one set of processes per world size); each row is checked against its reference row."""
 
 from __future__ import annotations
 
@@ -24,10 +24,18 @@ CASES = [
     Case("zero1-2w", ("zero.stage=1",), 2),
     Case("zero2-2w", ("zero.stage=2",), 2),
     Case("zero3-2w", ("zero.stage=3",), 2),
+    Case("zero1-offload-2w", ("zero.stage=1", "zero.offload_optimizer=true"), 2),  # torch's fused AdamW on the host
+    Case("zero3-offload-2w", ("zero.stage=3", "zero.offload_optimizer=true"), 2),
     Case("zero1-1w", ("zero.stage=1",), 1),  # 1 process: the whole global batch in 2 micro-batches of 4
 ]
 # case -> (the case it must equal, max |loss difference| over the steps)
-MATCHES = {"zero2-2w": ("zero1-2w", 1e-5), "zero3-2w": ("zero1-2w", 1e-5), "zero1-1w": ("zero1-2w", 1e-4)}
+MATCHES = {
+    "zero2-2w": ("zero1-2w", 1e-5),
+    "zero3-2w": ("zero1-2w", 1e-5),
+    "zero1-offload-2w": ("zero1-2w", 1e-5),
+    "zero3-offload-2w": ("zero1-2w", 1e-5),
+    "zero1-1w": ("zero1-2w", 1e-4),
+}
 
 
 def _train(rank: int, world: int, overrides: list[str]) -> list[float]:
@@ -45,7 +53,8 @@ def runs():
 @pytest.mark.parametrize("case", CASES, ids=case_ids(CASES))
 def test_zero_stages_agree_and_match_single_process(runs, case):
     """Every rank reports the same (all-reduced) losses, training reduces them, and the row equals its reference:
-    ZeRO-2 and ZeRO-3 equal ZeRO-1 (1e-5), 2 workers equal 1 process fed the same global batches (1e-4)."""
+    ZeRO-2 and ZeRO-3 equal ZeRO-1 (1e-5), so do ZeRO-1 and ZeRO-3 with the optimizer offloaded to the host, and 2
+    workers equal 1 process fed the same global batches (1e-4)."""
     ranks = runs[case.id]
     assert all(r == ranks[0] for r in ranks), "ranks must report the same (all-reduced) loss"
     losses = ranks[0]

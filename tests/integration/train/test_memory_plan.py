@@ -25,6 +25,7 @@ DEMO = [  # big enough that weights and activations dwarf the small tensors the 
     "train.compile=no",
     "zero.stage=1",
     "zero.reduce_bucket_size=2000000",  # (see the test)
+    "stability.health_every=0",  # the measured steps run no health probe: its copies are not in the estimate
 ]
 CASES = {
     "demo-decoder": ("demo-decoder", []),
@@ -32,6 +33,8 @@ CASES = {
     "demo-decoder-full": ("demo-decoder", ["train.activation_checkpointing=full"]),
     "demo-decoder-selective": ("demo-decoder", ["train.activation_checkpointing=selective"]),
     "demo-decoder-accumulation": ("demo-decoder", ["train.micro_batch_size=8"]),
+    # bf16 ZeRO-1: the bf16 gradients, their fp32 sum (BF16_Optimizer) and its fp32 reduction
+    "demo-decoder-bf16-accumulation": ("demo-decoder", ["train.precision=bf16", "train.micro_batch_size=8"]),
     # a small vocabulary: the peak comes once gradients exist, while the last block is rebuilt
     "demo-decoder-full-vocab-512": ("demo-decoder", ["train.activation_checkpointing=full", "model.vocab_size=512"]),
     "demo-moe": ("demo-moe", []),

@@ -127,7 +127,9 @@ def test_the_formulas_against_hand_computed_numbers():
     assert (lay.precision, lay.stage, lay.dp, lay.micro_batch, lay.seq_len) == ("bf16", 1, 4, 4, 32)
     mem = memory(cfg, counts, lay)
     assert mem.weights == 2 * 106_816  # bf16, whole on every worker under ZeRO-1
-    assert mem.gradients == 2 * (106_816 + 1000)  # and ZeRO's reduce bucket
+    # bf16 ZeRO-1 (DeepSpeed's BF16_Optimizer): the bf16 gradients and their fp32 sum, and the engine's fp32
+    # reduction of them all at once (up to 500M elements; not zero.reduce_bucket_size)
+    assert mem.gradients == (2 + 4) * 106_816 + 4 * 106_816
     assert mem.optimizer == 12 * 106_816 / 4  # fp32 master + 2 moments, partitioned over 4
     # per token, bf16 (a = 2): an RMSNorm keeps its fp32 input (4*64), normalized input and output (2*64 each), 1/rms
     norm = 4 * 64 + 2 * 64 + 4 + 2 * 64
@@ -145,7 +147,7 @@ def test_the_formulas_against_hand_computed_numbers():
     )
     # one micro-batch a step: the peak is the larger of the start and the backward with every gradient
     peak = max(tokens * (norm + logits), tokens * (2 * v + norm) + mem.gradients)
-    assert mem.total == 2 * 106_816 + 3 * 106_816 + tokens * 2 * blk + peak == 1_720_384
+    assert mem.total == 2 * 106_816 + 3 * 106_816 + tokens * 2 * blk + peak == 2_395_328
     # full: the blocks keep their input; the last block rebuilt in the backward beside the logits
     full = activations(cfg.model, cfg.moe, replace(lay, recompute="full"))
     rebuilt = tokens * (blk - 2 * 64)
@@ -157,7 +159,10 @@ def test_the_formulas_against_hand_computed_numbers():
     # gradient accumulation: the earlier micro-batches' gradients are alive at a backward's start
     two = memory(cfg, counts, replace(lay, micro_batch=2, grad_accum=2))
     half = activations(cfg.model, cfg.moe, replace(lay, micro_batch=2))
-    assert two.total == 5 * 106_816 + half.kept + two.gradients + max(half.at_start, half.with_gradients)
+    # and a health step's probe: the backward's start and the micro-batch's 2 x 32 x 256 logits as one fp32 chunk,
+    # copied twice (more than one head's 2 x 32 x 32 fp32 attention scores and their masked copy)
+    assert two.probe == half.at_start + 8 * (2 * 32) * 256
+    assert two.total == 5 * 106_816 + half.kept + two.gradients + max(half.at_start, half.with_gradients, two.probe)
 
     # fp32: 4-byte weights and gradients; ZeRO-1/2 clone their fp32 partition (12 B), ZeRO-3 and 0 do not (8 B)
     for stage, opt in ((0, 8 * 106_816), (1, 12 * 106_816 / 4), (2, 12 * 106_816 / 4), (3, 8 * 106_816 / 4)):
@@ -173,7 +178,7 @@ def test_zero_stages_and_experts_split_the_state():
     mem = memory(cfg, counts, lay)
     held = 600 + 400 / 2  # dense weights, and half the experts (ep 2)
     assert mem.weights == 2 * held
-    assert mem.gradients == 2 * (1000 / 4 + 10)  # partition + the reduce bucket (reduce_bucket_size elements)
+    assert mem.gradients == 4 * (1000 / 4 + 10)  # fp32 partition + the fp32 reduce bucket (reduce_bucket_size)
     assert mem.optimizer == 12 * 1000 / 4
     z3 = memory(cfg, counts, replace(lay, stage=3, ep=1))
     assert z3.weights == 2 * (1000 / 4 + 2 * 100)  # partition + the gathered layer and the prefetched one

@@ -142,7 +142,39 @@ def test_compile_setting_resolves_per_device():
 
     cpu = torch.device("cpu")
     assert not compile_wanted("auto", cpu) and not compile_wanted("no", cpu) and compile_wanted("yes", cpu)
+    # ZeRO-3's parameter hooks run inside the blocks: auto leaves them eager, yes is refused at load
+    assert not compile_wanted("auto", torch.device("cuda", 0), zero_stage=3)
+    with pytest.raises(ConfigError, match=r"^train.compile: yes is not supported with zero.stage 3"):
+        load_config(None, ["train.compile=yes", "zero.stage=3"])
     assert load_config(None, ["train.compile=yes"]).train.compile == "yes"  # YAML reads yes/no as booleans
     assert load_config(None, ["train.compile=off"]).train.compile == "no"
     with pytest.raises(ConfigError, match="train.compile"):
         load_config(None, ["train.compile=sometimes"])
+
+
+def test_health_probe_steps_run_eagerly_and_recompile_nothing():
+    """The probe's hooks and its logit flag would change a compiled block's guards on every probed step; its
+    forward runs eagerly instead, with the same probe readings, and the compiled graphs stay as they were."""
+    from types import SimpleNamespace
+
+    from pretrain.train.health import HealthProbe
+
+    torch._dynamo.reset()
+    cfg = _cfg()
+    model = build_model(cfg.model, 0, cfg.moe)
+    compile_blocks(model)
+    ids = _batches(1)[0]
+    model(ids, labels=ids).loss.backward()  # compiled: forward and backward graphs
+    before = compile_counters()
+    readings = []
+    for _ in range(3):  # probed steps between plain ones
+        probe = HealthProbe(SimpleNamespace(module=model))
+        probe.attach()
+        out = model(ids, labels=ids)
+        probe.detach(out)
+        out.loss.backward()
+        readings.append(dict(probe.maxes))
+        model(ids, labels=ids).loss.backward()
+    assert compile_counters() == before, (before, compile_counters())
+    assert readings[0] and all(r.keys() == readings[0].keys() for r in readings)
+    assert "attn_logit_max/block00" in readings[0] and "act_max/block02" in readings[0]

@@ -1,0 +1,35 @@
+"""The datasheet peaks MFU is measured against (``pretrain/model/peak.py``), matched on the names
+``torch.cuda.get_device_name`` gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.model.peak import datasheet_peak, device_peak
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA B200", 2250.0),
+    ],
+)
+def test_each_card_gets_its_own_datasheet_peak(name, tflops):
+    assert datasheet_peak(name) == tflops * 1e12
+
+
+def test_an_unknown_device_is_measured():
+    assert datasheet_peak("Tesla T4") is None
+    peak, source = device_peak(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert source == "measured" and peak > 0
