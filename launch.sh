@@ -212,15 +212,16 @@ setup() {  # setup [--offline WHEELHOUSE]
     echo "[setup] done in $((SECONDS - t0)) s" >&2  # a CUDA torch: no CPU comm op to build
     return 0
   fi
-  # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init (tens of CPU-seconds). Build it now
-  # in the background, detached, cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that comes first waits for
-  # it (torch's lock file in the build directory) rather than building it again; if it fails, DeepSpeed builds it (or
+  # DeepSpeed JIT-builds a small CPU shared-memory comm op at its first init of several workers (tens of
+  # CPU-seconds; a run of one process never builds nor waits for it). Build it now in the background, detached, at
+  # the lowest CPU priority (the first run goes first), cached in $TORCH_EXTENSIONS_DIR: a DeepSpeed init that
+  # comes first waits for it (torch's lock file in the build directory) rather than building it again; if it fails, DeepSpeed builds it (or
   # falls back to gloo) at first use. SIGTERM still releases that lock; after a kill -9 mid-build, delete the
   # leftover .cache/torch_extensions/deepspeed_shm_comm/lock (torch would wait on it forever). Not with a CUDA
   # torch: GPUs communicate through NCCL, and a container build (Dockerfile) would kill it mid-build.
   mkdir -p "$ROOT/.cache"
-  local detach=()
-  command -v setsid >/dev/null && detach=(setsid)
+  local detach=(nice -n 19)
+  command -v setsid >/dev/null && detach=(setsid nice -n 19)
   ${detach[@]+"${detach[@]}"} nohup "$VENV/bin/python" -c "import signal, sys
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 from deepspeed.comm.torch import build_shm_op
