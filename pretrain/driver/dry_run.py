@@ -22,7 +22,8 @@ from pathlib import Path
 from pretrain.config import RunConfig, make_plan
 from pretrain.config.paths import resolve_paths
 from pretrain.driver.budget import resolve_budget
-from pretrain.driver.memory_plan import count_parameters, plan_rows
+from pretrain.driver.memory_plan import count_parameters
+from pretrain.driver.memory_report import plan_rows
 from pretrain.driver.prepare import _round_up, preflight
 
 

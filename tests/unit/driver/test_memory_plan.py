@@ -14,13 +14,11 @@ from pretrain.cli import main
 from pretrain.config import ConfigError, load_config, make_plan
 from pretrain.config.runtime import GPU_MEMORY_GIB
 from pretrain.driver.memory_plan import (
-    GIB,
     ParamCounts,
     activations,
     count_parameters,
     layout_of,
     memory,
-    verdict,
 )
 from tests.conftest import ROOT
 from tests.harness import tiny_model
@@ -182,20 +180,3 @@ def test_zero_stages_and_experts_split_the_state():
     assert mem.optimizer == 12 * 1000 / 4
     z3 = memory(cfg, counts, replace(lay, stage=3, ep=1))
     assert z3.weights == 2 * (1000 / 4 + 2 * 100)  # partition + the gathered layer and the prefetched one
-
-
-def test_the_verdict_names_what_to_change():
-    base = ["cluster.use_gpu=yes", "cluster.num_workers=8", "data.num_streams=64", "model.vocab_size=32000"]
-    cfg = load_config(ROOT / "configs" / "llama-1b.yaml", [*base, "cluster.gpu_type=H100-80GB"])
-    counts = count_parameters(cfg)
-    line = verdict(cfg, counts, layout_of(cfg, make_plan(cfg, 8)))
-    assert line.startswith("H100-80GB: fits: ") and line.endswith(" of 80 GiB per GPU")
-    tight = ["train.activation_checkpointing=none", "zero.stage=1", "cluster.gpu_type=L4-24GB"]
-    cfg = load_config(ROOT / "configs" / "llama-1b.yaml", [*base, *tight])
-    lay = layout_of(cfg, make_plan(cfg, 8))
-    line = verdict(cfg, counts, lay)
-    total = memory(cfg, counts, lay).total / GIB
-    assert line.startswith(f"L4-24GB: does not fit: {total:.1f} of 24 GiB per GPU; to fit: ")
-    assert "train.micro_batch_size=" in line and "train.activation_checkpointing=" in line
-    cfg = load_config(None, ["cluster.use_gpu=yes", "model.vocab_size=4096"])
-    assert verdict(cfg, count_parameters(cfg), layout_of(cfg, make_plan(cfg, 1))).startswith("no GPU type named")
