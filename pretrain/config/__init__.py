@@ -22,6 +22,7 @@ from pretrain.config.loading import (
 )
 from pretrain.config.names import source_name
 from pretrain.config.plan import RunPlan, layout
+from pretrain.config.train import TrainConfig
 from pretrain.config.tree import (
     CheckpointConfig,
     ClusterConfig,
@@ -35,7 +36,6 @@ from pretrain.config.tree import (
     RunConfig,
     StabilityConfig,
     TrackingConfig,
-    TrainConfig,
     ZeroConfig,
     make_plan,
 )
