@@ -208,8 +208,8 @@ setup() {  # setup [--offline WHEELHOUSE]
   # This project, editable and without dependencies (the lock has them), built by the lock's setuptools: the
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
   if [[ -z "$UV" ]]; then
-    "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check --no-index --no-deps \
-      --no-build-isolation -e "$ROOT" || exit 1
+    PYTHONWARNINGS=ignore "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check \
+      --no-index --no-deps --no-build-isolation -e "$ROOT" || exit 1  # (setuptools' warning on editable installs)
   elif [[ -n "$offline" ]]; then
     UV_PYTHON_DOWNLOADS=never "$UV" pip install -q --python "$VENV/bin/python" "${uv_offline[@]}" --no-deps \
       --no-build-isolation -e "$ROOT"

@@ -81,7 +81,7 @@ def split(pins: dict[str, Pin], env: dict[str, str], keep: set[str]) -> tuple[se
     """(what a wheelhouse leaves out: torch, what only torch needs, and every package the environment has at the
     resolved version; {name: version} of the packages left to the environment that the stack needs). ``keep``: the
     build backend, never left out for torch's sake."""
-    torch_only = left_out(pins, {"torch"}, keep)
+    torch_only = left_out(pins, {"torch"} & pins.keys(), keep)  # torch is resolved only where a package needs it
     have = {
         n: env[n] for n, pin in pins.items() if n not in torch_only and n in env and same_version(env[n], pin.version)
     }

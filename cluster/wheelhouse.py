@@ -85,7 +85,7 @@ def wheelhouse(args: argparse.Namespace) -> None:
             Path(args.environment),
             lock.parent / "requirements.txt",
             without,
-            _build_requirements(ROOT / "pyproject.toml"),
+            [*_build_requirements(ROOT / "pyproject.toml"), "packaging"],  # packaging: setup's check (install.py)
             args.python,
             args.platform,
             args.uv,
