@@ -173,10 +173,10 @@ def unmet_requirements(direct: list[str]) -> list[str]:
         try:
             have = importlib.metadata.version(req.name)
         except importlib.metadata.PackageNotFoundError:
-            unmet.append(f"{parent} needs {req} (not installed)")
+            unmet.append(f"{parent} needs {str(req).split(';')[0].strip()} (not installed)")
             continue
         if not req.specifier.contains(have, prereleases=True):
-            unmet.append(f"{parent} needs {req} (the venv sees {have})")
+            unmet.append(f"{parent} needs {str(req).split(';')[0].strip()} (the venv sees {have})")
         key = (canonical(req.name), frozenset(req.extras))
         if key in seen:
             continue
