@@ -169,6 +169,10 @@ setup() {  # setup [--offline WHEELHOUSE]
   local t0=$SECONDS uv_offline=()
   [[ -n "$offline" ]] && uv_offline=(--offline --no-index --find-links "$offline")
   ensure_uv "$offline"
+  if [[ -z "$UV" ]] && ! "$PY" -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))' 2>/dev/null; then
+    echo "[setup] error: $offline holds no uv and none of version $UV_VERSION is at hand, and $PY has no pip 22.3 or later to install with: put uv $UV_VERSION on PATH" >&2
+    exit 2
+  fi
   if [[ ! -x "$VENV/bin/python" || ! -f "$stamp" || "$(head -n1 "$stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
     req="$lock"
