@@ -3,13 +3,14 @@
 
 Standard library only: launch.sh runs it with the Python that setup uses, before anything is installed
 (``python cluster/install.py COMMAND ...``, the checkout first on PYTHONPATH as launch.sh exports it; ``verify`` runs
-in the new venv, which has ``packaging``). Errors are one
-line on stderr and exit 2 (bad input, nothing changed) or 1 (an install that does not hold).
+in the new venv, which sees ``packaging``: the lock's, or a wheelhouse's, or the environment's). Errors are one line
+on stderr and exit 2 (bad input, nothing changed) or 1 (an install that does not hold).
 
 The environment's torch is read from its metadata (no import) and must lie in ``[tool.pretrain] torch`` of
 pyproject.toml; the venv sees the environment's packages after its own, through a ``.pth`` file; setup installs the
-lock less torch and what only torch needs (``cluster.lockfile``), then checks here that torch imports from the
-environment and that every package it requires is there in a version it accepts.
+lock less torch and what only torch needs (``cluster.lockfile``; from a wheelhouse made for the environment, that
+wheelhouse's own lock), then checks here that torch imports from the environment and that every requirement of
+torch and of what setup installed, transitively, is met by the version the venv sees.
 """
 
 from __future__ import annotations

@@ -64,7 +64,10 @@ def wheelhouse(args: argparse.Namespace) -> None:
     """Every wheel the lock needs, less torch and what only it needs (the environment brings them) and ``--without``,
     for CPython ``--python`` on ``--platform``: downloaded hash-checked by pip; an sdist (DeepSpeed ships one) built
     here once into a wheel, which must be pure Python. Writes the wheels, ``requirements.txt`` (what setup installs
-    from them, hash-checked) and ``wheelhouse.json`` (the manifest: lock, target, sizes, sha256) into DIR."""
+    from them, hash-checked) and ``wheelhouse.json`` (the manifest: lock, target, sizes, sha256) into DIR. With
+    ``--environment FILE`` (the target's ``pip list``): the lock's direct pins and, of the rest, only what that
+    environment lacks at a version they accept (``cluster.environment``); ``requirements.txt`` is then that
+    resolution less what the environment brings, and the manifest names the environment and what it leaves to it."""
     import shutil
     import tempfile
 
