@@ -23,7 +23,8 @@ WORKDIR /app
 COPY --chown=ray:users launch.sh pyproject.toml requirements.txt requirements-torch.txt requirements.lock \
      requirements-cuda.lock ./
 COPY --chown=ray:users pretrain/__init__.py pretrain/
-COPY --chown=ray:users cluster/__init__.py cluster/install.py cluster/lockfile.py cluster/wheelhouse.py cluster/
+COPY --chown=ray:users cluster/__init__.py cluster/install.py cluster/lockfile.py cluster/wheelhouse.py \
+    cluster/environment.py cluster/
 COPY --chown=ray:users eval/__init__.py eval/
 COPY --chown=ray:users benchmarks/__init__.py benchmarks/
 RUN ./launch.sh setup && rm -rf /home/ray/.cache/uv \

@@ -5,7 +5,8 @@
 #                            torch); PRETRAIN_TORCH=cuda|cpu forces either. PRETRAIN_TORCH=system (the default where
 #                            $PYTHON has a CUDA torch): keep that torch, install the rest of requirements.lock around it
 #   ./launch.sh setup --offline DIR   the same around the environment's torch, from a wheelhouse, with no network
-#   ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev]   the wheels setup --offline needs
+#   ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev] [--environment FILE]   the wheels
+#                            setup --offline needs; FILE (the target's pip list --format=freeze): only what it lacks
 #   ./launch.sh lock         re-resolve both locks from requirements-torch.txt + requirements.txt (same versions)
 #   ./launch.sh lint         setup, then ruff (lint + format check) and mypy, configured in pyproject.toml
 #   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest)
@@ -35,7 +36,7 @@ inputs_hash() {  # what requirements.lock was resolved from (recorded in its fir
 }
 
 ensure_uv() {  # [WHEELHOUSE] sets UV: uv $UV_VERSION, fetched once per user with this Python's pip and its package index
-  # (or taken from the wheelhouse: no pip, no network)
+  # (or taken from the wheelhouse: no pip, no network; UV empty for a wheelhouse without one: setup uses pip)
   local dir="${XDG_CACHE_HOME:-$HOME/.cache}/pretrain/uv-$UV_VERSION"
   UV="$dir/uv"
   [[ -x "$UV" ]] && return 0
@@ -50,7 +51,8 @@ ensure_uv() {  # [WHEELHOUSE] sets UV: uv $UV_VERSION, fetched once per user wit
   if [[ -n "${1:-}" ]]; then
     local wheel
     wheel="$(find "$1" -maxdepth 1 -name "uv-$UV_VERSION-*.whl" | head -n1)"
-    [[ -n "$wheel" ]] && grep -q "sha256:$(sha256sum "$wheel" | cut -d' ' -f1)" "$tmp/uv.txt" \
+    [[ -n "$wheel" ]] || { rm -rf "$tmp"; UV=""; return 0; }  # a wheelhouse without uv: setup installs with pip
+    grep -q "sha256:$(sha256sum "$wheel" | cut -d' ' -f1)" "$tmp/uv.txt" \
       || { echo "[setup] error: $1 holds no uv $UV_VERSION wheel with a sha256 of the lock's" >&2; exit 1; }
     cp "$wheel" "$tmp/"
   elif ! "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: ${hashes[@]+"${hashes[@]}"} \
@@ -167,22 +169,33 @@ setup() {  # setup [--offline WHEELHOUSE]
   local t0=$SECONDS uv_offline=()
   [[ -n "$offline" ]] && uv_offline=(--offline --no-index --find-links "$offline")
   ensure_uv "$offline"
+  if [[ -z "$UV" ]] && ! "$PY" -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))' 2>/dev/null; then
+    echo "[setup] error: $offline holds no uv and none of version $UV_VERSION is at hand, and $PY has no pip 22.3 or later to install with: put uv $UV_VERSION on PATH" >&2
+    exit 2
+  fi
   if [[ ! -x "$VENV/bin/python" || ! -f "$stamp" || "$(head -n1 "$stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
-    local py_version='import sys; print(*sys.version_info[:2])'
-    if [[ ! -x "$VENV/bin/python" || "$("$VENV/bin/python" -c "$py_version")" != "$("$PY" -c "$py_version")" ]]; then
-      UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
-    fi
     req="$lock"
     if [[ "$KIND" == system ]]; then  # the lock less torch and what only torch needs (and a wheelhouse's --without)
-      req="$VENV/.pretrain-requirements.txt"
-      "$PY" "$INSTALL" requirements "$LOCK" ${offline:+--wheelhouse "$offline"} >"$req" || exit $?
+      req="$(mktemp)"
+      "$PY" "$INSTALL" requirements "$LOCK" ${offline:+--wheelhouse "$offline"} >"$req" || { local rc=$?; rm -f "$req"; exit $rc; }
     fi
+    local py_version='import sys; print(*sys.version_info[:2])'
+    if [[ -z "$UV" ]]; then  # pip installs into a new venv (it removes no extraneous package, as uv pip sync does)
+      "$PY" -m venv --clear --without-pip "$VENV"
+    elif [[ ! -x "$VENV/bin/python" || "$("$VENV/bin/python" -c "$py_version")" != "$("$PY" -c "$py_version")" ]]; then
+      UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
+    fi
+    if [[ "$KIND" == system ]]; then mv "$req" "$VENV/.pretrain-requirements.txt"; req="$VENV/.pretrain-requirements.txt"; fi
     # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the
     # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there, or only from the wheelhouse.
     # Bytecode compiled now like pip does: with PYTHONDONTWRITEBYTECODE set, every process would otherwise recompile
-    # what it imports.
-    if [[ -n "$offline" ]]; then
+    # what it imports. Offline with no uv (a wheelhouse made for one environment carries none): the environment's pip,
+    # into the new venv, each wheel hash-checked, nothing resolved (the wheelhouse's lock is complete).
+    if [[ -z "$UV" ]]; then
+      "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check --no-index \
+        --find-links "$offline" --no-deps --require-hashes -r "$req" || exit 1
+    elif [[ -n "$offline" ]]; then
       UV_PYTHON_DOWNLOADS=never "$UV" pip sync -q --python "$VENV/bin/python" --require-hashes --compile-bytecode \
         "${uv_offline[@]}" "$req"
     else
@@ -198,14 +211,18 @@ setup() {  # setup [--offline WHEELHOUSE]
   fi
   # This project, editable and without dependencies (the lock has them), built by the lock's setuptools: the
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
-  if [[ -n "$offline" ]]; then
+  if [[ -z "$UV" ]]; then
+    PYTHONWARNINGS=ignore "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check \
+      --no-index --no-deps --no-build-isolation -e "$ROOT" || exit 1  # (setuptools' warning on editable installs)
+  elif [[ -n "$offline" ]]; then
     UV_PYTHON_DOWNLOADS=never "$UV" pip install -q --python "$VENV/bin/python" "${uv_offline[@]}" --no-deps \
       --no-build-isolation -e "$ROOT"
   else
     run_uv all pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
   fi
   # system: torch imports from the environment, and every package it requires is there in a version it accepts.
-  [[ "$KIND" != system ]] || "$VENV/bin/python" "$INSTALL" verify "${TORCH%% *}" || exit 1
+  [[ "$KIND" != system ]] || "$VENV/bin/python" "$INSTALL" verify "${TORCH%% *}" --installed "$VENV/.pretrain-requirements.txt" \
+    || exit 1
   printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp"
   sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the lock's sha256 alone: a second, simpler stamp
   if [[ "$KIND" == cuda || ( "$KIND" == system && "$(cut -d' ' -f2 <<<"$TORCH")" != cpu ) ]]; then
@@ -229,9 +246,10 @@ build_shm_op()" </dev/null >"$ROOT/.cache/deepspeed-shm-op.log" 2>&1 &
   echo "[setup] done in $((SECONDS - t0)) s (DeepSpeed's CPU comm op builds in the background: .cache/deepspeed-shm-op.log)" >&2
 }
 
-wheelhouse() {  # DIR [--python X.Y] [--platform TAG] [--without ray,dev]: what setup --offline installs (no .venv needed)
+wheelhouse() {  # DIR [--python X.Y] [--platform TAG] [--without ray,dev] [--environment FILE]: what setup --offline
+  # installs (no .venv needed)
   [[ $# -ge 1 && "$1" != -* ]] \
-    || { echo "[wheelhouse] error: usage: ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev]" >&2; exit 2; }
+    || { echo "[wheelhouse] error: usage: ./launch.sh wheelhouse DIR [--python X.Y] [--platform TAG] [--without ray,dev] [--environment FILE]" >&2; exit 2; }
   ensure_uv
   exec "$PY" "$INSTALL" wheelhouse "$@" --lock "$LOCK" --uv "$UV"
 }

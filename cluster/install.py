@@ -3,13 +3,14 @@
 
 Standard library only: launch.sh runs it with the Python that setup uses, before anything is installed
 (``python cluster/install.py COMMAND ...``, the checkout first on PYTHONPATH as launch.sh exports it; ``verify`` runs
-in the new venv, which has ``packaging``). Errors are one
-line on stderr and exit 2 (bad input, nothing changed) or 1 (an install that does not hold).
+in the new venv, which sees ``packaging``: the lock's, or a wheelhouse's, or the environment's). Errors are one line
+on stderr and exit 2 (bad input, nothing changed) or 1 (an install that does not hold).
 
 The environment's torch is read from its metadata (no import) and must lie in ``[tool.pretrain] torch`` of
 pyproject.toml; the venv sees the environment's packages after its own, through a ``.pth`` file; setup installs the
-lock less torch and what only torch needs (``cluster.lockfile``), then checks here that torch imports from the
-environment and that every package it requires is there in a version it accepts.
+lock less torch and what only torch needs (``cluster.lockfile``; from a wheelhouse made for the environment, that
+wheelhouse's own lock), then checks here that torch imports from the environment and that every requirement of
+torch and of what setup installed, transitively, is met by the version the venv sees.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def link(venv: Path, torch_dir: Path) -> Path:
     return target / PTH
 
 
-def verify(version: str) -> str:
+def verify(version: str, direct: list[str]) -> str:
     """Run in the venv: torch imports, from the environment (not the venv), at the version setup saw, and every
     package it requires is there in a version it accepts (the lock's copy where the venv has one, which shadows the
-    environment's). Returns a one-line summary that names the environment's packages the lock shadows."""
+    environment's); so is every requirement of ``direct`` (what setup installed) and of what they need. Returns
+    a one-line summary that names the environment's packages the lock shadows."""
     import importlib.metadata
 
     from packaging.requirements import Requirement
@@ -137,6 +139,10 @@ def verify(version: str) -> str:
             problems.append(f"{req} (the venv sees {have})")
     if problems:
         raise InstallError(f"the environment's torch {version} needs {'; '.join(problems)}", 1)
+    unmet = unmet_requirements(direct)
+    if unmet:
+        more = f" and {len(unmet) - 10} more" if len(unmet) > 10 else ""
+        raise InstallError(f"requirements not met in the venv: {'; '.join(unmet[:10])}{more}", 1)
     seen: dict[str, list[str]] = {}
     paths: set[tuple[str, str]] = set()
     for dist in importlib.metadata.distributions():
@@ -151,6 +157,50 @@ def verify(version: str) -> str:
         more = f" and {len(shadowed) - 12} more" if len(shadowed) > 12 else ""
         line += f"; the lock's versions shadow {len(shadowed)} of its packages: {', '.join(shadowed[:12])}{more}"
     return line
+
+
+def unmet_requirements(direct: list[str]) -> list[str]:
+    """Each requirement, of ``direct`` and (transitively, extras included) of every package they need, that the
+    packages this Python sees first do not meet: ``NAME SPEC (the venv sees VERSION | not installed)``."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    unmet: list[str] = []
+    queue = [(Requirement(r), "setup") for r in direct]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while queue:
+        req, parent = queue.pop(0)
+        try:
+            have = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            unmet.append(f"{parent} needs {str(req).split(';')[0].strip()} (not installed)")
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{parent} needs {str(req).split(';')[0].strip()} (the venv sees {have})")
+        key = (canonical(req.name), frozenset(req.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        for text in importlib.metadata.requires(req.name) or []:
+            sub = Requirement(text)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in ("", *req.extras)):
+                queue.append((sub, f"{canonical(req.name)} {have}"))
+    return unmet
+
+
+def installed_roots(requirements: Path, installed: Path) -> list[str]:
+    """What setup installed (the pins of ``installed``, the file it gave the installer) as requirements, each with
+    the extras requirements.txt asks of it (``ray[default,train]``), and torch."""
+    from cluster.lockfile import parse_lock
+
+    _, pins = parse_lock(installed.read_text())
+    extras = {}
+    for line in requirements.read_text().splitlines():
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?", line)
+        if m and m.group(2):
+            extras[canonical(m.group(1))] = m.group(2)
+    return ["torch", *(f"{n}{extras.get(n, '')}=={p.version}" for n, p in pins.items())]
 
 
 # -- the command line (launch.sh) --------------------------------------------------------------------------------------
@@ -182,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("requirements", help="the lock less torch and what only torch needs (from a wheelhouse)")
     p.add_argument("lock", type=Path)
     p.add_argument("--wheelhouse", type=Path)
-    p = sub.add_parser("verify", help="(in the venv) torch imports from the environment, its requirements hold")
+    p = sub.add_parser("verify", help="(in the venv) torch imports from the environment, all requirements hold")
     p.add_argument("version")
+    p.add_argument("--installed", type=Path, required=True, help="the requirements file setup installed")
     p = sub.add_parser("wheelhouse", help="./launch.sh wheelhouse", prog="wheelhouse")
     p.add_argument("dir")
     p.add_argument("--lock", required=True)
@@ -191,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=f"{sys.version_info.major}.{sys.version_info.minor}")
     p.add_argument("--platform", default=f"manylinux_2_28_{os.uname().machine}")
     p.add_argument("--without", default="", help="comma-separated: " + ", ".join(OPTIONAL))
+    p.add_argument("--environment", help="pip list --format=freeze|json of the target environment")
     p = sub.add_parser("uv-sources", help="pip's package sources as uv arguments, one a line (SSL_CERT_FILE=...)")
     p.add_argument("kind", choices=["all", "lock", "cuda", "cuda-lock"])
     args = parser.parse_args(argv)
@@ -208,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(text)
             print(f"{tag} {note}", file=sys.stderr)
         elif args.command == "verify":
-            print(f"{tag} {verify(args.version)}", file=sys.stderr)
+            direct = installed_roots(ROOT / "requirements.txt", args.installed)
+            print(f"{tag} {verify(args.version, direct)}", file=sys.stderr)
         elif args.command == "wheelhouse":
             wheelhouse(args)
         else:

@@ -11,6 +11,7 @@ import re
 import sys
 from pathlib import Path
 
+from cluster.environment import environment_lock, same_version, split
 from cluster.lockfile import (
     ROOT,
     TOP,
@@ -63,7 +64,10 @@ def wheelhouse(args: argparse.Namespace) -> None:
     """Every wheel the lock needs, less torch and what only it needs (the environment brings them) and ``--without``,
     for CPython ``--python`` on ``--platform``: downloaded hash-checked by pip; an sdist (DeepSpeed ships one) built
     here once into a wheel, which must be pure Python. Writes the wheels, ``requirements.txt`` (what setup installs
-    from them, hash-checked) and ``wheelhouse.json`` (the manifest: lock, target, sizes, sha256) into DIR."""
+    from them, hash-checked) and ``wheelhouse.json`` (the manifest: lock, target, sizes, sha256) into DIR. With
+    ``--environment FILE`` (the target's ``pip list``): the lock's direct pins and, of the rest, only what that
+    environment lacks at a version they accept (``cluster.environment``); ``requirements.txt`` is then that
+    resolution less what the environment brings, and the manifest names the environment and what it leaves to it."""
     import shutil
     import tempfile
 
@@ -76,7 +80,26 @@ def wheelhouse(args: argparse.Namespace) -> None:
     lock = Path(args.lock)
     header, pins = parse_lock(lock.read_text())
     without = sorted({w for w in args.without.split(",") if w})
-    drop = left_out(pins, {"torch"} | optional_roots(without), build_requires(ROOT / "pyproject.toml"))
+    keep = build_requires(ROOT / "pyproject.toml")
+    drop = left_out(pins, {"torch"} | optional_roots(without), keep)
+    env: dict | None = None
+    if getattr(args, "environment", None):
+        environment, _, pins = environment_lock(
+            Path(args.environment),
+            lock.parent / "requirements.txt",
+            without,
+            [*_build_requirements(ROOT / "pyproject.toml"), "packaging"],  # packaging: setup's check (install.py)
+            args.python,
+            args.platform,
+            args.uv,
+        )
+        drop, have = split(pins, environment, keep)
+        env = {
+            "file": Path(args.environment).name,
+            "sha256": sha256(Path(args.environment)),
+            "torch": environment["torch"],
+            "left_to_environment": dict(sorted(have.items())),
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -108,12 +131,21 @@ def wheelhouse(args: argparse.Namespace) -> None:
         built = _build_sdists(stage / "files", lock, args)
         files = sorted((stage / "files").iterdir())
         manifest = _manifest(files, pins, drop, built, lock, args, without)
+        if env is not None:
+            manifest["environment"] = env
+            what = (
+                f"requirements.txt's pins (those of {lock.name}, sha256 {manifest['lock_sha256']}) resolved for the "
+                f"environment of {env['file']} (sha256 {env['sha256']}), less torch and what the environment has "
+                f"at the version resolved ({len(drop)} packages: wheelhouse.json)"
+            )
+        else:
+            what = f"{lock.name} (sha256 {manifest['lock_sha256']}) less {', '.join(sorted(drop))}"
         (stage / "files" / "requirements.txt").write_text(
             lock_text(
                 [
-                    f"# What ./launch.sh setup --offline installs from this wheelhouse, hash-checked: {lock.name} "
-                    f"(sha256 {manifest['lock_sha256']}) less {', '.join(sorted(drop))}; a package the lock pins as an "
-                    "sdist has the hash of the wheel built from it here (wheelhouse.json: built_from)"
+                    f"# What ./launch.sh setup --offline installs from this wheelhouse, hash-checked: {what}; a "
+                    "package pinned as an sdist has the hash of the wheel built from it here (wheelhouse.json: "
+                    "built_from)"
                 ],
                 pins,
                 drop,
@@ -127,6 +159,13 @@ def wheelhouse(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     _report(manifest, out)
+
+
+def _build_requirements(pyproject: Path) -> list[str]:
+    """``[build-system] requires`` as written (``setuptools>=80``): setup builds the project without isolation."""
+    import tomllib
+
+    return [str(r) for r in tomllib.loads(pyproject.read_text())["build-system"]["requires"]]
 
 
 def _build_sdists(files: Path, lock: Path, args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -234,11 +273,19 @@ def _report(manifest: dict, out: Path, top: int = 15) -> None:
         + ", ".join(f"{n} {b / mib:.1f}" for n, b in list(weighs.items())[:top] if b >= mib / 10)
         + f"; needed by several: {shared / mib:.1f} MiB"
     )
-    print(
-        f"[wheelhouse] left out: {', '.join(manifest['left_out'])} (the environment's torch and what only it needs"
-        + (f"; --without {','.join(manifest['without'])}" if manifest["without"] else "")
-        + ")"
-    )
+    env = manifest.get("environment")
+    if env:
+        have = env["left_to_environment"]
+        print(
+            f"[wheelhouse] left to the environment of {env['file']}: torch {env['torch']} and what only it needs, and "
+            f"{len(have)} packages it has at the version resolved: " + ", ".join(f"{n} {v}" for n, v in have.items())
+        )
+    else:
+        print(
+            f"[wheelhouse] left out: {', '.join(manifest['left_out'])} (the environment's torch and what only it needs"
+            + (f"; --without {','.join(manifest['without'])}" if manifest["without"] else "")
+            + ")"
+        )
     print(f"[wheelhouse] install it offline: ./launch.sh setup --offline {out}")
 
 
@@ -274,6 +321,8 @@ def install_requirements(lock: Path, wheels: Path | None) -> tuple[str, str]:
             f"(./launch.sh wheelhouse DIR --python {here})"
         )
     _check_platform(manifest["platform"], wheels)
+    if "environment" in manifest:
+        return _environment_requirements(wheels, manifest)
     drop = left_out(pins, {"torch"} | optional_roots(manifest["without"]), keep)
     hashes = {}
     for f in manifest["files"]:
@@ -289,6 +338,36 @@ def install_requirements(lock: Path, wheels: Path | None) -> tuple[str, str]:
         )
     title = [f"# What ./launch.sh setup --offline installs from {wheels}: {lock.name} less {', '.join(sorted(drop))}"]
     return lock_text(title, pins, drop, hashes), note
+
+
+def _environment_requirements(wheels: Path, manifest: dict) -> tuple[str, str]:
+    """A wheelhouse made for one environment: its own lock, once this Python is checked to have every package the
+    wheelhouse leaves to it, at the version it was resolved with (and torch at the same release)."""
+    import importlib.metadata
+
+    env = manifest["environment"]
+    want = {"torch": env["torch"], **env["left_to_environment"]}
+    wrong = []
+    for name, version in want.items():
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = "none"
+        if name == "torch":  # the release: a local tag (+cu130) names the environment's own build
+            have, version = re.sub(r"\+.*", "", have), re.sub(r"\+.*", "", version)
+        if not same_version(have, version):
+            wrong.append(f"{name} {version} ({sys.executable} has {have})")
+    if wrong:
+        more = f" and {len(wrong) - 6} more" if len(wrong) > 6 else ""
+        raise InstallError(
+            f"{wheels} was made for another environment ({env['file']}), it leaves to it {', '.join(wrong[:6])}{more}: "
+            f"./launch.sh wheelhouse DIR --environment FILE, FILE from '{sys.executable} -m pip list --format=freeze'"
+        )
+    note = (
+        f"left to the environment: torch {env['torch']} and what only it needs, and {len(env['left_to_environment'])} "
+        f"packages it has at the version {wheels} was resolved with"
+    )
+    return (wheels / "requirements.txt").read_text(), note
 
 
 def _check_platform(tag: str, wheels: Path) -> None:

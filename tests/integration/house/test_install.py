@@ -27,6 +27,7 @@ SKELETON = [
     "requirements-cuda.lock",
     "cluster/__init__.py",
     "cluster/install.py",
+    "cluster/environment.py",
     "cluster/lockfile.py",
     "cluster/wheelhouse.py",
     "pretrain/__init__.py",
@@ -38,6 +39,7 @@ TORCH = {"torch", "sympy", "mpmath", "networkx", "filelock", "jinja2", "markupsa
 # has at another version (six), the build backend, the installer, DeepSpeed's sdist, and Ray with what only it needs.
 OURS = {"setuptools", "packaging", "six", "uv"}
 OFFLINE = {"deepspeed", "hjson", "ray", "colorful", "aiohttp-cors"}
+DEEPSPEED_NEEDS = {"einops", "msgpack", "ninja", "numpy", "psutil", "py-cpuinfo", "pydantic", "tqdm"}
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens
 
 
@@ -87,8 +89,10 @@ def _site(venv: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory) -> Path:
-    """The Python of an environment that has the lock's CPU torch and what it needs (and six 1.0.0, older than the
-    lock's: its metadata is all a version is to an install)."""
+    """The Python of an environment that has the lock's CPU torch and what it needs, pip (what setup --offline
+    installs with when no uv is at hand), six 1.0.0, older than the lock's, and what DeepSpeed needs at the lock's
+    versions, which the subset lock of the wheelhouse test leaves out (their metadata is all a version is to an
+    install, and to setup's check that every requirement is met)."""
     root = tmp_path_factory.mktemp("environment")
     uv = _uv()
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(root / "env")], check=True)
@@ -118,9 +122,15 @@ def environment(tmp_path_factory) -> Path:
         check=True,
         env={**_env(), **dict(s.split("=", 1) for s in sources if s.startswith("SSL_CERT_FILE="))},
     )
-    old = _site(root / "env") / "six-1.0.0.dist-info"
-    old.mkdir()
-    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: six\nVersion: 1.0.0\n")
+    subprocess.run(  # pip: any version with --python (22.3 or later)
+        [uv, "pip", "install", "-q", "--python", str(root / "env" / "bin" / "python"), "pip>=22.3"],
+        check=True,
+        env={**_env(), **dict(s.split("=", 1) for s in sources if s.startswith("SSL_CERT_FILE="))},
+    )
+    for name, version in [("six", "1.0.0"), *((n, pins[n].version) for n in sorted(DEEPSPEED_NEEDS))]:
+        info = _site(root / "env") / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return root / "env" / "bin" / "python"
 
 
@@ -212,3 +222,57 @@ def test_offline_setup_installs_a_wheelhouse_with_no_network(tmp_path, environme
         f.write(b"\0")
     proc = _launch(_checkout(tmp_path / "other", names), "setup", "--offline", str(tampered), env=env)
     assert proc.returncode != 0 and "hash" in proc.stderr.lower(), proc.stderr
+
+
+def test_a_wheelhouse_for_an_environment_holds_only_what_it_lacks(tmp_path, environment):
+    """``wheelhouse --environment`` with the environment's ``pip list --format=json``: requirements.txt's pins, and
+    of what they need only what the environment lacks at a version they accept (its markupsafe 3.0.4 stays; its six
+    1.0.0 is below python-dateutil's ``six>=1.5``); no uv. ``setup --offline`` installs it with the environment's
+    pip, the network blocked and no uv at hand, around the environment's packages, every requirement checked."""
+    direct = "mako==1.4.3\npython-dateutil==2.9.0.post0\n"  # mako needs MarkupSafe>=0.9.2, python-dateutil six>=1.5
+    checkout = _checkout(tmp_path / "online", TORCH | OURS)
+    (checkout / "requirements.txt").write_text(direct)
+    listing = subprocess.run(
+        [_uv(), "pip", "list", "--format=json", "--python", str(environment)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env(),
+    ).stdout
+    (tmp_path / "environment.json").write_text(listing)
+    wheels = tmp_path / "wheelhouse"
+    args = ("wheelhouse", str(wheels), "--environment", str(tmp_path / "environment.json"))
+    proc = _launch(checkout, *args, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((wheels / "wheelhouse.json").read_text())
+    files = {f["name"]: f["version"] for f in manifest["files"]}
+    assert set(files) == {"mako", "python-dateutil", "six", "setuptools", "packaging"}, files  # setup's own needs
+    assert files["mako"] == "1.4.3" and files["python-dateutil"] == "2.9.0.post0" and files["six"] != "1.0.0"
+    assert manifest["environment"]["left_to_environment"] == {"markupsafe": "3.0.4"}
+    assert manifest["environment"]["torch"] == "2.13.0+cpu"
+    assert "left to the environment of environment.json: torch 2.13.0+cpu and what only it needs, and 1 " in proc.stdout
+    lock = (wheels / "requirements.txt").read_text()
+    assert re.search(r"^six==\S+ \\$", lock, re.M) and not re.search(r"^(markupsafe|torch)==", lock, re.M), lock
+
+    offline = _checkout(tmp_path / "offline", TORCH | OURS)
+    (offline / "requirements.txt").write_text(direct)
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "uv").exists())
+    env = _offline_env(tmp_path, PYTHON=str(environment), PATH=path)
+    proc = _launch(offline, "setup", "--offline", str(wheels), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "and 1 packages it has at the version" in proc.stderr, proc.stderr
+    assert not (tmp_path / "xdg" / "pretrain").exists()  # no uv: the environment's pip installed
+    venv = offline / ".venv"
+    installed = {p.name.split("-")[0].lower() for p in _site(venv).glob("*.dist-info")}
+    assert installed == {"mako", "python_dateutil", "six", "setuptools", "packaging", "pretrain"}, installed
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import markupsafe, mako, six; print(markupsafe.__file__, six.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env(),
+    ).stdout.split()
+    base = _site(environment.parent.parent)
+    assert [Path(w).is_relative_to(base) for w in where] == [True, False]  # markupsafe: the environment's
+    again = _launch(offline, "setup", env=env)  # a later setup: current (the test's requirements.txt: a warning)
+    assert again.returncode == 0 and "[setup] creating" not in again.stderr, again.stderr

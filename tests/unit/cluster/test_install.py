@@ -94,14 +94,14 @@ def test_verify_checks_where_torch_comes_from_and_what_it_requires(monkeypatch, 
     import torch
 
     with pytest.raises(InstallError, match=r"^the venv has its own torch"):
-        install.verify(torch.__version__)  # this venv's torch is its own
+        install.verify(torch.__version__, [])  # this venv's torch is its own
     monkeypatch.setattr(sys, "prefix", str(tmp_path))  # as if torch came from an environment outside this venv
-    assert install.verify(torch.__version__).startswith(f"torch {torch.__version__} from the environment (")
+    assert install.verify(torch.__version__, []).startswith(f"torch {torch.__version__} from the environment (")
     with pytest.raises(
         InstallError,
         match=rf"^the venv imports torch {re.escape(torch.__version__)}, setup saw 2\.11\.0 in the environment$",
     ):
-        install.verify("2.11.0")
+        install.verify("2.11.0", [])
     requires = importlib.metadata.requires
     monkeypatch.setattr(
         importlib.metadata,
@@ -111,12 +111,38 @@ def test_verify_checks_where_torch_comes_from_and_what_it_requires(monkeypatch, 
         ),
     )
     with pytest.raises(InstallError) as e:
-        install.verify(torch.__version__)
+        install.verify(torch.__version__, [])
     have = importlib.metadata.version("sympy")
     assert str(e.value) == (
         f"the environment's torch {torch.__version__} needs sympy>=99 (the venv sees {have}); "
         "nosuchpackage (not installed)"
     )
+
+
+def test_verify_checks_every_requirement_of_what_setup_installed(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # torch from outside this venv, as above
+    have = importlib.metadata.version("packaging")
+    assert install.unmet_requirements([f"packaging=={have}", "pyyaml"]) == []
+    assert install.unmet_requirements(["packaging>=999", "nosuchpackage==1.0"]) == [
+        f"setup needs packaging>=999 (the venv sees {have})",
+        "setup needs nosuchpackage==1.0 (not installed)",
+    ]
+    # transitively, with the extras asked for: a package's own requirement that is not met
+    requires = importlib.metadata.requires
+    fake = {"pyyaml": ["packaging>=999", 'nosuchpackage; extra == "more"', 'nosuchpackage; python_version < "3"']}
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: fake.get(name) or requires(name))
+    yaml = importlib.metadata.version("pyyaml")
+    assert install.unmet_requirements(["pyyaml"]) == [f"pyyaml {yaml} needs packaging>=999 (the venv sees {have})"]
+    assert install.unmet_requirements(["pyyaml[more]"])[1] == f"pyyaml {yaml} needs nosuchpackage (not installed)"
+    with pytest.raises(InstallError, match=r"^requirements not met in the venv: pyyaml .* needs packaging>=999"):
+        install.verify(torch.__version__, ["pyyaml"])
+    # what setup installed, with requirements.txt's extras, and torch
+    installed = tmp_path / "installed.txt"
+    installed.write_text("ray==2.60.0 \\\n    --hash=sha256:" + "ab" * 32 + "\nsix==1.17.0\n")
+    roots = install.installed_roots(ROOT / "requirements.txt", installed)
+    assert roots == ["torch", "ray[default,train]==2.60.0", "six==1.17.0"]
 
 
 def test_command_line_errors_are_one_line(capsys):

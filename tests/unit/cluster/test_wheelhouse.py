@@ -127,3 +127,32 @@ def test_offline_refuses_a_wheelhouse_of_another_lock_python_or_platform(tmp_pat
     files = [{"name": "deepspeed", "sha256": "ab" * 32, "file": "deepspeed.whl", "built_from": other}]
     with pytest.raises(InstallError, match="built from an sdist that is not the lock's"):
         wh.install_requirements(LOCK, _wheelhouse(tmp_path / "sdist", files=files))
+
+
+def test_a_wheelhouse_for_one_environment_installs_its_own_lock_where_that_environment_is(tmp_path):
+    import importlib.metadata
+
+    torch = importlib.metadata.version("torch")
+    packaging = importlib.metadata.version("packaging")
+    env = {"file": "gpu.txt", "sha256": "0" * 64, "torch": torch, "left_to_environment": {"packaging": packaging}}
+    wheels = _wheelhouse(tmp_path / "here", environment=env)
+    (wheels / "requirements.txt").write_text("six==1.17.0 \\\n    --hash=sha256:" + "ab" * 32 + "\n")
+    text, note = wh.install_requirements(LOCK, wheels)
+    assert text == (wheels / "requirements.txt").read_text()
+    assert note == f"left to the environment: torch {torch} and what only it needs, and 1 packages it has at the " + (
+        f"version {wheels} was resolved with"
+    )
+    # another environment: a package the wheelhouse leaves to it missing, another at a different version, torch at
+    # another release (its local tag alone may differ)
+    local = {**env, "torch": torch.split("+")[0] + "+cu130"}
+    (_wheelhouse(tmp_path / "local", environment=local) / "requirements.txt").write_text("")
+    assert wh.install_requirements(LOCK, tmp_path / "local")[0] == ""
+    other = {**env, "torch": "2.99.0", "left_to_environment": {"packaging": "0.1", "no-such-package": "1.0"}}
+    with pytest.raises(InstallError) as e:
+        wh.install_requirements(LOCK, _wheelhouse(tmp_path / "other", environment=other))
+    assert str(e.value) == (
+        f"{tmp_path / 'other'} was made for another environment (gpu.txt), it leaves to it torch 2.99.0 "
+        f"({sys.executable} has {torch.split('+')[0]}), packaging 0.1 ({sys.executable} has {packaging}), "
+        f"no-such-package 1.0 ({sys.executable} has none): ./launch.sh wheelhouse DIR --environment FILE, FILE from "
+        f"'{sys.executable} -m pip list --format=freeze'"
+    )

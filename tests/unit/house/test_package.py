@@ -147,7 +147,8 @@ def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
         for line in re.findall(r"^COPY (?:--\S+ )*(.*?)(?: \./?)?$", docker.replace("\\\n", " "), re.M)
         for p in line.split()
     }
-    assert {"cluster/install.py", "cluster/lockfile.py", "cluster/wheelhouse.py"} <= copied  # setup runs them
+    setup_runs = {"cluster/install.py", "cluster/lockfile.py", "cluster/wheelhouse.py", "cluster/environment.py"}
+    assert setup_runs <= copied  # setup runs them
     job = [d for d in yaml.safe_load_all((ROOT / "cluster/manifests/kuberay-rayjob.yaml").read_text()) if d]
     images = {c["image"] for d in job for node in _walk(d) for c in node.get("containers", [])}
     launcher = yaml.safe_load((ROOT / "cluster/manifests/cluster-launcher-aws.yaml").read_text())
