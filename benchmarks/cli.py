@@ -37,8 +37,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster``, ``--checkpoint`` and ``--gpu`` have arguments of their own; every other mode
-    is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint`` and ``--gpu`` have arguments of their own; every other
+    mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -66,7 +66,9 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    return "modes (--cluster, --checkpoint and --gpu have options of their own: bench --cluster --help):\n" + "\n".join(out)
+    return "modes (--cluster, --checkpoint and --gpu have options of their own: bench --cluster --help):\n" + "\n".join(
+        out
+    )
 
 
 def main(argv: list[str]) -> int:
