@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import Session
+from pretrain.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -330,12 +331,18 @@ class Check:
         return item("pass", f"parity on {device}: max |logits diff| {diff:.2e}", max_abs_diff=diff, device=device)
 
 
-def gpu_check(tiny: bool, steps: int, timeout: float, work: Path) -> dict:
-    """Run every item (module doc); the result as one dict."""
+RUNS = ("train", "memory_plan", "checkpoint", "zero3", "moe", "growth", "export")
+"""The items' runs, in order (``train`` also gives ``mfu`` and ``sdpa_kernel``)."""
+
+
+def gpu_check(tiny: bool, steps: int, timeout: float, work: Path, only: tuple[str, ...] = RUNS) -> dict:
+    """Run the items of ``only`` (module doc; ``memory_plan`` and ``export`` need ``train``'s run, which then runs
+    too); the result as one dict."""
     t0 = time.perf_counter()
     check = Check(tiny, steps, timeout, work)
+    wanted = set(only) | ({"train"} if {"memory_plan", "export"} & set(only) else set())
     try:
-        for name in ("train", "memory_plan", "checkpoint", "zero3", "moe", "growth", "export"):
+        for name in (n for n in RUNS if n in wanted):
             check.run(name, getattr(check, name))
     finally:
         check.session.close()
@@ -344,7 +351,7 @@ def gpu_check(tiny: bool, steps: int, timeout: float, work: Path) -> dict:
     items["wall_time"] = item(
         ("pass" if wall <= WALL_LIMIT_S else "fail") if check.gpu else "n/a",
         f"{wall:.0f} s" + ("" if check.gpu else " (tiny size)"),
-        seconds=wall,
+        seconds=round(wall, 1),
     )
     return {
         "device": torch.cuda.get_device_name() if check.gpu else "cpu",
@@ -366,13 +373,15 @@ def results_markdown(result: dict, command: str) -> str:
     """The results file of a run of the check (``benchmarks/results/<date>-<gpu>.md``): the command, the machine and
     one row per item."""
     day = time.strftime("%Y-%m-%d", time.gmtime())
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else "unknown (no git metadata)"
     rows = "\n".join(
         f"| `{name}` | {v['status']} | {v['figure'].replace('|', '/')} | {v.get('seconds', '')} |"
         for name, v in result["items"].items()
     )
     return (
         f"# {day}: the one GPU check on {result['device']}\n\n"
-        f"Command: `{command}` (torch {result['torch']}{', tiny size' if result['tiny'] else ''}). "
+        f"Command: `{command}` (torch {result['torch']}{', tiny size' if result['tiny'] else ''}; commit {commit}). "
         f"Items and their goals: `benchmarks/gpu_check.py`. Overall: {'passed' if result['passed'] else 'FAILED'}.\n\n"
         "| item | status | figure | seconds |\n|---|---|---|---|\n" + rows + "\n"
     )
@@ -392,16 +401,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default=".cache/bench-gpu", help="where the runs write (removed afterwards)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     p.add_argument(
+        "--only",
+        default=",".join(RUNS),
+        help=f"run only these items, comma-separated (default: all of {','.join(RUNS)}); memory_plan and export "
+        "also run train",
+    )
+    p.add_argument(
         "--results",
         default=None,
         metavar="DIR",
         help="also write the results file DIR/<date>-<gpu>.md (benchmarks/results/ in the checkout)",
     )
     a = p.parse_args([x for x in argv if x != "--gpu"])
+    only = tuple(x for x in a.only.split(",") if x)
+    if not only or set(only) - set(RUNS):
+        raise ConfigError(f"bench --gpu --only: {a.only!r}: give some of {', '.join(RUNS)}")
     tiny = a.tiny or not torch.cuda.is_available()
     steps = a.steps or (12 if tiny else 200)
     with contextlib.redirect_stdout(sys.stderr):  # library chatter is no result
-        result = gpu_check(tiny, steps, a.timeout, Path(a.dir))
+        result = gpu_check(tiny, steps, a.timeout, Path(a.dir), only)
     if a.results:
         out = Path(a.results) / results_name(result)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,12 @@ ITEMS = ("train", "mfu", "sdpa_kernel", "memory_plan", "checkpoint", "zero3", "m
 
 
 def test_gpu_check_reports_every_item_with_its_figure_at_the_tiny_size(tmp_path):
-    proc = cli(tmp_path, "bench", "--gpu", "--json", "--dir", str(tmp_path / "runs"), expect=0, timeout=600)
+    proc = cli(
+        tmp_path, "bench", "--gpu", "--json", "--dir", str(tmp_path / "runs"), "--results", str(tmp_path), timeout=600
+    )
     result = json.loads(proc.stdout)
+    (md,) = tmp_path.glob("*-cpu.md")  # the results file: a row per item
+    assert all(f"| `{name}` |" in md.read_text() for name in result["items"])
     items = result["items"]
     assert result["tiny"] and result["device"] == "cpu" and result["passed"]
     assert tuple(items) == ITEMS
@@ -36,3 +40,5 @@ def test_gpu_check_reports_every_item_with_its_figure_at_the_tiny_size(tmp_path)
     assert items["export"]["device"] == "cpu" and items["export"]["max_abs_diff"] <= 1e-4
     assert items["wall_time"]["status"] == "n/a" and items["wall_time"]["seconds"] > 0
     assert not list((tmp_path / "runs").iterdir()), "the runs are removed"
+    refused = cli(tmp_path, "bench", "--gpu", "--only", "train,nope", expect=2)
+    assert "bench --gpu --only" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
