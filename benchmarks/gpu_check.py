@@ -208,6 +208,9 @@ class Check:
         except Exception as e:  # the item fails; the check goes on
             out = failed(e)
         parts = out if name == "train" and "train" in out else {name: out}  # train: also mfu and sdpa_kernel
+        if name == "train" and "train" not in out:
+            skipped = item("fail", "not measured: the train run failed")
+            parts.update(mfu=skipped, sdpa_kernel=dict(skipped))
         parts[name]["seconds"] = round(time.perf_counter() - t0, 1)
         self.items.update(parts)
         for key, v in parts.items():
@@ -234,8 +237,11 @@ class Check:
             mfu=mfu,
             peak_tflops=peak / 1e12,
         )
-        device = torch.device("cuda" if self.gpu else "cpu")
-        return {"train": train, "mfu": mfu_item, "sdpa_kernel": sdpa_kernel(cfg, device)}
+        try:
+            kernel = sdpa_kernel(cfg, torch.device("cuda" if self.gpu else "cpu"))
+        except Exception as e:  # the probe's failure is its item's, not the run's
+            kernel = failed(e)
+        return {"train": train, "mfu": mfu_item, "sdpa_kernel": kernel}
 
     def memory_plan(self) -> dict:
         if self.main is None:
