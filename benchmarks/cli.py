@@ -14,6 +14,8 @@ mode                   benchmark
 ``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
+``--gpu``              the one GPU check: training, MFU, SDPA kernel, memory plan, checkpoint, ZeRO-3, MoE, growth,
+                       export, each pass/fail with its figure (:mod:`benchmarks.gpu_check`; tiny without CUDA)
 =====================  ======================================================================================
 """
 
@@ -35,8 +37,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster`` and ``--checkpoint`` have arguments of their own; every other mode
-    is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint`` and ``--gpu`` have arguments of their own; every other
+    mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -44,6 +46,10 @@ def bench(argv: list[str]) -> int:
         if not {"-h", "--help"} & set(argv):
             require_ray("./launch.sh bench --cluster")
         return cluster_bench(argv)
+    if "--gpu" in argv:  # the one GPU check: real train/resume/export runs, tiny without CUDA
+        from benchmarks.gpu_check import main as gpu_check
+
+        return gpu_check(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench
 
@@ -60,7 +66,9 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    return "modes (--cluster and --checkpoint have options of their own: bench --cluster --help):\n" + "\n".join(out)
+    return "modes (--cluster, --checkpoint and --gpu have options of their own: bench --cluster --help):\n" + "\n".join(
+        out
+    )
 
 
 def main(argv: list[str]) -> int:

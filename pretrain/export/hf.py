@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,20 @@ def logits_max_abs_diff(ours: Transformer, hf_model, input_ids: torch.Tensor) ->
     return float((a - b).abs().max())
 
 
+def parity_on(device: str, ours: Transformer, hf_model, input_ids: torch.Tensor) -> float:
+    """:func:`logits_max_abs_diff` with both models and the batch on ``device`` (fp32: TF32 matmuls are turned off
+    for the check and restored after)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"export --device {device}: no CUDA device is available here")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return logits_max_abs_diff(ours.to(dev), hf_model.to(dev), input_ids.to(dev))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def check_tokenizer(train_tokenizer, exported_tokenizer, texts: list[str]) -> int:
     """Raise unless both tokenizers give the ids training used (no special tokens added); returns count."""
     from pretrain.data.tokenizer import make_encoder
@@ -300,10 +315,12 @@ def export_model(
     log=print,
     moe: MoEConfig | None = None,
     referenced_by: list[dict[str, Any]] | None = None,
+    device: str = "cpu",
 ) -> ExportReport:
     """Write an HF directory for (``model_cfg``, ``moe``, ``sd``) with ``tokenizer`` and verify it (module doc).
 
-    ``referenced_by``: the MLflow records that will name the directory (kept in its manifest).
+    ``referenced_by``: the MLflow records that will name the directory (kept in its manifest). ``device``: where
+    the parity check runs both models (fp32; TF32 matmuls off for it on CUDA).
     """
     from transformers import AutoTokenizer
 
@@ -323,8 +340,9 @@ def export_model(
 
         loaded = load_exported(stage, model_cfg.kind)
         ours = our_model(model_cfg, sd, moe)
-        diff = logits_max_abs_diff(ours, loaded, parity_batch(model_cfg))
-        log(f"[export] parity: max |logits diff| = {diff:.3e} (fp32, tolerance {PARITY_TOLERANCE:.0e})")
+        diff = parity_on(device, ours, loaded, parity_batch(model_cfg))
+        del ours, loaded
+        log(f"[export] parity: max |logits diff| = {diff:.3e} (fp32 on {device}, tolerance {PARITY_TOLERANCE:.0e})")
         if not diff <= PARITY_TOLERANCE:  # also catches NaN
             raise ExportError(f"parity failed: max |logits diff| {diff:.3e} > {PARITY_TOLERANCE:.0e}")
         # AutoTokenizer reads config.json first: our own remote-code config needs the same trust.
@@ -377,8 +395,10 @@ def export_checkpoint(
     register: str | None = None,
     max_shard_size: str | int = "2GB",
     log=print,
+    device: str = "cpu",
 ) -> ExportReport:
-    """Export a committed checkpoint (path or run id) to ``out``; optionally register it."""
+    """Export a committed checkpoint (path or run id) to ``out``; optionally register it. ``device``: where the
+    parity check runs."""
     check_out(Path(out))  # refuse before consolidating the checkpoint (commit checks again)
     loaded = resolve_checkpoint(source, step)
     cfg, ckpt = loaded.config, loaded.ckpt
@@ -410,6 +430,7 @@ def export_checkpoint(
         log=log,
         moe=cfg.moe,
         referenced_by=refs,
+        device=device,
     )
     log(f"[export] tokenizer: {report.tokenizer_checks} probe texts encode to the training ids")
     log(
@@ -436,6 +457,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None, help="export this committed step instead of the latest")
     p.add_argument("--register", default=None, metavar="NAME", help="register in the MLflow Model Registry")
     p.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default 2GB)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the logits parity check runs both models in fp32: cpu (default), cuda or cuda:N",
+    )
     a = p.parse_args(argv)
-    export_checkpoint(a.source, a.out, step=a.step, register=a.register, max_shard_size=a.max_shard_size)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+        raise ConfigError(f"export --device: {a.device!r} is not cpu, cuda or cuda:N")
+    export_checkpoint(
+        a.source, a.out, step=a.step, register=a.register, max_shard_size=a.max_shard_size, device=a.device
+    )
     return 0

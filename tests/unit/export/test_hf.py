@@ -29,6 +29,7 @@ from pretrain.export.hf import (
     logits_max_abs_diff,
     our_model,
     parity_batch,
+    parity_on,
     read_hf_state_dict,
 )
 from pretrain.model import build_model
@@ -346,6 +347,29 @@ def test_parity_failure_is_detected_and_nothing_is_written(tokenizer, tmp_path, 
     with pytest.raises(ExportError, match="parity failed"):
         export_model(cfg, perturbed_state(cfg), tokenizer, tmp_path / "bad", log=lambda *a: None)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.iterdir())
+
+
+def test_parity_runs_on_the_device_asked_for_and_refuses_a_missing_one(monkeypatch):
+    """``export --device``: the check moves both models and the batch there (fp32, TF32 restored after); a CUDA
+    device where none exists, or a name that is no device, is refused in one line (ConfigError: exit 2)."""
+    from pretrain.config import ConfigError
+    from pretrain.export.hf import main
+    from tests.harness import tiny_config
+
+    cfg = tiny_config().model
+    sd = build_model(cfg, 0).state_dict()
+    ours, twin = our_model(cfg, sd), our_model(cfg, {k: v.clone() for k, v in sd.items()})
+    with torch.no_grad():
+        twin.lm_head.weight.add_(1e-3)  # a model whose logits differ
+    ids = parity_batch(cfg)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    assert parity_on("cpu", ours, twin, ids) == logits_max_abs_diff(ours, twin, ids) > 0
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        parity_on("cuda", ours, twin, ids)
+    with pytest.raises(ConfigError, match="is not cpu, cuda or cuda:N"):
+        main(["RUN", "--out", "x", "--device", "gpu"])
 
 
 def test_out_dir_guard(tokenizer, tmp_path):

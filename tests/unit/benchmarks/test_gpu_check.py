@@ -1,0 +1,58 @@
+"""The one GPU check's bookkeeping without its runs: a failing item does not stop the others and is reported failed
+with the command's error; a failed training run fails what it measures; the results file's name and rows. The runs
+themselves: ``tests/integration/bench/test_gpu_check.py``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.gpu_check import Check, item, results_markdown, results_name
+
+
+@pytest.fixture
+def check(tmp_path):
+    c = Check(tiny=True, steps=2, timeout=10, work=tmp_path)
+    yield c
+    c.session.close()
+
+
+def test_a_failing_item_is_reported_with_its_error_and_the_check_goes_on(check):
+    def broken() -> dict:
+        raise RuntimeError("`train x.yaml` exited 2:\nerror: model.hidden_size: must be > 0")
+
+    check.run("zero3", broken)
+    check.run("moe", lambda: item("pass", "losses 1 -> 0.5"))
+    assert (
+        check.items["zero3"]["status"] == "fail" and "model.hidden_size: must be > 0" in check.items["zero3"]["figure"]
+    )
+    assert check.items["moe"] == {
+        "status": "pass",
+        "figure": "losses 1 -> 0.5",
+        "seconds": check.items["moe"]["seconds"],
+    }
+
+
+def test_a_failed_training_run_fails_what_it_measures(check):
+    def broken() -> dict:
+        raise RuntimeError("out of memory")
+
+    check.run("train", broken)
+    assert {k: v["status"] for k, v in check.items.items()} == {"train": "fail", "mfu": "fail", "sdpa_kernel": "fail"}
+    with pytest.raises(RuntimeError, match="needs the train item's run"):
+        check.export()
+
+
+def test_results_file_name_and_rows():
+    result = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "tiny": False,
+        "torch": "2.11.0+cu130",
+        "passed": False,
+        "items": {"mfu": item("fail", "41.0%", seconds=1.0), "export": item("pass", "a | b")},
+    }
+    assert results_name(result) == time.strftime("%Y-%m-%d", time.gmtime()) + "-h100-80gb-hbm3.md"
+    text = results_markdown(result, "./launch.sh bench --gpu --json")
+    assert "| `mfu` | fail | 41.0% | 1.0 |" in text and "| `export` | pass | a / b |  |" in text
+    assert "Overall: FAILED" in text and "NVIDIA H100 80GB HBM3" in text
