@@ -22,7 +22,10 @@
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
     bench --checkpoint [--json] [--sizes 256,512,1024]   checkpoint bytes, loop stall per save (sync/async), save
                                                   vs raw write, per-rank hash seconds, resume to first step
-    export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME]   verified Hugging Face export
+    bench --gpu [--json] [--tiny] [--only ITEMS] [--results DIR]   the one GPU check: bf16 training, MFU, SDPA kernel,
+                                                  memory plan, async checkpoint + resume, ZeRO-3, MoE, growth, export
+                                                  (tiny on CPU)
+    export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME] [--device D]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy

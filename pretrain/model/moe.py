@@ -254,13 +254,15 @@ def grouped_ffn(experts: nn.ModuleList, tokens: torch.Tensor, counts: torch.Tens
 @functools.cache
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` runs forward and backward for ``dtype`` on ``device`` in this torch build
-    (CUDA builds need a recent GPU; older torch has no grouped_mm at all). Probed once per device and dtype."""
+    (CUDA builds need a recent GPU; older torch has no grouped_mm at all). Probed once per device and dtype, with
+    autograd on whatever the caller's mode (a first call under ``torch.no_grad()`` must not cache a False)."""
     if not hasattr(F, "grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-        F.grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32)).square().sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            F.grouped_mm(x, w, offs=torch.tensor([1, 4], device=device, dtype=torch.int32)).square().sum().backward()
         return True
     except (RuntimeError, NotImplementedError):
         return False

@@ -81,6 +81,17 @@ def test_top1_router_learns_from_the_lm_loss():
     assert top1 > 0.05 * top2 > 0, (top1, top2)
 
 
+def test_the_grouped_mm_probe_is_right_under_no_grad():
+    """Its first call may come from code under ``torch.no_grad()`` (growth, evaluation): the answer it caches is the
+    same."""
+    from pretrain.model import moe as moe_mod
+
+    for mode in (torch.no_grad, torch.inference_mode):
+        moe_mod.grouped_mm_supported.cache_clear()
+        with mode():
+            assert moe_mod.grouped_mm_supported(torch.device("cpu"), torch.float32), mode.__name__
+
+
 @pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
 def test_grouped_experts_equal_the_expert_loop(activation, bias):
     """One grouped GEMM per projection gives the per-expert loop's outputs and gradients, empty experts included."""
