@@ -147,7 +147,7 @@ def health_overhead(cfg: RunConfig, device: torch.device, precision: str, pairs:
     def timed(probe: bool) -> float:
         nonlocal step_no
         step_no += 1
-        probes.probe = HealthProbe(module.engine) if probe else None
+        probes.probe = HealthProbe(module.engine, module.plan.dims) if probe else None
         _sync(device)
         t0 = time.perf_counter()
         run_step(module, StepInput(step_no, batches[step_no % 2], cfg.train.lr), [guard, probes])

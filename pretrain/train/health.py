@@ -25,6 +25,7 @@ import torch.distributed as tdist
 
 from pretrain import ds_adapter
 from pretrain.model.compile import is_compiled
+from pretrain.parallel.dims import ParallelDims
 
 Views = list[tuple[torch.nn.Parameter, torch.Tensor]]
 
@@ -37,20 +38,21 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
-def _owner(p: torch.nn.Parameter) -> bool:
+def _owner(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Whether this rank counts replicated ``p`` in a cross-rank sum: rank 0 for dense weights; for an
     expert-parallel weight (DeepSpeed's ``allreduce = False``) the first rank of its expert-data-parallel group,
     since each expert-parallel rank holds other experts; for a tensor-parallel shard the ranks of the first
-    tensor-parallel group (ranks ``0 .. M-1``), each holding its own shard."""
-    if ds_adapter.is_expert_param(p) and tdist.is_initialized():
-        return ds_adapter.expert_data_parallel_rank(p) == 0
+    tensor-parallel group (ranks ``0 .. M-1``), each holding its own shard. The positions come from ``dims``."""
+    rank = _rank()
+    if ds_adapter.is_expert_param(p):
+        return dims.expert_data_rank(rank) == 0
     if is_shard(p):
-        return _rank() < ds_adapter.tensor_parallel_size()
-    return _rank() == 0
+        return rank < dims.tensor
+    return rank == 0
 
 
-def _owned(views: Views) -> Views:
-    return [(p, t) for p, t in views if _owner(p)]
+def _owned(views: Views, dims: ParallelDims) -> Views:
+    return [(p, t) for p, t in views if _owner(p, dims)]
 
 
 def is_shard(p: torch.nn.Parameter) -> bool:
@@ -58,10 +60,10 @@ def is_shard(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "tensor_parallel_shard", False))
 
 
-def _once_per_tensor_group(views: Views) -> Views:
+def _once_per_tensor_group(views: Views, dims: ParallelDims) -> Views:
     """Under tensor parallelism, ZeRO partitions of weights every tensor-parallel rank holds whole (norms, embeddings,
     the head) are counted by the first rank of each tensor-parallel group only."""
-    if ds_adapter.tensor_parallel_size() == 1 or _rank() % ds_adapter.tensor_parallel_size() == 0:
+    if dims.tensor_rank(_rank()) == 0:
         return views
     return [(p, t) for p, t in views if is_shard(p)]
 
@@ -74,11 +76,11 @@ def block_key(name: str) -> str:
     return "embed" if parts[0] in ("embed_tokens", "embed_positions", "embedding_norm") else "head"
 
 
-def grad_views(engine) -> Views:
+def grad_views(engine, dims: ParallelDims) -> Views:
     """(parameter, gradient) pairs this rank contributes to cross-rank sums: its ZeRO partition, or the replicated
     gradients it owns (see :func:`_owner`)."""
     views, replicated = ds_adapter.grad_views(engine)
-    return _owned(views) if replicated else _once_per_tensor_group(views)
+    return _owned(views, dims) if replicated else _once_per_tensor_group(views, dims)
 
 
 def param_views(engine) -> tuple[Views, bool]:
@@ -86,16 +88,16 @@ def param_views(engine) -> tuple[Views, bool]:
     return ds_adapter.local_param_views(engine)
 
 
-def counted_param_views(engine) -> Views:
+def counted_param_views(engine, dims: ParallelDims) -> Views:
     """The parameter values this rank contributes to cross-rank sums (each value counted once overall)."""
     views, replicated = param_views(engine)
-    return _owned(views) if replicated else _once_per_tensor_group(views)
+    return _owned(views, dims) if replicated else _once_per_tensor_group(views, dims)
 
 
-def grad_signals(engine, device: torch.device) -> torch.Tensor:
+def grad_signals(engine, dims: ParallelDims, device: torch.device) -> torch.Tensor:
     """This rank's (sum of squared gradients, 0/1 non-finite) contribution as a float64 (2,) tensor on ``device``,
     not read by the host (the step reads it with its other signals, once); sum them across ranks."""
-    views = grad_views(engine)
+    views = grad_views(engine, dims)
     if not views:
         return torch.zeros(2, dtype=torch.float64, device=device)
     # One fused pass, like clip_grad_norm_; accumulated in fp32 even for bf16 gradients.
@@ -123,8 +125,9 @@ LOGIT_CHUNK = 1 << 24
 class HealthProbe:
     """Collects one step's health metrics; every rank must call :meth:`reduce` (collective)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, dims: ParallelDims):
         self.engine = engine
+        self.dims = dims
         self.model = engine.module
         self.keys = {id(p): block_key(n) for n, p in self.model.named_parameters()}
         self.groups = sorted(set(self.keys.values()))
@@ -187,16 +190,16 @@ class HealthProbe:
 
     def before_update(self) -> None:
         """Per-block gradient norms and non-finite counts; snapshot the parameters for the update ratio."""
-        views = grad_views(self.engine)
+        views = grad_views(self.engine, self.dims)
         self._add_sq("grad_sq", views)
         finite = all(math.isfinite(v) for k, v in self.sums.items() if k.startswith("grad_sq/"))
         # Counting elements is a second pass: only needed when some norm is already non-finite.
         self.sums["nonfinite_grads"] = 0.0 if finite else float(sum(int((~torch.isfinite(g)).sum()) for _, g in views))
-        self._before = [t.detach().clone() for _, t in counted_param_views(self.engine)]
+        self._before = [t.detach().clone() for _, t in counted_param_views(self.engine, self.dims)]
 
     def after_update(self) -> None:
         """Parameter norms and the norms of this step's update, per block."""
-        pviews = counted_param_views(self.engine)
+        pviews = counted_param_views(self.engine, self.dims)
         self._add_sq("param_sq", pviews)
         before = self._before or []
         diffs = torch._foreach_sub([t.detach() for _, t in pviews[: len(before)]], before) if before else []

@@ -154,7 +154,7 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     local = _loss_sum(losses, device)  # float64, summed in micro-batch order
     if scale is None:  # every rank ran the same number of real micro-batches
         local = local / len(losses)
-    signals = torch.cat([local.view(1), grad_signals(engine, device)])
+    signals = torch.cat([local.view(1), grad_signals(engine, plan.dims, device)])
     if world > 1:
         torch.distributed.all_reduce(signals)
     # The step's one read by the host: the reduced loss and gradient signals, and the MoE routing statistics.

@@ -20,7 +20,9 @@ class HealthCallback(Callback):
         self.health: dict[str, float] = {}
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
-        self.probe = HealthProbe(trainer.module.engine) if self.every and step % self.every == 0 else None
+        module = trainer.module
+        probed = self.every and step % self.every == 0
+        self.probe = HealthProbe(module.engine, module.plan.dims) if probed else None
         self.health = {}
 
     def before_forward(self, module, index: int) -> None:

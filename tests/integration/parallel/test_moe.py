@@ -104,7 +104,7 @@ def _train_case(rank: int, world: int, overrides: list[str]) -> list[tuple]:
     res = []
 
     def before(step: int) -> None:
-        health.probe = HealthProbe(module.engine) if step == STEPS - 1 else None
+        health.probe = HealthProbe(module.engine, module.plan.dims) if step == STEPS - 1 else None
         health.health = {}
 
     def after(step: int, r) -> None:

@@ -142,6 +142,7 @@ def test_health_probe_steps_run_eagerly_and_recompile_nothing():
     forward runs eagerly instead, with the same probe readings, and the compiled graphs stay as they were."""
     from types import SimpleNamespace
 
+    from pretrain.parallel.dims import ParallelDims
     from pretrain.train.health import HealthProbe
 
     torch._dynamo.reset()
@@ -153,7 +154,7 @@ def test_health_probe_steps_run_eagerly_and_recompile_nothing():
     before = compile_counters()
     readings = []
     for _ in range(3):  # probed steps between plain ones
-        probe = HealthProbe(SimpleNamespace(module=model))
+        probe = HealthProbe(SimpleNamespace(module=model), ParallelDims())
         probe.attach()
         out = model(ids, labels=ids)
         probe.detach(out)

@@ -101,7 +101,7 @@ def _skip_worker(rank: int, world: int, overrides: list[str], ckpt_dir: str) -> 
 
         def step(ids, apply=True, probe=False, corrupt=False, module=module, health=health):
             part = shard(ids, rank, world)
-            health.probe = HealthProbe(module.engine) if probe else None
+            health.probe = HealthProbe(module.engine, module.plan.dims) if probe else None
             health.health = {}
             r = run_step(
                 module,

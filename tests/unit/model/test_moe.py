@@ -1,6 +1,7 @@
-"""Mixture-of-Experts in one process: routing semantics, grouped experts, loss-free balancing, config checks, the
-expert-parallel slices and layout conversion, the collapse flag, and HF export. Expert parallelism on real gloo
-ranks and the real train loop with EP=2 are in ``tests/integration/parallel/test_moe.py``."""
+"""The Mixture-of-Experts layer (``pretrain/model/moe.py``) in one process: routing semantics, grouped experts,
+capacity, activation checkpointing, aux losses and metrics, loss-free balancing, an MoE encoder. Its config checks,
+expert-parallel slices, layout conversion on resume, collapse flag and HF export are tested beside the modules that
+own them; expert parallelism on real gloo ranks is in ``tests/integration/parallel/test_moe.py``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import math
 import pytest
 import torch
 
-from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig, load_config
+from pretrain.config import load_config
 from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
-from pretrain.train.stability.monitor import StabilityMonitor
 from tests.conftest import ROOT
 from tests.harness import TINY_MODEL, tiny_model
 
@@ -172,26 +172,6 @@ def test_layer_selection_and_independent_expert_init():
     assert ws[0].std().item() == pytest.approx(cfg.model.init_std, rel=0.2)
 
 
-def test_expert_parallel_slices_equal_the_full_model():
-    """Worker r of EP=2 holds exactly experts [2r, 2r+2) of the EP=1 model; everything else is identical."""
-    from pretrain.config import make_plan
-    from pretrain.parallel.expert import apply_expert_parallel
-
-    full = build_model(_small().model, 5, _small().moe).state_dict()
-    for rank in (0, 1):
-        ep = _small("parallel.expert=2", "cluster.num_workers=2")
-        model = build_model(ep.model, 5, ep.moe)  # every expert; the worker keeps its slice (as build_module does)
-        assert apply_expert_parallel(model, make_plan(ep, 2).dims, rank) == len(moe_layers(model)) == 2
-        part = model.state_dict()
-        assert sum(".deepspeed_experts." in k for k in part) * 2 == sum(".deepspeed_experts." in k for k in full)
-        for key, value in part.items():
-            if ".deepspeed_experts." in key:
-                head, tail = key.split(".deepspeed_experts.")
-                local, rest = tail.split(".", 1)
-                key = f"{head}.deepspeed_experts.{2 * rank + int(local)}.{rest}"
-            assert torch.equal(full[key], value), key
-
-
 def test_capacity_drops_in_training_only_and_first_choices_win():
     cfg = _small("moe.top_k=2", "moe.capacity_factor=0.5")
     model = build_model(cfg.model, 0, cfg.moe)
@@ -246,28 +226,6 @@ def test_aux_losses_and_metrics():
     assert build_model(_small("moe.num_experts=0").model, 0, None)(ids, labels=ids).moe_loss is None
 
 
-@pytest.mark.parametrize(
-    "over,message",
-    [
-        (["moe.top_k=5"], "moe.top_k"),
-        (["parallel.expert=3", "cluster.num_workers=3"], "parallel.expert: 3 must divide moe.num_experts"),
-        (["parallel.expert=2"], "parallel.expert: 2 must divide the worker count 1"),
-        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=3"], "zero.stage: ZeRO-3 cannot partition"),
-        (["parallel.expert=2", "cluster.num_workers=2", "zero.stage=0"], "zero.stage: expert parallelism"),
-        (["moe.layers=[7]"], "moe.layers[0]: block 7 does not exist"),
-        (["moe.every=3"], "moe.every: 3 selects no block"),
-        (["moe.capacity_factor=-1"], "moe.capacity_factor"),
-        (["moe.top_k=x"], "moe.top_k: expected int"),
-        (["moe.balance=loss"], "moe.balance: expected one of aux_loss, bias, both"),
-        (["moe.balance=bias", "moe.bias_rate=0"], "moe.bias_rate: must be > 0 with moe.balance=bias"),
-        (["moe.bias_rate=-1"], "moe.bias_rate: must be >= 0"),
-    ],
-)
-def test_bad_moe_config_is_named(over, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        _small(*over)
-
-
 def test_loss_free_balancing_evens_a_skewed_router_without_an_aux_loss():
     """moe.balance=bias: with the router frozen and skewed towards expert 0, the selection bias alone brings the
     busiest expert's share from ~0.5 towards uniform (0.25) within 80 steps; the combine weights stay the router's
@@ -320,151 +278,6 @@ def test_loss_free_balancing_bias_is_saved_grown_and_bf16_safe():
     assert torch.equal(build_model(cfg.model, 0, cfg.moe, weights=sd).state_dict()[key], sd[key])
     layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1]
     assert layer.aux_loss_weight == cfg.moe.aux_loss_weight  # both: the Switch loss stays
-
-
-def test_zero3_with_ep1_and_presets_validate():
-    _small("zero.stage=3", "cluster.num_workers=2")  # experts are ordinary weights: ZeRO-3 shards them
-    for name in ("demo-moe", "mixtral-8x-1b", "demo-moe-encoder"):
-        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
-        assert cfg.moe.enabled
-    demo = load_config(ROOT / "configs" / "demo-moe.yaml")
-    assert (demo.model.kind, demo.moe.num_experts, demo.moe.top_k) == ("decoder", 4, 2)
-
-
-def test_router_collapse_is_flagged_once_per_streak():
-    mon = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
-    kinds = []
-    for step, share in enumerate([0.9, 0.9, 0.5, 0.9, 0.9, 0.9, 0.95, 0.99], start=1):
-        kinds += [(e["step"], e["kind"], e["action"]) for e in mon.router_collapse(step, {1: share, 3: 0.3})]
-    assert kinds == [(6, "router_collapse", "log")]
-    again = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
-    again.load_state_dict(mon.state_dict())
-    assert again.s.collapse_streaks == {"1": 5, "3": 0}
-
-
-def test_expert_parallel_state_of_another_layout_is_converted(tmp_path):
-    """Expert-parallel engine state resumes on another expert degree or worker count through its full form; the same
-    layout, dense checkpoints, expert degree 1 on both sides (elastic like a dense model) and full weights need none."""
-    from pretrain.checkpoint import store as ckpt_io
-    from pretrain.checkpoint.manifest import Manifest
-    from pretrain.train.resume import expert_layout_changed
-
-    def ckpt(world, ep, fmt="deepspeed"):
-        return ckpt_io.CommittedCheckpoint(tmp_path, 8, Manifest(step=8, world_size=world, moe_ep_size=ep, format=fmt))
-
-    assert not expert_layout_changed(ckpt(2, 2), 2, 2)
-    assert not expert_layout_changed(ckpt(2, 1), 1, 1)
-    assert not expert_layout_changed(ckpt(2, 0), 0, 1)
-    assert not expert_layout_changed(ckpt(1, 2, "full"), 2, 4)
-    assert expert_layout_changed(ckpt(2, 2), 1, 2)
-    assert expert_layout_changed(ckpt(2, 2), 2, 4)
-    assert expert_layout_changed(ckpt(1, 1), 2, 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Export of MoE models (the EP=2 checkpoint's export is an integration test)
-# ----------------------------------------------------------------------------------------------
-
-
-def _perturbed(cfg, moe, seed=0):
-    model = build_model(cfg, seed, moe)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        for _, layer in moe_layers(model):
-            if layer.selection_bias is not None:  # large enough to change the chosen experts
-                layer.selection_bias.copy_(torch.randn(layer.num_experts, generator=g) * 0.3)
-    return model.state_dict()
-
-
-MIXTRAL_LIKE = dict(
-    kind="decoder",
-    vocab_size=300,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_seq_len=32,
-    activation="swiglu",
-    norm="rmsnorm",
-    norm_placement="pre",
-    position="rotary",
-    tie_embeddings=False,
-)
-
-
-@pytest.mark.parametrize(
-    "model_kw,moe_kw,expected",
-    [
-        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2), "MixtralForCausalLM"),
-        (MIXTRAL_LIKE, dict(num_experts=4, top_k=1), "PretrainTransformerForCausalLM"),  # top-1: Switch's weight p
-        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, every=2), "PretrainTransformerForCausalLM"),
-        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, normalize_top_k=False), "PretrainTransformerForCausalLM"),
-        (MIXTRAL_LIKE, dict(num_experts=4, top_k=2, balance="bias"), "PretrainTransformerForCausalLM"),
-        ({**MIXTRAL_LIKE, "qk_norm": True}, dict(num_experts=4, top_k=2, every=2), "Qwen3MoeForCausalLM"),
-        (
-            {**MIXTRAL_LIKE, "qk_norm": True, "num_layers": 3},
-            dict(num_experts=4, top_k=2, layers=[0, 2], normalize_top_k=False),
-            "Qwen3MoeForCausalLM",
-        ),
-        (
-            {**MIXTRAL_LIKE, "qk_norm": True, "tie_embeddings": True},
-            dict(num_experts=4, top_k=1),
-            "Qwen3MoeForCausalLM",
-        ),
-        (
-            dict(
-                kind="encoder",
-                vocab_size=300,
-                hidden_size=32,
-                num_layers=2,
-                num_heads=4,
-                max_seq_len=32,
-                activation="gelu",
-                norm="layernorm",
-                norm_placement="post",
-                position="learned",
-                bias=True,
-                embedding_norm=True,
-                mlm_head_transform=True,
-            ),
-            dict(num_experts=4, top_k=2, ffn_size=48),
-            "PretrainTransformerForMaskedLM",
-        ),
-    ],
-)
-def test_moe_export_parity(model_kw, moe_kw, expected, tmp_path):
-    """Mixtral or Qwen3-MoE when exact, else the self-contained remote-code model (encoders have no HF MoE class);
-    the export re-checks logits parity, and a fresh load agrees with our model on another batch."""
-    from transformers import PreTrainedTokenizerFast
-
-    from pretrain.data.tokenizer import train_tokenizer
-    from pretrain.export.hf import export_model, load_exported, logits_max_abs_diff, our_model, parity_batch
-
-    cfg, moe = ModelConfig(**model_kw), MoEConfig(**moe_kw)
-    tok_dir = tmp_path / "tok"
-    train_tokenizer([f"the {i} cat sat on the mat {i * 7}" for i in range(300)], 300).save_pretrained(str(tok_dir))
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
-    sd = _perturbed(cfg, moe)
-    report = export_model(cfg, sd, tokenizer, tmp_path / "hf", log=lambda *a: None, moe=moe)
-    assert report.hf_class == expected and report.max_abs_diff < 1e-5
-    loaded = load_exported(tmp_path / "hf", cfg.kind)
-    assert type(loaded).__name__ == expected
-    diff = logits_max_abs_diff(our_model(cfg, sd, moe), loaded, parity_batch(cfg, seed=7))
-    qk = ", qk_norm" if cfg.qk_norm else ""
-    print(f"\n{expected} ({moe_kw}{qk}): max |logits diff| {report.max_abs_diff:.2e} / {diff:.2e}")
-    assert diff < 1e-5
-
-
-def test_moe_export_refuses_what_no_target_represents():
-    from pretrain.export.hf import export_target
-
-    enc = ModelConfig(kind="encoder", vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, qk_norm=True)
-    hf_class, reason = export_target(enc, MoEConfig(num_experts=4))
-    assert hf_class is None and reason.startswith("cannot export: model.qk_norm")
-    hf_class, reason = export_target(ModelConfig(**MIXTRAL_LIKE), MoEConfig(num_experts=4, every=2))
-    assert hf_class is None and "trust_remote_code=True" in reason and "MixtralForCausalLM: blocks [0]" in reason
 
 
 def test_moe_encoder_trains_on_masked_tokens():

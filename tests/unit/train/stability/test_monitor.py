@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pretrain.config import ConfigError, ModelConfig, StabilityConfig, load_config
+from pretrain.config import ConfigError, ModelConfig, MoEConfig, StabilityConfig, load_config
 from pretrain.train.stability.monitor import StabilityMonitor, StepSignals, robust_z, trend_rise
 from tests.conftest import ROOT
 
@@ -227,3 +227,14 @@ def test_plot_training_png(tmp_path):
     ]
     out = plot_training(series, events, tmp_path / "p.png", title="test")
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_router_collapse_is_flagged_once_per_streak():
+    mon = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    kinds = []
+    for step, share in enumerate([0.9, 0.9, 0.5, 0.9, 0.9, 0.9, 0.95, 0.99], start=1):
+        kinds += [(e["step"], e["kind"], e["action"]) for e in mon.router_collapse(step, {1: share, 3: 0.3})]
+    assert kinds == [(6, "router_collapse", "log")]
+    again = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
+    again.load_state_dict(mon.state_dict())
+    assert again.s.collapse_streaks == {"1": 5, "3": 0}

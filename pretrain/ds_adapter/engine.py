@@ -1,0 +1,59 @@
+"""The engine's runtime: its communication backend, the device it binds, the accelerator DeepSpeed chose, and
+which checkpoint form its next load reads (through :mod:`pretrain.ds_adapter`)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+# -- communication backend ------------------------------------------------------------------------------------------
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op(world_size: int) -> None:
+    """A world of one has no peer to reduce with, so DeepSpeed's shared-memory CPU all-reduce op is not built for
+    it. 0.19: ``deepspeed.comm.torch.build_shm_op`` builds it (a JIT C++ build on its first use on a machine, tens
+    of seconds) when the communication backend starts in ``deepspeed.initialize``, unless
+    ``deepspeed.ops.__compatible_ops__`` marks it incompatible; marked so, the backend uses torch.distributed alone.
+    Larger worlds keep the op (DeepSpeed's CPU all-reduce)."""
+    if world_size == 1:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+# -- the engine ---------------------------------------------------------------------------------------------------
+
+
+def engine_args(device: torch.device) -> Any:
+    """The ``args`` of ``deepspeed.initialize`` that keep the engine on ``device`` (None off CUDA). 0.19's engine
+    calls ``set_device`` on ``args.device_rank`` when the args have one, else on the ``LOCAL_RANK`` environment
+    variable (``_set_distributed_vars``): not this worker's GPU where each worker sees only its own (Slurm's
+    ``--gpus-per-task=1``: an invalid ordinal from local rank 1 on), nor where Ray assigned the node's GPUs in
+    another order. AutoTP's partitioning still selects ``LOCAL_RANK``'s device (``_apply_autotp_partitioning``)."""
+    if device.type != "cuda" or device.index is None:
+        return None
+    return types.SimpleNamespace(device_rank=device.index)
+
+
+def loaded_accelerator() -> str | None:
+    """The device type of the accelerator DeepSpeed chose (``cuda``, ``cpu``, ...), or None before DeepSpeed is
+    imported. 0.19 chooses it once, at import, from ``DS_ACCELERATOR`` or by probing (``get_accelerator``)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def set_universal_load(engine, universal: bool) -> None:
+    """Whether the engine's next ``load_checkpoint`` reads DeepSpeed's universal form (another worker count). 0.19
+    reads it from the engine's config at load time (``engine.load_universal_checkpoint()`` returns
+    ``engine._config.load_universal_checkpoint``); the config key ``checkpoint.load_universal`` only sets it at
+    ``initialize``."""
+    engine._config.load_universal_checkpoint = universal
