@@ -17,6 +17,8 @@
                                                   scratch vs growth recipes at equal FLOPs, per seed
     bench --layer-drop --quality [--seeds 0,1] [--steps N] [--json]   the layer-dropout study: progressive
                                                   layer dropping's time to loss, pruned vs half depth from scratch
+    bench --build-corpus [--out DIR] [--json]     the studies' corpus: the installed packages' Python sources and
+                                                  docs, deduplicated, split by hash, token-counted, cached
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
