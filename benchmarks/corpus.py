@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -250,7 +251,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     a = p.parse_args(argv)
     only = {n.strip().lower().replace("_", "-") for n in a.packages.split(",") if n.strip()} or None
-    m = build(Path(a.out) if a.out else None, vocab_size=a.vocab, only=only, force=a.force)
+    m = build(
+        Path(a.out) if a.out else None,
+        vocab_size=a.vocab,
+        only=only,
+        force=a.force,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     if a.json:
         print(json.dumps(m, indent=1))
     else:
