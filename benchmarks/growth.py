@@ -186,7 +186,7 @@ def growth_bench(
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)
     params = _parameters(study, target)
-    tokens = tokens or round(TOKENS_PER_PARAM * params, -3)
+    tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
     flops, share = _budget(study, target, tokens)
     known = list(recipes(target))
     names = list(DEFAULT_RECIPES) if only is None else [n for n in known if n in only]

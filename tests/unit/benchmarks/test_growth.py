@@ -70,3 +70,23 @@ def test_epochs_of_the_corpus():
     assert epochs(2500, manifest, "x") == 2.5 and epochs(10, None, "x") is None
     with pytest.raises(SystemExit, match=r"x: reads 4,001 tokens, 4.00 epochs .* \(at most 4\)"):
         epochs(4001, manifest, "x")
+
+
+def test_the_default_and_gpu_sizes_are_the_documented_ones():
+    """docs/growth.md's table: 1.05M target parameters on the CPU, 3.5M at the GPU size (2,048-token vocabulary)."""
+    import torch
+
+    from benchmarks.growth import GPU_PRESET, VOCAB, _model
+    from pretrain.config import load_config
+    from pretrain.model.transformer import Transformer, _SkipInitOnMeta, num_parameters
+    from tests.harness import ROOT
+
+    def params(overrides):
+        cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", [f"model.vocab_size={VOCAB}", *overrides])
+        with torch.device("meta"), _SkipInitOnMeta():
+            return num_parameters(Transformer(cfg.model, cfg.moe)), cfg
+
+    cpu, _ = params(_model(TARGET))
+    gpu, cfg = params(GPU_PRESET)
+    assert round(cpu / 1e4) == 105 and round(gpu / 1e5) == 35
+    assert cfg.train.precision == "bf16" and cfg.model.max_seq_len == 512 and cfg.model.num_heads * 32 == 256
