@@ -136,11 +136,17 @@ def build(
 ) -> dict:
     """Build the corpus into ``out`` (default :func:`default_dir`), or reuse the build there whose key matches;
     returns its manifest (with ``dir`` added, not stored)."""
+    if vocab_size < 260:
+        from pretrain.config import ConfigError
+
+        raise ConfigError(f"bench --build-corpus --vocab: {vocab_size} is below the 260 of a byte-level BPE")
     out = Path(out or default_dir(vocab_size))
     roots = roots or site_packages()
     pkgs = packages(roots, only)
     if not pkgs:
-        raise SystemExit(f"bench --build-corpus: no installed distributions found under {', '.join(map(str, roots))}")
+        from pretrain.config import ConfigError
+
+        raise ConfigError(f"bench --build-corpus: no installed distributions under {', '.join(map(str, roots))}")
     key = cache_key(pkgs, vocab_size)
     manifest_path = out / "manifest.json"
     if not force and manifest_path.is_file():

@@ -50,12 +50,14 @@ def corpus_overrides(overrides: list[str], vocab_size: int) -> tuple[list[str], 
 
 def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
     """Passes over the corpus's training split that ``tokens`` make (None without a manifest); more than
-    :data:`MAX_EPOCHS` stops the study with one line naming ``what``."""
+    :data:`MAX_EPOCHS` stops the study (``ConfigError``: one line naming ``what``, exit 2)."""
     if manifest is None:
         return None
     n = tokens / manifest["train"]["tokens"]
     if n > MAX_EPOCHS:
-        raise SystemExit(
+        from pretrain.config import ConfigError
+
+        raise ConfigError(
             f"{what}: reads {tokens:,.0f} tokens, {n:.2f} epochs of the corpus's {manifest['train']['tokens']:,} "
             f"training tokens (at most {MAX_EPOCHS}): use a smaller budget or model"
         )

@@ -8,7 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.corpus import RULES, build, cache_key, overrides, packages
+from pretrain.config import ConfigError
 
 CODE = "def f{i}(x):\n    return x + {i}  # the sum of x and {i}, with some words around it\n"
 
@@ -91,3 +94,10 @@ def test_build_keeps_splits_counts_and_caches(tmp_path):
     # another package installed (or another vocabulary): another key, so the next build rebuilds
     assert cache_key(packages([_site(tmp_path / "sp3", extra=True)]), 300) != m["key"] != cache_key(pkgs, 512)
     assert cache_key(pkgs, 300) == m["key"]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^bench --build-corpus --vocab: 100 is below the 260 of a byte-level BPE$"):
+        build(tmp_path / "out", vocab_size=100, roots=[tmp_path])
+    with pytest.raises(ConfigError, match=r"^bench --build-corpus: no installed distributions under "):
+        build(tmp_path / "out", vocab_size=300, roots=[tmp_path])

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.growth import TARGET, alternatives, iso_flop, plan, recipes, small_model
 from benchmarks.study import epochs
+from pretrain.config import ConfigError
 
 
 def test_plan_trains_each_small_model_alone_once_per_seed():
@@ -68,7 +69,7 @@ def test_alternatives_and_the_iso_flop_scan_from_known_curves():
 def test_epochs_of_the_corpus():
     manifest = {"train": {"tokens": 1000}}
     assert epochs(2500, manifest, "x") == 2.5 and epochs(10, None, "x") is None
-    with pytest.raises(SystemExit, match=r"x: reads 4,001 tokens, 4.00 epochs .* \(at most 4\)"):
+    with pytest.raises(ConfigError, match=r"x: reads 4,001 tokens, 4.00 epochs .* \(at most 4\)"):
         epochs(4001, manifest, "x")
 
 
