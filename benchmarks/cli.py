@@ -9,11 +9,14 @@ mode                   benchmark
 ``--layer-drop``       also the step at layer-drop rates 0, 0.25, 0.5 (:mod:`benchmarks.layer_drop`); with
                        ``--quality`` only the layer-dropout study (:mod:`benchmarks.layer_drop_quality`)
 ``--vs-hf``            ``./launch.sh train`` against Hugging Face Trainer (:mod:`benchmarks.vs_hf`)
-``--growth``           the growth study: scratch against growth recipes at equal FLOPs (:mod:`benchmarks.growth`)
+``--growth``           the growth study: scratch, growth recipes and their small models alone at equal FLOPs
+                       (:mod:`benchmarks.growth`)
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
 ``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
+``--build-corpus``     the studies' corpus: the installed packages' Python sources and docs, deduplicated, split,
+                       counted, cached (:mod:`benchmarks.corpus`)
 ``--gpu``              the one GPU check: training, MFU, SDPA kernel, memory plan, checkpoint, ZeRO-3, MoE, growth,
                        export, each pass/fail with its figure (:mod:`benchmarks.gpu_check`; tiny without CUDA)
 =====================  ======================================================================================
@@ -37,8 +40,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster``, ``--checkpoint`` and ``--gpu`` have arguments of their own; every other
-    mode is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--gpu`` and ``--build-corpus`` have arguments of
+    their own; every other mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -50,6 +53,10 @@ def bench(argv: list[str]) -> int:
         from benchmarks.gpu_check import main as gpu_check
 
         return gpu_check(argv)
+    if "--build-corpus" in argv:  # the studies' corpus: the installed packages' sources and docs, cached
+        from benchmarks.corpus import main as build_corpus
+
+        return build_corpus(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench
 
@@ -66,9 +73,8 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    return "modes (--cluster, --checkpoint and --gpu have options of their own: bench --cluster --help):\n" + "\n".join(
-        out
-    )
+    head = "modes (--cluster, --checkpoint, --gpu, --build-corpus have options of their own: bench --gpu --help):"
+    return head + "\n" + "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
@@ -115,10 +121,26 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--growth",
         action="store_true",
-        help="only the growth study: scratch vs growth recipes at equal FLOPs, per seed (benchmarks/growth.py; "
-        "about an hour on 2 CPU cores)",
+        help="only the growth study: scratch vs growth recipes vs their small models alone at equal FLOPs, per "
+        "seed (benchmarks/growth.py; on the installed packages' sources, built once: --build-corpus)",
     )
-    p.add_argument("--tokens", type=int, default=500_000, help="--growth: the budget in target-model tokens")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="--growth: the budget in target-model tokens (default: 20 per target parameter)",
+    )
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="--growth: only the iso-FLOP scan: the target from scratch and the recipes' small models alone on the "
+        "budget (where the target overtakes them), no growth",
+    )
+    p.add_argument(
+        "--gpu-size",
+        action="store_true",
+        help="--growth: the study at a GPU's size (benchmarks/growth.py GPU_PRESET; key=value overrides still win)",
+    )
     p.add_argument(
         "--study-dir",
         default=None,
@@ -128,13 +150,14 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--recipes",
         default="",
-        help="--growth: these recipes (comma-separated; default: the first six of benchmarks/growth.py)",
+        help="--growth: these recipes (comma-separated; default: stack4@10%%,stack2@10%%; benchmarks/growth.py)",
     )
     p.add_argument(
         "--sizes",
         choices=("auto", "yes", "no"),
-        default="auto",
-        help="--growth: the trend over three target sizes (auto: when the best recipe saves < 25 %%)",
+        default="no",
+        help="--growth: the trend over three target sizes at the same tokens (auto: when the best recipe saves "
+        "< 25 %%; default no)",
     )
     p.add_argument(
         "--layer-drop", action="store_true", help="also time the step at layer-drop rates 0, 0.25, 0.5 (layer mode)"
@@ -186,15 +209,16 @@ def measure(a: argparse.Namespace) -> dict:
     """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
     if a.growth:
-        from benchmarks.growth import growth_bench, summary
+        from benchmarks.growth import GPU_PRESET, growth_bench, summary
 
         return summary(
             growth_bench(
-                [r for r in a.rest if "=" in r],
-                tokens=a.tokens,
+                [*(GPU_PRESET if a.gpu_size else []), *(r for r in a.rest if "=" in r)],
+                tokens=a.tokens or None,
                 seeds=tuple(int(x) for x in a.seeds.split(",")),
                 only=a.recipes.split(",") if a.recipes else None,
                 sizes={"auto": None, "yes": True, "no": False}[a.sizes],
+                scan=a.scan,
                 root=Path(a.study_dir) if a.study_dir else None,
             )
         )

@@ -1,29 +1,53 @@
-"""Does growth pay? (``./launch.sh bench --growth``): a target decoder trained from scratch against growth recipes
-that end at the same training FLOPs, for several seeds, on held-out text; each a real run, all MLflow children of
-one parent run.
+"""Does growth pay, and against what? (``./launch.sh bench --growth``): a target decoder trained from scratch, growth
+recipes, and each recipe's small model trained alone, all to the same training FLOPs, for several seeds, on
+held-out text; each a real run, all MLflow children of one parent run.
 
-Every run gets the same budget, ``train.max_flops`` (the target's FLOPs for ``--tokens`` tokens): the product
-derives each run's steps, counting the small model's FLOPs before a growth at its size, so ``scratch`` and a grown
-run end at the same FLOPs with their cosine schedules fully decayed. Growth points are ``at_fraction`` of that
-budget. Validation every 1/25 of the budget (``train.val_every_flops``) gives every run the same FLOPs grid.
+Every run gets the same budget, ``train.max_flops`` (the target's FLOPs for ``--tokens`` tokens; default
+:data:`TOKENS_PER_PARAM` per target parameter): the product derives each run's steps, counting the small model's
+FLOPs before a growth at its size, so every run ends at the same FLOPs with its cosine schedule fully decayed.
+Growth points are ``at_fraction`` of that budget. Validation every 1/25 of the budget (``train.val_every_flops``)
+gives every run the same FLOPs grid. The corpus is the installed packages' sources and docs
+(:mod:`benchmarks.corpus`) unless the overrides name ``data.sources``; a run may read it at most
+:data:`benchmarks.study.MAX_EPOCHS` times.
 
 ``growth_flops_saving`` of a recipe is 1 - (FLOPs at which it first reaches the scratch run's final validation loss)
 / (scratch FLOPs), per seed (:func:`benchmarks.study.flops_saving`); the table's value is the minimum over seeds.
-When the best recipe saves less than 25 %, or with ``--sizes``, the study also runs scratch, the best recipe and its
-small model alone at two smaller targets: the saving against the target's size, and the share of the budget after
-which the target trained from scratch is ahead of the small model (before it, the small model is the better use of
-FLOPs: the window in which growing can pay).
+A saving against an oversized target is no gain: the study also trains each recipe's small model alone on the whole
+budget and reports, per seed, ``target_ahead_of_small`` and ``grown_vs_best_alternative`` (:func:`alternatives`),
+and the iso-FLOP scan those runs make (:func:`iso_flop`); ``--scan`` runs only that scan. With ``--sizes`` the
+study also runs scratch, the best recipe and its small model alone at two smaller targets (:func:`_trend`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.study import ROOT, Study, corpus_overrides, first_below, flops_saving
+from benchmarks.study import ROOT, Study, corpus_overrides, epochs, first_below, flops_saving, vocab_of
 
-TARGET = {"num_layers": 8, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4}
-"""The default target decoder (head size 32, so half the width keeps whole heads and key-value groups);
-``model.<key>=N`` overrides of these keys change it."""
+TARGET = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}
+"""The default target decoder (head size 32, so half the width keeps whole heads and key-value groups; 1.05M
+parameters at the default vocabulary); ``model.<key>=N`` overrides of these keys change it. Chosen by estimate
+(docs/growth.md, "Choosing the regime"), not by a measurement."""
+
+TOKENS_PER_PARAM = 20
+"""The default budget in tokens per target parameter: compute-optimal by Hoffmann et al. 2022 (Chinchilla)."""
+
+VOCAB = 2048
+"""The default vocabulary of the corpus tokenizer and the model (``data.tokenizer_vocab_size=`` changes both)."""
+
+GPU_PRESET = [
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "model.max_seq_len=512",
+    "train.global_batch_size=128",
+    "train.micro_batch_size=128",
+    "train.precision=bf16",
+]
+"""``bench --growth --gpu-size``: the same study at a GPU's size (4 x 256, sequences of 512, 128 a step, bf16;
+3.5M parameters, 70M tokens at 20 per parameter). Sized by estimate for one H100 in about 10 minutes
+(docs/growth.md); not yet run."""
 
 
 def sizes_of(target: dict) -> list[dict]:
@@ -69,8 +93,9 @@ def recipes(arch: dict) -> dict[str, list[str]]:
     }
 
 
-DEFAULT_RECIPES = 6
-"""The first recipes of :func:`recipes` run by default."""
+DEFAULT_RECIPES = ("stack4@10%", "stack2@10%")
+"""The recipes run by default: the published G_stack factor (4, grown early) and half the depth stacked, whose small
+models (a quarter and half of the target's depth) are also the iso-FLOP scan's sizes."""
 
 
 def _small_alone(extra: list[str]) -> list[str]:
@@ -94,19 +119,54 @@ def _budget_overrides(flops: float, points: int) -> list[str]:
     return [f"train.max_flops={flops:.6g}", "train.val_every=0", f"train.val_every_flops={flops / points:.6g}"]
 
 
+def small_model(target: dict, extra: list[str]) -> dict:
+    """The architecture a recipe starts from (its ``model.*`` overrides on ``target``)."""
+    arch = dict(target)
+    for o in _small_alone(extra):
+        key, value = o.split("=", 1)
+        if not key.startswith("model."):
+            continue
+        arch[key.removeprefix("model.")] = int(value)
+    return arch
+
+
+def alone_name(arch: dict) -> str:
+    """The name of a small model trained alone in the study's curves: ``alone LxD``."""
+    return f"alone {arch['num_layers']}x{arch['hidden_size']}"
+
+
+def plan(target: dict, names: list[str], seeds: tuple[int, ...], scan: bool = False) -> list[tuple[str, int, list]]:
+    """The study's runs in order, (curve name, seed, overrides): per seed the target from scratch, each recipe
+    (none with ``scan``) and each distinct small model of the recipes trained alone on the whole budget."""
+    book = recipes(target)
+    smalls: dict[str, list[str]] = {}
+    for n in names:
+        smalls.setdefault(alone_name(small_model(target, book[n])), _small_alone(book[n]))
+    runs = []
+    for seed in seeds:
+        runs.append(("scratch", seed, _model(target)))
+        runs += [] if scan else [(n, seed, [*_model(target), *book[n]]) for n in names]
+        runs += [(name, seed, [*_model(target), *extra]) for name, extra in smalls.items()]
+    return runs
+
+
 def growth_bench(
     overrides: list[str],
     *,
-    tokens: int = 500_000,
+    tokens: int | None = None,
     seeds: tuple[int, ...] = (0, 1),
     only: list[str] | None = None,
-    sizes: bool | None = None,
+    sizes: bool | None = False,
+    scan: bool = False,
     points: int = 25,
     root: Path | None = None,
 ) -> dict:
-    """The study; ``only`` limits the recipes, ``sizes`` forces (True) or skips (False) the trend (None: when the
-    best recipe saves < 25 %). Returns the study's dict (see :func:`summary`)."""
-    corpus, corpus_name = corpus_overrides()
+    """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per target parameter; ``only`` limits the recipes;
+    ``sizes`` forces (True) or skips (False) the trend (None: when the best recipe saves < 25 %); ``scan``: only
+    the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth). Returns the
+    study's dict (see :func:`summary`)."""
+    vocab = vocab_of(overrides, VOCAB)
+    corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = [
         "cluster.use_ray=false",
         "cluster.num_workers=1",
@@ -117,47 +177,65 @@ def growth_bench(
         "growth.rewarm_steps=20",
         "data.val_holdout=0.03",
         "train.val_sequences=64",
-        "model.vocab_size=4096",
-        "data.tokenizer_vocab_size=4096",
+        f"model.vocab_size={vocab}",
+        f"data.tokenizer_vocab_size={vocab}",
         *corpus,
         *overrides,
     ]
     target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    params = _parameters(study, target)
+    tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
     flops, share = _budget(study, target, tokens)
     known = list(recipes(target))
-    names = known[:DEFAULT_RECIPES] if only is None else [n for n in known if n in only]
+    names = list(DEFAULT_RECIPES) if only is None else [n for n in known if n in only]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
         raise SystemExit(
             f"bench --growth --recipes: unknown {', '.join(unknown)} (known: {', '.join(recipes(target))})"
         )
+    runs = plan(target, names, seeds, scan)
+    # the run that reads most tokens starts at the smallest model (a grown run reads fewer than its model alone)
+    archs = {n: small_model(target, extra[len(_model(target)) :]) for n, _, extra in runs}
+    per_token = {n: _budget(study, a, 1)[0] for n, a in archs.items()}
+    most = flops / min(per_token.values())
+    passes = epochs(most, manifest, f"bench --growth: the budget ({tokens:,} target tokens)")
+    repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
     out: dict = {
         "target": target,
+        "target_parameters": params,
         "block_flops_share": share,
         "budget_flops": flops,
         "budget_tokens": tokens,
+        "tokens_per_param": tokens / params,
         "corpus": corpus_name,
+        "corpus_epochs_max": passes,
         "seeds": list(seeds),
         "recipes": {n: recipes(target)[n] for n in names},
+        "small_models": {n: alone_name(small_model(target, recipes(target)[n])) for n in names},
+        "scan": scan,
+        "data_repeat": repeat,
         "curves": {},
         "run_ids": {},
     }
-    for seed in seeds:
-        for name in ["scratch", *names]:
-            extra = [*_model(target), *recipes(target).get(name, []), f"train.seed={seed}"]
-            run = study.train(f"{name} seed {seed}", [*extra, *_budget_overrides(flops, points)])
-            out["curves"].setdefault(name, {})[seed] = run.flops
-            out["run_ids"].setdefault(name, {})[seed] = run.run_id
-    savings = {n: {s: flops_saving(out["curves"]["scratch"][s], out["curves"][n][s]) for s in seeds} for n in names}
-    out["growth_flops_saving_per_seed"] = savings
-    out["growth_flops_saving"] = {n: _min_saving(v.values()) for n, v in savings.items()}
-    ranked = sorted(
-        names, key=lambda n: -1e9 if out["growth_flops_saving"][n] is None else out["growth_flops_saving"][n]
-    )
-    out["best_recipe"] = ranked[-1] if ranked else None
-    best = out["best_recipe"]
+    for name, seed, extra in runs:
+        run = study.train(
+            f"{name} seed {seed}", [*extra, f"train.seed={seed}", *repeat, *_budget_overrides(flops, points)]
+        )
+        out["curves"].setdefault(name, {})[seed] = run.flops
+        out["run_ids"].setdefault(name, {})[seed] = run.run_id
+    if not scan:
+        savings = {n: {s: flops_saving(out["curves"]["scratch"][s], out["curves"][n][s]) for s in seeds} for n in names}
+        out["growth_flops_saving_per_seed"] = savings
+        out["growth_flops_saving"] = {n: _min_saving(v.values()) for n, v in savings.items()}
+        ranked = sorted(
+            names, key=lambda n: -1e9 if out["growth_flops_saving"][n] is None else out["growth_flops_saving"][n]
+        )
+        out["best_recipe"] = ranked[-1] if ranked else None
+    out.update(alternatives(out))
+    out["iso_flop"] = iso_flop(out, {n: _parameters(study, a) for n, a in archs.items()}, per_token)
+    best = out.get("best_recipe")
     if best and (sizes or (sizes is None and (out["growth_flops_saving"][best] or -1) < 0.25)):
         out["trend"] = _trend(study, out, best, tokens, seeds[0], points)
     figure = _plot(out, study.work / "growth_vs_scratch.png")
@@ -165,6 +243,59 @@ def growth_bench(
     out["mlflow"] = {"tracking_uri": study.uri, "parent_run": study.parent}
     study.finish(summary(out), figure)
     return out
+
+
+def alternatives(out: dict) -> dict:
+    """Per seed, against what a user could train instead at the same FLOPs: ``final_loss`` of every run,
+    ``small_alone_final_loss`` per recipe, ``target_ahead_of_small`` (the target from scratch ends below every small
+    model alone) and ``grown_vs_best_alternative`` (the best recipe's final loss minus the lower of scratch's and
+    every small model's alone; < 0: growth won; None without a best recipe)."""
+    curves, seeds = out["curves"], out["seeds"]
+    final = {name: {s: per[s][-1][1] for s in seeds} for name, per in curves.items()}
+    alone = sorted(set(out["small_models"].values()))
+    res: dict = {
+        "final_loss": final,
+        "small_alone_final_loss": {n: final[small] for n, small in out["small_models"].items()},
+        "target_ahead_of_small": {s: all(final["scratch"][s] < final[a][s] for a in alone) for s in seeds},
+    }
+    best = out.get("best_recipe")
+    res["grown_vs_best_alternative"] = {
+        s: None if best is None else final[best][s] - min([final["scratch"][s], *(final[a][s] for a in alone)])
+        for s in seeds
+    }
+    return res
+
+
+def iso_flop(out: dict, params: dict[str, int], per_token: dict[str, float]) -> list[dict]:
+    """The iso-FLOP scan from the study's runs: the target from scratch and each small model alone, all on the
+    budget, largest first: parameters, tokens, tokens per parameter, final loss per seed and, for a small model, the
+    share of the budget from which the target is ahead of it (None: never)."""
+    rows = []
+    for name in ["scratch", *sorted(set(out["small_models"].values()), key=lambda a: -params[a])]:
+        tokens = out["budget_flops"] / per_token[name]
+        row = {
+            "model": name,
+            "parameters": params[name],
+            "tokens": tokens,
+            "tokens_per_param": tokens / params[name],
+            "final_loss": {s: out["curves"][name][s][-1][1] for s in out["seeds"]},
+        }
+        if name != "scratch":
+            ahead = {s: first_below(out["curves"]["scratch"][s], out["curves"][name][s]) for s in out["seeds"]}
+            row["target_ahead_from"] = {s: None if x is None else x / out["budget_flops"] for s, x in ahead.items()}
+        rows.append(row)
+    return rows
+
+
+def _parameters(study: Study, arch: dict) -> int:
+    """Parameters of the decoder ``arch`` under the study's config (tied embeddings once)."""
+    import torch
+
+    from pretrain.model.transformer import Transformer, _SkipInitOnMeta, num_parameters
+
+    cfg = study.config(_model(arch))
+    with torch.device("meta"), _SkipInitOnMeta():
+        return num_parameters(Transformer(cfg.model, cfg.moe))
 
 
 def _split(overrides: list[str]) -> list[tuple[str, str]]:
@@ -183,7 +314,7 @@ def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: i
     rows = []
     for arch in sizes_of(out["target"]):
         flops, share = _budget(study, arch, tokens)
-        budget = [f"train.seed={seed}", *_budget_overrides(flops, points)]
+        budget = [f"train.seed={seed}", *out["data_repeat"], *_budget_overrides(flops, points)]
         recipe = recipes(arch)[best]
         if arch == out["target"]:
             scratch, grown = out["curves"]["scratch"][seed], out["curves"][best][seed]

@@ -27,7 +27,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study import ROOT, Study, corpus_overrides, time_to_loss_speedup
+from benchmarks.corpus import DEFAULT_VOCAB
+from benchmarks.study import ROOT, Study, corpus_overrides, time_to_loss_speedup, vocab_of
 
 ARCH = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8", "model.num_kv_heads=4"]
 
@@ -91,7 +92,8 @@ def study(
     from pretrain.config import make_plan
     from pretrain.model.growth_stages import block_flops_share
 
-    corpus, corpus_name = corpus_overrides()
+    vocab = vocab_of(overrides, DEFAULT_VOCAB)
+    corpus, corpus_name, _ = corpus_overrides(overrides, vocab)
     base = [
         "cluster.use_ray=false",
         "cluster.num_workers=1",
@@ -101,8 +103,8 @@ def study(
         "train.warmup_steps=20",
         "data.val_holdout=0.03",
         "train.val_sequences=64",
-        "model.vocab_size=4096",
-        "data.tokenizer_vocab_size=4096",
+        f"model.vocab_size={vocab}",
+        f"data.tokenizer_vocab_size={vocab}",
         *ARCH,
         *corpus,
         *overrides,

@@ -10,27 +10,58 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPORA = ROOT.parent / "shared" / "corpora"
-WIKITEXT = ("wikitext2-valid.txt", "wikitext2-test.txt")
-
 Curve = list[tuple[float, float]]
 """(x, validation loss) points in training order; x is FLOPs or seconds."""
 
+MAX_EPOCHS = 4
+"""The most passes over a study corpus a run may make (Muennighoff et al. 2023: up to 4 epochs are nearly as good
+as fresh data)."""
 
-def corpus_overrides() -> tuple[list[str], str]:
-    """The study corpus: the WikiText-2 text beside the project when present (about 675k tokens at a 4,096-token
-    vocabulary), else the built-in demo corpus; (overrides, a line naming it). Runs never repeat data
-    (``data.repeat=false``: a run that would stops with 'data exhausted' and the study fails)."""
-    files = [CORPORA / f for f in WIKITEXT]
-    if all(f.exists() for f in files):
-        sources = ", ".join(f"{{path: {f}}}" for f in files)
-        return [f"data.sources=[{sources}]", "data.repeat=false"], "WikiText-2 validation + test text"
-    return ["data.sources=[{path: demo}]", "data.repeat=false"], "the built-in demo corpus (WikiText-2 not found)"
+
+def vocab_of(overrides: list[str], default: int) -> int:
+    """The tokenizer vocabulary the overrides ask for (their last ``data.tokenizer_vocab_size=``), else ``default``."""
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith("data.tokenizer_vocab_size=")]
+    return int(values[-1]) if values else default
+
+
+def corpus_overrides(overrides: list[str], vocab_size: int) -> tuple[list[str], str, dict | None]:
+    """The study corpus: the ``data.sources`` the overrides name, if they do; else the installed packages' sources
+    and docs (:mod:`benchmarks.corpus`, built at ``vocab_size`` on first use, then cached), with its validation
+    split and its tokenizer. (overrides, a line naming it, its manifest or None). Runs never repeat data unless the
+    study sets ``data.repeat=true`` (a run that would stops with 'data exhausted' and the study fails)."""
+    if any(o.startswith("data.sources") for o in overrides):
+        return ["data.repeat=false"], "data.sources from the command line", None
+    from benchmarks.corpus import build
+    from benchmarks.corpus import overrides as corpus_data
+
+    manifest = build(vocab_size=vocab_size, say=lambda line: print(line, file=sys.stderr, flush=True))
+    name = (
+        f"the installed packages' Python sources and docs ({len(manifest['packages'])} packages, "
+        f"{manifest['train']['tokens']:,} training tokens at a {vocab_size:,}-token vocabulary)"
+    )
+    return [*corpus_data(manifest), "data.repeat=false"], name, manifest
+
+
+def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
+    """Passes over the corpus's training split that ``tokens`` make (None without a manifest); more than
+    :data:`MAX_EPOCHS` stops the study (``ConfigError``: one line naming ``what``, exit 2)."""
+    if manifest is None:
+        return None
+    n = tokens / manifest["train"]["tokens"]
+    if n > MAX_EPOCHS:
+        from pretrain.config import ConfigError
+
+        raise ConfigError(
+            f"{what}: reads {tokens:,.0f} tokens, {n:.2f} epochs of the corpus's {manifest['train']['tokens']:,} "
+            f"training tokens (at most {MAX_EPOCHS}): use a smaller budget or model"
+        )
+    return n
 
 
 def crossing(curve: Curve, target: float) -> float | None:

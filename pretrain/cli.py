@@ -13,10 +13,13 @@
                                                   time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
                                                   at rates 0, 0.25, 0.5
     bench --vs-hf [--repeats N] [--corpus PATH] [--json]   ./launch.sh train against Hugging Face Trainer
-    bench --growth [--seeds 0,1] [--tokens N] [--recipes A,B] [--sizes auto|yes|no] [--json]   the growth study:
-                                                  scratch vs growth recipes at equal FLOPs, per seed
+    bench --growth [--seeds 0,1] [--tokens N] [--recipes A,B] [--scan] [--gpu-size] [--json]   the growth study:
+                                                  scratch vs growth recipes vs their small models alone at
+                                                  equal FLOPs, per seed (--scan: only scratch and the small models)
     bench --layer-drop --quality [--seeds 0,1] [--steps N] [--json]   the layer-dropout study: progressive
                                                   layer dropping's time to loss, pruned vs half depth from scratch
+    bench --build-corpus [--out DIR] [--json]     the studies' corpus: the installed packages' Python sources and
+                                                  docs, deduplicated, split by hash, token-counted, cached
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share

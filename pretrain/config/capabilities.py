@@ -156,11 +156,11 @@ class LayerDropConfig:
 
 
 DEFAULT_GROWTH_FRACTION = 0.1
-"""The growth point of an entry that gives none (as ``at_fraction`` of ``train.max_flops``): the point of the growth
-study's best recipe (``bench --growth``; ``docs/growth.md``)."""
+"""The growth point of an entry that gives none (as ``at_fraction`` of ``train.max_flops``): grown early, as in the
+published G_stack recipe (Du et al. 2024; why not from ``bench --growth``: ``docs/growth.md``)."""
 DEFAULT_GROWTH_DEPTH = "4x"
-"""The target of an entry (or ``./launch.sh grow``) that gives none: the study's best recipe stacks a quarter of
-the depth four times (G_stack's growth factor)."""
+"""The target of an entry (or ``./launch.sh grow``) that gives none: a quarter of the depth stacked four times,
+G_stack's published growth factor (``docs/growth.md``)."""
 
 
 @dataclass(kw_only=True)
@@ -170,7 +170,7 @@ class GrowthStep:
     ``depth``, ``width``, ``heads`` and ``ffn`` are targets: ``2x`` (a factor), ``+N`` (N more) or ``N`` (a total).
     Without any target (nor ``experts``) an entry (and ``./launch.sh grow``) stacks the depth 4x, and without
     ``at_step``, ``at_tokens`` or ``at_fraction`` it grows at ``at_fraction`` 0.1 of ``train.max_flops``:
-    the recipe the growth study measured best (``docs/growth.md``).
+    the published G_stack recipe (growth factor 4, grown early; ``docs/growth.md`` says what was measured here).
     A number may be written as a YAML int (``depth: 8`` is a total of 8 blocks; stored as the text ``'8'``), and an
     unquoted ``+4`` is an increment like ``'+4'`` (the config loader keeps ``+N`` as text)."""
 
@@ -243,7 +243,7 @@ class GrowthConfig:
     ``identity`` blocks; see ``docs/growth.md``). ``grow`` needs ``parallel.expert`` 1."""
     rewarm_steps: int = -1
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues; -1 (the
-    default): ``train.warmup_steps`` (the growth study's recipe: fresh AdamW moments, re-warmed; ``docs/growth.md``).
+    default): ``train.warmup_steps`` (fresh AdamW moments, re-warmed; ``docs/growth.md``).
     A run derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else
     the parent's ``train.warmup_steps``) and re-warms from its first step."""
 

@@ -54,7 +54,7 @@ def grow(argv: list[str]) -> int:
     """``grow RUN_ID|CHECKPOINT [depth=..] [depth_op=..] [width=..] [width_op=..] [heads=..] [ffn=..] [experts=E]
     [top_k=K] [noise=X] [step=N] [rewarm=N]``: a new child run whose first checkpoint is the grown parent; the child
     re-warms its LR over ``growth.rewarm_steps`` (``rewarm``; recorded in its config) from the growth step. Without
-    a target it stacks the depth 4x (the growth study's recipe)."""
+    a target it stacks the depth 4x (G_stack's published growth factor)."""
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
     from pretrain.model.growth import apply_growth, count_parameters
@@ -65,7 +65,7 @@ def grow(argv: list[str]) -> int:
     typed = {k: (int(v) if k in ("experts", "top_k") else float(v) if k == "noise" else v) for k, v in opts.items()}
     entry = build_section(GrowthStep, typed, "grow")
     if not set(typed) & {*GrowthStep.TARGETS, "experts"}:
-        print("[grow] no target given: depth=4x depth_op=stack (the default, the growth study's recipe)")
+        print("[grow] no target given: depth=4x depth_op=stack (the default: G_stack's growth factor)")
     parent = resolve_checkpoint(argv[0], int(step_opt) if step_opt else None)
     cfg = parent.config
     sd = parent.state_dict(inference=False)

@@ -9,7 +9,8 @@ import json
 import pytest
 from mlflow import MlflowClient
 
-from benchmarks.study import flops_saving, time_to_loss_speedup
+from benchmarks.study import first_below, flops_saving, time_to_loss_speedup
+from tests.conftest import WIKITEXT
 from tests.harness import cli, tiny_model
 
 TINY = [
@@ -42,28 +43,41 @@ def _children(result: dict) -> tuple[MlflowClient, list]:
 
 
 def test_growth_study_on_a_tiny_budget(tmp_path):
-    r = _bench(tmp_path, "--growth", "--tokens", "3000", "--recipes", "stack2@10%", "--seeds", "0,1", "--sizes", "no")
-    assert r["seeds"] == [0, 1] and r["target"]["num_layers"] == 2 and 0 < r["block_flops_share"] < 1
-    assert r["budget_tokens"] == 3000 and r["best_recipe"] == "stack2@10%"
+    corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
+    r = _bench(tmp_path, "--growth", "--tokens", "3000", "--recipes", "stack2@10%", "--seeds", "0", corpus)
+    assert r["seeds"] == [0] and r["target"]["num_layers"] == 2 and 0 < r["block_flops_share"] < 1
+    assert r["budget_tokens"] == 3000 and r["best_recipe"] == "stack2@10%" and r["corpus_epochs_max"] is None
+    assert r["tokens_per_param"] == pytest.approx(3000 / r["target_parameters"]) and r["tokens_per_param"] < 1
     curves = r["curves_flops_val_loss"]
-    for seed in ("0", "1"):
-        scratch, grown = curves["scratch"][seed], curves["stack2@10%"][seed]
-        assert len(scratch) >= 20 and len(grown) >= 20, "validation at every 1/25 of the budget"
-        assert scratch[-1][0] == pytest.approx(r["budget_flops"], rel=0.05), "scratch spends the budget"
-        assert grown[-1][0] == pytest.approx(scratch[-1][0], rel=0.05), "and so does the grown run"
-        want = flops_saving(scratch, grown)
-        got = r["growth_flops_saving_per_seed"]["stack2@10%"][seed]
-        assert (got is None and want is None) or got == pytest.approx(want, abs=1e-4)
-    per_seed = list(r["growth_flops_saving_per_seed"]["stack2@10%"].values())
-    assert r["growth_flops_saving"]["stack2@10%"] == (None if None in per_seed else min(per_seed))
+    small = f"alone 1x{r['target']['hidden_size']}"
+    scratch, grown, alone = (curves[name]["0"] for name in ("scratch", "stack2@10%", small))
+    for curve in (scratch, grown, alone):
+        assert len(curve) >= 20, "validation at every 1/25 of the budget"
+        assert curve[-1][0] == pytest.approx(r["budget_flops"], rel=0.05), "every run spends the budget"
+    want = flops_saving(scratch, grown)
+    got = r["growth_flops_saving_per_seed"]["stack2@10%"]["0"]
+    assert (got is None and want is None) or got == pytest.approx(want, abs=1e-4)
+    assert r["growth_flops_saving"]["stack2@10%"] == got
+    # against the small model alone (JSON curves are rounded to 6 digits)
+    assert r["small_models"] == {"stack2@10%": small}
+    assert r["small_alone_final_loss"]["stack2@10%"]["0"] == pytest.approx(alone[-1][1], rel=1e-5)
+    assert r["target_ahead_of_small"]["0"] == (r["final_loss"]["scratch"]["0"] < r["final_loss"][small]["0"])
+    best_alternative = min(scratch[-1][1], alone[-1][1])
+    assert r["grown_vs_best_alternative"]["0"] == pytest.approx(grown[-1][1] - best_alternative, abs=1e-5)
+    assert [row["model"] for row in r["iso_flop"]] == ["scratch", small]
+    small_row = r["iso_flop"][1]
+    assert small_row["tokens"] > r["iso_flop"][0]["tokens"] == pytest.approx(3000)
+    ahead = first_below(scratch, alone)
+    assert small_row["target_ahead_from"]["0"] == (None if ahead is None else pytest.approx(ahead / r["budget_flops"]))
     client, runs = _children(r)
-    assert len(runs) == 4, "scratch and the recipe, for each seed"
+    assert len(runs) == 3, "scratch, the recipe and its small model alone"
     for run in runs:
         assert [a.path for a in client.list_artifacts(run.info.run_id, "study")] == ["study/curves.json"]
 
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):
-    r = _bench(tmp_path, "--layer-drop", "--quality", "--steps", "8", "--seeds", "0", "model.num_layers=4")
+    corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
+    r = _bench(tmp_path, "--layer-drop", "--quality", "--steps", "8", "--seeds", "0", "model.num_layers=4", corpus)
     assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"] == 8
     row = r["per_seed"]["0"]
     curves = row["curves_seconds"]

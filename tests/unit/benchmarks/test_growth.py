@@ -1,0 +1,93 @@
+"""The growth study's plan and its comparison with the alternatives a user has, on known curves
+(``benchmarks/growth.py``; the study itself: ``tests/integration/bench/test_studies.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.growth import TARGET, alternatives, iso_flop, plan, recipes, small_model
+from benchmarks.study import epochs
+from pretrain.config import ConfigError
+
+
+def test_plan_trains_each_small_model_alone_once_per_seed():
+    names = ["stack4@10%", "stack2@10%", "stack2@20%", "tile2@10%"]
+    runs = plan(TARGET, names, (0, 1))
+    per_seed = [name for name, seed, _ in runs if seed == 0]
+    assert per_seed == ["scratch", *names, "alone 1x128", "alone 2x128", "alone 4x64"]
+    assert [seed for *_, seed, _ in runs] == [0] * 8 + [1] * 8
+    alone = dict((name, extra) for name, seed, extra in runs if seed == 1)["alone 1x128"]
+    assert not [o for o in alone if o.startswith("growth.")] and alone[-1] == "model.num_layers=1"
+    assert small_model(TARGET, recipes(TARGET)["tile2@10%"]) == {
+        **TARGET,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+    }
+    assert [name for name, seed, _ in plan(TARGET, names[:2], (0,), scan=True)] == [
+        "scratch",
+        "alone 1x128",
+        "alone 2x128",
+    ]
+
+
+def _curve(*losses: float) -> list[tuple[float, float]]:
+    return [(float(i + 1), v) for i, v in enumerate(losses)]
+
+
+def test_alternatives_and_the_iso_flop_scan_from_known_curves():
+    out = {
+        "seeds": [0, 1],
+        "budget_flops": 4.0,
+        "best_recipe": "stack4@10%",
+        "small_models": {"stack4@10%": "alone 1x128", "stack2@10%": "alone 2x128"},
+        "curves": {
+            "scratch": {0: _curve(6.0, 5.0, 4.2, 3.9), 1: _curve(6.0, 5.0, 4.5, 4.1)},
+            "stack4@10%": {0: _curve(5.5, 4.5, 4.0, 3.8), 1: _curve(5.5, 4.5, 4.1, 4.05)},
+            "stack2@10%": {0: _curve(5.8, 4.8, 4.1, 3.85), 1: _curve(5.8, 4.8, 4.3, 4.2)},
+            "alone 1x128": {0: _curve(5.0, 4.4, 4.1, 4.0), 1: _curve(5.0, 4.4, 4.1, 4.0)},
+            "alone 2x128": {0: _curve(5.2, 4.5, 4.0, 3.95), 1: _curve(5.2, 4.5, 4.0, 3.9)},
+        },
+    }
+    got = alternatives(out)
+    assert got["small_alone_final_loss"] == {"stack4@10%": {0: 4.0, 1: 4.0}, "stack2@10%": {0: 3.95, 1: 3.9}}
+    assert got["target_ahead_of_small"] == {0: True, 1: False}, "seed 1: the 2-block model alone ends below"
+    assert got["grown_vs_best_alternative"][0] == pytest.approx(3.8 - 3.9), "growth beats scratch"
+    assert got["grown_vs_best_alternative"][1] == pytest.approx(4.05 - 3.9), "the 2-block model alone wins"
+    assert alternatives({**out, "best_recipe": None})["grown_vs_best_alternative"] == {0: None, 1: None}
+
+    params = {"scratch": 1000, "alone 1x128": 400, "alone 2x128": 600}
+    per_token = {"scratch": 0.1, "alone 1x128": 0.04, "alone 2x128": 0.06}
+    rows = iso_flop(out, params, per_token)
+    assert [r["model"] for r in rows] == ["scratch", "alone 2x128", "alone 1x128"], "largest first"
+    assert rows[0]["tokens"] == pytest.approx(40.0) and rows[0]["tokens_per_param"] == pytest.approx(0.04)
+    assert rows[2]["tokens"] == pytest.approx(100.0) and rows[2]["final_loss"] == {0: 4.0, 1: 4.0}
+    # scratch 0: 6, 5, 4.2, 3.9 against 1x128's 5, 4.4, 4.1, 4.0: ahead from FLOPs 4 (of 4)
+    assert rows[2]["target_ahead_from"] == {0: 1.0, 1: None} and "target_ahead_from" not in rows[0]
+
+
+def test_epochs_of_the_corpus():
+    manifest = {"train": {"tokens": 1000}}
+    assert epochs(2500, manifest, "x") == 2.5 and epochs(10, None, "x") is None
+    with pytest.raises(ConfigError, match=r"x: reads 4,001 tokens, 4.00 epochs .* \(at most 4\)"):
+        epochs(4001, manifest, "x")
+
+
+def test_the_default_and_gpu_sizes_are_the_documented_ones():
+    """docs/growth.md's table: 1.05M target parameters on the CPU, 3.5M at the GPU size (2,048-token vocabulary)."""
+    import torch
+
+    from benchmarks.growth import GPU_PRESET, VOCAB, _model
+    from pretrain.config import load_config
+    from pretrain.model.transformer import Transformer, _SkipInitOnMeta, num_parameters
+    from tests.harness import ROOT
+
+    def params(overrides):
+        cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", [f"model.vocab_size={VOCAB}", *overrides])
+        with torch.device("meta"), _SkipInitOnMeta():
+            return num_parameters(Transformer(cfg.model, cfg.moe)), cfg
+
+    cpu, _ = params(_model(TARGET))
+    gpu, cfg = params(GPU_PRESET)
+    assert round(cpu / 1e4) == 105 and round(gpu / 1e5) == 35
+    assert cfg.train.precision == "bf16" and cfg.model.max_seq_len == 512 and cfg.model.num_heads * 32 == 256
