@@ -77,6 +77,10 @@ def test_refusals(llama, tokenizer):
     assert type(gpt2.model).__name__ == "GPT2LMHeadModel"
     with pytest.raises(ConfigError, match="GPT2LMHeadModel ignores config.num_hidden_layers"):
         check_early_exit(gpt2, 1)
+    remote = make_generator(tokenizer, tiny(GPT2_CFG, bias=True, num_layers=3))  # the trust_remote_code class
+    assert type(remote.model).__name__ == "PretrainTransformerForCausalLM"
+    with pytest.raises(ConfigError, match="without a KV cache"):
+        check_early_exit(remote, 1)
     with pytest.raises(ConfigError, match="context is 48 tokens"):
         encode_prompt(llama, "word " * 200)
     with pytest.raises(ConfigError, match="empty"):
