@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +51,10 @@ class Generator:
     num_layers: int
     context: int
     info: dict[str, Any] = field(default_factory=dict)
+    data: Any = None
+    """The data config of the run that made the model (a ``DataConfig``; None when unknown): its held-out text."""
+    seed: int = 0
+    """That run's seed (which documents its hash holdout keeps)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,6 +86,8 @@ def _from_checkpoint(target: str, step: int | None) -> Generator:
         num_layers=cfg.model.num_layers,
         context=cfg.model.max_seq_len,
         info={"checkpoint": str(loaded.ckpt.path), "step": loaded.ckpt.step, "run_id": loaded.run_id},
+        data=cfg.data,
+        seed=cfg.train.seed,
     )
 
 
@@ -112,6 +118,8 @@ def _from_hf_dir(path: Path) -> Generator:
         num_layers=int(text.num_hidden_layers),
         context=int(context),
         info={"hf_dir": str(path), **({"exported_from": meta["source"]} if "source" in meta else {})},
+        data=load_config(None, base={"data": meta["data"]}).data if "data" in meta else None,
+        seed=int(meta.get("seed", 0)),
     )
 
 

@@ -25,6 +25,9 @@
     bench --gpu [--json] [--tiny] [--only ITEMS] [--results DIR]   the one GPU check: bf16 training, MFU, SDPA kernel,
                                                   memory plan, async checkpoint + resume, ZeRO-3, MoE, growth, export
                                                   (tiny on CPU)
+    bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2] [--prompts 50] [--json]   self-speculative
+                                                  against plain greedy decoding on held-out prompts: tokens/s per
+                                                  exit, identical outputs, acceptance, also via generate
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME] [--device D]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
