@@ -87,3 +87,15 @@ def test_refusals(llama, tokenizer):
         encode_prompt(llama, "")
     with pytest.raises(ConfigError, match="--max-new-tokens"):
         generate(llama, PROMPT, max_new_tokens=0)
+
+
+def test_sampling_is_seeded_and_counted(llama):
+    """--temperature samples (speculative sampling with --early-exit): the same seed gives the same tokens, another
+    seed other tokens; the counts hold as under greedy decoding."""
+    kw = dict(max_new_tokens=16, early_exit=2, draft_tokens=3, temperature=1.0, warmup=False)
+    a, b, c = (generate(llama, PROMPT, seed=s, **kw) for s in (1, 1, 2))
+    assert not a["greedy"] and a["continuation"] == b["continuation"] != c["continuation"]
+    assert a["early_exit"]["continuation"] == b["early_exit"]["continuation"]
+    for r in (a, c):
+        e = r["early_exit"]
+        assert e["accepted"] + e["verify_passes"] == e["new_tokens"] and 0 <= e["accepted"] <= e["drafted"]
