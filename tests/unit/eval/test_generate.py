@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.generate import Generator, check_early_exit, encode_prompt, generate, layers_run_at
+from eval.generate import Generator, check_early_exit, encode_prompt, generate
+from eval.speculative import layers_run_at
 from pretrain.config import ConfigError
 from pretrain.export.hf import special_token_ids, to_hf_model
 from tests.unit.export.test_hf import GPT2_CFG, LLAMA_CFG, one_thread, perturbed_state, tiny  # noqa: F401
