@@ -1,4 +1,4 @@
-"""Self-speculative decoding against plain greedy on the same model: the decoding half of ``bench --early-exit``.
+"""Self-speculative (early-exit) decoding against plain greedy decoding of one model, on held-out prompts.
 
     ./launch.sh bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2,...] [--prompts 50]
                       [--prompt-tokens 16] [--max-new-tokens 32] [--draft-tokens N] [--cli-prompts 3]

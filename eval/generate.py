@@ -358,7 +358,7 @@ def main(argv: list[str]) -> int:
         type=int,
         default=None,
         metavar="N",
-        help="draft N tokens per verification (default: transformers' assisted-generation default)",
+        help="draft at most N tokens per verification (default: transformers' num_assistant_tokens, 20)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (default 0: greedy)")
     p.add_argument("--top-k", type=int, default=None, help="sampling: keep the K most likely tokens")
