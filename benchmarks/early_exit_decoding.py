@@ -1,8 +1,8 @@
 """Self-speculative (early-exit) decoding against plain greedy decoding of one model, on held-out prompts.
 
     ./launch.sh bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2,...] [--prompts 50]
-                      [--prompt-tokens 16] [--max-new-tokens 32] [--draft-tokens N] [--cli-prompts 3]
-                      [--data PATH ...] [--device D] [--json]
+                      [--prompt-tokens 16] [--max-new-tokens 32] [--draft-tokens N] [--draft-confidence P]
+                      [--cli-prompts 3] [--data PATH ...] [--device D] [--json]
 
 Prompts: the first ``--prompt-tokens`` tokens of ``--prompts`` held-out sequences (the model's run's validation set,
 read as ``eval`` reads it, or ``--data``), decoded to text; each is encoded again as ``generate`` encodes a prompt.
@@ -52,6 +52,7 @@ def decoding_benchmark(
     *,
     max_new_tokens: int = 32,
     draft_tokens: int | None = None,
+    draft_confidence: float | None = None,
 ) -> dict[str, Any]:
     """Plain greedy and self-speculative greedy at each of ``exits`` on every prompt (module docstring)."""
     from eval.generate import check_early_exit, decode, encode_prompt
@@ -71,7 +72,7 @@ def decoding_benchmark(
         totals["greedy"]["tokens"] += len(plain.ids)
         totals["greedy"]["seconds"] += plain.seconds
         for e in exits:
-            spec = decode(gen, ids, n, early_exit=e, draft_tokens=draft_tokens)
+            spec = decode(gen, ids, n, early_exit=e, draft_tokens=draft_tokens, draft_confidence=draft_confidence)
             t = totals[str(e)]
             t["tokens"] += len(spec.ids)
             t["seconds"] += spec.seconds
@@ -94,6 +95,7 @@ def decoding_benchmark(
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "draft_tokens": draft_tokens,
+        "draft_confidence": draft_confidence,
         "greedy": base,
         "exits": totals,
         "best_exit": best,
@@ -162,6 +164,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     p.add_argument("--draft-tokens", type=int, default=None, help="tokens per draft (default: transformers')")
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=None,
+        help="stop drafts below this probability (default: transformers')",
+    )
     p.add_argument("--cli-prompts", type=int, default=3, help="prompts also run through ./launch.sh generate")
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH", help="prompts from these files")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
@@ -176,7 +184,14 @@ def main(argv: list[str]) -> int:
     gen = load_generator(a.model, device=a.device)
     exits = exits or list(range(1, gen.num_layers))
     prompts = heldout_prompts(gen, a.prompts, a.prompt_tokens, a.data)
-    result = decoding_benchmark(gen, prompts, exits, max_new_tokens=a.max_new_tokens, draft_tokens=a.draft_tokens)
+    result = decoding_benchmark(
+        gen,
+        prompts,
+        exits,
+        max_new_tokens=a.max_new_tokens,
+        draft_tokens=a.draft_tokens,
+        draft_confidence=a.draft_confidence,
+    )
     plain_texts = result.pop("_plain_texts")
     if a.cli_prompts and result["best_exit"] is not None:
         k = min(a.cli_prompts, len(prompts))
@@ -187,6 +202,7 @@ def main(argv: list[str]) -> int:
             result["best_exit"],
             max_new_tokens=a.max_new_tokens,
             draft_tokens=a.draft_tokens,
+            draft_confidence=a.draft_confidence,
             device=a.device,
         )
     if a.json:

@@ -1,8 +1,8 @@
 """Sampling from a run, a checkpoint or a Hugging Face directory, with self-speculative (early-exit) decoding.
 
     ./launch.sh generate RUN_ID|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--early-exit E]
-                         [--draft-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--step N]
-                         [--device D] [--dtype DT] [--json]
+                         [--draft-tokens N] [--draft-confidence P] [--temperature T] [--top-k K] [--top-p P]
+                         [--seed S] [--step N] [--device D] [--dtype DT] [--json]
 
 The model is the ``transformers`` model the export would write (:func:`pretrain.export.hf.to_hf_model`, built in
 memory from the checkpoint's consolidated weights; nothing is written) or the one an export directory holds, with
@@ -13,9 +13,9 @@ separator or after ``--max-new-tokens`` (capped by the model's context).
 Decoding is ``transformers``' ``generate``: greedy by default, sampling with ``--temperature`` > 0. With
 ``--early-exit E`` the same prompt is decoded twice, plainly and self-speculatively
 (``generate(..., assistant_early_exit=E)``: the first E layers and the shared final norm and LM head draft up to
-``--draft-tokens`` tokens, the full model verifies them in one forward pass and keeps the longest agreeing prefix
-plus its own next token). Under greedy decoding both outputs must be identical token for token; the result says
-whether they are.
+``--draft-tokens`` tokens, a draft ending early at a token whose probability is below ``--draft-confidence``; the
+full model verifies them in one forward pass and keeps the longest agreeing prefix plus its own next token). Under
+greedy decoding both outputs must be identical token for token; the result says whether they are.
 
 Acceptance rate = drafted tokens accepted / drafted tokens. Drafted tokens are counted as the model's forward passes
 at depth E (each drafts one token); every full-depth forward pass verifies one draft and adds the accepted drafted
@@ -39,6 +39,8 @@ import torch
 from eval.speculative import DraftCounter, check_exit
 from pretrain.config import ConfigError, load_config
 
+DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+"""The fields of the model's generation config that ``transformers`` drafts by (set for one call, then restored)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -196,12 +198,15 @@ def decode(
     *,
     early_exit: int | None = None,
     draft_tokens: int | None = None,
+    draft_confidence: float | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
 ) -> Decoded:
-    """One timed ``generate`` call from ``prompt_ids`` (plain, or self-speculative at ``early_exit``)."""
+    """One timed ``generate`` call from ``prompt_ids`` (plain, or self-speculative at ``early_exit``: drafts of at most
+    ``draft_tokens``, each stopped early where the draft's top probability is below ``draft_confidence``; None:
+    ``transformers``' defaults)."""
     model = gen.model
     ids = torch.tensor([prompt_ids], device=model.device)
     tok = gen.tokenizer
@@ -215,13 +220,15 @@ def decode(
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
     counter = None
-    # The drafting model is the model itself: transformers reads the draft length from its generation config.
-    saved = model.generation_config.num_assistant_tokens, model.generation_config.num_assistant_tokens_schedule
+    # The drafting model is the model itself: transformers reads how it drafts from the model's generation config.
+    config = model.generation_config
+    saved = {k: getattr(config, k) for k in DRAFT_SETTINGS}
     if early_exit is not None:
         kwargs["assistant_early_exit"] = early_exit
         if draft_tokens is not None:
-            model.generation_config.num_assistant_tokens = draft_tokens
-            model.generation_config.num_assistant_tokens_schedule = "constant"
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = draft_tokens, "constant"
+        if draft_confidence is not None:
+            config.assistant_confidence_threshold = draft_confidence
         counter = DraftCounter(model, gen.num_layers)
     torch.manual_seed(seed)
     try:
@@ -231,7 +238,8 @@ def decode(
             torch.cuda.synchronize(model.device)
         seconds = time.perf_counter() - t0
     finally:
-        model.generation_config.num_assistant_tokens, model.generation_config.num_assistant_tokens_schedule = saved
+        for k, v in saved.items():
+            setattr(config, k, v)
         if counter is not None:
             counter.remove()
     new = out[0, len(prompt_ids) :].tolist()
@@ -262,7 +270,9 @@ def generate(
         check_early_exit(gen, early_exit)
     if sampling.get("draft_tokens") is not None and sampling["draft_tokens"] < 1:
         raise ConfigError(f"generate --draft-tokens: must be at least 1, got {sampling['draft_tokens']}")
-    draft_tokens = sampling.pop("draft_tokens", None)
+    if sampling.get("draft_confidence") is not None and not 0 <= sampling["draft_confidence"] <= 1:
+        raise ConfigError(f"generate --draft-confidence: must be in [0, 1], got {sampling['draft_confidence']}")
+    draft = {k: sampling.pop(k, None) for k in ("draft_tokens", "draft_confidence")}
     prompt_ids = encode_prompt(gen, prompt)
     n = min(max_new_tokens, gen.context - len(prompt_ids))
     if warmup:
@@ -286,10 +296,10 @@ def generate(
     if n < max_new_tokens:
         result["capped_by_context"] = True
     if early_exit is not None:
-        spec = decode(gen, prompt_ids, n, early_exit=early_exit, draft_tokens=draft_tokens, **sampling)
+        spec = decode(gen, prompt_ids, n, early_exit=early_exit, **draft, **sampling)
         result["early_exit"] = {
             "layers": early_exit,
-            "draft_tokens": draft_tokens,
+            **draft,
             "continuation": tok.decode(spec.ids),
             "new_tokens": len(spec.ids),
             "seconds": spec.seconds,
@@ -360,6 +370,14 @@ def main(argv: list[str]) -> int:
         metavar="N",
         help="draft at most N tokens per verification (default: transformers' num_assistant_tokens, 20)",
     )
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="stop a draft early at a drafted token whose probability is below P; 0: never "
+        "(default: transformers' assistant_confidence_threshold, 0.4)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (default 0: greedy)")
     p.add_argument("--top-k", type=int, default=None, help="sampling: keep the K most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sampling: nucleus probability mass")
@@ -381,6 +399,7 @@ def main(argv: list[str]) -> int:
         max_new_tokens=a.max_new_tokens,
         early_exit=a.early_exit,
         draft_tokens=a.draft_tokens,
+        draft_confidence=a.draft_confidence,
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,

@@ -66,6 +66,11 @@ def test_acceptance_is_one_when_the_late_layers_add_nothing(tokenizer):
     assert spec["identical"]
     assert spec["accepted"] == spec["drafted"] > 0 and spec["acceptance"] == 1.0, spec
     assert spec["verify_passes"] < r["new_tokens"]  # several tokens per full-depth pass
+    # No early end of a draft on low confidence: every draft is 4 tokens long (the last one shorter), 5 tokens a pass.
+    r = generate(gen, PROMPT, max_new_tokens=20, early_exit=2, draft_tokens=4, draft_confidence=0.0, warmup=False)
+    spec = r["early_exit"]
+    assert spec["identical"] and spec["acceptance"] == 1.0 and spec["draft_confidence"] == 0.0
+    assert spec["verify_passes"] == -(-r["new_tokens"] // 5), spec
 
 
 def test_refusals(llama, tokenizer):
