@@ -17,6 +17,8 @@ mode                   benchmark
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
 ``--build-corpus``     the studies' corpus: the installed packages' Python sources and docs, deduplicated, split,
                        counted, cached (:mod:`benchmarks.corpus`)
+``--early-exit``       self-speculative against plain greedy decoding of one model: tokens/s per exit, identical
+                       outputs, acceptance rate, also via generate (:mod:`benchmarks.early_exit_decoding`)
 ``--gpu``              the one GPU check: training, MFU, SDPA kernel, memory plan, checkpoint, ZeRO-3, MoE, growth,
                        export, each pass/fail with its figure (:mod:`benchmarks.gpu_check`; tiny without CUDA)
 =====================  ======================================================================================
@@ -40,8 +42,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--gpu`` and ``--build-corpus`` have arguments of
-    their own; every other mode is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--gpu``, ``--build-corpus`` and ``--early-exit`` have
+    arguments of their own; every other mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -57,6 +59,10 @@ def bench(argv: list[str]) -> int:
         from benchmarks.corpus import main as build_corpus
 
         return build_corpus(argv)
+    if "--early-exit" in argv:  # self-speculative against plain greedy decoding of one model
+        from benchmarks.early_exit_decoding import main as early_exit_bench
+
+        return early_exit_bench(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench
 
@@ -73,7 +79,8 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    head = "modes (--cluster, --checkpoint, --gpu, --build-corpus have options of their own: bench --gpu --help):"
+    own = "--cluster, --checkpoint, --gpu, --build-corpus, --early-exit"
+    head = f"modes ({own} have options of their own: bench --gpu --help):"
     return head + "\n" + "\n".join(out)
 
 

@@ -195,10 +195,16 @@ def open_source(target: str, step: int | None = None) -> EvalSource:
 
 def data_config(src: EvalSource, paths: list[str]) -> DataConfig:
     """The run's data config, or one whose validation sources are ``paths``."""
-    base = src.data or DataConfig()
+    return data_config_of(src.data, src.label, paths)
+
+
+def data_config_of(data: DataConfig | None, label: str, paths: list[str]) -> DataConfig:
+    """``data`` (the data config of the run that made the model ``label``), or one whose validation sources are
+    ``paths``; ConfigError when neither is given."""
+    base = data or DataConfig()
     if not paths:
-        if src.data is None:
-            raise ConfigError(f"{src.label}: no data config travels with it; pass --data PATH")
+        if data is None:
+            raise ConfigError(f"{label}: no data config travels with it; pass --data PATH")
         return base
     sources = []
     for p in paths:

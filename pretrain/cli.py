@@ -28,10 +28,18 @@
     bench --gpu [--json] [--tiny] [--only ITEMS] [--results DIR]   the one GPU check: bf16 training, MFU, SDPA kernel,
                                                   memory plan, async checkpoint + resume, ZeRO-3, MoE, growth, export
                                                   (tiny on CPU)
+    bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2] [--prompts 50] [--json]   self-speculative
+                                                  against plain greedy decoding on held-out prompts: tokens/s per
+                                                  exit, identical outputs, acceptance, also via generate
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME] [--device D]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
     eval RUN_ID|CHECKPOINT|HF_DIR [--data PATH ...] [--json]          loss, ppl, bits/byte, MLM accuracy
+    generate RUN_ID|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--early-exit E] [--temperature T] [--json]
+                                                  sample from a decoder (greedy by default): the text and tokens/s;
+                                                  --early-exit E: also self-speculative decoding (the first E layers
+                                                  draft, all verify), its tokens/s, whether it equals plain greedy,
+                                                  and its acceptance rate
     prune RUN_ID|CHECKPOINT layers=every_other|first:N|[i,j,..] [step=N] [scale=inference|train]   keep some
                                                   blocks: a new child run
     grow RUN_ID|CHECKPOINT [depth=2x|+N|N] [depth_op=stack|interleave|identity] [width=..] [width_op=tile|net2net]
@@ -175,6 +183,16 @@ def cmd_eval(args: list[str]) -> int:
     return eval_main(args)
 
 
+def cmd_generate(args: list[str]) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from eval.generate import main as generate_main
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # transformers' drafting loop warns about its own internal generate call
+    return generate_main(args)
+
+
 def cmd_grow(args: list[str]) -> int:
     from pretrain.driver.grow import grow
 
@@ -238,6 +256,7 @@ COMMANDS = {
     "export": cmd_export,
     "verify": cmd_verify,
     "eval": cmd_eval,
+    "generate": cmd_generate,
     "prune": cmd_prune,
     "grow": cmd_grow,
     "anneal": cmd_anneal,
@@ -249,7 +268,19 @@ COMMANDS = {
     "stop": cmd_stop,
 }
 # Commands whose argparse answers --help with its options; the others answer with their lines of the table above.
-_ARGPARSE_COMMANDS = {"ui", "bench", "export", "eval", "cluster", "submit", "jobs", "status", "logs", "stop"}
+_ARGPARSE_COMMANDS = {
+    "ui",
+    "bench",
+    "export",
+    "eval",
+    "generate",
+    "cluster",
+    "submit",
+    "jobs",
+    "status",
+    "logs",
+    "stop",
+}
 
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a

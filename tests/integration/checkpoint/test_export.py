@@ -1,6 +1,7 @@
 """Hugging Face export through the CLI (a checkpoint directory, and its errors) and of real DeepSpeed ZeRO-1/3
-checkpoints written by two gloo workers: consolidation gives the engines' weights, and ``export --register``
-registers the model in MLflow by run id."""
+checkpoints written by two gloo workers: consolidation gives the engines' weights, ``export --register``
+registers the model in MLflow by run id, and ``generate`` samples from the run and from its export (self-speculative
+greedy identical to plain greedy, also in plain ``transformers``) and refuses bad input in one line."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def _zero_worker(rank: int, world: int, jobs: list[tuple[str, str, str]], step_c
     return out
 
 
-def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path, monkeypatch):
+def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path, monkeypatch, capsys):
     pytest.importorskip("deepspeed")
     from mlflow import MlflowClient
 
@@ -177,3 +178,46 @@ def test_export_zero_two_worker_checkpoints_and_register(tokenizer_dir, tmp_path
     assert mv.run_id == run_id and mv.tags["pretrain.step"] == "2" and mv.tags["pretrain.checkpoint"] == str(ckpt)
     assert mv.source == (tmp_path / "exported").resolve().as_uri()
     assert not list(Path(tmp_path / "mlartifacts").rglob("*.safetensors"))  # weights never went through MLflow
+
+    # generate: the run by id through the launcher; self-speculative greedy equals plain greedy token for token.
+    prompt = ["--prompt", "The history of the", "--max-new-tokens", "12", "--early-exit", "1", "--draft-tokens", "3"]
+    r = json.loads(run_cli(tmp_path, "generate", run_id, *prompt, "--json").stdout)
+    assert r["hf_class"] == "LlamaForCausalLM" and r["step"] == 2 and r["layers"] == 2 and r["greedy"]
+    assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+    e = r["early_exit"]
+    assert e["identical"] and e["continuation"] == r["continuation"] and e["new_tokens"] == r["new_tokens"]
+    assert e["accepted"] + e["verify_passes"] == e["new_tokens"] and 0 <= e["accepted"] <= e["drafted"]
+    from pretrain.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "exported"), *prompt, "--json"]) == 0
+    from_export = json.loads(capsys.readouterr().out)
+    assert from_export["continuation"] == r["continuation"] and from_export["early_exit"]["identical"]
+    assert main(["generate", str(tmp_path / "exported"), *prompt]) == 0
+    table = capsys.readouterr().out
+    assert "identical to plain greedy" in table and "acceptance rate" in table and "tokens/s" in table
+
+    # The export in plain transformers (no custom code): assistant_early_exit gives the plain greedy tokens.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
+    ids = tok("The history of the", return_tensors="pt", add_special_tokens=False).input_ids
+    greedy = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_early_exit=1), greedy)
+    assert tok.decode(greedy[0, ids.shape[1] :]) == r["continuation"]
+
+    # Bad input: one line, exit 2.
+    for args, message in [
+        ([run_id, "--prompt", "x", "--early-exit", "2"], "below the model's depth (2 layers)"),
+        ([str(tmp_path / "exported"), "--prompt", "x", "--early-exit", "0"], "below the model's depth (2 layers)"),
+        ([str(enc_dir), "--prompt", "x"], "is an encoder (masked LM)"),
+        ([str(tmp_path / "encoder-hf"), "--prompt", "x"], "is an encoder (masked LM)"),
+        ([run_id, "--prompt", "history " * 40], "the model's context is 32 tokens"),
+        ([str(tmp_path / "no-such-dir"), "--prompt", "x"], "no such checkpoint"),
+        (["no-such-run", "--prompt", "x"], "neither a checkpoint"),
+    ]:
+        assert main(["generate", *args]) == 2, args
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("error:") and message in errors[0], err

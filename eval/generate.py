@@ -1,0 +1,412 @@
+"""Sampling from a run, a checkpoint or a Hugging Face directory, with self-speculative (early-exit) decoding.
+
+    ./launch.sh generate RUN_ID|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--early-exit E]
+                         [--draft-tokens N] [--draft-confidence P] [--temperature T] [--top-k K] [--top-p P]
+                         [--seed S] [--step N] [--device D] [--dtype DT] [--json]
+
+The model is the ``transformers`` model the export would write (:func:`pretrain.export.hf.to_hf_model`, built in
+memory from the checkpoint's consolidated weights; nothing is written) or the one an export directory holds, with
+the run's tokenizer. The prompt is encoded without added special tokens (training sees documents after the
+``<|endoftext|>`` separator: write it into the prompt to start a fresh document); generation stops at the
+separator or after ``--max-new-tokens`` (capped by the model's context).
+
+Decoding is ``transformers``' ``generate``: greedy by default, sampling with ``--temperature`` > 0. With
+``--early-exit E`` the same prompt is decoded twice, plainly and self-speculatively
+(``generate(..., assistant_early_exit=E)``: the first E layers and the shared final norm and LM head draft up to
+``--draft-tokens`` tokens, a draft ending early at a token whose probability is below ``--draft-confidence``; the
+full model verifies them in one forward pass and keeps the longest agreeing prefix plus its own next token). Under
+greedy decoding both outputs must be identical token for token; the result says whether they are.
+
+Acceptance rate = drafted tokens accepted / drafted tokens. Drafted tokens are counted as the model's forward passes
+at depth E (each drafts one token); every full-depth forward pass verifies one draft and adds the accepted drafted
+tokens plus one token of its own, so accepted = new tokens - full-depth passes. A drafted token beyond the end
+(the separator or ``--max-new-tokens``) counts as drafted and not accepted. tokens/s = new tokens / wall seconds of
+the ``generate`` call (after one untimed warm-up call), on the device and dtype asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.speculative import DraftCounter, check_exit
+from pretrain.config import ConfigError, load_config
+
+DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+"""The fields of the model's generation config that ``transformers`` drafts by (set for one call, then restored)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generator:
+    """A decoder ready to generate: the ``transformers`` model, its tokenizer and what bounds the arguments."""
+
+    model: Any
+    tokenizer: Any
+    label: str
+    num_layers: int
+    context: int
+    info: dict[str, Any] = field(default_factory=dict)
+    data: Any = None
+    """The data config of the run that made the model (a ``DataConfig``; None when unknown): its held-out text."""
+    seed: int = 0
+    """That run's seed (which documents its hash holdout keeps)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def _decoder_only(label: str, kind: str) -> None:
+    if kind != "decoder":
+        raise ConfigError(f"generate: {label} is an {kind} (masked LM); generate needs a decoder (causal LM)")
+
+
+def _from_checkpoint(target: str, step: int | None) -> Generator:
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.export.hf import export_target, special_token_ids, to_hf_model, unexportable
+
+    loaded = resolve_checkpoint(target, step)
+    cfg = loaded.config
+    label = f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})"
+    _decoder_only(label, cfg.model.kind)
+    if unexportable(cfg.model, cfg.moe):
+        raise ConfigError(f"generate: {label}: {export_target(cfg.model, cfg.moe)[1]}")
+    tokenizer = loaded.tokenizer()
+    model = to_hf_model(cfg.model, loaded.state_dict(), special_token_ids(tokenizer), cfg.moe)
+    return Generator(
+        model=model,
+        tokenizer=tokenizer,
+        label=label,
+        num_layers=cfg.model.num_layers,
+        context=cfg.model.max_seq_len,
+        info={"checkpoint": str(loaded.ckpt.path), "step": loaded.ckpt.step, "run_id": loaded.run_id},
+        data=cfg.data,
+        seed=cfg.train.seed,
+    )
+
+
+def _from_hf_dir(path: Path) -> Generator:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from eval.evaluate import _hf_kind
+    from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
+
+    try:
+        remote = is_our_remote_code(path)
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
+        kind = _hf_kind(config)
+    except ValueError as e:  # foreign modeling code, or neither a causal nor a masked LM
+        raise ConfigError(f"generate: {path}: {e}") from None
+    label = f"HF directory {path}"
+    _decoder_only(label, kind)
+    meta_file = path / METADATA_FILE
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    text = config.get_text_config()
+    context = meta.get("max_seq_len") or getattr(text, "max_position_embeddings", None)
+    if not context:
+        raise ConfigError(f"generate: {path}/config.json: no max_position_embeddings (the model's context)")
+    return Generator(
+        model=load_exported(path, "decoder"),
+        tokenizer=AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote),
+        label=label,
+        num_layers=int(text.num_hidden_layers),
+        context=int(context),
+        info={"hf_dir": str(path), **({"exported_from": meta["source"]} if "source" in meta else {})},
+        data=load_config(None, base={"data": meta["data"]}).data if "data" in meta else None,
+        seed=int(meta.get("seed", 0)),
+    )
+
+
+def load_generator(target: str, step: int | None = None, device: str = "cpu", dtype: str = "float32") -> Generator:
+    """The decoder of ``target`` (an MLflow run id, a run or checkpoint directory, or a Hugging Face directory) on
+    ``device`` in ``dtype``; ConfigError (exit 2) for a missing source, an encoder, a bad device."""
+    from eval.evaluate import _is_hf_dir
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"generate --device: {device!r} is not cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"generate --device {device}: no CUDA device is available here")
+    path = Path(target).expanduser()
+    if path.is_dir() and _is_hf_dir(path):
+        if step is not None:
+            raise ConfigError("generate --step applies to runs and checkpoints, not to a Hugging Face directory")
+        gen = _from_hf_dir(path.resolve())
+    else:
+        gen = _from_checkpoint(target, step)
+    gen.model.to(device=torch.device(device), dtype=DTYPES[dtype]).eval()
+    gen.info.update(hf_class=type(gen.model).__name__, device=device, dtype=dtype)
+    return gen
+
+
+def check_early_exit(gen: Generator, early_exit: int) -> None:
+    """ConfigError unless 1 <= ``early_exit`` < the model's depth and the model's class drafts at that depth."""
+    check_exit(gen.model, gen.num_layers, early_exit)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decoded:
+    ids: list[int]
+    """The new token ids (prompt excluded)."""
+    seconds: float
+    drafted: int | None = None
+    accepted: int | None = None
+    verify_passes: int | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.ids) / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def acceptance(self) -> float | None:
+        if self.drafted is None or self.accepted is None:
+            return None
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def encode_prompt(gen: Generator, prompt: str) -> list[int]:
+    """The prompt's ids (no special tokens added); ConfigError when empty or leaving no room in the context."""
+    ids = list(gen.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ConfigError("generate --prompt: the prompt is empty (it encodes to no tokens)")
+    if len(ids) >= gen.context:
+        raise ConfigError(
+            f"generate --prompt: the prompt is {len(ids)} tokens; the model's context is {gen.context} tokens "
+            f"(a prompt of at most {gen.context - 1} leaves room for a new token)"
+        )
+    return ids
+
+
+@torch.no_grad()
+def decode(
+    gen: Generator,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    early_exit: int | None = None,
+    draft_tokens: int | None = None,
+    draft_confidence: float | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> Decoded:
+    """One timed ``generate`` call from ``prompt_ids`` (plain, or self-speculative at ``early_exit``: drafts of at most
+    ``draft_tokens``, each stopped early where the draft's top probability is below ``draft_confidence``; None:
+    ``transformers``' defaults)."""
+    model = gen.model
+    ids = torch.tensor([prompt_ids], device=model.device)
+    tok = gen.tokenizer
+    kwargs: dict[str, Any] = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        do_sample=temperature > 0,
+    )
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
+    counter = None
+    # The drafting model is the model itself: transformers reads how it drafts from the model's generation config.
+    config = model.generation_config
+    saved = {k: getattr(config, k) for k in DRAFT_SETTINGS}
+    if early_exit is not None:
+        kwargs["assistant_early_exit"] = early_exit
+        if draft_tokens is not None:
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = draft_tokens, "constant"
+        if draft_confidence is not None:
+            config.assistant_confidence_threshold = draft_confidence
+        counter = DraftCounter(model, gen.num_layers)
+    torch.manual_seed(seed)
+    try:
+        t0 = time.perf_counter()
+        out = model.generate(**kwargs)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)
+        if counter is not None:
+            counter.remove()
+    new = out[0, len(prompt_ids) :].tolist()
+    if counter is None:
+        return Decoded(new, seconds)
+    accepted = len(new) - counter.verified
+    if not 0 <= accepted <= counter.drafted:  # the counting rule no longer describes transformers' loop
+        raise RuntimeError(
+            f"self-speculative counting: {len(new)} new tokens from {counter.verified} verification and "
+            f"{counter.drafted} draft passes is inconsistent"
+        )
+    return Decoded(new, seconds, drafted=counter.drafted, accepted=accepted, verify_passes=counter.verified)
+
+
+def generate(
+    gen: Generator,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    early_exit: int | None = None,
+    warmup: bool = True,
+    **sampling: Any,
+) -> dict[str, Any]:
+    """Decode ``prompt`` plainly and, with ``early_exit``, self-speculatively; the result as a JSON-able dict."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"generate --max-new-tokens: must be at least 1, got {max_new_tokens}")
+    if early_exit is not None:
+        check_early_exit(gen, early_exit)
+    if sampling.get("draft_tokens") is not None and sampling["draft_tokens"] < 1:
+        raise ConfigError(f"generate --draft-tokens: must be at least 1, got {sampling['draft_tokens']}")
+    if sampling.get("draft_confidence") is not None and not 0 <= sampling["draft_confidence"] <= 1:
+        raise ConfigError(f"generate --draft-confidence: must be in [0, 1], got {sampling['draft_confidence']}")
+    draft = {k: sampling.pop(k, None) for k in ("draft_tokens", "draft_confidence")}
+    prompt_ids = encode_prompt(gen, prompt)
+    n = min(max_new_tokens, gen.context - len(prompt_ids))
+    if warmup:
+        decode(gen, prompt_ids, min(n, 2), **sampling)
+    plain = decode(gen, prompt_ids, n, **sampling)
+    tok = gen.tokenizer
+    result: dict[str, Any] = {
+        "source": gen.label,
+        **gen.info,
+        "layers": gen.num_layers,
+        "context": gen.context,
+        "prompt": prompt,
+        "prompt_tokens": len(prompt_ids),
+        "max_new_tokens": n,
+        "greedy": sampling.get("temperature", 0.0) <= 0,
+        "continuation": tok.decode(plain.ids),
+        "new_tokens": len(plain.ids),
+        "seconds": plain.seconds,
+        "tokens_per_s": plain.tokens_per_s,
+    }
+    if n < max_new_tokens:
+        result["capped_by_context"] = True
+    if early_exit is not None:
+        spec = decode(gen, prompt_ids, n, early_exit=early_exit, **draft, **sampling)
+        result["early_exit"] = {
+            "layers": early_exit,
+            **draft,
+            "continuation": tok.decode(spec.ids),
+            "new_tokens": len(spec.ids),
+            "seconds": spec.seconds,
+            "tokens_per_s": spec.tokens_per_s,
+            "speedup": spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else None,
+            "identical": spec.ids == plain.ids,
+            "drafted": spec.drafted,
+            "accepted": spec.accepted,
+            "acceptance": spec.acceptance,
+            "verify_passes": spec.verify_passes,
+        }
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def print_result(r: dict[str, Any]) -> None:
+    mode = "greedy" if r["greedy"] else "sampled"
+    print(f"generate: {r['source']} ({r['hf_class']}, {r['layers']} layers, {r['device']} {r['dtype']})")
+    print(f"  prompt: {r['prompt']!r} ({r['prompt_tokens']} tokens)")
+    print(f"  text:   {r['prompt'] + r['continuation']!r}")
+    capped = f" (--max-new-tokens capped at {r['max_new_tokens']} by the context)" if r.get("capped_by_context") else ""
+    print(f"  {mode}: {r['new_tokens']} new tokens in {r['seconds']:.3f} s, {r['tokens_per_s']:.1f} tokens/s{capped}")
+    e = r.get("early_exit")
+    if e:
+        same = ("identical to plain greedy" if e["identical"] else "DIFFERS from plain greedy") if r["greedy"] else ""
+        print(
+            f"  self-speculative (draft with {e['layers']} of {r['layers']} layers): {e['new_tokens']} new tokens in "
+            f"{e['seconds']:.3f} s, {e['tokens_per_s']:.1f} tokens/s ({e['speedup']:.2f}x)"
+            + (f", {same}" if same else "")
+        )
+        if not (r["greedy"] and e["identical"]):
+            print(f"  self-speculative text: {r['prompt'] + e['continuation']!r}")
+        print(
+            f"  acceptance rate: {e['acceptance']:.3f} ({e['accepted']} of {e['drafted']} drafted tokens accepted, "
+            f"{e['verify_passes']} verification passes)"
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 via the CLI's ConfigError handling
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(
+        prog="launch.sh generate",
+        description="Generate text from a run, a checkpoint or a Hugging Face directory; with --early-exit E also "
+        "self-speculatively (the first E layers draft, the full model verifies) with its acceptance rate.",
+    )
+    p.add_argument("source", help="MLflow run id, run dir (latest checkpoint), checkpoint dir, or Hugging Face dir")
+    p.add_argument("--prompt", required=True, help="the text to continue (encoded without added special tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
+    p.add_argument(
+        "--early-exit",
+        type=int,
+        default=None,
+        metavar="E",
+        help="also decode self-speculatively, drafting with the first E layers (1 <= E < depth)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft at most N tokens per verification (default: transformers' num_assistant_tokens, 20)",
+    )
+    p.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="stop a draft early at a drafted token whose probability is below P; 0: never "
+        "(default: transformers' assistant_confidence_threshold, 0.4)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="sampling: keep the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sampling: nucleus probability mass")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default; refuses --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run (default: latest)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype (default float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    if a.greedy and a.temperature > 0:
+        raise ConfigError("generate: --greedy and --temperature > 0 contradict each other")
+    if a.temperature < 0:
+        raise ConfigError(f"generate --temperature: must be >= 0, got {a.temperature}")
+    gen = load_generator(a.source, a.step, a.device, a.dtype)
+    result = generate(
+        gen,
+        a.prompt,
+        max_new_tokens=a.max_new_tokens,
+        early_exit=a.early_exit,
+        draft_tokens=a.draft_tokens,
+        draft_confidence=a.draft_confidence,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+    )
+    if a.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    else:
+        print_result(result)
+    return 0

@@ -1,0 +1,107 @@
+"""``generate``'s decoding on in-memory ``transformers`` models: self-speculative greedy equals plain greedy token for
+token, the acceptance count (exactly 1 when the late layers add nothing, below 1 when they change the prediction),
+and its refusals (the early exit's range, classes that ignore it, prompts). The CLI on checkpoints and exports is in
+``tests/integration/checkpoint/test_generate.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.generate import Generator, check_early_exit, encode_prompt, generate
+from eval.speculative import layers_run_at
+from pretrain.config import ConfigError
+from pretrain.export.hf import special_token_ids, to_hf_model
+from tests.unit.export.test_hf import GPT2_CFG, LLAMA_CFG, one_thread, perturbed_state, tiny  # noqa: F401
+
+LAYERS = 4
+PROMPT = "The history of the city"
+
+
+def make_generator(tokenizer, cfg, sd=None) -> Generator:
+    model = to_hf_model(cfg, perturbed_state(cfg) if sd is None else sd, special_token_ids(tokenizer))
+    info = {"hf_class": type(model).__name__, "device": "cpu", "dtype": "float32"}
+    return Generator(model, tokenizer, "test model", cfg.num_layers, cfg.max_seq_len, info)
+
+
+@pytest.fixture
+def llama(tokenizer):
+    """Perturbed weights with the blocks' outputs and the final norm scaled up: near-initial weights predict the
+    same tokens at every depth; these make the late layers change the prediction, so drafts get rejected."""
+    cfg = tiny(LLAMA_CFG, num_layers=LAYERS, max_seq_len=48)
+    sd = perturbed_state(cfg)
+    for key in sd:
+        if key.endswith(("o_proj.weight", "down_proj.weight")) or key == "final_norm.weight":
+            sd[key] = sd[key] * 8
+    return make_generator(tokenizer, cfg, sd)
+
+
+def test_self_speculative_greedy_equals_plain_greedy(llama):
+    for e in range(1, LAYERS):
+        r = generate(llama, PROMPT, max_new_tokens=24, early_exit=e, draft_tokens=3, warmup=e == 1)
+        spec = r["early_exit"]
+        assert spec["identical"] and spec["continuation"] == r["continuation"], e
+        assert spec["new_tokens"] == r["new_tokens"] > 0
+        # every full-depth pass adds its accepted drafts plus one token of its own
+        assert spec["accepted"] + spec["verify_passes"] == spec["new_tokens"]
+        assert 0 <= spec["accepted"] <= spec["drafted"] and spec["drafted"] > 0
+        assert spec["acceptance"] == spec["accepted"] / spec["drafted"]
+        assert spec["drafted"] <= 3 * spec["verify_passes"]  # --draft-tokens bounds each draft
+        assert spec["acceptance"] < 1  # the late layers change the prediction: some drafts are rejected
+
+
+def test_acceptance_is_one_when_the_late_layers_add_nothing(tokenizer):
+    """Zero output projections in the layers after the exit: the draft's logits are the full model's, bit for bit,
+    so every drafted token is accepted (drafts never run past --max-new-tokens)."""
+    cfg = tiny(LLAMA_CFG, num_layers=LAYERS, max_seq_len=48)
+    sd = perturbed_state(cfg)
+    for key in sd:
+        if any(f"blocks.{i}." in key for i in range(2, LAYERS)) and key.endswith(
+            ("attn.o_proj.weight", "ffn.down_proj.weight")
+        ):
+            sd[key] = torch.zeros_like(sd[key])
+    gen = make_generator(tokenizer, cfg, sd)
+    r = generate(gen, PROMPT, max_new_tokens=20, early_exit=2, draft_tokens=4, warmup=False)
+    spec = r["early_exit"]
+    assert spec["identical"]
+    assert spec["accepted"] == spec["drafted"] > 0 and spec["acceptance"] == 1.0, spec
+    assert spec["verify_passes"] < r["new_tokens"]  # several tokens per full-depth pass
+    # No early end of a draft on low confidence: every draft is 4 tokens long (the last one shorter), 5 tokens a pass.
+    r = generate(gen, PROMPT, max_new_tokens=20, early_exit=2, draft_tokens=4, draft_confidence=0.0, warmup=False)
+    spec = r["early_exit"]
+    assert spec["identical"] and spec["acceptance"] == 1.0 and spec["draft_confidence"] == 0.0
+    assert spec["verify_passes"] == -(-r["new_tokens"] // 5), spec
+
+
+def test_refusals(llama, tokenizer):
+    for e in (0, LAYERS, LAYERS + 3):
+        with pytest.raises(ConfigError, match=f"--early-exit {e}: must be at least 1 and below the model's depth"):
+            check_early_exit(llama, e)
+    assert layers_run_at(llama.model, LAYERS, 2) == 2
+    # GPT-2 runs all its blocks whatever config.num_hidden_layers says: drafting would be the full model.
+    gpt2 = make_generator(tokenizer, tiny(GPT2_CFG, tie_embeddings=True, num_layers=3))
+    assert type(gpt2.model).__name__ == "GPT2LMHeadModel"
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel ignores config.num_hidden_layers"):
+        check_early_exit(gpt2, 1)
+    remote = make_generator(tokenizer, tiny(GPT2_CFG, bias=True, num_layers=3))  # the trust_remote_code class
+    assert type(remote.model).__name__ == "PretrainTransformerForCausalLM"
+    with pytest.raises(ConfigError, match="without a KV cache"):
+        check_early_exit(remote, 1)
+    with pytest.raises(ConfigError, match="context is 48 tokens"):
+        encode_prompt(llama, "word " * 200)
+    with pytest.raises(ConfigError, match="empty"):
+        encode_prompt(llama, "")
+    with pytest.raises(ConfigError, match="--max-new-tokens"):
+        generate(llama, PROMPT, max_new_tokens=0)
+
+
+def test_sampling_is_seeded_and_counted(llama):
+    """--temperature samples (speculative sampling with --early-exit): the same seed gives the same tokens, another
+    seed other tokens; the counts hold as under greedy decoding."""
+    kw = dict(max_new_tokens=16, early_exit=2, draft_tokens=3, temperature=1.0, warmup=False)
+    a, b, c = (generate(llama, PROMPT, seed=s, **kw) for s in (1, 1, 2))
+    assert not a["greedy"] and a["continuation"] == b["continuation"] != c["continuation"]
+    assert a["early_exit"]["continuation"] == b["early_exit"]["continuation"]
+    for r in (a, c):
+        e = r["early_exit"]
+        assert e["accepted"] + e["verify_passes"] == e["new_tokens"] and 0 <= e["accepted"] <= e["drafted"]
