@@ -25,6 +25,9 @@
     bench --gpu [--json] [--tiny] [--only ITEMS] [--results DIR]   the one GPU check: bf16 training, MFU, SDPA kernel,
                                                   memory plan, async checkpoint + resume, ZeRO-3, MoE, growth, export
                                                   (tiny on CPU)
+    tokenize SOURCE... --out DIR [--tokenizer RUN_ID|PATH] [--shard-tokens N] [--workers N]   tokenize a corpus
+                                                  once into memory-mapped token shards (a Ray Data job; RAY_ADDRESS
+                                                  for a cluster); train on them with data.sources=[{path: DIR}]
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME] [--device D]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
@@ -134,6 +137,12 @@ def cmd_bench(args: list[str]) -> int:
     return bench(args)
 
 
+def cmd_tokenize(args: list[str]) -> int:
+    from pretrain.driver.tokenize import tokenize
+
+    return tokenize(args)
+
+
 def cmd_export(args: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -232,6 +241,7 @@ COMMANDS = {
     "runs": cmd_runs,
     "ui": cmd_ui,
     "bench": cmd_bench,
+    "tokenize": cmd_tokenize,
     "export": cmd_export,
     "verify": cmd_verify,
     "eval": cmd_eval,
@@ -246,7 +256,19 @@ COMMANDS = {
     "stop": cmd_stop,
 }
 # Commands whose argparse answers --help with its options; the others answer with their lines of the table above.
-_ARGPARSE_COMMANDS = {"ui", "bench", "export", "eval", "cluster", "submit", "jobs", "status", "logs", "stop"}
+_ARGPARSE_COMMANDS = {
+    "ui",
+    "bench",
+    "tokenize",
+    "export",
+    "eval",
+    "cluster",
+    "submit",
+    "jobs",
+    "status",
+    "logs",
+    "stop",
+}
 
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
