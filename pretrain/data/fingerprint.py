@@ -12,33 +12,14 @@ trained on (``trainer_state.json``), and a resume compares it with the sources a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from typing import Any
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
+from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint  # noqa: F401 - the sampling, re-exported
 from pretrain.data.sources import resolve_source
-
-BLOCK = 64 * 1024
-BLOCKS = 16
-"""Blocks of ``BLOCK`` bytes hashed per file (a file up to ``BLOCK * BLOCKS`` bytes is hashed whole)."""
-
-
-def file_fingerprint(path: str) -> dict[str, Any]:
-    """Size, modification time and the sha256 of ``BLOCKS`` sampled blocks of one file."""
-    st = os.stat(path)
-    digest = hashlib.sha256(str(st.st_size).encode())
-    with open(path, "rb") as f:
-        if st.st_size <= BLOCK * BLOCKS:
-            digest.update(f.read())
-        else:
-            step = (st.st_size - BLOCK) / (BLOCKS - 1)
-            for i in range(BLOCKS):
-                f.seek(round(i * step))
-                digest.update(f.read(BLOCK))
-    return {"size": st.st_size, "mtime": st.st_mtime, "sampled_sha256": digest.hexdigest()}
 
 
 def source_fingerprint(src: SourceConfig, cache_dir: str) -> dict[str, Any]:

@@ -121,7 +121,7 @@ class Manifest:
 
 def file_record(path: Path, tokens: int = 0) -> FileRecord:
     """Size, full sha256 and sampled sha256 (:func:`pretrain.data.fingerprint.file_fingerprint`) of one file."""
-    from pretrain.data.fingerprint import file_fingerprint
+    from pretrain.data.file_hash import file_fingerprint
 
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -175,7 +175,7 @@ def load_manifest(directory: str | Path) -> Manifest:
 def check_files(directory: str | Path, m: Manifest, full: bool = False) -> None:
     """Every file the manifest lists is there with its size and (sampled, or with ``full`` whole) sha256; the
     first that is not raises :class:`ShardError` naming it with the expected and found value."""
-    from pretrain.data.fingerprint import file_fingerprint
+    from pretrain.data.file_hash import file_fingerprint
 
     d = Path(directory)
     for rec in [*m.index, *m.shards]:
