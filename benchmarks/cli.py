@@ -13,6 +13,8 @@ mode                   benchmark
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
 ``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
+``--data``             token shards: tokenize throughput with 1 and 2 Ray workers, shard vs text loader tokens/s
+                       (:mod:`benchmarks.token_shards`)
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
 ``--gpu``              the one GPU check: training, MFU, SDPA kernel, memory plan, checkpoint, ZeRO-3, MoE, growth,
                        export, each pass/fail with its figure (:mod:`benchmarks.gpu_check`; tiny without CUDA)
@@ -37,8 +39,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster``, ``--checkpoint`` and ``--gpu`` have arguments of their own; every other
-    mode is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--data`` and ``--gpu`` have arguments of their own;
+    every other mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -50,6 +52,10 @@ def bench(argv: list[str]) -> int:
         from benchmarks.gpu_check import main as gpu_check
 
         return gpu_check(argv)
+    if "--data" in argv:  # token shards: tokenize throughput (Ray Data, 1 and 2 workers), shard vs text loader
+        from benchmarks.token_shards import main as data_bench
+
+        return data_bench(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench
 
@@ -66,8 +72,9 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    return "modes (--cluster, --checkpoint and --gpu have options of their own: bench --cluster --help):\n" + "\n".join(
-        out
+    return (
+        "modes (--cluster, --checkpoint, --data and --gpu have options of their own: bench --cluster --help):\n"
+        + "\n".join(out)
     )
 
 

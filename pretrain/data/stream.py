@@ -163,8 +163,15 @@ class DocumentStream:
             raise StopIteration
         holdout, want_val = self.val_holdout, self.role == "val"
         S, s = self.num_streams, self.stream
+        fast = len(self.sources) == 1 and self.sources[0].format == "shards"
         while True:
             try:
+                if fast:  # one shard source: no bad records, the holdout by index blocks, other streams' skipped
+                    load, passed = self.mixture.readers[0].next_kept(holdout, want_val, (s - self.doc_index) % S)
+                    self.doc_index += passed
+                    if load is None:
+                        raise StopIteration
+                    return load()
                 row = next(self.mixture)
             except StopIteration:
                 if not self.repeat:
@@ -185,13 +192,12 @@ class DocumentStream:
                     self.bad.add(row)  # counted by one stream; under ``fail`` every stream raises
                 continue
             text = row["text"]
-            if text is None:  # a document of token shards: its tokens
+            if text is None:  # a document of token shards: held out by its text's CRC32
                 if holdout > 0 and crc_holdout(row["crc32"], holdout) != want_val:
                     continue
-                text = row["ids"]
             elif holdout > 0 and is_holdout(text, holdout) != want_val:
                 continue
             i = self.doc_index
             self.doc_index += 1
             if i % S == s:
-                return text
+                return text if text is not None else row["ids"]()  # shards: tokens read only for this stream's

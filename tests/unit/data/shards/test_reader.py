@@ -4,10 +4,11 @@ and batches as from the text, exact and elastic resume."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pretrain.config import SourceConfig
 from pretrain.data import merge_states, validation_sequences
-from pretrain.data.shards.reader import ShardReader, ShardSet
+from pretrain.data.shards.reader import INDEX_BLOCK, ShardReader, ShardSet, tokens_of
 from pretrain.data.sources import SourceReader, resolve_source
 from pretrain.data.tokenizer import make_encoder
 from tests.unit.data.common import batches, data_cfg, rows, steps
@@ -25,16 +26,25 @@ def test_documents_are_the_text_tokenized(corpus, tok, shards):
     assert spans > 0  # some documents span two shards
 
 
-def test_reader_state_is_exact(shards):
+def test_reader_state_is_exact(shards, monkeypatch):
     s = ShardSet(shards)
+    whole = [tokens_of(row).tolist() for row in ShardReader(s, "x")]
+    assert whole == [s.document(i).tolist() for i in range(len(s))]
+    monkeypatch.setattr("pretrain.data.shards.reader.INDEX_BLOCK", 7)  # index blocks that cut the documents
+    assert [tokens_of(row).tolist() for row in ShardReader(s, "x")] == whole
+    assert INDEX_BLOCK > 7
     r = ShardReader(s, "x")
     for _ in range(37):
         next(r)
     again = ShardReader(s, "x", r.state_dict())
-    assert np.array_equal(next(again)["ids"], next(r)["ids"]) and again.state_dict() == {"doc": 38}
+    assert np.array_equal(tokens_of(next(again)), tokens_of(next(r))) and again.state_dict() == {"doc": 38}
 
 
-def test_training_from_shards_equals_training_from_text_with_holdout(corpus, tok, shards):
+@pytest.mark.parametrize("block", [INDEX_BLOCK, 7])
+def test_training_from_shards_equals_training_from_text_with_holdout(corpus, tok, shards, block, monkeypatch):
+    """A single shard source takes the block-wise path (``ShardReader.next_kept``); the same batches and validation
+    set as the text, also when the index blocks are small."""
+    monkeypatch.setattr("pretrain.data.shards.reader.INDEX_BLOCK", block)
     text_cfg = data_cfg(corpus, val_holdout=0.1)
     shard_cfg = data_cfg(shards, val_holdout=0.1)
     a, b = steps(batches(text_cfg, tok), 6), steps(batches(shard_cfg, tok), 6)
