@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from pretrain.data.shards.format import MANIFEST, ShardError, load_manifest, shard_name
+from pretrain.data.shards.reader import ShardSet
 from pretrain.data.shards.writer import write_shards
-from tests.unit.data.common import write_txt
+from tests.unit.data.common import make_docs, write_parquet, write_txt
 from tests.unit.data.shards.common import build_shards
 
 
@@ -45,3 +46,11 @@ def test_an_output_of_no_documents_is_refused_and_writes_no_manifest(tok, tok_di
     with pytest.raises(ShardError, match="no documents to write"):
         build_shards(tmp_path / "out", [empty], tok, tok_dir)
     assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+def test_parquet_shards_like_its_text(tok, tok_dir, tmp_path):
+    docs = make_docs(300, "p")
+    text = build_shards(tmp_path / "t", [write_txt(tmp_path / "d.txt", docs)], tok, tok_dir)
+    parquet = build_shards(tmp_path / "p", [write_parquet(tmp_path / "d.parquet", docs)], tok, tok_dir)
+    assert [r.sha256 for r in text.shards + text.index] == [r.sha256 for r in parquet.shards + parquet.index]
+    assert len(ShardSet(tmp_path / "p")) == 300
