@@ -17,6 +17,8 @@
                                                   scratch vs growth recipes at equal FLOPs, per seed
     bench --layer-drop --quality [--seeds 0,1] [--steps N] [--json]   the layer-dropout study: progressive
                                                   layer dropping's time to loss, pruned vs half depth from scratch
+    bench --data [--json] [--tiny] [--mb N]       token shards: tokenize throughput with 1 and 2 Ray workers, the
+                                                  loader's tokens/s from shards against from text
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
