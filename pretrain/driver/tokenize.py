@@ -3,8 +3,10 @@
 The job (see docs/data.md):
 
 1. resolves the sources as training does (:func:`pretrain.data.sources.resolve_source`: txt, jsonl with
-   ``--text-field``, parquet, directories, globs, hub names) and the tokenizer (``--tokenizer`` a saved tokenizer
-   directory or a run id; without it, the byte-level BPE a training run on these sources would train);
+   ``--text-field``, parquet, directories, globs, hub names), checks them as training does before Ray starts
+   (:func:`pretrain.data.sanity.check_source`: empty, not text, no usable record...), and the tokenizer
+   (``--tokenizer`` a saved tokenizer directory or a run id; without it, the byte-level BPE a training run on these
+   sources would train);
 2. cuts the work into units (:mod:`pretrain.data.shards.units`) and tokenizes the units not done yet with
    ``ray.data.from_items(units).map_batches(TokenizeUnits, compute=ActorPoolStrategy(size=workers))`` on the
    embedded local Ray (or ``RAY_ADDRESS``); each unit writes its own part file, named by its number;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import time
@@ -126,13 +129,14 @@ class TokenizeUnits:
 
 def _run_units(pending: list[Unit], sources, tok_dir: Path, work: Path, vocab: int, workers: int, total: int) -> None:
     """The pending units tokenized by a Ray Data job, with a progress line as units finish."""
-    import ray
-    import ray.data
-
     from cluster.launch import ensure_ray
     from pretrain.config.runtime import ClusterConfig
 
-    started = ensure_ray(ClusterConfig())
+    started = ensure_ray(ClusterConfig())  # before Ray's first import: it keeps an embedded Ray on 127.0.0.1
+    import ray
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plan and start/finish lines: ours say more
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
@@ -225,6 +229,7 @@ def _same_job(recorded: dict, spec: dict) -> bool:
 
 def tokenize(args: list[str]) -> int:
     from pretrain.data.fingerprint import source_fingerprint
+    from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
     from pretrain.data.shards.writer import assemble
     from pretrain.data.sources import resolve_sources
@@ -234,9 +239,10 @@ def tokenize(args: list[str]) -> int:
     _check_out(out)
     cfg = _data_config(a)
     sources = resolve_sources(cfg.sources, cfg.cache_dir, "tokenize SOURCE")
-    for s, src in zip(sources, cfg.sources, strict=True):
+    for i, (s, src) in enumerate(zip(sources, cfg.sources, strict=True)):
         if s.format == "shards":
             raise ConfigError(f"tokenize SOURCE: {clip(src.path)} holds token shards already (train on it directly)")
+        check_source(src, f"tokenize SOURCE {i + 1}", cfg)  # training's corpus checks, before Ray: empty, not text...
     work = out / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
     tok_dir = _tokenizer_dir(a, cfg, work)
