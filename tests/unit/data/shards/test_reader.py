@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pretrain.config import SourceConfig
+from pretrain.config import DataConfig, SourceConfig
 from pretrain.data import merge_states, validation_sequences
 from pretrain.data.shards.reader import INDEX_BLOCK, ShardReader, ShardSet, tokens_of
 from pretrain.data.sources import SourceReader, resolve_source
 from pretrain.data.tokenizer import make_encoder
-from tests.unit.data.common import batches, data_cfg, rows, steps
+from tests.unit.data.common import batches, data_cfg, make_docs, rows, steps, write_jsonl
+from tests.unit.data.shards.common import build_shards
 
 
 def test_documents_are_the_text_tokenized(corpus, tok, shards):
@@ -64,3 +65,18 @@ def test_exact_and_elastic_resume_from_shards(corpus, tok, shards):
     one = batches(cfg, tok)
     one.load_state_dict(merge_states([tb.state_dict() for tb in two]))
     assert [rows(x) for x in steps(one, 5)] == whole[3:]
+
+
+def test_a_weighted_mixture_of_shard_directories_is_the_mixture_of_their_texts(corpus, tok, tok_dir, shards, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", make_docs(400, "other", seed=5))
+    build_shards(tmp_path / "other", [other], tok, tok_dir)
+
+    def mix(a, b):
+        return DataConfig(
+            sources=[SourceConfig(path=str(a), weight=3.0), SourceConfig(path=str(b), weight=1.0)],
+            num_streams=4,
+            val_holdout=0.05,
+        )
+
+    from_text = [rows(x) for x in steps(batches(mix(corpus, other), tok), 6)]
+    assert [rows(x) for x in steps(batches(mix(shards, tmp_path / "other"), tok), 6)] == from_text
