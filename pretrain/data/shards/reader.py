@@ -43,7 +43,8 @@ class ShardSet:
     def _shard(self, k: int) -> np.ndarray:
         shard = self._shards[k]
         if shard is None:
-            shard = self._shards[k] = np.load(self.directory / shard_name(k), mmap_mode="r")
+            # a plain ndarray over the mapping: slicing a np.memmap costs a Python-level __array_finalize__ per slice
+            shard = self._shards[k] = np.load(self.directory / shard_name(k), mmap_mode="r").view(np.ndarray)
         return shard
 
     def tokens(self, start: int, end: int) -> np.ndarray:
