@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.data.shards.format import DTYPES, dtype_for
 from pretrain.data.sources import ResolvedSource, parse_line
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -121,6 +122,7 @@ def unit_done(work: Path, unit: Unit) -> dict[str, Any] | None:
 def tokenize_unit(unit: Unit, src: ResolvedSource, encode, work: Path, vocab_size: int) -> dict[str, Any]:
     """Tokenize one unit into its part file (see the module docstring); returns its summary: ``documents``,
     ``tokens``, ``bad`` (``[[file, line, reason, message], ...]``, all of them) and ``lines`` (of a byte range)."""
+    dtype = DTYPES[dtype_for(vocab_size)]  # the shards' dtype: parts are no larger than the shards
     lengths: list[int] = []
     crcs: list[int] = []
     chunks: list[np.ndarray] = []
@@ -133,7 +135,7 @@ def tokenize_unit(unit: Unit, src: ResolvedSource, encode, work: Path, vocab_siz
             a = np.asarray(ids, dtype=np.int64)
             if a.size and (a.min() < 0 or a.max() >= vocab_size):
                 raise ValueError(f"token id {int(a.max())} out of the vocabulary of {vocab_size:,}")
-            chunks.append(a.astype(np.uint32))
+            chunks.append(a.astype(dtype))
             lengths.append(a.size)
         texts.clear()
 
@@ -146,7 +148,7 @@ def tokenize_unit(unit: Unit, src: ResolvedSource, encode, work: Path, vocab_siz
         if len(texts) >= ENCODE_BATCH:
             flush()
     flush()
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.uint32)
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
     path, summary_path = part_paths(work, unit)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -166,6 +168,6 @@ def tokenize_unit(unit: Unit, src: ResolvedSource, encode, work: Path, vocab_siz
 
 
 def load_part(work: Path, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens uint32, document lengths uint64, CRC32s uint32) of a finished unit."""
+    """(tokens in the shards' dtype, document lengths uint64, CRC32s uint32) of a finished unit."""
     with np.load(part_paths(work, unit)[0]) as z:
         return z["tokens"], z["lengths"], z["crc32"]
