@@ -14,6 +14,8 @@ mode                   benchmark
 ``--recompute``        activation recomputation: memory and time (:mod:`benchmarks.recompute`)
 ``--parallel``         sequence and tensor parallelism: speed, memory, communication (:mod:`benchmarks.parallel`)
 ``--checkpoint``       checkpoint cost as the model grows (:mod:`benchmarks.checkpoint`)
+``--data``             token shards: tokenize throughput with 1 and 2 Ray workers, shard vs text loader tokens/s
+                       (:mod:`benchmarks.token_shards`)
 ``--cluster``          submit-to-first-step latency on the local head (:mod:`benchmarks.cluster_jobs`)
 ``--build-corpus``     the studies' corpus: the installed packages' Python sources and docs, deduplicated, split,
                        counted, cached (:mod:`benchmarks.corpus`)
@@ -42,8 +44,8 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
 def bench(argv: list[str]) -> int:
-    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--gpu``, ``--build-corpus`` and ``--early-exit`` have
-    arguments of their own; every other mode is parsed by :func:`main`."""
+    """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--data``, ``--gpu``, ``--build-corpus`` and
+    ``--early-exit`` have arguments of their own; every other mode is parsed by :func:`main`."""
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
         from cluster.requires import require_ray
@@ -63,6 +65,10 @@ def bench(argv: list[str]) -> int:
         from benchmarks.early_exit_decoding import main as early_exit_bench
 
         return early_exit_bench(argv)
+    if "--data" in argv:  # token shards: tokenize throughput (Ray Data, 1 and 2 workers), shard vs text loader
+        from benchmarks.token_shards import main as data_bench
+
+        return data_bench(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench
 
@@ -79,7 +85,7 @@ def modes_help() -> str:
     for line in lines[rules[1] + 1 : rules[2]]:
         mode, text = (re.sub(r":mod:`([^`]*)`", r"\1", part).replace("``", "") for part in (line[:width], line[width:]))
         out.append(f"  {mode.rstrip():<{width}}{text}")
-    own = "--cluster, --checkpoint, --gpu, --build-corpus, --early-exit"
+    own = "--cluster, --checkpoint, --data, --gpu, --build-corpus, --early-exit"
     head = f"modes ({own} have options of their own: bench --gpu --help):"
     return head + "\n" + "\n".join(out)
 

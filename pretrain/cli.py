@@ -20,6 +20,8 @@
                                                   layer dropping's time to loss, pruned vs half depth from scratch
     bench --build-corpus [--out DIR] [--json]     the studies' corpus: the installed packages' Python sources and
                                                   docs, deduplicated, split by hash, token-counted, cached
+    bench --data [--json] [--tiny] [--mb N]       token shards: tokenize throughput with 1 and 2 Ray workers, the
+                                                  loader's tokens/s from shards against from text
     bench --recompute [CONFIG]                    activation recomputation: peak memory and step time
     bench --parallel [--seq-len N] [--json]       sequence/tensor parallelism: tokens/s, memory, communication
     bench --cluster [--json]                      submit-to-first-step latency, checkpoint time share
@@ -31,6 +33,9 @@
     bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2] [--prompts 50] [--json]   self-speculative
                                                   against plain greedy decoding on held-out prompts: tokens/s per
                                                   exit, identical outputs, acceptance, also via generate
+    tokenize SOURCE... --out DIR [--tokenizer RUN_ID|PATH] [--shard-tokens N] [--workers N]   tokenize a corpus
+                                                  once into memory-mapped token shards (a Ray Data job; RAY_ADDRESS
+                                                  for a cluster); train on them with data.sources=[{path: DIR}]
     export RUN_ID|CHECKPOINT --out DIR [--step N] [--register NAME] [--device D]   verified Hugging Face export
     verify RUN_ID|CHECKPOINT                      check every file's size and checksum (exit 2 naming the first
                                                   bad file); a run: its latest committed checkpoint
@@ -145,6 +150,12 @@ def cmd_bench(args: list[str]) -> int:
     return bench(args)
 
 
+def cmd_tokenize(args: list[str]) -> int:
+    from pretrain.driver.tokenize import tokenize
+
+    return tokenize(args)
+
+
 def cmd_export(args: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -253,6 +264,7 @@ COMMANDS = {
     "runs": cmd_runs,
     "ui": cmd_ui,
     "bench": cmd_bench,
+    "tokenize": cmd_tokenize,
     "export": cmd_export,
     "verify": cmd_verify,
     "eval": cmd_eval,
@@ -271,6 +283,7 @@ COMMANDS = {
 _ARGPARSE_COMMANDS = {
     "ui",
     "bench",
+    "tokenize",
     "export",
     "eval",
     "generate",

@@ -9,8 +9,9 @@ from typing import Literal
 @dataclass(kw_only=True)
 class SourceConfig:
     path: str
-    """A file, a glob, a directory, ``demo`` (the built-in corpus), or anything ``datasets.load_dataset``
-    accepts (a hub name or URL, when online)."""
+    """A file, a glob, a directory, a directory of token shards (it holds the ``manifest.json`` that
+    ``./launch.sh tokenize`` writes: read by memory map, docs/data.md), ``demo`` (the built-in corpus), or anything
+    ``datasets.load_dataset`` accepts (a hub name or URL, when online)."""
     format: Literal["auto", "text", "json", "parquet", "hub"] = "auto"
     """File format; ``auto`` decides from the extension (``.txt``, ``.jsonl``/``.json``, ``.parquet``)."""
     text_field: str = "text"

@@ -251,11 +251,13 @@ def merge_states(states: list[dict]) -> dict:
 
 
 def _unique(docs):
-    seen: set[str] = set()
-    for text in docs:
-        if text not in seen:
-            seen.add(text)
-            yield text
+    """Documents once each (a document of token shards is compared by its tokens)."""
+    seen: set = set()
+    for doc in docs:
+        key = doc if isinstance(doc, str) else doc.tobytes()
+        if key not in seen:
+            seen.add(key)
+            yield doc
 
 
 def validation_sequences(

@@ -2,7 +2,9 @@
 
 Every source of ``data.sources`` and ``data.val_sources`` is recorded per file: its size, its modification time and
 the sha256 of sampled blocks (the first, the last and evenly spaced ones between: a fixed read per file, whatever
-its size). A hub dataset is recorded by name, split and revision (the ``@revision`` of its path, when pinned).
+its size). A hub dataset is recorded by name, split and revision (the ``@revision`` of its path, when pinned). A
+directory of token shards is recorded by its manifest and every file the manifest lists (a re-tokenized or
+rewritten shard is a change).
 The driver fingerprints the sources when a run starts or resumes; every checkpoint keeps the fingerprint its run
 trained on (``trainer_state.json``), and a resume compares it with the sources as they are
 (:func:`differences`). Size and sampled content decide; the modification time alone (a copy, a ``touch``) does not.
@@ -10,33 +12,14 @@ trained on (``trainer_state.json``), and a resume compares it with the sources a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from typing import Any
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
+from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint  # noqa: F401 - the sampling, re-exported
 from pretrain.data.sources import resolve_source
-
-BLOCK = 64 * 1024
-BLOCKS = 16
-"""Blocks of ``BLOCK`` bytes hashed per file (a file up to ``BLOCK * BLOCKS`` bytes is hashed whole)."""
-
-
-def file_fingerprint(path: str) -> dict[str, Any]:
-    """Size, modification time and the sha256 of ``BLOCKS`` sampled blocks of one file."""
-    st = os.stat(path)
-    digest = hashlib.sha256(str(st.st_size).encode())
-    with open(path, "rb") as f:
-        if st.st_size <= BLOCK * BLOCKS:
-            digest.update(f.read())
-        else:
-            step = (st.st_size - BLOCK) / (BLOCKS - 1)
-            for i in range(BLOCKS):
-                f.seek(round(i * step))
-                digest.update(f.read(BLOCK))
-    return {"size": st.st_size, "mtime": st.st_mtime, "sampled_sha256": digest.hexdigest()}
 
 
 def source_fingerprint(src: SourceConfig, cache_dir: str) -> dict[str, Any]:
@@ -44,6 +27,13 @@ def source_fingerprint(src: SourceConfig, cache_dir: str) -> dict[str, Any]:
     if resolved.format == "hub":
         name, _, revision = src.path.partition("@")
         return {"hub": name, "split": src.split, "revision": revision or "unpinned"}
+    if resolved.format == "shards":  # the manifest and every file it lists
+        from pretrain.data.shards.format import MANIFEST, load_manifest
+
+        d = resolved.files[0]
+        m = load_manifest(d)
+        names = [MANIFEST, *(r.file for r in m.index), *(r.file for r in m.shards)]
+        return {"files": {os.path.join(d, n): file_fingerprint(os.path.join(d, n)) for n in names}}
     return {"files": {f: file_fingerprint(f) for f in resolved.files}}
 
 

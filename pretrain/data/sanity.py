@@ -10,7 +10,10 @@ names its key and path (and ``file:line`` where it helps), when it
 * matches no file, or cannot be opened or streamed;
 * is empty (no bytes, or only blank lines);
 * is not text: compressed, UTF-16 or binary data, judged on the first ``SNIFF_BYTES`` of each file;
-* has no usable record in the prefix (for JSON records the line says which fields they do have).
+* has no usable record in the prefix (for JSON records the line says which fields they do have);
+* is a token-shard directory whose manifest is unreadable or from a newer format, or whose files are missing,
+  truncated or corrupted (sizes and sampled sha256 against the manifest), or whose tokenizer is not the run's
+  (:mod:`pretrain.data.shards.compat`).
 
 Under ``data.bad_records: fail`` txt/jsonl sources are read on, up to ``SCAN_BYTES`` (so a small corpus
 whole), and the first bad record raises :class:`BadRecordError` (``file:line: reason``) as training would;
@@ -219,6 +222,9 @@ def _check_rows(rs: ResolvedSource, policy: str) -> str:
 def check_source(src: SourceConfig, key: str, cfg: DataConfig) -> ResolvedSource:
     """Resolve one source and check its prefix; raises :class:`ConfigError` (or ``BadRecordError``)."""
     rs = resolve_source(src, cfg.cache_dir, key)
+    if rs.format == "shards":  # the manifest and its files (sizes, sampled sha256): ShardError names the file
+        rs.shard_set()
+        return rs
     try:
         check = _check_lines if rs.format in ("text", "json") else _check_rows
         problem = check(rs, cfg.bad_records)
@@ -254,6 +260,9 @@ def check_sources(cfg: DataConfig, open_hub: bool = True) -> None:
     for key, src in keyed:
         if open_hub or src.path == "demo" or resolve_source(src, cfg.cache_dir, key).format != "hub":
             check_source(src, key, cfg)
+    from pretrain.data.shards.compat import shards_tokenizer
+
+    shards_tokenizer(cfg)  # token shards: one tokenizer, and data.tokenizer (if set) is it
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ Every source is read through real ``datasets`` streaming datasets:
 * ``parquet`` files: ``datasets.load_dataset("parquet", data_files=FILE, streaming=True)``, one per
   file, so a bad row is reported as ``file:row N`` (0-based row index within the file).
 * ``hub``: ``datasets.load_dataset(path, split=split, streaming=True)`` (needs network access).
+* ``shards``: a directory written by ``./launch.sh tokenize`` (it holds a ``manifest.json``): its documents are
+  read as tokens by memory map (:mod:`pretrain.data.shards.reader`), never tokenized again.
 
 Each record reaches the caller as a dict ``{"text": str | None, "bad": reason | None, "msg": str,
 "file": str, "line": int | str}``; bad records are *data*, not side effects of the reader, so
@@ -229,7 +231,7 @@ class ResolvedSource:
     """A source resolved to concrete files (or a hub name) and a single format."""
 
     name: str
-    format: str  # text | json | parquet | hub
+    format: str  # text | json | parquet | hub | shards
     files: list[str] = field(default_factory=list)
     text_field: str = "text"
     weight: float = 1.0
@@ -237,10 +239,20 @@ class ResolvedSource:
     split: str = "train"
     piece_chars: int = 0
     """txt/jsonl documents longer than this are read as their pieces (:func:`cut_pieces`); 0 never."""
+    _shards: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_parts(self) -> int:
         return len(self.files) if self.format == "parquet" else 1
+
+    def shard_set(self):
+        """The memory-mapped :class:`pretrain.data.shards.reader.ShardSet` of a ``shards`` source (opened, and its
+        files checked against the manifest, on first use)."""
+        from pretrain.data.shards.reader import ShardSet
+
+        if self._shards is None:
+            self._shards = ShardSet(self.files[0])
+        return self._shards
 
     def open_part(self, part: int) -> datasets.IterableDataset:
         """A fresh ``datasets`` streaming dataset for one part (the whole source, or one parquet file).
@@ -309,6 +321,8 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
             format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
         )
     p, shown = Path(src.path).expanduser(), clip(src.path)
+    if os.path.isdir(p) and os.path.isfile(p / "manifest.json"):  # written by ./launch.sh tokenize
+        return ResolvedSource(format="shards", files=[str(p)], **base)
     if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
         files = sorted(
             f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)
@@ -367,6 +381,16 @@ def validation_sources(cfg: DataConfig) -> list[ResolvedSource]:
 # ----------------------------------------------------------------------------------------------
 # Reading one source with an exact, JSON-serializable position
 # ----------------------------------------------------------------------------------------------
+
+
+def open_reader(source: ResolvedSource, state: dict | None = None):
+    """The reader of one source from ``state``: a :class:`SourceReader`, or for token shards a
+    :class:`pretrain.data.shards.reader.ShardReader`."""
+    if source.format == "shards":
+        from pretrain.data.shards.reader import ShardReader
+
+        return ShardReader(source.shard_set(), source.name, state)
+    return SourceReader(source, state)
 
 
 _LIVE_READERS: weakref.WeakSet[SourceReader] = weakref.WeakSet()

@@ -18,7 +18,9 @@ out so that bad records can be attributed: a bad record is counted by the stream
 good document index, so over all streams each bad record is counted once per pass.
 
 **Holdout.** A document is validation iff ``zlib.crc32(text.encode()) % 1_000_000 < val_holdout *
-1_000_000``; training streams drop those, the validation stream keeps only those.
+1_000_000``; training streams drop those, the validation stream keeps only those. A document of token shards
+(its tokens, not its text) is held out by the CRC32 of its text, which the shards keep: the same documents as
+from the text.
 
 **Repeat.** When a stream's pass ends and ``repeat`` is set, it restarts from the beginning in the
 same order with ``epoch += 1`` (the epoch is part of the state).
@@ -31,7 +33,7 @@ from typing import Literal
 
 import numpy as np
 
-from pretrain.data.sources import BadRecords, ResolvedSource, SourceReader
+from pretrain.data.sources import BadRecords, ResolvedSource, open_reader
 
 _BLOCK = 1024
 
@@ -60,7 +62,7 @@ class Mixture:
 
     def _open(self, i: int, state: dict | None = None):
         """A reader of source ``i`` from ``state`` (a hook: the driver's corpus check replays scanned records)."""
-        return SourceReader(self.sources[i], state)
+        return open_reader(self.sources[i], state)
 
     def _draw(self) -> int:
         if len(self.sources) == 1:
@@ -107,6 +109,11 @@ def is_holdout(text: str, val_holdout: float) -> bool:
     return val_holdout > 0 and zlib.crc32(text.encode("utf-8")) % 1_000_000 < val_holdout * 1_000_000
 
 
+def crc_holdout(crc: int, val_holdout: float) -> bool:
+    """:func:`is_holdout` from the text's CRC32 (token shards keep it per document)."""
+    return val_holdout > 0 and crc % 1_000_000 < val_holdout * 1_000_000
+
+
 class DocumentStream:
     """Good documents of one role, dealt to virtual stream ``stream`` of ``num_streams``.
 
@@ -150,13 +157,21 @@ class DocumentStream:
     def __iter__(self):
         return self
 
-    def __next__(self) -> str:
+    def __next__(self):
+        """The next document: its text, or the tokens (a NumPy array) of a token-shard document."""
         if self.finished:
             raise StopIteration
         holdout, want_val = self.val_holdout, self.role == "val"
         S, s = self.num_streams, self.stream
+        fast = len(self.sources) == 1 and self.sources[0].format == "shards"
         while True:
             try:
+                if fast:  # one shard source: no bad records, the holdout by index blocks, other streams' skipped
+                    load, passed = self.mixture.readers[0].next_kept(holdout, want_val, (s - self.doc_index) % S)
+                    self.doc_index += passed
+                    if load is None:
+                        raise StopIteration
+                    return load()
                 row = next(self.mixture)
             except StopIteration:
                 if not self.repeat:
@@ -177,9 +192,12 @@ class DocumentStream:
                     self.bad.add(row)  # counted by one stream; under ``fail`` every stream raises
                 continue
             text = row["text"]
-            if holdout > 0 and is_holdout(text, holdout) != want_val:
+            if text is None:  # a document of token shards: held out by its text's CRC32
+                if holdout > 0 and crc_holdout(row["crc32"], holdout) != want_val:
+                    continue
+            elif holdout > 0 and is_holdout(text, holdout) != want_val:
                 continue
             i = self.doc_index
             self.doc_index += 1
             if i % S == s:
-                return text
+                return text if text is not None else row["ids"]()  # shards: tokens read only for this stream's

@@ -108,16 +108,24 @@ def separator_id(tokenizer) -> int:
 
 
 def make_encoder(tokenizer):
-    """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens, no BOS)."""
+    """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens, no BOS). A document that is already
+    tokens (a NumPy array: token shards) is passed through as a list, in its place."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
 
-        def encode(texts: list[str]) -> list[list[int]]:
+        def encode_texts(texts: list[str]) -> list[list[int]]:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
-        return encode
+    else:
 
-    def encode_slow(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+        def encode_texts(texts: list[str]) -> list[list[int]]:
+            return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    return encode_slow
+    def encode(docs: list) -> list[list[int]]:
+        texts = [d for d in docs if isinstance(d, str)]
+        if len(texts) == len(docs):
+            return encode_texts(docs)
+        encoded = iter(encode_texts(texts) if texts else [])
+        return [next(encoded) if isinstance(d, str) else d.tolist() for d in docs]
+
+    return encode

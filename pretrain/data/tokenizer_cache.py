@@ -146,10 +146,20 @@ def store(key: str, tok_dir: Path, length: int) -> Path | None:
 
 
 def run_tokenizer(cfg: DataConfig, out_dir: Path, say=print) -> int:
-    """The tokenizer of a new run, saved into ``out_dir``: ``cfg.tokenizer`` copied, or the trained BPE —
+    """The tokenizer of a new run, saved into ``out_dir``: ``cfg.tokenizer`` copied, the token shards' tokenizer
+    when the sources include shard directories (:mod:`pretrain.data.shards.compat`), or the trained BPE —
     from the cache when an intact entry has the key, else trained and cached. Returns its length (tokens)."""
+    from pretrain.data.shards.compat import shards_tokenizer, tokenizer_vocab_size
     from pretrain.data.tokenizer import TRAINER_SETTINGS, load_or_train_tokenizer
 
+    shard_tok = "" if cfg.tokenizer else shards_tokenizer(cfg)
+    if shard_tok:  # token shards carry their tokenizer: the run takes it
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in Path(shard_tok).iterdir():
+            if f.is_file():
+                shutil.copyfile(f, out_dir / f.name)
+        say(f"tokenizer: the token shards' ({shard_tok})")
+        return tokenizer_vocab_size(out_dir)
     key = cache_key(cfg, TRAINER_SETTINGS) if enabled() and not cfg.tokenizer else None
     hit = lookup(key) if key else None
     entry: Path | None

@@ -36,6 +36,12 @@ def _tokenizer_line(cfg: RunConfig) -> tuple[str, int]:
         path = Path(d.tokenizer) / "tokenizer.json"
         length = _length_of(path) if path.is_file() else 0
         return f"given: {d.tokenizer}" + (f" ({length:,} tokens)" if length else ""), length
+    from pretrain.data.shards.compat import shards_tokenizer
+
+    shard_tok = shards_tokenizer(d)
+    if shard_tok:
+        length = _length_of(Path(shard_tok) / "tokenizer.json")
+        return f"the token shards': {shard_tok} ({length:,} tokens)", length
     from pretrain.data import tokenizer_cache
     from pretrain.data.tokenizer import TRAINER_SETTINGS
 

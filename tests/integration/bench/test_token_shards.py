@@ -1,0 +1,19 @@
+"""``./launch.sh bench --data --tiny --json`` end to end: the tokenize job with 1 and 2 Ray workers and the two
+loaders, through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from tests.harness import cli
+
+
+def test_bench_data_tiny_json(tmp_path):
+    proc = cli(tmp_path, "bench", "--data", "--tiny", "--json", timeout=600)
+    result = json.loads(proc.stdout)
+    assert result["outputs_identical"] is True  # 1 and 2 workers wrote the same bytes
+    assert result["tokens"] > 100_000
+    for key in ("tokenize_1_worker_tokens_per_s", "tokenize_2_workers_tokens_per_s", "loader_text_tokens_per_s"):
+        assert result[key] > 0, key
+    assert result["loader_shards_tokens_per_s"] > result["loader_text_tokens_per_s"]
+    assert set(result["goals"]) == {"tokenize_scaling>=1.7", "loader_ratio>=50"}

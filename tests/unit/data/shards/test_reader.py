@@ -1,0 +1,82 @@
+"""Reading shards (``pretrain/data/shards/reader.py``) and training from them: the same documents, tokens, holdout
+and batches as from the text, exact and elastic resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pretrain.config import DataConfig, SourceConfig
+from pretrain.data import merge_states, validation_sequences
+from pretrain.data.shards.reader import INDEX_BLOCK, ShardReader, ShardSet, tokens_of
+from pretrain.data.sources import SourceReader, resolve_source
+from pretrain.data.tokenizer import make_encoder
+from tests.unit.data.common import batches, data_cfg, make_docs, rows, steps, write_jsonl
+from tests.unit.data.shards.common import build_shards
+
+
+def test_documents_are_the_text_tokenized(corpus, tok, shards):
+    texts = [r["text"] for r in SourceReader(resolve_source(SourceConfig(path=str(corpus)), ".")) if r["bad"] is None]
+    s = ShardSet(shards)
+    assert len(s) == len(texts)
+    encoded = make_encoder(tok)(texts)
+    spans = 0
+    for i in range(len(s)):
+        assert s.document(i).tolist() == encoded[i]
+        spans += int(s.ends[i - 1] if i else 0) // 1000 != (int(s.ends[i]) - 1) // 1000
+    assert spans > 0  # some documents span two shards
+
+
+def test_reader_state_is_exact(shards, monkeypatch):
+    s = ShardSet(shards)
+    whole = [tokens_of(row).tolist() for row in ShardReader(s, "x")]
+    assert whole == [s.document(i).tolist() for i in range(len(s))]
+    monkeypatch.setattr("pretrain.data.shards.reader.INDEX_BLOCK", 7)  # index blocks that cut the documents
+    assert [tokens_of(row).tolist() for row in ShardReader(s, "x")] == whole
+    assert INDEX_BLOCK > 7
+    r = ShardReader(s, "x")
+    for _ in range(37):
+        next(r)
+    again = ShardReader(s, "x", r.state_dict())
+    assert np.array_equal(tokens_of(next(again)), tokens_of(next(r))) and again.state_dict() == {"doc": 38}
+
+
+@pytest.mark.parametrize("block", [INDEX_BLOCK, 7])
+def test_training_from_shards_equals_training_from_text_with_holdout(corpus, tok, shards, block, monkeypatch):
+    """A single shard source takes the block-wise path (``ShardReader.next_kept``); the same batches and validation
+    set as the text, also when the index blocks are small."""
+    monkeypatch.setattr("pretrain.data.shards.reader.INDEX_BLOCK", block)
+    text_cfg = data_cfg(corpus, val_holdout=0.1)
+    shard_cfg = data_cfg(shards, val_holdout=0.1)
+    a, b = steps(batches(text_cfg, tok), 6), steps(batches(shard_cfg, tok), 6)
+    assert [rows(x) for x in a] == [rows(x) for x in b]
+    va = validation_sequences(text_cfg, kind="decoder", seq_len=32, tokenizer=tok, val_sequences=4, seed=0)
+    vb = validation_sequences(shard_cfg, kind="decoder", seq_len=32, tokenizer=tok, val_sequences=4, seed=0)
+    assert [x.tolist() for x, _ in va] == [x.tolist() for x, _ in vb]
+
+
+def test_exact_and_elastic_resume_from_shards(corpus, tok, shards):
+    cfg = data_cfg(shards, corpus, val_holdout=0.05)  # a mixture of shards and text
+    whole = [rows(x) for x in steps(batches(cfg, tok), 8)]
+    two = [batches(cfg, tok, rank=r, world=2) for r in range(2)]
+    for _ in range(3):
+        for tb in two:
+            tb.next_step()
+    one = batches(cfg, tok)
+    one.load_state_dict(merge_states([tb.state_dict() for tb in two]))
+    assert [rows(x) for x in steps(one, 5)] == whole[3:]
+
+
+def test_a_weighted_mixture_of_shard_directories_is_the_mixture_of_their_texts(corpus, tok, tok_dir, shards, tmp_path):
+    other = write_jsonl(tmp_path / "other.jsonl", make_docs(400, "other", seed=5))
+    build_shards(tmp_path / "other", [other], tok, tok_dir)
+
+    def mix(a, b):
+        return DataConfig(
+            sources=[SourceConfig(path=str(a), weight=3.0), SourceConfig(path=str(b), weight=1.0)],
+            num_streams=4,
+            val_holdout=0.05,
+        )
+
+    from_text = [rows(x) for x in steps(batches(mix(corpus, other), tok), 6)]
+    assert [rows(x) for x in steps(batches(mix(shards, tmp_path / "other"), tok), 6)] == from_text
