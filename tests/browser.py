@@ -1,9 +1,8 @@
 """A user's browser for the tests of the MLflow UI: Debian's headless ``chromium`` with a fresh profile per page (no
-setting the UI keeps in the browser, such as its GenAI / model training switch, carries over), driven without any
-Python package: a page's text by Chromium's command line, which runs the single-page app in virtual time
-(``--virtual-time-budget``) and dumps its DOM (:func:`page_text`); a screenshot of a page whose content arrives
-after it loaded (a run's metric charts, which virtual time does not wait for) over the DevTools protocol in real
-time (:class:`Tab`, :func:`screenshot`).
+setting the UI keeps in the browser, such as its GenAI / model training switch, carries over), driven in real time
+over the DevTools protocol on a pipe, without any Python package (:class:`Tab`): a page's text once what the test
+expects has appeared (:func:`page_lines`; the single-page app renders after its load, its metric charts later
+still, one request per metric), and a screenshot of a run's charts (:func:`screenshot`).
 
 ``python -m tests.browser URL OUT.png`` takes the screenshot of ``docs/metrics.md`` (``URL``: a run's Model metrics
 page; the test that takes one too: ``tests/integration/cli/test_help.py``).
@@ -13,11 +12,9 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import html
 import io
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -62,47 +59,11 @@ def require_chromium() -> str:
     pytest.skip("chromium is not installed (apt-get install --no-install-recommends chromium): no browser check")
 
 
-def _run(args: list[str], url: str, timeout: float) -> str:
-    """One Chromium process with a profile of its own: its stdout. Virtual time can stall on a loaded machine:
-    a run past ``timeout`` is stopped (its whole process group) and tried once more."""
-    binary = require_chromium()
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
-            proc = subprocess.Popen(
-                [binary, *FLAGS, f"--user-data-dir={profile}", *args, url],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-            )
-            try:
-                out, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                if attempt == 2:
-                    raise AssertionError(f"chromium did not finish {url} in {timeout:.0f} s (twice)") from None
-                continue
-            assert proc.returncode == 0, f"chromium exited {proc.returncode} on {url}"
-            return out
-    raise AssertionError("unreachable")
-
-
-def page_text(url: str, budget_ms: int = 8000, timeout: float = 180) -> tuple[str, list[str]]:
-    """The page's title and its text as a user reads it: the DOM after ``budget_ms`` of page time, scripts and
-    styles dropped, one entry per text node."""
-    dom = _run([f"--virtual-time-budget={budget_ms}", "--window-size=1400,1000", "--dump-dom"], url, timeout)
-    title = re.search(r"<title>(.*?)</title>", dom, re.S)
-    dom = re.sub(r"(?s)<(script|style)\b.*?</\1>", "", dom)
-    texts = [html.unescape(t).strip() for t in re.split(r"<[^>]*>", dom)]
-    return (html.unescape(title.group(1)) if title else ""), [t for t in texts if t]
-
-
 class Tab:
     """One Chromium page driven in real time over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
-    JSON messages ended by NUL on file descriptors 3 and 4, no WebSocket client needed): for a page whose content
-    arrives after its load (the run's metric charts, one request per metric), which virtual time does not wait
-    for."""
+    JSON messages ended by NUL on file descriptors 3 and 4, no WebSocket client needed). Chromium's own
+    ``--virtual-time-budget`` with ``--dump-dom`` / ``--screenshot`` does not wait for content that arrives after
+    the page's load: it left the charts as spinners."""
 
     def __init__(self, width: int, height: int):
         binary = require_chromium()
@@ -180,6 +141,22 @@ class Tab:
             os.close(self._to)
             os.close(self._from)
             self._profile.cleanup()
+
+
+def page_lines(url: str, expect: tuple[str, ...], timeout: float = 120) -> list[str]:
+    """The page's text as a user reads it (``innerText``, one entry per line) once every line of ``expect`` is
+    there, or at ``timeout`` without them (the caller names what is missing)."""
+    tab = Tab(1400, 1000)
+    try:
+        tab.open(url)
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [line.strip() for line in (tab.eval("document.body.innerText") or "").splitlines()]
+            if all(e in lines for e in expect) or time.monotonic() > deadline:
+                return [line for line in lines if line]
+            time.sleep(0.5)
+    finally:
+        tab.close()
 
 
 CHARTS_DRAWN = (

@@ -129,11 +129,12 @@ def test_every_printed_link_opens_the_run_as_model_training(lineage):
 
 
 def _page_shows(url: str, *texts: str, absent: tuple[str, ...] = ()) -> list[str]:
-    title, words = browser.page_text(url)
-    missing = [t for t in texts if t not in words]
-    present = [t for t in absent if t in words]
-    assert not missing and not present, f"{url} ({title}): missing {missing}, present {present}: {words[:60]}"
-    return words
+    """The lines of the page once ``texts`` are there; none of ``absent`` among them."""
+    lines = browser.page_lines(url, texts)
+    missing = [t for t in texts if t not in lines]
+    present = [t for t in absent if t in lines]
+    assert not missing and not present, f"{url}: missing {missing}, present {present}: {lines[:60]}"
+    return lines
 
 
 def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
@@ -179,8 +180,8 @@ def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
 
         genai = ("Judges", "Evaluation runs", "Agent versions")
         training = ("Runs", "Models", "Model registry")
-        words = _page_shows(exp_url, *training, lineage.name, "matching runs", absent=genai)
-        assert words[words.index("matching runs") - 1] == "3"  # the children are nested under their parent's row
+        lines = _page_shows(exp_url, *training, lineage.name, absent=genai)
+        assert re.search(r"\b3\s+matching runs", "\n".join(lines)), lines  # the children nested under their parent
         run_url = f"{base}/#/experiments/{exp}/runs/{lineage.parent}{ML}"
         _page_shows(run_url, *training, "Model metrics", lineage.name, absent=(*genai, "Evaluations"))
         _page_shows(exp_url.removesuffix(ML), *genai, absent=("Model registry",))  # what a link without it shows
