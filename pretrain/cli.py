@@ -7,7 +7,7 @@
                                                   plan (model, tokenizer, batch, steps, workers...), start nothing
     resume RUN_ID|CHECKPOINT_DIR [key=value ...]  continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
-    ui [--port N] [--host H] [--open]             the MLflow UI on the tracking store (127.0.0.1); prints each
+    ui [--port N] [--host H] [--open] [--workers N]   the MLflow UI on the tracking store (127.0.0.1); prints each
                                                   experiment's link (opens as model training), --open: in a browser
     bench [--json] [--no-moe] [--layer-drop] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense,
                                                   all-to-all, data, the real training loop (loop_vs_step_ratio,
@@ -123,7 +123,7 @@ def cmd_ui(args: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", default="5000")
     p.add_argument(
-        "--workers", default="1", help="server processes (default 1: one user; more start slowly on a busy machine)"
+        "--workers", default="1", help="server processes (default 1; several can miss uvicorn's 5 s health check)"
     )
     p.add_argument("--open", action="store_true", help="open the experiment in a browser once the UI is up")
     a = p.parse_args(args)
