@@ -7,7 +7,8 @@
                                                   plan (model, tokenizer, batch, steps, workers...), start nothing
     resume RUN_ID|CHECKPOINT_DIR [key=value ...]  continue from the latest committed checkpoint
     runs [RUN_ID [--plot]]                        tracked runs, or one run's checkpoints (--plot: PNG)
-    ui [--port N] [--host H]                      the MLflow UI on the tracking store (127.0.0.1)
+    ui [--port N] [--host H] [--open] [--workers N]   the MLflow UI on the tracking store (127.0.0.1); prints each
+                                                  experiment's link (opens as model training), --open: in a browser
     bench [--json] [--no-moe] [--layer-drop] [CONFIG] [key=value ...]   our step vs bare PyTorch, MoE vs dense,
                                                   all-to-all, data, the real training loop (loop_vs_step_ratio,
                                                   time_to_first_step_s; --no-loop skips it); --layer-drop: tokens/s
@@ -131,17 +132,34 @@ def cmd_runs(args: list[str]) -> int:
 
 
 def cmd_ui(args: list[str]) -> int:
+    from pretrain.driver import ui_links
     from pretrain.train.tracking import mark_training_experiments, tracking_uri
 
     p = argparse.ArgumentParser(prog="launch.sh ui")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", default="5000")
+    p.add_argument(
+        "--workers", default="1", help="server processes (default 1; several can miss uvicorn's 5 s health check)"
+    )
+    p.add_argument("--open", action="store_true", help="open the experiment in a browser once the UI is up")
     a = p.parse_args(args)
+    for flag, value in (("--port", a.port), ("--workers", a.workers)):
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"ui {flag}: a positive whole number, got {value!r}")
     uri = tracking_uri()
     mark_training_experiments(uri)  # experiments made before the kind tag open as training, not GenAI
     mlflow = Path(sys.executable).with_name("mlflow")
     print(f"[pretrain] MLflow UI for {uri} on http://{a.host}:{a.port}", flush=True)
-    os.execv(str(mlflow), [str(mlflow), "ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port])
+    base = ui_links.served_base(a.host, a.port)
+    links = [
+        (f"experiment {name}", ui_links.ui_url(base, exp_id)) for exp_id, name in ui_links.training_experiments(uri)
+    ]
+    for what, url in links or [("experiments", ui_links.ui_url(base))]:
+        print(f"[pretrain] {what}: {url}", flush=True)
+    if a.open:
+        ui_links.open_when_serving(links[0][1] if links else ui_links.ui_url(base), a.host, int(a.port))
+    command = ["ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port, "--workers", a.workers]
+    os.execv(str(mlflow), [str(mlflow), *command])
 
 
 def cmd_bench(args: list[str]) -> int:

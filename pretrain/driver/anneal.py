@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
 from pretrain.driver.derive import derive_run, parent_engine_state
+from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.train.schedule import lr_at
 
@@ -104,4 +105,5 @@ def anneal(argv: list[str]) -> int:
         f"  train:   ./launch.sh resume {run_id}\n  eval:    ./launch.sh eval {run_id}\n"
         f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
     )
+    print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -13,6 +13,7 @@ import torch
 from pretrain.checkpoint.writer import FullWeights
 from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options
+from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.train.schedule import train_longer
 
@@ -118,4 +119,5 @@ def grow(argv: list[str]) -> int:
         f"  resume:  ./launch.sh resume {run_id} {train_longer(new_cfg.train, parent.ckpt.step)}\n"
         f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
     )
+    print_run_link(new_cfg.tracking.enabled, run_id)
     return 0

@@ -12,6 +12,7 @@ import torch
 from pretrain.checkpoint.writer import FullWeights
 from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options
+from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
 from pretrain.train.schedule import train_longer
@@ -120,4 +121,5 @@ def prune(argv: list[str]) -> int:
         f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
         f"{train_longer(cfg.train, parent.ckpt.step)}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}"
     )
+    print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -39,6 +39,7 @@ def print_summary(final: dict, job, uri: str) -> None:
         print(f"  {k:<18} {v}")
     env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
     from pretrain.config import from_dict
+    from pretrain.driver.ui_links import run_url
     from pretrain.train.schedule import train_longer
 
     longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
@@ -48,6 +49,9 @@ def print_summary(final: dict, job, uri: str) -> None:
         "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
         f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
     )
+    link = run_url(job.tracking_uri, run_id)
+    if link:
+        print("  run in UI:   " + link)
 
 
 def run_job(prepare, announce) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain.config import ConfigError
+from pretrain.driver.ui_links import ui_base, ui_url
 
 
 def runs(args: list[str]) -> int:
@@ -22,6 +23,7 @@ def runs(args: list[str]) -> int:
             raise ConfigError(f"{args[0]}: no such run in {uri}")
         root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
         print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
+        print(f"  in the UI: {ui_url(ui_base(uri), run.info.experiment_id, args[0])}")
         for line in _lineage(run.data.tags):
             print(f"  {line}")
         if run.data.tags.get("pretrain.stability.last_event"):

@@ -26,8 +26,9 @@ TAG_CKPT_LATEST = "pretrain.checkpoint_latest"
 TAG_CKPT_STEP = "pretrain.checkpoint_step"
 TAG_RESUMED_FROM = "pretrain.resumed_from"
 TAG_KIND = "pretrain.model_kind"
-# The experiment's kind in MLflow 3's UI: an experiment without it opens as a GenAI (traces) experiment; this value
-# opens it as model training (runs, metric charts). The UI's constants: mlflow.experimentKind, custom_model_development.
+# The experiment's kind in MLflow 3: without it, a GenAI (traces) experiment; this value is model training. The UI
+# (3.17) reads it only with its browser-side workflow switch off: the links we print carry the workflow themselves
+# (pretrain/driver/ui_links.py). The constants: mlflow.experimentKind, custom_model_development.
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 

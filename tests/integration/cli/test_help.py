@@ -1,18 +1,29 @@
 """Help where users look, as users run it: a bare ``./launch.sh`` (and ``help``, ``-h``, ``--help``) prints the usage
 and exits 0 instead of training; a trained run and its pruned and grown children show in ``runs`` with whole names
-and their tokens, in an experiment MLflow's UI opens as model training. The in-process checks:
-``tests/unit/house/test_cli_help.py``."""
+and their tokens, in an experiment MLflow's UI opens as model training: every link the commands print carries
+``workflowType=machine_learning``, and a real ``./launch.sh ui`` shows those pages in headless Chromium as the Runs
+table and the run's Model metrics, not the GenAI overview. The in-process checks: ``tests/unit/house/
+test_cli_help.py``, ``tests/unit/driver/test_ui_links.py``."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import stat
 import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from pretrain.cli import COMMANDS
+from pretrain.ports import free_port
+from tests import browser
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.harness import CONFIG, cli, run_id_of, tiny_model
+from tests.harness import CONFIG, cli, run_id_of, start_cli, tiny_model
 
 TINY = [
     *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=None),
@@ -56,22 +67,140 @@ def test_launch_sh_without_a_command_prints_the_usage(args, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_runs_shows_trained_pruned_and_grown_runs_whole_with_their_tokens(tmp_path):
+@dataclass
+class Lineage:
+    """A trained run and its pruned and grown children in one working directory, with what each command printed."""
+
+    work: Path
+    name: str
+    parent: str
+    out: dict[str, str]
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=f"sqlite:///{self.work / 'mlflow.db'}")
+
+
+@pytest.fixture(scope="module")
+def lineage(tmp_path_factory) -> Lineage:
+    work = tmp_path_factory.mktemp("lineage")
+    name = "a-name-longer-than-sixteen"
+    train = cli(work, "train", CONFIG, *TINY, f"name={name}").stdout
+    parent = run_id_of(train)
+    prune = cli(work, "prune", parent, "layers=first:1").stdout
+    grow = cli(work, "grow", parent, "depth=2x", "noise=0").stdout
+    return Lineage(work, name, parent, {"train": train, "prune": prune, "grow": grow})
+
+
+def test_runs_shows_trained_pruned_and_grown_runs_whole_with_their_tokens(lineage):
     """Train 2 steps (2 x 8 x 32 = 512 tokens), prune and grow its checkpoint: ``runs`` lists the three by their
     whole names (the 16-character cut made children of a long name look alike) and 512 tokens each (a derived run
     logs no train/tokens_seen: its checkpoint's count, the parent's included); the experiment carries MLflow's
     model-training kind."""
-    from mlflow import MlflowClient
-
-    name = "a-name-longer-than-sixteen"
-    parent = run_id_of(cli(tmp_path, "train", CONFIG, *TINY, f"name={name}").stdout)
-    cli(tmp_path, "prune", parent, "layers=first:1")
-    cli(tmp_path, "grow", parent, "depth=2x", "noise=0")
-    out = cli(tmp_path, "runs").stdout
+    name = lineage.name
+    out = cli(lineage.work, "runs").stdout
     rows = {line.split()[1]: line for line in out.splitlines()[2:] if not line.lstrip().startswith("^")}
     assert sorted(rows) == sorted([name, f"{name}-pruned1", f"{name}-grown"]), out
     for row in rows.values():
         assert re.search(r" FINISHED +2 +512 ", row), row
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    exp = client.get_experiment(client.get_run(parent).info.experiment_id)
+    client = lineage.client()
+    exp = client.get_experiment(client.get_run(lineage.parent).info.experiment_id)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+
+
+ML = "?workflowType=machine_learning"
+
+
+def test_every_printed_link_opens_the_run_as_model_training(lineage):
+    """The summary of ``train``, the lines of ``prune`` and ``grow`` and ``runs RUN`` name the run's page at the
+    default address of ``./launch.sh ui``, in the run's experiment, with the model-training workflow."""
+    client = lineage.client()
+    exp = client.get_run(lineage.parent).info.experiment_id
+    page = f"http://127.0.0.1:5000/#/experiments/{exp}/runs"
+    assert f"\n  run in UI:   {page}/{lineage.parent}{ML}\n" in lineage.out["train"], lineage.out["train"]
+    for what in ("prune", "grow"):
+        child = re.search(rf"^\[{what}\] new run (\w+)", lineage.out[what], re.M)
+        assert child, lineage.out[what]
+        assert client.get_run(child[1]).info.experiment_id == exp
+        assert f"\n  MLflow:  {page}/{child[1]}{ML}\n" in lineage.out[what], lineage.out[what]
+    runs = cli(lineage.work, "runs", lineage.parent).stdout.splitlines()
+    assert runs[1] == f"  in the UI: {page}/{lineage.parent}{ML}", runs
+
+
+def _page_shows(url: str, *texts: str, absent: tuple[str, ...] = ()) -> list[str]:
+    """The lines of the page once ``texts`` are there; none of ``absent`` among them."""
+    lines = browser.page_lines(url, texts)
+    missing = [t for t in texts if t not in lines]
+    present = [t for t in absent if t in lines]
+    assert not missing and not present, f"{url}: missing {missing}, present {present}: {lines[:60]}"
+    return lines
+
+
+def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
+    """``./launch.sh ui --open`` on a free port prints the experiment's link and opens it in ``$BROWSER`` (a script
+    that records it) once the UI answers. Chromium, with a fresh profile as a new user has, shows that link as the
+    Runs table with the run (its children nested under it), and the run's link as its page with Model metrics;
+    both with the model-training side bar (Runs, Models, Model registry) and none of the GenAI one (Judges,
+    Evaluation runs). The same experiment without the parameter is the GenAI overview, which is what this test
+    guards against. The run's charts are screenshot (``PRETRAIN_UI_SCREENSHOT=PATH``: there)."""
+    browser.require_chromium()
+    opened, script = tmp_path / "opened.txt", tmp_path / "browser.sh"
+    script.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    port = free_port()
+    log = tmp_path / "ui.log"
+    env = {**cli_env(lineage.work), "BROWSER": str(script)}
+    with log.open("w") as sink:
+        ui = start_cli(
+            lineage.work,
+            "ui",
+            "--port",
+            str(port),
+            "--open",
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while not _answers(base):
+            assert ui.poll() is None and time.monotonic() < deadline, f"ui did not come up:\n{log.read_text()[-3000:]}"
+            time.sleep(1)
+        client = lineage.client()
+        exp = client.get_run(lineage.parent).info.experiment_id
+        exp_url = f"{base}/#/experiments/{exp}{ML}"
+        assert f"[pretrain] experiment pretrain: {exp_url}\n" in log.read_text(), log.read_text()
+        while not (opened.is_file() and opened.read_text().strip()):
+            assert time.monotonic() < deadline, "ui --open did not open the browser"
+            time.sleep(0.5)
+        assert opened.read_text().strip() == exp_url
+
+        genai = ("Judges", "Evaluation runs", "Agent versions")
+        training = ("Runs", "Models", "Model registry")
+        lines = _page_shows(exp_url, *training, lineage.name, absent=genai)
+        assert re.search(r"\b3\s+matching runs", "\n".join(lines)), lines  # the children nested under their parent
+        run_url = f"{base}/#/experiments/{exp}/runs/{lineage.parent}{ML}"
+        _page_shows(run_url, *training, "Model metrics", lineage.name, absent=(*genai, "Evaluations"))
+        _page_shows(exp_url.removesuffix(ML), *genai, absent=("Model registry",))  # what a link without it shows
+
+        charts = f"{base}/#/experiments/{exp}/runs/{lineage.parent}/model-metrics{ML}"
+        shot = browser.screenshot(charts, Path(os.environ.get("PRETRAIN_UI_SCREENSHOT") or tmp_path / "charts.png"))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < shot.stat().st_size < 300_000
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)  # the UI's own session: mlflow, its server and job runner
+        try:
+            ui.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(ui.pid, signal.SIGKILL)
+            ui.wait()
+
+
+def _answers(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False

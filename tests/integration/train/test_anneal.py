@@ -39,7 +39,9 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
     assert tags["pretrain.derived"] == "anneal" and tags["mlflow.parentRunId"] == parent
     assert (tags["anneal.parent_run_id"], tags["anneal.parent_step"], tags["anneal.steps"]) == (parent, "4", "3")
     assert f"anneal of run {parent} at step 4: LR decay to the floor over 3 steps (linear)" in run("runs", child)
-    run("resume", child)
+    page = f"http://127.0.0.1:5000/#/experiments/{client.get_run(child).info.experiment_id}/runs/{child}"
+    assert f"\n  MLflow:  {page}?workflowType=machine_learning\n" in out, out  # opens as model training
+    assert f"\n  run in UI:   {page}?workflowType=machine_learning\n" in run("resume", child)
     lr = {x.step: x.value for x in client.get_metric_history(child, "train/lr")}
     assert sorted(lr) == [5, 6, 7], "the child continues the parent's step count"
     assert lr[5] == pytest.approx(1e-2 - 0.9e-2 / 3) and lr[6] == pytest.approx(1e-2 - 0.9e-2 * 2 / 3)
