@@ -142,7 +142,8 @@ def open_hf_dir(path: Path) -> EvalSource:
 
 def open_checkpoint(target: str, step: int | None) -> EvalSource:
     from pretrain.export.checkpoints import resolve_checkpoint
-    from pretrain.export.hf import our_model, special_token_ids, to_hf_model
+    from pretrain.export.hf import special_token_ids, to_hf_model
+    from pretrain.export.parity import our_model
 
     loaded = resolve_checkpoint(target, step)
     cfg = loaded.config

@@ -1,4 +1,4 @@
-"""Hugging Face export and import of our Transformers, with a logits parity check.
+"""Hugging Face export and import of our Transformers, with a logits parity check (:mod:`pretrain.export.parity`).
 
 Export (``./launch.sh export RUN_ID_OR_CHECKPOINT --out DIR [--step N] [--register NAME]``):
 
@@ -39,35 +39,22 @@ from pretrain.export.families import StateDict, find_family
 from pretrain.export.hf_import import REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.export.output import check_out, commit, staging_dir
+from pretrain.export.parity import (
+    PARITY_TOLERANCE,
+    PROBE_TEXTS,
+    ExportError,
+    check_tokenizer,
+    our_model,
+    parity_batch,
+    parity_on,
+)
 from pretrain.export.registry import mlflow_references, record_export, register_model  # noqa: F401 (register_model: re-exported)
-from pretrain.model.transformer import Transformer, build_model, resolved_ffn_size
+from pretrain.model.transformer import resolved_ffn_size
 
-PARITY_TOLERANCE = 1e-4
 METADATA_FILE = "pretrain_export.json"
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_code"
 REMOTE_MODULE = "modeling_pretrain"
 REMOTE_CLASSES = {"decoder": "PretrainTransformerForCausalLM", "encoder": "PretrainTransformerForMaskedLM"}
-
-# Texts whose ids must be identical under the training tokenizer and the exported one.
-PROBE_TEXTS = [
-    "Hello world",
-    " leading space",
-    "trailing space ",
-    "  two  spaces\tand\ttabs\n\nnewlines\r\n",
-    "<|endoftext|>",
-    "a<|endoftext|>b <|pad|> <|mask|><|unk|>",
-    "Ünïcödé: naïve café, 日本語, 한국어, emoji 🙂🚀",
-    "numbers 1234567890 3.14159 1e-5",
-    "code: def f(x):\n    return x ** 2  # comment",
-    "",
-    "\u00a0non-breaking\u2009thin\u200bzero-width",
-    "ﬁ ligature, Ⅻ, combining e\u0301",
-]
-
-
-class ExportError(RuntimeError):
-    """The export could not be verified (parity, tokenizer fidelity, loading)."""
-
 
 # ----------------------------------------------------------------------------------------------
 # Which class
@@ -194,61 +181,6 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
             use_cache=not isinstance(model, _remote_module().PretrainTransformerPreTrainedModel),
         )
     return model.eval()
-
-
-# ----------------------------------------------------------------------------------------------
-# Our model from a state dict; parity
-# ----------------------------------------------------------------------------------------------
-
-
-def our_model(model_cfg: ModelConfig, sd: StateDict, moe: MoEConfig | None = None) -> Transformer:
-    """Our Transformer holding ``sd`` (built on meta, weights assigned: no wasted init); MoE layers hold every
-    expert (``ep_size`` 1)."""
-    return build_model(model_cfg, 0, moe, weights=strip_module_prefix(sd)).eval()
-
-
-def parity_batch(model_cfg: ModelConfig, batch: int = 2, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
-    """A fixed random batch of token ids, (batch, min(seq_len, max_seq_len))."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model_cfg.vocab_size, (batch, min(seq_len, model_cfg.max_seq_len)), generator=g)
-
-
-@torch.no_grad()
-def logits_max_abs_diff(ours: Transformer, hf_model, input_ids: torch.Tensor) -> float:
-    """max |our logits - HF logits| (fp32) on ``input_ids``."""
-    a = ours(input_ids).logits.float()
-    b = hf_model(input_ids=input_ids).logits.float()
-    if a.shape != b.shape:
-        raise ExportError(f"logits shapes differ: ours {tuple(a.shape)}, HF {tuple(b.shape)}")
-    return float((a - b).abs().max())
-
-
-def parity_on(device: str, ours: Transformer, hf_model, input_ids: torch.Tensor) -> float:
-    """:func:`logits_max_abs_diff` with both models and the batch on ``device`` (fp32: TF32 matmuls are turned off
-    for the check and restored after)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"export --device {device}: no CUDA device is available here")
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return logits_max_abs_diff(ours.to(dev), hf_model.to(dev), input_ids.to(dev))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def check_tokenizer(train_tokenizer, exported_tokenizer, texts: list[str]) -> int:
-    """Raise unless both tokenizers give the ids training used (no special tokens added); returns count."""
-    from pretrain.data.tokenizer import make_encoder
-
-    want = make_encoder(train_tokenizer)(list(texts))
-    got = exported_tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    for text, w, g in zip(texts, want, got):
-        if list(w) != list(g):
-            raise ExportError(
-                f"tokenizer mismatch on {text[:60]!r}: training ids {list(w)[:12]}..., exported ids {list(g)[:12]}..."
-            )
-    return len(texts)
 
 
 # ----------------------------------------------------------------------------------------------

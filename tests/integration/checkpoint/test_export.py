@@ -18,7 +18,7 @@ from pretrain.checkpoint import layout as ly
 from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import dump_yaml, load_config
-from pretrain.export.hf import our_model, parity_batch
+from pretrain.export.parity import our_model, parity_batch
 from pretrain.model import build_model
 from tests.conftest import cli_env
 from tests.harness import cli, run_distributed

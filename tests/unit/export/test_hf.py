@@ -18,19 +18,15 @@ from pretrain.checkpoint import store as ck
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ModelConfig, RunConfig, dump_yaml, load_config
 from pretrain.export import families as fam
-from pretrain.export.hf import (
+from pretrain.export.hf import export_model, export_target, import_hf, load_exported, read_hf_state_dict
+from pretrain.export.parity import (
     PROBE_TEXTS,
     ExportError,
     check_tokenizer,
-    export_model,
-    export_target,
-    import_hf,
-    load_exported,
     logits_max_abs_diff,
     our_model,
     parity_batch,
     parity_on,
-    read_hf_state_dict,
 )
 from pretrain.model import build_model
 from tests.conftest import WIKITEXT, corpus_lines

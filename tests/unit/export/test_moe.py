@@ -86,7 +86,8 @@ def test_moe_export_parity(model_kw, moe_kw, expected, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from pretrain.data.tokenizer import train_tokenizer
-    from pretrain.export.hf import export_model, load_exported, logits_max_abs_diff, our_model, parity_batch
+    from pretrain.export.hf import export_model, load_exported
+    from pretrain.export.parity import logits_max_abs_diff, our_model, parity_batch
 
     cfg, moe = ModelConfig(**model_kw), MoEConfig(**moe_kw)
     tok_dir = tmp_path / "tok"
