@@ -71,13 +71,15 @@ class EarlyExitCallback(Callback):
 
     def __init__(self, cfg: RunConfig) -> None:
         self.ee = cfg.layer_drop.early_exit
+        self.layers, self.max_steps = cfg.model.num_layers, cfg.train.max_steps
         self.exits: Exits = []
         self.trained, self.steps = 0, 0
         self.last: dict[str, float] = {}
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
-        layers = trainer.module.cfg.model.num_layers
-        self.exits = active_exits(self.ee, layers, step - 1, trainer.cfg.train.max_steps)
+    def on_step_start(self, trainer: Trainer | None, step: int) -> None:
+        if trainer is not None:  # growth may have changed the depth
+            self.layers, self.max_steps = trainer.module.cfg.model.num_layers, trainer.cfg.train.max_steps
+        self.exits = active_exits(self.ee, self.layers, step - 1, self.max_steps)
         self.trained += len(self.exits)
         self.steps += 1
 

@@ -130,3 +130,12 @@ def test_exits_need_labels_and_a_depth_inside_the_model():
         model(ids, exits=[(1, 1.0)])
     with pytest.raises(ValueError, match=r"depths in 1\.\.3"):
         model(ids, labels=labels, exits=[(4, 1.0)])
+
+
+def test_pruning_keeps_the_listed_exits_the_pruned_model_has():
+    from pretrain.driver.prune import prune_blocks
+
+    cfg = tiny_config("model.num_layers=6", "layer_drop.early_exit.layers=[1,3,5]")
+    new, _ = prune_blocks(cfg, build_model(cfg.model, seed=1).state_dict(), [0, 2, 4])
+    assert new.layer_drop.early_exit.layers == [1]
+    new.validate()  # a valid child config
