@@ -61,6 +61,7 @@ CASES = [
     Case("dec-sp2-exit", (*DEC, SP, *EXIT), 2),
     Case("dec-sp2-z3-exit", (*DEC, SP, "zero.stage=3", *EXIT), 2),
     Case("dec-tp2-exit", (*DEC, TP, *EXIT), 2),
+    Case("dec-dp2-z2-exit", (*DEC, "zero.stage=2", *EXIT), 2),  # data parallel, ZeRO-2
 ]
 # case -> the 1-process case it must equal
 REFERENCE = {
