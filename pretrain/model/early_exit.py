@@ -74,7 +74,10 @@ def exit_output(model: Any, x: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
     With gradients: the loss as the main loss is computed (the worker's share of the token mean under sequence
     parallelism), the head run under activation recomputation, so no exit keeps its full-vocabulary logits for
-    the backward (the head runs again there, one exit at a time); tokens None. Without gradients (validation):
+    the backward (the head runs again there, one exit at a time); tokens None. The recomputation is torch's
+    non-reentrant ``checkpoint`` (its recomputed graph joins the step's own, so a weight the head shares with the
+    main loss gets one gradient per backward, as ZeRO's gradient hooks expect); its first call imports
+    ``torch._dynamo``, a few seconds once per worker of a run with early exits. Without gradients (validation):
     the whole sequences' loss and greedy tokens (B, T), the logits gathered under sequence parallelism."""
     sp = model.sequence_shards
     if torch.is_grad_enabled():
