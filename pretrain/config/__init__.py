@@ -6,7 +6,7 @@ and wrong types raise :class:`ConfigError` naming the full key path; cross-field
 and is saved in every checkpoint. ``tree.py``: the dataclasses; ``loading.py``: strict loading.
 """
 
-from pretrain.config.capabilities import GrowthStep
+from pretrain.config.capabilities import EarlyExitConfig, GrowthStep
 from pretrain.config.data import DataConfig, SourceConfig
 from pretrain.config.evaluation import BUILTIN_TASK, EvalConfig
 from pretrain.config.loading import (
@@ -45,6 +45,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
+    "EarlyExitConfig",
     "FaultsConfig",
     "GrowthConfig",
     "GrowthStep",

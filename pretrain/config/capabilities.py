@@ -105,6 +105,64 @@ class MoEConfig:
 
 
 @dataclass(kw_only=True)
+class EarlyExitConfig:
+    """Early-exit training (LayerSkip: Elhoushi et al. 2024, arXiv:2404.16710; see ``pretrain/model/early_exit.py``):
+    the hidden state after the first E blocks goes through the model's own final norm and LM head, and its
+    cross-entropy, weighted, is added to the training objective, so the first E blocks learn to predict (a draft
+    for self-speculative decoding). Exits are named by E, the number of blocks they run (1 .. depth - 1; the full
+    depth is the main loss). Decoders only. Off by default (``layers: ''``)."""
+
+    layers: str | list[int] = ""
+    """The exits: ``''`` (none: off), ``all`` (every depth 1 .. L-1), ``every:N`` (depths N, 2N, ... below L; after a
+    growth the new depths join), or a list of depths (each 1 .. model.num_layers - 1)."""
+    scale: float = 1.0
+    """The exits' weight: exit E adds ``scale * e(E) / e(L) * CE_E`` to the objective, e(E) = 1 + 2 + ... + E
+    (LayerSkip's depth-growing scale relative to the final layer, whose loss keeps weight 1)."""
+    curriculum: Literal["none", "rotational", "gradual"] = "none"
+    """Which exits train at a step (LayerSkip's curricula): ``none``: all of them every step; ``rotational``:
+    one in every ``rotation`` of the exits (in depth order), the set moving by one each step; ``gradual``: exits
+    switch on from the deepest down, exit E from 0-based step ``gradual_fraction * train.max_steps * (L - E + 1) /
+    L`` (all on at ``gradual_fraction`` of the run). A function of the step and the depth only."""
+    rotation: int = 2
+    """``curriculum: rotational``: each exit trains at one step in ``rotation`` (LayerSkip's R)."""
+    gradual_fraction: float = 0.5
+    """``curriculum: gradual``: the fraction of ``train.max_steps`` by which every exit is on."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.layers not in ("", [])
+
+    def validate(self, num_layers: int, kind: str) -> None:
+        """Values (each named by its path), against the model's starting depth and kind."""
+        where = "layer_drop.early_exit"
+        if isinstance(self.layers, str):
+            spec = self.layers
+            every = spec[6:] if spec.startswith("every:") else None
+            if spec not in ("", "all") and not (every is not None and every.isdigit() and int(every) >= 1):
+                raise ConfigError(
+                    f"{where}.layers: expected '', 'all', 'every:N' (N >= 1) or a list of depths; got {spec!r}"
+                )
+        else:
+            bad = [d for d in self.layers if not 1 <= d < num_layers]
+            if bad or len(set(self.layers)) != len(self.layers):
+                raise ConfigError(
+                    f"{where}.layers: depths must be distinct and in 1..{num_layers - 1} (model.num_layers "
+                    f"{num_layers}; the full depth is the main loss); got {self.layers}"
+                )
+        if self.scale <= 0:
+            raise ConfigError(f"{where}.scale: must be > 0, got {self.scale}")
+        if self.rotation < 1:
+            raise ConfigError(f"{where}.rotation: must be >= 1, got {self.rotation}")
+        if not 0.0 < self.gradual_fraction <= 1.0:
+            raise ConfigError(f"{where}.gradual_fraction: must be in (0, 1], got {self.gradual_fraction}")
+        if self.enabled and kind != "decoder":
+            raise ConfigError(
+                f"{where}.layers: early-exit training is for decoders (model.kind {kind}); set layers to '' "
+                "or model.kind decoder"
+            )
+
+
+@dataclass(kw_only=True)
 class LayerDropConfig:
     """Layer dropout (see ``pretrain/model/layerdrop.py``): in training each block (or each sub-layer) is skipped
     with probability ``rate``, decided from (seed, step, layer[, sample]) so every rank agrees with no
@@ -139,6 +197,9 @@ class LayerDropConfig:
     weights are the inference model as is (evaluation, export and pruning need no correction). ``rho``: Xiao and
     Zhu's eq. 95 (arXiv:2311.17633, sec. 4.2.4), nothing in training, every sub-layer output scaled by rho at
     inference (folded into the output projections on export, so standard Hugging Face classes load it)."""
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    """Early-exit training (LayerSkip), alone or with the layer dropout above (LayerSkip's recipe: ``by_depth:
+    linear``, so the deep blocks drop most)."""
 
     @property
     def enabled(self) -> bool:

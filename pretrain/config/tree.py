@@ -249,6 +249,7 @@ class RunConfig:
         rules.check_compile(self)
         rules.check_expert_world(self, c.num_workers)
         self.layer_drop.validate()
+        self.layer_drop.early_exit.validate(m.num_layers, m.kind)
         self._validate_growth()
         self.eval.validate(bool(self.data.val_sources) or self.data.val_holdout > 0)
         make_plan(self, c.num_workers)  # the worker-count rules live with the derived numbers

@@ -45,6 +45,9 @@ def prune_blocks(
     of its rate, folded into its weights; ``rho``: none), the forward a layer-dropout run trained while about
     ``1 - rate`` of its blocks ran: what pruning to that depth keeps (LayerDrop's pruning, Fan et al. 2019,
     arXiv:1909.11556). The same as ``inference`` without layer dropout.
+
+    Early exits listed by depth (``layer_drop.early_exit.layers``) as deep as the pruned model or deeper are dropped
+    (``all`` and ``every:N`` follow the new depth).
     """
     if scale not in PRUNE_SCALES:
         raise ConfigError(f"prune scale: {scale!r}: expected one of {', '.join(PRUNE_SCALES)}")
@@ -68,6 +71,10 @@ def prune_blocks(
             key = f"blocks.{new_index[int(old)]}.{rest}"
         out[key] = value
     model = dataclasses.replace(cfg.model, num_layers=len(keep))
+    exits = layer_drop.early_exit
+    if isinstance(exits.layers, list):  # listed exits as deep as the pruned model or deeper go
+        kept = [d for d in exits.layers if d < len(keep)]
+        layer_drop = dataclasses.replace(layer_drop, early_exit=dataclasses.replace(exits, layers=kept))
     moe = cfg.moe
     if moe.enabled:
         moe_blocks = [new_index[i] for i in keep if moe.is_moe_layer(i)]

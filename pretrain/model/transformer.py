@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from pretrain.config import ModelConfig, MoEConfig
+from pretrain.model.early_exit import exit_output, with_exits
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache, skips
 from pretrain.model.moe import MoEFeedForward, moe_layers
 from pretrain.model.recompute import run_block
@@ -67,12 +68,19 @@ class ModelOutput(NamedTuple):
     moe_loss: torch.Tensor | None = None
     """The weighted MoE auxiliary objective (load balancing + router z-loss) summed over the MoE layers that
     ran, to be added to ``loss`` for training (None for dense models)."""
+    exit_loss: torch.Tensor | None = None
+    """The weighted early-exit objective sum(weight * CE) over the forward's ``exits``, to be added to ``loss`` for
+    training (None without exits; ``pretrain/model/early_exit.py``)."""
+    exit_losses: torch.Tensor | None = None
+    """(E,) fp32 mean cross-entropy of each exit, unweighted, in the order of ``exits`` (None without exits)."""
+    exit_tokens: torch.Tensor | None = None
+    """(E, B, T) greedy tokens of each exit, for forwards without gradients (validation); else None."""
 
     def objective(self) -> torch.Tensor:
         """The training objective: ``loss`` plus the z-loss and MoE terms that are present."""
         total = self.loss
         assert total is not None  # the objective is taken of outputs with labels
-        for term in (self.z_loss, self.moe_loss):
+        for term in (self.z_loss, self.moe_loss, self.exit_loss):
             if term is not None:
                 total = total + term
         return total
@@ -254,9 +262,11 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         layer_mask: Sequence[bool] | None = None,
         gates: Sequence[tuple] | None = None,
+        exits: Sequence[tuple[int, float]] | None = None,
     ) -> ModelOutput:
         """input_ids/labels: (B, T) int64; ``layer_mask[i]`` False skips block i (identity); ``gates[i]`` =
-        (attention gate, FFN gate) of block i (layer dropout, see ``Block.forward`` and ``model/layerdrop.py``)."""
+        (attention gate, FFN gate) of block i (layer dropout, see ``Block.forward`` and ``model/layerdrop.py``);
+        ``exits``: (depth E, weight) of the early exits whose losses to compute (``model/early_exit.py``)."""
         b, t = input_ids.shape
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -264,6 +274,9 @@ class Transformer(nn.Module):
             raise ValueError(f"layer_mask has {len(layer_mask)} entries for {len(self.blocks)} blocks")
         if gates is not None and len(gates) != len(self.blocks):
             raise ValueError(f"gates has {len(gates)} entries for {len(self.blocks)} blocks")
+        exit_at = dict(sorted(exits or ()))  # in depth order, as the blocks run
+        if exit_at and (labels is None or not all(0 < d < len(self.blocks) for d in exit_at)):
+            raise ValueError(f"exits {sorted(exit_at)} need labels and depths in 1..{len(self.blocks) - 1}")
         if gates is None and self.branch_scales is not None and not self.training:
             gates = self.branch_scales
         sp = self.sequence_shards
@@ -285,8 +298,11 @@ class Transformer(nn.Module):
         if self.rope_cos is not None and self.rope_sin is not None:
             rope = (self.rope_cos[span], self.rope_sin[span])  # (t, hd) each: global positions
         recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else "none"
-        moe_terms = []
+        moe_terms, exit_outs = [], []
         for i, block in enumerate(self.blocks):
+            if i in exit_at:  # the exit after the first i blocks
+                assert labels is not None
+                exit_outs.append(exit_output(self, x, labels))
             if layer_mask is not None and not bool(layer_mask[i]):
                 continue
             attn_gate, ffn_gate = gates[i] if gates is not None else (None, None)
@@ -305,12 +321,14 @@ class Transformer(nn.Module):
         logits = self.lm_head(x)  # (B, t, V)
         moe_loss = torch.stack(moe_terms).sum() if labels is not None and moe_terms else None
         if sp is not None:
-            return self._sequence_parallel_output(sp, logits, labels, moe_loss)
-        loss = None if labels is None else self.loss(logits, labels)
-        z_loss = None
-        if labels is not None and self.cfg.z_loss > 0:
-            z_loss = self.cfg.z_loss * self.z_term(logits, labels)
-        return ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
+            out = self._sequence_parallel_output(sp, logits, labels, moe_loss)
+        else:
+            loss = None if labels is None else self.loss(logits, labels)
+            z_loss = None
+            if labels is not None and self.cfg.z_loss > 0:
+                z_loss = self.cfg.z_loss * self.z_term(logits, labels)
+            out = ModelOutput(loss=loss, logits=logits, z_loss=z_loss, moe_loss=moe_loss)
+        return with_exits(out, list(exit_at.values()), exit_outs) if exit_outs else out
 
     def _sequence_parallel_output(
         self, sp: SequenceShards, logits: torch.Tensor, labels: torch.Tensor | None, moe_loss: torch.Tensor | None

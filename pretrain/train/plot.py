@@ -1,4 +1,5 @@
-"""A picture of a run: loss, gradient norm and stability events over steps (matplotlib, Agg).
+"""A picture of a run: loss, gradient norm and stability events over steps, and the early exits' validation loss
+and acceptance when the run trained with them (matplotlib, Agg).
 
     ./launch.sh runs RUN_ID --plot      (also drawn by rank 0 at the end of training)
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +69,29 @@ def timeline_from_mlflow(uri: str, run_id: str) -> list[dict[str, Any]]:
     return json.loads(Path(text).read_text()).get("timeline", [])
 
 
+def exit_keys(names: Any) -> tuple[str, ...]:
+    """The early exits' validation series among metric ``names`` (``val/exit_<E>/loss`` and ``/acceptance``),
+    by depth E."""
+    found = [n for n in names if re.fullmatch(r"val/exit_\d+/(loss|acceptance)", n)]
+    return tuple(sorted(found, key=lambda n: (int(n.split("/")[1][5:]), n)))
+
+
 def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title: str = "") -> Path:
     """Two panels sharing the step axis: loss (train, val) and grad norm (log scale); events as vertical
-    lines coloured by action, rollbacks with an arrow to the step they restored."""
+    lines coloured by action, rollbacks with an arrow to the step they restored. A run with early exits gets a
+    third panel: each exit's validation loss (solid, left axis) and acceptance (dashed, right axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=[3, 2])
+    exits = exit_keys(series)
+    if exits:
+        fig, (ax_loss, ax_grad, ax_exit) = plt.subplots(3, 1, figsize=(10, 10), sharex=True, height_ratios=[3, 2, 3])
+        _plot_exits(ax_exit, series, exits)
+    else:
+        fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=[3, 2])
     spikes: list[tuple[int, float]] = []
     for key, ax, style in (
         ("train/loss", ax_loss, "-"),
@@ -144,7 +159,7 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
     ax_grad.set_ylabel("grad norm (pre-clip)")
     if any(v > 0 for _, v in series.get("train/grad_norm", [])):
         ax_grad.set_yscale("log")
-    ax_grad.set_xlabel("step")
+    (ax_exit if exits else ax_grad).set_xlabel("step")
     ax_grad.xaxis.set_major_locator(MaxNLocator(integer=True))
     if bad_grads := [s for s, v in series.get("train/grad_norm", []) if not math.isfinite(v)]:
         ax_grad.legend(loc="upper right", fontsize=8, title=f"{len(bad_grads)} non-finite")
@@ -158,6 +173,29 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_exits(ax, series: Series, keys: tuple[str, ...]) -> None:
+    """Per-exit validation: loss by exit on ``ax``, acceptance (fraction in [0, 1]) on a twin axis, one colour per
+    exit; the full model's ``val/loss`` for reference."""
+    twin = ax.twinx()
+    depths = sorted({int(k.split("/")[1][5:]) for k in keys})
+    for i, depth in enumerate(depths):
+        color = f"C{i % 10}"
+        for key, axis, style in ((f"val/exit_{depth}/loss", ax, "o-"), (f"val/exit_{depth}/acceptance", twin, "s--")):
+            pts = [(s, v) for s, v in split_replayed(series.get(key, []))[0] if math.isfinite(v)]
+            if pts:
+                axis.plot(*zip(*pts), style, color=color, lw=1.0, ms=3, label=f"E={depth} {key.rsplit('/', 1)[1]}")
+    full = [(s, v) for s, v in split_replayed(series.get("val/loss", []))[0] if math.isfinite(v)]
+    if full:
+        ax.plot(*zip(*full), "k:", lw=1.0, label="val/loss (full depth)")
+    ax.set_ylabel("exit val loss")
+    twin.set_ylabel("exit acceptance")
+    twin.set_ylim(0.0, 1.0)
+    ax.grid(alpha=0.3)
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=7, ncol=2)
 
 
 def _clip_spikes(ax, values: list[float], candidates: list[tuple[int, float]]) -> None:
@@ -187,8 +225,10 @@ def plot_run(uri: str, run_id: str, out: Path) -> Path:
     """The PNG of an MLflow run, saved to ``out`` and logged to the run under ``plots/``."""
     from mlflow import MlflowClient
 
+    client = MlflowClient(tracking_uri=uri)
+    keys = SERIES + exit_keys(client.get_run(run_id).data.metrics)
     path = plot_training(
-        history_from_mlflow(uri, run_id), timeline_from_mlflow(uri, run_id), out, title=f"run {run_id}"
+        history_from_mlflow(uri, run_id, keys), timeline_from_mlflow(uri, run_id), out, title=f"run {run_id}"
     )
-    MlflowClient(tracking_uri=uri).log_artifact(run_id, str(path), "plots")
+    client.log_artifact(run_id, str(path), "plots")
     return path

@@ -12,6 +12,8 @@ order  callback              what it does (module; when the config enables it)
 2      MemoryMonitor         peak memory per rank, ``sys/*`` (memory.py; collective at logged steps)
 3      GrowthCallback        grows the model, rebuilds the module (growth.py; ``growth.schedule`` or a re-warm)
 5      LayerDropCallback     the gates of every training forward (layer_drop.py; ``layer_drop``)
+6      EarlyExitCallback     the early exits of every training forward, ``val/exit_<E>/*`` after each validation
+                             (early_exit.py; ``layer_drop.early_exit``)
 10     StabilityCallback     decides each update (skip / roll back / halt), records events, LR cool-down (stability.py)
 15     HealthCallback        health probes on ``stability.health_every`` steps, logged to MLflow (health.py)
 20     FaultInjection        ``faults.*`` hooks: kill a worker, NaN gradient, LR spike, stop (fault_injection.py)
@@ -48,6 +50,7 @@ from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.checkpoint import CheckpointCallback
 from pretrain.train.callbacks.checkpoint_stats import CheckpointStats
 from pretrain.train.callbacks.data_fingerprint import DataFingerprint
+from pretrain.train.callbacks.early_exit import EarlyExitCallback
 from pretrain.train.callbacks.fault_injection import FaultInjection
 from pretrain.train.callbacks.growth import GrowthCallback
 from pretrain.train.callbacks.health import HealthCallback
@@ -127,6 +130,7 @@ STANDARD: tuple[Slot, ...] = (
         lambda p: LayerDropCallback(p.cfg, p.rank, p.plan.micro_batch_ids(p.rank)),
         lambda cfg: bool(cfg.layer_drop.enabled),
     ),
+    Slot(EarlyExitCallback, lambda p: EarlyExitCallback(p.cfg), lambda cfg: cfg.layer_drop.early_exit.enabled),
     Slot(StabilityCallback, lambda p: StabilityCallback(p.control)),
     Slot(HealthCallback, lambda p: HealthCallback(p.cfg.stability.health_every)),
     Slot(FaultInjection, lambda p: FaultInjection(p.cfg)),

@@ -50,9 +50,20 @@ def test_cli_refuses_a_corrupt_corpus_at_once(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-def test_cli_refuses_config_errors_at_once(tmp_path):
-    proc, seconds = timed_train(tmp_path, CONFIG, "model.max_seq_len=1")
-    assert_refused(proc, "model.max_seq_len")
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        ((CONFIG, "model.max_seq_len=1"), ("model.max_seq_len",)),
+        (  # early-exit training is for decoders
+            (str(ROOT / "configs" / "demo-encoder.yaml"), "layer_drop.early_exit.layers=all"),
+            ("layer_drop.early_exit.layers", "decoders"),
+        ),
+    ],
+    ids=["max_seq_len", "early-exit-encoder"],
+)
+def test_cli_refuses_config_errors_at_once(tmp_path, args, needles):
+    proc, seconds = timed_train(tmp_path, *args)
+    assert_refused(proc, *needles)
     assert seconds < 2.0, seconds
 
 

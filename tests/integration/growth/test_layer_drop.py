@@ -169,7 +169,7 @@ E2E = [
     "train.max_steps=6",
     "train.warmup_steps=2",
     "train.log_every=1",
-    "train.val_every=0",
+    "train.val_every=3",
     "train.val_sequences=8",
     "checkpoint.every_steps=3",
     "cluster.num_workers=2",
@@ -182,6 +182,9 @@ E2E = [
     "layer_drop.scaling=rho",
     "layer_drop.schedule=linear",
     "layer_drop.warmup_steps=2",
+    "layer_drop.early_exit.layers=all",  # LayerSkip: exits after blocks 1, 2 and 3
+    "layer_drop.early_exit.curriculum=rotational",
+    "layer_drop.early_exit.rotation=2",
 ]
 
 
@@ -193,7 +196,9 @@ def test_layer_drop_end_to_end(tmp_path):
     """2 workers, ZeRO-3, sub-layer drops with rho scaling: an interrupted-and-resumed run reproduces the
     uninterrupted per-step losses bitwise; MLflow gets train/active_layers and the rate; the final validation
     (all layers, scaled by rho) equals `eval` of the checkpoint and of its Hugging Face export (rho folded into
-    the weights); `prune layers=every_other` makes a child run that evaluates, resumes and exports."""
+    the weights); `prune layers=every_other` makes a child run that evaluates, resumes and exports. With early exits
+    (rotational): the exits trained each step follow the curriculum across the resume, every validation logs each
+    exit's loss and acceptance, the same in the resumed run, and `runs RUN --plot` draws them."""
     import json
     from pathlib import Path
 
@@ -222,6 +227,19 @@ def test_layer_drop_end_to_end(tmp_path):
         }
         final = first[0][0]
         assert final["val_loss"] > 0
+        # early exits: rotation 2 over exits 1, 2, 3 trains {1, 3} at odd steps and {2} at even ones
+        trained = metric_history(part.run_id, "early_exit/trained_exits")
+        assert trained == metric_history(full.run_id, "early_exit/trained_exits") == {s: 2 - (s + 1) % 2 for s in ref}
+        for depth in (1, 2, 3):
+            loss = metric_history(full.run_id, f"val/exit_{depth}/loss")
+            acceptance = metric_history(full.run_id, f"val/exit_{depth}/acceptance")
+            assert sorted(loss) == sorted(acceptance) == [3, 6], "logged at every validation"
+            assert metric_history(part.run_id, f"val/exit_{depth}/loss") == loss, "the resumed run's exits agree"
+            assert all(v > 0 for v in loss.values()) and all(0 <= a <= 1 for a in acceptance.values())
+            assert final["val_exits"][f"val/exit_{depth}/loss"] == loss[6]
+        plotted = _cli(work, "runs", full.run_id, "--plot")
+        png = Path(next(line for line in plotted.splitlines() if line.startswith("plot: "))[6:])
+        assert int.from_bytes(png.read_bytes()[20:24], "big") >= 1000, "the plot has the early-exit panel"
         params = client.get_run(full.run_id).data.params  # the run plan, logged once as params
         assert (params["plan.micro_batch"], params["plan.grad_accum"], params["plan.shares"]) == ("4", "1", "4,4")
 

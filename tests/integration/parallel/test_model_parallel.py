@@ -1,9 +1,9 @@
 """Sequence parallelism (DeepSpeed Ulysses, ``parallel.sequence``) and tensor parallelism (DeepSpeed AutoTP,
 ``parallel.tensor``) with real gloo processes: the same per-step losses as 1 process fed the same global
-batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1, 2 and 3; with layer dropout), bitwise resume
-on the same layout and resume on another one; and the user's path through the CLI and Ray (2 workers equal 1; a growth
-schedule and layer dropout under sequence parallelism, stopped, resumed with tensor parallelism, exported with the
-parity check)."""
+batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1, 2 and 3; with layer dropout; with an early
+exit), bitwise resume on the same layout and resume on another one; and the user's path through the CLI and Ray (2
+workers equal 1; a growth schedule, layer dropout and early exits under sequence parallelism, stopped, resumed with
+tensor parallelism, exported with the parity check)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ DEC = ("model.num_kv_heads=2",)  # GQA: 2 query heads per key-value head
 ENC = ("model.kind=encoder", "model.position=learned")
 SP, TP = "parallel.sequence=2", "parallel.tensor=2"
 DROP = ("layer_drop.rate=0.5", "layer_drop.mode=sample")
+EXIT = ("layer_drop.early_exit.layers=all",)  # the early exit after block 1, through the shared head
 # MoE without a capacity limit or auxiliary terms routes each token on its own: a worker's slice routes as the whole
 MOE = ("moe.num_experts=4", "moe.top_k=2", "moe.aux_loss_weight=0", "moe.router_z_loss_weight=0")
 CASES = [
@@ -40,6 +41,7 @@ CASES = [
     Case("dec-mha-1w", (*DEC, "model.num_kv_heads=4"), 1),
     Case("dec-qk-1w", (*DEC, "model.qk_norm=true"), 1),
     Case("moe-1w", (*DEC, *MOE), 1),
+    Case("dec-exit-1w", (*DEC, *EXIT), 1),
     Case("dec-sp2", (*DEC, SP), 2),
     Case("dec-tp2", (*DEC, TP), 2),
     Case("dec-qk-tp2", (*DEC, TP, "model.qk_norm=true"), 2),  # per-head norms: gradients summed over the group
@@ -56,6 +58,10 @@ CASES = [
     Case("dec-sp2-tp2", (*DEC, SP, TP, "model.num_kv_heads=4"), 4),  # 4 key-value heads: one per worker
     Case("moe-sp2-ep2", (*DEC, *MOE, SP, "parallel.expert=2"), 2),
     Case("moe-sp2-dp2-ep2", (*DEC, *MOE, SP, "parallel.expert=2"), 4),
+    Case("dec-sp2-exit", (*DEC, SP, *EXIT), 2),
+    Case("dec-sp2-z3-exit", (*DEC, SP, "zero.stage=3", *EXIT), 2),
+    Case("dec-tp2-exit", (*DEC, TP, *EXIT), 2),
+    Case("dec-dp2-z2-exit", (*DEC, "zero.stage=2", *EXIT), 2),  # data parallel, ZeRO-2
 ]
 # case -> the 1-process case it must equal
 REFERENCE = {
@@ -65,11 +71,13 @@ REFERENCE = {
     **{c.id: "dec-qk-1w" for c in CASES if c.id.startswith("dec-qk-")},
     "dec-sp2-tp2": "dec-mha-1w",
     **{c.id: "moe-1w" for c in CASES if c.id.startswith("moe-")},
+    **{c.id: "dec-exit-1w" for c in CASES if c.id.endswith("-exit")},
 }
 
 
 def _train(rank: int, world: int, overrides: list[str]) -> list[float]:
     from pretrain.config import load_config
+    from pretrain.train.callbacks.early_exit import EarlyExitCallback
     from pretrain.train.callbacks.layer_drop import LayerDropCallback
     from pretrain.train.module import build_module
     from tests.harness import TINY_MODEL, train_steps
@@ -80,6 +88,8 @@ def _train(rank: int, world: int, overrides: list[str]) -> list[float]:
     if cfg.layer_drop.enabled:
         drop = LayerDropCallback(cfg, rank, module.plan.micro_batch_ids(rank))
         hooks.append(drop)
+    if cfg.layer_drop.early_exit.enabled:
+        hooks.append(EarlyExitCallback(cfg))
 
     def before(step: int) -> None:
         for h in hooks:
@@ -94,7 +104,7 @@ def runs():
     return run_cases(_train, CASES)
 
 
-@pytest.mark.parametrize("case", CASES[6:], ids=case_ids(CASES[6:]))
+@pytest.mark.parametrize("case", CASES[7:], ids=case_ids(CASES[7:]))
 def test_model_parallel_equals_one_process(runs, case):
     """Every rank reports the same losses, and they equal 1 process's on the same global batches within 1e-5
     relative over 20 steps; so do the gradient norms (replicated weights counted once)."""
@@ -206,14 +216,20 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
     tensor-parallel module); the grown model exports to Hugging Face with the parity check. The growth points and
     the length are given as a budget (``at_tokens``, ``at_fraction`` of ``train.max_flops``), derived once and the
-    same on resume."""
+    same on resume. With early exits (``all``, rotational): the blocks the depth growth adds join the exit schedule,
+    across the resume on another layout, and the final validation scores every exit of the grown model."""
     from mlflow import MlflowClient
 
     from pretrain.config import load_config
     from pretrain.driver.budget import run_flops
     from tests.harness import CONFIG
 
-    grown = [*GROWN, "model.vocab_size=512"]
+    grown = [
+        *GROWN,
+        "model.vocab_size=512",
+        "layer_drop.early_exit.layers=all",
+        "layer_drop.early_exit.curriculum=rotational",
+    ]
     budget, at_5 = run_flops(load_config(CONFIG, grown)), run_flops(load_config(CONFIG, grown), 5)
     grown += [
         "growth.schedule=[{at_tokens: 512, depth: 2x, depth_op: identity, noise: 0}, "
@@ -232,6 +248,10 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     steps = sorted(x.step for x in client.get_metric_history(run, "train/loss"))
     assert steps == [1, 2, 3, 4, 5, 6]
+    trained = {x.step: x.value for x in client.get_metric_history(run, "early_exit/trained_exits")}
+    assert trained == {1: 1, 2: 0, 3: 2, 4: 1, 5: 2, 6: 1}, "exit 1 of 2 blocks, then exits 1, 2, 3 of 4, by rotation"
+    exits = client.get_run(run).data.metrics
+    assert all(f"val/exit_{d}/{k}" in exits for d in (1, 2, 3) for k in ("loss", "acceptance"))
     report = cli(tmp_path, "export", run, "--out", str(tmp_path / "hf"), timeout=600).stdout
     assert "LlamaForCausalLM" in report and re.search(r"parity: max \|logits diff\|", report)
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -90,6 +90,7 @@ FEATURES = {
     "SystemMetrics": "tracking.system_metrics=true",
     "GrowthCallback": "growth.rewarm_steps=2",
     "LayerDropCallback": "layer_drop.rate=0.1",
+    "EarlyExitCallback": "layer_drop.early_exit.layers=all",
 }
 
 

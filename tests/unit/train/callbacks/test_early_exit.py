@@ -1,0 +1,47 @@
+"""Per-exit validation (``evaluate_exits``) in one process against its definition: each exit's token-weighted loss
+and the fraction of predicted positions where its greedy token is the full model's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pretrain.model import build_model
+from pretrain.model.score import mean_cross_entropy
+from pretrain.train.callbacks.early_exit import evaluate_exits
+from tests.harness import tiny_config
+
+
+def test_exit_metrics_follow_their_definition():
+    cfg = tiny_config("model.num_layers=4", "model.dropout=0.0")
+    model = build_model(cfg.model, seed=2)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for rows in (2, 3):  # micro-batches of different sizes and targets: the metrics are token-weighted
+        ids = torch.randint(0, cfg.model.vocab_size, (rows, 16), generator=g)
+        labels = ids.clone()
+        labels[0, : 3 * rows] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    module = SimpleNamespace(engine=model, device=torch.device("cpu"), rank=0)
+
+    got = evaluate_exits(module, batches, [(1, 1.0), (3, 1.0)])
+
+    assert sorted(got) == [f"val/exit_{d}/{k}" for d in (1, 3) for k in ("acceptance", "loss")]
+    model.eval()
+    with torch.no_grad():
+        for depth in (1, 3):
+            nats = tokens = same = 0.0
+            for mb in batches:
+                ids, labels = mb["input_ids"], mb["labels"]
+                full = model(ids).logits[:, :-1].argmax(-1)
+                cut = model(ids, layer_mask=[i < depth for i in range(4)]).logits
+                keep = labels[:, 1:] != -100
+                n = float(keep.sum())
+                nats += mean_cross_entropy(cut, labels, causal=True).item() * n
+                tokens += n
+                same += float(((cut[:, :-1].argmax(-1) == full) & keep).sum())
+            assert got[f"val/exit_{depth}/loss"] == pytest.approx(nats / tokens, rel=1e-6)
+            assert got[f"val/exit_{depth}/acceptance"] == pytest.approx(same / tokens, abs=1e-12)
+    assert 0 < got["val/exit_3/acceptance"] <= 1
