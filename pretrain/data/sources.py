@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip, not_a, quote
 from pretrain.data.demo_corpus import build_demo_corpus
+from pretrain.data.shards.format import MANIFEST as SHARD_MANIFEST
 
 if TYPE_CHECKING:
     import datasets
@@ -321,7 +322,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
             format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
         )
     p, shown = Path(src.path).expanduser(), clip(src.path)
-    if os.path.isdir(p) and os.path.isfile(p / "manifest.json"):  # written by ./launch.sh tokenize
+    if os.path.isdir(p) and os.path.isfile(p / SHARD_MANIFEST):  # written by ./launch.sh tokenize
         return ResolvedSource(format="shards", files=[str(p)], **base)
     if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
         files = sorted(

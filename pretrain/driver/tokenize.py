@@ -38,6 +38,7 @@ from pretrain.config.errors import clip
 from pretrain.data.shards.format import (
     DEFAULT_SHARD_TOKENS,
     MANIFEST,
+    TOKENIZER_DIR,
     dtype_for,
     load_manifest,
     tokenizer_hash,
@@ -98,7 +99,7 @@ def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, work: Path) -> Path:
         return path
     from pretrain.data.tokenizer_cache import run_tokenizer
 
-    out = work / "tokenizer"
+    out = work / TOKENIZER_DIR
     if not (out / "tokenizer.json").is_file():
         run_tokenizer(cfg, out, say=lambda line: print(f"[tokenize] {line}", flush=True))
     return out

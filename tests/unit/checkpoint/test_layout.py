@@ -29,8 +29,9 @@ DIR_NAMES = {layout.TOKENIZER, layout.DATA_DIR, layout.RNG_DIR, layout.DS_DIR, l
 PATTERNS = [re.compile(r"(^|/)rank_\{\}\.(json|pt)$"), re.compile(r"\.(tmp|old)-step_")]
 """Per-rank files and staging names, in f-strings (each placeholder reads as ``{}``)."""
 
-ALLOWED = {("pretrain/train/tracking.py", "config/config.yaml")}
-"""MLflow artifact names that happen to share a layout file name (not paths in a checkpoint)."""
+ALLOWED = {("pretrain/train/tracking.py", "config/config.yaml"), ("pretrain/data/shards/format.py", "manifest.json")}
+"""Names that happen to share a layout file name but are not paths in a checkpoint: an MLflow artifact, and the
+manifest of a token-shard directory (its own layout, ``pretrain/data/shards/format.py``)."""
 
 
 def _text(node: ast.AST) -> str | None:
