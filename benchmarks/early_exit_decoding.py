@@ -154,9 +154,10 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from eval.generate import _Parser, load_generator
+    from eval.generate import load_generator
+    from pretrain.config.errors import ArgumentParser
 
-    p = _Parser(prog="launch.sh bench --early-exit", description=(__doc__ or "").split("\n\n")[0])
+    p = ArgumentParser(prog="launch.sh bench --early-exit", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--early-exit", action="store_true", help="this benchmark")
     p.add_argument("--model", required=True, help="run id, run or checkpoint dir, or Hugging Face dir")
     p.add_argument("--exits", default="", help="comma-separated exits E (default: every E below the depth)")

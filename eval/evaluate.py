@@ -31,7 +31,6 @@ Decoders also get a short greedy sample from ``transformers``' ``generate``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
+from pretrain.config.errors import ArgumentParser
 from pretrain.data.token_bytes import token_byte_lengths
 from pretrain.model.score import score_batches
 
@@ -382,13 +382,8 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"  logged eval/* metrics to MLflow run {r['mlflow_run_id']} at step {r['step']}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(
+    p = ArgumentParser(
         prog="launch.sh eval",
         description="Held-out loss/perplexity/bits-per-byte (decoders) or MLM "
         "accuracy (encoders) of a checkpoint or a Hugging Face directory.",

@@ -26,7 +26,6 @@ the ``generate`` call (after one untimed warm-up call), on the device and dtype 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -38,6 +37,7 @@ import torch
 
 from eval.speculative import DraftCounter, check_exit
 from pretrain.config import ConfigError, load_config
+from pretrain.config.errors import ArgumentParser
 
 DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 """The fields of the model's generation config that ``transformers`` drafts by (set for one call, then restored)."""
@@ -342,13 +342,8 @@ def print_result(r: dict[str, Any]) -> None:
         )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 via the CLI's ConfigError handling
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(
+    p = ArgumentParser(
         prog="launch.sh generate",
         description="Generate text from a run, a checkpoint or a Hugging Face directory; with --early-exit E also "
         "self-speculatively (the first E layers draft, the full model verifies) with its acceptance rate.",

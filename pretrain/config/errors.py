@@ -4,10 +4,12 @@ or another error's text; :func:`not_a` says what a path that is not a regular fi
 
 from __future__ import annotations
 
+import argparse
 import os
 import reprlib
 import stat
 from pathlib import Path
+from typing import NoReturn
 
 LIMIT = 200
 """The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""
@@ -70,3 +72,11 @@ class ConfigError(ValueError):
 
     def __init__(self, message: object = "") -> None:
         super().__init__(clip(" ".join(str(message).splitlines()), MESSAGE_LIMIT))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser for a command whose bad arguments are a :class:`ConfigError` (one line, exit 2 through
+    the CLI's handling) instead of argparse's usage text and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}")

@@ -23,7 +23,6 @@ config fields and state dict (export -> import -> export is bitwise lossless).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -34,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
+from pretrain.config.errors import ArgumentParser
 from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
 from pretrain.export.families import StateDict, find_family
 from pretrain.export.hf_import import REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
@@ -314,11 +314,6 @@ def export_model(
 # ----------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 via the CLI's ConfigError handling
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def export_checkpoint(
     source: str,
     out: str | Path,
@@ -383,7 +378,7 @@ def export_checkpoint(
 
 
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="launch.sh export", description="Export a checkpoint as a Hugging Face model directory.")
+    p = ArgumentParser(prog="launch.sh export", description="Export a checkpoint as a Hugging Face model directory.")
     p.add_argument("source", help="MLflow run id, run directory (latest checkpoint) or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier export (its files)")
     p.add_argument("--step", type=int, default=None, help="export this committed step instead of the latest")
