@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
 from pretrain.config.errors import not_a
@@ -292,6 +291,8 @@ def verifying_rank(rel: str, world_size: int) -> int:
     optimizer partition) the rank of its number (modulo ``world_size``: another worker count), every shared file
     rank 0. Each file has one verifier, so a resume hashes each byte once."""
     m = _RANK_FILE.search(rel)
+    from pretrain import ds_adapter  # here, not at the top: the driver's checks of a run import no torch
+
     rank = int(m.group(1)) if m else ds_adapter.rank_of_state_file(rel)
     return rank % world_size if rank is not None else 0
 

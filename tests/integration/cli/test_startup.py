@@ -76,12 +76,13 @@ def test_dry_run_checks_prints_the_plan_and_creates_nothing(tmp_path, cache):
 
 def test_the_driver_imports_no_training_stack():
     """Preparing a run and handing it to Ray needs neither DeepSpeed nor transformers in the driver (the
-    workers import them); a cached tokenizer is only copied."""
+    workers import them); a cached tokenizer is only copied. The checks that refuse bad input (config, paths,
+    corpora: ``pretrain.driver.prepare``) import not even torch, so a refusal comes at once."""
     code = (
-        "import sys; import pretrain.driver.prepare, cluster.launch, pretrain.data.tokenizer_cache, "
-        "pretrain.driver.dry_run; "
-        "print(json.dumps(sorted(m for m in ('deepspeed', 'transformers', 'datasets', 'pretrain.train.worker') "
-        "if m in sys.modules)))"
+        "import sys; import pretrain.driver.prepare; before = 'torch' in sys.modules; "
+        "import cluster.launch, pretrain.data.tokenizer_cache, pretrain.driver.dry_run; "
+        "print(json.dumps([before] + sorted(m for m in ('deepspeed', 'transformers', 'datasets', "
+        "'pretrain.train.worker') if m in sys.modules)))"
     )
     proc = subprocess.run(
         [PYTHON, "-c", "import json; " + code],
@@ -92,7 +93,7 @@ def test_the_driver_imports_no_training_stack():
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == []
+    assert json.loads(proc.stdout) == [False]
 
 
 def test_an_eager_model_never_imports_dynamo():
