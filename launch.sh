@@ -294,7 +294,7 @@ case "$cmd" in
     export HF_HUB_OFFLINE=1
     # The project's bytecode, once: with PYTHONDONTWRITEBYTECODE set, every process a test starts (CLI commands,
     # gloo ranks, Ray workers) would otherwise compile each module it imports again.
-    "$VENV/bin/python" -m compileall -q -j 0 pretrain cluster eval benchmarks tests >/dev/null
+    "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
     setup
