@@ -26,9 +26,11 @@ def reference(tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e")
     # with a downstream task (scored on both ranks at validation): the runs that reproduce it have none, so their
     # equal losses also show that task evaluation leaves training untouched
-    proc = cli(work, "train", CONFIG, *E2E, *TASKS)
+    proc = cli(work, "train", CONFIG, *E2E, *TASKS, "stability.plot_at_end=true")
     assert "2 worker(s)" in proc.stdout and "unigram baseline" in proc.stdout
     run_id = run_id_of(proc.stdout)
+    plot = work / "checkpoints" / run_id / "training.png"
+    assert f"training plot: {plot}" in proc.stdout and plot.read_bytes().startswith(b"\x89PNG")
     losses = metric_history(run_id, uri=f"sqlite:///{work / 'mlflow.db'}")
     assert sorted(losses) == list(range(1, 9))
     run_dir = work / "checkpoints" / run_id
