@@ -3,6 +3,10 @@
     ./launch.sh bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2,...] [--prompts 50]
                       [--prompt-tokens 16] [--max-new-tokens 32] [--draft-tokens N] [--draft-confidence P]
                       [--cli-prompts 3] [--data PATH ...] [--device D] [--json]
+    ./launch.sh bench --early-exit [--tokens N] [--seed S] [--study-dir DIR] [decoding options] [key=value ...]
+
+Without ``--model``: the study (:mod:`benchmarks.early_exit_study`), a decoder trained without and with the
+early-exit loss at equal training FLOPs, then this benchmark on the early-exit model.
 
 Prompts: the first ``--prompt-tokens`` tokens of ``--prompts`` held-out sequences (the model's run's validation set,
 read as ``eval`` reads it, or ``--data``), decoded to text; each is encoded again as ``generate`` encodes a prompt.
@@ -153,18 +157,54 @@ def print_table(r: dict[str, Any]) -> None:
         )
 
 
+def _study(a) -> int:
+    """``bench --early-exit`` without ``--model``: the study, its JSON or table on stdout (all else on stderr)."""
+    import contextlib
+    from pathlib import Path
+
+    from benchmarks.early_exit_study import print_table as study_table
+    from benchmarks.early_exit_study import study
+
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad or a.data or a.exits or a.device != "cpu":
+        what = f"{bad[0]!r} is not key=value" if bad else "--data, --exits and --device apply with --model"
+        raise ConfigError(f"bench --early-exit (the study): {what}")
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # the runs' progress is no result
+        r = study(
+            a.overrides,
+            tokens=a.tokens or None,
+            seed=a.seed,
+            prompts=a.prompts,
+            prompt_tokens=a.prompt_tokens,
+            max_new_tokens=a.max_new_tokens,
+            draft_tokens=4 if a.draft_tokens is None else a.draft_tokens,
+            draft_confidence=a.draft_confidence,
+            cli_prompts=a.cli_prompts,
+            root=Path(a.study_dir) if a.study_dir else None,
+        )
+    with contextlib.redirect_stdout(out):
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+        else:
+            study_table(r)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from eval.generate import load_generator
     from pretrain.config.errors import ArgumentParser
 
     p = ArgumentParser(prog="launch.sh bench --early-exit", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--early-exit", action="store_true", help="this benchmark")
-    p.add_argument("--model", required=True, help="run id, run or checkpoint dir, or Hugging Face dir")
+    p.add_argument("--model", default=None, help="run id, run or checkpoint dir, or Hugging Face dir (none: the study)")
     p.add_argument("--exits", default="", help="comma-separated exits E (default: every E below the depth)")
     p.add_argument("--prompts", type=int, default=50, help="held-out prompts (default 50)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
-    p.add_argument("--draft-tokens", type=int, default=None, help="tokens per draft (default: transformers')")
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="tokens per draft (default: transformers'; the study: 4)"
+    )
     p.add_argument(
         "--draft-confidence",
         type=float,
@@ -175,9 +215,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH", help="prompts from these files")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tokens", type=int, default=0, help="the study: baseline training tokens (default 5/param)")
+    p.add_argument("--seed", type=int, default=0, help="the study: train.seed of both runs (default 0)")
+    p.add_argument("--study-dir", default=None, help="the study: where its runs and MLflow store go (.cache/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="the study: config overrides of both runs")
     a = p.parse_args(argv)
     if a.prompts < 1 or a.prompt_tokens < 1 or a.cli_prompts < 0:
         raise ConfigError("bench --early-exit: --prompts and --prompt-tokens must be >= 1, --cli-prompts >= 0")
+    if a.model is None:
+        return _study(a)
+    if a.overrides:
+        raise ConfigError(f"bench --early-exit --model: key=value overrides are for the study only ({a.overrides[0]})")
     try:
         exits = [int(x) for x in a.exits.split(",") if x.strip()]
     except ValueError:

@@ -1,6 +1,7 @@
-"""The studies as users run them, on a tiny budget (no number of theirs asserted): ``bench --growth`` and
-``bench --layer-drop --quality`` print one JSON object last, computed from the curves they report, and leave a
-parent MLflow run whose children are the study's runs, with the curves and the figure as artifacts."""
+"""The studies as users run them, on a tiny budget (no number of theirs asserted): ``bench --growth``,
+``bench --layer-drop --quality`` and ``bench --early-exit`` (without ``--model``) print one JSON object last,
+computed from the curves they report, and leave a parent MLflow run whose children are the study's runs, with the
+curves and the figure as artifacts."""
 
 from __future__ import annotations
 
@@ -87,3 +88,30 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
     assert set(r["goals"].values()) <= {True, False}
     _, runs = _children(r)
     assert len(runs) == 4, "no-drop, PLD, layer dropout and half depth"
+
+
+def test_early_exit_study_on_a_tiny_budget(tmp_path):
+    corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
+    args = ["--early-exit", "--tokens", "2048", "--prompts", "3", "--prompt-tokens", "4", "--max-new-tokens", "5"]
+    r = _bench(tmp_path, *args, "--cli-prompts", "1", "model.num_layers=4", corpus)
+    assert r["model"]["num_layers"] == 4 and r["tokens"]["baseline"] >= 2048 - r["tokens_per_step"]
+    steps, arithmetic = r["steps"], r["early_exit_flops"]
+    # equal FLOPs: the early-exit run trains exit 2 every other step (rotational, exits every:2) and skips blocks
+    assert arithmetic["exits_per_step"] == pytest.approx(0.5, abs=0.5 / steps["early-exit"])
+    assert arithmetic["exit_head_flops_per_token"] == 6 * r["vocab_size"] * r["model"]["hidden_size"]
+    assert steps["early-exit"] < steps["baseline"]
+    assert arithmetic["flops"] == pytest.approx(r["budget_flops"], rel=1.0 / steps["early-exit"])
+    final = r["final_val_loss"]
+    assert r["loss_gap"] == pytest.approx(final["early-exit"] - final["baseline"])
+    assert final["baseline"] == pytest.approx(r["curves_step_share_val_loss"]["baseline"][-1][1])
+    assert list(r["exit_curves_step_share_loss_acceptance"]) == ["2"], "validation scores the trained exits"
+    assert all(0 <= a <= 1 for _, _, a in r["exit_curves_step_share_loss_acceptance"]["2"])
+    d = r["decoding"]
+    assert d["prompts"] == 3 and set(d["exits"]) == {"1", "2", "3"} and d["draft_tokens"] == 4
+    for t in d["exits"].values():  # lossless under greedy decoding, whatever the model learned
+        assert t["identical"] and t["identical_prompts"] == 3 and 0 <= t["acceptance"] <= 1
+    assert d["cli"]["prompts"] == 1 and d["cli"]["identical"] and d["cli"]["same_as_in_process"]
+    assert d["cli"]["early_exit"] == d["best_exit"]
+    assert set(r["goals"].values()) <= {True, False}
+    _, runs = _children(r)
+    assert {run.data.tags["study.variant"] for run in runs} == {"baseline seed 0", "early-exit seed 0"}

@@ -1,0 +1,263 @@
+"""Early-exit training, for what it is used for (``./launch.sh bench --early-exit`` without ``--model``): one decoder
+trained without and with the early-exit loss (LayerSkip: Elhoushi et al. 2024, arXiv:2404.16710) from the same
+config and seed at equal training FLOPs, as MLflow children of one parent run (:mod:`benchmarks.study`), then the
+early-exit model decoded plainly and self-speculatively on held-out prompts (:mod:`benchmarks.early_exit_decoding`).
+
+- ``baseline``: :data:`ARCH` on the studies' corpus (:mod:`benchmarks.corpus`, or the overrides' ``data.sources``)
+  for ``tokens`` tokens (default :data:`TOKENS_PER_PARAM` per parameter), cosine schedule decayed at the end.
+- ``early-exit``: the same plus :data:`RECIPE` (layer dropout rising with depth, exits every 2 blocks through the
+  shared final norm and LM head, rotational curriculum). Equal FLOPs: the baseline's training FLOPs (the product's
+  count, :func:`pretrain.model.flops_per_token`) divided by the early-exit run's FLOPs per step, which are the same
+  model's FLOPs with the blocks layer dropout skips taken out (``layer`` mode: a skipped block executes nothing;
+  :func:`benchmarks.layer_drop_quality.executed_share`) plus 6 * vocabulary * width per token for every exit the
+  step trains (the LM-head matmul, forward and backward; the final norm and the head's forward that activation
+  recomputation repeats in the backward are not counted, as recomputation is not counted for the blocks). So the
+  early-exit run takes fewer steps, fixed before it starts.
+
+Reported: both runs' full-depth final validation loss and their difference (the cost of early-exit training; goal
+<= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), then decoding
+of the early-exit model on ``prompts`` held-out prompts of the corpus's validation split: plain greedy against
+self-speculative at every exit through ``transformers``' ``generate(assistant_early_exit=E)`` (tokens/s, identical
+outputs, acceptance; the best exit is the fastest whose every output is identical; goal >= 1.5x), and the best
+exit through ``./launch.sh generate RUN --early-exit E --json`` on ``cli_prompts`` prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from benchmarks.study import ROOT, Study, corpus_overrides, epochs, vocab_of
+
+ARCH = ["model.num_layers=8", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2"]
+"""The default decoder: 8 blocks x 128 (head size 32), vocabulary 2,048; ``model.*`` overrides change it."""
+
+RECIPE = [
+    "layer_drop.rate=0.1",
+    "layer_drop.by_depth=linear",
+    "layer_drop.mode=layer",
+    "layer_drop.early_exit.layers=every:2",
+    "layer_drop.early_exit.scale=1.0",
+    "layer_drop.early_exit.curriculum=rotational",
+    "layer_drop.early_exit.rotation=2",
+]
+"""The early-exit run's additions (``layer_drop.*`` overrides replace them)."""
+
+TOKENS_PER_PARAM = 5
+"""The default budget in training tokens per parameter of the model."""
+
+GOALS = {"speedup": 1.5, "loss_gap": 0.02}
+
+
+def exit_head_flops(vocab: int, width: int) -> float:
+    """Training FLOPs per token of one exit's LM-head matmul, forward and backward: 6 * vocabulary * width."""
+    return 6.0 * vocab * width
+
+
+def early_exit_steps(cfg, budget: float, per_token: float, tokens_per_step: int, share: float) -> tuple[int, dict]:
+    """Steps of the early-exit run ``cfg`` that spend ``budget`` FLOPs (module docstring), and the arithmetic."""
+    from benchmarks.layer_drop_quality import executed_share
+    from pretrain.model.early_exit import active_exits
+
+    ld, L = cfg.layer_drop, cfg.model.num_layers
+    head = exit_head_flops(cfg.model.vocab_size, cfg.model.hidden_size)
+    n = max(1, math.ceil(budget / (tokens_per_step * per_token)))
+    for _ in range(20):  # a fixed point: the curriculum's exits per step depend on the run's length
+        executed = executed_share(ld.rate, ld.schedule, ld.gamma, ld.by_depth, L, n, share) if ld.rate else 1.0
+        exits = sum(len(active_exits(ld.early_exit, L, t, n)) for t in range(n)) / n
+        step_flops = tokens_per_step * (per_token * executed + exits * head)
+        n_next = max(1, round(budget / step_flops))
+        if n_next == n:
+            break
+        n = n_next
+    return n, {
+        "executed_block_share": executed,
+        "exits_per_step": exits,
+        "exit_head_flops_per_token": head,
+        "flops_per_token": per_token * executed + exits * head,
+        "flops": n * step_flops,
+    }
+
+
+def _history(st: Study, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in st.client.get_metric_history(run_id, key))
+
+
+def study(
+    overrides: list[str],
+    *,
+    tokens: int | None = None,
+    seed: int = 0,
+    prompts: int = 50,
+    prompt_tokens: int = 16,
+    max_new_tokens: int = 32,
+    draft_tokens: int | None = 4,
+    draft_confidence: float | None = None,
+    cli_prompts: int = 3,
+    validations: int = 10,
+    root: Path | None = None,
+) -> dict[str, Any]:
+    """The study (module docstring); returns its dict."""
+    import torch
+
+    from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
+    from benchmarks.growth import _parameters
+    from eval.generate import load_generator
+    from pretrain.config import ConfigError, make_plan
+    from pretrain.model import flops_per_token
+    from pretrain.model.growth_stages import block_flops_share
+
+    vocab = vocab_of(overrides, 2048)
+    corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
+    base = [
+        "cluster.use_ray=false",
+        "cluster.num_workers=1",
+        "checkpoint.every_steps=0",
+        "stability.plot_at_end=false",
+        "train.log_every=50",
+        "train.warmup_steps=20",
+        "data.val_holdout=0.03",
+        "train.val_sequences=128",
+        f"model.vocab_size={vocab}",
+        f"data.tokenizer_vocab_size={vocab}",
+        *ARCH,
+        *corpus,
+        *overrides,
+    ]
+    st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    given = {o.split("=", 1)[0] for o in overrides}
+    recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]
+    cfg, ee_cfg = st.config([]), st.config(recipe)
+    if not ee_cfg.layer_drop.early_exit.enabled:
+        raise ConfigError("bench --early-exit: layer_drop.early_exit.layers is '' (the study needs exits)")
+    L = cfg.model.num_layers
+    plan = make_plan(cfg, 1)
+    tokens_per_step = plan.seq_len * cfg.train.global_batch_size
+    per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
+    params = _parameters(st, {})
+    tokens = tokens or TOKENS_PER_PARAM * params
+    steps = max(1, round(tokens / tokens_per_step))
+    budget = steps * tokens_per_step * per_token
+    share = block_flops_share(cfg.model, plan.seq_len, cfg.moe)
+    ee_steps, arithmetic = early_exit_steps(ee_cfg, budget, per_token, tokens_per_step, share)
+    passes = epochs(steps * tokens_per_step, manifest, "bench --early-exit: the budget")
+    repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
+    seed_o = f"train.seed={seed}"
+    runs = {}
+    for label, n, extra in (("baseline", steps, []), ("early-exit", ee_steps, recipe)):
+        every = f"train.val_every={max(1, n // validations)}"
+        runs[label] = st.train(f"{label} seed {seed}", [seed_o, *repeat, f"train.max_steps={n}", every, *extra])
+    ee_run = runs["early-exit"].run_id
+    exits = {}
+    for e in range(1, L):
+        loss = _history(st, ee_run, f"val/exit_{e}/loss")
+        if loss:
+            acc = dict(_history(st, ee_run, f"val/exit_{e}/acceptance"))
+            exits[str(e)] = [(s / ee_steps, v, acc.get(s)) for s, v in loss]
+    final = {k: r.final_loss for k, r in runs.items()}
+    out: dict[str, Any] = {
+        "model": {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")},
+        "vocab_size": vocab,
+        "parameters": params,
+        "corpus": corpus_name,
+        "corpus_epochs": passes,
+        "seed": seed,
+        "recipe": recipe,
+        "seq_len": plan.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "budget_flops": budget,
+        "steps": {"baseline": steps, "early-exit": ee_steps},
+        "tokens": {"baseline": steps * tokens_per_step, "early-exit": ee_steps * tokens_per_step},
+        "tokens_per_param": steps * tokens_per_step / params,
+        "flops_per_token": {"baseline": per_token, "early-exit": arithmetic["flops_per_token"]},
+        "early_exit_flops": arithmetic,
+        "train_seconds": {k: r.seconds[-1][0] for k, r in runs.items()},
+        "threads": torch.get_num_threads(),
+        "final_val_loss": final,
+        "loss_gap": final["early-exit"] - final["baseline"],
+        "curves_step_share_val_loss": {k: [(s / r.steps, v) for s, v in _steps(st, r.run_id)] for k, r in runs.items()},
+        "exit_curves_step_share_loss_acceptance": exits,
+        "run_ids": {k: r.run_id for k, r in runs.items()},
+    }
+    with st.inside():
+        gen = load_generator(ee_run)
+        texts = heldout_prompts(gen, prompts, prompt_tokens, [])
+        dec = decoding_benchmark(
+            gen,
+            texts,
+            list(range(1, L)),
+            max_new_tokens=max_new_tokens,
+            draft_tokens=draft_tokens,
+            draft_confidence=draft_confidence,
+        )
+        plain = dec.pop("_plain_texts")
+        best = dec["best_exit"]
+        if cli_prompts and best is not None:
+            k = min(cli_prompts, len(texts))
+            opts = {
+                "max_new_tokens": max_new_tokens,
+                "draft_tokens": draft_tokens,
+                "draft_confidence": draft_confidence,
+            }
+            dec["cli"] = through_cli(ee_run, texts[:k], plain[:k], best, **opts)
+    out["decoding"] = dec
+    speed = dec["best_speedup"]
+    out["goals"] = {
+        f"self-speculative >= {GOALS['speedup']}x plain greedy with identical outputs": speed is not None
+        and speed >= GOALS["speedup"],
+        f"full-depth val loss within {GOALS['loss_gap']} nats of the baseline": out["loss_gap"] <= GOALS["loss_gap"],
+    }
+    figure = _plot(out, st.work / "early_exit.png")
+    out["plot"] = str(figure)
+    out["mlflow"] = {"tracking_uri": st.uri, "parent_run": st.parent}
+    st.finish(out, figure)
+    return out
+
+
+def _steps(st: Study, run_id: str) -> list[tuple[int, float]]:
+    return _history(st, run_id, "val/loss")
+
+
+def print_table(r: dict[str, Any]) -> None:
+    from benchmarks.early_exit_decoding import print_table as decoding_table
+
+    m = r["model"]
+    print(f"early-exit study: {m['num_layers']} x {m['hidden_size']}, {r['parameters']:,} parameters, seed {r['seed']}")
+    print(f"  budget {r['budget_flops']:.3g} FLOPs each; {r['tokens_per_param']:.2f} tokens/param (baseline)")
+    for k in ("baseline", "early-exit"):
+        print(
+            f"  {k:<11} steps {r['steps'][k]:>6}  tokens {r['tokens'][k]:>11,}  "
+            f"final val loss {r['final_val_loss'][k]:.4f}  train {r['train_seconds'][k]:.0f} s"
+        )
+    print(f"  full-depth loss gap (early-exit - baseline): {r['loss_gap']:+.4f} nats")
+    for e, curve in r["exit_curves_step_share_loss_acceptance"].items():
+        _, loss, acc = curve[-1]
+        print(f"  exit {e}: final val loss {loss:.4f}, acceptance {acc:.3f}")
+    decoding_table(r["decoding"])
+    for goal, met in r["goals"].items():
+        print(f"  goal {goal}: {'met' if met else 'NOT met'}")
+
+
+def _plot(out: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, curve in out["curves_step_share_val_loss"].items():
+        ax.plot([x for x, _ in curve], [v for _, v in curve], marker=".", label=f"{name} (full depth)")
+    for e, curve in out["exit_curves_step_share_loss_acceptance"].items():
+        ax.plot([x for x, _, _ in curve], [v for _, v, _ in curve], "--", label=f"early-exit, exit {e}")
+        bx.plot([x for x, _, _ in curve], [a for _, _, a in curve], marker=".", label=f"exit {e}")
+    ax.set_xlabel("share of the run's steps (equal FLOPs at the end)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7)
+    bx.set_xlabel("share of the run's steps")
+    bx.set_ylabel("expected acceptance (teacher-forced)")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
