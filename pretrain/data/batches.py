@@ -86,7 +86,7 @@ class _Stream:
         return {
             "documents": self.docs.state_dict(),
             "epoch": self.docs.epoch,
-            "buffer": list(self.packer.buffer),
+            "buffer": self.packer.buffer.tolist(),
             "sequences": self.sequences,
             "bad": self.bad.state_dict(),
         }

@@ -21,17 +21,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
 
 
 class Packer:
-    """Turns a document iterator into fixed-length token sequences (see the module docstring)."""
+    """Turns a document iterator into fixed-length token sequences (see the module docstring).
+
+    The buffer is an int64 NumPy array. A document that is already tokens (a NumPy array: token shards) is copied
+    into it whole, with no Python list of its ids; text documents are batch-encoded by ``encode`` in their place
+    among them, so the sequences are the same whichever way a document arrives."""
 
     def __init__(
         self,
-        docs: Iterator[str],
+        docs: Iterator,
         encode: Callable[[list[str]], list[list[int]]],
         separator: int,
         seq_len: int,
@@ -40,7 +45,8 @@ class Packer:
         if seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         self.docs, self.encode, self.separator, self.seq_len = docs, encode, int(separator), seq_len
-        self.buffer: list[int] = [int(t) for t in buffer] if buffer else []
+        self.buffer: np.ndarray = np.asarray(buffer if buffer else [], dtype=np.int64)
+        self._sep = np.array([self.separator], dtype=np.int64)
         self._chars = 4000.0  # running chars/token estimate (only decides how many documents to pull)
         self._tokens = 1000.0
 
@@ -48,36 +54,38 @@ class Packer:
         """Make the buffer hold at least ``n_tokens``; StopIteration when the documents end first."""
         while len(self.buffer) < n_tokens:
             target = (n_tokens - len(self.buffer)) * self._chars / self._tokens
-            texts: list[str] = []
+            docs: list = []
             chars = 0
             ended = False
             while chars < target:
                 try:
-                    text = next(self.docs)
+                    doc = next(self.docs)
                 except StopIteration:
                     ended = True
                     break
-                texts.append(text)
-                chars += len(text)
-            if texts:
-                sep = self.separator
-                buf = self.buffer
-                n = 0
-                for ids in self.encode(texts):
-                    buf.extend(ids)
-                    buf.append(sep)
-                    n += len(ids) + 1
+                docs.append(doc)
+                chars += len(doc)
+            if docs:
+                texts = [d for d in docs if isinstance(d, str)]
+                encoded = iter(self.encode(texts) if texts else [])
+                pieces = [self.buffer]
+                sep = self._sep
+                for d in docs:
+                    pieces.append(np.asarray(next(encoded), dtype=np.int64) if isinstance(d, str) else d)
+                    pieces.append(sep)
+                before = len(self.buffer)
+                self.buffer = np.concatenate(pieces, dtype=np.int64)
                 self._chars += chars
-                self._tokens += n
+                self._tokens += len(self.buffer) - before
             if ended and len(self.buffer) < n_tokens:
                 raise StopIteration
 
-    def take(self, n_tokens: int) -> list[int]:
+    def take(self, n_tokens: int) -> np.ndarray:
         out = self.buffer[:n_tokens]
-        del self.buffer[:n_tokens]
+        self.buffer = self.buffer[n_tokens:]
         return out
 
-    def next_sequence(self) -> list[int]:
+    def next_sequence(self) -> np.ndarray:
         self.fill(self.seq_len)
         return self.take(self.seq_len)
 
@@ -118,9 +126,11 @@ class Masker:
         return inputs, labels
 
 
-def make_example(ids: list[int], kind: str, masker: Masker | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_example(
+    ids: np.ndarray | list[int], kind: str, masker: Masker | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) of one packed sequence: decoders predict every token (the model shifts)."""
-    t = torch.tensor(ids, dtype=torch.int64)
+    t = torch.tensor(np.asarray(ids, dtype=np.int64))
     if kind == "encoder":
         assert masker is not None  # encoders always pass one
         return masker(t, seed)

@@ -58,3 +58,42 @@ def test_mlm_masking(corpus, tok):
     for step in range(3):
         merged = torch.cat([two[0][step]["labels"], two[1][step]["labels"]])
         assert sorted(map(tuple, merged.tolist())) == sorted(map(tuple, enc[step]["labels"].tolist()))
+
+
+def test_token_documents_pack_like_the_same_text_and_resume_from_the_json_buffer():
+    """A document that is already tokens (a shard's uint16 view) packs exactly as its text would, mixed in any order
+    with text documents, and the buffer's JSON form resumes the same sequences."""
+    import json
+    import random
+
+    import numpy as np
+
+    from pretrain.data.packing import Packer
+
+    rng = random.Random(0)
+    texts = ["".join(chr(97 + rng.randrange(26)) for _ in range(rng.randrange(0, 60))) for _ in range(800)]
+
+    def encode(batch):
+        return [[ord(c) for c in t] for t in batch]
+
+    mixed = [np.array(encode([t])[0], dtype=np.uint16) if i % 3 else t for i, t in enumerate(texts)]
+    want = Packer(iter(texts), encode, 0, 48)
+    got = Packer(iter(mixed), encode, 0, 48)
+    n = 0
+    while True:
+        try:
+            w = want.next_sequence()
+        except StopIteration:
+            w = None
+        try:
+            g = got.next_sequence()
+        except StopIteration:
+            g = None
+        if w is None or g is None:
+            assert w is None and g is None
+            break
+        assert g.dtype == np.int64 and g.tolist() == w.tolist()
+        n += 1
+        if n == 40:  # resume from the serialized buffer
+            got = Packer(got.docs, encode, 0, 48, json.loads(json.dumps(got.buffer.tolist())))
+    assert n > 80
