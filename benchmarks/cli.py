@@ -61,8 +61,8 @@ def bench(argv: list[str]) -> int:
         from benchmarks.corpus import main as build_corpus
 
         return build_corpus(argv)
-    if "--early-exit" in argv:  # self-speculative against plain greedy decoding of one model
-        from benchmarks.early_exit_decoding import main as early_exit_bench
+    if "--early-exit" in argv:  # self-speculative decoding of one model (--model), or the early-exit study
+        from benchmarks.early_exit_study import main as early_exit_bench
 
         return early_exit_bench(argv)
     if "--data" in argv:  # token shards: tokenize throughput (Ray Data, 1 and 2 workers), shard vs text loader

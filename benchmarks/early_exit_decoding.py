@@ -157,42 +157,8 @@ def print_table(r: dict[str, Any]) -> None:
         )
 
 
-def _study(a) -> int:
-    """``bench --early-exit`` without ``--model``: the study, its JSON or table on stdout (all else on stderr)."""
-    import contextlib
-    from pathlib import Path
-
-    from benchmarks.early_exit_study import print_table as study_table
-    from benchmarks.early_exit_study import study
-
-    bad = [o for o in a.overrides if "=" not in o]
-    if bad or a.data or a.exits or a.device != "cpu":
-        what = f"{bad[0]!r} is not key=value" if bad else "--data, --exits and --device apply with --model"
-        raise ConfigError(f"bench --early-exit (the study): {what}")
-    out = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):  # the runs' progress is no result
-        r = study(
-            a.overrides,
-            tokens=a.tokens or None,
-            seed=a.seed,
-            prompts=a.prompts,
-            prompt_tokens=a.prompt_tokens,
-            max_new_tokens=a.max_new_tokens,
-            draft_tokens=4 if a.draft_tokens is None else a.draft_tokens,
-            draft_confidence=a.draft_confidence,
-            cli_prompts=a.cli_prompts,
-            root=Path(a.study_dir) if a.study_dir else None,
-        )
-    with contextlib.redirect_stdout(out):
-        if a.json:
-            print(json.dumps(r, sort_keys=True))
-        else:
-            study_table(r)
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    from eval.generate import load_generator
+def parse_args(argv: list[str]):
+    """``bench --early-exit``'s arguments (the benchmark of one model and the study share them), checked."""
     from pretrain.config.errors import ArgumentParser
 
     p = ArgumentParser(prog="launch.sh bench --early-exit", description=(__doc__ or "").split("\n\n")[0])
@@ -222,8 +188,13 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.prompts < 1 or a.prompt_tokens < 1 or a.cli_prompts < 0:
         raise ConfigError("bench --early-exit: --prompts and --prompt-tokens must be >= 1, --cli-prompts >= 0")
-    if a.model is None:
-        return _study(a)
+    return a
+
+
+def run(a) -> int:
+    """``bench --early-exit --model M``: the benchmark of one model (``a`` from :func:`parse_args`)."""
+    from eval.generate import load_generator
+
     if a.overrides:
         raise ConfigError(f"bench --early-exit --model: key=value overrides are for the study only ({a.overrides[0]})")
     try:

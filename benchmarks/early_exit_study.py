@@ -261,3 +261,46 @@ def _plot(out: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str]) -> int:
+    """``./launch.sh bench --early-exit``: with ``--model``, the decoding benchmark of that model
+    (:mod:`benchmarks.early_exit_decoding`); without, this study."""
+    from benchmarks.early_exit_decoding import parse_args, run
+
+    a = parse_args(argv)
+    return run(a) if a.model is not None else _study(a)
+
+
+def _study(a) -> int:
+    """``bench --early-exit`` without ``--model``: the study, its JSON or table on stdout (all else on stderr)."""
+    import contextlib
+    import json
+    import sys
+
+    from pretrain.config import ConfigError
+
+    bad = [o for o in a.overrides if "=" not in o]
+    if bad or a.data or a.exits or a.device != "cpu":
+        what = f"{bad[0]!r} is not key=value" if bad else "--data, --exits and --device apply with --model"
+        raise ConfigError(f"bench --early-exit (the study): {what}")
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # the runs' progress is no result
+        r = study(
+            a.overrides,
+            tokens=a.tokens or None,
+            seed=a.seed,
+            prompts=a.prompts,
+            prompt_tokens=a.prompt_tokens,
+            max_new_tokens=a.max_new_tokens,
+            draft_tokens=4 if a.draft_tokens is None else a.draft_tokens,
+            draft_confidence=a.draft_confidence,
+            cli_prompts=a.cli_prompts,
+            root=Path(a.study_dir) if a.study_dir else None,
+        )
+    with contextlib.redirect_stdout(out):
+        if a.json:
+            print(json.dumps(r, sort_keys=True))
+        else:
+            print_table(r)
+    return 0
