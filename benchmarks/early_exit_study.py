@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study import ROOT, Study, corpus_overrides, epochs, vocab_of
+from benchmarks.study import ROOT, Study, corpus_overrides, epochs, study_base, vocab_of
 
 ARCH = ["model.num_layers=8", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2"]
 """The default decoder: 8 blocks x 128 (head size 32), vocabulary 2,048; ``model.*`` overrides change it."""
@@ -110,21 +110,7 @@ def study(
 
     vocab = vocab_of(overrides, 2048)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = [
-        "cluster.use_ray=false",
-        "cluster.num_workers=1",
-        "checkpoint.every_steps=0",
-        "stability.plot_at_end=false",
-        "train.log_every=50",
-        "train.warmup_steps=20",
-        "data.val_holdout=0.03",
-        "train.val_sequences=128",
-        f"model.vocab_size={vocab}",
-        f"data.tokenizer_vocab_size={vocab}",
-        *ARCH,
-        *corpus,
-        *overrides,
-    ]
+    base = study_base(vocab, corpus, overrides, *ARCH, val_sequences=128)
     st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root)
     given = {o.split("=", 1)[0] for o in overrides}
     recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]

@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.study import ROOT, Study, corpus_overrides, epochs, first_below, flops_saving, vocab_of
+from benchmarks.study import (
+    ROOT,
+    Study,
+    corpus_overrides,
+    epochs,
+    first_below,
+    flops_saving,
+    study_base,
+    vocab_of,
+)
 
 TARGET = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}
 """The default target decoder (head size 32, so half the width keeps whole heads and key-value groups; 1.05M
@@ -167,21 +176,7 @@ def growth_bench(
     study's dict (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = [
-        "cluster.use_ray=false",
-        "cluster.num_workers=1",
-        "checkpoint.every_steps=0",
-        "stability.plot_at_end=false",
-        "train.log_every=50",
-        "train.warmup_steps=20",
-        "growth.rewarm_steps=20",
-        "data.val_holdout=0.03",
-        "train.val_sequences=64",
-        f"model.vocab_size={vocab}",
-        f"data.tokenizer_vocab_size={vocab}",
-        *corpus,
-        *overrides,
-    ]
+    base = study_base(vocab, corpus, overrides, "growth.rewarm_steps=20")
     target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)

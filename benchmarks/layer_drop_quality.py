@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.corpus import DEFAULT_VOCAB
-from benchmarks.study import ROOT, Study, corpus_overrides, time_to_loss_speedup, vocab_of
+from benchmarks.study import ROOT, Study, corpus_overrides, study_base, time_to_loss_speedup, vocab_of
 
 ARCH = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8", "model.num_kv_heads=4"]
 
@@ -94,21 +94,7 @@ def study(
 
     vocab = vocab_of(overrides, DEFAULT_VOCAB)
     corpus, corpus_name, _ = corpus_overrides(overrides, vocab)
-    base = [
-        "cluster.use_ray=false",
-        "cluster.num_workers=1",
-        "checkpoint.every_steps=0",
-        "stability.plot_at_end=false",
-        "train.log_every=50",
-        "train.warmup_steps=20",
-        "data.val_holdout=0.03",
-        "train.val_sequences=64",
-        f"model.vocab_size={vocab}",
-        f"data.tokenizer_vocab_size={vocab}",
-        *ARCH,
-        *corpus,
-        *overrides,
-    ]
+    base = study_base(vocab, corpus, overrides, *ARCH)
     st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root)
     cfg = st.config([])
     blocks, seq = cfg.model.num_layers, make_plan(cfg, 1).seq_len

@@ -48,6 +48,28 @@ def corpus_overrides(overrides: list[str], vocab_size: int) -> tuple[list[str], 
     return [*corpus_data(manifest), "data.repeat=false"], name, manifest
 
 
+def study_base(vocab: int, corpus: list[str], overrides: list[str], *extra: str, val_sequences: int = 64) -> list[str]:
+    """The overrides a study's runs start from: in process on one worker, no checkpoints and no end-of-run plot,
+    progress every 50 steps, 20 warm-up steps, 3 % of the documents held out and ``val_sequences`` of them scored,
+    the vocabulary ``vocab``; then the study's own ``extra``, the ``corpus`` and the user's ``overrides`` (last, so
+    that they win)."""
+    return [
+        "cluster.use_ray=false",
+        "cluster.num_workers=1",
+        "checkpoint.every_steps=0",
+        "stability.plot_at_end=false",
+        "train.log_every=50",
+        "train.warmup_steps=20",
+        "data.val_holdout=0.03",
+        f"train.val_sequences={val_sequences}",
+        f"model.vocab_size={vocab}",
+        f"data.tokenizer_vocab_size={vocab}",
+        *extra,
+        *corpus,
+        *overrides,
+    ]
+
+
 def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
     """Passes over the corpus's training split that ``tokens`` make (None without a manifest); more than
     :data:`MAX_EPOCHS` stops the study (``ConfigError``: one line naming ``what``, exit 2)."""
