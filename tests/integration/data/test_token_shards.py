@@ -35,6 +35,19 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.glob("*.npy"))}
 
 
+def _settled_count(folder: Path, pattern: str, quiet: float = 2.0, limit: float = 60.0) -> int:
+    """How many files match ``pattern`` in ``folder`` once none has appeared for ``quiet`` seconds: a Ray Data
+    actor of a killed job can still finish the unit it was writing (atomically) until Ray's fate sharing ends it."""
+    count, deadline = -1, time.time() + limit
+    while time.time() < deadline:
+        now = len(list(folder.glob(pattern)))
+        if now == count:
+            return now
+        count = now
+        time.sleep(quiet)
+    raise AssertionError(f"{folder}: files still appearing after {limit} s")
+
+
 def test_tokenize_train_resume_and_refusals(tmp_path):
     work = tmp_path
     sources = _corpus(work)
@@ -60,7 +73,7 @@ def test_tokenize_train_resume_and_refusals(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert not (work / "s2" / "manifest.json").exists()
-    done_before = len(list((work / "s2" / ".work").glob("part-*.json")))
+    done_before = _settled_count(work / "s2" / ".work", "part-*.json")
     rerun = cli(work, *args, timeout=600)
     todo = re.search(r"(\d+) of (\d+) unit\(s\) to do", rerun.stdout)
     assert todo and done_before >= 1 and int(todo[1]) == int(todo[2]) - done_before, rerun.stdout
