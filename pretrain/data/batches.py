@@ -28,6 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from pretrain.config import DataConfig, RunPlan, layout, source_name
@@ -149,8 +150,18 @@ class TrainBatches:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
             self._ahead = self._pool.submit(self._fetch_ahead)
 
+    def _snapshot(self) -> dict:
+        """The state now, copied so that reading on cannot change it: deeply, but for the buffers (fresh lists of
+        ints that nothing changes, and the largest part)."""
+        state = self._state_now()
+        streams = {}
+        for key, st in state["streams"].items():
+            rest = copy.deepcopy({k: v for k, v in st.items() if k != "buffer"})
+            streams[key] = {k: (v if k == "buffer" else rest[k]) for k, v in st.items()}
+        return {**copy.deepcopy({k: v for k, v in state.items() if k != "streams"}), "streams": streams}
+
     def _fetch_ahead(self) -> tuple[dict, dict[str, torch.Tensor] | None, StopIteration | None]:
-        state = copy.deepcopy(self._state_now())  # the resume point of the batches taken so far
+        state = self._snapshot()  # the resume point of the batches taken so far
         try:
             return state, self._fetch(), None
         except StopIteration as e:
@@ -171,6 +182,13 @@ class TrainBatches:
                 ended = True  # keep filling the others, so every stream reads (and reports) to its end
         if ended:
             raise StopIteration
+        if self.kind == "decoder":  # no masking: every stream's n sequences are its next n * T tokens
+            taken = []
+            for s in self.owned:
+                taken.append(self._streams[s].packer.take(n * T))
+                self._streams[s].sequences += n
+            x = torch.from_numpy(np.concatenate(taken).reshape(-1, T))
+            return {"input_ids": x, "labels": x.clone()}
         inputs, labels = [], []
         for s in self.owned:
             stream = self._streams[s]
@@ -364,18 +382,21 @@ def source_validation_batches(
 # ----------------------------------------------------------------------------------------------
 
 
-def data_throughput(cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seconds: float = 3.0) -> float:
+def data_throughput(
+    cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, seconds: float = 3.0, global_batch: int | None = None
+) -> float:
     """Tokens/s of raw text -> packed (and masked) batches: one process, one thread, all streams.
 
     Measures ``TrainBatches`` on one worker (so every virtual stream's reading is included)
-    with ``torch`` limited to one thread and tokenizer parallelism off, after one warm-up step.
+    with ``torch`` limited to one thread and tokenizer parallelism off, after one warm-up step. A step is
+    ``global_batch`` sequences (default: about 2,048 tokens' worth, at least one sequence per stream).
     """
     threads = torch.get_num_threads()
     env = os.environ.get("TOKENIZERS_PARALLELISM")
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        G = cfg.num_streams * max(1, 2048 // (cfg.num_streams * seq_len))
+        G = global_batch or cfg.num_streams * max(1, 2048 // (cfg.num_streams * seq_len))
         plan = layout(world_size=1, global_batch=G, micro_cap=G, num_streams=cfg.num_streams, seq_len=seq_len)
         batches = TrainBatches(cfg, kind=kind, tokenizer=tokenizer, plan=plan, rank=0, seed=0)
         batches.next_step()

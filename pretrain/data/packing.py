@@ -26,6 +26,10 @@ import torch
 
 IGNORE_INDEX = -100
 
+BULK_TOKENS = 4096
+"""The fewest tokens a packer reads at once from documents that hand over many at a time (``docs.take_tokens``):
+reading ahead amortizes the per-read cost; what is read ahead waits in the buffer (part of the state)."""
+
 
 class Packer:
     """Turns a document iterator into fixed-length token sequences (see the module docstring).
@@ -51,7 +55,16 @@ class Packer:
         self._tokens = 1000.0
 
     def fill(self, n_tokens: int) -> None:
-        """Make the buffer hold at least ``n_tokens``; StopIteration when the documents end first."""
+        """Make the buffer hold at least ``n_tokens``; StopIteration when the documents end first. Documents that
+        can hand over many documents' tokens at once (``docs.take_tokens``, token shards) are read that way."""
+        bulk = getattr(self.docs, "take_tokens", None)
+        while bulk is not None and len(self.buffer) < n_tokens:
+            got = bulk(max(n_tokens - len(self.buffer), BULK_TOKENS), self.separator)
+            if got is None:
+                break  # these documents come one by one
+            self.buffer = np.concatenate([self.buffer, got])
+            if len(self.buffer) < n_tokens:
+                raise StopIteration
         while len(self.buffer) < n_tokens:
             target = (n_tokens - len(self.buffer)) * self._chars / self._tokens
             docs: list = []

@@ -157,6 +157,46 @@ class DocumentStream:
     def __iter__(self):
         return self
 
+    def take_tokens(self, n_tokens: int, separator: int) -> np.ndarray | None:
+        """The next documents, each followed by ``separator``, as one int64 array of at least ``n_tokens`` tokens
+        (fewer when the data ends first; then the next call raises StopIteration): the packer's bulk path, where the
+        sources are a single token-shard directory (:meth:`ShardReader.take_tokens`). None for any other sources:
+        the caller reads document by document. The stream's state afterwards is the one those documents taken one
+        by one leave."""
+        if len(self.sources) != 1 or self.sources[0].format != "shards":
+            return None
+        if self.finished:
+            raise StopIteration
+        holdout, want_val = self.val_holdout, self.role == "val"
+        S, s = self.num_streams, self.stream
+        pieces: list[np.ndarray] = []
+        while n_tokens > 0:
+            reader = self.mixture.readers[0]
+            got, passed, ended = reader.take_tokens(holdout, want_val, (s - self.doc_index) % S, S, n_tokens, separator)
+            self.doc_index += passed
+            pieces.append(got)
+            n_tokens -= len(got)
+            if not ended:
+                break
+            if not self.repeat:
+                self.finished = True
+                break
+            self._restart()
+        return np.concatenate(pieces)
+
+    def _restart(self) -> None:
+        """A pass ended and ``repeat`` is set: the next epoch, from the start (refused when this stream got no
+        document in the whole pass)."""
+        if self.doc_index <= self.stream:
+            what = "validation" if self.role == "val" else "training"
+            raise ValueError(
+                f"virtual stream {self.stream} of {self.num_streams} got no {what} documents in a whole pass over the "
+                f"data ({self.doc_index} documents): too little data for data.num_streams"
+            )
+        self.epoch += 1
+        self.doc_index = 0
+        self.mixture = Mixture(self.sources, self.seed)
+
     def __next__(self):
         """The next document: its text, or the tokens (a NumPy array) of a token-shard document."""
         if self.finished:
@@ -177,15 +217,7 @@ class DocumentStream:
                 if not self.repeat:
                     self.finished = True
                     raise
-                if self.doc_index <= s:
-                    what = "validation" if want_val else "training"
-                    raise ValueError(
-                        f"virtual stream {s} of {S} got no {what} documents in a whole pass over the data "
-                        f"({self.doc_index} documents): too little data for data.num_streams"
-                    ) from None
-                self.epoch += 1
-                self.doc_index = 0
-                self.mixture = Mixture(self.sources, self.seed)
+                self._restart()
                 continue
             if row["bad"] is not None:
                 if self.doc_index % S == s or self.bad.policy == "fail":

@@ -6,6 +6,7 @@ curves and the figure as artifacts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -44,7 +45,12 @@ def _children(result: dict) -> tuple[MlflowClient, list]:
 
 
 def test_growth_study_on_a_tiny_budget(tmp_path):
-    corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
+    """On token shards (``./launch.sh tokenize``, a Ray Data job): the studies and in-job growth read them as they
+    read text."""
+    text = str(WIKITEXT if WIKITEXT.is_file() else "demo")
+    shards = tmp_path / "shards"
+    cli(tmp_path, "tokenize", text, "--out", str(shards), "--vocab-size", "512", "--workers", "1", timeout=600)
+    corpus = f"data.sources=[{{path: {shards}}}]"
     r = _bench(tmp_path, "--growth", "--tokens", "3000", "--recipes", "stack2@10%", "--seeds", "0", corpus)
     assert r["seeds"] == [0] and r["target"]["num_layers"] == 2 and 0 < r["block_flops_share"] < 1
     assert r["budget_tokens"] == 3000 and r["best_recipe"] == "stack2@10%" and r["corpus_epochs_max"] is None
@@ -74,6 +80,8 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     assert len(runs) == 3, "scratch, the recipe and its small model alone"
     for run in runs:
         assert [a.path for a in client.list_artifacts(run.info.run_id, "study")] == ["study/curves.json"]
+        config = Path(client.download_artifacts(run.info.run_id, "config/config.yaml", str(tmp_path)))
+        assert str(shards) in config.read_text(), "trained from the shards"
 
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):

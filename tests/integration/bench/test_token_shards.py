@@ -13,7 +13,13 @@ def test_bench_data_tiny_json(tmp_path):
     result = json.loads(proc.stdout)
     assert result["outputs_identical"] is True  # 1 and 2 workers wrote the same bytes
     assert result["tokens"] > 100_000
-    for key in ("tokenize_1_worker_tokens_per_s", "tokenize_2_workers_tokens_per_s", "loader_text_tokens_per_s"):
+    for key in ("tokenize_1_worker_tokens_per_s", "tokenize_2_workers_tokens_per_s"):
         assert result[key] > 0, key
-    assert result["loader_shards_tokens_per_s"] > result["loader_text_tokens_per_s"]
-    assert set(result["goals"]) == {"tokenize_scaling>=1.7", "loader_ratio>=50"}
+    assert set(result["loader"]) == {"small", "gpt-125m"}
+    for layout in result["loader"].values():
+        assert layout["shards_tokens_per_s"] > layout["text_tokens_per_s"] > 0
+    assert set(result["goals"]) == {
+        "tokenize_scaling>=1.7",
+        "loader_ratio[small]>=50",
+        "loader_ratio[gpt-125m]>=50",
+    }

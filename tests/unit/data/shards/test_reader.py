@@ -11,7 +11,7 @@ from pretrain.data import merge_states, validation_sequences
 from pretrain.data.shards.reader import INDEX_BLOCK, ShardReader, ShardSet, tokens_of
 from pretrain.data.sources import SourceReader, resolve_source
 from pretrain.data.tokenizer import make_encoder
-from tests.unit.data.common import batches, data_cfg, make_docs, rows, steps, write_jsonl
+from tests.unit.data.common import T, batches, data_cfg, make_docs, rows, steps, write_jsonl
 from tests.unit.data.shards.common import build_shards
 
 
@@ -80,3 +80,29 @@ def test_a_weighted_mixture_of_shard_directories_is_the_mixture_of_their_texts(c
 
     from_text = [rows(x) for x in steps(batches(mix(corpus, other), tok), 6)]
     assert [rows(x) for x in steps(batches(mix(shards, tmp_path / "other"), tok), 6)] == from_text
+
+
+@pytest.mark.parametrize("shard_tokens,block", [(1000, INDEX_BLOCK), (1 << 20, INDEX_BLOCK), (1 << 20, 7)])
+def test_the_bulk_path_gives_the_text_batches_over_epochs_and_resumes_exactly(
+    corpus, tok, tok_dir, tmp_path, shard_tokens, block, monkeypatch
+):
+    """A single shard source is packed in bulk (``ShardReader.take_tokens``: one gather per window of the index, one
+    range at a time where the window crosses a shard): past the end of an epoch, with the holdout, the batches of
+    the text; its state resumes exactly and elastically (2 workers -> 1)."""
+    monkeypatch.setattr("pretrain.data.shards.reader.INDEX_BLOCK", block)
+    manifest = build_shards(tmp_path / "shards", [corpus], tok, tok_dir, shard_tokens=shard_tokens)
+    text_cfg = data_cfg(corpus, val_holdout=0.1, repeat=True)
+    shard_cfg = data_cfg(tmp_path / "shards", val_holdout=0.1, repeat=True)
+    G = 64
+    n = 2 + int(1.2 * manifest.tokens / (G * T))
+    want = [rows(x) for x in steps(batches(text_cfg, tok, G=G), n)]
+    whole = batches(shard_cfg, tok, G=G)
+    assert [rows(x) for x in steps(whole, n)] == want
+    assert all(stream.docs.epoch == 1 for stream in whole._streams.values())  # every stream went past its pass
+    two = [batches(shard_cfg, tok, rank=r, world=2, G=G) for r in range(2)]
+    k = n // 2
+    for tb in two:
+        steps(tb, k)
+    one = batches(shard_cfg, tok, G=G)
+    one.load_state_dict(merge_states([tb.state_dict() for tb in two]))
+    assert [rows(x) for x in steps(one, n - k)] == want[k:]
