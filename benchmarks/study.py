@@ -50,14 +50,16 @@ def corpus_overrides(overrides: list[str], vocab_size: int) -> tuple[list[str], 
 
 def study_base(vocab: int, corpus: list[str], overrides: list[str], *extra: str, val_sequences: int = 64) -> list[str]:
     """The overrides a study's runs start from: in process on one worker, no checkpoints and no end-of-run plot,
-    progress every 50 steps, 20 warm-up steps, 3 % of the documents held out and ``val_sequences`` of them scored,
-    the vocabulary ``vocab``; then the study's own ``extra``, the ``corpus`` and the user's ``overrides`` (last, so
-    that they win)."""
+    the stability monitor logging its events but acting on none (``stability.policy=log``: every compared run takes
+    every step it is given, so equal FLOPs are equal training), progress every 50 steps, 20 warm-up steps, 3 % of
+    the documents held out and ``val_sequences`` of them scored, the vocabulary ``vocab``; then the study's own
+    ``extra``, the ``corpus`` and the user's ``overrides`` (last, so that they win)."""
     return [
         "cluster.use_ray=false",
         "cluster.num_workers=1",
         "checkpoint.every_steps=0",
         "stability.plot_at_end=false",
+        "stability.policy=log",
         "train.log_every=50",
         "train.warmup_steps=20",
         "data.val_holdout=0.03",
