@@ -286,10 +286,11 @@ def _parameters(study: Study, arch: dict) -> int:
     """Parameters of the decoder ``arch`` under the study's config (tied embeddings once)."""
     import torch
 
-    from pretrain.model.transformer import Transformer, _SkipInitOnMeta, num_parameters
+    from pretrain.model.counting import num_parameters
+    from pretrain.model.transformer import SkipInitOnMeta, Transformer
 
     cfg = study.config(_model(arch))
-    with torch.device("meta"), _SkipInitOnMeta():
+    with torch.device("meta"), SkipInitOnMeta():
         return num_parameters(Transformer(cfg.model, cfg.moe))
 
 

@@ -28,7 +28,7 @@ _EXPORTS = {
     "Masker": "packing",
     "Packer": "packing",
     "mask_seed": "packing",
-    "BadRecordError": "sources",
+    "BadRecordError": "bad_records",
     "resolve_sources": "sources",
     "SPECIAL_TOKENS": "tokenizer",
     "load_or_train_tokenizer": "tokenizer",
@@ -39,6 +39,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from pretrain.data.bad_records import BadRecordError
     from pretrain.data.baseline import unigram_baseline_loss
     from pretrain.data.batches import (
         TrainBatches,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     )
     from pretrain.data.demo_corpus import build_demo_corpus
     from pretrain.data.packing import IGNORE_INDEX, Masker, Packer, mask_seed
-    from pretrain.data.sources import BadRecordError, resolve_sources
+    from pretrain.data.sources import resolve_sources
     from pretrain.data.token_bytes import token_byte_lengths
     from pretrain.data.tokenizer import SPECIAL_TOKENS, load_or_train_tokenizer, separator_id, training_documents
 

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from pretrain.config import DataConfig
+from pretrain.data.bad_records import BadRecords
 from pretrain.data.batches import train_holdout, validation_sequences
-from pretrain.data.sources import BadRecords, training_sources
+from pretrain.data.sources import training_sources
 from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id
 

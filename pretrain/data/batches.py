@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from pretrain.config import DataConfig, RunPlan, layout, source_name
+from pretrain.data.bad_records import BadRecords, summarize_bad_records
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
-from pretrain.data.sources import BadRecords, summarize_bad_records, training_sources, validation_sources
+from pretrain.data.sources import training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id
 

@@ -43,15 +43,8 @@ from dataclasses import dataclass
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
-from pretrain.data.sources import (
-    REASONS,
-    BadRecordError,
-    BadRecords,
-    ResolvedSource,
-    cut_pieces,
-    parse_line,
-    resolve_source,
-)
+from pretrain.data.bad_records import REASONS, BadRecordError, BadRecords
+from pretrain.data.sources import ResolvedSource, cut_pieces, parse_line, resolve_source
 from pretrain.data.stream import Mixture, is_holdout
 
 PREFIX_BYTES = 1 << 20

@@ -1,4 +1,5 @@
-"""Data sources: resolving a :class:`SourceConfig` to files, reading records tolerantly, bad records.
+"""Data sources: resolving a :class:`SourceConfig` to files, reading records tolerantly (bad records as data:
+:mod:`pretrain.data.bad_records`).
 
 Every source is read through real ``datasets`` streaming datasets:
 
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip, not_a, quote
+from pretrain.data.bad_records import bad_record, check_text
 from pretrain.data.demo_corpus import build_demo_corpus
 from pretrain.data.shards.format import MANIFEST as SHARD_MANIFEST
 
@@ -48,95 +50,8 @@ if TYPE_CHECKING:
     import datasets
 
 
-class BadRecordError(ConfigError):
-    """A malformed record under ``bad_records: fail``; ``str(e)`` is one line ``path:line: reason``. A user
-    error in the data: the CLI refuses it like a config error (one line, exit 2), also from a worker."""
-
-
-REASONS = {
-    "invalid_json": "invalid JSON",
-    "missing_field": "missing text field",
-    "not_string": "text field is not a string",
-    "bad_utf8": "undecodable UTF-8 bytes",
-    "empty": "empty text",
-    "bad_unicode": "text is not valid Unicode",
-}
-
 _EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
-_MAX_EXAMPLES = 20
-
-
-# ----------------------------------------------------------------------------------------------
-# Bad-record bookkeeping
-# ----------------------------------------------------------------------------------------------
-
-
-class BadRecords:
-    """Counts bad records per reason and keeps the first examples; ``fail`` raises instead."""
-
-    def __init__(self, policy: str = "skip"):
-        if policy not in ("skip", "fail"):
-            raise ValueError(f"data.bad_records: expected skip or fail, got {policy!r}")
-        self.policy = policy
-        self.by_reason: dict[str, int] = {}
-        self.by_source: dict[str, int] = {}
-        self.examples: list[list] = []  # [file, line, message]
-        self._seen: set[tuple] = set()
-
-    def add(self, row: dict) -> None:
-        msg = " ".join(str(row["msg"]).split())
-        if self.policy == "fail":
-            raise BadRecordError(f"{clip(row['file'])}:{row['line']}: {clip(msg)}")
-        self.by_reason[row["bad"]] = self.by_reason.get(row["bad"], 0) + 1
-        source = str(row.get("source", ""))
-        self.by_source[source] = self.by_source.get(source, 0) + 1
-        key = (row["file"], row["line"], msg)
-        if len(self.examples) < _MAX_EXAMPLES and key not in self._seen:
-            self._seen.add(key)
-            self.examples.append(list(key))
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_reason.values())
-
-    def state_dict(self) -> dict:
-        return {
-            "by_reason": dict(self.by_reason),
-            "by_source": dict(self.by_source),
-            "examples": [list(e) for e in self.examples],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.by_reason = {str(k): int(v) for k, v in state.get("by_reason", {}).items()}
-        self.by_source = {str(k): int(v) for k, v in state.get("by_source", {}).items()}
-        self.examples = [list(e) for e in state.get("examples", [])]
-        self._seen = {tuple(e) for e in self.examples}
-
-
-def summarize_bad_records(parts: list[BadRecords]) -> dict:
-    """Merge counters into ``{"total", "by_reason", "by_source", "examples": ["file:line: reason"]}``."""
-    by_reason: dict[str, int] = {}
-    by_source: dict[str, int] = {}
-    examples: list[tuple] = []
-    for part in parts:
-        for k, v in part.by_reason.items():
-            by_reason[k] = by_reason.get(k, 0) + v
-        for k, v in part.by_source.items():
-            by_source[k] = by_source.get(k, 0) + v
-        examples.extend(tuple(e) for e in part.examples)
-
-    def order(e: tuple) -> tuple:
-        line = e[1]
-        return (str(e[0]), 0, line, "") if isinstance(line, int) else (str(e[0]), 1, 0, str(line))
-
-    unique = sorted(set(examples), key=order)[:_MAX_EXAMPLES]
-    return {
-        "total": sum(by_reason.values()),
-        "by_reason": dict(sorted(by_reason.items())),
-        "by_source": dict(sorted(by_source.items())),
-        "examples": [f"{f}:{line}: {msg}" for f, line, msg in unique],
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,49 +59,28 @@ def summarize_bad_records(parts: list[BadRecords]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _bad(reason: str, file: str, line: Any, detail: str = "") -> dict:
-    msg = REASONS[reason] + (f" ({detail})" if detail else "")
-    return {"text": None, "bad": reason, "msg": msg, "file": file, "line": line}
-
-
-def check_text(value: Any, has_field: bool, field_name: str, file: str, line: Any) -> dict:
-    """Validate an extracted text field value, returning a good or a bad record."""
-    if not has_field:
-        return _bad("missing_field", file, line, quote(field_name))
-    if not isinstance(value, str):
-        return _bad("not_string", file, line, type(value).__name__)
-    if not value.strip():
-        return _bad("empty", file, line)
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:  # a JSON "\ud800" escape: no tokenizer or hash can take it
-            return _bad("bad_unicode", file, line, f"lone surrogate U+{ord(value[e.start]):04X}")
-    return {"text": value, "bad": None, "msg": "", "file": file, "line": line}
-
-
 def parse_line(raw: bytes, lineno: int, fmt: str, text_field: str, file: str) -> dict | None:
     """One line of a txt (``fmt`` text) or jsonl file as a record; None for a blank txt line (no record)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return _bad("bad_utf8", file, lineno, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
+        return bad_record("bad_utf8", file, lineno, f"byte 0x{raw[e.start]:02x} at column {e.start + 1}")
     if lineno == 1 and line.startswith("\ufeff"):
         line = line[1:]
     line = line.rstrip("\r\n")
     if fmt == "text":
         return {"text": line, "bad": None, "msg": "", "file": file, "line": lineno} if line.strip() else None
     if not line.strip():
-        return _bad("empty", file, lineno, "blank line")
+        return bad_record("empty", file, lineno, "blank line")
     try:
         obj = json.loads(line)
     except ValueError as e:
-        return _bad("invalid_json", file, lineno, clip(getattr(e, "msg", e)))
+        return bad_record("invalid_json", file, lineno, clip(getattr(e, "msg", e)))
     except RecursionError:
-        return _bad("invalid_json", file, lineno, "nested too deeply")
+        return bad_record("invalid_json", file, lineno, "nested too deeply")
     if isinstance(obj, dict):
         return check_text(obj.get(text_field), text_field in obj, text_field, file, lineno)
-    return _bad("missing_field", file, lineno, f"{quote(text_field)}; record is a {type(obj).__name__}")
+    return bad_record("missing_field", file, lineno, f"{quote(text_field)}; record is a {type(obj).__name__}")
 
 
 def cut_pieces(text: str, size: int) -> Iterator[str]:

@@ -33,7 +33,8 @@ from typing import Literal
 
 import numpy as np
 
-from pretrain.data.sources import BadRecords, ResolvedSource, open_reader
+from pretrain.data.bad_records import BadRecords
+from pretrain.data.sources import ResolvedSource, open_reader
 
 _BLOCK = 1024
 

@@ -142,7 +142,8 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
 
 def heldout_documents(cfg: DataConfig, seed: int):
     """The held-out documents validation packs: ``data.val_sources``, else the ``val_holdout`` share."""
-    from pretrain.data.sources import BadRecords, training_sources, validation_sources
+    from pretrain.data.bad_records import BadRecords
+    from pretrain.data.sources import training_sources, validation_sources
     from pretrain.data.stream import DocumentStream
 
     if cfg.val_sources:

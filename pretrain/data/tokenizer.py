@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pretrain.config import DataConfig
-from pretrain.data.sources import BadRecords, training_sources
+from pretrain.data.bad_records import BadRecords
+from pretrain.data.sources import training_sources
 from pretrain.data.stream import DocumentStream
 
 EOS, PAD, MASK, UNK = "<|endoftext|>", "<|pad|>", "<|mask|>", "<|unk|>"

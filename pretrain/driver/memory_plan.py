@@ -58,9 +58,9 @@ def count_parameters(cfg: RunConfig) -> ParamCounts:
     import torch
 
     from pretrain.model import build_model
+    from pretrain.model.counting import active_parameters, num_parameters
     from pretrain.model.layers import Attention, FeedForward
     from pretrain.model.moe import moe_layers
-    from pretrain.model.transformer import active_parameters, num_parameters
 
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed, cfg.moe)

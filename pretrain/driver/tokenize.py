@@ -172,7 +172,7 @@ def _run_units(pending: list[Unit], sources, tok_dir: Path, work: Path, vocab: i
 def _bad_records(units: list[Unit], summaries: list[dict], sources, policy: str) -> dict[str, Any]:
     """The bad records of all units with lines counted from their file's start, summarized as training does; under
     ``fail`` the first (in document order) raises :class:`BadRecordError`."""
-    from pretrain.data.sources import BadRecords, summarize_bad_records
+    from pretrain.data.bad_records import BadRecords, summarize_bad_records
 
     counter, offsets = BadRecords(policy), dict[str, int]()
     for unit, summary in zip(units, summaries, strict=True):

@@ -8,14 +8,15 @@ import dataclasses
 import torch
 
 from pretrain.config import GrowthStep, ModelConfig, MoEConfig
+from pretrain.model.counting import active_parameters, flops_per_token
 from pretrain.model.growth import apply_growth
-from pretrain.model.transformer import Transformer, _SkipInitOnMeta, active_parameters, flops_per_token
+from pretrain.model.transformer import SkipInitOnMeta, Transformer
 
 
 def grown_architecture(model: ModelConfig, moe: MoEConfig, entry: GrowthStep) -> tuple[ModelConfig, MoEConfig]:
     """The model and MoE configs that ``entry`` grows ``model`` into: the growth operators applied to a weightless
     (meta) model, so any size costs nothing."""
-    with torch.device("meta"), _SkipInitOnMeta():
+    with torch.device("meta"), SkipInitOnMeta():
         state = Transformer(model, moe).state_dict()
     grown = apply_growth(model, moe, state, dataclasses.replace(entry, noise=0.0), seed=0)
     return grown.model, grown.moe
@@ -34,7 +35,7 @@ def stage_architectures(
 def block_flops_share(model: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
     """The share of :func:`flops_per_token` in the Transformer blocks (their weights and attention): what depth
     and width growth shrink. The rest is the LM head (and an encoder's head transform)."""
-    with torch.device("meta"), _SkipInitOnMeta():
+    with torch.device("meta"), SkipInitOnMeta():
         net = Transformer(model, moe)
     total = flops_per_token(model, seq_len, moe)
     outside = sum(p.numel() for name, p in net.named_parameters() if not name.startswith("blocks."))

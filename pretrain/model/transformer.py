@@ -1,4 +1,5 @@
-"""The configurable Transformer (causal decoder or masked-LM encoder) and model utilities.
+"""The configurable Transformer (causal decoder or masked-LM encoder), and building it (parameter and FLOP counts:
+:mod:`pretrain.model.counting`).
 
 State-dict keys: ``embed_tokens``, ``embed_positions`` (learned), ``embedding_norm``,
 ``blocks.{i}.{norm1,attn.{q,k,v,o}_proj,attn.{q,k}_norm,norm2,ffn.{gate,up,down}_proj,norm_out1,norm_out2}``,
@@ -21,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.early_exit import exit_output, with_exits
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache, skips
-from pretrain.model.moe import MoEFeedForward, moe_layers
+from pretrain.model.moe import MoEFeedForward
 from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy
 
@@ -375,7 +376,7 @@ def build_model(
     local generator, or assigned ``weights``.
     """
     device = torch.get_default_device()
-    with torch.device("meta"), _SkipInitOnMeta():
+    with torch.device("meta"), SkipInitOnMeta():
         model = Transformer(cfg, moe)
     if weights is not None:
         if cfg.tie_embeddings and "lm_head.weight" not in weights and "embed_tokens.weight" in weights:
@@ -395,41 +396,7 @@ def build_model(
     return model
 
 
-def _embedding_weights(model: nn.Module) -> set[int]:
-    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: Linear weights (2-D+) decay; biases, norms and embeddings (incl. tied) do not."""
-    embeddings = _embedding_weights(model)
-    decay_ids: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and m.weight.dim() >= 2 and id(m.weight) not in embeddings:
-            decay_ids.add(id(m.weight))
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for p in model.parameters():  # deduplicated: a tied weight appears once
-        (decay if id(p) in decay_ids else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    """Unique parameter count (tied weights once); optionally without token/position embeddings."""
-    skip = _embedding_weights(model) if exclude_embeddings else set()
-    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
-
-
-def active_parameters(model: Transformer, exclude_embeddings: bool = False) -> int:
-    """Parameters a token passes through: MoE layers count their router and top_k experts only."""
-    n = num_parameters(model, exclude_embeddings)
-    for _, layer in moe_layers(model):
-        per_expert = sum(p.numel() for p in layer.experts[0].parameters())
-        n -= per_expert * (layer.num_local_experts - layer.top_k)
-    return n
-
-
-class _SkipInitOnMeta(TorchFunctionMode):
+class SkipInitOnMeta(TorchFunctionMode):
     """Skips ``torch.nn.init``'s in-place inits of meta tensors (a module's default init while it is built on the
     meta device): they would draw nothing anyway, but their meta kernels are torch's Python references, whose
     wrappers import ``torch._dynamo`` (a slow import, paid at every worker's start) for an eager model that never
@@ -442,17 +409,3 @@ class _SkipInitOnMeta(TorchFunctionMode):
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return tensor
         return func(*args, **kwargs)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
-    """Training FLOPs per token, 6N + 12*L*D*T (PaLM appendix B).
-
-    N counts the active non-embedding parameters (top-k experts per MoE layer) plus the LM-head matmul (V*D)
-    even when it is tied to the embedding, because the matmul is computed either way.
-    """
-    with torch.device("meta"), _SkipInitOnMeta():
-        model = Transformer(cfg, moe)
-    n = active_parameters(model, exclude_embeddings=True)
-    if cfg.tie_embeddings:
-        n += cfg.vocab_size * cfg.hidden_size
-    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

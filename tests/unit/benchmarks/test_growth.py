@@ -79,12 +79,13 @@ def test_the_default_and_gpu_sizes_are_the_documented_ones():
 
     from benchmarks.growth import GPU_PRESET, VOCAB, _model
     from pretrain.config import load_config
-    from pretrain.model.transformer import Transformer, _SkipInitOnMeta, num_parameters
+    from pretrain.model.counting import num_parameters
+    from pretrain.model.transformer import SkipInitOnMeta, Transformer
     from tests.harness import ROOT
 
     def params(overrides):
         cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", [f"model.vocab_size={VOCAB}", *overrides])
-        with torch.device("meta"), _SkipInitOnMeta():
+        with torch.device("meta"), SkipInitOnMeta():
             return num_parameters(Transformer(cfg.model, cfg.moe)), cfg
 
     cpu, _ = params(_model(TARGET))

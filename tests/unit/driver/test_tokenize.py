@@ -8,8 +8,9 @@ import json
 import pytest
 
 from pretrain.config import SourceConfig
+from pretrain.data.bad_records import BadRecordError
 from pretrain.data.shards.units import plan_units, tokenize_unit
-from pretrain.data.sources import BadRecordError, resolve_source
+from pretrain.data.sources import resolve_source
 from pretrain.driver.tokenize import _bad_records, _same_job
 from tests.unit.data.common import make_docs
 

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pretrain.config import ConfigError, DataConfig, RunConfig, SourceConfig, from_dict, load_config, to_dict
+from pretrain.data.bad_records import BadRecordError
 from pretrain.data.sanity import check_corpus
-from pretrain.data.sources import BadRecordError, cut_pieces, read_lines
+from pretrain.data.sources import cut_pieces, read_lines
 
 FUZZ = settings(
     max_examples=200,

@@ -1,4 +1,4 @@
-"""Tests of pretrain.model: option grid, masking semantics, init, HF Llama parity, utilities."""
+"""Tests of pretrain.model.transformer: option grid, masking semantics, init, HF Llama parity, the FFN size."""
 
 from __future__ import annotations
 
@@ -11,15 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
-from pretrain.model import (
-    ModelOutput,
-    Transformer,
-    build_model,
-    flops_per_token,
-    num_parameters,
-    param_groups,
-    resolved_ffn_size,
-)
+from pretrain.model import ModelOutput, Transformer, build_model, resolved_ffn_size
 
 V, D, L, T, B = 97, 32, 2, 16, 2
 
@@ -437,50 +429,6 @@ def test_selective_recomputation_keeps_matmuls_and_recomputes_the_rest():
 # ----------------------------------------------------------------------------------------------
 # Utilities
 # ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tied,bias,position", [(True, False, "rotary"), (False, True, "learned")])
-def test_param_groups(tied, bias, position):
-    cfg = tiny(
-        tie_embeddings=tied,
-        bias=bias,
-        position=position,
-        norm="layernorm",
-        kind="encoder",
-        mlm_head_transform=True,
-        embedding_norm=True,
-    )
-    model = build_model(cfg, 0)
-    groups = param_groups(model, weight_decay=0.1)
-    seen = [id(p) for g in groups for p in g["params"]]
-    assert len(seen) == len(set(seen)) == len(list(model.parameters()))
-    decay = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for pid, name in names.items():
-        should_decay = name.endswith("weight") and ("proj" in name or "dense" in name or name == "lm_head.weight")
-        assert (pid in decay) == should_decay, name
-    assert id(model.embed_tokens.weight) not in decay  # also when it is the tied LM head
-    if position == "learned":
-        assert id(model.embed_positions.weight) not in decay
-    torch.optim.AdamW(groups, lr=1e-3)  # groups are valid optimizer input
-
-
-def test_num_parameters_and_flops():
-    untied = build_model(tiny(tie_embeddings=False, position="learned"), 0)
-    tied = build_model(tiny(tie_embeddings=True, position="learned"), 0)
-    assert num_parameters(untied) - num_parameters(tied) == V * D  # tied counted once
-    assert num_parameters(tied) == sum(p.numel() for p in tied.state_dict().values()) - V * D
-    emb = V * D + T * D
-    assert num_parameters(tied, exclude_embeddings=True) == num_parameters(tied) - emb
-    assert num_parameters(untied, exclude_embeddings=True) == num_parameters(untied) - emb
-
-    for cfg in (tiny(tie_embeddings=True), tiny(tie_embeddings=False), tiny(activation="swiglu", num_kv_heads=1)):
-        model = build_model(cfg, 0)
-        n = num_parameters(model, exclude_embeddings=True)
-        f = flops_per_token(cfg, T)
-        assert f > 6 * n
-        head = V * D if cfg.tie_embeddings else 0  # the tied head matmul still costs FLOPs
-        assert f == 6 * (n + head) + 12 * L * D * T
 
 
 def test_resolved_ffn_size():
