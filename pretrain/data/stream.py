@@ -28,15 +28,27 @@ same order with ``epoch += 1`` (the epoch is part of the state).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Literal
 
 import numpy as np
 
 from pretrain.data.bad_records import BadRecords
+from pretrain.data.shards.mixed import mixed_supported, take_mixed
 from pretrain.data.sources import ResolvedSource, open_reader
 
 _BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=512)
+def _block_choices(seed: int, cum: tuple[float, ...], block: int) -> np.ndarray:
+    """The sources that draws ``[block * 1024, (block + 1) * 1024)`` of a mixture pick (``cum``: the cumulative
+    normalized weights). A pure function, memoized: the virtual streams of a worker draw the same blocks."""
+    u = np.random.default_rng([seed, block]).random(_BLOCK)
+    choices = np.minimum(np.searchsorted(np.asarray(cum), u, side="right"), len(cum) - 1)
+    choices.flags.writeable = False
+    return choices
 
 
 class Mixture:
@@ -65,13 +77,23 @@ class Mixture:
         """A reader of source ``i`` from ``state`` (a hook: the driver's corpus check replays scanned records)."""
         return open_reader(self.sources[i], state)
 
+    def _block_choices(self, block: int) -> np.ndarray:
+        """The sources of draws ``[block * 1024, (block + 1) * 1024)``."""
+        return _block_choices(self.seed, tuple(self._cum.tolist()), block)
+
+    def choices(self, start: int, count: int) -> np.ndarray:
+        """The sources of draws ``[start, start + count)`` (what ``count`` draws from ``start`` pick)."""
+        first, last = start // _BLOCK, (start + count - 1) // _BLOCK
+        blocks = np.concatenate([self._block_choices(b) for b in range(first, last + 1)])
+        offset = start - first * _BLOCK
+        return blocks[offset : offset + count]
+
     def _draw(self) -> int:
         if len(self.sources) == 1:
             return 0
         block, offset = divmod(self.draws, _BLOCK)
         if block != self._block:
-            u = np.random.default_rng([self.seed, block]).random(_BLOCK)
-            self._choices = np.minimum(np.searchsorted(self._cum, u, side="right"), len(self.sources) - 1)
+            self._choices = self._block_choices(block)
             self._block = block
         self.draws += 1
         assert self._choices is not None  # drawn for block >= 0 above (_block starts at -1)
@@ -161,10 +183,13 @@ class DocumentStream:
     def take_tokens(self, n_tokens: int, separator: int) -> np.ndarray | None:
         """The next documents, each followed by ``separator``, as one int64 array of at least ``n_tokens`` tokens
         (fewer when the data ends first; then the next call raises StopIteration): the packer's bulk path, where the
-        sources are a single token-shard directory (:meth:`ShardReader.take_tokens`). None for any other sources:
-        the caller reads document by document. The stream's state afterwards is the one those documents taken one
+        sources are token-shard directories (one: :meth:`ShardReader.take_tokens`; a mixture:
+        :func:`pretrain.data.shards.mixed.take_mixed`). None for any other sources: the caller reads document by
+        document. The stream's state afterwards is the one those documents taken one
         by one leave."""
-        if len(self.sources) != 1 or self.sources[0].format != "shards":
+        if any(src.format != "shards" for src in self.sources) or not (
+            len(self.sources) == 1 or mixed_supported(self.mixture)
+        ):
             return None
         if self.finished:
             raise StopIteration
@@ -172,8 +197,15 @@ class DocumentStream:
         S, s = self.num_streams, self.stream
         pieces: list[np.ndarray] = []
         while n_tokens > 0:
-            reader = self.mixture.readers[0]
-            got, passed, ended = reader.take_tokens(holdout, want_val, (s - self.doc_index) % S, S, n_tokens, separator)
+            if len(self.sources) == 1:
+                reader = self.mixture.readers[0]
+                got, passed, ended = reader.take_tokens(
+                    holdout, want_val, (s - self.doc_index) % S, S, n_tokens, separator
+                )
+            else:
+                got, passed, ended = take_mixed(
+                    self.mixture, holdout, want_val, s, S, self.doc_index, n_tokens, separator
+                )
             self.doc_index += passed
             pieces.append(got)
             n_tokens -= len(got)

@@ -38,8 +38,9 @@ class ShardSet:
             check_files(self.directory, self.manifest)
         m = self.manifest
         self.shard_tokens = m.shard_tokens
-        self.ends = np.load(self.directory / DOCUMENTS, mmap_mode="r")
-        self.crc32 = np.load(self.directory / DOCUMENTS_CRC, mmap_mode="r")
+        # plain ndarrays over the mappings (as the shards below)
+        self.ends = np.load(self.directory / DOCUMENTS, mmap_mode="r").view(np.ndarray)
+        self.crc32 = np.load(self.directory / DOCUMENTS_CRC, mmap_mode="r").view(np.ndarray)
         self._shards: list[np.ndarray | None] = [None] * len(m.shards)
 
     def __len__(self) -> int:
@@ -165,7 +166,7 @@ class ShardReader:
             lengths = ends - starts + 1
             room = lengths.cumsum()
             m = min(int(room.searchsorted(n_tokens - got)) + 1, len(picks))
-            pieces.append(self._gather(starts[:m], ends[:m], lengths[:m], room[:m], separator))
+            pieces.append(self.gather(starts[:m], ends[:m], lengths[:m], room[:m], separator))
             got += int(room[m - 1])
             passed += skip + (m - 1) * every + 1
             self.doc, skip = block * INDEX_BLOCK + int(picks[m - 1]) + 1, every - 1
@@ -173,14 +174,14 @@ class ShardReader:
                 return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)), passed, False
         return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)), passed, True
 
-    def _gather(
+    def gather(
         self, starts: np.ndarray, ends: np.ndarray, lengths: np.ndarray, room: np.ndarray, separator: int
     ) -> np.ndarray:
-        """Global token ranges ``[starts[i], ends[i])``, each followed by ``separator``, as one int64 array
-        (``lengths``: the ranges' lengths plus one; ``room``: their running sum)."""
+        """Global token ranges ``[starts[i], ends[i])`` (in any order), each followed by ``separator``, as one int64
+        array (``lengths``: the ranges' lengths plus one; ``room``: their running sum)."""
         N = self.shards.shard_tokens
-        shard = int(starts[0]) // N
-        if int(ends[-1]) > (shard + 1) * N:  # the ranges cross a shard boundary: one range at a time
+        shard = int(starts.min()) // N
+        if int(ends.max()) > (shard + 1) * N:  # the ranges span shards: one range at a time
             sep = np.array([separator], dtype=np.int64)
             parts = [p for a, b in zip(starts.tolist(), ends.tolist()) for p in (self.shards.tokens(a, b), sep)]
             return np.concatenate(parts, dtype=np.int64)

@@ -106,3 +106,75 @@ def test_the_bulk_path_gives_the_text_batches_over_epochs_and_resumes_exactly(
     one = batches(shard_cfg, tok, G=G)
     one.load_state_dict(merge_states([tb.state_dict() for tb in two]))
     assert [rows(x) for x in steps(one, n - k)] == want[k:]
+
+
+@pytest.mark.parametrize("shard_tokens,weights", [(1000, (3.0, 1.0)), (1 << 20, (1.0, 5.0))])
+def test_a_mixture_of_shard_directories_in_bulk_is_its_texts_over_epochs_and_resumes(
+    corpus, tok, tok_dir, tmp_path, shard_tokens, weights
+):
+    """Two shard directories mixed by weight are packed in bulk (``pretrain/data/shards/mixed.py``: a window of the
+    mixture's draws at a time): over the end of the pass (the smaller source restarts, oversampled, until both have
+    ended), with the holdout, the batches of the same mixture of texts; exact and elastic resume (2 workers -> 1)."""
+    other = write_jsonl(tmp_path / "other.jsonl", make_docs(300, "other", seed=5))
+    a = build_shards(tmp_path / "a", [corpus], tok, tok_dir, shard_tokens=shard_tokens)
+    b = build_shards(tmp_path / "b", [other], tok, tok_dir, shard_tokens=shard_tokens)
+
+    def mix(x, y):
+        return DataConfig(
+            sources=[SourceConfig(path=str(x), weight=weights[0]), SourceConfig(path=str(y), weight=weights[1])],
+            num_streams=4,
+            val_holdout=0.1,
+            repeat=True,
+        )
+
+    G = 64
+    one_pass = max(a.tokens / weights[0], b.tokens / weights[1]) * sum(weights)  # until both sources ended
+    n = 2 + int(1.2 * one_pass / (G * T))
+    want = [rows(x) for x in steps(batches(mix(corpus, other), tok, G=G), n)]
+    whole = batches(mix(tmp_path / "a", tmp_path / "b"), tok, G=G)
+    assert [rows(x) for x in steps(whole, n)] == want
+    assert all(stream.docs.epoch >= 1 for stream in whole._streams.values())  # every stream went past its pass
+    two = [batches(mix(tmp_path / "a", tmp_path / "b"), tok, rank=r, world=2, G=G) for r in range(2)]
+    k = n // 2
+    for tb in two:
+        steps(tb, k)
+    one = batches(mix(tmp_path / "a", tmp_path / "b"), tok, G=G)
+    one.load_state_dict(merge_states([tb.state_dict() for tb in two]))
+    assert [rows(x) for x in steps(one, n - k)] == want[k:]
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+def test_bulk_reading_one_document_at_a_time_leaves_the_state_of_reading_document_by_document(
+    corpus, tok, tok_dir, tmp_path, mixture
+):
+    """``DocumentStream.take_tokens(1)`` takes exactly one document: after each, the stream's state (mixture draws,
+    ended sources, reader positions, documents passed, epoch) equals the document-by-document path's after the same
+    document, at every position of two passes, for every stream (a stop that lands on a source's last document
+    included)."""
+    from pretrain.data.bad_records import BadRecords
+    from pretrain.data.sources import training_sources
+    from pretrain.data.stream import DocumentStream
+
+    build_shards(tmp_path / "a", [corpus], tok, tok_dir, shard_tokens=1 << 20)
+    paths = [tmp_path / "a"]
+    if mixture:
+        other = write_jsonl(tmp_path / "other.jsonl", make_docs(40, "other", seed=5))
+        build_shards(tmp_path / "b", [other], tok, tok_dir, shard_tokens=1 << 20)
+        paths.append(tmp_path / "b")
+    cfg = DataConfig(sources=[SourceConfig(path=str(p), weight=1.0 + 2 * i) for i, p in enumerate(paths)])
+    sources = training_sources(cfg)
+    for s in range(3):
+        docs = [
+            DocumentStream(
+                sources, 7, role="train", val_holdout=0.2, bad=BadRecords(), stream=s, num_streams=3, repeat=True
+            )
+            for _ in range(2)
+        ]
+        taken = 0
+        while docs[0].epoch < 2:
+            one = next(docs[0])
+            bulk = docs[1].take_tokens(1, separator=-1)
+            assert bulk is not None and bulk[-1] == -1 and np.array_equal(bulk[:-1], one)
+            assert docs[1].state_dict() == docs[0].state_dict()
+            taken += 1
+            assert taken < 20_000
