@@ -185,8 +185,7 @@ class DocumentStream:
         (fewer when the data ends first; then the next call raises StopIteration): the packer's bulk path, where the
         sources are token-shard directories (one: :meth:`ShardReader.take_tokens`; a mixture:
         :func:`pretrain.data.shards.mixed.take_mixed`). None for any other sources: the caller reads document by
-        document. The stream's state afterwards is the one those documents taken one
-        by one leave."""
+        document. The stream's state afterwards is the one those documents taken one by one leave."""
         if any(src.format != "shards" for src in self.sources) or not (
             len(self.sources) == 1 or mixed_supported(self.mixture)
         ):
