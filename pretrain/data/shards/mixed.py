@@ -12,13 +12,21 @@ documents of the role passed are those the draw-by-draw path leaves after the sa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pretrain.data.shards.reader import ShardReader
-    from pretrain.data.stream import Mixture
+from pretrain.data.shards.reader import ShardReader
+
+
+class Mixture(Protocol):
+    """What this module reads and advances of a :class:`pretrain.data.stream.Mixture` (which imports this one)."""
+
+    readers: list
+    exhausted: list[bool]
+    draws: int
+
+    def choices(self, start: int, count: int) -> np.ndarray: ...
 
 MAX_WINDOW = 1 << 16
 """The most draws looked at in one go."""
@@ -26,8 +34,6 @@ MAX_WINDOW = 1 << 16
 
 def mixed_supported(mixture: Mixture) -> bool:
     """Whether :func:`take_mixed` can read ``mixture``: two or more token-shard sources, none of them empty."""
-    from pretrain.data.shards.reader import ShardReader
-
     readers = mixture.readers
     return len(readers) > 1 and all(isinstance(r, ShardReader) and len(r.shards) > 0 for r in readers)
 
