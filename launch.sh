@@ -106,6 +106,18 @@ compile_lock() {  # compile_lock SOURCES OUT EXTRA INPUT...: a hash-checked lock
   echo "[lock] wrote $out ($(grep -c '^[A-Za-z0-9]' "$out") packages)" >&2
 }
 
+unit_only() {  # unit_only PYTEST_ARGS...: they name tests/unit paths only, and no -n or -p (then: every core)
+  local unit=1 named=0 a
+  for a in "$@"; do
+    case "$a" in
+      -n|-n*|--numprocesses*|-p|-p*) return 1 ;;
+      tests/unit|tests/unit/*) named=1 ;;
+      tests|tests/*|./*|/*) unit=0 ;;
+    esac
+  done
+  [[ $named -eq 1 && $unit -eq 1 ]]
+}
+
 lock() {
   ensure_uv
   local torch tmp
@@ -295,6 +307,16 @@ case "$cmd" in
     # The project's bytecode, once: with PYTHONDONTWRITEBYTECODE set, every process a test starts (CLI commands,
     # gloo ranks, Ray workers) would otherwise compile each module it imports again.
     "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
+    # The single-process tests (tests/unit) run on every core (pytest-xdist); the multi-process ones use every core
+    # themselves (gloo ranks, Ray workers), one test at a time.
+    if [[ $# -eq 0 ]]; then
+      status=0
+      "$VENV/bin/python" -m pytest -n auto tests/unit || status=$?
+      "$VENV/bin/python" -m pytest tests/integration || { [[ $status -ne 0 ]] || status=$?; }
+      exit $status
+    elif unit_only "$@"; then
+      exec "$VENV/bin/python" -m pytest -n auto "$@"
+    fi
     exec "$VENV/bin/python" -m pytest "$@" ;;
   *)
     setup

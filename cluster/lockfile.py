@@ -171,7 +171,8 @@ def in_range(version: str, spec: str) -> bool:
 # What `--without NAME` leaves out (each with what only it needs); each is a package requirements.txt asks for.
 OPTIONAL = {
     "ray": {"ray"},  # Ray Train and the Jobs API: not needed with cluster.use_ray=false (one process or torchrun)
-    "dev": {"ruff", "mypy", "pytest", "hypothesis", "pre-commit", "import-linter", "types-pyyaml"},  # lint and tests
+    # lint and tests
+    "dev": {"ruff", "mypy", "pytest", "pytest-xdist", "hypothesis", "pre-commit", "import-linter", "types-pyyaml"},
 }
 
 

@@ -28,6 +28,7 @@ class Mixture(Protocol):
 
     def choices(self, start: int, count: int) -> np.ndarray: ...
 
+
 MAX_WINDOW = 1 << 16
 """The most draws looked at in one go."""
 
