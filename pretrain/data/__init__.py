@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "cached_unigram_baseline_loss": "baseline",
     "unigram_baseline_loss": "baseline",
     "TrainBatches": "batches",
     "data_throughput": "batches",
@@ -40,7 +41,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from pretrain.data.bad_records import BadRecordError
-    from pretrain.data.baseline import unigram_baseline_loss
+    from pretrain.data.baseline import cached_unigram_baseline_loss, unigram_baseline_loss
     from pretrain.data.batches import (
         TrainBatches,
         data_throughput,

@@ -1,7 +1,7 @@
 """A per-user cache of trained tokenizers: the tokenizer of an unchanged corpus is trained once and reused.
 
-An entry lives in ``<cache root>/tokenizers/<key>/``, the cache root being ``$PRETRAIN_CACHE``, else
-``$XDG_CACHE_HOME/pretrain``, else ``~/.cache/pretrain``; ``PRETRAIN_TOKENIZER_CACHE=0`` turns the cache off.
+An entry lives in ``<cache root>/tokenizers/<key>/`` (:func:`pretrain.user_cache.cache_root`);
+``PRETRAIN_TOKENIZER_CACHE=0`` turns the cache off.
 
 The key (:func:`cache_key`) is a SHA-256 over what the trained tokenizer depends on:
 
@@ -29,19 +29,11 @@ import tempfile
 from pathlib import Path
 
 from pretrain.config import DataConfig
+from pretrain.user_cache import cache_root
 
 CACHE_VERSION = 1
 """Bump when the training of a tokenizer (documents, trainer options) changes: older entries then miss."""
 META = "meta.json"
-
-
-def cache_root() -> Path:
-    """The user's cache directory of this project (``$PRETRAIN_CACHE``, ``$XDG_CACHE_HOME/pretrain``, or
-    ``~/.cache/pretrain``)."""
-    if os.environ.get("PRETRAIN_CACHE"):
-        return Path(os.environ["PRETRAIN_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "pretrain"
 
 
 def enabled() -> bool:
@@ -58,18 +50,15 @@ def _file_identity(path: str) -> dict:
     return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def cache_key(cfg: DataConfig, settings: dict) -> str | None:
-    """The key of the tokenizer ``cfg`` trains with ``settings`` (the trainer's own options), or None when the
-    corpus has no cheap identity (a hub source). Resolves the sources (the demo corpus is built if missing)."""
-    import tokenizers
-
-    from pretrain.data.sources import training_sources
-
-    sources = []
-    for src in training_sources(cfg):
-        if src.format == "hub":
+def sources_identity(sources) -> list[dict] | None:
+    """The cheap identity of resolved sources (:func:`pretrain.data.sources.training_sources`): per source its name,
+    format, text field, weight, ``piece_chars`` and per file :func:`_file_identity`; None when a source has no cheap
+    identity (streamed from the hub, or token shards, whose content the directory's size and mtime do not follow)."""
+    out = []
+    for src in sources:
+        if src.format in ("hub", "shards"):
             return None
-        sources.append(
+        out.append(
             {
                 "name": src.name,
                 "format": src.format,
@@ -79,6 +68,19 @@ def cache_key(cfg: DataConfig, settings: dict) -> str | None:
                 "files": [_file_identity(f) for f in src.files],
             }
         )
+    return out
+
+
+def cache_key(cfg: DataConfig, settings: dict) -> str | None:
+    """The key of the tokenizer ``cfg`` trains with ``settings`` (the trainer's own options), or None when the
+    corpus has no cheap identity (a hub source). Resolves the sources (the demo corpus is built if missing)."""
+    import tokenizers
+
+    from pretrain.data.sources import training_sources
+
+    sources = sources_identity(training_sources(cfg))
+    if sources is None:
+        return None
     spec = {
         "version": CACHE_VERSION,
         "tokenizers": tokenizers.__version__,

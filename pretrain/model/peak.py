@@ -3,14 +3,20 @@ FLOPs/s (:func:`pretrain.model.flops_per_token` x tokens/s) over this peak.
 
 * :func:`measured_matmul_peak`: a large square matmul in the run's dtype (what the device measurably reaches);
 * :func:`datasheet_peak`: NVIDIA's dense bf16 tensor-core peak of known GPUs;
-* :func:`device_peak`: the one training uses — the datasheet peak on a known GPU in bf16, else the measured one.
+* :func:`device_peak`: the one training uses — the datasheet peak on a known GPU in bf16, else the measured one,
+  measured once per device model, dtype, thread count and torch version and kept in the user's cache
+  (:mod:`pretrain.user_cache`; delete ``<cache root>/matmul-peak/`` to measure again).
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import torch
+
+from pretrain.user_cache import read_value, write_value
 
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
@@ -62,11 +68,46 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: floa
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
+def _device_model(device: torch.device) -> str:
+    """The device's model: the GPU's name, or the CPU's (``/proc/cpuinfo``'s model name where there is one)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_spec(device: torch.device, dtype: torch.dtype, seconds: float) -> dict:
+    """What a measured peak depends on (its cache spec): the device's type and model, the machine's CPU count, the
+    dtype, torch's intra-op thread count and version, the measuring time."""
+    return {
+        "version": 1,
+        "device": device.type,
+        "model": _device_model(device),
+        "cpus": os.cpu_count(),
+        "dtype": str(dtype),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "seconds": seconds,
+    }
+
+
 def device_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> tuple[float, str]:
     """(FLOP/s, ``"datasheet"`` or ``"measured"``): the datasheet peak of a known GPU in bf16, else the measured
-    matmul peak (CPUs, unknown GPUs, fp32)."""
+    matmul peak (CPUs, unknown GPUs, fp32), from the user's cache when it was measured before (:func:`peak_spec`)."""
     if device.type == "cuda" and dtype == torch.bfloat16:
         sheet = datasheet_peak(torch.cuda.get_device_name(device))
         if sheet:
             return sheet, "datasheet"
-    return measured_matmul_peak(device, dtype, seconds), "measured"
+    spec = peak_spec(device, dtype, seconds)
+    cached = read_value("matmul-peak", spec)
+    if isinstance(cached, float) and cached > 0:
+        return cached, "measured"
+    peak = measured_matmul_peak(device, dtype, seconds)
+    write_value("matmul-peak", spec, peak)
+    return peak, "measured"

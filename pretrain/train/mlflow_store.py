@@ -18,7 +18,7 @@ import sqlite3
 from importlib.metadata import version
 from pathlib import Path
 
-from pretrain.data.tokenizer_cache import cache_root
+from pretrain.user_cache import cache_root
 
 
 def sqlite_path(uri: str) -> Path | None:

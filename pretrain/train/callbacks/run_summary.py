@@ -17,7 +17,8 @@ SUMMARY_FILE = layout.SUMMARY
 
 class RunSummary(Callback):
     """The end of the run: bad-record totals over all ranks (collective), then on rank 0 the unigram baseline of
-    the validation set and the summary (MLflow ``summary.json`` and ``RUN_DIR/summary.json``)."""
+    the validation set (from the user's cache when it holds it) and the summary (MLflow ``summary.json`` and
+    ``RUN_DIR/summary.json``)."""
 
     order = 200  # last: the summary holds what every other callback added to ``final``
 
@@ -25,7 +26,7 @@ class RunSummary(Callback):
         self.tokenizer, self.run_id = tokenizer, run_id
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
-        from pretrain.data import unigram_baseline_loss
+        from pretrain.data import cached_unigram_baseline_loss
 
         cfg, ctx, tracker, step = trainer.cfg, trainer.ctx, trainer.tracker, trainer.state.step
         final["run_id"] = self.run_id
@@ -35,7 +36,7 @@ class RunSummary(Callback):
         if not ctx.is_main:
             return
         if trainer.val_set:
-            final["unigram_val_loss"] = unigram_baseline_loss(
+            final["unigram_val_loss"] = cached_unigram_baseline_loss(
                 cfg.data,
                 kind=cfg.model.kind,
                 seq_len=cfg.model.max_seq_len,

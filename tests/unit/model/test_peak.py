@@ -33,3 +33,23 @@ def test_an_unknown_device_is_measured():
     assert datasheet_peak("Tesla T4") is None
     peak, source = device_peak(torch.device("cpu"), torch.float32, seconds=0.05)
     assert source == "measured" and peak > 0
+
+
+def test_the_measured_peak_is_measured_once_per_machine_dtype_and_threads(cache, monkeypatch):
+    """``device_peak`` keeps a measured peak in the user's cache: the second call reads it; another dtype or thread
+    count measures again."""
+    from pretrain.model import peak as peak_module
+
+    measured = []
+    monkeypatch.setattr(peak_module, "measured_matmul_peak", lambda d, t, s: measured.append(t) or 1e9 * len(measured))
+    cpu = torch.device("cpu")
+    assert device_peak(cpu, torch.float32, 0.05) == (1e9, "measured")
+    assert device_peak(cpu, torch.float32, 0.05) == (1e9, "measured") and len(measured) == 1
+    assert device_peak(cpu, torch.bfloat16, 0.05) == (2e9, "measured")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert device_peak(cpu, torch.float32, 0.05) == (3e9, "measured")
+    finally:
+        torch.set_num_threads(threads)
+    assert device_peak(cpu, torch.float32, 0.05) == (1e9, "measured") and len(measured) == 3
