@@ -194,13 +194,20 @@ def end_ray_with_process(started: bool) -> None:
     Fate sharing reaches only Ray's direct children (GCS, raylet, monitors): the raylet's agents (dashboard and
     runtime-env agents), left without a raylet that ended by SIGKILL, take it for a crash and keep trying to report
     it to the dead GCS for about a minute before exiting, using CPU meanwhile. So every process under this one is
-    killed here as fate sharing would, without waiting for any of them."""
+    killed here as fate sharing would, without waiting for any of them.
+
+    This process's own Ray driver is disconnected first, as :func:`ray.shutdown` does before it stops the servers:
+    the driver's core worker, left connected to a raylet that dies under it, may end the whole process with exit
+    status 1 and nothing on stderr (Ray logs the reason to its own session files), before the summary is out."""
     if started and sys.platform.startswith("linux"):
         import atexit
 
         import ray
+        from ray._private import worker as ray_worker  # private: the one handle on the node ray.init started
 
         atexit.unregister(ray.shutdown)  # the graceful shutdown Ray registered for the interpreter's exit
+        ray_worker._global_node = None  # so ray.shutdown() only disconnects this driver; the servers are ours
+        ray.shutdown()
         _kill_descendants()
         return
     stop_ray(started)

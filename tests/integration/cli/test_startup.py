@@ -120,15 +120,15 @@ def test_an_eager_model_never_imports_dynamo():
 
 
 def test_an_embedded_ray_ends_with_the_command():
-    """After a finished run the CLI leaves the embedded Ray it started to end with its process (no graceful
-    shutdown's waits): every process of that Ray — the raylet's agents and workers too, which fate sharing does
-    not reach — is gone within seconds of the command's exit."""
+    """After a finished run the CLI disconnects its Ray driver and leaves the embedded Ray it started to end with
+    its process (no graceful shutdown's waits): every process of that Ray — the raylet's agents and workers too,
+    which fate sharing does not reach — is gone within seconds of the command's exit."""
     code = (
         "import os, psutil, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
         "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
         "ray.get(ray.remote(lambda: 1).remote()); "
         "pids = [p.pid for p in psutil.Process().children(recursive=True)]; "
-        "print(started, *pids, flush=True); end_ray_with_process(started); "
+        "print(started, *pids, flush=True); end_ray_with_process(started); print(ray.is_initialized()); "
         "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)"
     )
     t0 = time.monotonic()
@@ -141,8 +141,9 @@ def test_an_embedded_ray_ends_with_the_command():
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
-    started, *pids = proc.stdout.split()
+    started, *pids, connected = proc.stdout.split()
     assert started == "True" and len(pids) >= 5  # at least GCS, raylet, its two agents and a worker
+    assert connected == "False", "the driver is disconnected before its servers are killed"
     alive = [int(p) for p in pids]
     while alive and time.monotonic() - t0 < 15:
         alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
