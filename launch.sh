@@ -307,12 +307,14 @@ case "$cmd" in
     # The project's bytecode, once: with PYTHONDONTWRITEBYTECODE set, every process a test starts (CLI commands,
     # gloo ranks, Ray workers) would otherwise compile each module it imports again.
     "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
-    # The single-process tests (tests/unit) run on every core (pytest-xdist); the multi-process ones use every core
-    # themselves (gloo ranks, Ray workers), one test at a time.
+    # The single-process tests (tests/unit) run on every core (pytest-xdist); the multi-process ones (gloo ranks, Ray
+    # workers, CLI commands) two files at a time: much of their time is spent waiting on processes to start and
+    # import, which a second file's work fills (tests/integration/conftest.py keeps a file, and the files sharing
+    # its session-wide run, on one worker).
     if [[ $# -eq 0 ]]; then
       status=0
       "$VENV/bin/python" -m pytest -n auto tests/unit || status=$?
-      "$VENV/bin/python" -m pytest tests/integration || { [[ $status -ne 0 ]] || status=$?; }
+      "$VENV/bin/python" -m pytest -n 2 --dist loadgroup tests/integration || { [[ $status -ne 0 ]] || status=$?; }
       exit $status
     elif unit_only "$@"; then
       exec "$VENV/bin/python" -m pytest -n auto "$@"

@@ -371,13 +371,16 @@ def cli(
     expect: int | None = 0,
     timeout: float = 300,
     env: dict[str, str] | None = None,
+    ranks: int = 1,
 ) -> subprocess.CompletedProcess:
     """``python -m pretrain ARGS`` in ``work`` (its own MLflow store unless ``env`` is given), its output captured as
     text; asserts the exit code is ``expect`` (0: success, 2: a user error refused in one line, 1: an internal
-    error; ``None``: any, the caller checks). Returns the completed process (``returncode``, ``stdout``,
-    ``stderr``)."""
+    error; ``None``: any, the caller checks). ``ranks`` > 1: the command under ``torchrun --standalone
+    --nproc_per_node RANKS`` (no Ray: pass ``cluster.use_ray=false``), as a user launches it without Ray. Returns
+    the completed process (``returncode``, ``stdout``, ``stderr``)."""
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", *args],
+        [PYTHON, *launcher, "-m", "pretrain", *args],
         cwd=work,
         env=env or cli_env(work),
         capture_output=True,

@@ -12,11 +12,16 @@ from tests.harness import CONFIG, E2E, TASKS, cli, metric_history, run_id_of
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker, and before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if HERE in Path(item.path).resolve().parents:
-            item.add_marker(pytest.mark.slow)
+    ours = [item for item in items if HERE in Path(item.path).resolve().parents]
+    shared = {item.path for item in ours if "reference" in getattr(item, "fixturenames", ())}
+    for item in ours:
+        item.add_marker(pytest.mark.slow)
+        # ``./launch.sh test`` runs these files two at a time (``--dist loadgroup``): each file on one worker, and
+        # the files that read the session's ``reference`` run on the same one, so no shared run is made twice.
+        group = "reference" if item.path in shared else Path(item.path).relative_to(HERE).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -35,16 +35,9 @@ def test_without_ray_torchrun_trains_one_run_and_local_commands_work(tmp_path, r
         assert "\n" not in line and f"./launch.sh {command[0]} runs on Ray" in line, line
 
     # torchrun: one run, rank 0 tracks it, both ranks write its checkpoints, the Ray run's losses
-    proc = subprocess.run(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + ["-m", "pretrain", "train", CONFIG, *E2E, "cluster.use_ray=false", "train.max_steps=4"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = cli(
+        tmp_path, "train", CONFIG, *E2E, "cluster.use_ray=false", "train.max_steps=4", env=env, ranks=2, timeout=600
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_id = run_id_of(proc.stdout)
     uri = env["MLFLOW_TRACKING_URI"]
     client = MlflowClient(uri)

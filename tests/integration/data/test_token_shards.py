@@ -1,7 +1,8 @@
 """Token shards end to end, through the real CLI and real Ray: ``tokenize`` (a Ray Data job) with 1 worker, the same
 job with 2 workers SIGKILLed mid-way and finished by a rerun (byte-identical output), training on the shards with 2
-workers, a bitwise resume, an elastic resume (2 -> 1 -> 2 workers), and the one-line refusals of a changed shard and
-of another tokenizer."""
+workers, a bitwise resume, and the one-line refusals of a changed shard and of another tokenizer. An elastic resume
+from shards (the reader states of 2 ranks merged into 1) is ``tests/unit/data/shards/test_reader.py``'s; through the
+CLI and Ray, on text, ``tests/integration/train/test_train_e2e.py``'s."""
 
 from __future__ import annotations
 
@@ -91,14 +92,6 @@ def test_tokenize_train_resume_and_refusals(tmp_path):
     forked = cli(work, "resume", str(run_dir / "step_00000004"))
     fork = metric_history(run_id_of(forked.stdout), uri=uri)
     assert sorted(fork) == [5, 6, 7, 8] and all(fork[s] == losses[s] for s in fork), (fork, losses)
-
-    # elastic: 2 -> 1 -> 2 workers from step 4, the same global batches (1 worker accumulates where 2 all-reduce)
-    one = cli(work, "resume", str(run_dir / "step_00000004"), "cluster.num_workers=1", "faults.stop_after_step=6")
-    elastic_id = run_id_of(one.stdout)
-    two = cli(work, "resume", elastic_id, "cluster.num_workers=2")
-    assert "elastic resume: 1 -> 2 workers" in two.stdout + two.stderr
-    elastic = metric_history(elastic_id, uri=uri)
-    assert sorted(elastic) == [5, 6, 7, 8] and all(abs(elastic[s] - losses[s]) < 1e-5 for s in elastic), elastic
 
     # a changed shard is refused on resume, in one line naming it
     shard = s1 / "shard-00001.npy"

@@ -177,8 +177,8 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
 
     from tests.conftest import ROOT
 
-    def run(*args):
-        proc = cli(tmp_path, *args, expect=0, timeout=600)
+    def run(*args, ranks=1):
+        proc = cli(tmp_path, *args, expect=0, timeout=600, ranks=ranks)
         return proc.stdout
 
     base = [o for o in GROW if not o.startswith("growth.")] + [
@@ -187,7 +187,8 @@ def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_
         "zero.stage=3",
         "zero.param_persistence_threshold=0",
     ]
-    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base)
+    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base, ranks=2)  # 2 ranks, no Ray: torchrun
+    assert "plan: 2 worker(s)" in out
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
     out = run("grow", parent, "depth=+2", "depth_op=identity", "width=2x", "noise=0")
     child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
@@ -290,8 +291,8 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
 
     from tests.conftest import ROOT
 
-    def run(*args):
-        proc = cli(tmp_path, *args, expect=0, timeout=900)
+    def run(*args, ranks=1):
+        proc = cli(tmp_path, *args, expect=0, timeout=900, ranks=ranks)
         return proc.stdout
 
     parent_opts = [
@@ -311,7 +312,8 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
         "data.num_streams=2",
         "stability.plot_at_end=false",
     ]
-    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *parent_opts)
+    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *parent_opts, ranks=2)  # 2 ranks: torchrun
+    assert "plan: 2 worker(s)" in out
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
     out = run("grow", parent, "depth=2x", "depth_op=identity", "width=2x", "width_op=tile", "noise=0")
     child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
