@@ -313,6 +313,20 @@ def read_summary(job: Job) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def alone_note(cluster: ClusterConfig, env: dict[str, str] | None = None) -> str | None:
+    """The line of a job that asks for several workers but trains in this one process (no Ray, and no launcher
+    started other ranks: ``WORLD_SIZE`` unset or 1 in ``env``, the environment by default), or None."""
+    n = cluster.num_workers
+    world = (os.environ if env is None else env).get("WORLD_SIZE", "1")
+    if n <= 1 or not world.isdigit() or int(world) > 1:
+        return None
+    return (
+        f"[pretrain] cluster.num_workers={n} without Ray (cluster.use_ray=false) and without a launcher: this process "
+        f"trains alone, as 1 worker with the same global batch (gradient accumulation); for {n} processes: "
+        f"torchrun --nproc_per_node {n} -m pretrain ..."
+    )
+
+
 def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     """Run ``job`` with the configured backend and return the final metrics."""
     if not cluster.trains_in_process():
@@ -321,5 +335,8 @@ def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
         return run_with_ray(replace(job, startup=timeline.marks()), cluster)
     job = replace(job, startup=timeline.marks())
     # No Ray: this process is the worker (a world of one, or one rank of a torchrun launch).
+    note = alone_note(cluster)
+    if note:
+        print(note, flush=True)
     sys.stdout.flush()
     return train_worker(asdict(job))

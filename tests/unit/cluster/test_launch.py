@@ -1,9 +1,11 @@
-"""What every command sets up for the CUDA allocator, and what Ray's workers get of it (``cluster/launch.py``)."""
+"""What every command sets up for the CUDA allocator and what Ray's workers get of it, and the line of a job trained
+alone (``cluster/launch.py``)."""
 
 from __future__ import annotations
 
-from cluster.launch import worker_env
+from cluster.launch import alone_note, worker_env
 from pretrain.cli import CUDA_ALLOC_CONF, main
+from pretrain.config import ClusterConfig
 
 
 def test_the_cuda_allocator_setting_reaches_the_workers_unless_the_user_set_it(monkeypatch, capsys):
@@ -16,3 +18,14 @@ def test_the_cuda_allocator_setting_reaches_the_workers_unless_the_user_set_it(m
     assert main(["no-such-command"]) == 2
     assert worker_env()["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
     capsys.readouterr()
+
+
+def test_a_job_of_several_workers_trained_alone_says_so():
+    """``cluster.use_ray=false`` with 2 workers and no launcher trains as 1 worker: one line says so and how to run
+    2; under torchrun (``WORLD_SIZE`` 2), or with 1 worker, nothing is said."""
+    two = ClusterConfig(num_workers=2, use_ray=False)
+    line = alone_note(two, {})
+    assert line is not None and "\n" not in line
+    assert "cluster.num_workers=2" in line and "torchrun --nproc_per_node 2" in line
+    assert alone_note(two, {"WORLD_SIZE": "2"}) is None
+    assert alone_note(ClusterConfig(num_workers=1, use_ray=False), {}) is None
