@@ -131,7 +131,6 @@ def test_an_embedded_ray_ends_with_the_command():
         "print(started, *pids, flush=True); end_ray_with_process(started); print(ray.is_initialized()); "
         "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)"
     )
-    t0 = time.monotonic()
     proc = subprocess.run(
         [PYTHON, "-c", code],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -145,7 +144,18 @@ def test_an_embedded_ray_ends_with_the_command():
     assert started == "True" and len(pids) >= 5  # at least GCS, raylet, its two agents and a worker
     assert connected == "False", "the driver is disconnected before its servers are killed"
     alive = [int(p) for p in pids]
-    while alive and time.monotonic() - t0 < 15:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 15  # from the command's exit: starting Ray on a loaded machine takes long
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
     assert alive == []
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
