@@ -314,7 +314,7 @@ case "$cmd" in
     if [[ $# -eq 0 ]]; then
       status=0
       "$VENV/bin/python" -m pytest -n auto tests/unit || status=$?
-      "$VENV/bin/python" -m pytest -n 2 --dist loadgroup tests/integration || { [[ $status -ne 0 ]] || status=$?; }
+      "$VENV/bin/python" -m pytest -n 2 --dist loadfile tests/integration || { [[ $status -ne 0 ]] || status=$?; }
       exit $status
     elif unit_only "$@"; then
       exec "$VENV/bin/python" -m pytest -n auto "$@"

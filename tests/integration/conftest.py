@@ -3,32 +3,47 @@ subprocess). Every test here is marked ``slow``: ``-m "not slow"`` selects exact
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.harness import CONFIG, E2E, TASKS, cli, metric_history, run_id_of
 
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker, and before pytest-xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(items):
-    ours = [item for item in items if HERE in Path(item.path).resolve().parents]
-    shared = {item.path for item in ours if "reference" in getattr(item, "fixturenames", ())}
-    for item in ours:
-        item.add_marker(pytest.mark.slow)
-        # ``./launch.sh test`` runs these files two at a time (``--dist loadgroup``): each file on one worker, and
-        # the files that read the session's ``reference`` run on the same one, so no shared run is made twice.
-        group = "reference" if item.path in shared else Path(item.path).relative_to(HERE).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+    for item in items:
+        if HERE in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """One uninterrupted 2-worker Ray run (8 steps, checkpoints every 2) that the end-to-end and multi-node tests
-    reproduce (resumed, killed, elastic, spread over nodes)."""
-    work = tmp_path_factory.mktemp("e2e")
+    reproduce (resumed, killed, elastic, spread over nodes). Made once per test session: ``./launch.sh test`` runs
+    these files two at a time (``-n 2 --dist loadfile``, a file's tests on one pytest-xdist worker), and the first
+    worker to need the run makes it while the other waits for it (a file lock in the session's shared temporary
+    directory)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _reference(tmp_path_factory.mktemp("e2e"))
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, above each worker's own
+    made = shared / "reference.json"
+    with FileLock(str(made) + ".lock"):
+        if not made.is_file():
+            ref = _reference(shared / "e2e")
+            made.write_text(json.dumps({**ref, "work": str(ref["work"]), "run_dir": str(ref["run_dir"])}))
+    ref = json.loads(made.read_text())
+    losses = {int(step): loss for step, loss in ref["losses"].items()}
+    return {**ref, "work": Path(ref["work"]), "run_dir": Path(ref["run_dir"]), "losses": losses}
+
+
+def _reference(work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     # with a downstream task (scored on both ranks at validation): the runs that reproduce it have none, so their
     # equal losses also show that task evaluation leaves training untouched
     proc = cli(work, "train", CONFIG, *E2E, *TASKS, "stability.plot_at_end=true")

@@ -1,7 +1,7 @@
 """Never a silent wait: a worker layout an embedded local Ray cannot place is refused before Ray starts; on a
 cluster the job says what it waits for and ends after ``cluster.start_timeout`` (Ray's placement calls faked here;
 the command's refusal is in tests/integration/cluster/test_placement.py, the real cluster in
-tests/integration/cluster/test_multinode.py, the 1-4 workers through Ray in
+tests/integration/cluster/test_multinode.py, 3 and 4 workers through Ray in
 tests/integration/train/test_lifecycle.py)."""
 
 from __future__ import annotations
