@@ -233,11 +233,42 @@ def _tokenize(tmp: Path, vocab_size: int, splits: dict) -> None:
         counts["tokens"] = total + (sum(map(len, encode(batch))) if batch else 0)
 
 
-def overrides(manifest: dict) -> list[str]:
-    """The data overrides that train on the corpus: its training file, its validation file, its tokenizer."""
+TRAIN_PARTS = 16
+"""How many equal parts :func:`overrides` deals the training split into."""
+
+
+def train_parts(manifest: dict, parts: int = TRAIN_PARTS) -> list[Path]:
+    """``train.jsonl`` dealt into ``parts`` files, document ``i`` to part ``i % parts`` (each part keeps the hash
+    order), in ``train-parts-<parts>/`` beside it; written once (atomically), then reused. Given as equal-weight
+    sources, the mixture's seeded draws (``train.seed``, :mod:`pretrain.data.stream`) interleave them: each seed
+    reads the corpus's documents in its own order, where one file would give every seed the same order."""
     root = Path(manifest["dir"])
+    out = root / f"train-parts-{parts}"
+    names = [out / f"part-{i:03d}.jsonl" for i in range(parts)]
+    if out.is_dir():
+        return names
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = [open(tmp / n.name, "w", encoding="utf-8", newline="\n") for n in names]
+    try:
+        with open(root / "train.jsonl", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                files[i % parts].write(line)
+    finally:
+        for fh in files:
+            fh.close()
+    os.replace(tmp, out)
+    return names
+
+
+def overrides(manifest: dict) -> list[str]:
+    """The data overrides that train on the corpus: its training split as :data:`TRAIN_PARTS` equal sources (a
+    document order per seed: :func:`train_parts`), its validation file, its tokenizer."""
+    root = Path(manifest["dir"])
+    sources = ", ".join(f"{{path: {p}, name: {p.stem}}}" for p in train_parts(manifest))
     return [
-        f"data.sources=[{{path: {root / 'train.jsonl'}, name: train}}]",
+        f"data.sources=[{sources}]",
         f"data.val_sources=[{{path: {root / 'val.jsonl'}, name: val}}]",
         f"data.tokenizer={root / 'tokenizer'}",
         f"data.tokenizer_vocab_size={manifest['tokenizer']['vocab_size']}",

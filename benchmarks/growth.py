@@ -5,8 +5,8 @@ held-out text; each a real run, all MLflow children of one parent run.
 Every run gets the same budget, ``train.max_flops`` (the target's FLOPs for ``--tokens`` tokens; default
 :data:`TOKENS_PER_PARAM` per target parameter): the product derives each run's steps, counting the small model's
 FLOPs before a growth at its size, so every run ends at the same FLOPs with its cosine schedule fully decayed.
-Growth points are ``at_fraction`` of that budget. Validation every 1/25 of the budget (``train.val_every_flops``)
-gives every run the same FLOPs grid. The corpus is the installed packages' sources and docs
+Growth points are ``at_fraction`` of that budget. Validation every 1/25 of the budget (``train.val_every_flops``),
+on :data:`VAL_SEQUENCES` held-out sequences, gives every run the same FLOPs grid. The corpus is the installed packages' sources and docs
 (:mod:`benchmarks.corpus`) unless the overrides name ``data.sources``; a run may read it at most
 :data:`benchmarks.study.MAX_EPOCHS` times.
 
@@ -32,6 +32,9 @@ from benchmarks.study import (
     study_base,
     vocab_of,
 )
+
+VAL_SEQUENCES = 256
+"""Held-out sequences each validation scores: the loss curves' noise is the size of the effects compared."""
 
 TARGET = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}
 """The default target decoder (head size 32, so half the width keeps whole heads and key-value groups; 1.05M
@@ -176,7 +179,7 @@ def growth_bench(
     study's dict (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = study_base(vocab, corpus, overrides, "growth.rewarm_steps=20")
+    base = study_base(vocab, corpus, overrides, "growth.rewarm_steps=20", val_sequences=VAL_SEQUENCES)
     target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)

@@ -25,6 +25,34 @@ FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint
 
 from tests.harness import PYTHON, cli_env  # noqa: E402, F401  (after the environment above; re-exported)
 
+LONGEST_FIRST = (
+    "integration/parallel/test_model_parallel.py",
+    "integration/growth/test_growth.py",
+    "integration/train/test_train_e2e.py",
+    "integration/train/test_golden.py",
+    "integration/growth/test_layer_drop.py",
+    "integration/cluster/test_cluster.py",
+    "integration/train/test_lifecycle.py",
+    "integration/parallel/test_moe.py",
+)
+"""The test files that take longest (several minutes each on 2 cores), in that order. Under pytest-xdist
+(``./launch.sh test``: ``-n 2 --dist loadfile``, whole files to each worker in collection order) they are handed
+out first, then the other integration files, then the unit tests, so that the workers end together instead of one
+finishing a long file alone. Only the balance depends on this list, never a result."""
+
+
+@pytest.hookimpl(trylast=True)  # after the integration conftest has marked its tests
+def pytest_collection_modifyitems(items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def rank(item) -> tuple[int, int]:
+        rel = Path(item.path).resolve().relative_to(ROOT / "tests").as_posix()
+        return (0, first[rel]) if rel in first else (1 if rel.startswith("integration/") else 2, 0)
+
+    items.sort(key=rank)  # stable: each file's tests stay together and in order
+
 
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory):

@@ -188,9 +188,11 @@ GROWN = [
 
 @pytest.mark.parametrize("preset", ["demo-decoder", "demo-encoder"])
 def test_through_ray_two_workers_equal_one(tmp_path, preset):
-    """`./launch.sh train` as users run it: 2 workers through Ray with sequence parallelism, and with tensor
-    parallelism, log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20 steps
-    (the decoder with RoPE and GQA; the encoder with learned positions, biases, post-norm and the MLM head)."""
+    """`./launch.sh train` as users run it: 2 workers through Ray with sequence parallelism, and (the encoder) with
+    tensor parallelism, log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20
+    steps (the decoder with RoPE and GQA; the encoder with learned positions, biases, post-norm and the MLM head).
+    The decoder with tensor parallelism through Ray: the resume of the next test; against 1 process, on gloo ranks:
+    ``dec-tp2``."""
     from mlflow import MlflowClient
 
     from tests.harness import ROOT
@@ -199,12 +201,15 @@ def test_through_ray_two_workers_equal_one(tmp_path, preset):
     base += ["train.max_steps=20", "checkpoint.every_steps=20"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     losses = {}
-    for name, layout in (("one", ("cluster.num_workers=1",)), ("sp2", (SP,)), ("tp2", (TP,))):
+    layouts = {"one": ("cluster.num_workers=1",), "sp2": (SP,), "tp2": (TP,)}
+    if preset == "demo-decoder":
+        del layouts["tp2"]
+    for name, layout in layouts.items():
         out = cli(tmp_path, "train", str(ROOT / "configs" / f"{preset}.yaml"), *base, *layout, timeout=600).stdout
         history = sorted((x.step, x.value) for x in client.get_metric_history(run_id_of(out), "train/loss"))
         assert [step for step, _ in history] == list(range(1, 21))
         losses[name] = [v for _, v in history]
-    for name in ("sp2", "tp2"):
+    for name in sorted(losses.keys() - {"one"}):
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["one"]))
         print(f"{preset} {name} through Ray vs 1 worker: max relative loss difference {rel:.2e}")
         assert rel < 1e-5

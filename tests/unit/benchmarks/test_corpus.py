@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.corpus import RULES, build, cache_key, overrides, packages
+from benchmarks.corpus import RULES, TRAIN_PARTS, build, cache_key, overrides, packages, train_parts
 from pretrain.config import ConfigError
 
 CODE = "def f{i}(x):\n    return x + {i}  # the sum of x and {i}, with some words around it\n"
@@ -81,7 +81,7 @@ def test_build_keeps_splits_counts_and_caches(tmp_path):
     assert "pkga/m0.py" in paths and not {p for p in paths if "pretrain" in p or "dist-info" in p or "cache" in p}
     for f in (out / "manifest.json", out / "train.jsonl", out / "tokenizer" / "tokenizer.json"):
         assert str(tmp_path) not in f.read_text(), f"{f.name} names a machine path"
-    assert overrides(m)[0] == f"data.sources=[{{path: {out / 'train.jsonl'}, name: train}}]"
+    _check_parts(m, train, tmp_path)
 
     # the same packages elsewhere: the same bytes; the same key here: the cached build
     again = build(tmp_path / "out2", vocab_size=300, roots=[_site(tmp_path / "sp2")], say=lambda *_: None)
@@ -94,6 +94,25 @@ def test_build_keeps_splits_counts_and_caches(tmp_path):
     # another package installed (or another vocabulary): another key, so the next build rebuilds
     assert cache_key(packages([_site(tmp_path / "sp3", extra=True)]), 300) != m["key"] != cache_key(pkgs, 512)
     assert cache_key(pkgs, 300) == m["key"]
+
+
+def _check_parts(m: dict, train: list[dict], tmp_path: Path) -> None:
+    """The studies train on the training split dealt into equal parts (round robin, each in hash order), one source
+    each, so that the seed's mixture gives each seed its own document order over the same documents."""
+    from pretrain.config import load_config
+    from pretrain.data.sources import training_sources
+    from pretrain.data.stream import Mixture
+
+    parts = train_parts(m)
+    assert len(parts) == TRAIN_PARTS and train_parts(m) == parts, "written once, then reused"
+    assert [_records(p) for p in parts] == [train[i::TRAIN_PARTS] for i in range(TRAIN_PARTS)]
+    cfg = load_config(None, [*overrides(m), f"data.cache_dir={tmp_path / 'hf'}"])
+    assert [str(s.path) for s in cfg.data.sources] == [str(p) for p in parts]
+    assert all(s.weight == cfg.data.sources[0].weight for s in cfg.data.sources)
+    orders = {seed: [r["text"] for r in Mixture(training_sources(cfg.data), seed)] for seed in (0, 1)}
+    assert set(orders[0]) == set(orders[1]) == {r["text"] for r in train}, "a pass reads every document"
+    first = len(train) // 2
+    assert orders[0][:first] != orders[1][:first], "each seed reads the documents in its own order"
 
 
 def test_bad_input_is_one_line(tmp_path):
