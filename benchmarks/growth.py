@@ -6,9 +6,9 @@ Every run gets the same budget, ``train.max_flops`` (the target's FLOPs for ``--
 :data:`TOKENS_PER_PARAM` per target parameter): the product derives each run's steps, counting the small model's
 FLOPs before a growth at its size, so every run ends at the same FLOPs with its cosine schedule fully decayed.
 Growth points are ``at_fraction`` of that budget. Validation every 1/25 of the budget (``train.val_every_flops``),
-on :data:`VAL_SEQUENCES` held-out sequences, gives every run the same FLOPs grid. The corpus is the installed packages' sources and docs
-(:mod:`benchmarks.corpus`) unless the overrides name ``data.sources``; a run may read it at most
-:data:`benchmarks.study.MAX_EPOCHS` times.
+on :data:`VAL_SEQUENCES` held-out sequences, gives every run the same FLOPs grid. The corpus is the installed
+packages' sources and docs (:mod:`benchmarks.corpus`) unless the overrides name ``data.sources``; a run may read it
+at most :data:`benchmarks.study.MAX_EPOCHS` times.
 
 ``growth_flops_saving`` of a recipe is 1 - (FLOPs at which it first reaches the scratch run's final validation loss)
 / (scratch FLOPs), per seed (:func:`benchmarks.study.flops_saving`); the table's value is the minimum over seeds.
