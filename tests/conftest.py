@@ -37,7 +37,7 @@ LONGEST_FIRST = (
 )
 """The test files that take longest (several minutes each on 2 cores), in that order. Under pytest-xdist
 (``./launch.sh test``: ``-n 2 --dist loadfile``, whole files to each worker in collection order) they are handed
-out first, then the other integration files, then the unit tests, so that the workers end together instead of one
+out first, then the other files, so that the workers end together instead of one
 finishing a long file alone. Only the balance depends on this list, never a result."""
 
 
