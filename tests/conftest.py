@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items):
 
     def rank(item) -> tuple[int, int]:
         rel = Path(item.path).resolve().relative_to(ROOT / "tests").as_posix()
-        return (0, first[rel]) if rel in first else (1 if rel.startswith("integration/") else 2, 0)
+        return (0, first[rel]) if rel in first else (1, 0)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 

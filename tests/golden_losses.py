@@ -21,6 +21,7 @@ then compares within :data:`OTHER_KERNELS_RTOL` and says so, instead of failing 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -107,6 +108,7 @@ def run_case(name: str, work: Path) -> dict:
     return {"case": name, "preset": preset, "overrides": COMMON + overrides, "metrics": out, "kernels": kernels}
 
 
+@functools.cache  # one per process: the pins and the machine do not change
 def kernel_fingerprint() -> str:
     """A hash of fixed matrix products, norms, activations and their gradients, computed in a fresh process under
     :data:`PINNED_ISA` and one thread: equal on two machines when their pinned kernels round alike."""
