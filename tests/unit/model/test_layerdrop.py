@@ -311,7 +311,9 @@ def test_prune_keeps_the_parents_rho_of_the_kept_blocks(placement, extra):
     want = parent(ids, gates=masked).logits
     with torch.no_grad():
         got = child(ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # rho folded into the child's weights rounds apart from rho applied to the parent's block outputs: on an
+    # AVX-512 machine up to 1.3e-6 on a logit near 0 (MoE); the child depth's rho is off by more than 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     stale = [(0.875, 0.875), (0.75, 0.75), (0.625, 0.625), (0.5, 0.5)]  # rho of the child's depth
     assert stale == inference_scales(cfg.layer_drop, 4)
     wrong = parent(ids, gates=[stale[keep.index(i)] if i in keep else (0.0, 0.0) for i in range(8)]).logits
