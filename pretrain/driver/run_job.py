@@ -32,6 +32,8 @@ def print_summary(final: dict, job, uri: str) -> None:
         ("checkpoint", final.get("checkpoint", "")),
         ("MLflow run id", run_id),
     ]
+    if final.get("plot"):  # read from the summary: a worker's own line may reach this terminal late or not at all
+        rows.append(("training plot", final["plot"]))
     if final.get("bad_records"):
         rows.append(("bad records", f"{final['bad_records']} skipped (see data/bad_records.json in the run)"))
     print(f"\n== finished: {cfg_name} ==")

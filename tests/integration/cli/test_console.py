@@ -103,7 +103,8 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     run_dir = tmp_path / "checkpoints" / run_id
     log = (run_dir / "logs" / "driver.log").read_text()
     assert f"full log (Ray, DeepSpeed, every worker): {run_dir / 'logs' / 'driver.log'}" in first.stdout
-    assert "(RayTrainWorker pid=" in log and "[train] checkpoint committed: step 4" in log
+    # step 2, not the last one: Ray forwards worker lines asynchronously and may drop the last ones at shutdown
+    assert "(RayTrainWorker pid=" in log and "[train] checkpoint committed: step 2" in log
 
     with open(run_dir / "step_00000004" / "data" / "rank_0.json", "ab") as f:
         f.write(b" ")  # damaged after commit
