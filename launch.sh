@@ -307,14 +307,11 @@ case "$cmd" in
     # The project's bytecode, once: with PYTHONDONTWRITEBYTECODE set, every process a test starts (CLI commands,
     # gloo ranks, Ray workers) would otherwise compile each module it imports again.
     "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
-    # The unit tests on every core, then the multi-process tests (gloo ranks, Ray workers, CLI commands) two files
-    # at a time (pytest-xdist): they spend much of their time waiting on processes to start and import, which a
-    # second file's work fills; the longest files go first (tests/conftest.py), so both workers end together.
+    # One session, two files at a time (pytest-xdist): the multi-process tests (gloo ranks, Ray workers, CLI
+    # commands) spend much of their time waiting on processes to start and import, which a second file's work
+    # fills; the longest files go first and the unit tests last (tests/conftest.py), so both workers end together.
     if [[ $# -eq 0 ]]; then
-      status=0
-      "$VENV/bin/python" -m pytest -n auto tests/unit || status=$?
-      "$VENV/bin/python" -m pytest -n 2 --dist loadfile tests/integration || { [[ $status -ne 0 ]] || status=$?; }
-      exit $status
+      exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile tests
     elif unit_only "$@"; then
       exec "$VENV/bin/python" -m pytest -n auto "$@"
     fi

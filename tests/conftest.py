@@ -37,8 +37,8 @@ LONGEST_FIRST = (
 )
 """The test files that take longest (several minutes each on 2 cores), in that order. Under pytest-xdist
 (``./launch.sh test``: ``-n 2 --dist loadfile``, whole files to each worker in collection order) they are handed
-out first, then the other files, so that the workers end together instead of one
-finishing a long file alone. Only the balance depends on this list, never a result."""
+out first, then the other integration files, then the unit tests (seconds each), so that the workers end together
+instead of one finishing a long file alone. Only the balance depends on this list, never a result."""
 
 
 @pytest.hookimpl(trylast=True)  # after the integration conftest has marked its tests
@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items):
 
     def rank(item) -> tuple[int, int]:
         rel = Path(item.path).resolve().relative_to(ROOT / "tests").as_posix()
-        return (0, first[rel]) if rel in first else (1, 0)
+        return (0, first[rel]) if rel in first else (2, 0) if rel.startswith("unit/") else (1, 0)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 
