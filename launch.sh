@@ -310,6 +310,7 @@ case "$cmd" in
     # One session, two files at a time (pytest-xdist): the multi-process tests (gloo ranks, Ray workers, CLI
     # commands) spend much of their time waiting on processes to start and import, which a second file's work
     # fills; the longest files go first and the unit tests last (tests/conftest.py), so both workers end together.
+    # The single-process tests alone (arguments naming only tests/unit) run on every core.
     if [[ $# -eq 0 ]]; then
       exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile tests
     elif unit_only "$@"; then
