@@ -309,10 +309,11 @@ case "$cmd" in
     "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
     # One session, two files at a time (pytest-xdist): the multi-process tests (gloo ranks, Ray workers, CLI
     # commands) spend much of their time waiting on processes to start and import, which a second file's work
-    # fills; the longest files go first and the unit tests last (tests/conftest.py), so both workers end together.
+    # fills; the longest files go first and the unit tests last (tests/conftest.py), so both workers end together
+    # (--no-loadscope-reorder: pytest-xdist would otherwise hand out the files with the most tests first).
     # The single-process tests alone (arguments naming only tests/unit) run on every core.
     if [[ $# -eq 0 ]]; then
-      exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile tests
+      exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
     elif unit_only "$@"; then
       exec "$VENV/bin/python" -m pytest -n auto "$@"
     fi

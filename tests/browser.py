@@ -1,5 +1,6 @@
-"""A user's browser for the tests of the MLflow UI: Debian's headless ``chromium`` with a fresh profile per page (no
-setting the UI keeps in the browser, such as its GenAI / model training switch, carries over), driven in real time
+"""A user's browser for the tests of the MLflow UI: Debian's headless ``chromium``, each browser with a fresh profile
+(no setting the UI keeps in the browser, such as its GenAI / model training switch, carries over from another
+test or from a page checked in another browser; the pages given one :class:`Tab` share it), driven in real time
 over the DevTools protocol on a pipe, without any Python package (:class:`Tab`): a page's text once what the test
 expects has appeared (:func:`page_lines`; the single-page app renders after its load, its metric charts later
 still, one request per metric), and a screenshot of a run's charts (:func:`screenshot`).
@@ -11,6 +12,7 @@ page; the test that takes one too: ``tests/integration/cli/test_help.py``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import io
 import json
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,12 @@ class Tab:
     def png(self) -> bytes:
         return base64.b64decode(self._call("Page.captureScreenshot", {"format": "png"}, session=True)["data"])
 
+    def __enter__(self) -> Tab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         try:
             self._call("Browser.close", timeout=10)
@@ -143,20 +152,34 @@ class Tab:
             self._profile.cleanup()
 
 
-def page_lines(url: str, expect: tuple[str, ...], timeout: float = 120) -> list[str]:
+def page_lines(url: str, expect: tuple[str, ...], timeout: float = 120, tab: Tab | None = None) -> list[str]:
     """The page's text as a user reads it (``innerText``, one entry per line) once every line of ``expect`` is
-    there, or at ``timeout`` without them (the caller names what is missing)."""
-    tab = Tab(1400, 1000)
-    try:
-        tab.open(url)
+    there, or at ``timeout`` without them (the caller names what is missing). In ``tab`` when given (the page is
+    loaded anew there, after a blank page, with the profile's cache and storage: a user's next link), else in a
+    browser of its own with a fresh profile."""
+    with _tab(tab, 1400, 1000) as t:
+        t.open(url)
         deadline = time.monotonic() + timeout
         while True:
-            lines = [line.strip() for line in (tab.eval("document.body.innerText") or "").splitlines()]
+            lines = [line.strip() for line in (t.eval("document.body.innerText") or "").splitlines()]
             if all(e in lines for e in expect) or time.monotonic() > deadline:
                 return [line for line in lines if line]
             time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _tab(tab: Tab | None, width: int, height: int) -> Iterator[Tab]:
+    """``tab`` emptied (``about:blank``, so nothing of its last page is read as the next one's), or a new one,
+    closed after the block."""
+    if tab is not None:
+        tab.open("about:blank")
+        yield tab
+        return
+    own = Tab(width, height)
+    try:
+        yield own
     finally:
-        tab.close()
+        own.close()
 
 
 CHARTS_DRAWN = (
@@ -166,9 +189,10 @@ CHARTS_DRAWN = (
 """Two rows of metric charts in view are drawn (Plotly's SVGs; a chart is drawn once it comes into view)."""
 
 
-def screenshot(url: str, out: Path, section: str = "train", timeout: float = 180) -> Path:
+def screenshot(url: str, out: Path, section: str = "train", timeout: float = 180, tab: Tab | None = None) -> Path:
     """A PNG of a run's Model metrics page scrolled to the charts of ``section`` (the metrics named
-    ``SECTION/...``) once they are drawn, cropped to :data:`CROP`."""
+    ``SECTION/...``) once they are drawn, cropped to :data:`CROP`; in ``tab`` when given (a :data:`SHOT`
+    window), else in a browser of its own."""
     from PIL import Image
 
     heading = (  # the section's header: its name, then the number of its charts
@@ -176,16 +200,13 @@ def screenshot(url: str, out: Path, section: str = "train", timeout: float = 180
         f".find(h => h.textContent.startsWith('{section}('))"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tab = Tab(*SHOT)
-    try:
-        tab.open(url)
-        tab.wait_for(f"{CHARTS_DRAWN} && {heading} !== undefined", timeout)
-        tab.eval(f"{heading}.scrollIntoView({{block: 'start'}})")
-        tab.wait_for(CHARTS_DRAWN, timeout)  # the section's charts, drawn once in view
+    with _tab(tab, *SHOT) as t:
+        t.open(url)
+        t.wait_for(f"{CHARTS_DRAWN} && {heading} !== undefined", timeout)
+        t.eval(f"{heading}.scrollIntoView({{block: 'start'}})")
+        t.wait_for(CHARTS_DRAWN, timeout)  # the section's charts, drawn once in view
         time.sleep(1.0)  # the last chart's paint
-        data = tab.png()
-    finally:
-        tab.close()
+        data = t.png()
     with Image.open(io.BytesIO(data)) as image:
         image.crop(CROP).save(out, optimize=True)
     return out

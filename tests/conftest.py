@@ -26,19 +26,27 @@ FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint
 from tests.harness import PYTHON, cli_env  # noqa: E402, F401  (after the environment above; re-exported)
 
 LONGEST_FIRST = (
-    "integration/parallel/test_model_parallel.py",
-    "integration/growth/test_growth.py",
     "integration/train/test_train_e2e.py",
+    "integration/growth/test_growth.py",
+    "integration/parallel/test_model_parallel.py",
     "integration/train/test_golden.py",
-    "integration/growth/test_layer_drop.py",
     "integration/cluster/test_cluster.py",
+    "integration/cli/test_help.py",
     "integration/train/test_lifecycle.py",
+    "integration/growth/test_layer_drop.py",
+    "integration/data/test_token_shards.py",
     "integration/parallel/test_moe.py",
+    "integration/train/test_stop.py",
+    "integration/cluster/test_multinode.py",
+    "integration/bench/test_checkpoint.py",
+    "integration/bench/test_studies.py",
+    "integration/bench/test_gpu_check.py",
 )
-"""The test files that take longest (several minutes each on 2 cores), in that order. Under pytest-xdist
-(``./launch.sh test``: ``-n 2 --dist loadfile``, whole files to each worker in collection order) they are handed
-out first, then the other integration files, then the unit tests (seconds each), so that the workers end together
-instead of one finishing a long file alone. Only the balance depends on this list, never a result."""
+"""The test files that take longest (over a minute each, two at a time on 2 cores), in that order. Under
+pytest-xdist (``./launch.sh test``: ``-n 2 --dist loadfile --no-loadscope-reorder``, whole files to each worker in
+collection order) they are handed out first, then the other integration files, then the unit tests (seconds each),
+so that the workers end together instead of one finishing a long file alone. Only the balance depends on this list,
+never a result."""
 
 
 @pytest.hookimpl(trylast=True)  # after the integration conftest has marked its tests

@@ -36,6 +36,7 @@ from pretrain.ds_adapter.checkpoint import (
 from pretrain.ds_adapter.engine import (
     SHM_COMM_OP,
     engine_args,
+    import_deepspeed,
     loaded_accelerator,
     set_universal_load,
     skip_shm_comm_op,
@@ -76,6 +77,7 @@ __all__ = [
     "SHM_COMM_OP",
     "skip_shm_comm_op",
     "engine_args",
+    "import_deepspeed",
     "loaded_accelerator",
     "set_universal_load",
     "Views",

@@ -27,6 +27,32 @@ def skip_shm_comm_op(world_size: int) -> None:
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
+# -- the import ---------------------------------------------------------------------------------------------------
+
+
+def import_deepspeed() -> types.ModuleType:
+    """DeepSpeed, imported now, without its autotuner's MLflow import where this process has not imported MLflow.
+
+    0.19: ``import deepspeed`` imports ``deepspeed.autotuning.autotuner``, which runs ``import mlflow`` inside a
+    ``try`` for the autotuner's own logging (``deepspeed --autotuning``, which nothing here runs). That is most of
+    DeepSpeed's import time (about a CPU-second), in every worker, including the ranks that never log to MLflow.
+    So where MLflow is not imported yet, its name is held as absent (``sys.modules["mlflow"] = None``: an
+    ``import mlflow`` raises ImportError and the autotuner goes without) for the length of DeepSpeed's import only;
+    a later ``import mlflow`` (the tracking rank's) imports it as usual. Call it before this process starts threads
+    of its own that may import MLflow. DeepSpeed chooses its accelerator at this import (``DS_ACCELERATOR``)."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    held = "mlflow" not in sys.modules
+    if held:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    finally:
+        if held and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 # -- the engine ---------------------------------------------------------------------------------------------------
 
 

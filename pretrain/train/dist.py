@@ -104,6 +104,7 @@ def setup(use_gpu: str) -> DistContext:
     if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         want_gpu = False  # a group another launcher made for CPU tensors (gloo): the run is on the CPU
     match_deepspeed_accelerator(want_gpu)
+    ds_adapter.import_deepspeed()  # with that accelerator, before any thread of the run (the tracker's) starts
     if not dist.is_initialized():
         alone = "WORLD_SIZE" not in os.environ  # a plain single process
         if alone:

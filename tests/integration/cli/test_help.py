@@ -128,9 +128,10 @@ def test_every_printed_link_opens_the_run_as_model_training(lineage):
     assert runs[1] == f"  in the UI: {page}/{lineage.parent}{ML}", runs
 
 
-def _page_shows(url: str, *texts: str, absent: tuple[str, ...] = ()) -> list[str]:
-    """The lines of the page once ``texts`` are there; none of ``absent`` among them."""
-    lines = browser.page_lines(url, texts)
+def _page_shows(url: str, *texts: str, absent: tuple[str, ...] = (), tab: browser.Tab | None = None) -> list[str]:
+    """The lines of the page (in ``tab``, else a browser of its own) once ``texts`` are there; none of ``absent``
+    among them."""
+    lines = browser.page_lines(url, texts, tab=tab)
     missing = [t for t in texts if t not in lines]
     present = [t for t in absent if t in lines]
     assert not missing and not present, f"{url}: missing {missing}, present {present}: {lines[:60]}"
@@ -140,7 +141,7 @@ def _page_shows(url: str, *texts: str, absent: tuple[str, ...] = ()) -> list[str
 def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
     """``./launch.sh ui --open`` on a free port prints the experiment's link and opens it in ``$BROWSER`` (a script
     that records it) once the UI answers. Chromium, with a fresh profile as a new user has, shows that link as the
-    Runs table with the run (its children nested under it), and the run's link as its page with Model metrics;
+    Runs table with the run (its children nested under it), then the run's link as its page with Model metrics;
     both with the model-training side bar (Runs, Models, Model registry) and none of the GenAI one (Judges,
     Evaluation runs). The same experiment without the parameter is the GenAI overview, which is what this test
     guards against. The run's charts are screenshot (``PRETRAIN_UI_SCREENSHOT=PATH``: there)."""
@@ -180,15 +181,16 @@ def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
 
         genai = ("Judges", "Evaluation runs", "Agent versions")
         training = ("Runs", "Models", "Model registry")
-        lines = _page_shows(exp_url, *training, lineage.name, absent=genai)
-        assert re.search(r"\b3\s+matching runs", "\n".join(lines)), lines  # the children nested under their parent
-        run_url = f"{base}/#/experiments/{exp}/runs/{lineage.parent}{ML}"
-        _page_shows(run_url, *training, "Model metrics", lineage.name, absent=(*genai, "Evaluations"))
-        _page_shows(exp_url.removesuffix(ML), *genai, absent=("Model registry",))  # what a link without it shows
-
-        charts = f"{base}/#/experiments/{exp}/runs/{lineage.parent}/model-metrics{ML}"
-        shot = browser.screenshot(charts, Path(os.environ.get("PRETRAIN_UI_SCREENSHOT") or tmp_path / "charts.png"))
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < shot.stat().st_size < 300_000
+        with browser.Tab(*browser.SHOT) as tab:  # a new user's browser, following the links one after another
+            lines = _page_shows(exp_url, *training, lineage.name, absent=genai, tab=tab)
+            assert re.search(r"\b3\s+matching runs", "\n".join(lines)), lines  # the children nested under their parent
+            run_url = f"{base}/#/experiments/{exp}/runs/{lineage.parent}{ML}"
+            _page_shows(run_url, *training, "Model metrics", lineage.name, absent=(*genai, "Evaluations"), tab=tab)
+            charts = f"{base}/#/experiments/{exp}/runs/{lineage.parent}/model-metrics{ML}"
+            out = Path(os.environ.get("PRETRAIN_UI_SCREENSHOT") or tmp_path / "charts.png")
+            shot = browser.screenshot(charts, out, tab=tab)
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < shot.stat().st_size < 300_000
+        _page_shows(exp_url.removesuffix(ML), *genai, absent=("Model registry",))  # a link without it, a fresh profile
     finally:
         os.killpg(ui.pid, signal.SIGTERM)  # the UI's own session: mlflow, its server and job runner
         try:

@@ -166,66 +166,6 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
         assert grown == plain and sum(st["streams"][s]["sequences"] for st in grown for s in st["streams"]) == 7 * 8
 
 
-def test_offline_grow_and_upcycle_child_runs_resume_export_and_show_lineage(tmp_path):
-    """`grow` on a run trained by 2 workers under ZeRO-3 (partitioned weights merged): identity depth + tiled width
-    without noise (the held-back loss is unchanged, logged), a child MLflow run tagged with its parent that `runs`
-    shows, resumes (on 1 worker) and exports with a passing parity check; `grow experts=4` upcycles, trains with
-    expert parallelism (2 workers, parallel.expert=2) and exports as Mixtral."""
-    import json
-
-    from mlflow import MlflowClient
-
-    from tests.conftest import ROOT
-
-    def run(*args, ranks=1):
-        proc = cli(tmp_path, *args, expect=0, timeout=600, ranks=ranks)
-        return proc.stdout
-
-    base = [o for o in GROW if not o.startswith("growth.")] + [
-        "train.max_steps=4",
-        "cluster.num_workers=2",
-        "zero.stage=3",
-        "zero.param_persistence_threshold=0",
-    ]
-    out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *base, ranks=2)  # 2 ranks, no Ray: torchrun
-    assert "plan: 2 worker(s)" in out
-    parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
-    out = run("grow", parent, "depth=+2", "depth_op=identity", "width=2x", "noise=0")
-    child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    tags = client.get_run(child).data.tags
-    assert tags["growth.parent_run_id"] == parent and tags["growth.parent_step"] == "4"
-    assert tags["mlflow.parentRunId"] == parent and "depth 2->4 identity" in tags["growth.operator"]
-    m = client.get_run(child).data.metrics
-    assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=1e-5)
-    assert f"growth of run {parent} at step 4" in run("runs", child)
-    assert f"^ growth of run {parent}" in run("runs")
-    run("resume", child, "train.max_steps=6", "cluster.num_workers=1")
-    hist = {x.step for x in client.get_metric_history(child, "train/loss")}
-    assert hist == {5, 6}, "the grown run continues the parent's step count and data"
-    report = run("export", child, "--out", str(tmp_path / "hf_grown"))
-    assert "LlamaForCausalLM" in report and "parity" in report
-    cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (4, 64, False)
-    out = run("grow", parent, "experts=4", "noise=0")
-    moe_child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
-    # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
-    out = run(
-        "resume",
-        moe_child,
-        "train.max_steps=6",
-        "cluster.use_ray=true",
-        "cluster.num_workers=2",
-        "parallel.expert=2",
-        "zero.stage=1",
-    )
-    assert "2 worker(s)" in out
-    hist = {x.step for x in client.get_metric_history(moe_child, "train/loss")}
-    assert hist == {5, 6} and client.get_metric_history(moe_child, "moe/block0/expert3_tokens")
-    report = run("export", moe_child, "--out", str(tmp_path / "hf_moe"))  # its EP=2 checkpoint
-    assert "MixtralForCausalLM" in report
-
-
 def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and_offline(tmp_path):
     """``layer_drop.scaling: rho`` with ``by_depth: linear`` (rate 0.8: rho 0.6, 0.2 at depth 2, 0.8, 0.6, 0.4, 0.2
     at depth 4): identity depth growth keeps the held-back loss in the job (``growth.schedule``, checked by the run
@@ -279,12 +219,16 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
     assert rel > cfg.growth.check_tolerance, "the scales matter"
 
 
-def test_offline_grow_then_resume_keeps_improving(tmp_path):
-    """The README's sequence as a user runs it: a demo decoder (2 workers, ZeRO-3) trained 20 steps, to the end of
-    its LR warm-up; `grow depth=2x depth_op=identity width=2x width_op=tile noise=0` (exact); `resume CHILD` on 1
-    worker for 10 steps. The child starts with fresh AdamW moments: it re-warms its LR (`growth.rewarm_steps`,
-    recorded in its config), and its validation loss after the 10 steps is not above its parent's at the growth
-    point."""
+def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path):
+    """The README's sequence as a user runs it: a demo decoder trained 20 steps by 2 workers under ZeRO-3 (no Ray:
+    torchrun; partitioned weights merged), to the end of its LR warm-up; `grow depth=2x depth_op=identity width=2x
+    width_op=tile noise=0` (exact: the held-back loss is unchanged, logged) makes a child MLflow run tagged with its
+    parent, which `runs` shows; `resume CHILD` on 1 worker for 10 steps continues the parent's step count and data.
+    The child starts with fresh AdamW moments: it re-warms its LR (`growth.rewarm_steps`, recorded in its config), and
+    its validation loss after the 10 steps is not above its parent's at the growth point. It exports with a passing
+    parity check. `grow experts=4` upcycles the parent; the child (written on 1 process) trains with expert
+    parallelism on 2 Ray workers (parallel.expert=2) and its EP=2 checkpoint exports as Mixtral."""
+    import json
 
     import yaml
     from mlflow import MlflowClient
@@ -294,6 +238,9 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
     def run(*args, ranks=1):
         proc = cli(tmp_path, *args, expect=0, timeout=900, ranks=ranks)
         return proc.stdout
+
+    def new_run(out: str, what: str) -> str:
+        return next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith(f"[{what}] new run"))
 
     parent_opts = [
         "model.max_seq_len=64",
@@ -315,9 +262,17 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
     out = run("train", str(ROOT / "configs" / "demo-decoder.yaml"), *parent_opts, ranks=2)  # 2 ranks: torchrun
     assert "plan: 2 worker(s)" in out
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
-    out = run("grow", parent, "depth=2x", "depth_op=identity", "width=2x", "width_op=tile", "noise=0")
-    child = next(line.split()[3].rstrip(":") for line in out.splitlines() if line.startswith("[grow] new run"))
+    child = new_run(
+        run("grow", parent, "depth=2x", "depth_op=identity", "width=2x", "width_op=tile", "noise=0"), "grow"
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tags = client.get_run(child).data.tags
+    assert tags["growth.parent_run_id"] == parent and tags["growth.parent_step"] == "20"
+    assert tags["mlflow.parentRunId"] == parent and "depth 4->8 identity" in tags["growth.operator"]
+    m = client.get_run(child).data.metrics
+    assert m["growth/loss_after"] == pytest.approx(m["growth/loss_before"], rel=1e-5)
+    assert f"growth of run {parent} at step 20" in run("runs", child)
+    assert f"^ growth of run {parent}" in run("runs")
     run_dir = next(p for p in tmp_path.rglob(child) if p.is_dir() and (p / "config.yaml").exists())
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["growth"]["rewarm_steps"] == 20, "a grown run re-warms (the parent's warm-up), recorded in its config"
@@ -326,5 +281,27 @@ def test_offline_grow_then_resume_keeps_improving(tmp_path):
     def history(run_id, key):
         return {x.step: x.value for x in client.get_metric_history(run_id, key)}
 
+    assert sorted(history(child, "train/loss")) == list(range(21, 31)), "the parent's step count and data go on"
     parent_val, child_val = history(parent, "val/loss")[20], history(child, "val/loss")[30]
     assert child_val <= parent_val, (parent_val, child_val, history(child, "train/loss"), history(child, "train/lr"))
+    report = run("export", child, "--out", str(tmp_path / "hf_grown"))
+    assert "LlamaForCausalLM" in report and "parity" in report
+    cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (8, 512, False)
+
+    moe_child = new_run(run("grow", parent, "experts=4", "noise=0"), "grow")
+    # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
+    out = run(
+        "resume",
+        moe_child,
+        "train.max_steps=22",
+        "cluster.use_ray=true",
+        "cluster.num_workers=2",
+        "parallel.expert=2",
+        "zero.stage=1",
+    )
+    assert "2 worker(s)" in out
+    hist = {x.step for x in client.get_metric_history(moe_child, "train/loss")}
+    assert hist == {21, 22} and client.get_metric_history(moe_child, "moe/block0/expert3_tokens")
+    report = run("export", moe_child, "--out", str(tmp_path / "hf_moe"))  # its EP=2 checkpoint
+    assert "MixtralForCausalLM" in report

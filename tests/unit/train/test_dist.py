@@ -58,3 +58,22 @@ def test_deepspeed_gets_the_runs_accelerator(monkeypatch):
     with pytest.raises(RuntimeError, match="^DeepSpeed was imported with its cpu accelerator before this cuda run"):
         dist.match_deepspeed_accelerator(True)
     dist.match_deepspeed_accelerator(False)
+
+
+def test_a_worker_imports_deepspeed_without_mlflow_until_it_tracks():
+    """``setup`` imports DeepSpeed (its accelerator chosen) with its autotuner's ``import mlflow`` held back, in a
+    fresh interpreter as a worker starts: MLflow is not imported by it (the ranks that do not track never import
+    it), DeepSpeed's autotuner goes without it, and a later ``import mlflow`` (the tracking rank's) works."""
+    import subprocess
+
+    from tests.harness import PYTHON, ROOT
+
+    code = (
+        "import sys; from pretrain.train import dist; dist.setup('no')\n"
+        "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, [m for m in sys.modules if 'mlf' in m]\n"
+        "from deepspeed.autotuning import autotuner; assert autotuner.has_mlflow is False\n"
+        "from pretrain.ds_adapter import import_deepspeed; assert import_deepspeed() is sys.modules['deepspeed']\n"
+        "import mlflow; print(mlflow.MlflowClient.__name__)\n"
+    )
+    proc = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "MlflowClient", proc.stderr[-3000:]
