@@ -10,10 +10,10 @@ It knows nothing of our packages (engines, optimizers and parameters come in as 
 holds DeepSpeed objects can use it: it sits in the lowest tier of ``.importlinter`` beside ``pretrain.model`` and
 ``pretrain.data``, and ``pretrain.model`` may not import it (its DeepSpeed imports are forbidden there).
 
-One module per concern: ``engine.py`` (its import, communication backend, device, accelerator, universal loading), ``zero.py``
-(ZeRO partitions of parameters and gradients, the optimizer wrappers), ``checkpoint.py`` (DeepSpeed's checkpoint
-files, saving and loading them), ``parallel.py`` (expert-parallel groups, AutoTP, Ulysses). Callers import the names
-below from ``pretrain.ds_adapter``.
+One module per concern: ``engine.py`` (its import, communication backend, device, accelerator, universal loading),
+``zero.py`` (ZeRO partitions of parameters and gradients, the optimizer wrappers), ``checkpoint.py`` (DeepSpeed's
+checkpoint files, saving and loading them), ``parallel.py`` (expert-parallel groups, AutoTP, Ulysses). Callers
+import the names below from ``pretrain.ds_adapter``.
 """
 
 from pretrain.ds_adapter.checkpoint import (
