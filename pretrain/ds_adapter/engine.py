@@ -35,7 +35,7 @@ def import_deepspeed() -> types.ModuleType:
 
     0.19: ``import deepspeed`` imports ``deepspeed.autotuning.autotuner``, which runs ``import mlflow`` inside a
     ``try`` for the autotuner's own logging (``deepspeed --autotuning``, which nothing here runs). That is most of
-    DeepSpeed's import time (about a CPU-second), in every worker, including the ranks that never log to MLflow.
+    DeepSpeed's own import time, in every worker, including the ranks that never log to MLflow.
     So where MLflow is not imported yet, its name is held as absent (``sys.modules["mlflow"] = None``: an
     ``import mlflow`` raises ImportError and the autotuner goes without) for the length of DeepSpeed's import only;
     a later ``import mlflow`` (the tracking rank's) imports it as usual. Call it before this process starts threads
