@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         "--tokens",
         type=int,
         default=0,
-        help="--growth: the budget in target-model tokens (default: 20 per target parameter)",
+        help="--growth, --layer-drop --quality: the budget in target-model tokens (default: 20 per target parameter)",
     )
     p.add_argument(
         "--scan",
@@ -240,7 +240,7 @@ def measure(a: argparse.Namespace) -> dict:
 
         return study(
             [r for r in a.rest if "=" in r],
-            steps=a.steps or 200,
+            tokens=a.tokens or None,
             seeds=tuple(int(x) for x in a.seeds.split(",")),
             root=Path(a.study_dir) if a.study_dir else None,
         )

@@ -29,6 +29,7 @@ from benchmarks.study import (
     epochs,
     first_below,
     flops_saving,
+    model_parameters,
     study_base,
     vocab_of,
 )
@@ -288,14 +289,7 @@ def iso_flop(out: dict, params: dict[str, int], per_token: dict[str, float]) -> 
 
 def _parameters(study: Study, arch: dict) -> int:
     """Parameters of the decoder ``arch`` under the study's config (tied embeddings once)."""
-    import torch
-
-    from pretrain.model.counting import num_parameters
-    from pretrain.model.transformer import SkipInitOnMeta, Transformer
-
-    cfg = study.config(_model(arch))
-    with torch.device("meta"), SkipInitOnMeta():
-        return num_parameters(Transformer(cfg.model, cfg.moe))
+    return model_parameters(study, _model(arch))
 
 
 def _split(overrides: list[str]) -> list[tuple[str, str]]:

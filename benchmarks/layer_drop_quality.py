@@ -1,7 +1,11 @@
-"""Layer dropout, for what it is used for (``./launch.sh bench --layer-drop --quality``): a decoder of 8 blocks
-trained on held-out text, per seed, as MLflow children of one parent run (:mod:`benchmarks.study`).
+"""Layer dropout, for what it is used for (``./launch.sh bench --layer-drop --quality``): the growth study's target
+decoder (:data:`benchmarks.growth.TARGET`) trained per seed on the studies' corpus, in the growth study's regime
+(``--tokens``, default :data:`benchmarks.growth.TOKENS_PER_PARAM` tokens per parameter), as MLflow children of one
+parent run (:mod:`benchmarks.study`).
 
-- ``no-drop``: ``--steps`` steps, cosine schedule decayed at the end.
+- ``no-drop``: the budget's steps, cosine schedule decayed at the end.
+- ``half-depth, equal FLOPs``: half the blocks from scratch on the no-drop run's FLOPs. ``depth_pays`` (per seed) is
+  true when the no-drop model ends below it: the regime in which dropping or pruning blocks has something to lose.
 - ``pld``: progressive layer dropping (Zhang and He 2020, arXiv:2010.13369) in ``layer`` mode (a skipped block does
   no work): keep probability (1 - theta_bar) exp(-gamma t) + theta_bar, theta_bar = 1 - ``--pld-rate`` at the
   deepest block and less below it (``by_depth: linear``, PLD's depth rule), with gamma = ``--pld-gamma-t`` / steps
@@ -10,7 +14,7 @@ trained on held-out text, per seed, as MLflow children of one parent run (:mod:`
   ``pld_time_to_loss_speedup`` = the no-drop run's training seconds to its final validation loss / PLD's training
   seconds to reach that loss (``val/train_s``, validation and checkpoints left out; None: never reached).
 - ``layer-drop``: constant rate ``--prune-rate`` on every block (LayerDrop, Fan et al. 2019, arXiv:1909.11556),
-  ``--steps`` steps; then ``prune layers=every_other scale=train`` (the kept blocks as they ran in training) and
+  as many steps as no-drop; then ``prune layers=every_other scale=train`` (the kept blocks as they ran in training) and
   ``eval`` (the user's commands), against a half-depth model trained from scratch on the FLOPs the layer-drop run
   executed: ``pruned_vs_scratch_half_depth_gap`` (nats; > 0: the pruned model is worse); the same with
   ``scale=inference`` (the default of ``prune``), and for the no-drop model pruned (the contrast).
@@ -27,10 +31,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks.corpus import DEFAULT_VOCAB
-from benchmarks.study import ROOT, Study, corpus_overrides, study_base, time_to_loss_speedup, vocab_of
-
-ARCH = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8", "model.num_kv_heads=4"]
+from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB
+from benchmarks.study import (
+    ROOT,
+    Study,
+    corpus_overrides,
+    epochs,
+    model_parameters,
+    study_base,
+    time_to_loss_speedup,
+    vocab_of,
+)
 
 
 def executed_share(rate: float, schedule: str, gamma: float, by_depth: str, blocks: int, steps: int, share: float):
@@ -80,32 +91,42 @@ def _eval(study: Study, run_id: str, sequences: int) -> float:
 def study(
     overrides: list[str],
     *,
-    steps: int = 200,
+    tokens: int | None = None,
     seeds: tuple[int, ...] = (0, 1),
     pld_rate: float = 0.5,
     pld_gamma_t: float = 20.0,
     prune_rate: float = 0.5,
-    eval_sequences: int = 256,
+    eval_sequences: int = VAL_SEQUENCES,
     root: Path | None = None,
 ) -> dict:
-    """The study; returns its dict (every per-seed value, and the minimum or maximum the goals read)."""
+    """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per parameter of the model. Returns its dict (every
+    per-seed value, and the minimum or maximum the goals read)."""
     from pretrain.config import make_plan
     from pretrain.model.growth_stages import block_flops_share
 
-    vocab = vocab_of(overrides, DEFAULT_VOCAB)
-    corpus, corpus_name, _ = corpus_overrides(overrides, vocab)
-    base = study_base(vocab, corpus, overrides, *ARCH)
+    vocab = vocab_of(overrides, VOCAB)
+    corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
+    arch = [f"model.{k}={v}" for k, v in TARGET.items()]
+    base = study_base(vocab, corpus, overrides, *arch, val_sequences=VAL_SEQUENCES)
     st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root)
     cfg = st.config([])
-    blocks, seq = cfg.model.num_layers, make_plan(cfg, 1).seq_len
-    share = block_flops_share(cfg.model, seq, cfg.moe)
+    params = model_parameters(st, [])
+    tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
+    blocks, plan = cfg.model.num_layers, make_plan(cfg, 1)
+    steps = math.ceil(tokens / plan.tokens_per_step)
+    share = block_flops_share(cfg.model, plan.seq_len, cfg.moe)
     pld_steps = _pld_steps(steps, pld_rate, pld_gamma_t, blocks, share)
     gamma = pld_gamma_t / pld_steps
     ld_share = executed_share(prune_rate, "constant", 1.0, "uniform", blocks, steps, share)
     half = [f"model.num_layers={blocks // 2}"]
-    half_share = block_flops_share(st.config(half).model, seq, cfg.moe)
+    half_share = block_flops_share(st.config(half).model, plan.seq_len, cfg.moe)
     # half the blocks: per step (1 - share) + share / 2 of the full model's FLOPs (same head, half the blocks)
-    half_steps = round(steps * ld_share / (1 - share + share / 2))
+    half_step_cost = 1 - share + share / 2
+    half_steps = round(steps * ld_share / half_step_cost)
+    half_equal_steps = round(steps / half_step_cost)
+    most = max(pld_steps, half_equal_steps) * plan.tokens_per_step  # the runs that read the most tokens
+    passes = epochs(most, manifest, f"bench --layer-drop --quality: the budget ({tokens:,} tokens)")
+    repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
     every = max(1, steps // 25)
     pld = [
         f"layer_drop.rate={pld_rate}",
@@ -116,10 +137,20 @@ def study(
     ]
     out: dict = {
         "model": {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads")},
+        "parameters": params,
+        "budget_tokens": steps * plan.tokens_per_step,
+        "tokens_per_param": steps * plan.tokens_per_step / params,
         "corpus": corpus_name,
+        "corpus_epochs_max": passes,
         "seeds": list(seeds),
         "block_flops_share": share,
-        "steps": {"no-drop": steps, "pld": pld_steps, "layer-drop": steps, "half-depth": half_steps},
+        "steps": {
+            "no-drop": steps,
+            "pld": pld_steps,
+            "layer-drop": steps,
+            "half-depth": half_steps,
+            "half-depth, equal FLOPs": half_equal_steps,
+        },
         "pld": {"rate": pld_rate, "gamma": gamma, "gamma_x_steps": pld_gamma_t, "by_depth": "linear"},
         "executed_flops_share": {
             "pld": steps / pld_steps,
@@ -129,16 +160,13 @@ def study(
         "per_seed": {},
     }
     for seed in seeds:
-        s = f"train.seed={seed}"
-        nodrop = st.train(f"no-drop seed {seed}", [s, f"train.max_steps={steps}", f"train.val_every={every}"])
-        prog = st.train(f"pld seed {seed}", [s, f"train.max_steps={pld_steps}", f"train.val_every={every}", *pld])
-        ld = st.train(
-            f"layer-drop {prune_rate:g} seed {seed}",
-            [s, f"train.max_steps={steps}", f"train.val_every={every}", f"layer_drop.rate={prune_rate}"],
-        )
-        scratch = st.train(
-            f"half-depth seed {seed}", [s, *half, f"train.max_steps={half_steps}", f"train.val_every={every}"]
-        )
+        s = [f"train.seed={seed}", f"train.val_every={every}", *repeat]
+        nodrop = st.train(f"no-drop seed {seed}", [*s, f"train.max_steps={steps}"])
+        equal = st.train(f"half-depth equal FLOPs seed {seed}", [*s, *half, f"train.max_steps={half_equal_steps}"])
+        prog = st.train(f"pld seed {seed}", [*s, f"train.max_steps={pld_steps}", *pld])
+        ld_run = [*s, f"train.max_steps={steps}", f"layer_drop.rate={prune_rate}"]
+        ld = st.train(f"layer-drop {prune_rate:g} seed {seed}", ld_run)
+        scratch = st.train(f"half-depth seed {seed}", [*s, *half, f"train.max_steps={half_steps}"])
         half_loss = _eval(st, scratch.run_id, eval_sequences)
         pruned = {
             "no-drop": _prune_and_eval(st, nodrop.run_id, eval_sequences),
@@ -147,7 +175,13 @@ def study(
         }
         row: dict[str, Any] = {
             "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds),
-            "final_val_loss": {"no-drop": nodrop.final_loss, "pld": prog.final_loss, "layer-drop": ld.final_loss},
+            "final_val_loss": {
+                "no-drop": nodrop.final_loss,
+                "half-depth, equal FLOPs": equal.final_loss,
+                "pld": prog.final_loss,
+                "layer-drop": ld.final_loss,
+            },
+            "depth_pays": nodrop.final_loss < equal.final_loss,
             "train_seconds": {
                 "no-drop": nodrop.seconds[-1][0],
                 "pld": prog.seconds[-1][0],
@@ -163,8 +197,10 @@ def study(
             "no_drop_pruned_vs_scratch_half_depth_gap": pruned["no-drop"] - half_loss,
             "inference_scale_pruned_vs_scratch_half_depth_gap": pruned["layer-drop, scale=inference"] - half_loss,
             "curves_seconds": {"no-drop": nodrop.seconds, "pld": prog.seconds},
+            "curves_flops": {"no-drop": nodrop.flops, "half-depth, equal FLOPs": equal.flops},
             "run_ids": {
                 "no-drop": nodrop.run_id,
+                "half-depth, equal FLOPs": equal.run_id,
                 "pld": prog.run_id,
                 "layer-drop": ld.run_id,
                 "half-depth": scratch.run_id,
@@ -177,7 +213,9 @@ def study(
     out["pruned_vs_scratch_half_depth_gap"] = max(r["pruned_vs_scratch_half_depth_gap"] for r in rows)
     for key in ("no_drop_pruned_vs_scratch_half_depth_gap", "inference_scale_pruned_vs_scratch_half_depth_gap"):
         out[key] = max(r[key] for r in rows)
+    out["depth_pays"] = all(r["depth_pays"] for r in rows)
     out["goals"] = {
+        "depth_pays on every seed (the regime)": out["depth_pays"],
         "pld_time_to_loss_speedup >= 1.15 on every seed": out["pld_time_to_loss_speedup"] is not None
         and out["pld_time_to_loss_speedup"] >= 1.15,
         "pruned_vs_scratch_half_depth_gap <= 0.05 on every seed": out["pruned_vs_scratch_half_depth_gap"] <= 0.05,

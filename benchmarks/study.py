@@ -72,6 +72,18 @@ def study_base(vocab: int, corpus: list[str], overrides: list[str], *extra: str,
     ]
 
 
+def model_parameters(study: Study, extra: list[str]) -> int:
+    """Parameters of the model the study's config with ``extra`` builds (tied embeddings once)."""
+    import torch
+
+    from pretrain.model.counting import num_parameters
+    from pretrain.model.transformer import SkipInitOnMeta, Transformer
+
+    cfg = study.config(extra)
+    with torch.device("meta"), SkipInitOnMeta():
+        return num_parameters(Transformer(cfg.model, cfg.moe))
+
+
 def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
     """Passes over the corpus's training split that ``tokens`` make (None without a manifest); more than
     :data:`MAX_EPOCHS` stops the study (``ConfigError``: one line naming ``what``, exit 2)."""

@@ -86,16 +86,25 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):
     corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
-    r = _bench(tmp_path, "--layer-drop", "--quality", "--steps", "8", "--seeds", "0", "model.num_layers=4", corpus)
-    assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"] == 8
+    r = _bench(tmp_path, "--layer-drop", "--quality", "--tokens", "1024", "--seeds", "0", "model.num_layers=4", corpus)
+    assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"] == 8, "128 tokens a step"
+    assert r["tokens_per_param"] == pytest.approx(1024 / r["parameters"])
+    steps = r["steps"]
+    assert steps["half-depth"] <= steps["no-drop"] <= steps["half-depth, equal FLOPs"]
     row = r["per_seed"]["0"]
+    final, flops = row["final_val_loss"], row["curves_flops"]
+    assert (
+        row["depth_pays"] == (final["no-drop"] < final["half-depth, equal FLOPs"])
+        and r["depth_pays"] == row["depth_pays"]
+    )
+    assert flops["half-depth, equal FLOPs"][-1][0] == pytest.approx(flops["no-drop"][-1][0], rel=0.1), "equal FLOPs"
     curves = row["curves_seconds"]
     assert row["pld_time_to_loss_speedup"] == time_to_loss_speedup(curves["no-drop"], curves["pld"])
     assert row["pruned_vs_scratch_half_depth_gap"] == row["pruned_loss"]["layer-drop"] - row["half_depth_scratch_loss"]
     assert r["pruned_vs_scratch_half_depth_gap"] == row["pruned_vs_scratch_half_depth_gap"]
     assert set(r["goals"].values()) <= {True, False}
     _, runs = _children(r)
-    assert len(runs) == 4, "no-drop, PLD, layer dropout and half depth"
+    assert len(runs) == 5, "no-drop, half depth at its FLOPs, PLD, layer dropout and half depth at that one's FLOPs"
 
 
 def test_early_exit_study_on_a_tiny_budget(tmp_path):
