@@ -178,8 +178,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--quality",
         action="store_true",
-        help="with --layer-drop: only the layer-dropout study (progressive layer dropping's time to loss, pruning "
-        "against a half-depth model from scratch; benchmarks/layer_drop_quality.py; about 40 minutes on 2 CPU cores)",
+        help="with --layer-drop: only the layer-dropout study in the growth study's regime (whether depth pays, "
+        "progressive layer dropping's time to loss, pruning against a half-depth model from scratch; five runs per "
+        "seed; benchmarks/layer_drop_quality.py)",
     )
     p.add_argument(
         "--recompute",
