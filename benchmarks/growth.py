@@ -12,6 +12,8 @@ at most :data:`benchmarks.study.MAX_EPOCHS` times.
 
 ``growth_flops_saving`` of a recipe is 1 - (FLOPs at which it first reaches the scratch run's final validation loss)
 / (scratch FLOPs), per seed (:func:`benchmarks.study.flops_saving`); the table's value is the minimum over seeds.
+``growth_flops_saving_mean_curve`` is the same saving between the mean curves over seeds
+(:func:`benchmarks.study.mean_curve`), less sensitive to one seed's late swings.
 A saving against an oversized target is no gain: the study also trains each recipe's small model alone on the whole
 budget and reports, per seed, ``target_ahead_of_small`` and ``grown_vs_best_alternative`` (:func:`alternatives`),
 and the iso-FLOP scan those runs make (:func:`iso_flop`); ``--scan`` runs only that scan. With ``--sizes`` the
@@ -29,6 +31,7 @@ from benchmarks.study import (
     epochs,
     first_below,
     flops_saving,
+    mean_curve,
     model_parameters,
     study_base,
     vocab_of,
@@ -229,6 +232,8 @@ def growth_bench(
         savings = {n: {s: flops_saving(out["curves"]["scratch"][s], out["curves"][n][s]) for s in seeds} for n in names}
         out["growth_flops_saving_per_seed"] = savings
         out["growth_flops_saving"] = {n: _min_saving(v.values()) for n, v in savings.items()}
+        mean = {n: mean_curve([out["curves"][n][s] for s in seeds]) for n in ["scratch", *names]}
+        out["growth_flops_saving_mean_curve"] = {n: flops_saving(mean["scratch"], mean[n]) for n in names}
         ranked = sorted(
             names, key=lambda n: -1e9 if out["growth_flops_saving"][n] is None else out["growth_flops_saving"][n]
         )

@@ -124,6 +124,12 @@ def value_at(curve: Curve, x: float) -> float:
     return curve[-1][1]
 
 
+def mean_curve(curves: list[Curve]) -> Curve:
+    """The mean of ``curves`` (one run type over seeds) at the first curve's x, each other curve interpolated there
+    (:func:`value_at`): a view of the run type less sensitive to one seed's late swings than any single curve."""
+    return [(x, sum(value_at(c, x) for c in curves) / len(curves)) for x, _ in curves[0]]
+
+
 def first_below(curve: Curve, other: Curve) -> float | None:
     """The first x of ``curve`` at which its loss is at or below ``other``'s there (interpolated); None: never."""
     return next((x for x, loss in curve if loss <= value_at(other, x)), None)

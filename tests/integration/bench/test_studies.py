@@ -65,6 +65,7 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     got = r["growth_flops_saving_per_seed"]["stack2@10%"]["0"]
     assert (got is None and want is None) or got == pytest.approx(want, abs=1e-4)
     assert r["growth_flops_saving"]["stack2@10%"] == got
+    assert r["growth_flops_saving_mean_curve"]["stack2@10%"] == got, "one seed: its own curves"
     # against the small model alone (JSON curves are rounded to 6 digits)
     assert r["small_models"] == {"stack2@10%": small}
     assert r["small_alone_final_loss"]["stack2@10%"]["0"] == pytest.approx(alone[-1][1], rel=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.study import crossing, first_below, flops_saving, time_to_loss_speedup, value_at
+from benchmarks.study import crossing, first_below, flops_saving, mean_curve, time_to_loss_speedup, value_at
 
 SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
 
@@ -27,3 +27,9 @@ def test_interpolation_and_first_below():
     small = [(1.0, 4.0), (2.0, 3.8), (3.0, 3.7), (4.0, 3.65)]
     assert first_below(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
     assert first_below(small, [(1.0, 1.0), (4.0, 1.0)]) is None
+
+
+def test_mean_curve_over_seeds():
+    other = [(1.0, 4.0), (2.0, 3.0), (4.0, 2.0)]  # no point at 3: interpolated there (2.5)
+    assert mean_curve([SCRATCH, other]) == [(1.0, 4.5), (2.0, 3.5), (3.0, 3.0), (4.0, 2.5)]
+    assert mean_curve([SCRATCH]) == SCRATCH
