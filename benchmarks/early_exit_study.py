@@ -3,8 +3,10 @@ trained without and with the early-exit loss (LayerSkip: Elhoushi et al. 2024, a
 config and seed at equal training FLOPs, as MLflow children of one parent run (:mod:`benchmarks.study`), then the
 early-exit model decoded plainly and self-speculatively on held-out prompts (:mod:`benchmarks.early_exit_decoding`).
 
-- ``baseline``: :data:`ARCH` on the studies' corpus (:mod:`benchmarks.corpus`, or the overrides' ``data.sources``)
-  for ``tokens`` tokens (default :data:`TOKENS_PER_PARAM` per parameter), cosine schedule decayed at the end.
+- ``baseline``: the growth study's target (:data:`benchmarks.growth.TARGET`) on the studies' corpus
+  (:mod:`benchmarks.corpus`, or the overrides' ``data.sources``) for ``tokens`` tokens (default
+  :data:`benchmarks.growth.TOKENS_PER_PARAM` per parameter), cosine schedule decayed at the end: the regime in which
+  the growth and layer-dropout studies measured that depth pays (the full depth ahead of half depth at equal FLOPs).
 - ``early-exit``: the same plus :data:`RECIPE` (layer dropout rising with depth, exits every 2 blocks through the
   shared final norm and LM head, rotational curriculum). Equal FLOPs: the baseline's training FLOPs (the product's
   count, :func:`pretrain.model.flops_per_token`) divided by the early-exit run's FLOPs per step, which are the same
@@ -28,10 +30,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study import ROOT, Study, corpus_overrides, epochs, study_base, vocab_of
-
-ARCH = ["model.num_layers=8", "model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2"]
-"""The default decoder: 8 blocks x 128 (head size 32), vocabulary 2,048; ``model.*`` overrides change it."""
+from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB
+from benchmarks.study import ROOT, Study, corpus_overrides, epochs, model_parameters, study_base, vocab_of
 
 RECIPE = [
     "layer_drop.rate=0.1",
@@ -43,9 +43,6 @@ RECIPE = [
     "layer_drop.early_exit.rotation=2",
 ]
 """The early-exit run's additions (``layer_drop.*`` overrides replace them)."""
-
-TOKENS_PER_PARAM = 5
-"""The default budget in training tokens per parameter of the model."""
 
 GOALS = {"speedup": 1.5, "loss_gap": 0.02}
 
@@ -102,15 +99,15 @@ def study(
     import torch
 
     from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
-    from benchmarks.growth import _parameters
     from eval.generate import load_generator
     from pretrain.config import ConfigError, make_plan
     from pretrain.model import flops_per_token
     from pretrain.model.growth_stages import block_flops_share
 
-    vocab = vocab_of(overrides, 2048)
+    vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = study_base(vocab, corpus, overrides, *ARCH, val_sequences=128)
+    arch = [f"model.{k}={v}" for k, v in TARGET.items()]
+    base = study_base(vocab, corpus, overrides, *arch, val_sequences=VAL_SEQUENCES)
     st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root)
     given = {o.split("=", 1)[0] for o in overrides}
     recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]
@@ -121,7 +118,7 @@ def study(
     plan = make_plan(cfg, 1)
     tokens_per_step = plan.seq_len * cfg.train.global_batch_size
     per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
-    params = _parameters(st, {})
+    params = model_parameters(st, [])
     tokens = tokens or TOKENS_PER_PARAM * params
     steps = max(1, round(tokens / tokens_per_step))
     budget = steps * tokens_per_step * per_token
