@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB
+from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
 from benchmarks.study import ROOT, Study, corpus_overrides, epochs, model_parameters, study_base, vocab_of
 
 RECIPE = [
@@ -106,8 +106,7 @@ def study(
 
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    arch = [f"model.{k}={v}" for k, v in TARGET.items()]
-    base = study_base(vocab, corpus, overrides, *arch, val_sequences=VAL_SEQUENCES)
+    base = study_base(vocab, corpus, overrides, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
     st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root)
     given = {o.split("=", 1)[0] for o in overrides}
     recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]

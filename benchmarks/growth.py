@@ -76,7 +76,8 @@ def sizes_of(target: dict) -> list[dict]:
     return [half, {**three_quarters, "num_kv_heads": max(1, KV // 2)}, target]
 
 
-def _model(arch: dict) -> list[str]:
+def model_overrides(arch: dict) -> list[str]:
+    """The ``model.<key>=<value>`` overrides of ``arch`` (e.g. :data:`TARGET`)."""
     return [f"model.{k}={v}" for k, v in arch.items()]
 
 
@@ -126,7 +127,7 @@ def _budget(study: Study, arch: dict, tokens: int) -> tuple[float, float]:
     from pretrain.model import flops_per_token
     from pretrain.model.growth_stages import block_flops_share
 
-    cfg = study.config(_model(arch))
+    cfg = study.config(model_overrides(arch))
     plan = make_plan(cfg, cfg.cluster.num_workers)
     per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
     return tokens * per_token, block_flops_share(cfg.model, plan.seq_len, cfg.moe)
@@ -161,9 +162,9 @@ def plan(target: dict, names: list[str], seeds: tuple[int, ...], scan: bool = Fa
         smalls.setdefault(alone_name(small_model(target, book[n])), _small_alone(book[n]))
     runs = []
     for seed in seeds:
-        runs.append(("scratch", seed, _model(target)))
-        runs += [] if scan else [(n, seed, [*_model(target), *book[n]]) for n in names]
-        runs += [(name, seed, [*_model(target), *extra]) for name, extra in smalls.items()]
+        runs.append(("scratch", seed, model_overrides(target)))
+        runs += [] if scan else [(n, seed, [*model_overrides(target), *book[n]]) for n in names]
+        runs += [(name, seed, [*model_overrides(target), *extra]) for name, extra in smalls.items()]
     return runs
 
 
@@ -200,7 +201,7 @@ def growth_bench(
         )
     runs = plan(target, names, seeds, scan)
     # the run that reads most tokens starts at the smallest model (a grown run reads fewer than its model alone)
-    archs = {n: small_model(target, extra[len(_model(target)) :]) for n, _, extra in runs}
+    archs = {n: small_model(target, extra[len(model_overrides(target)) :]) for n, _, extra in runs}
     per_token = {n: _budget(study, a, 1)[0] for n, a in archs.items()}
     most = flops / min(per_token.values())
     passes = epochs(most, manifest, f"bench --growth: the budget ({tokens:,} target tokens)")
@@ -294,7 +295,7 @@ def iso_flop(out: dict, params: dict[str, int], per_token: dict[str, float]) -> 
 
 def _parameters(study: Study, arch: dict) -> int:
     """Parameters of the decoder ``arch`` under the study's config (tied embeddings once)."""
-    return model_parameters(study, _model(arch))
+    return model_parameters(study, model_overrides(arch))
 
 
 def _split(overrides: list[str]) -> list[tuple[str, str]]:
@@ -319,14 +320,14 @@ def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: i
             scratch, grown = out["curves"]["scratch"][seed], out["curves"][best][seed]
         else:
             scratch = study.train(
-                f"trend {arch['num_layers']}x{arch['hidden_size']} scratch", [*_model(arch), *budget]
+                f"trend {arch['num_layers']}x{arch['hidden_size']} scratch", [*model_overrides(arch), *budget]
             ).flops
             grown = study.train(
-                f"trend {arch['num_layers']}x{arch['hidden_size']} {best}", [*_model(arch), *recipe, *budget]
+                f"trend {arch['num_layers']}x{arch['hidden_size']} {best}", [*model_overrides(arch), *recipe, *budget]
             ).flops
         small = study.train(
             f"trend {arch['num_layers']}x{arch['hidden_size']} small alone",
-            [*_model(arch), *_small_alone(recipe), *budget],
+            [*model_overrides(arch), *_small_alone(recipe), *budget],
         ).flops
         ahead = first_below(scratch, small)
         rows.append(

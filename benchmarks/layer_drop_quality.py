@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB
+from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
 from benchmarks.study import (
     ROOT,
     Study,
@@ -106,8 +106,7 @@ def study(
 
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    arch = [f"model.{k}={v}" for k, v in TARGET.items()]
-    base = study_base(vocab, corpus, overrides, *arch, val_sequences=VAL_SEQUENCES)
+    base = study_base(vocab, corpus, overrides, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
     st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root)
     cfg = st.config([])
     params = model_parameters(st, [])

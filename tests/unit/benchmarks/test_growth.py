@@ -80,7 +80,7 @@ def test_the_default_and_gpu_sizes_are_the_documented_ones():
     """docs/growth.md's table: 0.33M target parameters on the CPU, 3.5M at the GPU size (2,048-token vocabulary)."""
     import torch
 
-    from benchmarks.growth import GPU_PRESET, TARGET, VOCAB, _model
+    from benchmarks.growth import GPU_PRESET, TARGET, VOCAB, model_overrides
     from pretrain.config import load_config
     from pretrain.model.counting import num_parameters
     from pretrain.model.transformer import SkipInitOnMeta, Transformer
@@ -91,7 +91,7 @@ def test_the_default_and_gpu_sizes_are_the_documented_ones():
         with torch.device("meta"), SkipInitOnMeta():
             return num_parameters(Transformer(cfg.model, cfg.moe)), cfg
 
-    cpu, _ = params(_model(TARGET))
+    cpu, _ = params(model_overrides(TARGET))
     gpu, cfg = params(GPU_PRESET)
     assert round(cpu / 1e4) == 33 and round(gpu / 1e5) == 35
     assert cfg.train.precision == "bf16" and cfg.model.max_seq_len == 512 and cfg.model.num_heads * 32 == 256
