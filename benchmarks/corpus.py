@@ -11,7 +11,8 @@ site-packages), built with no network, the same bytes on every machine with the 
   ``min_bytes``.
 - Exact deduplication by the SHA-256 of the text: the first copy (in the order above) is kept.
 - Split by that hash: ``int(sha256, 16) % 100 < val_percent`` is held out (``val.jsonl``); the rest is
-  ``train.jsonl``. Both are in hash order (a fixed shuffle: any prefix samples every package).
+  ``train.jsonl``. Both are in hash order (a fixed shuffle: any prefix samples every package). The studies read
+  the training split cut into pieces and shuffled into equal parts (:func:`train_parts`, written on first use).
 - A byte-level BPE (the trainer of :mod:`pretrain.data.tokenizer`) at ``vocab_size`` is trained on the first
   ``tokenizer_train_docs`` training documents and saved in ``tokenizer/``; the manifest counts both splits' tokens
   with it. The studies train with this tokenizer, so the counts are theirs.
@@ -236,25 +237,49 @@ def _tokenize(tmp: Path, vocab_size: int, splits: dict) -> None:
 TRAIN_PARTS = 16
 """How many equal parts :func:`overrides` deals the training split into."""
 
+PIECE_CHARS = 2_000
+"""The training split's documents are cut into pieces of at most this many characters (about five sequences of the
+studies' 128 tokens) before they are shuffled into the parts (:func:`train_parts`)."""
 
-def train_parts(manifest: dict, parts: int = TRAIN_PARTS) -> list[Path]:
-    """``train.jsonl`` dealt into ``parts`` files, document ``i`` to part ``i % parts`` (each part keeps the hash
-    order), in ``train-parts-<parts>/`` beside it; written once (atomically), then reused. Given as equal-weight
-    sources, the mixture's seeded draws (``train.seed``, :mod:`pretrain.data.stream`) interleave them: each seed
-    reads the corpus's documents in its own order, where one file would give every seed the same order."""
+SHUFFLE_SEED = 0
+"""The seed of the fixed permutation of the pieces (:func:`train_parts`)."""
+
+
+def train_parts(manifest: dict, parts: int = TRAIN_PARTS, piece_chars: int = PIECE_CHARS) -> list[Path]:
+    """The training split as ``parts`` files of pieces, in ``train-pieces-<piece_chars>-parts-<parts>/`` beside
+    ``train.jsonl``; written once (atomically), then reused.
+
+    Every document is cut into pieces of at most ``piece_chars`` characters
+    (:func:`pretrain.data.sources.cut_pieces`), the pieces of the whole split are put in one fixed random order
+    (:data:`SHUFFLE_SEED`), and piece ``i`` of that order goes to part ``i % parts``: a global shuffle at the grain
+    of a few sequences, as Megatron's and OLMo's sample indices shuffle, so that a long file is not read as hundreds
+    of consecutive sequences of one stream (which moves the held-out loss by what the studies measure). Given as
+    equal-weight sources, the mixture's seeded draws (``train.seed``, :mod:`pretrain.data.stream`) interleave the
+    parts: each seed reads the pieces in its own order. Records keep ``package`` and ``path`` and add ``piece`` (its
+    index within its file)."""
+    import numpy as np
+
+    from pretrain.data.sources import cut_pieces
+
     root = Path(manifest["dir"])
-    out = root / f"train-parts-{parts}"
+    out = root / f"train-pieces-{piece_chars}-parts-{parts}"
     names = [out / f"part-{i:03d}.jsonl" for i in range(parts)]
     if out.is_dir():
         return names
+    pieces: list[str] = []
+    with open(root / "train.jsonl", encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            for k, text in enumerate(cut_pieces(record.pop("text"), piece_chars)):
+                pieces.append(json.dumps({**record, "piece": k, "text": text}, ensure_ascii=False, sort_keys=True))
+    order = np.random.default_rng(SHUFFLE_SEED).permutation(len(pieces))
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     files = [open(tmp / n.name, "w", encoding="utf-8", newline="\n") for n in names]
     try:
-        with open(root / "train.jsonl", encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                files[i % parts].write(line)
+        for i, j in enumerate(order):
+            files[i % parts].write(pieces[j] + "\n")
     finally:
         for fh in files:
             fh.close()
@@ -263,8 +288,8 @@ def train_parts(manifest: dict, parts: int = TRAIN_PARTS) -> list[Path]:
 
 
 def overrides(manifest: dict) -> list[str]:
-    """The data overrides that train on the corpus: its training split as :data:`TRAIN_PARTS` equal sources (a
-    document order per seed: :func:`train_parts`), its validation file, its tokenizer."""
+    """The data overrides that train on the corpus: its training split shuffled into :data:`TRAIN_PARTS` equal
+    sources of pieces (an order per seed: :func:`train_parts`), its validation file, its tokenizer."""
     root = Path(manifest["dir"])
     sources = ", ".join(f"{{path: {p}, name: {p.stem}}}" for p in train_parts(manifest))
     return [

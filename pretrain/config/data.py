@@ -60,6 +60,13 @@ class DataConfig:
     """Restart the sources when exhausted (multi-epoch) instead of ending training."""
     cache_dir: str = ".cache/pretrain"
     """Where the built-in demo corpus is materialized (relative paths resolve against the launch dir)."""
+    shuffle_sequences: int = 0
+    """Sequences each virtual stream holds in a shuffle buffer: every sequence the stream packs enters it, and each
+    one taken is drawn from it at random (seeded by ``train.seed``, the stream and its count: the same for any
+    worker count, and exact on resume, the buffer being part of the data state). Consecutive sequences of a long
+    document then reach steps far apart instead of consecutive ones; 0 takes them in packing order. At the end of
+    the data (``repeat: false``) the buffer is drained. Its tokens are in every checkpoint's data state
+    (``shuffle_sequences x max_seq_len`` per stream)."""
     piece_chars: int = 0
     """Cut every txt/jsonl training document longer than this many characters into pieces of at most this
     size (at a space where possible), each a document of its own for the virtual streams and the validation

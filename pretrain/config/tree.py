@@ -178,6 +178,7 @@ class RunConfig:
             "cluster.start_timeout": c.start_timeout,
             "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars,
+            "data.shuffle_sequences": d.shuffle_sequences,
             "model.init_std": m.init_std,
             "train.weight_decay": t.weight_decay,
             "train.eps": t.eps,

@@ -25,7 +25,8 @@ import torch
 
 from pretrain.config import DataConfig, to_dict
 from pretrain.data.bad_records import BadRecords
-from pretrain.data.batches import train_holdout, validation_sequences
+from pretrain.data.batches import validation_sequences
+from pretrain.data.packed_stream import train_holdout
 from pretrain.data.sources import training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
 from pretrain.data.tokenizer import make_encoder, separator_id

@@ -3,13 +3,14 @@
 One optimizer step takes ``global_batch_size / num_streams`` sequences from *every* virtual stream.
 Worker ``rank`` of ``world_size`` owns the streams ``s`` with ``s % world_size == rank`` (when the worker count
 does not divide the stream count, some workers own one stream more: see ``pretrain/config/plan.py``) and returns,
-for each owned stream in ascending order, its next ``G/S`` sequences, concatenated. Streams are
-packed (and masked) independently of each other and of the worker count, so with
+for each owned stream in ascending order, its next ``G/S`` sequences, concatenated (in packing order, or drawn
+from the stream's shuffle buffer: ``data.shuffle_sequences``, :mod:`pretrain.data.packed_stream`). Streams are
+packed, shuffled and masked independently of each other and of the worker count, so with
 ``micro_batch_size`` dividing ``G/S`` every micro-batch is the same whatever the number of workers.
 
 ``state_dict()`` holds, per owned stream, the document-stream position (``datasets`` state of each
-source, mixture draws, document index, epoch), the packer buffer, the sequences emitted and the
-bad-record counters. ``load_state_dict`` takes the union of the workers' states (see
+source, mixture draws, document index, epoch), the packer buffer, the shuffle buffer, the sequences emitted and
+the bad-record counters. ``load_state_dict`` takes the union of the workers' states (see
 :func:`merge_states`) and restores the streams this worker owns, so resuming with another worker
 count is exact.
 
@@ -33,6 +34,7 @@ import torch
 
 from pretrain.config import DataConfig, RunPlan, layout, source_name
 from pretrain.data.bad_records import BadRecords, summarize_bad_records
+from pretrain.data.packed_stream import FRESH, PackedStream, as_lists
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
 from pretrain.data.sources import training_sources, validation_sources
 from pretrain.data.stream import DocumentStream
@@ -44,54 +46,6 @@ STATE_VERSION = 1
 def _check_kind(kind: str) -> None:
     if kind not in ("decoder", "encoder"):
         raise ValueError(f"model kind must be decoder or encoder, got {kind!r}")
-
-
-def train_holdout(cfg: DataConfig) -> float:
-    """Fraction held out of the training sources (0 when validation comes from ``val_sources``)."""
-    return 0.0 if cfg.val_sources else cfg.val_holdout
-
-
-class _Stream:
-    """One virtual stream: its documents, packer, sequence counter and bad-record counter."""
-
-    def __init__(
-        self,
-        index: int,
-        sources,
-        cfg: DataConfig,
-        seed: int,
-        num_streams: int,
-        encode,
-        separator: int,
-        seq_len: int,
-        state: dict | None = None,
-    ):
-        state = state or {}
-        self.index = index
-        self.bad = BadRecords(cfg.bad_records)
-        self.bad.load_state_dict(state.get("bad", {}))
-        self.docs = DocumentStream(
-            sources,
-            seed,
-            role="train",
-            val_holdout=train_holdout(cfg),
-            bad=self.bad,
-            stream=index,
-            num_streams=num_streams,
-            repeat=cfg.repeat,
-            state=state.get("documents"),
-        )
-        self.packer = Packer(self.docs, encode, separator, seq_len, state.get("buffer"))
-        self.sequences = int(state.get("sequences", 0))
-
-    def state_dict(self) -> dict:
-        return {
-            "documents": self.docs.state_dict(),
-            "epoch": self.docs.epoch,
-            "buffer": self.packer.buffer.tolist(),
-            "sequences": self.sequences,
-            "bad": self.bad.state_dict(),
-        }
 
 
 class TrainBatches:
@@ -114,8 +68,8 @@ class TrainBatches:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None  # -> (state before the batch, batch or None, StopIteration or None)
 
-    def _make_stream(self, s: int, state: dict | None = None) -> _Stream:
-        return _Stream(
+    def _make_stream(self, s: int, state: dict | None = None) -> PackedStream:
+        return PackedStream(
             s,
             self._sources,
             self.cfg,
@@ -153,12 +107,12 @@ class TrainBatches:
 
     def _snapshot(self) -> dict:
         """The state now, copied so that reading on cannot change it: deeply, but for the buffers (fresh lists of
-        ints that nothing changes, and the largest part)."""
-        state = self._state_now()
+        ints, or arrays, that nothing changes, and the largest part)."""
+        state = self._state_now(lists=False)
         streams = {}
         for key, st in state["streams"].items():
-            rest = copy.deepcopy({k: v for k, v in st.items() if k != "buffer"})
-            streams[key] = {k: (v if k == "buffer" else rest[k]) for k, v in st.items()}
+            rest = copy.deepcopy({k: v for k, v in st.items() if k not in FRESH})
+            streams[key] = {k: (v if k in FRESH else rest[k]) for k, v in st.items()}
         return {**copy.deepcopy({k: v for k, v in state.items() if k != "streams"}), "streams": streams}
 
     def _fetch_ahead(self) -> tuple[dict, dict[str, torch.Tensor] | None, StopIteration | None]:
@@ -178,26 +132,20 @@ class TrainBatches:
         ended = False
         for s in self.owned:  # fill first: a step is either served whole or not at all
             try:
-                self._streams[s].packer.fill(n * T)
+                self._streams[s].fill(n)
             except StopIteration:
                 ended = True  # keep filling the others, so every stream reads (and reports) to its end
         if ended:
             raise StopIteration
-        if self.kind == "decoder":  # no masking: every stream's n sequences are its next n * T tokens
-            taken = []
-            for s in self.owned:
-                taken.append(self._streams[s].packer.take(n * T))
-                self._streams[s].sequences += n
-            x = torch.from_numpy(np.concatenate(taken).reshape(-1, T))
+        if self.kind == "decoder":  # no masking: every stream's next n sequences
+            x = torch.from_numpy(np.concatenate([self._streams[s].take(n) for s in self.owned]).reshape(-1, T))
             return {"input_ids": x, "labels": x.clone()}
         inputs, labels = [], []
         for s in self.owned:
             stream = self._streams[s]
             for _ in range(n):
-                x, y = make_example(
-                    stream.packer.take(T), self.kind, self._masker, mask_seed(self.seed, s, stream.sequences)
-                )
-                stream.sequences += 1
+                seed = mask_seed(self.seed, s, stream.sequences)
+                x, y = make_example(stream.take(1), self.kind, self._masker, seed)
                 inputs.append(x)
                 labels.append(y)
         return {"input_ids": torch.stack(inputs), "labels": torch.stack(labels)}
@@ -208,18 +156,20 @@ class TrainBatches:
             "num_streams": self.cfg.num_streams,
             "seq_len": self.seq_len,
             "kind": self.kind,
+            "shuffle_sequences": self.cfg.shuffle_sequences,
         }
 
     def state_dict(self) -> dict:
         """JSON-serializable state of this worker's streams (each stream also carries the metadata): the position
         after the batches taken, not counting a prefetched one."""
         if self._ahead is not None:
-            return copy.deepcopy(self._ahead.result()[0])
+            return as_lists(copy.deepcopy(self._ahead.result()[0]))
         return self._state_now()
 
-    def _state_now(self) -> dict:
+    def _state_now(self, lists: bool = True) -> dict:
         meta = self._meta()
-        return {**meta, "streams": {str(s): {**meta, **self._streams[s].state_dict()} for s in self.owned}}
+        streams = {str(s): {**meta, **self._streams[s].state_dict(lists)} for s in self.owned}
+        return {**meta, "streams": streams}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this worker's streams from ``{"streams": {"0": ..., ...}, ...}`` holding (at least) all of

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.corpus import RULES, TRAIN_PARTS, build, cache_key, overrides, packages, train_parts
+from benchmarks.corpus import PIECE_CHARS, RULES, TRAIN_PARTS, build, cache_key, overrides, packages, train_parts
 from pretrain.config import ConfigError
 
 CODE = "def f{i}(x):\n    return x + {i}  # the sum of x and {i}, with some words around it\n"
@@ -97,22 +97,36 @@ def test_build_keeps_splits_counts_and_caches(tmp_path):
 
 
 def _check_parts(m: dict, train: list[dict], tmp_path: Path) -> None:
-    """The studies train on the training split dealt into equal parts (round robin, each in hash order), one source
-    each, so that the seed's mixture gives each seed its own document order over the same documents."""
+    """The studies train on the training split cut into pieces, shuffled once into equal parts, one source each, so
+    that the seed's mixture gives each seed its own order over the same pieces."""
     from pretrain.config import load_config
-    from pretrain.data.sources import training_sources
+    from pretrain.data.sources import cut_pieces, training_sources
     from pretrain.data.stream import Mixture
 
+    def pieces_of(docs: list[dict], size: int) -> dict[tuple, list[str]]:
+        return {(d["package"], d["path"]): list(cut_pieces(d["text"], size)) for d in docs}
+
+    for size in (PIECE_CHARS, 120):
+        parts = train_parts(m, piece_chars=size)
+        assert len(parts) == TRAIN_PARTS and train_parts(m, piece_chars=size) == parts, "written once, then reused"
+        read = [_records(p) for p in parts]
+        assert max(map(len, read)) - min(map(len, read)) <= 1, "equal parts"
+        dealt = [r for i in range(max(map(len, read))) for part in read if i < len(part) for r in [part[i]]]
+        got: dict[tuple, list[tuple[int, str]]] = {}
+        for r in dealt:
+            got.setdefault((r["package"], r["path"]), []).append((r["piece"], r["text"]))
+        assert {k: [t for _, t in sorted(v)] for k, v in got.items()} == pieces_of(train, size), "every piece once"
+        assert [(r["package"], r["path"]) for r in dealt] != [(d["package"], d["path"]) for d in train], "shuffled"
+    assert len(dealt) > len(train) and max(len(r["text"]) for r in dealt) <= 120, "long documents are cut"
     parts = train_parts(m)
-    assert len(parts) == TRAIN_PARTS and train_parts(m) == parts, "written once, then reused"
-    assert [_records(p) for p in parts] == [train[i::TRAIN_PARTS] for i in range(TRAIN_PARTS)]
     cfg = load_config(None, [*overrides(m), f"data.cache_dir={tmp_path / 'hf'}"])
     assert [str(s.path) for s in cfg.data.sources] == [str(p) for p in parts]
     assert all(s.weight == cfg.data.sources[0].weight for s in cfg.data.sources)
     orders = {seed: [r["text"] for r in Mixture(training_sources(cfg.data), seed)] for seed in (0, 1)}
-    assert set(orders[0]) == set(orders[1]) == {r["text"] for r in train}, "a pass reads every document"
-    first = len(train) // 2
-    assert orders[0][:first] != orders[1][:first], "each seed reads the documents in its own order"
+    texts = [t for v in pieces_of(train, PIECE_CHARS).values() for t in v]
+    assert set(orders[0]) == set(orders[1]) == set(texts), "a pass reads every piece (a part ending first restarts)"
+    first = len(texts) // 2
+    assert orders[0][:first] != orders[1][:first], "each seed reads the pieces in its own order"
 
 
 def test_bad_input_is_one_line(tmp_path):
