@@ -414,6 +414,7 @@ E2E = [
     "data.tokenizer_vocab_size=512",
     "data.tokenizer_train_docs=3000",
     "data.num_streams=2",
+    "data.shuffle_sequences=6",  # every resume of these runs is exact with the streams' shuffle buffers in its state
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "train.max_steps=8",
