@@ -245,29 +245,26 @@ SHUFFLE_SEED = 0
 """The seed of the fixed permutation of the pieces (:func:`train_parts`)."""
 
 
-def train_parts(manifest: dict, parts: int = TRAIN_PARTS, piece_chars: int = PIECE_CHARS) -> list[Path]:
-    """The training split as ``parts`` files of pieces, in ``train-pieces-<piece_chars>-parts-<parts>/`` beside
-    ``train.jsonl``; written once (atomically), then reused.
+def shuffled_parts(manifest: dict, split: str, parts: int, piece_chars: int = PIECE_CHARS) -> list[Path]:
+    """Split ``split`` (``train`` or ``val``) as ``parts`` files of pieces, in ``<split>-pieces-<piece_chars>-parts-
+    <parts>/`` beside ``<split>.jsonl``; written once (atomically), then reused.
 
     Every document is cut into pieces of at most ``piece_chars`` characters
     (:func:`pretrain.data.sources.cut_pieces`), the pieces of the whole split are put in one fixed random order
     (:data:`SHUFFLE_SEED`), and piece ``i`` of that order goes to part ``i % parts``: a global shuffle at the grain
-    of a few sequences, as Megatron's and OLMo's sample indices shuffle, so that a long file is not read as hundreds
-    of consecutive sequences of one stream (which moves the held-out loss by what the studies measure). Given as
-    equal-weight sources, the mixture's seeded draws (``train.seed``, :mod:`pretrain.data.stream`) interleave the
-    parts: each seed reads the pieces in its own order. Records keep ``package`` and ``path`` and add ``piece`` (its
-    index within its file)."""
+    of a few sequences, as Megatron's and OLMo's sample indices shuffle. Records keep ``package`` and ``path`` and
+    add ``piece`` (its index within its file)."""
     import numpy as np
 
     from pretrain.data.sources import cut_pieces
 
     root = Path(manifest["dir"])
-    out = root / f"train-pieces-{piece_chars}-parts-{parts}"
+    out = root / f"{split}-pieces-{piece_chars}-parts-{parts}"
     names = [out / f"part-{i:03d}.jsonl" for i in range(parts)]
     if out.is_dir():
         return names
     pieces: list[str] = []
-    with open(root / "train.jsonl", encoding="utf-8") as f:
+    with open(root / f"{split}.jsonl", encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             for k, text in enumerate(cut_pieces(record.pop("text"), piece_chars)):
@@ -287,14 +284,30 @@ def train_parts(manifest: dict, parts: int = TRAIN_PARTS, piece_chars: int = PIE
     return names
 
 
+def train_parts(manifest: dict, parts: int = TRAIN_PARTS, piece_chars: int = PIECE_CHARS) -> list[Path]:
+    """The training split in ``parts`` shuffled parts of pieces (:func:`shuffled_parts`): a long file is not read
+    as hundreds of consecutive sequences of one stream, which moved the held-out loss by as much as the studies
+    measure. Given as equal-weight sources, the mixture's seeded draws (``train.seed``, :mod:`pretrain.data.stream`)
+    interleave the parts: each seed reads the pieces in its own order."""
+    return shuffled_parts(manifest, "train", parts, piece_chars)
+
+
+def val_pieces(manifest: dict, piece_chars: int = PIECE_CHARS) -> Path:
+    """The validation split as one file of shuffled pieces (:func:`shuffled_parts`): a study's validation set, the
+    first ``train.val_sequences`` sequences, then samples many files (about one per five sequences) instead of the
+    first few files of the split."""
+    return shuffled_parts(manifest, "val", 1, piece_chars)[0]
+
+
 def overrides(manifest: dict) -> list[str]:
     """The data overrides that train on the corpus: its training split shuffled into :data:`TRAIN_PARTS` equal
-    sources of pieces (an order per seed: :func:`train_parts`), its validation file, its tokenizer."""
+    sources of pieces (an order per seed: :func:`train_parts`), its validation split's shuffled pieces
+    (:func:`val_pieces`), its tokenizer."""
     root = Path(manifest["dir"])
     sources = ", ".join(f"{{path: {p}, name: {p.stem}}}" for p in train_parts(manifest))
     return [
         f"data.sources=[{sources}]",
-        f"data.val_sources=[{{path: {root / 'val.jsonl'}, name: val}}]",
+        f"data.val_sources=[{{path: {val_pieces(manifest)}, name: val}}]",
         f"data.tokenizer={root / 'tokenizer'}",
         f"data.tokenizer_vocab_size={manifest['tokenizer']['vocab_size']}",
     ]

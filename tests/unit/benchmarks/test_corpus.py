@@ -121,6 +121,11 @@ def _check_parts(m: dict, train: list[dict], tmp_path: Path) -> None:
     parts = train_parts(m)
     cfg = load_config(None, [*overrides(m), f"data.cache_dir={tmp_path / 'hf'}"])
     assert [str(s.path) for s in cfg.data.sources] == [str(p) for p in parts]
+    (val,) = cfg.data.val_sources
+    held = [json.loads(line) for line in (Path(m["dir"]) / "val.jsonl").read_text().splitlines()]
+    assert sorted(r["text"] for r in _records(Path(val.path))) == sorted(
+        t for v in pieces_of(held, PIECE_CHARS).values() for t in v
+    ), "validation: the held-out split's pieces"
     assert all(s.weight == cfg.data.sources[0].weight for s in cfg.data.sources)
     orders = {seed: [r["text"] for r in Mixture(training_sources(cfg.data), seed)] for seed in (0, 1)}
     texts = [t for v in pieces_of(train, PIECE_CHARS).values() for t in v]
