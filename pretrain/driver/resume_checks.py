@@ -7,7 +7,8 @@ its MLflow status.
   checkpoint of full weights, as ``grow`` and ``prune`` write, into any stage);
 * the LR cannot jump up across the resume: a changed schedule may not give the next step a higher LR than the
   last step trained had and the checkpoint's schedule gives it (:func:`pretrain.train.schedule.extension_refusal`);
-* the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`).
+* the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`), read in the
+  same order: ``data.shuffle_sequences`` cannot change (the data state holds a buffer of that size).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
             "checkpoints into each other, a ZeRO-3 one only into ZeRO-3. Resume with "
             f"zero.stage={old_stage}, or export the weights (./launch.sh export) and start a run from them "
             "(model.init_from_hf)"
+        )
+    old_k, new_k = saved.data.shuffle_sequences, cfg.data.shuffle_sequences
+    if old_k != new_k:
+        raise ConfigError(
+            f"data.shuffle_sequences cannot change at resume (checkpoint {old_k}, asked {new_k}): the checkpoint's "
+            f"data position is a shuffle buffer of {old_k} sequences per stream. Resume with "
+            f"data.shuffle_sequences={old_k}, or start a new run from its weights (./launch.sh export, then "
+            "model.init_from_hf)"
         )
     refusal = extension_refusal(saved.train, cfg.train, step)
     if refusal:

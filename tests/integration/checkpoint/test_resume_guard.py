@@ -69,6 +69,8 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     assert "model.hidden_size cannot change at resume (checkpoint 64, asked 128)" in line and "grow" in line
     line = _refused(capsys, "resume", run_id, "zero.stage=3")
     assert "zero.stage cannot change from 1 to 3 at resume" in line
+    line = _refused(capsys, "resume", run_id, "data.shuffle_sequences=0")
+    assert "data.shuffle_sequences cannot change at resume (checkpoint 6, asked 0)" in line
 
     with open(corpus, "a") as f:  # the corpus grows under the run
         f.write("an appended line.\n" * 10)
