@@ -159,6 +159,13 @@ def main(argv: list[str]) -> int:
         default=None,
         help="--growth, --layer-drop --quality: where the study's runs and MLflow store go (default .cache/ here)",
     )
+    p.add_argument(
+        "--reuse",
+        default="",
+        help="--growth: earlier studies' directories or mlflow.db files (comma-separated); a run whose name and "
+        "config match a finished run there is read from it instead of trained (CPU runs are deterministic; the "
+        "code and library versions are yours to keep equal; benchmarks/reuse.py)",
+    )
     p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
     p.add_argument(
         "--recipes",
@@ -234,6 +241,7 @@ def measure(a: argparse.Namespace) -> dict:
                 sizes={"auto": None, "yes": True, "no": False}[a.sizes],
                 scan=a.scan,
                 root=Path(a.study_dir) if a.study_dir else None,
+                reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
             )
         )
     if a.layer_drop and a.quality:

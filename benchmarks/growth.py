@@ -179,17 +179,19 @@ def growth_bench(
     scan: bool = False,
     points: int = 25,
     root: Path | None = None,
+    reuse: tuple[Path, ...] = (),
 ) -> dict:
     """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per target parameter; ``only`` limits the recipes;
     ``sizes`` forces (True) or skips (False) the trend (None: when the best recipe saves < 25 %); ``scan``: only
-    the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth). Returns the
-    study's dict (see :func:`summary`)."""
+    the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth); ``reuse``: earlier
+    studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns the study's
+    dict (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, "growth.rewarm_steps=20", val_sequences=VAL_SEQUENCES)
     target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
-    study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
     params = _parameters(study, target)
     tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
     flops, share = _budget(study, target, tokens)
@@ -248,6 +250,7 @@ def growth_bench(
     figure = _plot(out, study.work / "growth_vs_scratch.png")
     out["plot"] = str(figure)
     out["mlflow"] = {"tracking_uri": study.uri, "parent_run": study.parent}
+    out["reused_runs"] = study.reused
     study.finish(summary(out), figure)
     return out
 

@@ -8,6 +8,7 @@ Each run is a normal run (``prepare_new`` then ``cluster.launch.run``), so the s
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -163,6 +164,14 @@ def _working_dir(path: Path, tracking_uri: str):
             os.environ["MLFLOW_TRACKING_URI"] = old_uri
 
 
+def _curve(client, run_id: str, x_key: str) -> Curve:
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    loss, xs = history("val/loss"), history(x_key)
+    return [(xs[s], loss[s]) for s in sorted(loss) if s in xs]
+
+
 @dataclass
 class RunCurves:
     """One finished run of a study: its id, validation loss against FLOPs and against training seconds."""
@@ -180,11 +189,19 @@ class RunCurves:
 
 class Study:
     """A parent MLflow run (``name``) in a fresh directory under ``.cache/`` (runs, checkpoints and the MLflow store
-    stay there for inspection), whose :meth:`train` runs are its children."""
+    stay there for inspection), whose :meth:`train` runs are its children; a run that matches a finished run of the
+    stores under ``reuse`` is read from there instead (:mod:`benchmarks.reuse`; listed in :attr:`reused`)."""
 
-    def __init__(self, name: str, base_config: Path, base: list[str], root: Path | None = None) -> None:
+    def __init__(
+        self, name: str, base_config: Path, base: list[str], root: Path | None = None, reuse: tuple[Path, ...] = ()
+    ) -> None:
         from mlflow import MlflowClient
 
+        from benchmarks.reuse import stores
+
+        self.reuse = [f"sqlite:///{db}" for db in stores(list(reuse))]
+        self.reused: dict[str, dict[str, str]] = {}
+        """Label -> {"tracking_uri", "run_id"} of every run read from an earlier study."""
         self.name, self.base_config, self.base = name, base_config, base
         self.work = (root or ROOT / ".cache") / name / time.strftime("%Y%m%d-%H%M%S")
         self.work.mkdir(parents=True, exist_ok=True)
@@ -201,7 +218,8 @@ class Study:
         return load_config(self.base_config, [*self.base, *self.tokenizer, *extra])
 
     def train(self, label: str, extra: list[str]) -> RunCurves:
-        """Train ``base + extra`` as a child run named ``label``; the first run's tokenizer is every later run's."""
+        """Train ``base + extra`` as a child run named ``label`` (or reuse a matching earlier run); the first run's
+        tokenizer is every later run's."""
         from cluster.launch import run
         from pretrain.checkpoint.layout import RUN_TOKENIZER
         from pretrain.config import to_dict
@@ -209,6 +227,9 @@ class Study:
 
         with self.inside():
             cfg = self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
+            earlier = self._earlier(label, cfg)
+            if earlier is not None:
+                return earlier
             job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
             self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
             print(f"[{self.name}] {label}: run {job.run_id}", flush=True)
@@ -231,18 +252,45 @@ class Study:
         self.client.log_text(job.run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
         return out
 
+    def _earlier(self, label: str, cfg) -> RunCurves | None:
+        """The curves of a finished run of the ``reuse`` stores that trained ``cfg`` under ``label``, or None."""
+        from mlflow import MlflowClient
+
+        from benchmarks.reuse import find
+        from pretrain.checkpoint.layout import RUN_TOKENIZER
+        from pretrain.config import flatten, to_dict
+        from pretrain.config.paths import resolve_paths
+        from pretrain.driver.budget import resolve_budget
+
+        if not self.reuse:
+            return None
+        want = resolve_budget(resolve_paths(copy.deepcopy(cfg)), say=lambda _line: None)  # as the run logs it
+        hit = find(self.reuse, label, flatten(to_dict(want)), want.train.max_steps)
+        if hit is None:
+            return None
+        uri, found = hit
+        run_id = found.info.run_id
+        root = found.data.tags.get("pretrain.checkpoint_root")
+        if root and not self.tokenizer:
+            self.tokenizer = [f"data.tokenizer={Path(root) / RUN_TOKENIZER}"]
+        self.reused[label] = {"tracking_uri": uri, "run_id": run_id}
+        print(f"[{self.name}] {label}: reused run {run_id} of {uri} (the same config)", flush=True)
+        client = MlflowClient(tracking_uri=uri)
+        return RunCurves(
+            run_id,
+            _curve(client, run_id, "val/flops"),
+            _curve(client, run_id, "val/train_s"),
+            want.train.max_steps,
+            to_dict(want),
+        )
+
     def inside(self):
         """A context in the study's directory with its MLflow store (for ``prune``, ``eval`` and the like)."""
         return _working_dir(self.work, self.uri)
 
     def curve(self, run_id: str, x_key: str) -> Curve:
         """(x, val/loss) at every validation of ``run_id``, x being the metric ``x_key`` logged with it."""
-
-        def history(key: str) -> dict[int, float]:
-            return {m.step: m.value for m in self.client.get_metric_history(run_id, key)}
-
-        loss, xs = history("val/loss"), history(x_key)
-        return [(xs[s], loss[s]) for s in sorted(loss) if s in xs]
+        return _curve(self.client, run_id, x_key)
 
     def finish(self, result: dict, figure: Path | None) -> None:
         """The study's JSON (and figure) as artifacts of the parent run, which ends."""

@@ -27,10 +27,10 @@ TINY = [
 ]
 
 
-def _bench(tmp_path, *args: str) -> dict:
+def _bench(tmp_path, *args: str, study: str = "study") -> dict:
     keys = {a.split("=")[0] for a in args if "=" in a}
     tiny = [o for o in TINY if o.split("=")[0] not in keys]
-    proc = cli(tmp_path, "bench", "--json", "--study-dir", str(tmp_path / "study"), *args, *tiny, expect=0, timeout=900)
+    proc = cli(tmp_path, "bench", "--json", "--study-dir", str(tmp_path / study), *args, *tiny, expect=0, timeout=900)
     return json.loads(proc.stdout)
 
 
@@ -83,6 +83,15 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
         assert [a.path for a in client.list_artifacts(run.info.run_id, "study")] == ["study/curves.json"]
         config = Path(client.download_artifacts(run.info.run_id, "config/config.yaml", str(tmp_path)))
         assert str(shards) in config.read_text(), "trained from the shards"
+    # extended by a recipe: the runs it already has are read from the first study's store, not trained again
+    args = ["--growth", "--tokens", "3000", "--recipes", "stack2@10%,stack2@5%", "--seeds", "0"]
+    again = _bench(tmp_path, *args, "--reuse", str(tmp_path / "study"), corpus, study="again")
+    reused = {label: ref["run_id"] for label, ref in again["reused_runs"].items()}
+    assert reused == {f"{name} seed 0": r["run_ids"][name]["0"] for name in ("scratch", "stack2@10%", small)}
+    for name in ("scratch", "stack2@10%", small):
+        assert again["curves_flops_val_loss"][name] == curves[name]
+    _, trained = _children(again)
+    assert [run.info.run_name for run in trained] == ["stack2@5% seed 0"], "only the new recipe trains"
 
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):
