@@ -141,7 +141,8 @@ def main(argv: list[str]) -> int:
         "--tokens",
         type=int,
         default=0,
-        help="--growth, --layer-drop --quality: the budget in target-model tokens (default: 20 per target parameter)",
+        help="--growth, --layer-drop --quality: the budget in target-model tokens (default: 80 per target parameter; "
+        "--gpu-size: 20)",
     )
     p.add_argument(
         "--scan",
@@ -230,7 +231,7 @@ def measure(a: argparse.Namespace) -> dict:
     """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
     if a.growth:
-        from benchmarks.growth import GPU_PRESET, growth_bench, summary
+        from benchmarks.growth import GPU_PRESET, GPU_TOKENS_PER_PARAM, TOKENS_PER_PARAM, growth_bench, summary
 
         return summary(
             growth_bench(
@@ -242,6 +243,7 @@ def measure(a: argparse.Namespace) -> dict:
                 scan=a.scan,
                 root=Path(a.study_dir) if a.study_dir else None,
                 reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
+                tokens_per_param=GPU_TOKENS_PER_PARAM if a.gpu_size else TOKENS_PER_PARAM,
             )
         )
     if a.layer_drop and a.quality:

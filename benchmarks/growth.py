@@ -44,11 +44,17 @@ shuffled): the effects compared are a few hundredths of a nat."""
 TARGET = {"num_layers": 4, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1}
 """The default target decoder (head size 32, so half the width keeps whole heads; 328,256 parameters at the default
 vocabulary); ``model.<key>=N`` overrides of these keys change it. The smallest with 4 blocks (``stack4`` needs
-them) at which the target from scratch, at :data:`TOKENS_PER_PARAM`, ends below its small models alone on every seed
-measured (docs/growth.md, "Choosing the regime")."""
+them); at :data:`TOKENS_PER_PARAM` the target from scratch ends below its 2-block model alone on both seeds measured
+(docs/growth.md, "Choosing the regime")."""
 
-TOKENS_PER_PARAM = 20
-"""The default budget in tokens per target parameter: compute-optimal by Hoffmann et al. 2022 (Chinchilla)."""
+TOKENS_PER_PARAM = 80
+"""The default budget in tokens per target parameter: the smallest measured at which the 4 x 64 target from scratch
+ends below its 2-block model alone on every seed (at 20, Chinchilla's compute-optimal ratio, and at 40 it does not;
+docs/growth.md, "Choosing the regime"). The layer-dropout and early-exit studies share it."""
+
+GPU_TOKENS_PER_PARAM = 20
+"""``--gpu-size``'s budget per target parameter: at 80 its 1-block model alone would read more than
+:data:`benchmarks.study.MAX_EPOCHS` passes over the corpus; where its regime starts has not been measured."""
 
 VOCAB = 2048
 """The default vocabulary of the corpus tokenizer and the model (``data.tokenizer_vocab_size=`` changes both)."""
@@ -64,7 +70,7 @@ GPU_PRESET = [
     "train.precision=bf16",
 ]
 """``bench --growth --gpu-size``: the same study at a GPU's size (4 x 256, sequences of 512, 128 a step, bf16;
-3.5M parameters, 70M tokens at 20 per parameter). Sized by estimate for one H100 in about 10 minutes
+3.5M parameters, 70M tokens at :data:`GPU_TOKENS_PER_PARAM`). Sized by estimate for one H100 in about 10 minutes
 (docs/growth.md); not yet run."""
 
 
@@ -180,8 +186,9 @@ def growth_bench(
     points: int = 25,
     root: Path | None = None,
     reuse: tuple[Path, ...] = (),
+    tokens_per_param: float = TOKENS_PER_PARAM,
 ) -> dict:
-    """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per target parameter; ``only`` limits the recipes;
+    """The study; ``tokens`` None: ``tokens_per_param`` per target parameter; ``only`` limits the recipes;
     ``sizes`` forces (True) or skips (False) the trend (None: when the best recipe saves < 25 %); ``scan``: only
     the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth); ``reuse``: earlier
     studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns the study's
@@ -193,7 +200,7 @@ def growth_bench(
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
     params = _parameters(study, target)
-    tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
+    tokens = tokens or int(round(tokens_per_param * params, -3))
     flops, share = _budget(study, target, tokens)
     known = list(recipes(target))
     names = list(DEFAULT_RECIPES) if only is None else [n for n in known if n in only]
