@@ -165,6 +165,8 @@ def _working_dir(path: Path, tracking_uri: str):
 
 
 def _curve(client, run_id: str, x_key: str) -> Curve:
+    """(x, val/loss) at every validation of ``run_id`` in ``client``'s store, x being the metric ``x_key``."""
+
     def history(key: str) -> dict[int, float]:
         return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
