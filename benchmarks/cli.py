@@ -163,9 +163,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--reuse",
         default="",
-        help="--growth: earlier studies' directories or mlflow.db files (comma-separated); a run whose name and "
-        "config match a finished run there is read from it instead of trained (CPU runs are deterministic; the "
-        "code and library versions are yours to keep equal; benchmarks/reuse.py)",
+        help="--growth, --layer-drop --quality: earlier studies' directories or mlflow.db files (comma-separated); "
+        "a run whose config matches a finished run there is read from it instead of trained (CPU runs are "
+        "deterministic; the code and library versions are yours to keep equal; benchmarks/reuse.py)",
     )
     p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
     p.add_argument(
@@ -254,6 +254,7 @@ def measure(a: argparse.Namespace) -> dict:
             tokens=a.tokens or None,
             seeds=tuple(int(x) for x in a.seeds.split(",")),
             root=Path(a.study_dir) if a.study_dir else None,
+            reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
         )
     if a.parallel:
         from benchmarks.parallel import parallel_bench

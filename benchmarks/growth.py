@@ -26,7 +26,10 @@ from pathlib import Path
 
 from benchmarks.study import (
     ROOT,
+    VAL_POINTS,
     Study,
+    budget_flops,
+    budget_overrides,
     corpus_overrides,
     epochs,
     first_below,
@@ -131,17 +134,11 @@ def _small_alone(extra: list[str]) -> list[str]:
 def _budget(study: Study, arch: dict, tokens: int) -> tuple[float, float]:
     """(FLOPs of ``tokens`` for the target ``arch``, its block FLOPs share)."""
     from pretrain.config import make_plan
-    from pretrain.model import flops_per_token
     from pretrain.model.growth_stages import block_flops_share
 
     cfg = study.config(model_overrides(arch))
-    plan = make_plan(cfg, cfg.cluster.num_workers)
-    per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
-    return tokens * per_token, block_flops_share(cfg.model, plan.seq_len, cfg.moe)
-
-
-def _budget_overrides(flops: float, points: int) -> list[str]:
-    return [f"train.max_flops={flops:.6g}", "train.val_every=0", f"train.val_every_flops={flops / points:.6g}"]
+    seq_len = make_plan(cfg, cfg.cluster.num_workers).seq_len
+    return budget_flops(cfg, tokens), block_flops_share(cfg.model, seq_len, cfg.moe)
 
 
 def small_model(target: dict, extra: list[str]) -> dict:
@@ -183,7 +180,7 @@ def growth_bench(
     only: list[str] | None = None,
     sizes: bool | None = False,
     scan: bool = False,
-    points: int = 25,
+    points: int = VAL_POINTS,
     root: Path | None = None,
     reuse: tuple[Path, ...] = (),
     tokens_per_param: float = TOKENS_PER_PARAM,
@@ -195,7 +192,7 @@ def growth_bench(
     dict (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = study_base(vocab, corpus, overrides, "growth.rewarm_steps=20", val_sequences=VAL_SEQUENCES)
+    base = study_base(vocab, corpus, overrides, val_sequences=VAL_SEQUENCES)
     target = {**TARGET, **{k.split(".")[1]: int(v) for k, v in _split(overrides) if k.split(".")[1] in TARGET}}
     base = [o for o in base if o.split("=")[0].removeprefix("model.") not in TARGET]
     study = Study("bench-growth", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
@@ -235,7 +232,7 @@ def growth_bench(
     }
     for name, seed, extra in runs:
         run = study.train(
-            f"{name} seed {seed}", [*extra, f"train.seed={seed}", *repeat, *_budget_overrides(flops, points)]
+            f"{name} seed {seed}", [*extra, f"train.seed={seed}", *repeat, *budget_overrides(flops, points)]
         )
         out["curves"].setdefault(name, {})[seed] = run.flops
         out["run_ids"].setdefault(name, {})[seed] = run.run_id
@@ -325,7 +322,7 @@ def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: i
     rows = []
     for arch in sizes_of(out["target"]):
         flops, share = _budget(study, arch, tokens)
-        budget = [f"train.seed={seed}", *out["data_repeat"], *_budget_overrides(flops, points)]
+        budget = [f"train.seed={seed}", *out["data_repeat"], *budget_overrides(flops, points)]
         recipe = recipes(arch)[best]
         if arch == out["target"]:
             scratch, grown = out["curves"]["scratch"][seed], out["curves"][best][seed]

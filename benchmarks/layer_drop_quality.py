@@ -3,9 +3,11 @@ decoder (:data:`benchmarks.growth.TARGET`) trained per seed on the studies' corp
 (``--tokens``, default :data:`benchmarks.growth.TOKENS_PER_PARAM` tokens per parameter), as MLflow children of one
 parent run (:mod:`benchmarks.study`).
 
-- ``no-drop``: the budget's steps, cosine schedule decayed at the end.
-- ``half-depth, equal FLOPs``: half the blocks from scratch on the no-drop run's FLOPs. ``depth_pays`` (per seed) is
-  true when the no-drop model ends below it: the regime in which dropping or pruning blocks has something to lose.
+- ``no-drop``: the budget (``train.max_flops``), cosine schedule decayed at the end: the growth study's ``scratch``
+  run on the same budget, the same config (``--reuse`` reads it from a growth study's store instead of training it).
+- ``half-depth, equal FLOPs``: half the blocks from scratch on the same budget (the growth study's ``stack2``
+  recipe's small model alone). ``depth_pays`` (per seed) is true when the no-drop model ends below it: the regime
+  in which dropping or pruning blocks has something to lose.
 - ``pld``: progressive layer dropping (Zhang and He 2020, arXiv:2010.13369) in ``layer`` mode (a skipped block does
   no work): keep probability (1 - theta_bar) exp(-gamma t) + theta_bar, theta_bar = 1 - ``--pld-rate`` at the
   deepest block and less below it (``by_depth: linear``, PLD's depth rule), with gamma = ``--pld-gamma-t`` / steps
@@ -34,7 +36,10 @@ from typing import Any
 from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
 from benchmarks.study import (
     ROOT,
+    VAL_POINTS,
     Study,
+    budget_flops,
+    budget_overrides,
     corpus_overrides,
     epochs,
     model_parameters,
@@ -67,25 +72,25 @@ def _pld_steps(steps: int, rate: float, gamma_t: float, blocks: int, share: floa
     return n
 
 
-def _prune_and_eval(study: Study, run_id: str, sequences: int, scale: str = "train") -> float:
+def _prune_and_eval(study: Study, source: str, sequences: int, scale: str = "train") -> float:
     from eval.evaluate import evaluate
     from pretrain.driver.prune import prune
 
     with study.inside():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            prune([run_id, "layers=every_other", f"scale={scale}"])
+            prune([source, "layers=every_other", f"scale={scale}"])
         child = re.search(r"\[prune\] new run (\S+):", out.getvalue())
         if child is None:
-            raise RuntimeError(f"prune {run_id}: no new run in its output:\n{out.getvalue()}")
+            raise RuntimeError(f"prune {source}: no new run in its output:\n{out.getvalue()}")
         return float(evaluate(child.group(1), sequences=sequences, sample=False)["loss"])
 
 
-def _eval(study: Study, run_id: str, sequences: int) -> float:
+def _eval(study: Study, source: str, sequences: int) -> float:
     from eval.evaluate import evaluate
 
     with study.inside():
-        return float(evaluate(run_id, sequences=sequences, sample=False)["loss"])
+        return float(evaluate(source, sequences=sequences, sample=False)["loss"])
 
 
 def study(
@@ -98,8 +103,10 @@ def study(
     prune_rate: float = 0.5,
     eval_sequences: int = VAL_SEQUENCES,
     root: Path | None = None,
+    reuse: tuple[Path, ...] = (),
 ) -> dict:
-    """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per parameter of the model. Returns its dict (every
+    """The study; ``tokens`` None: :data:`TOKENS_PER_PARAM` per parameter of the model; ``reuse``: earlier studies'
+    stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns its dict (every
     per-seed value, and the minimum or maximum the goals read)."""
     from pretrain.config import make_plan
     from pretrain.model.growth_stages import block_flops_share
@@ -107,12 +114,13 @@ def study(
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
-    st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    st = Study("bench-layer-drop-quality", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
     cfg = st.config([])
     params = model_parameters(st, [])
     tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
     blocks, plan = cfg.model.num_layers, make_plan(cfg, 1)
-    steps = math.ceil(tokens / plan.tokens_per_step)
+    budget = budget_overrides(budget_flops(cfg, tokens), VAL_POINTS)
+    steps = st.steps(budget)
     share = block_flops_share(cfg.model, plan.seq_len, cfg.moe)
     pld_steps = _pld_steps(steps, pld_rate, pld_gamma_t, blocks, share)
     gamma = pld_gamma_t / pld_steps
@@ -122,11 +130,11 @@ def study(
     # half the blocks: per step (1 - share) + share / 2 of the full model's FLOPs (same head, half the blocks)
     half_step_cost = 1 - share + share / 2
     half_steps = round(steps * ld_share / half_step_cost)
-    half_equal_steps = round(steps / half_step_cost)
+    half_equal_steps = st.steps([*half, *budget])
     most = max(pld_steps, half_equal_steps) * plan.tokens_per_step  # the runs that read the most tokens
     passes = epochs(most, manifest, f"bench --layer-drop --quality: the budget ({tokens:,} tokens)")
     repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
-    every = max(1, steps // 25)
+    every = [f"train.val_every={max(1, steps // VAL_POINTS)}"]
     pld = [
         f"layer_drop.rate={pld_rate}",
         "layer_drop.schedule=progressive",
@@ -159,18 +167,18 @@ def study(
         "per_seed": {},
     }
     for seed in seeds:
-        s = [f"train.seed={seed}", f"train.val_every={every}", *repeat]
-        nodrop = st.train(f"no-drop seed {seed}", [*s, f"train.max_steps={steps}"])
-        equal = st.train(f"half-depth equal FLOPs seed {seed}", [*s, *half, f"train.max_steps={half_equal_steps}"])
-        prog = st.train(f"pld seed {seed}", [*s, f"train.max_steps={pld_steps}", *pld])
-        ld_run = [*s, f"train.max_steps={steps}", f"layer_drop.rate={prune_rate}"]
-        ld = st.train(f"layer-drop {prune_rate:g} seed {seed}", ld_run)
-        scratch = st.train(f"half-depth seed {seed}", [*s, *half, f"train.max_steps={half_steps}"])
-        half_loss = _eval(st, scratch.run_id, eval_sequences)
+        s = [f"train.seed={seed}", *repeat]
+        nodrop = st.train(f"no-drop seed {seed}", [*s, *budget], checkpoint=True)
+        equal = st.train(f"half-depth equal FLOPs seed {seed}", [*s, *half, *budget])
+        prog = st.train(f"pld seed {seed}", [*s, *every, f"train.max_steps={pld_steps}", *pld])
+        ld_run = [*s, *every, f"train.max_steps={steps}", f"layer_drop.rate={prune_rate}"]
+        ld = st.train(f"layer-drop {prune_rate:g} seed {seed}", ld_run, checkpoint=True)
+        scratch = st.train(f"half-depth seed {seed}", [*s, *every, *half, f"train.max_steps={half_steps}"], True)
+        half_loss = _eval(st, scratch.source, eval_sequences)
         pruned = {
-            "no-drop": _prune_and_eval(st, nodrop.run_id, eval_sequences),
-            "layer-drop": _prune_and_eval(st, ld.run_id, eval_sequences),
-            "layer-drop, scale=inference": _prune_and_eval(st, ld.run_id, eval_sequences, "inference"),
+            "no-drop": _prune_and_eval(st, nodrop.source, eval_sequences),
+            "layer-drop": _prune_and_eval(st, ld.source, eval_sequences),
+            "layer-drop, scale=inference": _prune_and_eval(st, ld.source, eval_sequences, "inference"),
         }
         row: dict[str, Any] = {
             "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds),
@@ -188,8 +196,8 @@ def study(
             },
             "half_depth_scratch_loss": half_loss,
             "full_loss": {
-                "no-drop": _eval(st, nodrop.run_id, eval_sequences),
-                "layer-drop": _eval(st, ld.run_id, eval_sequences),
+                "no-drop": _eval(st, nodrop.source, eval_sequences),
+                "layer-drop": _eval(st, ld.source, eval_sequences),
             },
             "pruned_loss": pruned,
             "pruned_vs_scratch_half_depth_gap": pruned["layer-drop"] - half_loss,
@@ -222,6 +230,7 @@ def study(
     figure = _plot(out, st.work / "layer_drop_quality.png")
     out["plot"] = str(figure)
     out["mlflow"] = {"tracking_uri": st.uri, "parent_run": st.parent}
+    out["reused_runs"] = st.reused
     st.finish(out, figure)
     return out
 

@@ -1,10 +1,12 @@
-"""Reusing the runs of earlier studies (``bench --growth --reuse DIR``): a study run whose name and config match a
-finished run of an earlier study's MLflow store is read from that store instead of trained again.
+"""Reusing the runs of earlier studies (``bench --growth|--layer-drop --quality --reuse DIR``): a study run whose
+config matches a finished run of an earlier study's MLflow store is read from that store instead of trained again.
 
 On CPU the same config and seed give bitwise-identical losses, so extending a study (another recipe, another seed)
-need not repeat the runs it already has. A run matches when every config value logged as its MLflow param equals
-this run's, except the keys that only say where things are stored (:data:`LOCATION_KEYS`); ``data.tokenizer``
-matches by the bytes of ``tokenizer.json``, not by its path. What the config cannot show (the code and the library
+need not repeat the runs it already has, and one study can read the runs another has in common with it (the
+layer-dropout study's ``no-drop`` run is the growth study's ``scratch`` run on the same budget). A run matches when
+every config value logged as its MLflow param equals this run's, except the keys that only say where things are
+stored or how the run is named (:data:`LOCATION_KEYS`); ``data.tokenizer`` matches by the bytes of
+``tokenizer.json``, not by its path. What the config cannot show (the code and the library
 versions that made the run) is the user's to keep equal; the study's JSON names every reused run and its store."""
 
 from __future__ import annotations
@@ -59,17 +61,17 @@ def same_config(want: dict[str, Any], params: dict[str, str]) -> bool:
     return True
 
 
-def find(uris: list[str], label: str, want: dict[str, Any], steps: int) -> tuple[str, Any] | None:
-    """(store URI, MLflow run) of a finished run named ``label`` in one of the stores ``uris`` that trained
-    ``want`` (:func:`same_config`) to its last step ``steps``; None when there is none."""
+def find(uris: list[str], want: dict[str, Any], steps: int) -> tuple[str, Any] | None:
+    """(store URI, MLflow run) of a finished run in one of the stores ``uris`` that trained ``want``
+    (:func:`same_config`; whatever its name) to its last step ``steps``, the earliest of the first store that has
+    one; None when there is none."""
     from mlflow import MlflowClient
 
-    quoted = label.replace("'", "\\'")
     for uri in uris:
         client = MlflowClient(tracking_uri=uri)
         ids = [e.experiment_id for e in client.search_experiments()]
         found = client.search_runs(
-            ids, f"attributes.run_name = '{quoted}' and attributes.status = 'FINISHED'", order_by=["start_time ASC"]
+            ids, "attributes.status = 'FINISHED'", max_results=50_000, order_by=["start_time ASC"]
         )
         for run in found:
             if not same_config(want, run.data.params):

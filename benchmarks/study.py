@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 Curve = list[tuple[float, float]]
 """(x, validation loss) points in training order; x is FLOPs or seconds."""
 
+VAL_POINTS = 25
+"""Validations in a run on a study's budget (evenly spaced in FLOPs)."""
+
 MAX_EPOCHS = 4
 """The most passes over a study corpus a run may make (Muennighoff et al. 2023: up to 4 epochs are nearly as good
 as fresh data)."""
@@ -52,9 +55,11 @@ def corpus_overrides(overrides: list[str], vocab_size: int) -> tuple[list[str], 
 def study_base(vocab: int, corpus: list[str], overrides: list[str], *extra: str, val_sequences: int = 64) -> list[str]:
     """The overrides a study's runs start from: in process on one worker, no checkpoints and no end-of-run plot,
     the stability monitor logging its events but acting on none (``stability.policy=log``: every compared run takes
-    every step it is given, so equal FLOPs are equal training), progress every 50 steps, 20 warm-up steps, 3 % of
-    the documents held out and ``val_sequences`` of them scored, the vocabulary ``vocab``; then the study's own
-    ``extra``, the ``corpus`` and the user's ``overrides`` (last, so that they win)."""
+    every step it is given, so equal FLOPs are equal training), progress every 50 steps, 20 warm-up steps (and 20
+    re-warm steps after a growth), 3 % of the documents held out and ``val_sequences`` of them scored, the vocabulary
+    ``vocab``; then the study's own ``extra``, the ``corpus`` and the user's ``overrides`` (last, so that they win).
+    Every study starts from the same base, so a run two studies share (the target from scratch on a budget) has one
+    config, and a later study can reuse it (:mod:`benchmarks.reuse`)."""
     return [
         "cluster.use_ray=false",
         "cluster.num_workers=1",
@@ -63,6 +68,7 @@ def study_base(vocab: int, corpus: list[str], overrides: list[str], *extra: str,
         "stability.policy=log",
         "train.log_every=50",
         "train.warmup_steps=20",
+        "growth.rewarm_steps=20",
         "data.val_holdout=0.03",
         f"train.val_sequences={val_sequences}",
         f"model.vocab_size={vocab}",
@@ -83,6 +89,20 @@ def model_parameters(study: Study, extra: list[str]) -> int:
     cfg = study.config(extra)
     with torch.device("meta"), SkipInitOnMeta():
         return num_parameters(Transformer(cfg.model, cfg.moe))
+
+
+def budget_flops(cfg, tokens: float) -> float:
+    """The training FLOPs of ``tokens`` tokens of ``cfg``'s model at its sequence length: a study's budget."""
+    from pretrain.config import make_plan
+    from pretrain.model import flops_per_token
+
+    return tokens * flops_per_token(cfg.model, make_plan(cfg, cfg.cluster.num_workers).seq_len, cfg.moe)
+
+
+def budget_overrides(flops: float, points: int) -> list[str]:
+    """A run on the FLOPs budget ``flops`` (``train.max_flops``: the steps follow from the model) validated at
+    ``points`` evenly spaced FLOPs."""
+    return [f"train.max_flops={flops:.6g}", "train.val_every=0", f"train.val_every_flops={flops / points:.6g}"]
 
 
 def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
@@ -176,13 +196,19 @@ def _curve(client, run_id: str, x_key: str) -> Curve:
 
 @dataclass
 class RunCurves:
-    """One finished run of a study: its id, validation loss against FLOPs and against training seconds."""
+    """One finished run of a study: its id, validation loss against FLOPs and against training seconds, and what
+    ``prune`` or ``eval`` read its model from (``source``: its run id in the study's store, or the checkpoint
+    directory of a run reused from another store)."""
 
     run_id: str
     flops: Curve
     seconds: Curve
     steps: int
     config: dict = field(default_factory=dict)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = self.source or self.run_id
 
     @property
     def final_loss(self) -> float:
@@ -219,9 +245,10 @@ class Study:
 
         return load_config(self.base_config, [*self.base, *self.tokenizer, *extra])
 
-    def train(self, label: str, extra: list[str]) -> RunCurves:
-        """Train ``base + extra`` as a child run named ``label`` (or reuse a matching earlier run); the first run's
-        tokenizer is every later run's."""
+    def train(self, label: str, extra: list[str], checkpoint: bool = False) -> RunCurves:
+        """Train ``base + extra`` as a child run named ``label`` (or reuse a matching earlier run; ``checkpoint``:
+        the study reads the run's model, so only one whose checkpoints are still on disk); the first run's tokenizer
+        is every later run's."""
         from cluster.launch import run
         from pretrain.checkpoint.layout import RUN_TOKENIZER
         from pretrain.config import to_dict
@@ -229,7 +256,7 @@ class Study:
 
         with self.inside():
             cfg = self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
-            earlier = self._earlier(label, cfg)
+            earlier = self._earlier(label, cfg, checkpoint)
             if earlier is not None:
                 return earlier
             job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
@@ -254,8 +281,9 @@ class Study:
         self.client.log_text(job.run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
         return out
 
-    def _earlier(self, label: str, cfg) -> RunCurves | None:
-        """The curves of a finished run of the ``reuse`` stores that trained ``cfg`` under ``label``, or None."""
+    def _earlier(self, label: str, cfg, checkpoint: bool) -> RunCurves | None:
+        """The curves of a finished run of the ``reuse`` stores that trained ``cfg`` (whatever it was named there;
+        ``checkpoint``: and whose checkpoints are on disk), or None."""
         from mlflow import MlflowClient
 
         from benchmarks.reuse import find
@@ -267,16 +295,19 @@ class Study:
         if not self.reuse:
             return None
         want = resolve_budget(resolve_paths(copy.deepcopy(cfg)), say=lambda _line: None)  # as the run logs it
-        hit = find(self.reuse, label, flatten(to_dict(want)), want.train.max_steps)
+        hit = find(self.reuse, flatten(to_dict(want)), want.train.max_steps)
         if hit is None:
             return None
         uri, found = hit
         run_id = found.info.run_id
         root = found.data.tags.get("pretrain.checkpoint_root")
+        if checkpoint and not (root and Path(root).is_dir()):
+            print(f"[{self.name}] {label}: run {run_id} of {uri} matches, but its checkpoints are gone: training it")
+            return None
         if root and not self.tokenizer:
             self.tokenizer = [f"data.tokenizer={Path(root) / RUN_TOKENIZER}"]
-        self.reused[label] = {"tracking_uri": uri, "run_id": run_id}
-        print(f"[{self.name}] {label}: reused run {run_id} of {uri} (the same config)", flush=True)
+        self.reused[label] = {"tracking_uri": uri, "run_id": run_id, "run_name": found.info.run_name}
+        print(f"[{self.name}] {label}: reused run {run_id} ({found.info.run_name!r}) of {uri} (the same config)")
         client = MlflowClient(tracking_uri=uri)
         return RunCurves(
             run_id,
@@ -284,7 +315,14 @@ class Study:
             _curve(client, run_id, "val/train_s"),
             want.train.max_steps,
             to_dict(want),
+            root if checkpoint else run_id,
         )
+
+    def steps(self, extra: list[str]) -> int:
+        """The steps a run of ``base + extra`` trains (a FLOPs budget resolved as the run resolves it)."""
+        from pretrain.driver.budget import resolve_budget
+
+        return resolve_budget(self.config(extra), say=lambda _line: None).train.max_steps
 
     def inside(self):
         """A context in the study's directory with its MLflow store (for ``prune``, ``eval`` and the like)."""

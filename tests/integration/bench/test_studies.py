@@ -95,10 +95,22 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
 
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):
+    """After a growth study's iso-FLOP scan on the same budget: its ``scratch`` and 2-block ``alone`` runs are the
+    layer-dropout study's ``no-drop`` and equal-FLOPs half-depth runs (one config), read from its store; the
+    reused no-drop model is pruned and evaluated from its checkpoint."""
     corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
-    r = _bench(tmp_path, "--layer-drop", "--quality", "--tokens", "1024", "--seeds", "0", "model.num_layers=4", corpus)
-    assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"] == 8, "128 tokens a step"
-    assert r["tokens_per_param"] == pytest.approx(1024 / r["parameters"])
+    same = ["--tokens", "1024", "--seeds", "0", "model.num_layers=4", corpus]
+    scan = _bench(tmp_path, "--growth", "--scan", "--recipes", "stack2@10%", *same, study="scan")
+    alone = scan["small_models"]["stack2@10%"]
+    r = _bench(tmp_path, "--layer-drop", "--quality", "--reuse", str(tmp_path / "scan"), *same)
+    reused = {label: ref["run_id"] for label, ref in r["reused_runs"].items()}
+    assert reused == {
+        "no-drop seed 0": scan["run_ids"]["scratch"]["0"],
+        "half-depth equal FLOPs seed 0": (scan["run_ids"][alone]["0"]),
+    }
+    assert r["model"]["num_layers"] == 4 and r["steps"]["pld"] >= r["steps"]["no-drop"]
+    assert r["budget_tokens"] == 128 * r["steps"]["no-drop"] >= 1024, "128 tokens a step, the budget's FLOPs spent"
+    assert r["tokens_per_param"] == pytest.approx(r["budget_tokens"] / r["parameters"])
     steps = r["steps"]
     assert steps["half-depth"] <= steps["no-drop"] <= steps["half-depth, equal FLOPs"]
     row = r["per_seed"]["0"]
@@ -113,8 +125,11 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
     assert row["pruned_vs_scratch_half_depth_gap"] == row["pruned_loss"]["layer-drop"] - row["half_depth_scratch_loss"]
     assert r["pruned_vs_scratch_half_depth_gap"] == row["pruned_vs_scratch_half_depth_gap"]
     assert set(r["goals"].values()) <= {True, False}
+    assert final["no-drop"] == pytest.approx(scan["final_loss"]["scratch"]["0"], rel=1e-5)
+    assert final["half-depth, equal FLOPs"] == pytest.approx(scan["final_loss"][alone]["0"], rel=1e-5)
+    assert row["pruned_loss"]["no-drop"] > 0 and row["full_loss"]["no-drop"] > 0, "read from the scan's checkpoint"
     _, runs = _children(r)
-    assert len(runs) == 5, "no-drop, half depth at its FLOPs, PLD, layer dropout and half depth at that one's FLOPs"
+    assert sorted(run.info.run_name for run in runs) == ["half-depth seed 0", "layer-drop 0.5 seed 0", "pld seed 0"]
 
 
 def test_early_exit_study_on_a_tiny_budget(tmp_path):

@@ -46,3 +46,32 @@ def test_stores_under_a_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"--reuse .*empty: no MLflow store"):
         stores([tmp_path / "empty"])
+
+
+def test_find_matches_a_finished_run_by_config_whatever_its_name(tmp_path):
+    """A real MLflow store: the layer-dropout study's ``no-drop`` run is found as the growth study's ``scratch``."""
+    from mlflow import MlflowClient
+
+    from benchmarks.reuse import find
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("bench-growth")
+
+    def logged(name: str, want: dict, last_step: int, status: str = "FINISHED") -> str:
+        run = client.create_run(exp, run_name=name).info.run_id
+        for key, value in _logged(want).items():
+            client.log_param(run, key, value)
+        client.log_metric(run, "train/loss", 3.0, step=last_step)
+        client.set_terminated(run, status)
+        return run
+
+    logged("stopped seed 0", WANT, 8, status="KILLED")
+    logged("short seed 0", WANT, 7)
+    logged("other seed", {**WANT, "train.seed": 1}, 8)
+    scratch = logged("scratch seed 0", WANT, 8)
+    logged("later scratch seed 0", WANT, 8)
+    hit = find([uri], WANT, 8)
+    assert hit is not None and hit[0] == uri and hit[1].info.run_id == scratch, "the earliest finished full run"
+    assert find([uri], {**WANT, "train.seed": 2}, 8) is None
+    assert find([uri], WANT, 9) is None, "no run reached step 9"
