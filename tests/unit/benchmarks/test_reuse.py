@@ -75,3 +75,37 @@ def test_find_matches_a_finished_run_by_config_whatever_its_name(tmp_path):
     assert hit is not None and hit[0] == uri and hit[1].info.run_id == scratch, "the earliest finished full run"
     assert find([uri], {**WANT, "train.seed": 2}, 8) is None
     assert find([uri], WANT, 9) is None, "no run reached step 9"
+
+
+def test_a_study_reads_a_reused_model_from_its_checkpoints_only_while_they_exist(tmp_path):
+    """``Study.train(..., checkpoint=True)`` (the layer-dropout study prunes and evaluates the run): a matching run
+    whose checkpoint directory is gone is trained again; one whose directory exists is read from it."""
+    import copy
+
+    from mlflow import MlflowClient
+
+    from benchmarks.study import ROOT, Study
+    from pretrain.config import flatten, to_dict
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.budget import resolve_budget
+
+    uri = f"sqlite:///{tmp_path / 'earlier.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    study = Study(
+        "s", ROOT / "configs" / "demo-decoder.yaml", ["train.max_steps=8"], tmp_path, (tmp_path / "earlier.db",)
+    )
+    cfg = study.config(["tracking.run_name=no-drop seed 0"])
+    want = resolve_budget(resolve_paths(copy.deepcopy(cfg)), say=lambda _line: None)
+    run = client.create_run(client.create_experiment("bench-growth"), run_name="scratch seed 0").info.run_id
+    for key, value in flatten(to_dict(want)).items():
+        client.log_param(run, key, str(value)[:PARAM_CHARS])
+    client.log_metric(run, "train/loss", 3.0, step=8)
+    root = tmp_path / "checkpoints" / run
+    client.set_tag(run, "pretrain.checkpoint_root", str(root))
+    client.set_terminated(run, "FINISHED")
+    assert study._earlier("no-drop seed 0", cfg, checkpoint=True) is None, "its checkpoints are gone"
+    assert study._earlier("no-drop seed 0", cfg, checkpoint=False).source == run, "curves only: its run id"
+    root.mkdir(parents=True)
+    found = study._earlier("no-drop seed 0", cfg, checkpoint=True)
+    assert found.run_id == run and found.source == str(root) and found.steps == 8
+    assert study.reused["no-drop seed 0"] == {"tracking_uri": uri, "run_id": run, "run_name": "scratch seed 0"}
