@@ -3,7 +3,8 @@
     ./launch.sh bench --early-exit --model RUN_ID|CHECKPOINT|HF_DIR [--exits 1,2,...] [--prompts 50]
                       [--prompt-tokens 16] [--max-new-tokens 32] [--draft-tokens N] [--draft-confidence P]
                       [--cli-prompts 3] [--data PATH ...] [--device D] [--json]
-    ./launch.sh bench --early-exit [--tokens N] [--seed S] [--study-dir DIR] [decoding options] [key=value ...]
+    ./launch.sh bench --early-exit [--tokens N] [--seed S] [--study-dir DIR] [--reuse DIR,...] [decoding options]
+                      [key=value ...]
 
 Without ``--model``: the study (:mod:`benchmarks.early_exit_study`), a decoder trained without and with the
 early-exit loss at equal training FLOPs, then this benchmark on the early-exit model.
@@ -181,9 +182,15 @@ def parse_args(argv: list[str]):
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="PATH", help="prompts from these files")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tokens", type=int, default=0, help="the study: baseline training tokens (default 5/param)")
+    p.add_argument("--tokens", type=int, default=0, help="the study: baseline training tokens (default 80/param)")
     p.add_argument("--seed", type=int, default=0, help="the study: train.seed of both runs (default 0)")
     p.add_argument("--study-dir", default=None, help="the study: where its runs and MLflow store go (.cache/)")
+    p.add_argument(
+        "--reuse",
+        default="",
+        help="the study: earlier studies' directories or mlflow.db files (comma-separated) whose run of the same "
+        "config is read instead of trained (the baseline is the growth study's scratch run; benchmarks/reuse.py)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the study: config overrides of both runs")
     a = p.parse_args(argv)
     if a.prompts < 1 or a.prompt_tokens < 1 or a.cli_prompts < 0:
@@ -197,6 +204,8 @@ def run(a) -> int:
 
     if a.overrides:
         raise ConfigError(f"bench --early-exit --model: key=value overrides are for the study only ({a.overrides[0]})")
+    if a.reuse:
+        raise ConfigError("bench --early-exit --model: --reuse is for the study only")
     try:
         exits = [int(x) for x in a.exits.split(",") if x.strip()]
     except ValueError:

@@ -5,8 +5,10 @@ early-exit model decoded plainly and self-speculatively on held-out prompts (:mo
 
 - ``baseline``: the growth study's target (:data:`benchmarks.growth.TARGET`) on the studies' corpus
   (:mod:`benchmarks.corpus`, or the overrides' ``data.sources``) for ``tokens`` tokens (default
-  :data:`benchmarks.growth.TOKENS_PER_PARAM` per parameter), cosine schedule decayed at the end: the regime in which
-  the growth and layer-dropout studies measured that depth pays (the full depth ahead of half depth at equal FLOPs).
+  :data:`benchmarks.growth.TOKENS_PER_PARAM` per parameter; the budget's FLOPs, ``train.max_flops``), cosine schedule
+  decayed at the end: the regime in which the growth and layer-dropout studies measured that depth pays (the full
+  depth ahead of half depth at equal FLOPs). It is the growth study's ``scratch`` run on the same budget, the same
+  config: ``reuse`` (``--reuse DIR``) reads it from an earlier study's store instead of training it.
 - ``early-exit``: the same plus :data:`RECIPE` (layer dropout rising with depth, exits every 2 blocks through the
   shared final norm and LM head, rotational curriculum). Equal FLOPs: the baseline's training FLOPs (the product's
   count, :func:`pretrain.model.flops_per_token`) divided by the early-exit run's FLOPs per step, which are the same
@@ -31,7 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
-from benchmarks.study import ROOT, Study, corpus_overrides, epochs, model_parameters, study_base, vocab_of
+from benchmarks.study import (
+    ROOT,
+    VAL_POINTS,
+    Study,
+    budget_flops,
+    budget_overrides,
+    corpus_overrides,
+    epochs,
+    model_parameters,
+    study_base,
+    vocab_of,
+)
 
 RECIPE = [
     "layer_drop.rate=0.1",
@@ -94,8 +107,11 @@ def study(
     cli_prompts: int = 3,
     validations: int = 10,
     root: Path | None = None,
+    reuse: tuple[Path, ...] = (),
 ) -> dict[str, Any]:
-    """The study (module docstring); returns its dict."""
+    """The study (module docstring); ``validations``: the early-exit run's (each scores every exit); ``reuse``:
+    earlier studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns its
+    dict."""
     import torch
 
     from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
@@ -107,7 +123,7 @@ def study(
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
-    st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root)
+    st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
     given = {o.split("=", 1)[0] for o in overrides}
     recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]
     cfg, ee_cfg = st.config([]), st.config(recipe)
@@ -118,18 +134,20 @@ def study(
     tokens_per_step = plan.seq_len * cfg.train.global_batch_size
     per_token = flops_per_token(cfg.model, plan.seq_len, cfg.moe)
     params = model_parameters(st, [])
-    tokens = tokens or TOKENS_PER_PARAM * params
-    steps = max(1, round(tokens / tokens_per_step))
-    budget = steps * tokens_per_step * per_token
+    tokens = tokens or int(round(TOKENS_PER_PARAM * params, -3))
+    baseline = budget_overrides(budget_flops(cfg, tokens), VAL_POINTS)
+    steps = st.steps(baseline)
+    budget = steps * tokens_per_step * per_token  # what the baseline executes
     share = block_flops_share(cfg.model, plan.seq_len, cfg.moe)
     ee_steps, arithmetic = early_exit_steps(ee_cfg, budget, per_token, tokens_per_step, share)
     passes = epochs(steps * tokens_per_step, manifest, "bench --early-exit: the budget")
     repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
     seed_o = f"train.seed={seed}"
     runs = {}
-    for label, n, extra in (("baseline", steps, []), ("early-exit", ee_steps, recipe)):
-        every = f"train.val_every={max(1, n // validations)}"
-        runs[label] = st.train(f"{label} seed {seed}", [seed_o, *repeat, f"train.max_steps={n}", every, *extra])
+    runs["baseline"] = st.train(f"baseline seed {seed}", [seed_o, *repeat, *baseline])
+    every = f"train.val_every={max(1, ee_steps // validations)}"
+    ee_run_o = [seed_o, *repeat, f"train.max_steps={ee_steps}", every, *recipe]
+    runs["early-exit"] = st.train(f"early-exit seed {seed}", ee_run_o)
     ee_run = runs["early-exit"].run_id
     exits = {}
     for e in range(1, L):
@@ -193,6 +211,7 @@ def study(
     figure = _plot(out, st.work / "early_exit.png")
     out["plot"] = str(figure)
     out["mlflow"] = {"tracking_uri": st.uri, "parent_run": st.parent}
+    out["reused_runs"] = st.reused
     st.finish(out, figure)
     return out
 
@@ -279,6 +298,7 @@ def _study(a) -> int:
             draft_confidence=a.draft_confidence,
             cli_prompts=a.cli_prompts,
             root=Path(a.study_dir) if a.study_dir else None,
+            reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
         )
     with contextlib.redirect_stdout(out):
         if a.json:
