@@ -302,12 +302,13 @@ class Study:
         run_id = found.info.run_id
         root = found.data.tags.get("pretrain.checkpoint_root")
         if checkpoint and not (root and Path(root).is_dir()):
-            print(f"[{self.name}] {label}: run {run_id} of {uri} matches, but its checkpoints are gone: training it")
+            gone = f"run {run_id} of {uri} matches, but its checkpoints are gone: training it"
+            print(f"[{self.name}] {label}: {gone}", flush=True)
             return None
         if root and not self.tokenizer:
             self.tokenizer = [f"data.tokenizer={Path(root) / RUN_TOKENIZER}"]
         self.reused[label] = {"tracking_uri": uri, "run_id": run_id, "run_name": found.info.run_name}
-        print(f"[{self.name}] {label}: reused run {run_id} ({found.info.run_name!r}) of {uri} (the same config)")
+        print(f"[{self.name}] {label}: reused run {run_id} ({found.info.run_name!r}) of {uri}", flush=True)
         client = MlflowClient(tracking_uri=uri)
         return RunCurves(
             run_id,
