@@ -73,13 +73,15 @@ def _pld_steps(steps: int, rate: float, gamma_t: float, blocks: int, share: floa
 
 
 def _prune_and_eval(study: Study, source: str, sequences: int, scale: str = "train") -> float:
+    """``prune source layers=every_other scale=...`` into the study's directory (a reused run's too), then ``eval``
+    of the pruned run: its validation loss."""
     from eval.evaluate import evaluate
     from pretrain.driver.prune import prune
 
     with study.inside():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            prune([source, "layers=every_other", f"scale={scale}"])
+            prune([source, "layers=every_other", f"scale={scale}"], str(study.work / "checkpoints"))
         child = re.search(r"\[prune\] new run (\S+):", out.getvalue())
         if child is None:
             raise RuntimeError(f"prune {source}: no new run in its output:\n{out.getvalue()}")

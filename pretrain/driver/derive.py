@@ -45,6 +45,7 @@ def derive_run(
     metrics: dict[str, float] | None = None,
     grown: bool = False,
     data: dict | None = None,
+    checkpoint_dir: str | None = None,
 ) -> tuple[str, Path]:
     """Write ``model`` as the first checkpoint of a new run, child of the parent's run, continuing the parent's
     step, tokens and data position: full weights of ``cfg.model`` (and, when given, AdamW moments of those weights
@@ -53,8 +54,11 @@ def derive_run(
     recorded as written by the parent's worker count. ``grown``: the checkpoint records a growth at the parent's
     step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the growth callback's state,
     as after an in-job growth). ``data``: another data position than the parent's (e.g. fresh streams of another
-    mixture). Returns (run id, path)."""
-    cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from="")))
+    mixture). ``checkpoint_dir``: where the new run's checkpoints go (default: the parent's ``checkpoint.dir``).
+    Returns (run id, path)."""
+    where = {"dir": checkpoint_dir} if checkpoint_dir else {}
+    ckpt = dataclasses.replace(cfg.checkpoint, resume_from="", **where)
+    cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=ckpt))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {
         **{k: str(v) for k, v in tags.items()},

@@ -86,8 +86,9 @@ def prune_blocks(
     return new, out
 
 
-def prune(argv: list[str]) -> int:
-    """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N] [scale=inference|train]``."""
+def prune(argv: list[str], checkpoint_dir: str | None = None) -> int:
+    """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N] [scale=inference|train]``; ``checkpoint_dir``: where the new
+    run's checkpoints go (default: the parent's ``checkpoint.dir``)."""
     opts = parse_options(argv, {"layers", "step", "scale"}, "prune")
     parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
     try:
@@ -107,6 +108,7 @@ def prune(argv: list[str]) -> int:
             "prune.scale": scale,
         },
         "prune",
+        checkpoint_dir=checkpoint_dir,
     )
     print(f"[prune] kept blocks {keep} of {parent.config.model.num_layers} from {parent.ckpt.path}")
     ld = parent.config.layer_drop

@@ -102,7 +102,10 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
     same = ["--tokens", "1024", "--seeds", "0", "model.num_layers=4", corpus]
     scan = _bench(tmp_path, "--growth", "--scan", "--recipes", "stack2@10%", *same, study="scan")
     alone = scan["small_models"]["stack2@10%"]
+    scan_runs = sorted((tmp_path / "scan").glob("*/*/checkpoints/*"))
+    assert len(scan_runs) == 2, "scratch and the 2-block model alone"
     r = _bench(tmp_path, "--layer-drop", "--quality", "--reuse", str(tmp_path / "scan"), *same)
+    assert sorted((tmp_path / "scan").glob("*/*/checkpoints/*")) == scan_runs, "the pruned no-drop model is the study's"
     reused = {label: ref["run_id"] for label, ref in r["reused_runs"].items()}
     assert reused == {
         "no-drop seed 0": scan["run_ids"]["scratch"]["0"],
