@@ -1,13 +1,15 @@
-"""Reusing the runs of earlier studies (``bench --growth|--layer-drop --quality --reuse DIR``): a study run whose
-config matches a finished run of an earlier study's MLflow store is read from that store instead of trained again.
+"""Reusing the runs of earlier studies (``bench --growth | --layer-drop --quality | --early-exit --reuse DIR``): a
+study run whose config matches a finished run of an earlier study's MLflow store is read from that store instead of
+trained again.
 
 On CPU the same config and seed give bitwise-identical losses, so extending a study (another recipe, another seed)
 need not repeat the runs it already has, and one study can read the runs another has in common with it (the
 layer-dropout study's ``no-drop`` run is the growth study's ``scratch`` run on the same budget). A run matches when
 every config value logged as its MLflow param equals this run's, except the keys that only say where things are
 stored or how the run is named (:data:`LOCATION_KEYS`); ``data.tokenizer`` matches by the bytes of
-``tokenizer.json``, not by its path. What the config cannot show (the code and the library
-versions that made the run) is the user's to keep equal; the study's JSON names every reused run and its store."""
+``tokenizer.json``, not by its path. What the config cannot show (the code and the library versions that made the
+run, and the machine's load while it was timed) is the user's to keep equal; the study's JSON names every reused run
+and its store."""
 
 from __future__ import annotations
 
