@@ -56,8 +56,9 @@ def derive_run(
     as after an in-job growth). ``data``: another data position than the parent's (e.g. fresh streams of another
     mixture). ``checkpoint_dir``: where the new run's checkpoints go (default: the parent's ``checkpoint.dir``).
     Returns (run id, path)."""
-    where = {"dir": checkpoint_dir} if checkpoint_dir else {}
-    ckpt = dataclasses.replace(cfg.checkpoint, resume_from="", **where)
+    ckpt = dataclasses.replace(cfg.checkpoint, resume_from="")
+    if checkpoint_dir:
+        ckpt = dataclasses.replace(ckpt, dir=checkpoint_dir)
     cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=ckpt))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {
