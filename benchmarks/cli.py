@@ -167,11 +167,17 @@ def main(argv: list[str]) -> int:
         "a run whose config matches a finished run there is read from it instead of trained (CPU runs are "
         "deterministic; the code and library versions are yours to keep equal; benchmarks/reuse.py)",
     )
+    p.add_argument(
+        "--jobs",
+        default="auto",
+        help="--growth: runs trained side by side, each in its own process on its share of the CPUs (auto: one "
+        "per CPU on a machine without a GPU, else 1; benchmarks/side_by_side.py)",
+    )
     p.add_argument("--seeds", default="0,1", help="--growth, --layer-drop --quality: the seeds (comma-separated)")
     p.add_argument(
         "--recipes",
         default="",
-        help="--growth: these recipes (comma-separated; default: stack4@10%%,stack2@10%%; benchmarks/growth.py)",
+        help="--growth: these recipes (comma-separated; default: stack4@10%%, G_stack; benchmarks/growth.py)",
     )
     p.add_argument(
         "--sizes",
@@ -227,6 +233,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def jobs_of(text: str, gpu: bool) -> int:
+    """``--jobs``: a count, or ``auto`` (one per CPU this process may use without a GPU, else 1)."""
+    from benchmarks.side_by_side import cpus
+
+    if text == "auto":
+        return 1 if gpu else len(cpus())
+    if not text.isdigit() or not 1 <= int(text) <= len(cpus()):
+        raise SystemExit(f"bench --jobs: {text!r} is not auto or a count from 1 to the {len(cpus())} CPUs here")
+    return int(text)
+
+
 def measure(a: argparse.Namespace) -> dict:
     """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
@@ -244,6 +261,7 @@ def measure(a: argparse.Namespace) -> dict:
                 root=Path(a.study_dir) if a.study_dir else None,
                 reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
                 tokens_per_param=GPU_TOKENS_PER_PARAM if a.gpu_size else TOKENS_PER_PARAM,
+                jobs=jobs_of(a.jobs, gpu),
             )
         )
     if a.layer_drop and a.quality:

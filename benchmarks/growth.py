@@ -121,9 +121,11 @@ def recipes(arch: dict) -> dict[str, list[str]]:
     }
 
 
-DEFAULT_RECIPES = ("stack4@10%", "stack2@10%")
-"""The recipes run by default: the published G_stack factor (4, grown early) and half the depth stacked, whose small
-models (a quarter and half of the target's depth) are also the iso-FLOP scan's sizes."""
+DEFAULT_RECIPES = ("stack4@10%",)
+"""The recipe run by default: the published G_stack factor (4, grown early), the growth defaults' source
+(docs/growth.md). With its small model alone and the target from scratch that is 3 runs a seed, which side by side
+(``--jobs``) fit the default study in 90 minutes on a 2-core CPU; ``--recipes stack4@10%,stack2@10%`` adds half the
+depth stacked (and the 2-block model alone to the iso-FLOP scan)."""
 
 
 def _small_alone(extra: list[str]) -> list[str]:
@@ -184,12 +186,14 @@ def growth_bench(
     root: Path | None = None,
     reuse: tuple[Path, ...] = (),
     tokens_per_param: float = TOKENS_PER_PARAM,
+    jobs: int = 1,
 ) -> dict:
     """The study; ``tokens`` None: ``tokens_per_param`` per target parameter; ``only`` limits the recipes;
     ``sizes`` forces (True) or skips (False) the trend (None: when the best recipe saves < 25 %); ``scan``: only
     the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth); ``reuse``: earlier
-    studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns the study's
-    dict (see :func:`summary`)."""
+    studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`); ``jobs``: runs
+    trained side by side (:meth:`Study.train_many`; the trend's runs train one at a time). Returns the study's dict
+    (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, val_sequences=VAL_SEQUENCES)
@@ -230,10 +234,12 @@ def growth_bench(
         "curves": {},
         "run_ids": {},
     }
-    for name, seed, extra in runs:
-        run = study.train(
-            f"{name} seed {seed}", [*extra, f"train.seed={seed}", *repeat, *budget_overrides(flops, points)]
-        )
+    budget = [*repeat, *budget_overrides(flops, points)]
+    trained = study.train_many(
+        [(f"{n} seed {seed}", [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs], jobs
+    )
+    out["jobs"] = jobs
+    for (name, seed, _), run in zip(runs, trained):
         out["curves"].setdefault(name, {})[seed] = run.flops
         out["run_ids"].setdefault(name, {})[seed] = run.run_id
     if not scan:

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 Curve = list[tuple[float, float]]
@@ -250,35 +251,100 @@ class Study:
         the study reads the run's model, so only one whose checkpoints are still on disk); the first run's tokenizer
         is every later run's."""
         from cluster.launch import run
-        from pretrain.checkpoint.layout import RUN_TOKENIZER
-        from pretrain.config import to_dict
-        from pretrain.driver.prepare import prepare_new
 
         with self.inside():
-            cfg = self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
+            cfg = self._config(label, extra)
             earlier = self._earlier(label, cfg, checkpoint)
             if earlier is not None:
                 return earlier
-            job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
-            self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
-            print(f"[{self.name}] {label}: run {job.run_id}", flush=True)
+            job = self._prepare(label, cfg)
             try:
                 final = run(job, cfg.cluster)
             except BaseException:
-                self.client.set_terminated(job.run_id, "FAILED")
-                self.client.set_terminated(self.parent, "FAILED")
+                self._failed(job.run_id)
                 raise
-            self.client.set_terminated(job.run_id, "FINISHED")
+        return self._finished(label, cfg, job.run_id, final)
+
+    def train_many(self, runs: list[tuple[str, list[str]]], jobs: int = 1) -> list[RunCurves]:
+        """:meth:`train` of each (label, extra) of ``runs``, at most ``jobs`` side by side
+        (:mod:`benchmarks.side_by_side`: each in its own process on its share of the CPUs); a run that matches an
+        earlier one is read, not trained. Runs side by side must train in process (``cluster.use_ray=false``) and
+        share a given tokenizer (``data.tokenizer``): without one, the first run trains alone and gives the others
+        its tokenizer."""
+        from benchmarks.side_by_side import run_side_by_side
+        from pretrain.config import ConfigError
+
+        if jobs <= 1:
+            return [self.train(label, extra) for label, extra in runs]
+        out: list[RunCurves | None] = [None] * len(runs)
+        todo: list[tuple[int, str, Any]] = []
+        for i, (label, extra) in enumerate(runs):
+            if not todo and not self.tokenizer and not self.config(extra).data.tokenizer:
+                out[i] = self.train(label, extra)
+                continue
+            with self.inside():
+                cfg = self._config(label, extra)
+                out[i] = self._earlier(label, cfg, False)
+            if out[i] is None:
+                if not cfg.cluster.trains_in_process():
+                    raise ConfigError(f"--jobs {jobs}: runs side by side train in process (cluster.use_ray=false)")
+                todo.append((i, label, cfg))
+        started: list[str] = []
+
+        def tasks():
+            for _, label, cfg in todo:
+                with self.inside():
+                    job = self._prepare(label, cfg)
+                started.append(job.run_id)
+                yield label, _train_in, (job, cfg.cluster, str(self.work), self.uri)
+
+        def done(k: int, final: dict) -> None:
+            i, label, cfg = todo[k]
+            out[i] = self._finished(label, cfg, started[k], final)
+
+        try:
+            if todo:
+                run_side_by_side(tasks(), min(jobs, len(todo)), done)
+        except BaseException:
+            for k, run_id in enumerate(started):
+                if out[todo[k][0]] is None:
+                    self._failed(run_id)
+            raise
+        return [r for r in out if r is not None]
+
+    def _config(self, label: str, extra: list[str]):
+        return self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
+
+    def _prepare(self, label: str, cfg):
+        """The run ``label`` of ``cfg``, created (in the study's directory) and announced."""
+        from pretrain.checkpoint.layout import RUN_TOKENIZER
+        from pretrain.driver.prepare import prepare_new
+
+        job = prepare_new(cfg, tags={"mlflow.parentRunId": self.parent, "study.variant": label})
+        self.tokenizer = self.tokenizer or [f"data.tokenizer={Path(job.run_dir) / RUN_TOKENIZER}"]
+        print(f"[{self.name}] {label}: run {job.run_id}", flush=True)
+        return job
+
+    def _failed(self, run_id: str) -> None:
+        self.client.set_terminated(run_id, "FAILED")
+        self.client.set_terminated(self.parent, "FAILED")
+
+    def _finished(self, label: str, cfg, run_id: str, final: dict) -> RunCurves:
+        """The curves of the run ``label`` that trained ``cfg`` and ended with ``final`` (marked finished); one
+        that stopped short of its steps is refused."""
+        from pretrain.config import to_dict
+
+        self.client.set_terminated(run_id, "FINISHED")
         out = RunCurves(
-            job.run_id,
-            self.curve(job.run_id, "val/flops"),
-            self.curve(job.run_id, "val/train_s"),
+            run_id,
+            self.curve(run_id, "val/flops"),
+            self.curve(run_id, "val/train_s"),
             int(final.get("step", 0)),
             to_dict(cfg),
         )
         if out.steps < cfg.train.max_steps:
             raise RuntimeError(f"{label}: stopped at step {out.steps} of {cfg.train.max_steps} (data exhausted?)")
-        self.client.log_text(job.run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
+        self.client.log_text(run_id, json.dumps({"flops": out.flops, "seconds": out.seconds}), "study/curves.json")
         return out
 
     def _earlier(self, label: str, cfg, checkpoint: bool) -> RunCurves | None:
@@ -341,3 +407,15 @@ class Study:
         if figure is not None:
             self.client.log_artifact(self.parent, str(figure), "study")
         self.client.set_terminated(self.parent)
+
+
+def _train_in(job, cluster, work: str, uri: str) -> dict:
+    """Train ``job`` in this process, in the study's directory ``work`` with its MLflow store ``uri`` (a run side by
+    side: :meth:`Study.train_many`)."""
+    from cluster.launch import run
+
+    # a world of one of its own, not the rendezvous that a run trained in the study's process left in its environment
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    with _working_dir(Path(work), uri):
+        return run(job, cluster)

@@ -35,13 +35,21 @@ def _bench(tmp_path, *args: str, study: str = "study") -> dict:
 
 
 def _children(result: dict) -> tuple[MlflowClient, list]:
-    client = MlflowClient(tracking_uri=result["mlflow"]["tracking_uri"])
+    client = _client_of(result)
     parent = client.get_run(result["mlflow"]["parent_run"])
     runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
     assert any(p.endswith(".json") for p in artifacts) and any(p.endswith(".png") for p in artifacts), artifacts
     assert parent.info.status == "FINISHED" and {r.info.status for r in runs} == {"FINISHED"}
     return client, runs
+
+
+def _client_of(result: dict) -> MlflowClient:
+    return MlflowClient(tracking_uri=result["mlflow"]["tracking_uri"])
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
 def test_growth_study_on_a_tiny_budget(tmp_path):
@@ -51,7 +59,8 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     shards = tmp_path / "shards"
     cli(tmp_path, "tokenize", text, "--out", str(shards), "--vocab-size", "512", "--workers", "1", timeout=600)
     corpus = f"data.sources=[{{path: {shards}}}]"
-    r = _bench(tmp_path, "--growth", "--tokens", "3000", "--recipes", "stack2@10%", "--seeds", "0", corpus)
+    args = ["--growth", "--tokens", "3000", "--seeds", "0"]
+    r = _bench(tmp_path, *args, "--recipes", "stack2@10%", "--jobs", "2", corpus)
     assert r["seeds"] == [0] and r["target"]["num_layers"] == 2 and 0 < r["block_flops_share"] < 1
     assert r["budget_tokens"] == 3000 and r["best_recipe"] == "stack2@10%" and r["corpus_epochs_max"] is None
     assert r["tokens_per_param"] == pytest.approx(3000 / r["target_parameters"]) and r["tokens_per_param"] < 1
@@ -83,8 +92,15 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
         assert [a.path for a in client.list_artifacts(run.info.run_id, "study")] == ["study/curves.json"]
         config = Path(client.download_artifacts(run.info.run_id, "config/config.yaml", str(tmp_path)))
         assert str(shards) in config.read_text(), "trained from the shards"
+    # side by side (--jobs 2, each run on one CPU) or one at a time on both: the same losses, bit for bit
+    one = _bench(tmp_path, *args, "--scan", "--recipes", "stack2@10%", "--jobs", "1", corpus, study="one-at-a-time")
+    assert one["jobs"] == 1 and r["jobs"] == 2
+    ids = {name: (r["run_ids"][name]["0"], one["run_ids"][name]["0"]) for name in ("scratch", small)}
+    for side_by_side, alone_ in ids.values():
+        for key in ("val/loss", "train/loss"):
+            assert _history(client, side_by_side, key) == _history(_client_of(one), alone_, key), key
     # extended by a recipe: the runs it already has are read from the first study's store, not trained again
-    args = ["--growth", "--tokens", "3000", "--recipes", "stack2@10%,stack2@5%", "--seeds", "0"]
+    args = [*args, "--recipes", "stack2@10%,stack2@5%"]
     again = _bench(tmp_path, *args, "--reuse", str(tmp_path / "study"), corpus, study="again")
     reused = {label: ref["run_id"] for label, ref in again["reused_runs"].items()}
     assert reused == {f"{name} seed 0": r["run_ids"][name]["0"] for name in ("scratch", "stack2@10%", small)}
