@@ -18,8 +18,21 @@ from pretrain.model.peak import device_peak
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.step import StepResult
 from pretrain.train.trainer import Trainer
+from pretrain.user_cache import cache_root
 
 PEAK_SECONDS = 0.5
+
+
+def peak_warning(mfu: float, peak: float, source: str) -> str:
+    """The line a run prints once when its MFU exceeds 1: its peak cannot be the device's (a measured one kept in the
+    user's cache from a busy machine, most likely)."""
+    where = (
+        f"a measured peak is kept in {cache_root() / 'matmul-peak'}/ and was likely measured while the machine was "
+        "busy: delete it to measure again"
+        if source == "measured"
+        else "the datasheet figure is below what this device reaches"
+    )
+    return f"warning: MFU {mfu:.0%} is above 100 %: the peak of {peak / 1e12:.3f} TFLOP/s is too low ({where})"
 
 
 class ThroughputMonitor(Callback):
@@ -34,6 +47,8 @@ class ThroughputMonitor(Callback):
         self._t0 = 0.0
         self._step_s = self._wait_s = 0.0
         self._steps = 0
+        self._say = print
+        self._warned = False
 
     def _model_flops(self, trainer: Trainer) -> None:
         cfg = trainer.cfg
@@ -43,6 +58,7 @@ class ThroughputMonitor(Callback):
         self.tokens_per_step, self.world = trainer.plan.tokens_per_step, trainer.ctx.world_size
         self._model_flops(trainer)
         if trainer.ctx.is_main:  # only rank 0 logs
+            self._say = trainer.progress.say
             dtype = torch.float32 if trainer.module.precision == "fp32" else torch.bfloat16
             self.peak, self.peak_source = device_peak(trainer.ctx.device, dtype, PEAK_SECONDS)
             trainer.progress.say(
@@ -74,4 +90,7 @@ class ThroughputMonitor(Callback):
         }
         self._step_s = self._wait_s = 0.0
         self._steps = 0
+        if out["train/mfu"] > 1 and not self._warned:
+            self._warned = True
+            self._say(peak_warning(out["train/mfu"], self.peak, self.peak_source))
         return out

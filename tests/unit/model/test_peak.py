@@ -53,3 +53,17 @@ def test_the_measured_peak_is_measured_once_per_machine_dtype_and_threads(cache,
     finally:
         torch.set_num_threads(threads)
     assert device_peak(cpu, torch.float32, 0.05) == (1e9, "measured") and len(measured) == 3
+
+
+def test_a_run_faster_than_its_peak_says_once_that_the_peak_is_stale(capsys):
+    """A measured peak kept from a busy machine makes MFU exceed 100 %: the run says so once, naming the cache."""
+    from pretrain.train.callbacks.utilization import ThroughputMonitor
+
+    monitor = ThroughputMonitor()
+    monitor.peak, monitor.peak_source, monitor.flops_per_token, monitor.tokens_per_step = 1e9, "measured", 1e6, 1000
+    lines = []
+    monitor._say = lines.append
+    for _ in range(2):
+        monitor._steps, monitor._step_s = 1, 0.5  # 2e9 model FLOP/s against a 1e9 peak
+        assert monitor.extra_metrics()["train/mfu"] == pytest.approx(2.0)
+    assert len(lines) == 1 and "MFU 200% is above 100 %" in lines[0] and "matmul-peak" in lines[0], lines
