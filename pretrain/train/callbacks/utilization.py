@@ -10,6 +10,7 @@ the datasheet peak on known GPUs), over the step time of the logging interval (a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,7 +48,7 @@ class ThroughputMonitor(Callback):
         self._t0 = 0.0
         self._step_s = self._wait_s = 0.0
         self._steps = 0
-        self._say = print
+        self._say: Callable[[str], None] = print
         self._warned = False
 
     def _model_flops(self, trainer: Trainer) -> None:
