@@ -7,13 +7,18 @@ its threads from its CPU affinity (``pretrain.train.worker``), so a run's config
 whether the losses are too is checked by the growth study's test (tests/integration/bench/test_studies.py).
 
 Each process prints through a prefix naming its run (``[scratch seed 0] [train] step ...``). The first failure
-stops the others (SIGTERM: a stop is a checkpoint) and raises, naming the run; Ctrl-C reaches every process."""
+stops the others and raises, naming the run. Ctrl-C reaches every process; SIGTERM to this process stops them too
+(it raises here); and a process whose parent dies (``kill -9``, a test's timeout) is sent SIGTERM by the kernel, so
+no run goes on training for nobody."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import wait
@@ -22,8 +27,8 @@ from typing import Any
 Task = tuple[str, Callable[..., Any], tuple]
 """(name, function, arguments): ``function(*arguments)`` runs in a process of its own; both must pickle."""
 
-STOP_WAIT_S = 120
-"""How long a stopped process may take to write its checkpoint and end before it is killed."""
+STOP_WAIT_S = 30
+"""How long a process may take to end after SIGTERM (or after sending its result) before it is killed."""
 
 
 def cpus() -> list[int]:
@@ -76,7 +81,19 @@ def _out_fd() -> int:
         return 1
 
 
-def _child(conn, cores: list[int], out_fd: int, name: str, fn: Callable[..., Any], args: tuple) -> None:
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when its parent ends (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it ended before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _child(conn, parent: int, cores: list[int], out_fd: int, name: str, fn: Callable[..., Any], args: tuple) -> None:
+    _die_with_parent(parent)
     if out_fd != 1:  # where the parent prints, for C-level writes too
         os.dup2(out_fd, 1)
     if hasattr(os, "sched_setaffinity"):
@@ -100,57 +117,85 @@ def run_side_by_side(
     one of :func:`core_sets`. ``tasks`` is read lazily: the next task is taken when a process ends, so a task
     prepared by the iterator starts when it is taken. ``on_done(index, result)`` runs in this process as each ends.
     A process prints where this one's ``sys.stdout`` does (its stdout or stderr). A task that raises, or whose
-    process dies, stops the others and raises ``RuntimeError`` with its name and
-    traceback."""
+    process dies, stops the others (once every process that ended with it is read) and raises ``RuntimeError`` with
+    its name and traceback."""
     ctx = mp.get_context("spawn")
     free = core_sets(jobs, cpus())
     out_fd = _out_fd()
     todo: Iterator[Task] = iter(tasks)
-    running: dict[
-        Any, tuple[int, str, Any, list[int]]
-    ] = {}  # the parent's end of the pipe -> index, name, process, cores
+    running: dict[Any, tuple[int, str, Any, list[int]]] = {}  # pipe end -> index, name, process, cores
     results: dict[int, Any] = {}
+    with _sigterm_raises():
+        try:
+            _loop(ctx, free, out_fd, todo, running, results, on_done)
+        finally:
+            _stop([proc for _, _, proc, _ in running.values()])
+    return [results[i] for i in sorted(results)]
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM to this process raises ``SystemExit(143)`` meanwhile (in the main thread), so the processes are
+    stopped and the caller's cleanup runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _loop(ctx, free, out_fd, todo, running, results, on_done) -> None:
+    """Start tasks while CPUs are free, read each process's result as it ends, until every task has ended."""
     index = 0
     exhausted = False
-    try:
-        while running or not exhausted:
-            while free and not exhausted:
-                task = next(todo, None)
-                if task is None:
-                    exhausted = True
-                    break
-                name, fn, args = task
-                cores = free.pop(0)
-                parent_end, child_end = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(child_end, cores, out_fd, name, fn, args), name=name)
-                proc.start()
-                child_end.close()
-                running[parent_end] = (index, name, proc, cores)
-                index += 1
-            if not running:
+    parent = os.getpid()
+    while running or not exhausted:
+        while free and not exhausted:
+            task = next(todo, None)
+            if task is None:
+                exhausted = True
                 break
-            ready = wait(list(running))
-            for conn in [c for c in running if c in ready]:
-                i, name, proc, cores = running.pop(conn)
-                try:
-                    status, value = conn.recv()
-                except EOFError:
-                    proc.join()
-                    status, value = "error", f"its process ended with exit code {proc.exitcode} and no result"
-                conn.close()
-                proc.join()
-                if status != "ok":
-                    raise RuntimeError(f"{name} failed:\n{value}")
-                results[i] = value
-                free.append(cores)
-                on_done(i, value)
-    finally:
-        _stop([proc for _, _, proc, _ in running.values()])
-    return [results[i] for i in range(index)]
+            name, fn, args = task
+            cores = free.pop(0)
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(child_end, parent, cores, out_fd, name, fn, args), name=name)
+            proc.start()
+            child_end.close()
+            running[parent_end] = (index, name, proc, cores)
+            index += 1
+        if not running:
+            break
+        ready = wait(list(running))
+        failed = None
+        for conn in [c for c in running if c in ready]:
+            i, name, proc, cores = running.pop(conn)
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                proc.join(STOP_WAIT_S)
+                status, value = "error", f"its process ended with exit code {proc.exitcode} and no result"
+            conn.close()
+            proc.join(STOP_WAIT_S)  # it has sent its result: what is left is its interpreter's teardown
+            _stop([proc])
+            if status != "ok":
+                failed = failed or f"{name} failed:\n{value}"
+                continue
+            results[i] = value
+            free.append(cores)
+            on_done(i, value)
+        if failed:
+            raise RuntimeError(failed)
 
 
 def _stop(procs: list) -> None:
-    """End the processes still running: SIGTERM (a training run stops with a checkpoint), then kill."""
+    """End the processes still running: SIGTERM, then (after :data:`STOP_WAIT_S`) kill."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()

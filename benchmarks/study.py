@@ -268,47 +268,46 @@ class Study:
     def train_many(self, runs: list[tuple[str, list[str]]], jobs: int = 1) -> list[RunCurves]:
         """:meth:`train` of each (label, extra) of ``runs``, at most ``jobs`` side by side
         (:mod:`benchmarks.side_by_side`: each in its own process on its share of the CPUs); a run that matches an
-        earlier one is read, not trained. Runs side by side must train in process (``cluster.use_ray=false``) and
-        share a given tokenizer (``data.tokenizer``): without one, the first run trains alone and gives the others
-        its tokenizer."""
+        earlier one is read, not trained. Runs that train through Ray (``cluster.use_ray=true``) train one at a time.
+        Without a given tokenizer (``data.tokenizer``) the first run is prepared (its tokenizer trained) before the
+        others' configs are made, so that they read its tokenizer, as one at a time."""
         from benchmarks.side_by_side import run_side_by_side
-        from pretrain.config import ConfigError
 
+        if jobs > 1 and runs and not self.config(runs[0][1]).cluster.trains_in_process():
+            print(f"[{self.name}] runs that train through Ray train one at a time (not --jobs {jobs})", flush=True)
+            jobs = 1
         if jobs <= 1:
             return [self.train(label, extra) for label, extra in runs]
         out: list[RunCurves | None] = [None] * len(runs)
         todo: list[tuple[int, str, Any]] = []
-        for i, (label, extra) in enumerate(runs):
-            if not todo and not self.tokenizer and not self.config(extra).data.tokenizer:
-                out[i] = self.train(label, extra)
-                continue
-            with self.inside():
-                cfg = self._config(label, extra)
-                out[i] = self._earlier(label, cfg, False)
-            if out[i] is None:
-                if not cfg.cluster.trains_in_process():
-                    raise ConfigError(f"--jobs {jobs}: runs side by side train in process (cluster.use_ray=false)")
-                todo.append((i, label, cfg))
-        started: list[str] = []
-
-        def tasks():
-            for _, label, cfg in todo:
-                with self.inside():
-                    job = self._prepare(label, cfg)
-                started.append(job.run_id)
-                yield label, _train_in, (job, cfg.cluster, str(self.work), self.uri)
-
-        def done(k: int, final: dict) -> None:
-            i, label, cfg = todo[k]
-            out[i] = self._finished(label, cfg, started[k], final)
-
+        jobs_of: dict[int, Any] = {}  # todo index -> its prepared run
         try:
+            for i, (label, extra) in enumerate(runs):
+                with self.inside():
+                    cfg = self._config(label, extra)
+                    out[i] = self._earlier(label, cfg, False)
+                    if out[i] is None and not self.tokenizer and not cfg.data.tokenizer:
+                        jobs_of[len(todo)] = self._prepare(label, cfg)
+                if out[i] is None:
+                    todo.append((i, label, cfg))
+
+            def tasks():
+                for k, (_, label, cfg) in enumerate(todo):
+                    if k not in jobs_of:
+                        with self.inside():
+                            jobs_of[k] = self._prepare(label, cfg)
+                    yield label, _train_in, (jobs_of[k], cfg.cluster, str(self.work), self.uri)
+
+            def done(k: int, final: dict) -> None:
+                i, label, cfg = todo[k]
+                out[i] = self._finished(label, cfg, jobs_of[k].run_id, final)
+
             if todo:
                 run_side_by_side(tasks(), min(jobs, len(todo)), done)
         except BaseException:
-            for k, run_id in enumerate(started):
-                if out[todo[k][0]] is None:
-                    self._failed(run_id)
+            for k, job in jobs_of.items():
+                if k >= len(todo) or out[todo[k][0]] is None:
+                    self._failed(job.run_id)
             raise
         return [r for r in out if r is not None]
 

@@ -4,11 +4,17 @@ the first failure stops the rest and names its task."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.side_by_side import core_sets, cpus, run_side_by_side
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _where(name: str, pause: float) -> tuple[str, list[int], int]:
@@ -51,3 +57,43 @@ def test_the_first_failure_names_its_task_and_stops_the_others():
     with pytest.raises(RuntimeError, match=r"(?s)broken failed:.*ValueError: no such thing as /nowhere"):
         run_side_by_side(tasks, 2)
     assert time.monotonic() - t0 < 30, "the slow task was stopped, not waited for"
+
+
+def _pid_then_sleep(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_task_does_not_outlive_its_parent(tmp_path, how):
+    """Killed (the kernel's parent-death signal) or stopped (SIGTERM raises in the parent, which stops its tasks):
+    no task goes on running for nobody."""
+    pid_file = tmp_path / "pid"
+    code = (
+        "from benchmarks.side_by_side import run_side_by_side\n"
+        "from tests.unit.benchmarks.test_side_by_side import _pid_then_sleep\n"
+        f"run_side_by_side([('sleeper', _pid_then_sleep, ({str(pid_file)!r},))], 1)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None, "the task never started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        parent.send_signal(how)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(child):
+            assert time.monotonic() < deadline, f"the task outlived its parent ({how.name})"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").is_dir() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
