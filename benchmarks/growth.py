@@ -123,9 +123,8 @@ def recipes(arch: dict) -> dict[str, list[str]]:
 
 DEFAULT_RECIPES = ("stack4@10%",)
 """The recipe run by default: the published G_stack factor (4, grown early), the growth defaults' source
-(docs/growth.md). With its small model alone and the target from scratch that is 3 runs a seed, which side by side
-(``--jobs``) fit the default study in 90 minutes on a 2-core CPU; ``--recipes stack4@10%,stack2@10%`` adds half the
-depth stacked (and the 2-block model alone to the iso-FLOP scan)."""
+(docs/growth.md); with its small model alone and the target from scratch, 3 runs a seed. ``--recipes
+stack4@10%,stack2@10%`` adds half the depth stacked (and the 2-block model alone to the iso-FLOP scan)."""
 
 
 def _small_alone(extra: list[str]) -> list[str]:

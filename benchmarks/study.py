@@ -250,14 +250,17 @@ class Study:
         """Train ``base + extra`` as a child run named ``label`` (or reuse a matching earlier run; ``checkpoint``:
         the study reads the run's model, so only one whose checkpoints are still on disk); the first run's tokenizer
         is every later run's."""
-        from cluster.launch import run
-
         with self.inside():
             cfg = self._config(label, extra)
             earlier = self._earlier(label, cfg, checkpoint)
-            if earlier is not None:
-                return earlier
-            job = self._prepare(label, cfg)
+        return earlier if earlier is not None else self._train_here(label, cfg)
+
+    def _train_here(self, label: str, cfg, job=None) -> RunCurves:
+        """Train ``cfg`` in this process as the run ``label`` (``job``: already prepared)."""
+        from cluster.launch import run
+
+        with self.inside():
+            job = job or self._prepare(label, cfg)
             try:
                 final = run(job, cfg.cluster)
             except BaseException:
@@ -268,7 +271,8 @@ class Study:
     def train_many(self, runs: list[tuple[str, list[str]]], jobs: int = 1) -> list[RunCurves]:
         """:meth:`train` of each (label, extra) of ``runs``, at most ``jobs`` side by side
         (:mod:`benchmarks.side_by_side`: each in its own process on its share of the CPUs); a run that matches an
-        earlier one is read, not trained. Runs that train through Ray (``cluster.use_ray=true``) train one at a time.
+        earlier one is read, not trained; a single run left to train trains in this process. Runs that train through
+        Ray (``cluster.use_ray=true``) train one at a time.
         Without a given tokenizer (``data.tokenizer``) the first run is prepared (its tokenizer trained) before the
         others' configs are made, so that they read its tokenizer, as one at a time."""
         from benchmarks.side_by_side import run_side_by_side
@@ -302,7 +306,10 @@ class Study:
                 i, label, cfg = todo[k]
                 out[i] = self._finished(label, cfg, jobs_of[k].run_id, final)
 
-            if todo:
+            if len(todo) == 1:  # alone: in this process, on every CPU
+                i, label, cfg = todo[0]
+                out[i] = self._train_here(label, cfg, jobs_of.pop(0, None))
+            elif todo:
                 run_side_by_side(tasks(), min(jobs, len(todo)), done)
         except BaseException:
             for k, job in jobs_of.items():
