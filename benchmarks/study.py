@@ -251,7 +251,7 @@ class Study:
         the study reads the run's model, so only one whose checkpoints are still on disk); the first run's tokenizer
         is every later run's."""
         with self.inside():
-            cfg = self._config(label, extra)
+            cfg = self._labelled(label, extra)
             earlier = self._earlier(label, cfg, checkpoint)
         return earlier if earlier is not None else self._train_here(label, cfg)
 
@@ -288,7 +288,7 @@ class Study:
         try:
             for i, (label, extra) in enumerate(runs):
                 with self.inside():
-                    cfg = self._config(label, extra)
+                    cfg = self._labelled(label, extra)
                     out[i] = self._earlier(label, cfg, False)
                     if out[i] is None and not self.tokenizer and not cfg.data.tokenizer:
                         jobs_of[len(todo)] = self._prepare(label, cfg)
@@ -318,7 +318,8 @@ class Study:
             raise
         return [r for r in out if r is not None]
 
-    def _config(self, label: str, extra: list[str]):
+    def _labelled(self, label: str, extra: list[str]):
+        """The config of the run ``label`` of the study's experiment (:meth:`config` of ``extra``)."""
         return self.config([f"tracking.experiment={self.name}", f"tracking.run_name={label}", *extra])
 
     def _prepare(self, label: str, cfg):
