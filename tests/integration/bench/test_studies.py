@@ -116,7 +116,8 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
     reused no-drop model is pruned and evaluated from its checkpoint."""
     corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
     same = ["--tokens", "1024", "--seeds", "0", "model.num_layers=4", corpus]
-    scan = _bench(tmp_path, "--growth", "--scan", "--recipes", "stack2@10%", *same, study="scan")
+    # in process, one at a time: side by side is the growth test's (spawned processes cost start-up here)
+    scan = _bench(tmp_path, "--growth", "--scan", "--recipes", "stack2@10%", "--jobs", "1", *same, study="scan")
     alone = scan["small_models"]["stack2@10%"]
     scan_runs = sorted((tmp_path / "scan").glob("*/*/checkpoints/*"))
     assert len(scan_runs) == 2, "scratch and the 2-block model alone"
