@@ -233,22 +233,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def jobs_of(text: str, gpu: bool) -> int:
-    """``--jobs``: a count, or ``auto`` (one per CPU this process may use without a GPU, else 1)."""
-    from benchmarks.side_by_side import cpus
-
-    if text == "auto":
-        return 1 if gpu else len(cpus())
-    if not text.isdigit() or not 1 <= int(text) <= len(cpus()):
-        raise SystemExit(f"bench --jobs: {text!r} is not auto or a count from 1 to the {len(cpus())} CPUs here")
-    return int(text)
-
-
 def measure(a: argparse.Namespace) -> dict:
     """Everything ``main``'s arguments ask for, as one flat dict."""
     gpu = torch.cuda.is_available()
     if a.growth:
         from benchmarks.growth import GPU_PRESET, GPU_TOKENS_PER_PARAM, TOKENS_PER_PARAM, growth_bench, summary
+        from benchmarks.side_by_side import jobs_of
 
         return summary(
             growth_bench(

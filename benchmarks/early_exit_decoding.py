@@ -191,6 +191,12 @@ def parse_args(argv: list[str]):
         help="the study: earlier studies' directories or mlflow.db files (comma-separated) whose run of the same "
         "config is read instead of trained (the baseline is the growth study's scratch run; benchmarks/reuse.py)",
     )
+    p.add_argument(
+        "--jobs",
+        default="auto",
+        help="the study: 2 trains its two runs side by side, each in its own process on its share of the CPUs "
+        "(auto: side by side on a machine without a GPU with 2 CPUs or more; benchmarks/side_by_side.py)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the study: config overrides of both runs")
     a = p.parse_args(argv)
     if a.prompts < 1 or a.prompt_tokens < 1 or a.cli_prompts < 0:

@@ -18,6 +18,9 @@ early-exit model decoded plainly and self-speculatively on held-out prompts (:mo
   recomputation repeats in the backward are not counted, as recomputation is not counted for the blocks). So the
   early-exit run takes fewer steps, fixed before it starts.
 
+The two runs train side by side on a machine without a GPU (``--jobs``: each in its own process on half the CPUs,
+:mod:`benchmarks.side_by_side`; ``--jobs 1``: one after the other, in this process).
+
 Reported: both runs' full-depth final validation loss and their difference (the cost of early-exit training; goal
 <= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), then decoding
 of the early-exit model on ``prompts`` held-out prompts of the corpus's validation split: plain greedy against
@@ -108,10 +111,11 @@ def study(
     validations: int = 10,
     root: Path | None = None,
     reuse: tuple[Path, ...] = (),
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """The study (module docstring); ``validations``: the early-exit run's (each scores every exit); ``reuse``:
-    earlier studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`). Returns its
-    dict."""
+    earlier studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`); ``jobs``:
+    2 trains the two runs side by side (:meth:`benchmarks.study.Study.train_many`). Returns its dict."""
     import torch
 
     from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
@@ -143,11 +147,10 @@ def study(
     passes = epochs(steps * tokens_per_step, manifest, "bench --early-exit: the budget")
     repeat = ["data.repeat=true"] if passes is not None and passes > 1 else []
     seed_o = f"train.seed={seed}"
-    runs = {}
-    runs["baseline"] = st.train(f"baseline seed {seed}", [seed_o, *repeat, *baseline])
     every = f"train.val_every={max(1, ee_steps // validations)}"
     ee_run_o = [seed_o, *repeat, f"train.max_steps={ee_steps}", every, *recipe]
-    runs["early-exit"] = st.train(f"early-exit seed {seed}", ee_run_o)
+    labelled = [(f"baseline seed {seed}", [seed_o, *repeat, *baseline]), (f"early-exit seed {seed}", ee_run_o)]
+    runs = dict(zip(("baseline", "early-exit"), st.train_many(labelled, jobs), strict=True))
     ee_run = runs["early-exit"].run_id
     exits = {}
     for e in range(1, L):
@@ -163,6 +166,7 @@ def study(
         "corpus": corpus_name,
         "corpus_epochs": passes,
         "seed": seed,
+        "jobs": jobs,
         "recipe": recipe,
         "seq_len": plan.seq_len,
         "tokens_per_step": tokens_per_step,
@@ -279,6 +283,9 @@ def _study(a) -> int:
     import json
     import sys
 
+    import torch
+
+    from benchmarks.side_by_side import jobs_of
     from pretrain.config import ConfigError
 
     bad = [o for o in a.overrides if "=" not in o]
@@ -299,6 +306,7 @@ def _study(a) -> int:
             cli_prompts=a.cli_prompts,
             root=Path(a.study_dir) if a.study_dir else None,
             reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
+            jobs=min(2, jobs_of(a.jobs, torch.cuda.is_available())),
         )
     with contextlib.redirect_stdout(out):
         if a.json:

@@ -1,5 +1,5 @@
-"""A study's runs side by side (``bench --growth --jobs N``): each run in its own spawned process, pinned to its
-share of this machine's CPUs, at most N at a time.
+"""A study's runs side by side (``bench --growth --jobs N``, ``bench --early-exit --jobs 2``): each run in its own
+spawned process, pinned to its share of this machine's CPUs, at most N at a time.
 
 A study's runs do not depend on each other, and a small model uses a CPU core better alone than two cores together
 (docs/benchmarks.md, the growth study's ``--jobs``), so running them side by side shortens a study. The worker sizes
@@ -37,6 +37,15 @@ def cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux: no affinity; count them
         return list(range(os.cpu_count() or 1))
+
+
+def jobs_of(text: str, gpu: bool) -> int:
+    """``bench --jobs``: a count, or ``auto`` (one per CPU this process may use without a GPU, else 1)."""
+    if text == "auto":
+        return 1 if gpu else len(cpus())
+    if not text.isdigit() or not 1 <= int(text) <= len(cpus()):
+        raise SystemExit(f"bench --jobs: {text!r} is not auto or a count from 1 to the {len(cpus())} CPUs here")
+    return int(text)
 
 
 def core_sets(jobs: int, available: list[int]) -> list[list[int]]:

@@ -23,6 +23,7 @@ SHARED = ROOT.parent / "shared" / "corpora"
 WIKITEXT = SHARED / "wikitext2-valid.txt"
 FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint written by an older version)
 
+from tests.empty_store import empty_store  # noqa: E402  (after the environment above)
 from tests.harness import PYTHON, cli_env  # noqa: E402, F401  (after the environment above; re-exported)
 
 LONGEST_FIRST = (
@@ -78,7 +79,7 @@ def user_cache(tmp_path_factory):
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
-    """A fresh working directory with its own sqlite MLflow store."""
+    """A fresh, empty working directory with its own sqlite MLflow store (made by whatever opens it first)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     return tmp_path
@@ -96,6 +97,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 @contextlib.contextmanager
 def in_workdir(work: Path):
     """Run in ``work`` with its own sqlite MLflow store (for module-scoped fixtures; ``workdir`` is per test)."""
+    empty_store(work)
     old_cwd, old_uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
     os.chdir(work)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"

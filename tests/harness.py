@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from pretrain.train import spawn
+from tests.empty_store import empty_store
 
 __all__ = [
     "CONFIG",
@@ -357,8 +358,12 @@ def metric_history(run_id: str, key: str = "train/loss", uri: str | None = None)
 # -- the command line ----------------------------------------------------------------------------------------------
 
 
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    """The environment of a command run in ``tmp_path``: its own sqlite MLflow store, this checkout's code."""
+def cli_env(tmp_path: Path, store: bool = True) -> dict[str, str]:
+    """The environment of a command run in ``tmp_path``: its own sqlite MLflow store (``store``: a migrated empty
+    one put there unless one is, ``tests/empty_store.py``; False: none, for a test that checks the command makes
+    none), this checkout's code."""
+    if store:
+        empty_store(tmp_path)
     env = dict(os.environ)
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env["PYTHONPATH"] = str(ROOT)
@@ -372,8 +377,10 @@ def cli(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     ranks: int = 1,
+    store: bool = True,
 ) -> subprocess.CompletedProcess:
-    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store unless ``env`` is given), its output captured as
+    """``python -m pretrain ARGS`` in ``work`` (its own MLflow store unless ``env`` is given: ``cli_env(work,
+    store)``), its output captured as
     text; asserts the exit code is ``expect`` (0: success, 2: a user error refused in one line, 1: an internal
     error; ``None``: any, the caller checks). ``ranks`` > 1: the command under ``torchrun --standalone
     --nproc_per_node RANKS`` (no Ray: pass ``cluster.use_ray=false``), as a user launches it without Ray. Returns
@@ -382,7 +389,7 @@ def cli(
     proc = subprocess.run(
         [PYTHON, *launcher, "-m", "pretrain", *args],
         cwd=work,
-        env=env or cli_env(work),
+        env=env or cli_env(work, store),
         capture_output=True,
         text=True,
         timeout=timeout,

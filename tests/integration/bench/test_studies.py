@@ -155,8 +155,8 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
 def test_early_exit_study_on_a_tiny_budget(tmp_path):
     corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
     args = ["--early-exit", "--tokens", "2048", "--prompts", "3", "--prompt-tokens", "4", "--max-new-tokens", "5"]
-    r = _bench(tmp_path, *args, "--cli-prompts", "1", "model.num_layers=4", corpus)
-    assert r["model"]["num_layers"] == 4 and r["tokens"]["baseline"] >= 2048 - r["tokens_per_step"]
+    r = _bench(tmp_path, *args, "--cli-prompts", "1", "--jobs", "1", "model.num_layers=4", corpus)
+    assert r["jobs"] == 1 and r["model"]["num_layers"] == 4 and r["tokens"]["baseline"] >= 2048 - r["tokens_per_step"]
     steps, arithmetic = r["steps"], r["early_exit_flops"]
     # equal FLOPs: the early-exit run trains exit 2 every other step (rotational, exits every:2) and skips blocks
     assert arithmetic["exits_per_step"] == pytest.approx(0.5, abs=0.5 / steps["early-exit"])

@@ -54,7 +54,7 @@ def test_launch_sh_without_a_command_prints_the_usage(args, tmp_path):
     proc = subprocess.run(
         ["bash", str(ROOT / "launch.sh"), *args],
         cwd=tmp_path,
-        env=cli_env(tmp_path),
+        env=cli_env(tmp_path, store=False),
         capture_output=True,
         text=True,
         timeout=120,

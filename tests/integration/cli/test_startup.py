@@ -28,7 +28,7 @@ def dry_run(tmp_path: Path, *args: str, expect: int = 0) -> subprocess.Completed
         *args,
         "--dry-run",
         expect=expect,
-        env={**cli_env(tmp_path), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
+        env={**cli_env(tmp_path, store=False), "PRETRAIN_CACHE": os.environ["PRETRAIN_CACHE"]},
     )
 
 
