@@ -193,7 +193,7 @@ def parse_args(argv: list[str]):
     )
     p.add_argument(
         "--jobs",
-        default="auto",
+        default=None,
         help="the study: 2 trains its two runs side by side, each in its own process on its share of the CPUs "
         "(auto: side by side on a machine without a GPU with 2 CPUs or more; benchmarks/side_by_side.py)",
     )
@@ -210,8 +210,8 @@ def run(a) -> int:
 
     if a.overrides:
         raise ConfigError(f"bench --early-exit --model: key=value overrides are for the study only ({a.overrides[0]})")
-    if a.reuse:
-        raise ConfigError("bench --early-exit --model: --reuse is for the study only")
+    if a.reuse or a.jobs is not None:
+        raise ConfigError(f"bench --early-exit --model: {'--reuse' if a.reuse else '--jobs'} is for the study only")
     try:
         exits = [int(x) for x in a.exits.split(",") if x.strip()]
     except ValueError:

@@ -306,7 +306,7 @@ def _study(a) -> int:
             cli_prompts=a.cli_prompts,
             root=Path(a.study_dir) if a.study_dir else None,
             reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
-            jobs=min(2, jobs_of(a.jobs, torch.cuda.is_available())),
+            jobs=min(2, jobs_of(a.jobs or "auto", torch.cuda.is_available())),
         )
     with contextlib.redirect_stdout(out):
         if a.json:

@@ -39,10 +39,13 @@ def test_prompts_need_heldout_data(llama):  # noqa: F811
 
 
 def test_study_options_are_refused_with_a_model():
-    """``--model`` benchmarks one model: the study's overrides and ``--reuse`` are refused in one line."""
+    """``--model`` benchmarks one model: the study's overrides, ``--reuse`` and ``--jobs`` are refused in one
+    line."""
     from benchmarks.early_exit_decoding import parse_args, run
 
     with pytest.raises(ConfigError, match="key=value overrides are for the study only"):
         run(parse_args(["--model", "x", "train.seed=1"]))
     with pytest.raises(ConfigError, match="--reuse is for the study only"):
         run(parse_args(["--model", "x", "--reuse", "/tmp/s"]))
+    with pytest.raises(ConfigError, match="--jobs is for the study only"):
+        run(parse_args(["--model", "x", "--jobs", "2"]))
