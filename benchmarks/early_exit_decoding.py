@@ -194,8 +194,8 @@ def parse_args(argv: list[str]):
     p.add_argument(
         "--jobs",
         default=None,
-        help="the study: 2 trains its two runs side by side, each in its own process on its share of the CPUs "
-        "(auto: side by side on a machine without a GPU with 2 CPUs or more; benchmarks/side_by_side.py)",
+        help="the study: 1, 2 or auto (default): 2 trains its two runs side by side, each in its own process on its "
+        "share of the CPUs; auto does so on a machine without a GPU and with 2 CPUs or more (side_by_side.py)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="the study: config overrides of both runs")
     a = p.parse_args(argv)

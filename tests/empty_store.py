@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ def empty_store(work: Path) -> Path:
     db = Path(work) / "mlflow.db"
     if not db.exists():
         db.parent.mkdir(parents=True, exist_ok=True)
-        partial = db.with_name(f".mlflow.db.{id(db)}.partial")
+        partial = db.with_name(f".mlflow.db.{os.getpid()}.partial")
         shutil.copyfile(_template(), partial)
         partial.replace(db)
     return db
