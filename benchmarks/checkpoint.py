@@ -1,7 +1,7 @@
 """What a checkpoint costs as the model grows (``./launch.sh bench --checkpoint``): for each hidden size (8 layers,
 2 workers, ZeRO-2 by default) real training runs as a user starts them (``python -m pretrain train``/``resume``,
-through Ray), each in a temporary MLflow store and checkpoint root under ``--dir`` (the filesystem measured,
-removed afterwards):
+through Ray; with ``cluster.use_ray=false`` as ``torchrun`` ranks), each in a temporary MLflow store and checkpoint
+root under ``--dir`` (the filesystem measured, removed afterwards):
 
 1. a synchronous run (``checkpoint.async=false`` when the key exists): a save every ``--every`` steps, ``--saves``
    of them before the last step (which saves too); its summary gives the bytes per checkpoint, the loop stall of
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from pretrain.checkpoint.layout import SUMMARY
@@ -86,6 +87,14 @@ def async_key(config: str | Path, overrides: list[str]) -> str:
     return ""
 
 
+def launcher(config: str | Path, overrides: list[str], workers: int) -> list[str]:
+    """``python``'s arguments before ``-m pretrain``: ``torchrun``'s for a run of several workers without Ray
+    (``cluster.use_ray=false``), as a user launches one on a node without Ray; none otherwise (Ray starts them)."""
+    if workers > 1 and not load_config(config, overrides).cluster.use_ray:
+        return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers)]
+    return []
+
+
 def raw_write_seconds(directory: Path, nbytes: int, chunk: int = 16 << 20) -> float:
     """Seconds for one sequential write of ``nbytes`` (incompressible) into a new file in ``directory`` and its
     fsync: the least time this filesystem needs to make that many bytes durable. Dirty pages of earlier writes are
@@ -106,11 +115,12 @@ def raw_write_seconds(directory: Path, nbytes: int, chunk: int = 16 << 20) -> fl
 
 
 class Session:
-    """A temporary MLflow store and checkpoint root under ``parent``; ``python -m pretrain`` runs in it from the
-    current directory (relative data paths and the tokenizer cache resolve as for the user)."""
+    """A temporary MLflow store and checkpoint root under ``parent``; ``python [LAUNCHER] -m pretrain`` runs in it
+    from the current directory (relative data paths and the tokenizer cache resolve as for the user)."""
 
-    def __init__(self, parent: Path, timeout: float):
+    def __init__(self, parent: Path, timeout: float, launcher: Sequence[str] = ()):
         parent.mkdir(parents=True, exist_ok=True)
+        self.launcher = list(launcher)
         self.dir = Path(tempfile.mkdtemp(prefix="pretrain-bench-ckpt-", dir=parent)).resolve()
         self.runs, self.timeout = self.dir / "runs", timeout
         path = os.environ.get("PYTHONPATH")
@@ -122,12 +132,12 @@ class Session:
 
     def pretrain(self, *args: str) -> dict:
         """Run ``python -m pretrain ARGS`` here; the summary of the run it wrote (the newest)."""
-        cmd = [sys.executable, "-m", "pretrain", *args, f"checkpoint.dir={self.runs}"]
+        cmd = [sys.executable, *self.launcher, "-m", "pretrain", *args, f"checkpoint.dir={self.runs}"]
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=self.timeout)
         summaries = sorted(self.runs.glob(f"*/{SUMMARY}"), key=lambda p: p.stat().st_mtime)
         if proc.returncode != 0 or not summaries:
             raise RuntimeError(
-                f"bench --checkpoint: `{' '.join(cmd[2:])}` failed (exit {proc.returncode}):\n"
+                f"bench --checkpoint: `{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n"
                 + (proc.stdout + proc.stderr)[-3000:]
             )
         return json.loads(summaries[-1].read_text())
@@ -228,7 +238,8 @@ def measure_size(
         f"train.max_steps={a.every * (a.saves + 1)}",
     ]
     mode = [] if why_no_async else ["checkpoint.async=false"]
-    session = Session(Path(a.dir), a.timeout)
+    ranks = launcher(config, over, a.workers)
+    session = Session(Path(a.dir), a.timeout, ranks)
     try:
         sync = session.pretrain("train", str(config), *over, *mode)
         raw_s = raw_write_seconds(session.runs, int(sync["checkpoint_bytes"]))
@@ -237,7 +248,7 @@ def measure_size(
         session.close()
     asyn = None
     if not why_no_async and not a.no_async:
-        session = Session(Path(a.dir), a.timeout)
+        session = Session(Path(a.dir), a.timeout, ranks)
         try:
             asyn = session.pretrain("train", str(config), *over, "checkpoint.async=true")
         finally:

@@ -1,6 +1,9 @@
-"""Golden per-step losses: fixed runs through the real CLI (real Ray, real gloo, real MLflow) whose
+"""Golden per-step losses: fixed runs through the real CLI (real gloo, real MLflow) whose
 per-step training loss, gradient norm and final validation loss must stay bitwise identical on CPU
-across refactorings. ``tests/integration/train/test_golden.py`` reruns the cases and compares them with the files.
+across refactorings. A case of several workers runs as ``torchrun`` ranks (``cluster.use_ray=false``, the launch
+the README shows without Ray): the numbers are the training's, which Ray Train's workers reproduce bitwise (the
+files were recorded through Ray); what Ray adds, placement, restarts and the driver, is tested through Ray by the
+end-to-end tests. ``tests/integration/train/test_golden.py`` reruns the cases and compares them with the files.
 
     python -m tests.golden_losses            # (re)record every case into tests/golden/*.json
     python -m tests.golden_losses CASE ...   # only these cases
@@ -96,7 +99,10 @@ def run_case(name: str, work: Path) -> dict:
     )
     env.pop("RAY_ADDRESS", None)
     kernels = kernel_fingerprint()
-    proc = cli(work, "train", str(ROOT / "configs" / f"{preset}.yaml"), *COMMON, *overrides, timeout=600, env=env)
+    workers = next((int(o.split("=")[1]) for o in overrides if o.startswith("cluster.num_workers=")), 1)
+    launch = ["cluster.use_ray=false"] if workers > 1 else []  # how it runs, not part of the case
+    preset_yaml = str(ROOT / "configs" / f"{preset}.yaml")
+    proc = cli(work, "train", preset_yaml, *COMMON, *overrides, *launch, timeout=600, env=env, ranks=workers)
     run_id = next(line.split()[-1] for line in proc.stdout.splitlines() if line.strip().startswith("MLflow run id"))
     from mlflow import MlflowClient
 

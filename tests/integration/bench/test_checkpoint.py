@@ -1,4 +1,5 @@
-"""``./launch.sh bench --checkpoint`` end to end: one tiny size through the CLI and Ray."""
+"""``./launch.sh bench --checkpoint`` end to end: one tiny size through the CLI, its runs as 2 torchrun ranks
+(``cluster.use_ray=false``; the Ray path of a run and of its resume is the end-to-end tests')."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tests.harness import cli
 
 def test_bench_checkpoint_json_for_a_tiny_size(tmp_path):
     """One tiny size through the CLI: a synchronous run with a save before its last step, its resume and (when
-    the key exists) the asynchronous run, all through Ray with 2 workers."""
+    the key exists) the asynchronous run, each as 2 torchrun ranks."""
     proc = cli(
         tmp_path,
         "bench",
@@ -27,6 +28,7 @@ def test_bench_checkpoint_json_for_a_tiny_size(tmp_path):
         str(tmp_path / "bench"),
         "data.tokenizer_vocab_size=512",
         "model.vocab_size=512",
+        "cluster.use_ray=false",
         expect=0,
         timeout=900,
     )

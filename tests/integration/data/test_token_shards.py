@@ -1,6 +1,6 @@
 """Token shards end to end, through the real CLI and real Ray: ``tokenize`` (a Ray Data job) with 1 worker, the same
 job with 2 workers SIGKILLed mid-way and finished by a rerun (byte-identical output), training on the shards with 2
-workers, a bitwise resume, and the one-line refusals of a changed shard and of another tokenizer. An elastic resume
+workers, a bitwise resume (as 2 torchrun ranks), and the one-line refusals of a changed shard and of another tokenizer. An elastic resume
 from shards (the reader states of 2 ranks merged into 1) is ``tests/unit/data/shards/test_reader.py``'s; through the
 CLI and Ray, on text, ``tests/integration/train/test_train_e2e.py``'s."""
 
@@ -89,7 +89,7 @@ def test_tokenize_train_resume_and_refusals(tmp_path):
     losses = metric_history(run_id, uri=uri)
     assert sorted(losses) == list(range(1, 9))
     run_dir = work / "checkpoints" / run_id
-    forked = cli(work, "resume", str(run_dir / "step_00000004"))
+    forked = cli(work, "resume", str(run_dir / "step_00000004"), "cluster.use_ray=false", ranks=2)  # torchrun
     fork = metric_history(run_id_of(forked.stdout), uri=uri)
     assert sorted(fork) == [5, 6, 7, 8] and all(fork[s] == losses[s] for s in fork), (fork, losses)
 

@@ -215,8 +215,8 @@ def test_through_ray_two_workers_equal_one(tmp_path):
 
 def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     """Through the CLI and Ray (2 workers): a decoder with a growth schedule and layer dropout under sequence
-    parallelism (depth growth at step 2) stops after step 4 (a checkpoint); `resume` continues it with tensor
-    parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
+    parallelism (depth growth at step 2) stops after step 4 (a checkpoint); `resume` (as 2 torchrun ranks, no Ray:
+    tensor parallelism through Ray is the previous test's) continues it with tensor parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
     tensor-parallel module); the grown model exports to Hugging Face with the parity check. The growth points and
     the length are given as a budget (``at_tokens``, ``at_fraction`` of ``train.max_flops``), derived once and the
     same on resume. With early exits (``all``, rotational): the blocks the depth growth adds join the exit schedule,
@@ -245,7 +245,7 @@ def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     assert "growth.schedule[0]: at_tokens 512 -> at_step 2 (256 tokens/step)" in out
     assert re.search(r"growth.schedule\[1\]: at_fraction \S+ of train.max_flops \S+ -> at_step 5", out)
     assert re.search(r"train.max_flops \S+ -> train.max_steps 6 ", out)
-    out = cli(tmp_path, "resume", run, "parallel.sequence=1", TP, timeout=600).stdout
+    out = cli(tmp_path, "resume", run, "parallel.sequence=1", TP, "cluster.use_ray=false", ranks=2, timeout=600).stdout
     assert "tensor parallel resume" in out and "(1 data x 1 sequence x 2 tensor parallel)" in out
     assert "-> train.max_steps" not in out and "-> at_step" not in out, "a resume derives the same steps"
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")

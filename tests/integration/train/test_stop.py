@@ -46,7 +46,8 @@ def _stop_line(output: str) -> str:
 def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_run(reference, tmp_path):
     """Ctrl-C reaches the driver and Ray's processes; the 2 workers finish the step, commit a checkpoint there, the
     command exits 130 with one line naming it and the resume command, the MLflow run is KILLED with the stop
-    recorded; the resumed run's later steps are the uninterrupted run's, bitwise."""
+    recorded; the run resumed (as 2 torchrun ranks: a resume through Ray is ``test_train_e2e.py``'s) repeats the
+    uninterrupted run's later steps bitwise."""
     args = ["train", CONFIG, *E2E, SLOW]
     code, out = _signal_at(tmp_path, args, 3, [signal.SIGINT], group=True)
     assert code == 130, out
@@ -62,7 +63,7 @@ def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_ru
     assert run.data.tags["pretrain.stop.signal"] == "SIGINT" and run.data.tags["pretrain.stop.step"] == str(step)
     assert not (ckpt.parent / "stop_request.json").exists()
 
-    resumed = cli(tmp_path, "resume", run_id, "faults.slow_step_s=0")
+    resumed = cli(tmp_path, "resume", run_id, "faults.slow_step_s=0", "cluster.use_ray=false", ranks=2)  # no Ray
     assert f"resumed from {ckpt}" in resumed.stdout
     losses = metric_history(run_id_of(resumed.stdout), uri=uri)
     expected = {s: v for s, v in reference["losses"].items() if s > step}

@@ -142,3 +142,16 @@ def test_size_overrides_give_heads_of_64_and_one_stream_per_worker():
         8,
     )
     assert (cfg.cluster.num_workers, cfg.data.num_streams, cfg.zero.stage) == (2, 2, 2)
+
+
+def test_runs_of_several_workers_without_ray_are_launched_by_torchrun():
+    """``cluster.use_ray=false`` with 2 workers: each run as ``torchrun`` ranks; through Ray, or one worker: none."""
+    config = bc.DEFAULT_CONFIG
+    assert bc.launcher(config, ["cluster.use_ray=false"], 2) == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    assert bc.launcher(config, [], 2) == [] and bc.launcher(config, ["cluster.use_ray=false"], 1) == []
