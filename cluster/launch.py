@@ -108,6 +108,11 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # Nor the idle workers a raylet starts for its first driver (one per CPU): they have the default runtime
         # environment and Train's actors never do (Train gives each one its own), so they would be processes that
         # import Ray at start-up, while the controller and workers start, and are never used.
+        # Nor at Ray's default niceness for its worker processes (15: a cluster node keeps its raylet responsive
+        # under load): here they are the run itself (Train's controller and workers), and anything else this
+        # terminal session runs at the default niceness would take nearly all the CPU from them (a nice-15 process
+        # weighs 36 against 1,024; with the kernel's autogroups, the processes of one session compete among
+        # themselves).
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
         # the whole process group, and the run's stop (pretrain.driver.signals) needs Ray alive to take its checkpoint.
@@ -120,7 +125,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
                 runtime_env=runtime_env,
                 logging_level=logging.WARNING,
                 configure_logging=True,
-                _system_config={"prestart_worker_first_driver": False},
+                _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
             )
     return True
 

@@ -122,13 +122,16 @@ def test_an_eager_model_never_imports_dynamo():
 def test_an_embedded_ray_ends_with_the_command():
     """After a finished run the CLI disconnects its Ray driver and leaves the embedded Ray it started to end with
     its process (no graceful shutdown's waits): every process of that Ray — the raylet's agents and workers too,
-    which fate sharing does not reach — is gone within seconds of the command's exit."""
+    which fate sharing does not reach — is gone within seconds of the command's exit. Its workers run at this
+    process's niceness, not at Ray's default of 15 for workers, under which any other busy process of the terminal
+    session (pytest's other worker, here) would take nearly all the CPU from a run's Train workers."""
     code = (
         "import os, psutil, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
         "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
-        "ray.get(ray.remote(lambda: 1).remote()); "
+        "niceness = ray.get(ray.remote(lambda: os.nice(0)).remote()); "
         "pids = [p.pid for p in psutil.Process().children(recursive=True)]; "
-        "print(started, *pids, flush=True); end_ray_with_process(started); print(ray.is_initialized()); "
+        "print(started, niceness - os.nice(0), *pids, flush=True); end_ray_with_process(started); "
+        "print(ray.is_initialized()); "
         "from pretrain.__main__ import exit_without_teardown; exit_without_teardown(0)"
     )
     proc = subprocess.run(
@@ -140,8 +143,9 @@ def test_an_embedded_ray_ends_with_the_command():
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
-    started, *pids, connected = proc.stdout.split()
+    started, niceness, *pids, connected = proc.stdout.split()
     assert started == "True" and len(pids) >= 5  # at least GCS, raylet, its two agents and a worker
+    assert niceness == "0", f"a Ray worker runs {niceness} nicer than its driver"
     assert connected == "False", "the driver is disconnected before its servers are killed"
     alive = [int(p) for p in pids]
     deadline = time.monotonic() + 15  # from the command's exit: starting Ray on a loaded machine takes long
