@@ -1,8 +1,9 @@
 """Token shards end to end, through the real CLI and real Ray: ``tokenize`` (a Ray Data job) with 1 worker, the same
 job with 2 workers SIGKILLed mid-way and finished by a rerun (byte-identical output), training on the shards with 2
-workers, a bitwise resume (as 2 torchrun ranks), and the one-line refusals of a changed shard and of another tokenizer. An elastic resume
-from shards (the reader states of 2 ranks merged into 1) is ``tests/unit/data/shards/test_reader.py``'s; through the
-CLI and Ray, on text, ``tests/integration/train/test_train_e2e.py``'s."""
+workers, a bitwise resume (as 2 torchrun ranks), and the one-line refusals of a changed shard and of another
+tokenizer. An elastic resume from shards (the reader states of 2 ranks merged into 1) is
+``tests/unit/data/shards/test_reader.py``'s; through the CLI and Ray, on text,
+``tests/integration/train/test_train_e2e.py``'s."""
 
 from __future__ import annotations
 

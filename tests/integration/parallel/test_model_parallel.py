@@ -216,11 +216,12 @@ def test_through_ray_two_workers_equal_one(tmp_path):
 def test_sequence_parallel_run_resumes_tensor_parallel_and_exports(tmp_path):
     """Through the CLI and Ray (2 workers): a decoder with a growth schedule and layer dropout under sequence
     parallelism (depth growth at step 2) stops after step 4 (a checkpoint); `resume` (as 2 torchrun ranks, no Ray:
-    tensor parallelism through Ray is the previous test's) continues it with tensor parallelism (the engine state converted to full weights and moments; width growth at step 5 rebuilds the
-    tensor-parallel module); the grown model exports to Hugging Face with the parity check. The growth points and
-    the length are given as a budget (``at_tokens``, ``at_fraction`` of ``train.max_flops``), derived once and the
-    same on resume. With early exits (``all``, rotational): the blocks the depth growth adds join the exit schedule,
-    across the resume on another layout, and the final validation scores every exit of the grown model."""
+    tensor parallelism through Ray is the previous test's) continues it with tensor parallelism (the engine state
+    converted to full weights and moments; width growth at step 5 rebuilds the tensor-parallel module); the grown model
+    exports to Hugging Face with the parity check. The growth points and the length are given as a budget
+    (``at_tokens``, ``at_fraction`` of ``train.max_flops``), derived once and the same on resume. With early exits
+    (``all``, rotational): the blocks the depth growth adds join the exit schedule, across the resume on another layout,
+    and the final validation scores every exit of the grown model."""
     from mlflow import MlflowClient
 
     from pretrain.config import load_config
