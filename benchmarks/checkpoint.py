@@ -87,11 +87,12 @@ def async_key(config: str | Path, overrides: list[str]) -> str:
     return ""
 
 
-def launcher(config: str | Path, overrides: list[str], workers: int) -> list[str]:
+def launcher(config: str | Path, overrides: list[str]) -> list[str]:
     """``python``'s arguments before ``-m pretrain``: ``torchrun``'s for a run of several workers without Ray
     (``cluster.use_ray=false``), as a user launches one on a node without Ray; none otherwise (Ray starts them)."""
-    if workers > 1 and not load_config(config, overrides).cluster.use_ray:
-        return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers)]
+    cluster = load_config(config, overrides).cluster
+    if cluster.num_workers > 1 and not cluster.use_ray:
+        return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cluster.num_workers)]
     return []
 
 
@@ -133,12 +134,25 @@ class Session:
     def pretrain(self, *args: str) -> dict:
         """Run ``python -m pretrain ARGS`` here; the summary of the run it wrote (the newest)."""
         cmd = [sys.executable, *self.launcher, "-m", "pretrain", *args, f"checkpoint.dir={self.runs}"]
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=self.timeout)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun stops its ranks on it (each in a session of its own, which a SIGKILL of
+            # torchrun would leave running); the command alone stops its run on it too
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise RuntimeError(
+                f"bench --checkpoint: `{' '.join(cmd[1:])}` ran over --timeout {self.timeout:g} s"
+            ) from None
         summaries = sorted(self.runs.glob(f"*/{SUMMARY}"), key=lambda p: p.stat().st_mtime)
         if proc.returncode != 0 or not summaries:
             raise RuntimeError(
-                f"bench --checkpoint: `{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n"
-                + (proc.stdout + proc.stderr)[-3000:]
+                f"bench --checkpoint: `{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n" + (out + err)[-3000:]
             )
         return json.loads(summaries[-1].read_text())
 
@@ -238,7 +252,7 @@ def measure_size(
         f"train.max_steps={a.every * (a.saves + 1)}",
     ]
     mode = [] if why_no_async else ["checkpoint.async=false"]
-    ranks = launcher(config, over, a.workers)
+    ranks = launcher(config, over)
     session = Session(Path(a.dir), a.timeout, ranks)
     try:
         sync = session.pretrain("train", str(config), *over, *mode)

@@ -112,7 +112,10 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # under load): here they are the run itself (Train's controller and workers), and anything else this
         # terminal session runs at the default niceness would take nearly all the CPU from them (a nice-15 process
         # weighs 36 against 1,024; with the kernel's autogroups, the processes of one session compete among
-        # themselves).
+        # themselves). Ray's own variable, RAY_worker_niceness, wins.
+        system_config: dict[str, Any] = {"prestart_worker_first_driver": False}
+        if "RAY_worker_niceness" not in os.environ:
+            system_config["worker_niceness"] = 0
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
         # the whole process group, and the run's stop (pretrain.driver.signals) needs Ray alive to take its checkpoint.
@@ -125,7 +128,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
                 runtime_env=runtime_env,
                 logging_level=logging.WARNING,
                 configure_logging=True,
-                _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
+                _system_config=system_config,
             )
     return True
 

@@ -3,7 +3,7 @@
 batches (decoder with GQA and encoder; 2 and 4 workers under ZeRO-1, 2 and 3; with layer dropout; with an early
 exit), bitwise resume on the same layout and resume on another one; and the user's path through the CLI and Ray (2
 workers equal 1; a growth schedule, layer dropout and early exits under sequence parallelism, stopped, resumed with
-tensor parallelism, exported with the parity check)."""
+tensor parallelism as torchrun ranks, exported with the parity check)."""
 
 from __future__ import annotations
 
@@ -190,9 +190,9 @@ def test_through_ray_two_workers_equal_one(tmp_path):
     """`./launch.sh train` as users run it: 2 workers through Ray with sequence parallelism and with tensor
     parallelism log the per-step losses of 1 worker on the same global batches within 1e-5 relative over 20 steps
     (the encoder preset: learned positions, biases, post-norm and the MLM head; the ranks of a sequence- or
-    tensor-parallel group read the same batches from the streams). The decoder (RoPE, GQA) through the CLI and Ray:
-    sequence parallelism resumed with tensor parallelism, the next test; against 1 process on gloo ranks:
-    ``dec-sp2``, ``dec-tp2`` and the rest of ``CASES``."""
+    tensor-parallel group read the same batches from the streams). The decoder (RoPE, GQA) through the CLI:
+    sequence parallelism through Ray resumed with tensor parallelism as torchrun ranks, the next test; against 1
+    process on gloo ranks: ``dec-sp2``, ``dec-tp2`` and the rest of ``CASES``."""
     from mlflow import MlflowClient
 
     from tests.harness import ROOT

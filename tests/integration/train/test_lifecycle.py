@@ -175,8 +175,8 @@ def test_default_demo_runs_on_1_3_and_4_workers(tmp_path):
     4 workers through Ray Train on an embedded local Ray (3: uneven 6/6/4 shares padded to equal passes; 4: more
     workers than CPUs, each taking a fractional ``cluster.cpus_per_worker``, as the refusal of a whole CPU each
     says). Every rank of those runs as a Ray Train worker, none waits for placement, and the same global batches
-    give the same losses up to float rounding. Two workers through Ray on this preset: ``test_train_e2e.py``'s
-    reference run; one through Ray (``cluster.ray_for_one_worker=true``): ``test_console.py``."""
+    give the same losses up to float rounding. Two workers through Ray on this preset: ``test_golden.py``'s
+    ``decoder-2w-zero2-dropout``; one through Ray (``cluster.ray_for_one_worker=true``): ``test_console.py``."""
     import json
     import math
     import os

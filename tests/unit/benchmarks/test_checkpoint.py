@@ -1,6 +1,6 @@
 """``./launch.sh bench --checkpoint``: the raw write limit it measures, the per-rank hashing a run records for it
 (``CheckpointStats``, the process-wide hash tally), the rows and targets it builds from the runs' summaries. One tiny
-size end to end through the CLI and Ray is in ``tests/integration/bench/test_checkpoint.py``."""
+size end to end through the CLI (its runs as torchrun ranks) is in ``tests/integration/bench/test_checkpoint.py``."""
 
 from __future__ import annotations
 
@@ -145,13 +145,10 @@ def test_size_overrides_give_heads_of_64_and_one_stream_per_worker():
 
 
 def test_runs_of_several_workers_without_ray_are_launched_by_torchrun():
-    """``cluster.use_ray=false`` with 2 workers: each run as ``torchrun`` ranks; through Ray, or one worker: none."""
-    config = bc.DEFAULT_CONFIG
-    assert bc.launcher(config, ["cluster.use_ray=false"], 2) == [
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-    ]
-    assert bc.launcher(config, [], 2) == [] and bc.launcher(config, ["cluster.use_ray=false"], 1) == []
+    """``cluster.use_ray=false`` with several workers: each run as that many ``torchrun`` ranks (the config's count,
+    a user's override included); through Ray, or one worker: none."""
+    config, no_ray = bc.DEFAULT_CONFIG, "cluster.use_ray=false"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    assert bc.launcher(config, [no_ray, "cluster.num_workers=2"]) == [*torchrun, "2"]
+    assert bc.launcher(config, ["cluster.num_workers=2", no_ray, "cluster.num_workers=3"]) == [*torchrun, "3"]
+    assert bc.launcher(config, ["cluster.num_workers=2"]) == [] and bc.launcher(config, [no_ray]) == []
