@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 STEPS = 12
 COMMON = [
+    # the presets' blocks, narrower and on shorter sequences: the cases pin the step's code paths, not a size
+    "model.hidden_size=128",
+    "model.max_seq_len=64",
     f"train.max_steps={STEPS}",
     "train.log_every=1",
     "train.val_every=6",

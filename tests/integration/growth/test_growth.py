@@ -220,14 +220,15 @@ def test_identity_depth_growth_of_a_rho_linear_run_keeps_the_loss_in_the_job_and
 
 
 def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path):
-    """The README's sequence as a user runs it: a demo decoder trained 20 steps by 2 workers under ZeRO-3 (no Ray:
-    torchrun; partitioned weights merged), to the end of its LR warm-up; `grow depth=2x depth_op=identity width=2x
-    width_op=tile noise=0` (exact: the held-back loss is unchanged, logged) makes a child MLflow run tagged with its
-    parent, which `runs` shows; `resume CHILD` on 1 worker for 10 steps continues the parent's step count and data.
-    The child starts with fresh AdamW moments: it re-warms its LR (`growth.rewarm_steps`, recorded in its config), and
-    its validation loss after the 10 steps is not above its parent's at the growth point. It exports with a passing
-    parity check. `grow experts=4` upcycles the parent; the child (written on 1 process) trains with expert
-    parallelism on 2 Ray workers (parallel.expert=2) and its EP=2 checkpoint exports as Mixtral."""
+    """The README's sequence as a user runs it: the demo decoder at 128 wide, trained 20 steps by 2 workers under
+    ZeRO-3 (no Ray: torchrun; partitioned weights merged), to the end of its LR warm-up; `grow depth=2x
+    depth_op=identity width=2x width_op=tile noise=0` (exact: the held-back loss is unchanged, logged) makes a child
+    MLflow run tagged with its parent, which `runs` shows; `resume CHILD` on 1 worker for 10 steps continues the
+    parent's step count and data. The child starts with fresh AdamW moments: it re-warms its LR
+    (`growth.rewarm_steps`, recorded in its config), and its validation loss after the 10 steps is not above its
+    parent's at the growth point. It exports with a passing parity check. `grow experts=4` upcycles the parent; the
+    child (written on 1 process) trains with expert parallelism on 2 Ray workers (parallel.expert=2) and its EP=2
+    checkpoint exports as Mixtral."""
     import json
 
     import yaml
@@ -244,6 +245,7 @@ def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path)
 
     parent_opts = [
         "model.max_seq_len=64",
+        "model.hidden_size=128",
         "train.global_batch_size=8",
         "train.micro_batch_size=4",
         "train.max_steps=20",
@@ -287,7 +289,7 @@ def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path)
     report = run("export", child, "--out", str(tmp_path / "hf_grown"))
     assert "LlamaForCausalLM" in report and "parity" in report
     cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (8, 512, False)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (8, 256, False)
 
     moe_child = new_run(run("grow", parent, "experts=4", "noise=0"), "grow")
     # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
