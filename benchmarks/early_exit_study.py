@@ -22,11 +22,14 @@ The two runs train side by side on a machine without a GPU (``--jobs``: each in 
 :mod:`benchmarks.side_by_side`; ``--jobs 1``: one after the other, in this process).
 
 Reported: both runs' full-depth final validation loss and their difference (the cost of early-exit training; goal
-<= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), then decoding
-of the early-exit model on ``prompts`` held-out prompts of the corpus's validation split: plain greedy against
-self-speculative at every exit through ``transformers``' ``generate(assistant_early_exit=E)`` (tokens/s, identical
-outputs, acceptance; the best exit is the fastest whose every output is identical; goal >= 1.5x), and the best
-exit through ``./launch.sh generate RUN --early-exit E --json`` on ``cli_prompts`` prompts.
+<= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), the speed-up
+each exit's final acceptance allows at best (``speedup_bounds``, :func:`benchmarks.early_exit_decoding.speedup_bound`;
+with acceptances independent from token to token no implementation beats it, so it tells whether a slow exit is the
+decoder's cost or the model's), then decoding of the early-exit model on ``prompts`` held-out prompts of the
+corpus's validation split: plain greedy against self-speculative at every exit through ``transformers``'
+``generate(assistant_early_exit=E)`` (tokens/s, identical outputs, acceptance; the best exit is the fastest whose
+every output is identical; goal >= 1.5x), and the best exit through ``./launch.sh generate RUN --early-exit E
+--json`` on ``cli_prompts`` prompts. A reused baseline's curves are read from the store that holds it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, mo
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
+    RunCurves,
     Study,
     budget_flops,
     budget_overrides,
@@ -93,8 +97,12 @@ def early_exit_steps(cfg, budget: float, per_token: float, tokens_per_step: int,
     }
 
 
-def _history(st: Study, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in st.client.get_metric_history(run_id, key))
+def _history(st: Study, run: RunCurves, key: str) -> list[tuple[int, float]]:
+    """(step, value) of metric ``key`` of ``run``, from the store that holds it (a reused run's is not the study's)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=run.tracking_uri) if run.tracking_uri else st.client
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.run_id, key))
 
 
 def study(
@@ -118,7 +126,7 @@ def study(
     2 trains the two runs side by side (:meth:`benchmarks.study.Study.train_many`). Returns its dict."""
     import torch
 
-    from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
+    from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, speedup_bound, through_cli
     from eval.generate import load_generator
     from pretrain.config import ConfigError, make_plan
     from pretrain.model import flops_per_token
@@ -154,9 +162,9 @@ def study(
     ee_run = runs["early-exit"].run_id
     exits = {}
     for e in range(1, L):
-        loss = _history(st, ee_run, f"val/exit_{e}/loss")
+        loss = _history(st, runs["early-exit"], f"val/exit_{e}/loss")
         if loss:
-            acc = dict(_history(st, ee_run, f"val/exit_{e}/acceptance"))
+            acc = dict(_history(st, runs["early-exit"], f"val/exit_{e}/acceptance"))
             exits[str(e)] = [(s / ee_steps, v, acc.get(s)) for s, v in loss]
     final = {k: r.final_loss for k, r in runs.items()}
     out: dict[str, Any] = {
@@ -180,8 +188,11 @@ def study(
         "threads": torch.get_num_threads(),
         "final_val_loss": final,
         "loss_gap": final["early-exit"] - final["baseline"],
-        "curves_step_share_val_loss": {k: [(s / r.steps, v) for s, v in _steps(st, r.run_id)] for k, r in runs.items()},
+        "curves_step_share_val_loss": {
+            k: [(s / r.steps, v) for s, v in _history(st, r, "val/loss")] for k, r in runs.items()
+        },
         "exit_curves_step_share_loss_acceptance": exits,
+        "speedup_bounds": {e: speedup_bound(c[-1][2], int(e), L) for e, c in exits.items() if c[-1][2] is not None},
         "run_ids": {k: r.run_id for k, r in runs.items()},
     }
     with st.inside():
@@ -220,10 +231,6 @@ def study(
     return out
 
 
-def _steps(st: Study, run_id: str) -> list[tuple[int, float]]:
-    return _history(st, run_id, "val/loss")
-
-
 def print_table(r: dict[str, Any]) -> None:
     from benchmarks.early_exit_decoding import print_table as decoding_table
 
@@ -238,7 +245,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"  full-depth loss gap (early-exit - baseline): {r['loss_gap']:+.4f} nats")
     for e, curve in r["exit_curves_step_share_loss_acceptance"].items():
         _, loss, acc = curve[-1]
-        print(f"  exit {e}: final val loss {loss:.4f}, acceptance {acc:.3f}")
+        bound = r.get("speedup_bounds", {}).get(e)
+        most = f"; at most {bound['speedup']:.2f}x at this acceptance ({bound['draft_tokens']} drafts)" if bound else ""
+        print(f"  exit {e}: final val loss {loss:.4f}, acceptance {acc:.3f}{most}")
     decoding_table(r["decoding"])
     for goal, met in r["goals"].items():
         print(f"  goal {goal}: {'met' if met else 'NOT met'}")

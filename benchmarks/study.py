@@ -199,7 +199,8 @@ def _curve(client, run_id: str, x_key: str) -> Curve:
 class RunCurves:
     """One finished run of a study: its id, validation loss against FLOPs and against training seconds, and what
     ``prune`` or ``eval`` read its model from (``source``: its run id in the study's store, or the checkpoint
-    directory of a run reused from another store)."""
+    directory of a run reused from another store; ``tracking_uri``: the store that holds the run's metrics when it
+    is not the study's own, as for a reused run)."""
 
     run_id: str
     flops: Curve
@@ -207,6 +208,7 @@ class RunCurves:
     steps: int
     config: dict = field(default_factory=dict)
     source: str = ""
+    tracking_uri: str = ""
 
     def __post_init__(self) -> None:
         self.source = self.source or self.run_id
@@ -390,6 +392,7 @@ class Study:
             want.train.max_steps,
             to_dict(want),
             root if checkpoint else run_id,
+            uri,
         )
 
     def steps(self, extra: list[str]) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from benchmarks.early_exit_decoding import speedup_bound
 from benchmarks.study import first_below, flops_saving, time_to_loss_speedup
 from tests.conftest import WIKITEXT
 from tests.harness import cli, tiny_model
@@ -168,6 +169,8 @@ def test_early_exit_study_on_a_tiny_budget(tmp_path):
     assert final["baseline"] == pytest.approx(r["curves_step_share_val_loss"]["baseline"][-1][1])
     assert list(r["exit_curves_step_share_loss_acceptance"]) == ["2"], "validation scores the trained exits"
     assert all(0 <= a <= 1 for _, _, a in r["exit_curves_step_share_loss_acceptance"]["2"])
+    bound, acc = r["speedup_bounds"]["2"], r["exit_curves_step_share_loss_acceptance"]["2"][-1][2]
+    assert bound == speedup_bound(acc, 2, 4), "from the exit's final acceptance"
     d = r["decoding"]
     assert d["prompts"] == 3 and set(d["exits"]) == {"1", "2", "3"} and d["draft_tokens"] == 4
     for t in d["exits"].values():  # lossless under greedy decoding, whatever the model learned

@@ -79,11 +79,13 @@ def test_find_matches_a_finished_run_by_config_whatever_its_name(tmp_path):
 
 def test_a_study_reads_a_reused_model_from_its_checkpoints_only_while_they_exist(tmp_path):
     """``Study.train(..., checkpoint=True)`` (the layer-dropout study prunes and evaluates the run): a matching run
-    whose checkpoint directory is gone is trained again; one whose directory exists is read from it."""
+    whose checkpoint directory is gone is trained again; one whose directory exists is read from it, and its metrics
+    from the store that holds it."""
     import copy
 
     from mlflow import MlflowClient
 
+    from benchmarks.early_exit_study import _history
     from benchmarks.study import ROOT, Study
     from pretrain.config import flatten, to_dict
     from pretrain.config.paths import resolve_paths
@@ -108,4 +110,6 @@ def test_a_study_reads_a_reused_model_from_its_checkpoints_only_while_they_exist
     root.mkdir(parents=True)
     found = study._earlier("no-drop seed 0", cfg, checkpoint=True)
     assert found.run_id == run and found.source == str(root) and found.steps == 8
+    assert found.tracking_uri == uri != study.uri
+    assert _history(study, found, "train/loss") == [(8, 3.0)], "its metrics are read from the store that holds it"
     assert study.reused["no-drop seed 0"] == {"tracking_uri": uri, "run_id": run, "run_name": "scratch seed 0"}
