@@ -34,8 +34,10 @@ from pretrain.ds_adapter.checkpoint import (
     zero_partitions,
 )
 from pretrain.ds_adapter.engine import (
+    MUON_MODULE,
     SHM_COMM_OP,
     engine_args,
+    import_compiling_on_first_call,
     import_deepspeed,
     loaded_accelerator,
     set_universal_load,
@@ -78,6 +80,8 @@ __all__ = [
     "skip_shm_comm_op",
     "engine_args",
     "import_deepspeed",
+    "import_compiling_on_first_call",
+    "MUON_MODULE",
     "loaded_accelerator",
     "set_universal_load",
     "Views",

@@ -3,6 +3,8 @@ which checkpoint form its next load reads (through :mod:`pretrain.ds_adapter`)."
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
 import types
 from typing import Any
@@ -39,7 +41,9 @@ def import_deepspeed() -> types.ModuleType:
     So where MLflow is not imported yet, its name is held as absent (``sys.modules["mlflow"] = None``: an
     ``import mlflow`` raises ImportError and the autotuner goes without) for the length of DeepSpeed's import only;
     a later ``import mlflow`` (the tracking rank's) imports it as usual. Call it before this process starts threads
-    of its own that may import MLflow. DeepSpeed chooses its accelerator at this import (``DS_ACCELERATOR``)."""
+    of its own that may import MLflow. DeepSpeed chooses its accelerator at this import (``DS_ACCELERATOR``).
+    Its Muon optimizer is imported too, its kernels compiled when first called
+    (:func:`import_compiling_on_first_call`)."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     held = "mlflow" not in sys.modules
@@ -50,7 +54,52 @@ def import_deepspeed() -> types.ModuleType:
     finally:
         if held and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]
+    import_compiling_on_first_call(MUON_MODULE)
     return deepspeed
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""DeepSpeed's Muon optimizer (0.19), which its ZeRO optimizers import whatever the optimizer."""
+
+
+def import_compiling_on_first_call(module: str) -> None:
+    """Import ``module`` with the ``torch.compile`` it applies at import set up when each compiled function is first
+    called; a module missing from this DeepSpeed is skipped.
+
+    For :data:`MUON_MODULE`. 0.19: the ZeRO optimizers import it (for ``isinstance`` checks against
+    ``MuonWithAuxAdam``: ``DeepSpeedEngine``'s ZeRO support check, stage 1-2's ``average_tensor`` on every
+    reduction, stage 3's init) whatever the optimizer, and its modules decorate their kernels with ``torch.compile``
+    (``deepspeed.runtime.compiler.compile()`` returns it). The first ``torch.compile`` of a process sets up its
+    backend: about a CPU-second in every process that builds an engine, for kernels only a Muon optimizer calls.
+    So while the module imports, ``torch.compile`` returns a wrapper that compiles the function (with the same
+    options) on its first call; the real ``torch.compile`` is back when the import ends. ``torch.compile``
+    compiles at the first call anyway, so a Muon run compiles the same kernels; only the set-up moves. Call it
+    before this process starts threads of its own."""
+    if module in sys.modules:
+        return
+    real = torch.compile
+
+    def on_first_call(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: on_first_call(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = on_first_call
+    try:
+        importlib.import_module(module)
+    except ImportError:  # not in this DeepSpeed
+        pass
+    finally:
+        torch.compile = real
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------

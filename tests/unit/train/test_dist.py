@@ -63,7 +63,9 @@ def test_deepspeed_gets_the_runs_accelerator(monkeypatch):
 def test_a_worker_imports_deepspeed_without_mlflow_until_it_tracks():
     """``setup`` imports DeepSpeed (its accelerator chosen) with its autotuner's ``import mlflow`` held back, in a
     fresh interpreter as a worker starts: MLflow is not imported by it (the ranks that do not track never import
-    it), DeepSpeed's autotuner goes without it, and a later ``import mlflow`` (the tracking rank's) works."""
+    it), DeepSpeed's autotuner goes without it, and a later ``import mlflow`` (the tracking rank's) works. Its Muon
+    optimizer is imported without setting up ``torch.compile`` (no ``torch._dynamo``), and ``torch.compile`` is
+    torch's own again."""
     import subprocess
 
     from tests.harness import PYTHON, ROOT
@@ -72,6 +74,8 @@ def test_a_worker_imports_deepspeed_without_mlflow_until_it_tracks():
         "import sys; from pretrain.train import dist; dist.setup('no')\n"
         "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, [m for m in sys.modules if 'mlf' in m]\n"
         "from deepspeed.autotuning import autotuner; assert autotuner.has_mlflow is False\n"
+        "import torch; from pretrain.ds_adapter import MUON_MODULE; assert MUON_MODULE in sys.modules\n"
+        "assert 'torch._dynamo' not in sys.modules and torch.compile.__module__ == 'torch', torch.compile\n"
         "from pretrain.ds_adapter import import_deepspeed; assert import_deepspeed() is sys.modules['deepspeed']\n"
         "import mlflow; print(mlflow.MlflowClient.__name__)\n"
     )
