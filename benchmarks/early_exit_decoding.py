@@ -109,25 +109,6 @@ def decoding_benchmark(
     }
 
 
-def speedup_bound(acceptance: float, exit_layer: int, layers: int, max_draft: int = 64) -> dict[str, float | int]:
-    """The most self-speculative greedy decoding from exit ``exit_layer`` of ``layers`` can gain over plain greedy
-    when each drafted token is accepted with probability ``acceptance`` (independently, as the teacher-forced
-    ``val/exit_<E>/acceptance`` measures it), whatever the implementation: time goes only into the blocks, a pass
-    costs its depth whatever the number of tokens in it, and the draft's first ``exit_layer`` blocks are reused
-    (LayerSkip's cache). A round drafts ``k`` tokens (``k`` passes of ``E/L``) and verifies them in one full-depth
-    pass, which yields the accepted prefix plus one token: ``sum(acceptance**i for i <= k)`` tokens for
-    ``1 + k E / L`` forwards. Returns the best ``k`` (1..``max_draft``) and its speed-up; below 1, drafting from
-    that exit cannot pay."""
-    if not 0 <= acceptance <= 1 or not 0 < exit_layer < layers:
-        raise ValueError(f"acceptance {acceptance} must be in [0, 1] and the exit {exit_layer} in 1..{layers - 1}")
-
-    def gain(k: int) -> float:
-        return sum(acceptance**i for i in range(k + 1)) / (1 + k * exit_layer / layers)
-
-    best = max(range(1, max_draft + 1), key=gain)
-    return {"speedup": gain(best), "draft_tokens": best}
-
-
 def through_cli(source: str, prompts: list[str], expected: list[str], early_exit: int, **opts: Any) -> dict[str, Any]:
     """``./launch.sh generate SOURCE --prompt P --early-exit E --json`` for each prompt (a subprocess, as a user runs
     it): whether both its continuations equal ``expected`` (the in-process plain greedy ones), tokens/s, acceptance."""

@@ -23,7 +23,7 @@ The two runs train side by side on a machine without a GPU (``--jobs``: each in 
 
 Reported: both runs' full-depth final validation loss and their difference (the cost of early-exit training; goal
 <= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), the speed-up
-each exit's final acceptance allows at best (``speedup_bounds``, :func:`benchmarks.early_exit_decoding.speedup_bound`;
+each exit's final acceptance allows at best (``speedup_bounds``, :func:`pretrain.model.early_exit.speedup_bound`;
 with acceptances independent from token to token no implementation beats it, so it tells whether a slow exit is the
 decoder's cost or the model's), then decoding of the early-exit model on ``prompts`` held-out prompts of the
 corpus's validation split: plain greedy against self-speculative at every exit through ``transformers``'
@@ -126,10 +126,11 @@ def study(
     2 trains the two runs side by side (:meth:`benchmarks.study.Study.train_many`). Returns its dict."""
     import torch
 
-    from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, speedup_bound, through_cli
+    from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
     from eval.generate import load_generator
     from pretrain.config import ConfigError, make_plan
     from pretrain.model import flops_per_token
+    from pretrain.model.early_exit import speedup_bound
     from pretrain.model.growth_stages import block_flops_share
 
     vocab = vocab_of(overrides, VOCAB)

@@ -1,6 +1,7 @@
 """Early-exit training (LayerSkip: M. Elhoushi et al., "LayerSkip: Enabling Early Exit Inference and
 Self-Speculative Decoding", ACL 2024, arXiv:2404.16710) as pure functions: which exits a step trains, their
-weights, and the loss of one exit through the model's shared final norm and LM head.
+weights, the loss of one exit through the model's shared final norm and LM head, and the most self-speculative
+decoding from an exit can gain at its acceptance (:func:`speedup_bound`).
 
 An *exit* is named by its depth E: the hidden state after the first E blocks (1 <= E < L; the full depth L is the
 main loss). Exit E's weight relative to the main loss is ``scale * e(E) / e(L)`` with e(E) = 1 + 2 + ... + E
@@ -100,3 +101,22 @@ def with_exits(out: Any, weights: list[float], exits: list[tuple[torch.Tensor, t
     return out._replace(
         exit_loss=(losses * weight).sum(), exit_losses=losses, exit_tokens=torch.stack(tokens) if tokens else None
     )
+
+
+def speedup_bound(acceptance: float, exit_layer: int, layers: int, max_draft: int = 64) -> dict[str, float | int]:
+    """The most self-speculative greedy decoding from exit ``exit_layer`` of ``layers`` can gain over plain greedy
+    when each drafted token is accepted with probability ``acceptance`` (independently; the teacher-forced
+    ``val/exit_<E>/acceptance`` estimates it), whatever the implementation: time goes only into the blocks, a pass
+    costs its depth whatever the number of tokens in it, and the draft's first ``exit_layer`` blocks are reused
+    (LayerSkip's cache). A round drafts ``k`` tokens (``k`` passes of ``E/L``) and verifies them in one full-depth
+    pass, which yields the accepted prefix plus one token: ``sum(acceptance**i for i <= k)`` tokens for
+    ``1 + k E / L`` forwards. Returns the best ``k`` (1..``max_draft``) and its speed-up; below 1, drafting from
+    that exit cannot pay."""
+    if not 0 <= acceptance <= 1 or not 0 < exit_layer < layers:
+        raise ValueError(f"acceptance {acceptance} must be in [0, 1] and the exit {exit_layer} in 1..{layers - 1}")
+
+    def gain(k: int) -> float:
+        return sum(acceptance**i for i in range(k + 1)) / (1 + k * exit_layer / layers)
+
+    best = max(range(1, max_draft + 1), key=gain)
+    return {"speedup": gain(best), "draft_tokens": best}

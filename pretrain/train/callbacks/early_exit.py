@@ -7,7 +7,10 @@ held-out quality, logged to MLflow as
 * ``val/exit_<E>/acceptance``: the fraction of those positions where exit E's greedy token equals the full
   model's greedy token. Under greedy self-speculative decoding a drafted token is accepted exactly when the two
   agree, so this is the expected per-token acceptance of a draft from exit E, measured with the validation text
-  as the prefix (teacher-forced) rather than the model's own continuation.
+  as the prefix (teacher-forced) rather than the model's own continuation;
+* ``val/exit_<E>/speedup_bound``: the most greedy self-speculative decoding from exit E could gain over plain
+  greedy at that acceptance, whatever decodes it (:func:`pretrain.model.early_exit.speedup_bound`): below 1,
+  drafting from exit E cannot pay.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 from pretrain.config import RunConfig
-from pretrain.model.early_exit import Exits, active_exits, validation_exits
+from pretrain.model.early_exit import Exits, active_exits, speedup_bound, validation_exits
 from pretrain.model.score import IGNORE, targets
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
@@ -25,11 +28,11 @@ from pretrain.train.trainer import Trainer
 
 
 @torch.no_grad()
-def evaluate_exits(module, batches: list[dict[str, torch.Tensor]], exits: Exits) -> dict[str, float]:
-    """``val/exit_<E>/loss`` and ``val/exit_<E>/acceptance`` of every exit of ``exits`` over all ranks' shares of
-    ``batches`` (decoders). Like :func:`pretrain.train.step.evaluate`, every rank runs as many forwards as the rank
-    with the most batches (the others pad with batches without targets) and the first of the ranks that score
-    the same sequences counts them. Collective."""
+def evaluate_exits(module, batches: list[dict[str, torch.Tensor]], exits: Exits, layers: int) -> dict[str, float]:
+    """``val/exit_<E>/loss``, ``/acceptance`` and ``/speedup_bound`` of every exit of ``exits`` over all ranks'
+    shares of ``batches`` (decoders of ``layers`` blocks). Like :func:`pretrain.train.step.evaluate`, every rank
+    runs as many forwards as the rank with the most batches (the others pad with batches without targets) and the
+    first of the ranks that score the same sequences counts them. Collective."""
     engine, device = module.engine, module.device
     forwards = int(-dist.all_reduce_min([-float(len(batches))], device)[0])
     if batches:
@@ -59,7 +62,8 @@ def evaluate_exits(module, batches: list[dict[str, torch.Tensor]], exits: Exits)
     for j, (depth, _) in enumerate(exits):
         nats, tokens, same = sums[3 * j : 3 * j + 3]
         metrics[f"val/exit_{depth}/loss"] = nats / max(tokens, 1.0)
-        metrics[f"val/exit_{depth}/acceptance"] = same / max(tokens, 1.0)
+        metrics[f"val/exit_{depth}/acceptance"] = acceptance = same / max(tokens, 1.0)
+        metrics[f"val/exit_{depth}/speedup_bound"] = float(speedup_bound(acceptance, depth, layers)["speedup"])
     return metrics
 
 
@@ -87,16 +91,18 @@ class EarlyExitCallback(Callback):
         return {"exits": self.exits} if self.exits else {}
 
     def on_validation(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        exits = validation_exits(self.ee, trainer.module.cfg.model.num_layers)
+        layers = trainer.module.cfg.model.num_layers
+        exits = validation_exits(self.ee, layers)
         if not trainer.val_set or not exits:
             return
         self.last.clear()  # updated in place: the run's final dict holds it (a last validation may follow)
-        self.last.update(evaluate_exits(trainer.module, trainer.val_set, exits))
+        self.last.update(evaluate_exits(trainer.module, trainer.val_set, exits, layers))
         trainer.tracker.log_metrics(self.last, trainer.state.step)
         trainer.progress.say(
-            f"step {trainer.state.step} validation per exit (loss / acceptance): "
+            f"step {trainer.state.step} validation per exit (loss / acceptance / speed-up bound): "
             + ", ".join(
-                f"E={d} {self.last[f'val/exit_{d}/loss']:.4f} / {self.last[f'val/exit_{d}/acceptance']:.3f}"
+                f"E={d} {self.last[f'val/exit_{d}/loss']:.4f} / {self.last[f'val/exit_{d}/acceptance']:.3f} / "
+                f"{self.last[f'val/exit_{d}/speedup_bound']:.2f}x"
                 for d, _ in exits
             )
         )

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from benchmarks.early_exit_decoding import speedup_bound
 from benchmarks.study import first_below, flops_saving, time_to_loss_speedup
+from pretrain.model.early_exit import speedup_bound
 from tests.conftest import WIKITEXT
 from tests.harness import cli, tiny_model
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pretrain.config import load_config
+from pretrain.model.early_exit import speedup_bound
 from tests.harness import (
     Case,
     case_ids,
@@ -237,6 +238,8 @@ def test_layer_drop_end_to_end(tmp_path):
             assert metric_history(part.run_id, f"val/exit_{depth}/loss") == loss, "the resumed run's exits agree"
             assert all(v > 0 for v in loss.values()) and all(0 <= a <= 1 for a in acceptance.values())
             assert final["val_exits"][f"val/exit_{depth}/loss"] == loss[6]
+            bound = metric_history(full.run_id, f"val/exit_{depth}/speedup_bound")
+            assert bound == {s: speedup_bound(a, depth, 4)["speedup"] for s, a in acceptance.items()}
         plotted = _cli(work, "runs", full.run_id, "--plot")
         png = Path(next(line for line in plotted.splitlines() if line.startswith("plot: "))[6:])
         assert int.from_bytes(png.read_bytes()[20:24], "big") >= 1000, "the plot has the early-exit panel"

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, speedup_bound
+from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts
 from pretrain.config import ConfigError
 from tests.conftest import corpus_lines
 from tests.unit.eval.test_generate import LAYERS, llama  # noqa: F401 - the fixture is used by name
@@ -49,20 +49,3 @@ def test_study_options_are_refused_with_a_model():
         run(parse_args(["--model", "x", "--reuse", "/tmp/s"]))
     with pytest.raises(ConfigError, match="--jobs is for the study only"):
         run(parse_args(["--model", "x", "--jobs", "2"]))
-
-
-def test_the_speedup_bound_of_an_exit():
-    """Rounds of k drafts at E/L of a forward each and one verifying forward, yielding the accepted prefix plus one
-    token: always-accepted drafts from half the depth reach 1 + k over 1 + k/2; never-accepted drafts cost more than
-    they give; the bound grows with the acceptance and falls with the exit's depth."""
-    assert speedup_bound(1.0, 2, 4, max_draft=4) == {"speedup": pytest.approx(5 / 3), "draft_tokens": 4}
-    assert speedup_bound(1.0, 1, 4, max_draft=8)["speedup"] == pytest.approx(9 / 3)
-    none = speedup_bound(0.0, 1, 4)
-    assert none == {"speedup": pytest.approx(1 / 1.25), "draft_tokens": 1}
-    # 0.69 from half the depth (a trained 4-block model's exit 2): one draft a round, 1.69 / 1.5
-    assert speedup_bound(0.69, 2, 4) == {"speedup": pytest.approx(1.69 / 1.5), "draft_tokens": 1}
-    at = [speedup_bound(a, e, 4)["speedup"] for a, e in ((0.8, 1), (0.6, 1), (0.6, 2))]
-    assert at[0] > at[1] > at[2]
-    for bad in ((1.2, 1, 4), (0.5, 0, 4), (0.5, 4, 4)):
-        with pytest.raises(ValueError):
-            speedup_bound(*bad)

@@ -1,6 +1,6 @@
-"""Early-exit training in one process: the exit schedule and weights (pure), the config's checks, and the model's
-exit losses against the same model cut to E blocks. The multi-worker run (ZeRO-3, resume, MLflow metrics) is in
-``tests/integration/growth/test_layer_drop.py``."""
+"""Early-exit training in one process: the exit schedule and weights (pure), the config's checks, the model's
+exit losses against the same model cut to E blocks, and the speed-up bound of an exit's acceptance. The
+multi-worker run (ZeRO-3, resume, MLflow metrics) is in ``tests/integration/growth/test_layer_drop.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from pretrain.config import ConfigError, EarlyExitConfig
 from pretrain.model import build_model
-from pretrain.model.early_exit import active_exits, exit_depths, exit_weight, validation_exits
+from pretrain.model.early_exit import active_exits, exit_depths, exit_weight, speedup_bound, validation_exits
 from tests.harness import tiny_config
 
 L = 6
@@ -139,3 +139,20 @@ def test_pruning_keeps_the_listed_exits_the_pruned_model_has():
     new, _ = prune_blocks(cfg, build_model(cfg.model, seed=1).state_dict(), [0, 2, 4])
     assert new.layer_drop.early_exit.layers == [1]
     new.validate()  # a valid child config
+
+
+def test_the_speedup_bound_of_an_exit():
+    """Rounds of k drafts at E/L of a forward each and one verifying forward, yielding the accepted prefix plus one
+    token: always-accepted drafts from half the depth reach 1 + k over 1 + k/2; never-accepted drafts cost more than
+    they give; the bound grows with the acceptance and falls with the exit's depth."""
+    assert speedup_bound(1.0, 2, 4, max_draft=4) == {"speedup": pytest.approx(5 / 3), "draft_tokens": 4}
+    assert speedup_bound(1.0, 1, 4, max_draft=8)["speedup"] == pytest.approx(9 / 3)
+    none = speedup_bound(0.0, 1, 4)
+    assert none == {"speedup": pytest.approx(1 / 1.25), "draft_tokens": 1}
+    # 0.69 from half the depth (a trained 4-block model's exit 2): one draft a round, 1.69 / 1.5
+    assert speedup_bound(0.69, 2, 4) == {"speedup": pytest.approx(1.69 / 1.5), "draft_tokens": 1}
+    at = [speedup_bound(a, e, 4)["speedup"] for a, e in ((0.8, 1), (0.6, 1), (0.6, 2))]
+    assert at[0] > at[1] > at[2]
+    for bad in ((1.2, 1, 4), (0.5, 0, 4), (0.5, 4, 4)):
+        with pytest.raises(ValueError):
+            speedup_bound(*bad)

@@ -1,5 +1,6 @@
-"""Per-exit validation (``evaluate_exits``) in one process against its definition: each exit's token-weighted loss
-and the fraction of predicted positions where its greedy token is the full model's."""
+"""Per-exit validation (``evaluate_exits``) in one process against its definition: each exit's token-weighted loss,
+the fraction of predicted positions where its greedy token is the full model's, and that acceptance's speed-up
+bound."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from pretrain.model import build_model
+from pretrain.model.early_exit import speedup_bound
 from pretrain.model.score import mean_cross_entropy
 from pretrain.train.callbacks.early_exit import evaluate_exits
 from tests.harness import tiny_config
@@ -26,9 +28,9 @@ def test_exit_metrics_follow_their_definition():
         batches.append({"input_ids": ids, "labels": labels})
     module = SimpleNamespace(engine=model, device=torch.device("cpu"), rank=0)
 
-    got = evaluate_exits(module, batches, [(1, 1.0), (3, 1.0)])
+    got = evaluate_exits(module, batches, [(1, 1.0), (3, 1.0)], 4)
 
-    assert sorted(got) == [f"val/exit_{d}/{k}" for d in (1, 3) for k in ("acceptance", "loss")]
+    assert sorted(got) == [f"val/exit_{d}/{k}" for d in (1, 3) for k in ("acceptance", "loss", "speedup_bound")]
     model.eval()
     with torch.no_grad():
         for depth in (1, 3):
@@ -44,4 +46,6 @@ def test_exit_metrics_follow_their_definition():
                 same += float(((cut[:, :-1].argmax(-1) == full) & keep).sum())
             assert got[f"val/exit_{depth}/loss"] == pytest.approx(nats / tokens, rel=1e-6)
             assert got[f"val/exit_{depth}/acceptance"] == pytest.approx(same / tokens, abs=1e-12)
+            bound = speedup_bound(got[f"val/exit_{depth}/acceptance"], depth, 4)["speedup"]
+            assert got[f"val/exit_{depth}/speedup_bound"] == bound
     assert 0 < got["val/exit_3/acceptance"] <= 1
