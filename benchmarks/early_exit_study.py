@@ -10,12 +10,14 @@ early-exit model decoded plainly and self-speculatively on held-out prompts (:mo
   depth ahead of half depth at equal FLOPs). It is the growth study's ``scratch`` run on the same budget, the same
   config: ``reuse`` (``--reuse DIR``) reads it from an earlier study's store instead of training it.
 - ``early-exit``: the same plus :data:`RECIPE` (layer dropout rising with depth, exits every 2 blocks through the
-  shared final norm and LM head, rotational curriculum). Equal FLOPs: the baseline's training FLOPs (the product's
-  count, :func:`pretrain.model.flops_per_token`) divided by the early-exit run's FLOPs per step, which are the same
-  model's FLOPs with the blocks layer dropout skips taken out (``layer`` mode: a skipped block executes nothing;
-  :func:`benchmarks.layer_drop_quality.executed_share`) plus 6 * vocabulary * width per token for every exit the
-  step trains (the LM-head matmul, forward and backward; the final norm and the head's forward that activation
-  recomputation repeats in the backward are not counted, as recomputation is not counted for the blocks). So the
+  shared final norm and LM head, rotational curriculum), with the user's ``layer_drop.*`` overrides: those change
+  the recipe, and only the early-exit run, so the baseline stays the growth study's run and can be reused. Equal
+  FLOPs: the baseline's training FLOPs (the product's count, :func:`pretrain.model.flops_per_token`) divided by the
+  early-exit run's FLOPs per step, which are the same model's FLOPs with the blocks layer dropout skips taken out
+  (``layer`` mode: a skipped block executes nothing; :func:`benchmarks.layer_drop_quality.executed_share`) plus
+  6 * vocabulary * width per token for every exit the step trains (the LM-head matmul, forward and backward; the
+  final norm and the head's forward that activation recomputation repeats in the backward are not counted, as
+  recomputation is not counted for the blocks). So the
   early-exit run takes fewer steps, fixed before it starts.
 
 The two runs train side by side on a machine without a GPU (``--jobs``: each in its own process on half the CPUs,
@@ -25,11 +27,14 @@ Reported: both runs' full-depth final validation loss and their difference (the 
 <= 0.02 nats), each exit's validation loss and acceptance at every validation (``val/exit_<E>/*``), the speed-up
 each exit's final acceptance allows at best (``speedup_bounds``, :func:`pretrain.model.early_exit.speedup_bound`;
 with acceptances independent from token to token no implementation beats it, so it tells whether a slow exit is the
-decoder's cost or the model's), then decoding of the early-exit model on ``prompts`` held-out prompts of the
-corpus's validation split: plain greedy against self-speculative at every exit through ``transformers``'
-``generate(assistant_early_exit=E)`` (tokens/s, identical outputs, acceptance; the best exit is the fastest whose
-every output is identical; goal >= 1.5x), and the best exit through ``./launch.sh generate RUN --early-exit E
---json`` on ``cli_prompts`` prompts. A reused baseline's curves are read from the store that holds it.
+decoder's cost or the model's), both final models' in-context copying (``in_context_copying``,
+:mod:`benchmarks.copying`: at this size whether a run learned to copy moves its final loss by more than the
+early-exit loss costs, so the loss gap is read against it), then decoding of the early-exit model on ``prompts``
+held-out prompts of the corpus's validation split: plain greedy against self-speculative at every exit through
+``transformers``' ``generate(assistant_early_exit=E)`` (tokens/s, identical outputs, acceptance; the best exit is the
+fastest whose every output is identical; goal >= 1.5x), and the best exit through ``./launch.sh generate RUN
+--early-exit E --json`` on ``cli_prompts`` prompts. A reused run's curves are read from the store that holds it, its
+model from its checkpoints (so a run is reused only while they are on disk).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ RECIPE = [
     "layer_drop.early_exit.curriculum=rotational",
     "layer_drop.early_exit.rotation=2",
 ]
-"""The early-exit run's additions (``layer_drop.*`` overrides replace them)."""
+"""The early-exit run's additions (the user's ``layer_drop.*`` overrides replace them, in that run only)."""
 
 GOALS = {"speedup": 1.5, "loss_gap": 0.02}
 
@@ -126,6 +131,7 @@ def study(
     2 trains the two runs side by side (:meth:`benchmarks.study.Study.train_many`). Returns its dict."""
     import torch
 
+    from benchmarks.copying import copying_probe
     from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
     from eval.generate import load_generator
     from pretrain.config import ConfigError, make_plan
@@ -135,10 +141,12 @@ def study(
 
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
-    base = study_base(vocab, corpus, overrides, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
+    mine = [o for o in overrides if o.startswith("layer_drop.")]  # the recipe's: the early-exit run's alone
+    shared = [o for o in overrides if o not in mine]
+    base = study_base(vocab, corpus, shared, *model_overrides(TARGET), val_sequences=VAL_SEQUENCES)
     st = Study("bench-early-exit", ROOT / "configs" / "demo-decoder.yaml", base, root, reuse)
-    given = {o.split("=", 1)[0] for o in overrides}
-    recipe = [o for o in RECIPE if o.split("=", 1)[0] not in given]
+    given = {o.split("=", 1)[0] for o in mine}
+    recipe = [*(o for o in RECIPE if o.split("=", 1)[0] not in given), *mine]
     cfg, ee_cfg = st.config([]), st.config(recipe)
     if not ee_cfg.layer_drop.early_exit.enabled:
         raise ConfigError("bench --early-exit: layer_drop.early_exit.layers is '' (the study needs exits)")
@@ -159,8 +167,8 @@ def study(
     every = f"train.val_every={max(1, ee_steps // validations)}"
     ee_run_o = [seed_o, *repeat, f"train.max_steps={ee_steps}", every, *recipe]
     labelled = [(f"baseline seed {seed}", [seed_o, *repeat, *baseline]), (f"early-exit seed {seed}", ee_run_o)]
-    runs = dict(zip(("baseline", "early-exit"), st.train_many(labelled, jobs), strict=True))
-    ee_run = runs["early-exit"].run_id
+    runs = dict(zip(("baseline", "early-exit"), st.train_many(labelled, jobs, checkpoint=True), strict=True))
+    ee_run = runs["early-exit"].source  # its run id, or for a reused run its checkpoints
     exits = {}
     for e in range(1, L):
         loss = _history(st, runs["early-exit"], f"val/exit_{e}/loss")
@@ -197,6 +205,8 @@ def study(
         "run_ids": {k: r.run_id for k, r in runs.items()},
     }
     with st.inside():
+        copying = {k: copying_probe(load_generator(r.source).model, vocab) for k, r in runs.items()}
+        out["in_context_copying"] = copying
         gen = load_generator(ee_run)
         texts = heldout_prompts(gen, prompts, prompt_tokens, [])
         dec = decoding_benchmark(
@@ -241,7 +251,8 @@ def print_table(r: dict[str, Any]) -> None:
     for k in ("baseline", "early-exit"):
         print(
             f"  {k:<11} steps {r['steps'][k]:>6}  tokens {r['tokens'][k]:>11,}  "
-            f"final val loss {r['final_val_loss'][k]:.4f}  train {r['train_seconds'][k]:.0f} s"
+            f"final val loss {r['final_val_loss'][k]:.4f}  train {r['train_seconds'][k]:.0f} s  "
+            f"copies in context: 2nd copy {r['in_context_copying'][k]['gain']:.3f} nats better"
         )
     print(f"  full-depth loss gap (early-exit - baseline): {r['loss_gap']:+.4f} nats")
     for e, curve in r["exit_curves_step_share_loss_acceptance"].items():

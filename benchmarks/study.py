@@ -270,10 +270,11 @@ class Study:
                 raise
         return self._finished(label, cfg, job.run_id, final)
 
-    def train_many(self, runs: list[tuple[str, list[str]]], jobs: int = 1) -> list[RunCurves]:
+    def train_many(self, runs: list[tuple[str, list[str]]], jobs: int = 1, checkpoint: bool = False) -> list[RunCurves]:
         """:meth:`train` of each (label, extra) of ``runs``, at most ``jobs`` side by side
         (:mod:`benchmarks.side_by_side`: each in its own process on its share of the CPUs); a run that matches an
-        earlier one is read, not trained; a single run left to train trains in this process. Runs that train through
+        earlier one is read, not trained (``checkpoint``: as for :meth:`train`); a single run left to train trains in
+        this process. Runs that train through
         Ray (``cluster.use_ray=true``) train one at a time.
         Without a given tokenizer (``data.tokenizer``) the first run is prepared (its tokenizer trained) before the
         others' configs are made, so that they read its tokenizer, as one at a time."""
@@ -283,7 +284,7 @@ class Study:
             print(f"[{self.name}] runs that train through Ray train one at a time (not --jobs {jobs})", flush=True)
             jobs = 1
         if jobs <= 1:
-            return [self.train(label, extra) for label, extra in runs]
+            return [self.train(label, extra, checkpoint) for label, extra in runs]
         out: list[RunCurves | None] = [None] * len(runs)
         todo: list[tuple[int, str, Any]] = []
         jobs_of: dict[int, Any] = {}  # todo index -> its prepared run
@@ -291,7 +292,7 @@ class Study:
             for i, (label, extra) in enumerate(runs):
                 with self.inside():
                     cfg = self._labelled(label, extra)
-                    out[i] = self._earlier(label, cfg, False)
+                    out[i] = self._earlier(label, cfg, checkpoint)
                     if out[i] is None and not self.tokenizer and not cfg.data.tokenizer:
                         jobs_of[len(todo)] = self._prepare(label, cfg)
                 if out[i] is None:

@@ -156,7 +156,9 @@ def test_layer_drop_study_on_a_tiny_budget(tmp_path):
 def test_early_exit_study_on_a_tiny_budget(tmp_path):
     corpus = f"data.sources=[{{path: {WIKITEXT if WIKITEXT.is_file() else 'demo'}}}]"
     args = ["--early-exit", "--tokens", "2048", "--prompts", "3", "--prompt-tokens", "4", "--max-new-tokens", "5"]
-    r = _bench(tmp_path, *args, "--cli-prompts", "1", "--jobs", "1", "model.num_layers=4", corpus)
+    scale = "layer_drop.early_exit.scale=0.5"  # the recipe's: the early-exit run's alone
+    r = _bench(tmp_path, *args, "--cli-prompts", "1", "--jobs", "1", "model.num_layers=4", corpus, scale)
+    assert r["recipe"][-1] == scale and "layer_drop.early_exit.scale=1.0" not in r["recipe"]
     assert r["jobs"] == 1 and r["model"]["num_layers"] == 4 and r["tokens"]["baseline"] >= 2048 - r["tokens_per_step"]
     steps, arithmetic = r["steps"], r["early_exit_flops"]
     # equal FLOPs: the early-exit run trains exit 2 every other step (rotational, exits every:2) and skips blocks
@@ -171,6 +173,9 @@ def test_early_exit_study_on_a_tiny_budget(tmp_path):
     assert all(0 <= a <= 1 for _, _, a in r["exit_curves_step_share_loss_acceptance"]["2"])
     bound, acc = r["speedup_bounds"]["2"], r["exit_curves_step_share_loss_acceptance"]["2"][-1][2]
     assert bound == speedup_bound(acc, 2, 4), "from the exit's final acceptance"
+    copying = r["in_context_copying"]  # both final models, the reused-or-trained baseline's read from its run
+    assert set(copying) == {"baseline", "early-exit"} and copying["baseline"] != copying["early-exit"]
+    assert all(c["gain"] == pytest.approx(c["first_copy"] - c["second_copy"]) for c in copying.values())
     d = r["decoding"]
     assert d["prompts"] == 3 and set(d["exits"]) == {"1", "2", "3"} and d["draft_tokens"] == 4
     for t in d["exits"].values():  # lossless under greedy decoding, whatever the model learned
@@ -179,4 +184,15 @@ def test_early_exit_study_on_a_tiny_budget(tmp_path):
     assert d["cli"]["early_exit"] == d["best_exit"]
     assert set(r["goals"].values()) <= {True, False}
     _, runs = _children(r)
-    assert {run.data.tags["study.variant"] for run in runs} == {"baseline seed 0", "early-exit seed 0"}
+    params = {run.data.tags["study.variant"]: run.data.params for run in runs}
+    assert set(params) == {"baseline seed 0", "early-exit seed 0"}
+    assert params["early-exit seed 0"]["layer_drop.early_exit.scale"] == "0.5"
+    assert params["baseline seed 0"]["layer_drop.early_exit.layers"] == "", "the baseline is the run without"
+    assert params["baseline seed 0"]["layer_drop.early_exit.scale"] == "1.0", "a recipe override stays out of it"
+    # again, both runs read from the first study's store: the models from their checkpoints, decoded the same
+    reuse = ["--reuse", str(tmp_path / "study")]
+    again = _bench(tmp_path, *args, *reuse, "--cli-prompts", "0", "model.num_layers=4", corpus, scale, study="again")
+    assert set(again["reused_runs"]) == {"baseline seed 0", "early-exit seed 0"}
+    assert again["final_val_loss"] == final and again["in_context_copying"] == copying
+    for e, t in again["decoding"]["exits"].items():
+        assert t["identical"] and t["acceptance"] == d["exits"][e]["acceptance"], e
