@@ -18,6 +18,9 @@ A saving against an oversized target is no gain: the study also trains each reci
 budget and reports, per seed, ``target_ahead_of_small`` and ``grown_vs_best_alternative`` (:func:`alternatives`),
 and the iso-FLOP scan those runs make (:func:`iso_flop`); ``--scan`` runs only that scan. With ``--sizes`` the
 study also runs scratch, the best recipe and its small model alone at two smaller targets (:func:`_trend`).
+Every run's final model is probed for in-context copying (``in_context_copying``, :mod:`benchmarks.copying`): at
+the studies' sizes whether the target from scratch learned it decides most of a recipe's saving, so a saving is
+read against it; a reused run's model is read from its checkpoints (a run is reused only while they are on disk).
 """
 
 from __future__ import annotations
@@ -235,12 +238,14 @@ def growth_bench(
     }
     budget = [*repeat, *budget_overrides(flops, points)]
     trained = study.train_many(
-        [(f"{n} seed {seed}", [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs], jobs
+        [(f"{n} seed {seed}", [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs], jobs, True
     )
     out["jobs"] = jobs
+    out["in_context_copying"] = {}
     for (name, seed, _), run in zip(runs, trained):
         out["curves"].setdefault(name, {})[seed] = run.flops
         out["run_ids"].setdefault(name, {})[seed] = run.run_id
+        out["in_context_copying"].setdefault(name, {})[seed] = _copying(study, run)
     if not scan:
         savings = {n: {s: flops_saving(out["curves"]["scratch"][s], out["curves"][n][s]) for s in seeds} for n in names}
         out["growth_flops_saving_per_seed"] = savings
@@ -262,6 +267,16 @@ def growth_bench(
     out["reused_runs"] = study.reused
     study.finish(summary(out), figure)
     return out
+
+
+def _copying(study: Study, run) -> dict:
+    """:func:`benchmarks.copying.copying_probe` of ``run``'s final model (read from its checkpoints)."""
+    from benchmarks.copying import copying_probe
+    from eval.generate import load_generator
+
+    with study.inside():
+        model = load_generator(run.source).model
+    return copying_probe(model, model.config.vocab_size)
 
 
 def alternatives(out: dict) -> dict:

@@ -87,6 +87,9 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     assert small_row["tokens"] > r["iso_flop"][0]["tokens"] == pytest.approx(3000)
     ahead = first_below(scratch, alone)
     assert small_row["target_ahead_from"]["0"] == (None if ahead is None else pytest.approx(ahead / r["budget_flops"]))
+    copying = r["in_context_copying"]  # every run's final model, from its checkpoints
+    assert set(copying) == {"scratch", "stack2@10%", small} and all(set(c) == {"0"} for c in copying.values())
+    assert all(c["0"]["gain"] == pytest.approx(c["0"]["first_copy"] - c["0"]["second_copy"]) for c in copying.values())
     client, runs = _children(r)
     assert len(runs) == 3, "scratch, the recipe and its small model alone"
     for run in runs:
@@ -107,6 +110,7 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     assert reused == {f"{name} seed 0": r["run_ids"][name]["0"] for name in ("scratch", "stack2@10%", small)}
     for name in ("scratch", "stack2@10%", small):
         assert again["curves_flops_val_loss"][name] == curves[name]
+        assert again["in_context_copying"][name] == copying[name], "the reused run's model, from its checkpoints"
     _, trained = _children(again)
     assert [run.info.run_name for run in trained] == ["stack2@5% seed 0"], "only the new recipe trains"
 
