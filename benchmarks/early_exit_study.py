@@ -17,8 +17,7 @@ early-exit model decoded plainly and self-speculatively on held-out prompts (:mo
   (``layer`` mode: a skipped block executes nothing; :func:`benchmarks.layer_drop_quality.executed_share`) plus
   6 * vocabulary * width per token for every exit the step trains (the LM-head matmul, forward and backward; the
   final norm and the head's forward that activation recomputation repeats in the backward are not counted, as
-  recomputation is not counted for the blocks). So the
-  early-exit run takes fewer steps, fixed before it starts.
+  recomputation is not counted for the blocks). So the early-exit run takes fewer steps, fixed before it starts.
 
 The two runs train side by side on a machine without a GPU (``--jobs``: each in its own process on half the CPUs,
 :mod:`benchmarks.side_by_side`; ``--jobs 1``: one after the other, in this process).
