@@ -304,11 +304,6 @@ case "$cmd" in
     lint
     cd "$ROOT"
     export HF_HUB_OFFLINE=1
-    # Tests always run processes side by side (two files at once, Ray workers, gloo ranks), more torch threads than
-    # cores: OpenMP threads that spin at every barrier waiting for a descheduled peer then take the cores from the
-    # work (two 1-worker runs at once on 2 cores: 5 times slower). Passive threads sleep instead; results are the
-    # same bits (the wait policy changes no arithmetic).
-    export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     # The project's bytecode, once: with PYTHONDONTWRITEBYTECODE set, every process a test starts (CLI commands,
     # gloo ranks, Ray workers) would otherwise compile each module it imports again.
     "$VENV/bin/python" -m compileall -q -j 0 -x "tests/fixtures" pretrain cluster eval benchmarks tests >/dev/null
