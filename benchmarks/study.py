@@ -274,8 +274,7 @@ class Study:
         """:meth:`train` of each (label, extra) of ``runs``, at most ``jobs`` side by side
         (:mod:`benchmarks.side_by_side`: each in its own process on its share of the CPUs); a run that matches an
         earlier one is read, not trained (``checkpoint``: as for :meth:`train`); a single run left to train trains in
-        this process. Runs that train through
-        Ray (``cluster.use_ray=true``) train one at a time.
+        this process. Runs that train through Ray (``cluster.use_ray=true``) train one at a time.
         Without a given tokenizer (``data.tokenizer``) the first run is prepared (its tokenizer trained) before the
         others' configs are made, so that they read its tokenizer, as one at a time."""
         from benchmarks.side_by_side import run_side_by_side
