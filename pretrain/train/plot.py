@@ -56,17 +56,20 @@ def split_replayed(points: list[tuple[int, float]]) -> tuple[list[tuple[int, flo
 
 
 def timeline_from_mlflow(uri: str, run_id: str) -> list[dict[str, Any]]:
-    """The run's stability events (empty when it has none)."""
+    """The run's stability events (empty when it has none). The artifact is downloaded into a temporary directory
+    removed on return (MLflow's own default destination is a new temporary directory that nothing removes)."""
     import os
+    import tempfile
 
     from mlflow import MlflowClient
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    try:
-        text = MlflowClient(tracking_uri=uri).download_artifacts(run_id, "stability/timeline.json")
-    except Exception:  # noqa: BLE001 - no events logged
-        return []
-    return json.loads(Path(text).read_text()).get("timeline", [])
+    with tempfile.TemporaryDirectory(prefix="pretrain-plot-") as tmp:
+        try:
+            text = MlflowClient(tracking_uri=uri).download_artifacts(run_id, "stability/timeline.json", tmp)
+        except Exception:  # noqa: BLE001 - no events logged
+            return []
+        return json.loads(Path(text).read_text()).get("timeline", [])
 
 
 def exit_keys(names: Any) -> tuple[str, ...]:
