@@ -31,11 +31,13 @@ Decoders also get a short greedy sample from ``transformers``' ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,10 +84,14 @@ class EvalSource:
     logits_fn: Callable[[torch.Tensor], torch.Tensor]
     hf_model: Callable[[], Any]
     """Lazily builds the transformers model (for generate)."""
-    hf_dir: Callable[[], Path]
-    """Lazily gives a Hugging Face directory of the model (exported to a temporary dir for checkpoints)."""
+    hf_dir: Callable[[], AbstractContextManager[Path]]
+    """A Hugging Face directory of the model while the context lasts (a checkpoint's is exported into a temporary
+    directory, removed at its end)."""
     data: DataConfig | None
     seq_len: int
+    """The default sequence length."""
+    context: int
+    """The longest sequence the model takes (``--seq-len``'s bound)."""
     seed: int
     val_sequences: int
     vocab_size: int
@@ -94,45 +100,24 @@ class EvalSource:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _is_hf_dir(path: Path) -> bool:
-    from pretrain.checkpoint.store import is_checkpoint_dir
-
-    return (path / "config.json").is_file() and not is_checkpoint_dir(path)
-
-
-def _hf_kind(config) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    if any(a.endswith("ForMaskedLM") for a in archs):
-        return "encoder"
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return "decoder"
-    raise ValueError(f"cannot tell decoder from encoder: architectures {archs} (need *ForCausalLM or *ForMaskedLM)")
-
-
 def open_hf_dir(path: Path) -> EvalSource:
-    from transformers import AutoConfig, AutoTokenizer
+    from eval.hf_dir import open_hf_dir as open_dir
 
-    from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
-
-    remote = is_our_remote_code(path)
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
-    kind = _hf_kind(config)
-    model = load_exported(path, kind)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
-    meta_file = path / METADATA_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    hf = open_dir(path, "eval")
+    config, model, meta = hf.config, hf.model, hf.meta
     data = load_config(None, base={"data": meta["data"]}).data if "data" in meta else None
     max_pos = getattr(config, "max_position_embeddings", None) or 1024
     src = meta.get("source", {})
     return EvalSource(
         label=f"HF directory {path} ({type(model).__name__})",
-        kind=kind,
-        tokenizer=tokenizer,
+        kind=hf.kind,
+        tokenizer=hf.tokenizer,
         logits_fn=lambda ids: model(input_ids=ids).logits,
         hf_model=lambda: model,
-        hf_dir=lambda: path,
+        hf_dir=lambda: contextlib.nullcontext(path),
         data=data,
         seq_len=int(meta.get("max_seq_len") or min(max_pos, 1024)),
+        context=int(meta.get("max_seq_len") or max_pos),
         seed=int(meta.get("seed", 0)),
         val_sequences=int(meta.get("val_sequences", 64)),
         vocab_size=int(config.vocab_size),
@@ -157,15 +142,15 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
             cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer), cfg.moe)
         return cache["m"]
 
-    def hf_dir() -> Path:
+    @contextlib.contextmanager
+    def hf_dir() -> Iterator[Path]:
         import tempfile
 
         from pretrain.export.hf import export_model
 
-        if "dir" not in cache:
-            cache["dir"] = Path(tempfile.mkdtemp(prefix="pretrain-eval-")) / "hf"
-            export_model(cfg.model, sd, tokenizer, cache["dir"], log=lambda *a: None, moe=cfg.moe)
-        return cache["dir"]
+        with tempfile.TemporaryDirectory(prefix="pretrain-eval-") as tmp:
+            export_model(cfg.model, sd, tokenizer, Path(tmp) / "hf", log=lambda *a: None, moe=cfg.moe)
+            yield Path(tmp) / "hf"
 
     return EvalSource(
         label=f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})",
@@ -176,6 +161,7 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
         hf_dir=hf_dir,
         data=cfg.data,
         seq_len=cfg.model.max_seq_len,
+        context=cfg.model.max_seq_len,
         seed=cfg.train.seed,
         val_sequences=cfg.train.val_sequences,
         vocab_size=cfg.model.vocab_size,
@@ -186,8 +172,10 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
 
 
 def open_source(target: str, step: int | None = None) -> EvalSource:
+    from eval.hf_dir import is_hf_dir
+
     path = Path(target).expanduser()
-    if path.is_dir() and _is_hf_dir(path):
+    if path.is_dir() and is_hf_dir(path):
         if step is not None:
             raise ConfigError("--step applies to runs and checkpoints, not to a Hugging Face directory")
         return open_hf_dir(path.resolve())
@@ -244,14 +232,14 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
 
         from pretrain.export.hf import is_our_remote_code
 
-        path = src.hf_dir()
-        args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
-        out = lm_eval.simple_evaluate(
-            model="hf",
-            model_args=args,
-            tasks=[t for t in tasks.split(",") if t],
-            device="cuda" if torch.cuda.is_available() else "cpu",
-        )
+        with src.hf_dir() as path:
+            args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
+            out = lm_eval.simple_evaluate(
+                model="hf",
+                model_args=args,
+                tasks=[t for t in tasks.split(",") if t],
+                device="cuda" if torch.cuda.is_available() else "cpu",
+            )
         results = (out or {}).get("results", {})
         summary = "; ".join(
             f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float))
@@ -297,9 +285,13 @@ def evaluate_source(
 
     if batch_size <= 0:
         raise ConfigError(f"--batch-size must be > 0, got {batch_size}")
+    if sequences is not None and sequences <= 0:
+        raise ConfigError(f"--sequences must be > 0, got {sequences}")
+    if seq_len is not None and not 2 <= seq_len <= src.context:
+        raise ConfigError(f"--seq-len must be from 2 to the model's context, {src.context}; got {seq_len}")
     dcfg = data_config(src, list(data))
-    T = seq_len or src.seq_len
-    n = sequences or src.val_sequences
+    T = src.seq_len if seq_len is None else seq_len
+    n = src.val_sequences if sequences is None else sequences
     if dcfg.val_holdout <= 0 and not dcfg.val_sources:
         raise ConfigError(f"{src.label}: the run has no validation data (val_holdout 0); pass --data PATH")
     batches = validation_batches(

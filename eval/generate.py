@@ -95,28 +95,19 @@ def _from_checkpoint(target: str, step: int | None) -> Generator:
 
 
 def _from_hf_dir(path: Path) -> Generator:
-    from transformers import AutoConfig, AutoTokenizer
+    from eval.hf_dir import open_hf_dir
 
-    from eval.evaluate import _hf_kind
-    from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
-
-    try:
-        remote = is_our_remote_code(path)
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
-        kind = _hf_kind(config)
-    except ValueError as e:  # foreign modeling code, or neither a causal nor a masked LM
-        raise ConfigError(f"generate: {path}: {e}") from None
+    hf = open_hf_dir(path, "generate", need="decoder")
     label = f"HF directory {path}"
-    _decoder_only(label, kind)
-    meta_file = path / METADATA_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    text = config.get_text_config()
+    _decoder_only(label, hf.kind)
+    meta = hf.meta
+    text = hf.config.get_text_config()
     context = meta.get("max_seq_len") or getattr(text, "max_position_embeddings", None)
     if not context:
         raise ConfigError(f"generate: {path}/config.json: no max_position_embeddings (the model's context)")
     return Generator(
-        model=load_exported(path, "decoder"),
-        tokenizer=AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote),
+        model=hf.model,
+        tokenizer=hf.tokenizer,
         label=label,
         num_layers=int(text.num_hidden_layers),
         context=int(context),
@@ -129,14 +120,14 @@ def _from_hf_dir(path: Path) -> Generator:
 def load_generator(target: str, step: int | None = None, device: str = "cpu", dtype: str = "float32") -> Generator:
     """The decoder of ``target`` (an MLflow run id, a run or checkpoint directory, or a Hugging Face directory) on
     ``device`` in ``dtype``; ConfigError (exit 2) for a missing source, an encoder, a bad device."""
-    from eval.evaluate import _is_hf_dir
+    from eval.hf_dir import is_hf_dir
 
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ConfigError(f"generate --device: {device!r} is not cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"generate --device {device}: no CUDA device is available here")
     path = Path(target).expanduser()
-    if path.is_dir() and _is_hf_dir(path):
+    if path.is_dir() and is_hf_dir(path):
         if step is not None:
             raise ConfigError("generate --step applies to runs and checkpoints, not to a Hugging Face directory")
         gen = _from_hf_dir(path.resolve())
@@ -387,6 +378,12 @@ def main(argv: list[str]) -> int:
         raise ConfigError("generate: --greedy and --temperature > 0 contradict each other")
     if a.temperature < 0:
         raise ConfigError(f"generate --temperature: must be >= 0, got {a.temperature}")
+    if a.top_k is not None and a.top_k < 0:
+        raise ConfigError(f"generate --top-k: must be >= 0 (0: all tokens), got {a.top_k}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise ConfigError(f"generate --top-p: must be in (0, 1], got {a.top_p}")
+    if a.temperature == 0 and (a.top_k is not None or a.top_p is not None):
+        raise ConfigError("generate: --top-k and --top-p apply to sampling; add --temperature T (> 0)")
     gen = load_generator(a.source, a.step, a.device, a.dtype)
     result = generate(
         gen,

@@ -270,8 +270,12 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True) -> None:
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
     """``error`` (about ``ckpt``) followed by the newest older checkpoint of the same run directory that verifies
     (``full``: every checksum; else presence and sizes) and how to resume from it."""
+    return _point_back(ckpt.path.parent, ckpt.step, error, full)
+
+
+def _point_back(run_dir: Path, step: int, error: str, full: bool) -> str:
     check = verify if full else check_present
-    for candidate in reversed([c for c in list_committed(ckpt.path.parent) if c.step < ckpt.step]):
+    for candidate in reversed([c for c in list_committed(run_dir) if c.step < step]):
         try:
             check(candidate.path, candidate.manifest)
         except CheckpointError:
@@ -331,10 +335,26 @@ def check_directory(path: Path) -> None:
 
 def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
     """The newest committed checkpoint of ``run_dir`` (None when it has none or does not exist); raises
-    :func:`check_directory`'s error for a path that is no directory."""
+    :func:`check_directory`'s error for a path that is no directory, and a CheckpointError when a newer step
+    directory's manifest cannot be read (a commit renames a complete manifest into place, so that is damage, never
+    a save in progress): its error, the newest older checkpoint that verifies and how to resume from it."""
     check_directory(run_dir)
     found = list_committed(run_dir)
-    return found[-1] if found else None
+    newest = found[-1] if found else None
+    if run_dir.is_dir():
+        newer = [
+            (step, child)
+            for child in run_dir.iterdir()
+            if (step := layout.step_of(child.name)) is not None
+            and step > (newest.step if newest else -1)
+            and is_checkpoint_dir(child)
+        ]
+        for step, child in sorted(newer, reverse=True)[:1]:
+            try:
+                read_manifest(child)
+            except CheckpointError as e:
+                raise CheckpointError(_point_back(run_dir, step, str(e), full=True)) from None
+    return newest
 
 
 def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from pretrain.config import DataConfig, RunPlan, layout, source_name
+from pretrain.config import ConfigError, DataConfig, RunPlan, layout, source_name
 from pretrain.data.bad_records import BadRecords, summarize_bad_records
 from pretrain.data.packed_stream import FRESH, PackedStream, as_lists
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
@@ -255,8 +255,8 @@ def validation_sequences(
         out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
     if not out:
         where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
-        raise ValueError(
-            f"validation: {where} has fewer than seq_len={seq_len} tokens; "
+        raise ConfigError(
+            f"validation: {where} has fewer than seq_len={seq_len} tokens (a document repeated counts once); "
             f"add validation data or raise data.val_holdout"
         )
     return out

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
-from pretrain.driver.derive import derive_run, parent_engine_state
+from pretrain.driver.derive import derive_run, parent_engine_state, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.train.schedule import lr_at
@@ -74,10 +74,8 @@ def anneal(argv: list[str]) -> int:
         raise ConfigError(f"anneal: unknown option(s) {bad} (valid: steps=N, step=S, dotted config keys)")
     if not opts.get("steps", "").isdigit() or int(opts["steps"]) <= 0:
         raise ConfigError(f"anneal: steps=N (the length of the decay, > 0) is required, got {opts.get('steps')!r}")
-    if "step" in opts and not opts["step"].isdigit():
-        raise ConfigError(f"anneal: step=S must be a checkpoint step, got {opts['step']!r}")
     steps = int(opts["steps"])
-    parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
+    parent = resolve_checkpoint(argv[0], step_option(opts, "anneal"))
     at = parent.ckpt.step
     cfg = annealed_config(parent.config, at, steps, overrides)
     data = fresh_data_position(cfg, parent) if to_dict(cfg.data) != to_dict(parent.config.data) else None

@@ -125,8 +125,21 @@ def parse_options(argv: list[str], valid: set[str], usage: str) -> dict[str, str
     ``key=value`` pairs with keys in ``valid``; ``usage`` names the command in the errors."""
     if not argv or "=" in argv[0]:
         raise ConfigError(f"{usage}: give a run id or a checkpoint directory first")
-    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    pairs = [a.split("=", 1) for a in argv[1:] if "=" in a]
+    opts = dict(pairs)
+    twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
+    if twice:
+        raise ConfigError(f"{usage}: {', '.join(twice)} given more than once")
     unknown = sorted(set(opts) - valid)
     if unknown or len(opts) != len(argv) - 1:
         raise ConfigError(f"{usage}: unknown option(s) {unknown or argv[1:]} (valid: {', '.join(sorted(valid))})")
     return opts
+
+
+def step_option(opts: dict[str, str], usage: str) -> int | None:
+    """The ``step=N`` option (a checkpoint step of the parent run); None when not given."""
+    if "step" not in opts:
+        return None
+    if not opts["step"].isdigit():
+        raise ConfigError(f"{usage}: step={opts['step']}: not a checkpoint step (a whole number)")
+    return int(opts["step"])

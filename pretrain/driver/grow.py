@@ -12,7 +12,7 @@ import torch
 
 from pretrain.checkpoint.writer import FullWeights
 from pretrain.config import ConfigError, RunConfig
-from pretrain.driver.derive import derive_run, parse_options
+from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.train.schedule import train_longer
@@ -41,6 +41,16 @@ def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
 GROW_KEYS = {"depth", "depth_op", "width", "width_op", "heads", "ffn", "experts", "top_k", "noise", "step", "rewarm"}
 
 
+def _typed(key: str, value: str) -> object:
+    """A grow option's value as its field takes it: whole numbers for ``experts`` and ``top_k``, a number for
+    ``noise``, the text for the rest (checked by the growth step's own validation)."""
+    try:
+        return int(value) if key in ("experts", "top_k") else float(value) if key == "noise" else value
+    except ValueError:
+        kind = "a whole number" if key in ("experts", "top_k") else "a number"
+        raise ConfigError(f"grow {key}: {value!r}: expected {kind}") from None
+
+
 def _rewarm_steps(cfg: RunConfig, option: str | None) -> int:
     """The child's ``growth.rewarm_steps``: ``rewarm=N``, else the parent's re-warm, else its LR warm-up: a grown
     model starts with fresh AdamW moments, which at the parent's LR make the first updates far too large."""
@@ -62,12 +72,13 @@ def grow(argv: list[str]) -> int:
     from pretrain.train.callbacks.growth import check_growth_loss, grown_config, held_back_loss
 
     opts = parse_options(argv, GROW_KEYS, "grow")
-    step_opt, rewarm_opt = opts.pop("step", None), opts.pop("rewarm", None)
-    typed = {k: (int(v) if k in ("experts", "top_k") else float(v) if k == "noise" else v) for k, v in opts.items()}
+    step, rewarm_opt = step_option(opts, "grow"), opts.pop("rewarm", None)
+    opts.pop("step", None)
+    typed = {k: _typed(k, v) for k, v in opts.items()}
     entry = build_section(GrowthStep, typed, "grow")
     if not set(typed) & {*GrowthStep.TARGETS, "experts"}:
         print("[grow] no target given: depth=4x depth_op=stack (the default: G_stack's growth factor)")
-    parent = resolve_checkpoint(argv[0], int(step_opt) if step_opt else None)
+    parent = resolve_checkpoint(argv[0], step)
     cfg = parent.config
     sd = parent.state_dict(inference=False)
     try:

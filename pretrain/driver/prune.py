@@ -11,7 +11,7 @@ import torch
 
 from pretrain.checkpoint.writer import FullWeights
 from pretrain.config import ConfigError, RunConfig
-from pretrain.driver.derive import derive_run, parse_options
+from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
@@ -90,7 +90,7 @@ def prune(argv: list[str], checkpoint_dir: str | None = None) -> int:
     """``prune RUN_ID|CHECKPOINT layers=SPEC [step=N] [scale=inference|train]``; ``checkpoint_dir``: where the new
     run's checkpoints go (default: the parent's ``checkpoint.dir``)."""
     opts = parse_options(argv, {"layers", "step", "scale"}, "prune")
-    parent = resolve_checkpoint(argv[0], int(opts["step"]) if "step" in opts else None)
+    parent = resolve_checkpoint(argv[0], step_option(opts, "prune"))
     try:
         keep = select_blocks(opts.get("layers", "every_other"), parent.config.model.num_layers)
     except ValueError as e:

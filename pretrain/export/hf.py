@@ -393,6 +393,16 @@ def main(argv: list[str]) -> int:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
         raise ConfigError(f"export --device: {a.device!r} is not cpu, cuda or cuda:N")
     export_checkpoint(
-        a.source, a.out, step=a.step, register=a.register, max_shard_size=a.max_shard_size, device=a.device
+        a.source, a.out, step=a.step, register=a.register, max_shard_size=shard_size(a.max_shard_size), device=a.device
     )
     return 0
+
+
+def shard_size(text: str) -> int:
+    """``--max-shard-size`` in bytes: a number of bytes, or a number with KB, MB, GB or TB (powers of 10, as
+    ``transformers`` reads them); ConfigError for anything else, before any work."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", text, re.IGNORECASE)
+    size = int(float(m[1]) * 1000 ** ("KMGT".index(m[2][0].upper()) + 1 if m[2] else 0)) if m else 0
+    if size <= 0:
+        raise ConfigError(f"export --max-shard-size: {text!r}: expected bytes (> 0), or a number with KB, MB, GB or TB")
+    return size

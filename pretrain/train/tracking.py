@@ -19,6 +19,7 @@ from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 from pretrain.train.mlflow_records import log_datasets
 from pretrain.train.mlflow_records import mlflow_client as _client
+from pretrain.train.mlflow_store import sqlite_path
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"
@@ -194,9 +195,13 @@ class Tracker:
 
 
 def find_run(uri: str, run_id: str):
-    """The MLflow run, or None when ``run_id`` is not a run of this tracking store."""
+    """The MLflow run, or None when ``run_id`` is not a run of this tracking store (a local sqlite store that does
+    not exist yet holds no run, and looking is not a reason to create it)."""
     from mlflow.exceptions import MlflowException
 
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():
+        return None
     try:
         return _client(uri).get_run(run_id)
     except MlflowException:

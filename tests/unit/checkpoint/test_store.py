@@ -101,6 +101,23 @@ def test_damaged_checkpoint_names_the_newest_that_verifies(tmp_path):
         ck.resolve(tmp_path)
 
 
+def test_a_newest_checkpoint_whose_manifest_is_unreadable_is_refused_not_skipped(tmp_path):
+    """A commit renames a complete manifest into place, so an unreadable one is damage: the run's latest checkpoint is
+    not silently the one before (verify, resume, eval and export all start from ``latest_committed``)."""
+    for step in (2, 4, 6):
+        _commit(tmp_path, step)
+    assert ck.latest_committed(tmp_path).step == 6
+    (tmp_path / ly.step_dir_name(6) / ly.MANIFEST).write_text("{bad")
+    assert [c.step for c in ck.list_committed(tmp_path)] == [2, 4]  # listings still show the good ones
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.latest_committed(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / ly.step_dir_name(6)}/{ly.MANIFEST}: corrupt manifest")
+    assert str(e.value).endswith(
+        f"the newest checkpoint that verifies is step 4: resume from it with "
+        f"./launch.sh resume {tmp_path / ly.step_dir_name(4)}"
+    )
+
+
 OLD = FIXTURES / "old_checkpoint" / "step_00000002"
 
 

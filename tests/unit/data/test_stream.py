@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import DataConfig, SourceConfig
+from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.data import TrainBatches, merge_states, training_documents, validation_batches, validation_sequences
 from tests.unit.data.common import (
     T,
@@ -258,7 +258,7 @@ def test_validation_holdout_and_sources(corpus, tok, tmp_path):
         < 10**6
     )
     tiny = write_txt(tmp_path / "tiny_val.txt", ["too short"])
-    with pytest.raises(ValueError, match="validation"):
+    with pytest.raises(ConfigError, match="validation"):
         validation_sequences(
             data_cfg(corpus, val_sources=[SourceConfig(path=str(tiny))]),
             kind="decoder",

@@ -51,7 +51,7 @@ def test_annealed_schedule_decays_from_the_checkpoint_lr_to_the_floor():
         (["RUN"], "steps=N (the length of the decay, > 0) is required"),
         (["RUN", "steps=0"], "steps=N (the length of the decay, > 0) is required"),
         (["RUN", "steps=5", "depth=2x"], "anneal: unknown option(s) ['depth']"),
-        (["RUN", "steps=5", "step=x"], "step=S must be a checkpoint step"),
+        (["RUN", "steps=5", "step=x"], "anneal: step=x: not a checkpoint step"),
     ],
 )
 def test_bad_anneal_arguments_are_one_line(args, message):

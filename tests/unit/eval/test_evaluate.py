@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.evaluate import evaluate, score, token_byte_lengths
+from eval.evaluate import evaluate, open_source, run_harness, score, token_byte_lengths
+from eval.generate import load_generator
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
 from tests.conftest import corpus_lines
@@ -131,3 +135,75 @@ def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
     data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
     out = evaluate(str(tmp_path / "bert"), data=[str(data)], sequences=4)
     assert out["kind"] == "encoder" and 0.0 <= out["mlm_acc"] <= 1.0 and out["seq_len"] == 32
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals and what is left behind
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_and_a_damaged_export_are_one_line(tokenizer_dir, workdir):
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    T = cfg.model.max_seq_len
+    for kwargs, message in [
+        ({"seq_len": T + 1}, f"--seq-len must be from 2 to the model's context, {T}; got {T + 1}"),
+        ({"seq_len": 1}, f"--seq-len must be from 2 to the model's context, {T}; got 1"),
+        ({"sequences": 0}, "--sequences must be > 0, got 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            evaluate(str(ckpt), sample=False, **kwargs)
+        assert str(e.value) == message
+    assert evaluate(str(ckpt), sample=False, seq_len=T // 2, sequences=3)["sequences"] == 3
+
+    export_checkpoint(str(ckpt), workdir / "hf", log=lambda *a: None)
+    original = (workdir / "hf" / "config.json").read_text()
+    config = json.loads(original)
+    (workdir / "hf" / "config.json").write_text(json.dumps({**config, "foo": 1}, indent=1))  # edited, still loads
+    assert evaluate(str(workdir / "hf"), sample=False)["loss"] > 0
+    (workdir / "hf" / "config.json").write_text(json.dumps({**config, "architectures": []}))
+    with pytest.raises(ConfigError) as e:
+        evaluate(str(workdir / "hf"), sample=False)
+    assert str(e.value).startswith(f"eval: {workdir / 'hf'}: config.json has ") and "the export's manifest says" in str(
+        e.value
+    )
+    (workdir / "hf" / "config.json").write_text(original)
+    weights = workdir / "hf" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    for who, open_it in [("eval", lambda p: evaluate(p, sample=False)), ("generate", load_generator)]:
+        with pytest.raises(ConfigError) as e:
+            open_it(str(workdir / "hf"))
+        assert str(e.value) == (
+            f"{who}: {workdir / 'hf'}: model.safetensors has 1,000 bytes, the export's manifest says {size:,}; "
+            "export it again (./launch.sh export RUN_ID --out DIR)"
+        )
+    (workdir / "hf" / "pretrain_export_manifest.json").unlink()  # not ours any more: the loader's own words
+    with pytest.raises(ConfigError, match=rf"^eval: {workdir / 'hf'}: .*\(SafetensorError\)$"):
+        evaluate(str(workdir / "hf"), sample=False)
+
+
+def test_the_harness_reads_a_temporary_export_that_is_removed_after(tokenizer_dir, workdir, monkeypatch):
+    import sys
+    import tempfile
+    import types
+
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    seen = []
+
+    def simple_evaluate(model, model_args, tasks, device):  # lm_eval's entry point, as run_harness calls it
+        path = Path(dict(kv.split("=", 1) for kv in model_args.split(","))["pretrained"])
+        seen.append((path, (path / "model.safetensors").is_file()))
+        return {"results": {tasks[0]: {"acc": 0.25}}}
+
+    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=simple_evaluate))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else None)
+    scratch = workdir / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    line, results = run_harness(open_source(str(ckpt)), "t")
+    assert line == "harness: t: acc 0.2500" and results == {"t": {"acc": 0.25}}
+    assert seen and seen[0][1] and str(seen[0][0]).startswith(str(scratch))
+    assert list(scratch.iterdir()) == [], "the temporary export is removed"

@@ -105,3 +105,20 @@ def test_sampling_is_seeded_and_counted(llama):
     for r in (a, c):
         e = r["early_exit"]
         assert e["accepted"] + e["verify_passes"] == e["new_tokens"] and 0 <= e["accepted"] <= e["drafted"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "1", "--top-k", "-1"], "generate --top-k: must be >= 0 (0: all tokens), got -1"),
+        (["--temperature", "1", "--top-p", "0"], "generate --top-p: must be in (0, 1], got 0.0"),
+        (["--temperature", "1", "--top-p", "2"], "generate --top-p: must be in (0, 1], got 2.0"),
+        (["--top-k", "5"], "generate: --top-k and --top-p apply to sampling; add --temperature T (> 0)"),
+    ],
+)
+def test_sampling_options_are_checked_before_the_model_loads(args, message):
+    from eval.generate import main
+
+    with pytest.raises(ConfigError) as e:
+        main(["/no/such/model", "--prompt", "x", *args])
+    assert str(e.value) == message

@@ -208,3 +208,15 @@ def test_an_earlier_logged_model_keeps_its_weights(tokenizer_dir, workdir, capsy
     ]
     # elsewhere: fine
     assert export(capsys, str(run_dir), "--out", "hf6", "--step", "6") == (0, [])
+
+
+def test_a_malformed_shard_size_is_refused_before_any_work(run_dir, workdir, capsys):
+    from pretrain.export.hf import shard_size
+
+    assert [shard_size(v) for v in ("2GB", "500mb", "1.5KB", "1000", " 5 MB ")] == [2e9, 5e8, 1500, 1000, 5e6]
+    for bad in ("abc", "0", "-5MB", "2GiB"):
+        code, errors = export(capsys, str(run_dir), "--out", str(workdir / "out"), f"--max-shard-size={bad}")
+        assert code == 2 and errors == [
+            f"error: export --max-shard-size: {bad!r}: expected bytes (> 0), or a number with KB, MB, GB or TB"
+        ]
+    assert not (workdir / "out").exists()

@@ -15,3 +15,22 @@ def test_relative_stores_are_made_absolute(tmp_path, monkeypatch):
     ]:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", given)
         assert tracking_uri() == want, given
+
+
+def test_looking_up_a_run_creates_no_store(tmp_path, monkeypatch, capsys):
+    """A run id that is not a run (or a path that does not exist) is one line, and the directory the user ran the
+    command in gets no new ``mlflow.db``."""
+    from pretrain.cli import main
+    from pretrain.train.tracking import find_run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert find_run(tracking_uri(), "0123abcd") is None
+    for argv, error in [
+        (["verify", "/no/such"], "verify: /no/such: no such checkpoint or run directory"),
+        (["verify", "0123abcd"], f"0123abcd: neither a checkpoint/run directory nor a run id in {tracking_uri()}"),
+        (["export", "0123abcd", "--out", "x"], "0123abcd: neither a checkpoint/run directory nor a run id in"),
+    ]:
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {error}"), argv
+    assert list(tmp_path.iterdir()) == []

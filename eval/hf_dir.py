@@ -1,0 +1,105 @@
+"""A Hugging Face model directory opened for ``eval`` and ``generate``: its config, kind, model, tokenizer and our
+export's metadata, or one line (:class:`ConfigError`, exit 2) saying why it cannot be opened.
+
+A directory that does not load (a truncated or missing weights file, a config or tokenizer file that is not valid,
+modeling code that is not ours, an architecture that is neither a causal nor a masked LM) is refused in one line. For
+an export of this project the line names the first file that no longer matches the export's manifest
+(``pretrain_export_manifest.json``: sizes), so the user knows what was damaged; a file the user changed on purpose
+is not refused as long as the directory still loads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import ConfigError
+from pretrain.config.errors import clip
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A directory with a ``config.json`` that is not one of our checkpoint directories."""
+    from pretrain.checkpoint.store import is_checkpoint_dir
+
+    return (path / "config.json").is_file() and not is_checkpoint_dir(path)
+
+
+def hf_kind(config: Any) -> str:
+    """``decoder`` or ``encoder`` by the config's ``architectures``; ValueError for anything else."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if any(a.endswith("ForMaskedLM") for a in archs):
+        return "encoder"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "decoder"
+    raise ValueError(f"cannot tell decoder from encoder: architectures {archs} (need *ForCausalLM or *ForMaskedLM)")
+
+
+def damaged_file(path: Path) -> str | None:
+    """The first file of our export in ``path`` that is missing or not the size its manifest records, as a phrase;
+    None when every file matches, or when there is no readable manifest (not our export)."""
+    from pretrain.export.output import read_manifest
+
+    try:
+        manifest = read_manifest(path)
+    except ConfigError:
+        return None
+    for name, (size, _) in sorted((manifest.files if manifest else {}).items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size:,} bytes, the export's manifest says {size:,}"
+    return None
+
+
+@dataclass
+class HfDir:
+    """An opened Hugging Face directory."""
+
+    path: Path
+    kind: str
+    config: Any
+    model: Any = None
+    tokenizer: Any = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Our export's metadata (``pretrain_export.json``: its run's data config, seed, context); empty otherwise."""
+
+
+def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
+    """Open ``path`` for the command ``who`` (``eval``, ``generate``): ConfigError, one line, for a directory that
+    does not load. ``need``: the kind the command takes; a directory of the other kind is returned without its model
+    and tokenizer (the caller refuses it in its own words)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
+
+    try:
+        remote = is_our_remote_code(path)  # ValueError: modeling code that is not ours
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
+        kind = hf_kind(config)
+    except (OSError, ValueError) as e:
+        raise _refusal(path, who, e) from None
+    out = HfDir(path=path, kind=kind, config=config)
+    if need is not None and kind != need:
+        return out
+    try:
+        out.model = load_exported(path, kind)
+        out.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
+        meta_file = path / METADATA_FILE
+        out.meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    except Exception as e:  # noqa: BLE001 - safetensors, tokenizers and json raise their own types for a bad file
+        if isinstance(e, ConfigError):
+            raise
+        raise _refusal(path, who, e) from None
+    return out
+
+
+def _refusal(path: Path, who: str, error: Exception) -> ConfigError:
+    damaged = damaged_file(path)
+    if damaged:
+        return ConfigError(f"{who}: {path}: {damaged}; export it again (./launch.sh export RUN_ID --out DIR)")
+    first = (str(error).strip().splitlines() or [""])[0]
+    text = first if first.startswith(str(path)) else f"{path}: {first}"
+    return ConfigError(f"{who}: {clip(text)} ({type(error).__name__})")

@@ -1,0 +1,41 @@
+"""The options of the commands that derive a run from a checkpoint (``prune``, ``grow``, ``anneal``): malformed
+values are one line naming the option, before any checkpoint is read (the commands themselves run through the CLI
+in ``tests/integration/growth`` and ``tests/integration/train/test_anneal.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import ConfigError
+from pretrain.driver.anneal import anneal
+from pretrain.driver.derive import parse_options, step_option
+from pretrain.driver.grow import grow
+from pretrain.driver.prune import prune
+
+
+def test_options_given_twice_or_unknown_are_named():
+    assert parse_options(["RUN", "layers=first:2", "step=4"], {"layers", "step"}, "prune") == {
+        "layers": "first:2",
+        "step": "4",
+    }
+    with pytest.raises(ConfigError, match="^prune: layers given more than once$"):
+        parse_options(["RUN", "layers=every_other", "layers=first:1"], {"layers"}, "prune")
+    with pytest.raises(ConfigError, match=r"^prune: unknown option\(s\) \['depth'\] \(valid: layers\)$"):
+        parse_options(["RUN", "depth=2"], {"layers"}, "prune")
+    assert step_option({}, "grow") is None and step_option({"step": "12"}, "grow") == 12
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [
+        (prune, ["/no/such", "step=abc"], "prune: step=abc: not a checkpoint step (a whole number)"),
+        (grow, ["/no/such", "step=-1"], "grow: step=-1: not a checkpoint step (a whole number)"),
+        (anneal, ["/no/such", "steps=4", "step=x"], "anneal: step=x: not a checkpoint step (a whole number)"),
+        (grow, ["/no/such", "experts=four"], "grow experts: 'four': expected a whole number"),
+        (grow, ["/no/such", "noise=lots"], "grow noise: 'lots': expected a number"),
+    ],
+)
+def test_malformed_values_are_refused_before_the_checkpoint_is_read(command, argv, message):
+    with pytest.raises(ConfigError) as e:
+        command(argv)
+    assert str(e.value) == message
