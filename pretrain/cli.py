@@ -106,7 +106,7 @@ def cmd_train(args: list[str]) -> int:
     from pretrain.driver.run_job import run_job
 
     return run_job(
-        lambda: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True)),
+        lambda held: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True, hold=held)),
         lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}",
     )
 
@@ -121,7 +121,8 @@ def cmd_resume(args: list[str]) -> int:
     from pretrain.driver.run_job import run_job
 
     return run_job(
-        lambda: (prepare_resume(args[0], args[1:]), False), lambda job: f"resuming run {job.run_id} into {job.run_dir}"
+        lambda held: (prepare_resume(args[0], args[1:], hold=held), False),
+        lambda job: f"resuming run {job.run_id} into {job.run_dir}",
     )
 
 
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), printed already
         return e.code if isinstance(e.code, int) else 1
+    except BrokenPipeError:  # stdout closed by its reader (`runs | head`): stop quietly, as `ls | head` does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"error: {e}" if str(e) else "interrupted", file=sys.stderr)

@@ -18,6 +18,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus, hub_sources
 from pretrain.driver.budget import keep_resolved_budget, resolve_budget
+from pretrain.driver.run_lock import hold_run
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -190,10 +192,12 @@ def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
         raise
 
 
-def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: bool = False) -> Job:
+def prepare_new(
+    cfg: RunConfig, tags: dict[str, str] | None = None, checked: bool = False, hold: ExitStack | None = None
+) -> Job:
     """A fresh run: check it (:func:`preflight`; ``checked``: the caller did, on :func:`resolve_paths`' result),
     create the run (:func:`create_run`) with its tokenizer (trained or copied into the run directory) and vocab
-    size."""
+    size. ``hold``: where the run's lock is entered (:mod:`pretrain.driver.run_lock`), held while it trains."""
     if not checked:
         cfg = resolve_paths(cfg)
         preflight(cfg)
@@ -230,6 +234,8 @@ def prepare_new(cfg: RunConfig, tags: dict[str, str] | None = None, checked: boo
     elif cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once known)
         resolve_budget(cfg, say=_say, announce=True)
     run_id, run_dir, uri = create_run(cfg, tags, complete)
+    if hold is not None:
+        hold.enter_context(hold_run(run_dir, run_id))
     with ended_on_error(uri, run_id):
         init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     return Job(
@@ -257,9 +263,10 @@ def _say(line: str) -> None:
     print(f"[pretrain] {line}", flush=True)
 
 
-def prepare_resume(target: str, overrides: list[str]) -> Job:
+def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = None) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
-    or run directory (a new run that records where it came from)."""
+    or run directory (a new run that records where it came from). ``hold``: where the run's lock is entered before
+    anything is read or recorded (a run training in another process is refused), held while it trains."""
     from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
     from pretrain.checkpoint.reader import read_config
     from pretrain.train.job import Job
@@ -268,6 +275,8 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     path = Path(target)
     if not path.exists():
         root = tracking.run_checkpoint_root(uri, target)
+        if hold is not None and root.is_dir():
+            hold.enter_context(hold_run(root, target))
         ckpt = latest_committed(root)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
@@ -295,7 +304,9 @@ def prepare_resume(target: str, overrides: list[str]) -> Job:
     keep_resolved_budget(read_config(ckpt, []), cfg)
     preflight(cfg)
     fingerprint, tags = _check_resume(ckpt, cfg, overrides)
-    job = prepare_new(dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True)
+    job = prepare_new(
+        dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True, hold=hold
+    )
     if job.tracking_uri:
         _record_data_change(job.tracking_uri, job.run_id, fingerprint, tags)
     return job
@@ -307,7 +318,7 @@ def _check_resume(ckpt, cfg: RunConfig, overrides: list[str]) -> tuple[dict, dic
     allowed with ``data.allow_changed``, which holds for this resume only)."""
     from pretrain.checkpoint.reader import is_full_weights, read_config, read_trainer_state
     from pretrain.data.fingerprint import check_unchanged, differences
-    from pretrain.driver.resume_checks import check_resume
+    from pretrain.driver.resume_checks import check_resume, check_steps_left
 
     saved = resolve_paths(read_config(ckpt))
     check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
@@ -320,6 +331,7 @@ def _check_resume(ckpt, cfg: RunConfig, overrides: list[str]) -> tuple[dict, dic
         print(f"[pretrain] warning: data.allow_changed: resuming on changed data: {'; '.join(changed)}", flush=True)
         tags = {"pretrain.data.changed": f"at step {ckpt.manifest.step}: {'; '.join(changed)}"[:4000]}
     cfg.data.allow_changed = False  # this resume's permission, not the run's
+    check_steps_left(saved, cfg, ckpt.manifest.step, str(ckpt.path))
     return current, tags
 
 

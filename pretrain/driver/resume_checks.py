@@ -17,7 +17,7 @@ from typing import Any
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.errors import quote
-from pretrain.train.schedule import extension_refusal
+from pretrain.train.schedule import extension_refusal, train_longer
 
 SHAPE_FIELDS = (
     "kind",
@@ -41,6 +41,15 @@ SHAPE_FIELDS = (
 """``model.*`` fields that decide the parameters' names and shapes (with ``max_seq_len`` for learned positions)."""
 
 MOE_SHAPE_FIELDS = ("num_experts", "every", "layers", "ffn_size")
+
+
+def check_steps_left(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str) -> None:
+    """Refuse a resume with no step left to train (it would end at once and report a finished run of 0 tokens/s)."""
+    if cfg.train.max_steps <= step:
+        raise ConfigError(
+            f"train.max_steps is {cfg.train.max_steps} and {checkpoint} is at step {step}: there is nothing to "
+            f"train. To train on: {train_longer(saved.train, step)}"
+        )
 
 
 def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, engine_state: bool = True) -> None:

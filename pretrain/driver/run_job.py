@@ -4,6 +4,7 @@ with the next commands, or the one line of a stopped run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -57,9 +58,10 @@ def print_summary(final: dict, job, uri: str) -> None:
 
 
 def run_job(prepare, announce) -> int:
-    """``prepare()`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
+    """``prepare(held)`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
     it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
-    run exists). ``announce(job)``: the line that names the run."""
+    run exists). ``held``: an ExitStack that keeps what ``prepare`` enters into it (the run's lock,
+    :mod:`pretrain.driver.run_lock`) until the run has ended. ``announce(job)``: the line that names the run."""
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
@@ -70,8 +72,8 @@ def run_job(prepare, announce) -> int:
     launch = launched()
     if launch is not None and not launch.leads:  # torchrun: rank 0 prepares and tracks the run
         return follow(launch)
-    with QuietConsole(None) as console:
-        job, ray_started = prepare()
+    with QuietConsole(None) as console, contextlib.ExitStack() as held:
+        job, ray_started = prepare(held)
         if launch is not None:
             launch.publish(job)
         log = Path(job.run_dir) / "logs" / "driver.log"

@@ -41,12 +41,19 @@ def runs(args: list[str]) -> int:
         if plot:
             from pretrain.train.plot import plot_run
 
+            if not run.data.metrics:
+                raise ConfigError(f"runs --plot: run {args[0]} has logged no metrics yet: there is nothing to plot")
+
             out = Path(root) / "training.png" if root and Path(root).is_dir() else Path(f"{args[0]}.png")
             print(f"plot: {plot_run(uri, args[0], out).resolve()}")
         return 0
     runs = tracking.list_runs(uri)
     if not runs:
-        print(f"no runs in {uri}")
+        missing = tracking.store_missing(uri)
+        print(
+            f"no runs in {uri}"
+            + (" (no store there: run this where you trained, or set MLFLOW_TRACKING_URI)" if missing else "")
+        )
         return 0
     print(f"tracking store: {uri}")
     w = max(4, *(len(r.info.run_name or "") for r in runs))  # whole names: a child's differs at its end

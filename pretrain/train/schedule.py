@@ -138,11 +138,14 @@ def continue_overrides(saved: TrainConfig, step: int, max_steps: int) -> list[st
     """Overrides that resume after ``step`` steps trained under ``saved`` up to ``max_steps`` without a jump of the
     LR and without a new warm-up: ``max_steps`` alone where that keeps the schedule of the steps trained (no decay
     yet, or ``constant``), else the LR of the last step trained, held (``decay: constant``; the decay began after
-    the warm-up, so the warm-up does not run again)."""
+    the warm-up, so the warm-up does not run again) with ``min_lr_ratio`` rescaled so that the floor, which a
+    constant schedule does not use, stays the run's (``anneal`` decays to it)."""
     longer = [*(["train.max_flops=0"] if saved.max_flops else []), f"train.max_steps={max_steps}"]  # else derived
     if keeps_schedule(saved, dataclasses.replace(saved, max_steps=max_steps, max_flops=0.0), step):
         return longer
-    return [*longer, "train.decay=constant", f"train.lr={lr_at(step - 1, saved):.8g}"]
+    held = lr_at(step - 1, saved)
+    ratio = min(1.0, saved.lr * saved.min_lr_ratio / held) if held > 0 else saved.min_lr_ratio
+    return [*longer, "train.decay=constant", f"train.lr={held:.8g}", f"train.min_lr_ratio={ratio:.8g}"]
 
 
 def train_longer(saved: TrainConfig, step: int) -> str:

@@ -199,8 +199,7 @@ def find_run(uri: str, run_id: str):
     not exist yet holds no run, and looking is not a reason to create it)."""
     from mlflow.exceptions import MlflowException
 
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():
+    if store_missing(uri):
         return None
     try:
         return _client(uri).get_run(run_id)
@@ -234,7 +233,16 @@ def tokens_trained(run) -> int | None:
         return None
 
 
+def store_missing(uri: str) -> bool:
+    """A local sqlite store that does not exist yet (looking at it would create it)."""
+    db = sqlite_path(uri)
+    return db is not None and not db.exists()
+
+
 def list_runs(uri: str, max_results: int = 50) -> list:
+    """The newest runs of the store, newest first (none, and nothing created, for a local store not made yet)."""
+    if store_missing(uri):
+        return []
     client = _client(uri)
     exps = client.search_experiments()
     if not exps:

@@ -56,6 +56,8 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
 
     # inside the warm-up the summary's command is max_steps alone, and the run it resumes is the uninterrupted one
     assert re.search(rf"resume: .*\./launch\.sh resume {run_id} train\.max_steps=12$", first.stdout, re.M)
+    line = _refused(capsys, "resume", run_id)  # a finished run: nothing left to train
+    assert line.endswith("step_00000006 is at step 6: there is nothing to train. To train on: train.max_steps=12")
     whole = run_id_of(cli(tmp_path, "train", CONFIG, *RUN, data, "train.max_steps=12").stdout)
     second = cli(tmp_path, "resume", run_id, "train.max_steps=12")
     for key in ("train/loss", "train/lr"):

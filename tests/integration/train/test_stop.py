@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -19,16 +20,26 @@ from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
 SLOW = "faults.slow_step_s=0.4"  # steps slow enough to signal mid-run on any machine (numbers unchanged)
 
 
-def _signal_at(work: Path, args: list[str], at_step: int, signals: list[int], group: bool = False, after: float = 0):
+def _signal_at(
+    work: Path,
+    args: list[str],
+    at_step: int,
+    signals: list[int],
+    group: bool = False,
+    after: float = 0,
+    meanwhile: Callable[[str], None] | None = None,
+):
     """``python -m pretrain ARGS`` in its own session; ``after`` seconds after step ``at_step`` is logged, send
-    ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C). Returns
-    (exit code, output)."""
+    ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C); before
+    them, ``meanwhile(output so far)``. Returns (exit code, output)."""
     proc = start_cli(work, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     out, sent = [], False
     assert proc.stdout is not None
     for line in proc.stdout:
         out.append(line)
         if not sent and re.search(rf"step +{at_step}/", line):
+            if meanwhile is not None:
+                meanwhile("".join(out))
             time.sleep(after)
             for sig in signals:
                 os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
@@ -72,11 +83,19 @@ def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_ru
 
 
 def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
-    """One worker in the command's process: SIGTERM commits a checkpoint at the step reached (exit 143, KILLED);
+    """One worker in the command's process: a resume of the run while it trains is refused in one line; SIGTERM
+    commits a checkpoint at the step reached (exit 143, KILLED);
     resumed and sent SIGTERM twice, it ends at once (exit 143) naming the latest committed checkpoint, with the MLflow
     run KILLED, not FAILED or left RUNNING."""
     one = [*E2E, "cluster.num_workers=1", "checkpoint.every_steps=0", "train.max_steps=40", SLOW]
-    code, out = _signal_at(tmp_path, ["train", CONFIG, *one], 2, [signal.SIGTERM])
+
+    def resume_while_it_trains(out: str) -> None:  # one process trains a run at a time
+        running = re.search(r"\[pretrain\] run (\w+):", out).group(1)
+        refused = cli(tmp_path, "resume", running, expect=2)
+        assert refused.stderr.startswith(f"error: run {running} is training in another process (pid "), refused.stderr
+        assert refused.stderr.count("\n") == 1 and "resuming" not in refused.stdout
+
+    code, out = _signal_at(tmp_path, ["train", CONFIG, *one], 2, [signal.SIGTERM], meanwhile=resume_while_it_trains)
     assert code == 143, out
     m = re.match(r"stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: .* resume (\w+)$", _stop_line(out))
     assert m, out

@@ -82,3 +82,21 @@ def test_cli_errors_user_one_line_internal_traceback(monkeypatch, capsys):
             assert err.strip().splitlines()[-1] == "error: internal error: RuntimeError: boom"
         else:
             assert err.strip().splitlines() == [line]
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """``./launch.sh runs | head -1``: the command's stdout closes under it; it ends with SIGPIPE's status and no
+    traceback, as ``ls | head`` does."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom pretrain import cli\n"
+        "cli.COMMANDS['runs'] = lambda rest: [print(f'line {i}', flush=True) for i in range(10**6)] and 0\n"
+        "sys.exit(cli.main(['runs']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "line 0\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == "", err

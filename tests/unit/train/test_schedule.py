@@ -144,6 +144,8 @@ def test_extending_a_preset_keeps_its_schedule_and_refuses_only_a_decay_moved(pr
     # the LR reached, held: no jump up, no warm-up again
     assert lr_at(step, resumed) == pytest.approx(lr_at(step - 1, saved), rel=1e-7)  # printed to 8 digits
     assert set(_lrs(resumed, range(step, target, max(1, (target - step) // 50)))) == {lr_at(step, resumed)}
+    # the floor a later anneal decays to stays the run's
+    assert resumed.lr * resumed.min_lr_ratio == pytest.approx(saved.lr * saved.min_lr_ratio, rel=1e-7)
 
 
 @pytest.mark.parametrize("decay", DECAYS)
@@ -173,7 +175,7 @@ def test_a_longer_cosine_run_is_refused_in_one_line_naming_what_to_use():
     saved = train_cfg()
     line = extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 100)
     assert "\n" not in line and "train.max_steps 100 -> 200 would raise the LR from 0.1 (step 100) to 0.587" in line
-    assert "train.max_steps=200 train.decay=constant train.lr=0.10027413 " in line
+    assert "train.max_steps=200 train.decay=constant train.lr=0.10027413 train.min_lr_ratio=0.99726622 " in line
     assert "train.decay=wsd" in line and "anneal" in line
     assert extension_refusal(saved, dataclasses.replace(saved, max_steps=200), 5) == ""  # in warm-up: same LR
     assert extension_refusal(saved, dataclasses.replace(saved, max_steps=50), 40) == ""  # shorter: LR goes down

@@ -26,7 +26,13 @@ def test_looking_up_a_run_creates_no_store(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert find_run(tracking_uri(), "0123abcd") is None
+    assert main(["runs"]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"no runs in {tracking_uri()} (no store there: run this where you trained, or set MLFLOW_TRACKING_URI)\n"
+    )
     for argv, error in [
+        (["runs", "0123abcd"], f"0123abcd: no such run in {tracking_uri()}"),
         (["verify", "/no/such"], "verify: /no/such: no such checkpoint or run directory"),
         (["verify", "0123abcd"], f"0123abcd: neither a checkpoint/run directory nor a run id in {tracking_uri()}"),
         (["export", "0123abcd", "--out", "x"], "0123abcd: neither a checkpoint/run directory nor a run id in"),
@@ -34,3 +40,17 @@ def test_looking_up_a_run_creates_no_store(tmp_path, monkeypatch, capsys):
         assert main(argv) == 2
         assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {error}"), argv
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_with_no_metrics_is_not_plotted(workdir, capsys):
+    """``runs RUN --plot`` of a run that has logged nothing yet (a fresh grown child, a run stopped while it
+    started) is one line, and no empty picture is written."""
+    from mlflow import MlflowClient
+
+    from pretrain.cli import main
+
+    run_id = MlflowClient(tracking_uri()).create_run("0").info.run_id
+    assert main(["runs", run_id, "--plot"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("20")]  # MLflow's INFO
+    assert errors == [f"error: runs --plot: run {run_id} has logged no metrics yet: there is nothing to plot"]
+    assert not list(workdir.glob("*.png"))
