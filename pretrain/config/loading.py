@@ -177,7 +177,13 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         where = ".".join([*keys[:i], key])  # without the index
         last = i == len(keys) - 1
         if typing.get_origin(tp) is list and not last and not indexed:
-            raise ConfigError(f"{path}: a list; name an item by its index, e.g. {where}[0].{clip(keys[i + 1])}=...")
+            rest = keys[i + 1 :]  # data.sources.0.path: the index written as a key
+            example = (
+                f"{where}[{rest[0]}]{''.join('.' + k for k in rest[1:])}"
+                if rest[0].isdigit()
+                else f"{where}[0].{'.'.join(rest)}"
+            )
+            raise ConfigError(f"{path}: a list; name an item by its index, e.g. {clip(example)}=...")
         if indexed:
             if typing.get_origin(tp) is not list:
                 raise ConfigError(f"{path}: {where} is not a list")

@@ -226,9 +226,14 @@ class RunConfig:
             raise ConfigError(f"data.mlm_probability: must be in (0, 1), got {d.mlm_probability}")
         if not d.sources:
             raise ConfigError("data.sources: at least one source is required")
-        for i, s in enumerate([*d.sources, *d.val_sources]):
+        for key, i, s in [
+            *(("data.sources", i, s) for i, s in enumerate(d.sources)),
+            *(("data.val_sources", i, s) for i, s in enumerate(d.val_sources)),
+        ]:
             if s.weight <= 0:
-                raise ConfigError(f"data.sources[{i}].weight: must be > 0, got {s.weight}")
+                raise ConfigError(f"{key}[{i}].weight: must be > 0, got {s.weight}")
+            if not s.path.strip():  # Path("") is the working directory: every data file below it
+                raise ConfigError(f"{key}[{i}].path: empty (a file, directory, glob or hub dataset name)")
         check_source_names(d.sources, d.val_sources)
         if t.stop_at_val_loss < 0:
             raise ConfigError(f"train.stop_at_val_loss: must be >= 0, got {t.stop_at_val_loss}")

@@ -40,10 +40,12 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
 from pretrain.data.bad_records import REASONS, BadRecordError, BadRecords
+from pretrain.data.shards.format import load_manifest
 from pretrain.data.sources import ResolvedSource, cut_pieces, parse_line, resolve_source
 from pretrain.data.stream import Mixture, is_holdout
 
@@ -361,9 +363,17 @@ def plan_split(cfg: DataConfig, *, seq_len: int, seed: int, val_sequences: int) 
     if cfg.piece_chars:
         return SplitPlan(cfg.piece_chars)
     sources = [resolve_source(s, cfg.cache_dir, f"data.sources[{i}]") for i, s in enumerate(cfg.sources)]
-    if any(rs.format not in ("text", "json") for rs in sources):
-        return SplitPlan(0)  # parquet / hub: documents as they are
     S = cfg.num_streams
+    if all(rs.format == "shards" for rs in sources):  # their manifests count the documents; never cut into pieces
+        docs = sum(load_manifest(Path(rs.files[0])).documents for rs in sources)
+        if docs < S:
+            raise ConfigError(
+                f"data.sources: the token shards hold {docs} document{'s' if docs != 1 else ''}, fewer than the "
+                f"data.num_streams={S} streams that each need one (shards are not cut into pieces): lower "
+                "data.num_streams, or tokenize more text"
+            )
+    if any(rs.format not in ("text", "json") for rs in sources):
+        return SplitPlan(0)  # parquet / hub / token shards: documents as they are
     holdout = 0.0 if cfg.val_sources else cfg.val_holdout
     val_needed = holdout > 0 and val_sequences > 0
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip"}
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
 
 
@@ -193,6 +194,19 @@ def _looks_like_hub(path: str) -> bool:
     return bool(_HUB_NAME.fullmatch(path)) and Path(path).suffix.lower() not in _EXTENSIONS
 
 
+def _directory_files(root: Path) -> list[Path]:
+    """The files below ``root``, sorted; not hidden ones, nor those of a token-shard directory inside it (the
+    output of ``./launch.sh tokenize``: its manifest and tokenizer are JSON, not the corpus)."""
+    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if m.is_file()}
+    return sorted(
+        f
+        for f in root.rglob("*")
+        if f.is_file()
+        and not any(x.startswith(".") for x in f.relative_to(root).parts)
+        and not any(d in shard_dirs for d in f.parents)
+    )
+
+
 def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:
     """Turn a source config into files and one format (``path: demo`` is the built-in corpus).
 
@@ -219,10 +233,16 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
     if os.path.isdir(p) and os.path.isfile(p / SHARD_MANIFEST):  # written by ./launch.sh tokenize
         return ResolvedSource(format="shards", files=[str(p)], **base)
     if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
-        files = sorted(
-            f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)
-        )
+        files = _directory_files(p)
         if src.format == "auto":
+            packed = [
+                f for f in files if f.suffix.lower() in _COMPRESSED and Path(f.stem).suffix.lower() in _EXTENSIONS
+            ]
+            if packed:
+                raise ConfigError(
+                    f"{label}: {clip(str(packed[0]))} is compressed ({packed[0].suffix}), and compressed files are "
+                    f"not read: decompress the {len(packed)} compressed file(s) of {shown}, or move them out of it"
+                )
             files = [f for f in files if f.suffix.lower() in _EXTENSIONS]
     elif os.path.isfile(p):
         files = [p]

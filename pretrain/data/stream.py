@@ -34,6 +34,7 @@ from typing import Literal
 
 import numpy as np
 
+from pretrain.config import ConfigError
 from pretrain.data.bad_records import BadRecords
 from pretrain.data.shards.mixed import mixed_supported, take_mixed
 from pretrain.data.sources import ResolvedSource, open_reader
@@ -221,7 +222,7 @@ class DocumentStream:
         document in the whole pass)."""
         if self.doc_index <= self.stream:
             what = "validation" if self.role == "val" else "training"
-            raise ValueError(
+            raise ConfigError(
                 f"virtual stream {self.stream} of {self.num_streams} got no {what} documents in a whole pass over the "
                 f"data ({self.doc_index} documents): too little data for data.num_streams"
             )

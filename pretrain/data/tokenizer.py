@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pretrain.config import DataConfig
+from pretrain.config import ConfigError, DataConfig
 from pretrain.data.bad_records import BadRecords
 from pretrain.data.sources import training_sources
 from pretrain.data.stream import DocumentStream
@@ -105,7 +105,10 @@ def separator_id(tokenizer) -> int:
         value = getattr(tokenizer, attr, None)
         if value is not None:
             return int(value)
-    raise ValueError("tokenizer has neither an eos nor a sep token to separate documents")
+    raise ConfigError(
+        "the tokenizer has neither an eos nor a sep token to separate documents: give one that has (eos_token in "
+        "its tokenizer_config.json), or leave data.tokenizer unset and let the run train its own"
+    )
 
 
 def make_encoder(tokenizer):

@@ -111,7 +111,25 @@ def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     cfg.data.piece_chars = plan.piece_chars
     if plan.message:
         print(f"[pretrain] {plan.message}", flush=True)
+    _check_vocab_against_given_tokenizer(cfg)
     return skipped
+
+
+def _check_vocab_against_given_tokenizer(cfg: RunConfig) -> None:
+    """A ``model.vocab_size`` below the size of the tokenizer the run is given (``data.tokenizer``, or its token
+    shards'), refused here rather than after the run is created."""
+    from pretrain.data.shards.compat import shards_tokenizer, tokenizer_vocab_size
+
+    m = cfg.model
+    tok = cfg.data.tokenizer or shards_tokenizer(cfg.data)
+    if not m.vocab_size or not tok or m.init_from_hf or not (Path(tok) / "tokenizer.json").is_file():
+        return
+    length = tokenizer_vocab_size(tok)
+    if m.vocab_size < length:
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer ({length:,} tokens, {clip(tok)}); set 0 "
+            "to take the tokenizer's size"
+        )
 
 
 def _not_probed(cfg: RunConfig) -> list[str]:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +36,7 @@ import numpy as np
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
+from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.shards.format import (
     DEFAULT_SHARD_TOKENS,
     MANIFEST,
@@ -70,6 +72,11 @@ def parse(args: list[str]) -> argparse.Namespace:
             raise ConfigError(f"tokenize --{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
     if a.workers < 0:
         raise ConfigError(f"tokenize --workers: must be >= 0, got {a.workers}")
+    if not a.tokenizer and a.vocab_size < BYTE_LEVEL_VOCAB:
+        raise ConfigError(
+            f"tokenize --vocab-size: at least {BYTE_LEVEL_VOCAB} (a byte-level BPE's 256 bytes and its special "
+            f"tokens), got {a.vocab_size}"
+        )
     return a
 
 
@@ -84,11 +91,14 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
     return DataConfig(sources=sources, bad_records=a.bad_records, tokenizer_vocab_size=a.vocab_size)
 
 
-def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, work: Path) -> Path:
-    """The tokenizer the job uses, as a directory: --tokenizer (a directory, or a run's), or one trained into
-    the work directory (from the user's tokenizer cache when a run trained it already)."""
+def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, reuse: Path | None, scratch: Path) -> Path:
+    """The tokenizer the job uses, as a directory: --tokenizer (a directory, or a run's); else the one an unfinished
+    job trained (``reuse``, when it holds one), else one trained into ``scratch`` (from the user's tokenizer cache
+    when a run trained it already)."""
     if a.tokenizer:
         path = Path(a.tokenizer).expanduser()
+        if not path.exists() and ("/" in a.tokenizer or a.tokenizer.startswith(".")):  # a path, not a run id
+            raise ConfigError(f"tokenize --tokenizer: {clip(a.tokenizer)}: no such directory")
         if not path.exists():
             from pretrain.checkpoint import layout
             from pretrain.train import tracking
@@ -99,9 +109,10 @@ def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, work: Path) -> Path:
         return path
     from pretrain.data.tokenizer_cache import run_tokenizer
 
-    out = work / TOKENIZER_DIR
-    if not (out / "tokenizer.json").is_file():
-        run_tokenizer(cfg, out, say=lambda line: print(f"[tokenize] {line}", flush=True))
+    if reuse is not None and (reuse / "tokenizer.json").is_file():
+        return reuse
+    out = scratch / TOKENIZER_DIR
+    run_tokenizer(cfg, out, say=lambda line: print(f"[tokenize] {line}", flush=True))
     return out
 
 
@@ -174,9 +185,11 @@ def _bad_records(units: list[Unit], summaries: list[dict], sources, policy: str)
     ``fail`` the first (in document order) raises :class:`BadRecordError`."""
     from pretrain.data.bad_records import BadRecords, summarize_bad_records
 
-    counter, offsets = BadRecords(policy), dict[str, int]()
+    counter, offsets = BadRecords(policy), dict[tuple[int, str], int]()
+    names = _source_names(sources)
     for unit, summary in zip(units, summaries, strict=True):
-        offset = offsets.get(unit.file, 0) if unit.file else 0
+        key = (unit.source, unit.file or "")  # a file listed twice is two sources, each counting from its line 1
+        offset = offsets.get(key, 0) if unit.file else 0
         for file, line, reason, msg in summary["bad"]:
             counter.add(
                 {
@@ -184,12 +197,18 @@ def _bad_records(units: list[Unit], summaries: list[dict], sources, policy: str)
                     "line": line + offset if isinstance(line, int) else line,
                     "bad": reason,
                     "msg": msg,
-                    "source": sources[unit.source].name,
+                    "source": names[unit.source],
                 }
             )
         if unit.file:
-            offsets[unit.file] = offset + summary["lines"]
+            offsets[key] = offset + summary["lines"]
     return summarize_bad_records([counter])
+
+
+def _source_names(sources) -> list[str]:
+    """Each source's name, numbered where the same one is given more than once (oversampling by repetition)."""
+    names = [s.name for s in sources]
+    return [f"{n} (source {i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 def _check_out(out: Path) -> None:
@@ -244,30 +263,36 @@ def tokenize(args: list[str]) -> int:
         if s.format == "shards":
             raise ConfigError(f"tokenize SOURCE: {clip(src.path)} holds token shards already (train on it directly)")
         check_source(src, f"tokenize SOURCE {i + 1}", cfg)  # training's corpus checks, before Ray: empty, not text...
-    work = out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    tok_dir = _tokenizer_dir(a, cfg, work)
-    tok_hash, vocab = tokenizer_hash(tok_dir), tokenizer_vocab_size(tok_dir)
-    try:
-        dtype = dtype_for(vocab)
-    except ValueError as e:
-        raise ConfigError(f"tokenize --tokenizer: {e}") from None
-    spec = _job_spec(a, cfg, sources, tok_hash)
-    if (out / MANIFEST).is_file():
-        done = load_manifest(out)
-        if not _same_job(done.job, spec):
+    # Nothing is written into --out before the job is known to be new or this one unfinished: a refusal or a
+    # "done already" leaves it as it was (a tokenizer trained to compare with goes to a temporary directory).
+    work, finished = out / WORK_DIR, (out / MANIFEST).is_file()
+    with tempfile.TemporaryDirectory(prefix="pretrain-tokenize-") as scratch:
+        tok_dir = _tokenizer_dir(a, cfg, None if finished else work / TOKENIZER_DIR, Path(scratch))
+        tok_hash, vocab = tokenizer_hash(tok_dir), tokenizer_vocab_size(tok_dir)
+        try:
+            dtype = dtype_for(vocab)
+        except ValueError as e:
+            raise ConfigError(f"tokenize --tokenizer: {e}") from None
+        spec = _job_spec(a, cfg, sources, tok_hash)
+        if finished:
+            done = load_manifest(out)
+            if not _same_job(done.job, spec):
+                raise ConfigError(
+                    f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a "
+                    "new directory (nothing was overwritten)"
+                )
+            print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
+            return 0
+        job_file = work / JOB_FILE
+        if job_file.is_file() and not _same_job(json.loads(job_file.read_text()), spec):
             raise ConfigError(
-                f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a new "
-                "directory (nothing was overwritten)"
+                f"tokenize --out: {clip(str(out))} holds an unfinished job of other sources or settings; give a new "
+                f"directory or remove {clip(str(work))}"
             )
-        print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
-        return 0
-    job_file = work / JOB_FILE
-    if job_file.is_file() and not _same_job(json.loads(job_file.read_text()), spec):
-        raise ConfigError(
-            f"tokenize --out: {clip(str(out))} holds an unfinished job of other sources or settings; give a new "
-            f"directory or remove {clip(str(work))}"
-        )
+        work.mkdir(parents=True, exist_ok=True)
+        if tok_dir.parent == Path(scratch):  # trained now: kept with the job, which a rerun after a crash reuses
+            shutil.copytree(tok_dir, work / TOKENIZER_DIR, dirs_exist_ok=True)
+            tok_dir = work / TOKENIZER_DIR
     job_file.write_text(json.dumps(spec, indent=1))
 
     units = plan_units(sources, a.chunk_bytes)
@@ -286,6 +311,7 @@ def tokenize(args: list[str]) -> int:
         print(f"[tokenize] {bad['total']} bad record(s) skipped ({reasons}); first: {bad['examples'][0]}", flush=True)
 
     per_source: list[dict[str, Any]] = []
+    names = _source_names(sources)
     for i, (s, src) in enumerate(zip(sources, cfg.sources, strict=True)):
         mine = [x for u, x in zip(units, summaries, strict=True) if u.source == i]
         per_source.append(
@@ -296,7 +322,7 @@ def tokenize(args: list[str]) -> int:
                 "fingerprint": source_fingerprint(src, cfg.cache_dir),
                 "documents": sum(x["documents"] for x in mine),
                 "tokens": sum(x["tokens"] for x in mine),
-                "bad_records": bad["by_source"].get(s.name, 0),
+                "bad_records": bad["by_source"].get(names[i], 0),
             }
         )
     manifest = assemble(

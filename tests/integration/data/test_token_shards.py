@@ -81,6 +81,16 @@ def test_tokenize_train_resume_and_refusals(tmp_path):
     assert todo and done_before >= 1 and int(todo[1]) == int(todo[2]) - done_before, rerun.stdout
     assert _files(work / "s2") == _files(s1)  # byte for byte, whatever the workers and the crash
 
+    # a refusal, or the answer "done already", writes nothing into --out (nor creates it)
+    first = ["tokenize", *sources, "--out", "s1", "--workers", "1", "--vocab-size", "400", *small]
+    before = _files(s1)
+    other = cli(work, *first[: -len(small) - 2], "--vocab-size", "300", *small, expect=2)
+    assert "holds the token shards of other sources or settings" in other.stderr
+    assert "done already" in cli(work, *first).stdout
+    assert _files(s1) == before and not (s1 / ".work").exists()
+    missing = cli(work, "tokenize", *sources, "--out", "s3", "--tokenizer", str(work / "nothing"), expect=2)
+    assert "tokenize --tokenizer" in missing.stderr and not (work / "s3").exists()
+
     # train on the shards with 2 workers; resume from step 4 bitwise
     train = [CONFIG, *E2E, f"data.sources[0].path={s1}"]
     ref = cli(work, "train", *train)

@@ -68,6 +68,11 @@ def test_an_index_into_the_config_files_list(tmp_path):
             "data.sources.text_field=content",
             "data.sources: a list; name an item by its index, e.g. data.sources[0].text_field=...",
         ),
+        (
+            "data.sources.0.path=x",
+            "data.sources: a list; name an item by its index, e.g. data.sources[0].path=...",
+        ),
+        ("data.sources[0].path=", "data.sources[0].path: empty (a file, directory, glob or hub dataset name)"),
         ("model[0].num_layers=2", "model[0]: model is not a list"),
         ("train.lr.peak=1", "train.lr.peak: train.lr is a value, not a section"),
         ("data.sources[0].weight=heavy", "data.sources[0].weight: expected float"),

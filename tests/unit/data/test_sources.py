@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import DataConfig, SourceConfig
+from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.data import BadRecordError, resolve_sources, training_documents
 from tests.unit.data.common import T, batches, data_cfg, drain, make_docs, write_parquet, write_txt
 
@@ -111,3 +111,21 @@ def test_parquet_source_and_source_resolution(tmp_path, tok):
         )
         == docs[:5]
     )
+
+
+def test_a_directory_of_compressed_data_files_is_refused_not_half_read(tmp_path):
+    d = tmp_path / "gz"
+    d.mkdir()
+    write_txt(d / "part0.txt", ["one document"])
+    for name in ("part1.jsonl.gz", "part2.jsonl.zst"):
+        (d / name).write_bytes(b"\x1f\x8b\x08\x00")
+    (d / "README.md").write_text("about the corpus")  # not data: not read, not refused
+    with pytest.raises(ConfigError) as e:
+        resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")
+    assert str(e.value).startswith(f"data.sources[0].path: {d / 'part1.jsonl.gz'} is compressed (.gz)")
+    assert "decompress the 2 compressed file(s)" in str(e.value)
+    for name in ("part1.jsonl.gz", "part2.jsonl.zst"):
+        (d / name).unlink()
+    assert [Path(f).name for f in resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")[0].files] == [
+        "part0.txt"
+    ]

@@ -30,3 +30,16 @@ def test_tokenizer_deterministic_roundtrip_specials(corpus, tok, tmp_path):
     assert loaded("déjà vu")["input_ids"] == tok("déjà vu")["input_ids"]
     with pytest.raises(ValueError, match="data.tokenizer"):
         load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "missing")))
+
+
+def test_a_tokenizer_without_a_document_separator_is_one_line():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pretrain.config import ConfigError
+    from pretrain.data.tokenizer import separator_id
+
+    assert separator_id(SimpleNamespace(eos_token_id=None, sep_token_id=3)) == 3
+    with pytest.raises(ConfigError, match="^the tokenizer has neither an eos nor a sep token to separate documents"):
+        separator_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))

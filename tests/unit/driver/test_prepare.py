@@ -26,3 +26,25 @@ def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, sta
         create_run(cfg, complete=complete)
     (run,) = tracking.list_runs(uri)
     assert MlflowClient(uri).get_run(run.info.run_id).info.status == status
+
+
+def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exists(tokenizer_dir, workdir):
+    """With ``data.tokenizer`` (or token shards) the tokenizer's size is known before the run is created: a smaller
+    ``model.vocab_size`` is refused by the driver's checks (``train --dry-run`` too), not after a FAILED run."""
+    from pretrain.config.paths import resolve_paths
+    from pretrain.data.shards.compat import tokenizer_vocab_size
+    from pretrain.driver.prepare import preflight
+    from tests.conftest import corpus_lines
+
+    corpus = workdir / "c.txt"
+    corpus.write_text("\n".join(corpus_lines(400)) + "\n")
+    base = [f"data.sources=[{{path: {corpus}}}]", f"data.tokenizer={tokenizer_dir}", "cluster.use_ray=false"]
+    size = tokenizer_vocab_size(tokenizer_dir)
+    with pytest.raises(ConfigError) as e:
+        preflight(resolve_paths(load_config(None, [*base, "model.vocab_size=300"])), probe=False)
+    assert str(e.value) == (
+        f"model.vocab_size: 300 is smaller than the tokenizer ({size:,} tokens, {tokenizer_dir}); set 0 to take the "
+        "tokenizer's size"
+    )
+    preflight(resolve_paths(load_config(None, [*base, f"model.vocab_size={size}"])), probe=False)
+    assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()
