@@ -25,7 +25,8 @@ each batch's fp32 mean cross-entropy weighted by its predicted tokens, summed in
 
 Results print as a table, or with ``--json`` as one JSON object (keys ``loss``, ``ppl``,
 ``bits_per_byte`` or ``mlm_acc``, plus counts and provenance). For a tracked run/checkpoint they are
-logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``).
+logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``); with
+``--data``, as ``eval/<name>/...`` (the sources' names, ``+``-joined), never over the run's own.
 Decoders also get a short greedy sample from ``transformers``' ``generate``.
 """
 
@@ -251,13 +252,17 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
         return f"harness: lm_eval could not run {tasks} ({type(e).__name__}: {first[:200]})", None
 
 
-def log_to_mlflow(run_id: str, step: int, result: dict[str, Any]) -> None:
+def log_to_mlflow(run_id: str, step: int, result: dict[str, Any], data: list[str] | tuple[str, ...] = ()) -> None:
+    """``eval/<metric>`` at ``step`` for the run's own validation data; ``eval/<name>/<metric>`` for ``--data``
+    (its sources' names, as per-source validation names them), so that other data never overwrites the run's."""
+    from pretrain.config import source_name
     from pretrain.train.tracking import Tracker, tracking_uri
 
     tracker = Tracker(tracking_uri(), run_id)
-    metrics = {f"eval/{k}": float(result[k]) for k in ("loss", "ppl", "bits_per_byte", "mlm_acc") if k in result}
+    prefix = f"eval/{'+'.join(source_name(p) for p in data)}/" if data else "eval/"
+    metrics = {f"{prefix}{k}": float(result[k]) for k in ("loss", "ppl", "bits_per_byte", "mlm_acc") if k in result}
     tracker.log_metrics(metrics, step)
-    tracker.log_json(result, f"eval/step_{step:08d}.json")
+    tracker.log_json(result, f"{prefix}step_{step:08d}.json")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +319,7 @@ def evaluate_source(
         prompt = batches[0]["input_ids"][0, : max(1, min(8, T // 2))].tolist()
         result["sample"] = greedy_sample(src.hf_model(), src.tokenizer, prompt, T)
     if track and src.run_id and src.step is not None:
-        log_to_mlflow(src.run_id, src.step, result)
+        log_to_mlflow(src.run_id, src.step, result, data)
         result["mlflow_run_id"] = src.run_id
     return result
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.conftest import corpus_lines
 from tests.integration.checkpoint.test_export import run_cli
 from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is used by name
     one_thread,
@@ -44,3 +45,14 @@ def test_cli_eval_json_mlflow_and_harness(tokenizer_dir, workdir, capsys):
     assert main(["eval", str(run_dir), "--no-sample"]) == 0
     table = capsys.readouterr().out
     assert "bits per byte" in table and "perplexity" in table and f"MLflow run {run_id}" in table
+
+    other = workdir / "other-text.txt"  # other data is logged under its own name, never over the run's own
+    other.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
+    assert main(["eval", run_id, "--no-sample", "--json", "--data", str(other)]) == 0
+    on_other = json.loads(capsys.readouterr().out)
+    own = client.get_metric_history(run_id, "eval/bits_per_byte")  # the JSON's and the table's evals
+    assert len(own) == 2 and {m.step for m in own} == {7}
+    assert all(m.value == pytest.approx(result["bits_per_byte"]) for m in own)
+    assert on_other["bits_per_byte"] != pytest.approx(result["bits_per_byte"])
+    logged = client.get_metric_history(run_id, "eval/other-text/bits_per_byte")
+    assert [(m.step, m.value) for m in logged] == [(7, pytest.approx(on_other["bits_per_byte"]))]
