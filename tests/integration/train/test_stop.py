@@ -104,10 +104,10 @@ def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "KILLED"
 
-    # both signals while the next step runs (it sleeps 1.5 s first): the first asks for a stop after that step, the
-    # second ends the run before the step is over
+    # both signals while the next step runs (it sleeps 1.5 s first; 1 s after the line, so that a slow end of the
+    # step logged is over): the first asks for a stop after that step, the second ends the run before the step is over
     again = ["faults.slow_step_s=1.5", "train.val_every=0"]
-    code, out = _signal_at(tmp_path, ["resume", run_id, *again], step + 2, [signal.SIGTERM] * 2, after=0.5)
+    code, out = _signal_at(tmp_path, ["resume", run_id, *again], step + 2, [signal.SIGTERM] * 2, after=1.0)
     assert code == 143, out
     line = _stop_line(out)
     assert line.startswith("error: SIGTERM: stopped at once, no new checkpoint") and str(ckpt) in line, line
