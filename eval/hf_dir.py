@@ -97,9 +97,14 @@ def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
 
 
 def _refusal(path: Path, who: str, error: Exception) -> ConfigError:
+    """The one line: the loader's own error, after the first file of our export that no longer matches its
+    manifest when there is one (the likely cause, but a file the user changed on purpose may not be)."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    said = f"{type(error).__name__}: {clip(first)}"
     damaged = damaged_file(path)
     if damaged:
-        return ConfigError(f"{who}: {path}: {damaged}; export it again (./launch.sh export RUN_ID --out DIR)")
-    first = (str(error).strip().splitlines() or [""])[0]
+        return ConfigError(
+            f"{who}: {path}: {damaged}; export it again (./launch.sh export RUN_ID --out DIR). Loading said: {said}"
+        )
     text = first if first.startswith(str(path)) else f"{path}: {first}"
     return ConfigError(f"{who}: {clip(text)} ({type(error).__name__})")

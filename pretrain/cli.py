@@ -393,15 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), printed already
         return e.code if isinstance(e.code, int) else 1
-    except BrokenPipeError:  # stdout closed by its reader (`runs | head`): stop quietly, as `ls | head` does
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
-        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"error: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 128 + signum
     except Exception as e:  # noqa: BLE001 - user errors become one line; internal ones keep their traceback
+        if isinstance(e, BrokenPipeError) and _stdout_closed():  # `runs | head`: end quietly, as `ls | head` does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
+            return 128 + signal.SIGPIPE
         if os.environ.get("PRETRAIN_DEBUG"):
             raise
         known = user_error(e)
@@ -411,3 +410,15 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exception(e)  # with its notes (the full log of a training run)
         print(f"error: internal error: {_root_cause(e)}", file=sys.stderr)
         return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (any other broken pipe is an error like any other)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output)
+        return False

@@ -333,11 +333,12 @@ def check_directory(path: Path) -> None:
         raise CheckpointError(f"{path} {not_a(path, 'a directory')}")
 
 
-def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
+def latest_committed(run_dir: Path, full: bool = True) -> CommittedCheckpoint | None:
     """The newest committed checkpoint of ``run_dir`` (None when it has none or does not exist); raises
     :func:`check_directory`'s error for a path that is no directory, and a CheckpointError when a newer step
     directory's manifest cannot be read (a commit renames a complete manifest into place, so that is damage, never
-    a save in progress): its error, the newest older checkpoint that verifies and how to resume from it."""
+    a save in progress): its error, the newest older checkpoint that verifies (``full``: every checksum; else
+    presence and sizes, reading no file) and how to resume from it."""
     check_directory(run_dir)
     found = list_committed(run_dir)
     newest = found[-1] if found else None
@@ -353,7 +354,7 @@ def latest_committed(run_dir: Path) -> CommittedCheckpoint | None:
             try:
                 read_manifest(child)
             except CheckpointError as e:
-                raise CheckpointError(_point_back(run_dir, step, str(e), full=True)) from None
+                raise CheckpointError(_point_back(run_dir, step, str(e), full)) from None
     return newest
 
 
@@ -366,7 +367,7 @@ def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)
     else:
-        ckpt = latest_committed(path)
+        ckpt = latest_committed(path, full)
         if ckpt is None:
             raise CheckpointError(f"{path}: no committed checkpoint found")
     verify_or_point_back(ckpt, full)

@@ -44,6 +44,7 @@ from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip, not_a, quote
 from pretrain.data.bad_records import bad_record, check_text
 from pretrain.data.demo_corpus import build_demo_corpus
+from pretrain.data.shards.format import FORMAT as SHARD_FORMAT
 from pretrain.data.shards.format import MANIFEST as SHARD_MANIFEST
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def _looks_like_hub(path: str) -> bool:
 def _directory_files(root: Path) -> list[Path]:
     """The files below ``root``, sorted; not hidden ones, nor those of a token-shard directory inside it (the
     output of ``./launch.sh tokenize``: its manifest and tokenizer are JSON, not the corpus)."""
-    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if m.is_file()}
+    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if _is_shard_manifest(m)}
     return sorted(
         f
         for f in root.rglob("*")
@@ -205,6 +206,15 @@ def _directory_files(root: Path) -> list[Path]:
         and not any(x.startswith(".") for x in f.relative_to(root).parts)
         and not any(d in shard_dirs for d in f.parents)
     )
+
+
+def _is_shard_manifest(path: Path) -> bool:
+    """A ``manifest.json`` that ``./launch.sh tokenize`` wrote (its format field), not any file of that name."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == SHARD_FORMAT
 
 
 def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:

@@ -295,7 +295,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         root = tracking.run_checkpoint_root(uri, target)
         if hold is not None and root.is_dir():
             hold.enter_context(hold_run(root, target))
-        ckpt = latest_committed(root)
+        ckpt = latest_committed(root, full=False)
         if ckpt is None:
             raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
         # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);

@@ -118,23 +118,31 @@ def run_job(prepare, announce) -> int:
 
 def _stopped_at_once(signame: str, job) -> str:
     """The line of a run that a stop ended without a new checkpoint: where the latest committed one is."""
-    from pretrain.checkpoint import latest_committed
+    from pretrain.checkpoint import CheckpointError, latest_committed
 
-    last = latest_committed(Path(job.run_dir))
+    try:
+        last = latest_committed(Path(job.run_dir), full=False)
+    except CheckpointError as e:  # the newest is damaged: the error names the one to resume from
+        return f"{signame}: stopped at once, no new checkpoint; {e}"
     if last is None:
         return f"{signame}: stopped at once; the run has no committed checkpoint, so there is nothing to resume"
     return (
         f"{signame}: stopped at once, no new checkpoint; latest committed checkpoint {last.path}; "
-        f"resume: {_resume_command(job)}"
+        f"resume: {_resume_command(job, last.step)}"
     )
 
 
-def _resume_command(job) -> str:
-    """``./launch.sh resume RUN_ID``, with the tracking store when the user set one in the environment."""
+def _resume_command(job, step: int) -> str:
+    """``./launch.sh resume RUN_ID`` from a checkpoint at ``step``, with the tracking store when the user set one in
+    the environment; at the run's last step, with the overrides that train on (a bare resume has nothing to do)."""
+    from pretrain.config import from_dict
+    from pretrain.train.schedule import train_longer
     from pretrain.train.tracking import tracking_uri
 
     env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(tracking_uri())} "
-    return f"{env}./launch.sh resume {job.run_id}"
+    train = from_dict(job.config).train
+    longer = f" {train_longer(train, step)}" if step >= train.max_steps else ""
+    return f"{env}./launch.sh resume {job.run_id}{longer}"
 
 
 def _print_stopped(final: dict, job, signum: int) -> int:
@@ -144,7 +152,7 @@ def _print_stopped(final: dict, job, signum: int) -> int:
     where = final.get("checkpoint") or "no checkpoint (none was written)"
     print(
         f"stopped by {final['stopped']['signal']} at step {final['stopped']['step']}: checkpoint {where}; "
-        f"resume: {_resume_command(job)}",
+        f"resume: {_resume_command(job, int(final['stopped']['step']))}",
         file=sys.stderr,
     )
     return exit_code(signum)

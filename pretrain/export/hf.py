@@ -400,9 +400,13 @@ def main(argv: list[str]) -> int:
 
 def shard_size(text: str) -> int:
     """``--max-shard-size`` in bytes: a number of bytes, or a number with KB, MB, GB or TB (powers of 10, as
-    ``transformers`` reads them); ConfigError for anything else, before any work."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", text, re.IGNORECASE)
-    size = int(float(m[1]) * 1000 ** ("KMGT".index(m[2][0].upper()) + 1 if m[2] else 0)) if m else 0
+    ``transformers``' ``save_pretrained`` reads them) or KiB, MiB, GiB or TiB (powers of 2); ConfigError for anything
+    else, before any work."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?)B)?\s*", text, re.IGNORECASE)
+    power = "KMGT".index(m[2].upper()) + 1 if m and m[2] else 0
+    size = int(float(m[1]) * (1024 if m[3] else 1000) ** power) if m else 0
     if size <= 0:
-        raise ConfigError(f"export --max-shard-size: {text!r}: expected bytes (> 0), or a number with KB, MB, GB or TB")
+        raise ConfigError(
+            f"export --max-shard-size: {text!r}: expected bytes (> 0), or a number with KB, MB, GB, TB (or KiB, ...)"
+        )
     return size

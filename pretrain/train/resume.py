@@ -26,7 +26,7 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> C
     if ctx.is_main:
         store.cleanup_staging(run_dir)
     dist.barrier()
-    resume = store.latest_committed(run_dir)
+    resume = store.latest_committed(run_dir, full=False)
     if resume is None and cfg.checkpoint.resume_from:
         resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
     if resume is not None:

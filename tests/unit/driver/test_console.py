@@ -100,3 +100,14 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141 and err == "", err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    from pretrain import cli
+
+    def broken(rest):
+        raise BrokenPipeError(32, "Broken pipe")  # a dead subprocess's pipe, not the terminal's reader
+
+    monkeypatch.setitem(cli.COMMANDS, "runs", broken)
+    assert cli.main(["runs"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: internal error: BrokenPipeError: [Errno 32] Broken pipe"

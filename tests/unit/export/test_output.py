@@ -213,10 +213,10 @@ def test_an_earlier_logged_model_keeps_its_weights(tokenizer_dir, workdir, capsy
 def test_a_malformed_shard_size_is_refused_before_any_work(run_dir, workdir, capsys):
     from pretrain.export.hf import shard_size
 
-    assert [shard_size(v) for v in ("2GB", "500mb", "1.5KB", "1000", " 5 MB ")] == [2e9, 5e8, 1500, 1000, 5e6]
-    for bad in ("abc", "0", "-5MB", "2GiB"):
+    sizes = ("2GB", "500mb", "1.5KB", "1000", " 5 MB ", "2GiB", "1kib")
+    assert [shard_size(v) for v in sizes] == [2e9, 5e8, 1500, 1000, 5e6, 2 * 2**30, 1024]
+    for bad in ("abc", "0", "-5MB", "2GiBs"):
         code, errors = export(capsys, str(run_dir), "--out", str(workdir / "out"), f"--max-shard-size={bad}")
-        assert code == 2 and errors == [
-            f"error: export --max-shard-size: {bad!r}: expected bytes (> 0), or a number with KB, MB, GB or TB"
-        ]
+        expected = "expected bytes (> 0), or a number with KB, MB, GB, TB (or KiB, ...)"
+        assert code == 2 and errors == [f"error: export --max-shard-size: {bad!r}: {expected}"]
     assert not (workdir / "out").exists()

@@ -64,5 +64,12 @@ def test_too_few_shard_documents_for_the_streams_and_a_nested_shard_directory(co
     corpus_dir.mkdir()
     shutil.copy(corpus, corpus_dir / "a.jsonl" if str(corpus).endswith(".jsonl") else corpus_dir / "a.txt")
     shutil.copytree(shards, corpus_dir / "shards")  # ./launch.sh tokenize corpus --out corpus/shards
-    rs = resolve_source(SourceConfig(path=str(corpus_dir)), ".")
-    assert [Path(f).name for f in rs.files] == [next(corpus_dir.glob("a.*")).name]
+    (corpus_dir / "notes").mkdir()  # a manifest.json of something else hides nothing beside it
+    (corpus_dir / "notes" / "manifest.json").write_text('{"files": []}')
+    (corpus_dir / "notes" / "b.txt").write_text("more text\n")
+    rs = resolve_source(SourceConfig(path=str(corpus_dir), format="text"), ".")
+    assert [str(Path(f).relative_to(corpus_dir)) for f in rs.files] == [
+        next(corpus_dir.glob("a.*")).name,
+        "notes/b.txt",
+        "notes/manifest.json",
+    ]
