@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -104,14 +103,21 @@ def read_token(path: Path | str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def _private_dir(path: Path) -> None:
+    """The head's temp dir, readable by its owner only: Ray's logs there record each job's runtime environment
+    (``--env`` values included) and keep it after ``cluster down``. Ray makes its session directories inside
+    world-writable; a parent of mode 700 keeps other users out of all of them. A directory of another owner is
+    refused (another user's Ray, or a path they could read)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_uid != os.getuid():
+        raise ClusterError(f"--temp-dir {path}: owned by another user; pass a directory of yours")
+    path.chmod(0o700)
+
+
 def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "in use"
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    from pretrain.ports import port_free
+
+    return port_free(port)
 
 
 def _free_port(avoid: set[int]) -> int:
@@ -192,6 +198,7 @@ def up(args: argparse.Namespace) -> int:
         if port in _WORKER_PORTS:
             raise ClusterError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
 
+    _private_dir(Path(temp_dir))
     tok = _ensure_token()
     sdir = state_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
@@ -264,6 +271,7 @@ def up(args: argparse.Namespace) -> int:
         raise ClusterError(f"ray start failed ({_last_error_line(log_path)}); full log: {log_path}")
     state["gcs_pid"] = _find_gcs_pid(state)
     _write_state(state)
+    _private_dir(Path(temp_dir))  # again: `ray start` makes its temp dir world-writable
     token = read_token(tok)
     deadline = time.time() + 60
     status = 0

@@ -184,7 +184,9 @@ def api_errors(address: str, source: str, job_id: str = "") -> Iterator[None]:
             raise ClusterError(f"no job {job_id} at {address}") from None
         if "status code 401" in text or "status code 403" in text:
             raise _auth_failed(address, source, rejected="403" in text) from None
-        raise ClusterError(f"Ray Jobs API at {address}: {text.strip().splitlines()[0][:300]}") from None
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        reason = lines[0] if len(lines) < 2 or "Traceback" not in lines[0] else f"{lines[0]} ... {lines[-1]}"
+        raise ClusterError(f"Ray Jobs API at {address}: {reason[:300]}") from None
 
 
 def connect(address: str):
@@ -211,10 +213,21 @@ def connect(address: str):
     ):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    with api_errors(address, source):
+    with api_errors(address, source), _without_ray_address_env():
         client = JobSubmissionClient(address, headers=headers)
     client._pretrain_auth_source = source  # type: ignore[attr-defined]  # ours, for error messages of later calls
     return client
+
+
+@contextmanager
+def _without_ray_address_env() -> Iterator[None]:
+    """Ray's client takes ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS`` over the address it is given; while it is made,
+    neither is set, so that it talks to ``address`` (:func:`resolve_address` already put ``--address`` first)."""
+    saved = {k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def call_api(client, address: str, fn, *args, job_id: str = ""):

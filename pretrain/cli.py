@@ -134,7 +134,7 @@ def cmd_runs(args: list[str]) -> int:
 
 def cmd_ui(args: list[str]) -> int:
     from pretrain.driver import ui_links
-    from pretrain.train.tracking import mark_training_experiments, tracking_uri
+    from pretrain.train.tracking import mark_training_experiments, shown_uri, tracking_uri
 
     p = argparse.ArgumentParser(prog="launch.sh ui")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
@@ -147,10 +147,21 @@ def cmd_ui(args: list[str]) -> int:
     for flag, value in (("--port", a.port), ("--workers", a.workers)):
         if not value.isdigit() or int(value) < 1:
             raise ConfigError(f"ui {flag}: a positive whole number, got {value!r}")
+    if int(a.port) > 65535:
+        raise ConfigError(f"ui --port: a TCP port is at most 65535, got {a.port}")
     uri = tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"ui: the tracking store is an MLflow server ({shown_uri(uri)}), which serves its own UI: open "
+            f"{ui_links.ui_base(uri)}"
+        )
+    from pretrain.ports import port_free
+
+    if not port_free(int(a.port), a.host):
+        raise ConfigError(f"ui --port {a.port}: {a.host}:{a.port} is in use (another server?); pass another --port")
     mark_training_experiments(uri)  # experiments made before the kind tag open as training, not GenAI
     mlflow = Path(sys.executable).with_name("mlflow")
-    print(f"[pretrain] MLflow UI for {uri} on http://{a.host}:{a.port}", flush=True)
+    print(f"[pretrain] MLflow UI for {shown_uri(uri)} on http://{a.host}:{a.port}", flush=True)
     base = ui_links.served_base(a.host, a.port)
     links = [
         (f"experiment {name}", ui_links.ui_url(base, exp_id)) for exp_id, name in ui_links.training_experiments(uri)
@@ -405,11 +416,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         known = user_error(e)
         if known is not None:
-            print(f"error: {known[1]}", file=sys.stderr)
+            print(f"error: {without_passwords(known[1])}", file=sys.stderr)
             return known[0]
-        traceback.print_exception(e)  # with its notes (the full log of a training run)
-        print(f"error: internal error: {_root_cause(e)}", file=sys.stderr)
+        # with its notes (the full log of a training run); a URL's password (a tracking server's) never printed
+        print(without_passwords("".join(traceback.format_exception(e))), end="", file=sys.stderr)
+        print(f"error: internal error: {without_passwords(_root_cause(e))}", file=sys.stderr)
         return 1
+
+
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@", re.IGNORECASE)
+
+
+def without_passwords(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", text)
 
 
 def _stdout_closed() -> bool:

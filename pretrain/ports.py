@@ -14,3 +14,19 @@ def free_port(avoid: set[int] | frozenset[int] = frozenset()) -> int:
         if port not in avoid:
             return port
     raise OSError("could not find a free local port")
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind ``host:port`` now (as servers do, with SO_REUSEADDR: TIME_WAIT is not "in
+    use")."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return False
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

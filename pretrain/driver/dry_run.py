@@ -122,7 +122,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
     )
     uri = ""
     if cfg.tracking.enabled:
-        from pretrain.train.tracking import tracking_uri
+        from pretrain.train.tracking import shown_uri, tracking_uri
 
         uri = tracking_uri()
     sources = ", ".join(s.name or s.path for s in cfg.data.sources)
@@ -156,7 +156,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
         ),
         *plan_rows(cfg, plan, counts),
         ("checkpoints", f"every {cfg.checkpoint.every_steps or t.max_steps} steps into {cfg.checkpoint.dir}/RUN_ID"),
-        ("tracking", f"MLflow {uri}" if uri else "off (tracking.enabled=false)"),
+        ("tracking", f"MLflow {shown_uri(uri)}" if uri else "off (tracking.enabled=false)"),
     ]
     print(
         "[pretrain] dry run: config valid; preflight passed (checkpoint directory writable, batch layout, "

@@ -40,7 +40,7 @@ def print_summary(final: dict, job, uri: str) -> None:
     print(f"\n== finished: {cfg_name} ==")
     for k, v in rows:
         print(f"  {k:<18} {v}")
-    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+    env = _store_prefix(uri)
     from pretrain.config import from_dict
     from pretrain.driver.ui_links import run_url
     from pretrain.train.schedule import train_longer
@@ -48,10 +48,11 @@ def print_summary(final: dict, job, uri: str) -> None:
     longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
     print("\n  resume:      " + f"{env}./launch.sh resume {run_id} {longer}")
     print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
-    print(
-        "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
-        f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
-    )
+    if not uri.startswith(("http://", "https://")):  # a tracking server serves its own UI: the link below
+        print(
+            "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
+            f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
+        )
     link = run_url(job.tracking_uri, run_id)
     if link:
         print("  run in UI:   " + link)
@@ -139,10 +140,21 @@ def _resume_command(job, step: int) -> str:
     from pretrain.train.schedule import train_longer
     from pretrain.train.tracking import tracking_uri
 
-    env = "" if "MLFLOW_TRACKING_URI" not in os.environ else f"MLFLOW_TRACKING_URI={shlex.quote(tracking_uri())} "
+    env = _store_prefix(tracking_uri())
     train = from_dict(job.config).train
     longer = f" {train_longer(train, step)}" if step >= train.max_steps else ""
     return f"{env}./launch.sh resume {job.run_id}{longer}"
+
+
+def _store_prefix(uri: str) -> str:
+    """``MLFLOW_TRACKING_URI=... `` before a printed command when the user set the store in the environment, so the
+    command works from another shell; nothing when the URI holds a password (never printed: the shell that has it
+    set runs the command as it is)."""
+    from pretrain.train.tracking import has_secret
+
+    if "MLFLOW_TRACKING_URI" not in os.environ or has_secret(uri):
+        return ""
+    return f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
 
 
 def _print_stopped(final: dict, job, signum: int) -> int:

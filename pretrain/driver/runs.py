@@ -20,7 +20,7 @@ def runs(args: list[str]) -> int:
     if args:
         run = tracking.find_run(uri, args[0])
         if run is None:
-            raise ConfigError(f"{args[0]}: no such run in {uri}")
+            raise ConfigError(f"{args[0]}: no such run in {tracking.shown_uri(uri)}")
         root = run.data.tags.get(tracking.TAG_CKPT_ROOT, "")
         print(f"run {args[0]} ({run.info.run_name}, {run.info.status}); checkpoints in {root}")
         print(f"  in the UI: {ui_url(ui_base(uri), run.info.experiment_id, args[0])}")
@@ -51,11 +51,11 @@ def runs(args: list[str]) -> int:
     if not runs:
         missing = tracking.store_missing(uri)
         print(
-            f"no runs in {uri}"
+            f"no runs in {tracking.shown_uri(uri)}"
             + (" (no store there: run this where you trained, or set MLFLOW_TRACKING_URI)" if missing else "")
         )
         return 0
-    print(f"tracking store: {uri}")
+    print(f"tracking store: {tracking.shown_uri(uri)}")
     w = max(4, *(len(r.info.run_name or "") for r in runs))  # whole names: a child's differs at its end
     print(f"{'run id':<34} {'name':<{w}} {'status':<9} {'step':>6} {'tokens':>13} {'val loss':>8}  latest checkpoint")
     for r in runs:

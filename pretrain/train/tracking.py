@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pretrain.checkpoint import CheckpointError, layout, read_manifest
 from pretrain.checkpoint.manifest import Manifest
@@ -43,6 +44,22 @@ def tracking_uri() -> str:
     if "://" not in uri and not uri.startswith("file:") and not Path(uri).is_absolute():
         return str(Path(uri).resolve())  # a local file store given as a relative path
     return uri
+
+
+def shown_uri(uri: str) -> str:
+    """``uri`` as it may be printed: a password in it (``http://user:PASSWORD@host``) replaced by ``***`` and any
+    query (tokens) left out; MLflow's own ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` keep credentials out of it."""
+    parts = urlsplit(uri)
+    if not parts.netloc or ("@" not in parts.netloc and not parts.query):
+        return uri
+    user, at, host = parts.netloc.rpartition("@")
+    netloc = f"{user.split(':', 1)[0]}:***@{host}" if at and ":" in user else parts.netloc
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def has_secret(uri: str) -> bool:
+    """Whether printing ``uri`` whole would print a secret (:func:`shown_uri` changes it)."""
+    return shown_uri(uri) != uri
 
 
 def _local_artifact_root(uri: str) -> str | None:
@@ -211,7 +228,7 @@ def run_checkpoint_root(uri: str, run_id: str) -> Path:
     """The checkpoint directory recorded for ``run_id`` (ConfigError when there is none)."""
     run = find_run(uri, run_id)
     if run is None:
-        raise ConfigError(f"{run_id}: neither a checkpoint/run directory nor a run id in {uri}")
+        raise ConfigError(f"{run_id}: neither a checkpoint/run directory nor a run id in {shown_uri(uri)}")
     root = run.data.tags.get(TAG_CKPT_ROOT)
     if not root:
         raise ConfigError(f"{run_id}: the run has no checkpoint directory recorded")

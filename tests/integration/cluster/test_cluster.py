@@ -195,6 +195,7 @@ def test_head_is_local_only_and_authenticated(head):
     assert state["address"].startswith("http://127.0.0.1:")
     token_file = Path(state["token_path"])
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(Path(state["temp_dir"]).stat().st_mode) == 0o700  # Ray's logs hold the jobs' environments
     assert token_file.read_text().strip() not in head["up_stdout"]
 
     found = _listeners(state)

@@ -5,6 +5,7 @@ and a real local Ray head are in ``tests/integration/cluster/test_cluster.py``."
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -173,6 +174,46 @@ def test_address_and_token_resolution(tmp_path, monkeypatch):
     assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
     assert submit.auth_token("http://127.0.0.1:18999")[0] == "c" * 64
+
+
+def test_the_address_given_is_the_one_talked_to_whatever_ray_address_says(tmp_path, monkeypatch):
+    """Ray's client would take ``RAY_ADDRESS`` over the address it is given; ``--address`` goes first here (the token
+    and the messages are the given address's, so the requests must be too)."""
+    import http.server
+    import threading
+
+    from cluster import submit
+
+    hits: dict[int, list[str]] = {}
+
+    class Ray(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what Ray's client asks first: the server's Ray version
+            hits.setdefault(self.server.server_port, []).append(self.path)
+            body = json.dumps({"ray_version": "2.60.0", "version": "4", "ray_commit": "x"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ray) for _ in range(2)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    other, given = (f"http://127.0.0.1:{server.server_port}" for server in servers)
+    for k in _CLIENT_ENV_DROP:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
+    monkeypatch.setenv("RAY_ADDRESS", other)
+    try:
+        client = submit.connect(submit.resolve_address(given))
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert client.get_address() == given and os.environ["RAY_ADDRESS"] == other
+    assert set(hits) == {servers[1].server_port}, hits
 
 
 def test_job_env_is_an_allowlist(monkeypatch):

@@ -21,3 +21,23 @@ def test_a_stop_at_the_last_step_prints_a_resume_that_trains(tmp_path, monkeypat
     assert _stopped_at_once("SIGTERM", job).endswith(
         "the run has no committed checkpoint, so there is nothing to resume"
     )
+
+
+def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, capsys):
+    """A password in ``MLFLOW_TRACKING_URI`` stays out of the summary (whose commands then rely on the shell that has
+    it set), of the UI line (a server serves its own UI: the run's link), and of any error line."""
+    from pretrain.cli import without_passwords
+    from pretrain.driver.run_job import print_summary
+    from pretrain.train.tracking import shown_uri
+
+    secret = "http://user:S3cretPW@127.0.0.1:5126"
+    assert shown_uri(secret) == "http://user:***@127.0.0.1:5126" and shown_uri("sqlite:////x.db") == "sqlite:////x.db"
+    assert without_passwords(f"cannot reach {secret}/api/2.0") == "cannot reach http://user:***@127.0.0.1:5126/api/2.0"
+    cfg = load_config(None, ["train.max_steps=8"])
+    for uri in (secret, "sqlite:////tmp/m.db"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        job = Job(config=to_dict(cfg), run_id="local-1", run_dir=str(tmp_path), tracking_uri="")
+        print_summary({"step": 8, "final_train_loss": 1.0}, job, uri)
+        out = capsys.readouterr().out
+        assert "S3cretPW" not in out and ("MLflow UI:" in out) == uri.startswith("sqlite")
+        assert ("resume:      MLFLOW_TRACKING_URI=sqlite:////tmp/m.db ./launch.sh resume" in out) == (uri != secret)

@@ -114,3 +114,26 @@ def test_open_waits_for_the_server_then_opens_the_browser(tmp_path, monkeypatch,
         ui_links.open_when_serving("http://127.0.0.1/y", "0.0.0.0", port, wait_s=30)
         out = _wait_for(lambda: capfd.readouterr().out)
     assert out.strip() == "[pretrain] no browser found here: open http://127.0.0.1/y"
+
+
+def test_ui_refuses_what_it_could_not_serve_in_one_line(workdir, monkeypatch, capsys):
+    """Before MLflow's server is started: a port beyond 65535, a port in use (the links would open another server),
+    and a tracking server as the store (it serves its own UI) are each one line, exit 2."""
+    from pretrain.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, error in [
+            (["--port", "70000"], "ui --port: a TCP port is at most 65535, got 70000"),
+            (["--port", str(port)], f"ui --port {port}: 127.0.0.1:{port} is in use (another server?); pass another"),
+        ]:
+            assert main(["ui", *args]) == 2
+            assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {error}"), args
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://user:S3cretPW@127.0.0.1:5126")
+    assert main(["ui"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: ui: the tracking store is an MLflow server (http://user:***@127.0.0.1:5126), which serves its own UI: "
+        "open http://127.0.0.1:5126"
+    )
