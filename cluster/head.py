@@ -324,6 +324,8 @@ def down(args: argparse.Namespace) -> int:
     if not state:
         print("no local Ray head recorded (nothing to stop)")
         return 0
+    if is_alive(state):
+        _stop_running_jobs(state["address"])
     procs = head_processes(state)
     n = terminate(procs, grace_s=args.grace)
     _clear_state()
@@ -333,6 +335,31 @@ def down(args: argparse.Namespace) -> int:
         else f"Ray head at {state.get('address')} was not running; state cleared"
     )
     return 0
+
+
+def _stop_running_jobs(address: str) -> None:
+    """Stop the head's running jobs as ``./launch.sh stop`` does (each run commits a checkpoint at its step and ends
+    KILLED), before the head's processes are signalled: killed with the head, a job's driver has no time to save and
+    its MLflow run stays RUNNING. Best effort: a head whose Jobs API does not answer is stopped all the same."""
+    from cluster.jobs import stop
+    from cluster.submit import TERMINAL, call_api, connect
+
+    try:
+        client = connect(address)
+        running = [
+            j.submission_id for j in call_api(client, address, client.list_jobs) if str(j.status.value) not in TERMINAL
+        ]
+    except ClusterError as e:
+        print(f"[cluster] could not list the head's jobs ({e}); stopping it anyway", flush=True)
+        return
+    if running:
+        print(f"[cluster] stopping {len(running)} running job(s) first: each commits a checkpoint", flush=True)
+    for job_id in running:
+        if job_id:
+            try:
+                stop([job_id, "--address", address])
+            except ClusterError as e:
+                print(f"[cluster] job {job_id}: {e}", flush=True)
 
 
 def status(args: argparse.Namespace) -> int:

@@ -326,3 +326,24 @@ def test_job_failing_on_the_cluster_is_one_line(head):
     line = _one_error_line(proc)
     assert line.startswith(f"error: job {job_id} FAILED") and "/nonexistent/corpus.jsonl" in line, line
     assert cli(work, "status", job_id, expect=None, timeout=120, env=env).stdout.strip() == "FAILED"
+
+
+def test_cluster_down_stops_a_running_job_with_a_checkpoint_first(head):
+    """Last in this file (the head is gone after it): `cluster down` while a job trains stops the job as `stop`
+    does, so the run commits a checkpoint and ends KILLED, instead of dying with the head and staying RUNNING."""
+    from mlflow import MlflowClient
+
+    work, env = head["work"], head["env"]
+    long = [a for a in TINY if not a.startswith("train.max_steps")] + ["train.max_steps=2000"]
+    proc = cli(work, "submit", CONFIG, *long, expect=0, timeout=240, env=env)
+    job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
+    run_id = re.search(r"MLflow run id: (\w+)", proc.stdout).group(1)
+    deadline = time.time() + 180
+    while "[train] step" not in cli(work, "logs", job_id, expect=None, timeout=120, env=env).stdout:
+        assert time.time() < deadline, "training did not start"
+        time.sleep(2)
+    down = cli(work, "cluster", "down", expect=0, timeout=240, env=env)
+    assert "stopping 1 running job(s) first" in down.stdout and f"job {job_id}: STOPPED" in down.stdout, down.stdout
+    run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["pretrain.stop.signal"] == "SIGTERM"
+    assert (Path(run.data.tags["pretrain.stop.checkpoint"]) / "manifest.json").is_file()
