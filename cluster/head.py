@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -319,13 +320,15 @@ def _find_gcs_pid(state: dict[str, Any]) -> int:
     return 0
 
 
-def down(args: argparse.Namespace) -> int:
+def down(args: argparse.Namespace, stop_jobs: Callable[[str], None] | None = None) -> int:
+    """Stop the head recorded here; ``stop_jobs(address)`` first, while it is alive (the CLI passes
+    :func:`cluster.jobs.stop_running`: its jobs commit a checkpoint, as ``stop`` has them do)."""
     state = read_state()
     if not state:
         print("no local Ray head recorded (nothing to stop)")
         return 0
-    if is_alive(state):
-        _stop_running_jobs(state["address"])
+    if stop_jobs is not None and is_alive(state):
+        stop_jobs(state["address"])
     procs = head_processes(state)
     n = terminate(procs, grace_s=args.grace)
     _clear_state()
@@ -335,31 +338,6 @@ def down(args: argparse.Namespace) -> int:
         else f"Ray head at {state.get('address')} was not running; state cleared"
     )
     return 0
-
-
-def _stop_running_jobs(address: str) -> None:
-    """Stop the head's running jobs as ``./launch.sh stop`` does (each run commits a checkpoint at its step and ends
-    KILLED), before the head's processes are signalled: killed with the head, a job's driver has no time to save and
-    its MLflow run stays RUNNING. Best effort: a head whose Jobs API does not answer is stopped all the same."""
-    from cluster.jobs import stop
-    from cluster.submit import TERMINAL, call_api, connect
-
-    try:
-        client = connect(address)
-        running = [
-            j.submission_id for j in call_api(client, address, client.list_jobs) if str(j.status.value) not in TERMINAL
-        ]
-    except ClusterError as e:
-        print(f"[cluster] could not list the head's jobs ({e}); stopping it anyway", flush=True)
-        return
-    if running:
-        print(f"[cluster] stopping {len(running)} running job(s) first: each commits a checkpoint", flush=True)
-    for job_id in running:
-        if job_id:
-            try:
-                stop([job_id, "--address", address])
-            except ClusterError as e:
-                print(f"[cluster] job {job_id}: {e}", flush=True)
 
 
 def status(args: argparse.Namespace) -> int:
@@ -415,7 +393,8 @@ def _usage(body: bytes) -> dict:
         return {}
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int:
+    """``cluster up|down|status``; ``stop_jobs``: see :func:`down`."""
     p = argparse.ArgumentParser(prog="launch.sh cluster", description="a local Ray head on 127.0.0.1")
     sub = p.add_subparsers(dest="action", required=True)
     pu = sub.add_parser("up", help="start a local Ray head (127.0.0.1, token auth)")
@@ -430,7 +409,9 @@ def main(argv: list[str]) -> int:
     pd.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     sub.add_parser("status", help="address, alive/dead, resources")
     a = p.parse_args(argv)
-    return {"up": up, "down": down, "status": status}[a.action](a)
+    if a.action == "down":
+        return down(a, stop_jobs)
+    return {"up": up, "status": status}[a.action](a)
 
 
 def run_cli(fn, argv: list[str], command: str) -> int:

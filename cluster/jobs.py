@@ -138,3 +138,25 @@ def stop(argv: list[str]) -> int:
         return 0
     print(f"job {job_id}: stop requested, still {current} after {wait:.0f} s")
     return 1
+
+
+def stop_running(address: str) -> None:
+    """Stop the head's running jobs as ``./launch.sh stop`` does (each run commits a checkpoint at its step and ends
+    KILLED), before the head's processes are signalled: killed with the head, a job's driver has no time to save and
+    its MLflow run stays RUNNING. Best effort: a head whose Jobs API does not answer is stopped all the same."""
+    try:
+        client = connect(address)
+        running = [
+            j.submission_id for j in call_api(client, address, client.list_jobs) if str(j.status.value) not in TERMINAL
+        ]
+    except ClusterError as e:
+        print(f"[cluster] could not list the head's jobs ({e}); stopping it anyway", flush=True)
+        return
+    if running:
+        print(f"[cluster] stopping {len(running)} running job(s) first: each commits a checkpoint", flush=True)
+    for job_id in running:
+        if job_id:
+            try:
+                stop([job_id, "--address", address])
+            except ClusterError as e:
+                print(f"[cluster] job {job_id}: {e}", flush=True)

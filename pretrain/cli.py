@@ -255,9 +255,11 @@ def cmd_anneal(args: list[str]) -> int:
 
 
 def cmd_cluster(args: list[str]) -> int:
-    from cluster import head
+    from functools import partial
 
-    return head.run_cli(head.main, args, "cluster")
+    from cluster import head, jobs
+
+    return head.run_cli(partial(head.main, stop_jobs=jobs.stop_running), args, "cluster")
 
 
 def cmd_submit(args: list[str]) -> int:
