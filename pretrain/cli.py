@@ -205,7 +205,7 @@ def cmd_verify(args: list[str]) -> int:
         raise ConfigError("verify: give one run id or checkpoint directory")
     path = Path(args[0]).expanduser()
     if not path.exists():
-        if "/" in args[0] or args[0].startswith("."):  # a path, not a run id: do not touch the tracking store
+        if tracking.names_a_path(args[0]):
             raise ConfigError(f"verify: {args[0]}: no such checkpoint or run directory")
         path = tracking.run_checkpoint_root(tracking.tracking_uri(), args[0])
     ckpt = open_committed(path) if store.is_checkpoint_dir(path) else latest_committed(path)

@@ -97,12 +97,12 @@ def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, reuse: Path | None, s
     when a run trained it already)."""
     if a.tokenizer:
         path = Path(a.tokenizer).expanduser()
-        if not path.exists() and ("/" in a.tokenizer or a.tokenizer.startswith(".")):  # a path, not a run id
-            raise ConfigError(f"tokenize --tokenizer: {clip(a.tokenizer)}: no such directory")
         if not path.exists():
             from pretrain.checkpoint import layout
             from pretrain.train import tracking
 
+            if tracking.names_a_path(a.tokenizer):
+                raise ConfigError(f"tokenize --tokenizer: {clip(a.tokenizer)}: no such directory")
             path = tracking.run_checkpoint_root(tracking.tracking_uri(), a.tokenizer) / layout.RUN_TOKENIZER
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"tokenize --tokenizer: {clip(str(path))} holds no tokenizer.json (a fast tokenizer)")

@@ -24,7 +24,7 @@ def resolve_checkpoint(target: str, step: int | None = None) -> LoadedCheckpoint
         candidate = ckpt.manifest.run_id
         if candidate and not candidate.startswith("local-"):
             run_id = candidate if tracking.find_run(tracking.tracking_uri(), candidate) is not None else None
-    elif "/" in target or target.startswith("."):  # a path, not a run id: do not touch the tracking store
+    elif tracking.names_a_path(target):
         raise ConfigError(f"{target}: no such checkpoint or run directory")
     else:
         root = tracking.run_checkpoint_root(tracking.tracking_uri(), target)

@@ -224,6 +224,12 @@ def find_run(uri: str, run_id: str):
         return None
 
 
+def names_a_path(target: str) -> bool:
+    """Whether a command's RUN_ID|PATH argument that does not exist is a path (it has a ``/`` or starts with ``.``),
+    not a run id: a missing path is said to be missing, and the tracking store is not touched."""
+    return "/" in target or target.startswith(".")
+
+
 def run_checkpoint_root(uri: str, run_id: str) -> Path:
     """The checkpoint directory recorded for ``run_id`` (ConfigError when there is none)."""
     run = find_run(uri, run_id)
