@@ -24,7 +24,7 @@ WIKITEXT = SHARED / "wikitext2-valid.txt"
 FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint written by an older version)
 
 from tests.empty_store import empty_store  # noqa: E402  (after the environment above)
-from tests.harness import PYTHON, cli_env  # noqa: E402, F401  (after the environment above; re-exported)
+from tests.harness import PYTHON, cli_env, close_pools  # noqa: E402, F401  (after the environment above; re-exported)
 
 LONGEST_FIRST = (
     "integration/train/test_train_e2e.py",
@@ -61,6 +61,10 @@ def pytest_collection_modifyitems(items):
         return (0, first[rel]) if rel in first else (2, 0) if rel.startswith("unit/") else (1, 0)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pools()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -170,7 +170,9 @@ _POOLS: dict[int, _RankPool] = {}
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """End the session's rank pools and remove their rendezvous directories. Called at the end of the pytest session
+    (``tests/conftest.py``): pytest-xdist's workers exit without running ``atexit`` handlers."""
     while _POOLS:
         _POOLS.popitem()[1].close()
 

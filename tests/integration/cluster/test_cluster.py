@@ -178,16 +178,29 @@ def _listeners(state: dict) -> list[tuple[str, int, str]]:
     return out
 
 
-def _wait_status(work, env, job_id: str, want: set[str], timeout: float) -> str:
+def _watch(head: dict, job_id: str, done, timeout: float) -> tuple[str, str]:
+    """Poll a job through the Jobs API in this process until ``done(status, logs)``; returns both (no process per
+    poll; the CLI's ``status`` and ``logs`` are each tested as users run them)."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = Path(head["state"]["token_path"]).read_text().strip()
+    client = JobSubmissionClient(head["address"], headers={"Authorization": f"Bearer {token}"})
     deadline = time.time() + timeout
-    status = ""
-    while time.time() < deadline:
-        proc = cli(work, "status", job_id, expect=0, timeout=120, env=env)
-        status = proc.stdout.strip()
-        if status in want:
-            return status
-        time.sleep(2)
-    raise AssertionError(f"job {job_id} still {status} after {timeout} s")
+    while True:
+        status, logs = str(client.get_job_status(job_id).value), client.get_job_logs(job_id)
+        if done(status, logs):
+            return status, logs
+        assert time.time() < deadline, f"job {job_id} still {status} after {timeout} s:\n{logs[-3000:]}"
+        time.sleep(1)
+
+
+def _ended(status: str, logs: str) -> bool:
+    return status in ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def _training(status: str, logs: str) -> bool:
+    """The job has ended, or its workers are up and have taken a step."""
+    return _ended(status, logs) or "[train] step" in logs
 
 
 def test_head_is_local_only_and_authenticated(head):
@@ -240,9 +253,9 @@ def test_submit_tiny_job_end_to_end(head):
     assert m_job and m_run, proc.stdout
     job_id, run_id = m_job.group(1), m_run.group(1)
 
-    assert _wait_status(work, env, job_id, {"SUCCEEDED", "FAILED", "STOPPED"}, 300) == "SUCCEEDED", cli(
-        work, "logs", job_id, expect=None, timeout=120, env=env
-    ).stdout[-3000:]
+    status, logs = _watch(head, job_id, _ended, 300)
+    assert status == "SUCCEEDED", logs[-3000:]
+    assert cli(work, "status", job_id, expect=0, timeout=120, env=env).stdout.strip() == "SUCCEEDED"
     logs = cli(work, "logs", job_id, expect=0, timeout=120, env=env)
     assert "== finished: demo-decoder ==" in logs.stdout and re.search(rf"MLflow run id\s+{run_id}", logs.stdout)
     assert "Found multiple active Ray instances" not in logs.stdout  # Ray's actors know their cluster
@@ -269,11 +282,7 @@ def test_stop_running_job_and_listeners_while_training(head):
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     assert "MLflow run id: " in proc.stdout
 
-    deadline = time.time() + 180
-    while "[train] " not in cli(work, "logs", job_id, expect=None, timeout=120, env=env).stdout:  # the workers are up
-        assert time.time() < deadline, "training did not start"
-        assert cli(work, "status", job_id, expect=None, timeout=120, env=env).stdout.strip() in ("PENDING", "RUNNING")
-        time.sleep(2)
+    assert _watch(head, job_id, _training, 180)[0] == "RUNNING"
     found = _listeners(state)
     wide = [x for x in found if x[0] not in LOOPBACK]
     print("\nlisteners while a job trains:", sorted(found))
@@ -338,10 +347,7 @@ def test_cluster_down_stops_a_running_job_with_a_checkpoint_first(head):
     proc = cli(work, "submit", CONFIG, *long, expect=0, timeout=240, env=env)
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     run_id = re.search(r"MLflow run id: (\w+)", proc.stdout).group(1)
-    deadline = time.time() + 180
-    while "[train] step" not in cli(work, "logs", job_id, expect=None, timeout=120, env=env).stdout:
-        assert time.time() < deadline, "training did not start"
-        time.sleep(2)
+    assert _watch(head, job_id, _training, 180)[0] == "RUNNING"
     down = cli(work, "cluster", "down", expect=0, timeout=240, env=env)
     assert "stopping 1 running job(s) first" in down.stdout and f"job {job_id}: STOPPED" in down.stdout, down.stdout
     run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)
