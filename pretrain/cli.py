@@ -17,7 +17,7 @@
     bench --growth [--seeds 0,1] [--tokens N] [--recipes A,B] [--scan] [--gpu-size] [--json]   the growth study:
                                                   scratch vs growth recipes vs their small models alone at
                                                   equal FLOPs, per seed (--scan: only scratch and the small models)
-    bench --layer-drop --quality [--seeds 0,1] [--steps N] [--json]   the layer-dropout study: progressive
+    bench --layer-drop --quality [--seeds 0,1] [--tokens N] [--json]   the layer-dropout study: progressive
                                                   layer dropping's time to loss, pruned vs half depth from scratch
     bench --build-corpus [--out DIR] [--json]     the studies' corpus: the installed packages' Python sources and
                                                   docs, deduplicated, split by hash, token-counted, cached
