@@ -305,8 +305,9 @@ class GrowthConfig:
     rewarm_steps: int = -1
     """After a growth, ramp the LR linearly from 0 back to the schedule over this many steps; 0 continues; -1 (the
     default): ``train.warmup_steps`` (fresh AdamW moments, re-warmed; ``docs/growth.md``).
-    A run derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value, else
-    the parent's ``train.warmup_steps``) and re-warms from its first step."""
+    A run derived by ``./launch.sh grow`` gets it set (its ``rewarm=`` option; by default the parent's value when
+    positive, else the parent's ``train.warmup_steps``: the child starts with fresh AdamW moments) and re-warms from
+    its first step."""
 
     def rewarm(self, warmup_steps: int) -> int:
         """The re-warm in steps (``rewarm_steps``, with -1 resolved to the run's ``warmup_steps``)."""

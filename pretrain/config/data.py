@@ -44,8 +44,10 @@ class DataConfig:
     """How many documents from the training stream the tokenizer is trained on."""
     num_streams: int = 8
     """Virtual data streams: documents are dealt to streams by global document index, each stream is
-    packed on its own, and worker r reads the streams s with s % num_workers == r. The global sample
-    order therefore does not depend on the worker count; it must be divisible by it."""
+    packed on its own, and data-parallel rank r of W reads the streams s with s % W == r. The global sample
+    order therefore does not depend on the worker count. At least as many as the data-parallel ranks; when W
+    does not divide it, some ranks read one stream more and the others pad (``pretrain/config/plan.py``).
+    ``train.global_batch_size`` must be a multiple of it."""
     bad_records: Literal["skip", "fail"] = "skip"
     """Malformed records (bad JSON, missing text field, undecodable bytes, empty text): ``skip`` counts
     and reports them (file and line); ``fail`` stops with a one-line error."""

@@ -18,8 +18,8 @@ class EvalConfig:
     ``acc_norm`` for multiple-choice): paths of local JSONL task files (docs/tasks.md; the task's name is the
     file stem) and/or ``heldout_lastword`` (built from the run's held-out text: no download)."""
     every: int = 0
-    """Evaluate the tasks every this many steps (and at the last step); 0: at every validation step
-    (``train.val_every``)."""
+    """Evaluate the tasks every this many steps (and at the last step); 0: every ``train.val_every`` steps
+    (not at the FLOPs points of ``train.val_every_flops``; with neither, at the last step only)."""
     max_examples: int = 200
     """Examples per task (the first ones of a file; the built-in task builds this many)."""
     num_choices: int = 4

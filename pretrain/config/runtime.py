@@ -233,10 +233,11 @@ class StabilityConfig:
     """Log health metrics (per-block gradient/parameter norms, update/parameter ratios, activation RMS and
     max, attention logit max, output logit mean square, non-finite counts) every N steps; 0 disables."""
     window: int = 128
-    """Rolling window (healthy steps) of the loss and gradient-norm statistics."""
+    """Rolling window (steps) of the loss and gradient-norm statistics. Every finite value enters it, warm-up
+    steps and flagged spikes included: the median and MAD shrug off the outliers they flag."""
     spike_threshold: float = 6.0
-    """A loss or gradient norm more than this many robust sigmas (1.4826 * MAD) above the window median
-    is a spike."""
+    """A loss or gradient norm more than this many robust sigmas above the window median is a spike; the
+    sigma is 1.4826 * MAD, and at least 1 % of the median (a nearly constant series is not flagged for noise)."""
     warmup_steps: int = 100
     """No spike or divergence detection during the first N steps (losses fall fast and LR warms up);
     non-finite values are always detected."""

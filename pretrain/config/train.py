@@ -77,7 +77,8 @@ class TrainConfig:
     """Compile each Transformer block with ``torch.compile`` (regional: embeddings, loss, optimizer stay eager).
     ``auto``: on for CUDA, off on CPU, where it costs a one-time compile of seconds per block shape and gains
     little at demo sizes (``./launch.sh bench`` measures both; results in ``benchmarks/results/``), and off under
-    ZeRO-3 (DeepSpeed's parameter gathers are module hooks inside the blocks; ``yes`` is refused there). Layer
+    ZeRO-3 (DeepSpeed's parameter gathers are module hooks inside the blocks) and under sequence or tensor
+    parallelism (``parallel.*``); ``yes`` is refused in both. Layer
     dropout does not recompile; the health probe's forwards (``stability.health_every``) run eagerly, so its hooks
     recompile nothing."""
     stop_at_val_loss: float = 0.0
