@@ -189,11 +189,12 @@ def find_checkpoint(path: Path, step: int | None = None) -> CommittedCheckpoint:
 
 
 def latest_verified(run_dir: Path, what: str) -> CommittedCheckpoint:
-    """The latest committed checkpoint of ``run_dir``, verified (ConfigError naming ``what`` when there is none)."""
+    """The latest committed checkpoint of ``run_dir``, verified (ConfigError naming ``what`` when there is none); a
+    damaged one is refused with the newest older checkpoint that verifies (:func:`store.verify_or_point_back`)."""
     latest = store.latest_committed(run_dir)
     if latest is None:
         raise ConfigError(f"{what}: no committed checkpoint in {run_dir}")
-    store.verify(latest.path, latest.manifest)
+    store.verify_or_point_back(latest)
     return latest
 
 

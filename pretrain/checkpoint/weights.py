@@ -115,7 +115,8 @@ def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
 
         # It prints progress to stdout; keep the CLI output (and --json) clean.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            sd = get_fp32_state_dict_from_zero_checkpoint(str(ds), tag=layout.DS_TAG)
+            with ds_adapter.weights_only_loads():
+                sd = get_fp32_state_dict_from_zero_checkpoint(str(ds), tag=layout.DS_TAG)
     return {k: v.detach().to(torch.float32).contiguous() for k, v in strip_module_prefix(sd).items()}
 
 
@@ -123,7 +124,7 @@ def _load_ds_module_states(path: Path) -> StateDict:
     """The ``module`` weights of a DeepSpeed model-states file, loaded with ``weights_only`` (no code runs; the
     adapter's allowlist admits the few DeepSpeed classes such files hold)."""
     with torch.serialization.safe_globals(ds_adapter.checkpoint_safe_globals()):
-        return dict(ds_adapter.load_module_state(path, weights_only=True))
+        return dict(ds_adapter.load_module_state(path))
 
 
 def expert_parallel_state_dict(ds_tag_dir: Path) -> StateDict:

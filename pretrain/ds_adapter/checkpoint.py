@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +28,29 @@ def checkpoint_safe_globals() -> list:
     """The classes of :data:`CHECKPOINT_GLOBALS`, for ``torch.serialization.safe_globals`` around a
     ``torch.load(..., weights_only=True)`` of a DeepSpeed checkpoint file."""
     return [getattr(importlib.import_module(mod), name) for mod, name in CHECKPOINT_GLOBALS]
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every ``torch.load`` in the block unpickles with ``weights_only=True`` and the allowlist of
+    :func:`checkpoint_safe_globals`, whatever its caller passes: 0.19's ``zero_to_fp32``, ``ds_to_universal`` and
+    the engine's universal and ZeRO-3 loads pass ``weights_only=False``, and a checkpoint file must not run code
+    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which ``torch.load`` reads at each call, set for the block). The variable
+    is process-wide: a load in another thread meanwhile is restricted too, never loosened."""
+    key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    old = os.environ.get(key)
+    os.environ[key] = "1"
+    # As (class, "module.name") pairs: torch's safe_globals removes its entries on exit, so a nested block of the
+    # bare classes (the engine's own loads) would otherwise take this block's allowlist with it.
+    named = [(getattr(importlib.import_module(mod), name), f"{mod}.{name}") for mod, name in CHECKPOINT_GLOBALS]
+    try:
+        with torch.serialization.safe_globals(named):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 _RANK_STATE_FILE = re.compile(r"(?:^|/)(?:\w*_)?pp_rank_(\d+)_")
@@ -137,9 +161,10 @@ def expert_state_files(tag_dir: Path) -> list[Path]:
     return sorted(tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
 
 
-def load_module_state(path: Path, weights_only: bool = True) -> dict:
-    """The module state dict in one of :func:`module_state_files` (its ``module`` entry), on the CPU."""
-    return torch.load(path, map_location="cpu", weights_only=weights_only)["module"]
+def load_module_state(path: Path) -> dict:
+    """The module state dict in one of :func:`module_state_files` (its ``module`` entry), on the CPU, loaded with
+    ``weights_only`` (the caller allows :func:`checkpoint_safe_globals`)."""
+    return torch.load(path, map_location="cpu", weights_only=True)["module"]
 
 
 def zero_optimizer_files(tag_dir: Path) -> list[Path]:
@@ -201,6 +226,7 @@ def convert_to_universal(input_folder: Path, output_folder: Path) -> None:
         ],
     )
     try:
-        main(parse_arguments())
+        with weights_only_loads():
+            main(parse_arguments())
     finally:
         sys.argv = argv
