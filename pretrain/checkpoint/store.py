@@ -218,8 +218,10 @@ def read_manifest(path: Path) -> Manifest:
         raw = json.loads((path / layout.MANIFEST).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a committed checkpoint (no {layout.MANIFEST})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}/{layout.MANIFEST}: corrupt manifest ({e})") from None
+    except OSError as e:  # unreadable (permissions), or the step's name on something that is no directory
+        raise CheckpointError(f"{path}/{layout.MANIFEST}: cannot read it ({e.strerror or type(e).__name__})") from None
     try:
         return Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -336,9 +338,9 @@ def check_directory(path: Path) -> None:
 def latest_committed(run_dir: Path, full: bool = True) -> CommittedCheckpoint | None:
     """The newest committed checkpoint of ``run_dir`` (None when it has none or does not exist); raises
     :func:`check_directory`'s error for a path that is no directory, and a CheckpointError when a newer step
-    directory's manifest cannot be read (a commit renames a complete manifest into place, so that is damage, never
-    a save in progress): its error, the newest older checkpoint that verifies (``full``: every checksum; else
-    presence and sizes, reading no file) and how to resume from it."""
+    directory's manifest is missing or cannot be read (a commit renames a directory with a complete manifest into
+    the step's name, so that is damage, never a save in progress): its error, the newest older checkpoint that
+    verifies (``full``: every checksum; else presence and sizes, reading no file) and how to resume from it."""
     check_directory(run_dir)
     found = list_committed(run_dir)
     newest = found[-1] if found else None
@@ -346,9 +348,7 @@ def latest_committed(run_dir: Path, full: bool = True) -> CommittedCheckpoint | 
         newer = [
             (step, child)
             for child in run_dir.iterdir()
-            if (step := layout.step_of(child.name)) is not None
-            and step > (newest.step if newest else -1)
-            and is_checkpoint_dir(child)
+            if (step := layout.step_of(child.name)) is not None and step > (newest.step if newest else -1)
         ]
         for step, child in sorted(newer, reverse=True)[:1]:
             try:

@@ -116,6 +116,15 @@ def test_a_newest_checkpoint_whose_manifest_is_unreadable_is_refused_not_skipped
         f"the newest checkpoint that verifies is step 4: resume from it with "
         f"./launch.sh resume {tmp_path / ly.step_dir_name(4)}"
     )
+    # bytes that are no UTF-8, and no manifest at all: damage too, refused the same way
+    (tmp_path / ly.step_dir_name(6) / ly.MANIFEST).write_bytes(b"\xff\xfe{")
+    with pytest.raises(ck.CheckpointError, match=r"corrupt manifest .*the newest checkpoint that verifies is step 4"):
+        ck.latest_committed(tmp_path)
+    (tmp_path / ly.step_dir_name(6) / ly.MANIFEST).unlink()
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.latest_committed(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / ly.step_dir_name(6)}: not a committed checkpoint (no {ly.MANIFEST})")
+    assert "the newest checkpoint that verifies is step 4" in str(e.value)
 
 
 OLD = FIXTURES / "old_checkpoint" / "step_00000002"
