@@ -42,7 +42,9 @@ def weights_only_loads() -> Iterator[None]:
     os.environ[key] = "1"
     # As (class, "module.name") pairs: torch's safe_globals removes its entries on exit, so a nested block of the
     # bare classes (the engine's own loads) would otherwise take this block's allowlist with it.
-    named = [(getattr(importlib.import_module(mod), name), f"{mod}.{name}") for mod, name in CHECKPOINT_GLOBALS]
+    named: list[Callable | tuple[Callable, str]] = [
+        (getattr(importlib.import_module(mod), name), f"{mod}.{name}") for mod, name in CHECKPOINT_GLOBALS
+    ]
     try:
         with torch.serialization.safe_globals(named):
             yield
