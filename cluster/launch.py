@@ -156,6 +156,12 @@ def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -
     preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
     ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
     if cluster.trains_in_process():
+        if cluster.max_failures > 0:  # Ray Train is what restarts a failed worker group
+            print(
+                f"[pretrain] note: cluster.max_failures={cluster.max_failures} has no effect with "
+                "cluster.use_ray=false: nothing restarts the workers (a failed run resumes from its last checkpoint)",
+                flush=True,
+            )
         return prepare(), False
     check_local_layout(cluster)  # before anything starts
     _ray_address(cluster)

@@ -1,5 +1,5 @@
-"""What every command sets up for the CUDA allocator and what Ray's workers get of it, and the line of a job trained
-alone (``cluster/launch.py``)."""
+"""What every command sets up for the CUDA allocator and what Ray's workers get of it, the line of a job trained
+alone, and the note on restarts without Ray (``cluster/launch.py``)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,15 @@ def test_a_job_of_several_workers_trained_alone_says_so():
     assert "cluster.num_workers=2" in line and "torchrun --nproc_per_node 2" in line
     assert alone_note(two, {"WORLD_SIZE": "2"}) is None
     assert alone_note(ClusterConfig(num_workers=1, use_ray=False), {}) is None
+
+
+def test_restarts_asked_of_a_job_without_ray_are_noted_once(capsys):
+    """``cluster.max_failures`` is Ray Train's: without Ray (``cluster.use_ray=false``) the run says it has no effect,
+    and prepares as usual; with Ray (or no restarts asked) nothing is said."""
+    from cluster.launch import prepare_while_ray_starts
+
+    assert prepare_while_ray_starts(ClusterConfig(use_ray=False, max_failures=2), lambda: "job") == ("job", False)
+    out = capsys.readouterr().out
+    assert out.count("note: cluster.max_failures=2 has no effect with cluster.use_ray=false") == 1, out
+    assert prepare_while_ray_starts(ClusterConfig(use_ray=False), lambda: "job") == ("job", False)
+    assert capsys.readouterr().out == ""
