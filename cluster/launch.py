@@ -156,12 +156,6 @@ def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -
     preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
     ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
     if cluster.trains_in_process():
-        if cluster.max_failures > 0:  # Ray Train is what restarts a failed worker group
-            print(
-                f"[pretrain] note: cluster.max_failures={cluster.max_failures} has no effect with "
-                "cluster.use_ray=false: nothing restarts the workers (a failed run resumes from its last checkpoint)",
-                flush=True,
-            )
         return prepare(), False
     check_local_layout(cluster)  # before anything starts
     _ray_address(cluster)
@@ -341,6 +335,17 @@ def alone_note(cluster: ClusterConfig, env: dict[str, str] | None = None) -> str
     )
 
 
+def restarts_note(cluster: ClusterConfig) -> str | None:
+    """The line of a job that asks for restarts (``max_failures``) but trains without Ray, which is what restarts a
+    failed worker group; or None."""
+    if cluster.use_ray or cluster.max_failures <= 0:
+        return None
+    return (
+        f"[pretrain] note: cluster.max_failures={cluster.max_failures} has no effect with cluster.use_ray=false: "
+        "nothing restarts the workers if one fails (./launch.sh resume RUN_ID continues from the last checkpoint)"
+    )
+
+
 def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
     """Run ``job`` with the configured backend and return the final metrics."""
     if not cluster.trains_in_process():
@@ -349,8 +354,8 @@ def run(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
         return run_with_ray(replace(job, startup=timeline.marks()), cluster)
     job = replace(job, startup=timeline.marks())
     # No Ray: this process is the worker (a world of one, or one rank of a torchrun launch).
-    note = alone_note(cluster)
-    if note:
-        print(note, flush=True)
+    for note in (alone_note(cluster), restarts_note(cluster)):
+        if note:
+            print(note, flush=True)
     sys.stdout.flush()
     return train_worker(asdict(job))

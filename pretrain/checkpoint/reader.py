@@ -191,10 +191,10 @@ def find_checkpoint(path: Path, step: int | None = None) -> CommittedCheckpoint:
 def latest_verified(run_dir: Path, what: str) -> CommittedCheckpoint:
     """The latest committed checkpoint of ``run_dir``, verified (ConfigError naming ``what`` when there is none); a
     damaged one is refused with the newest older checkpoint that verifies (:func:`store.verify_or_point_back`)."""
-    latest = store.latest_committed(run_dir)
+    latest = store.latest_committed(run_dir, resume=False)
     if latest is None:
         raise ConfigError(f"{what}: no committed checkpoint in {run_dir}")
-    store.verify_or_point_back(latest)
+    store.verify_or_point_back(latest, resume=False)
     return latest
 
 

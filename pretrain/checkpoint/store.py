@@ -257,16 +257,16 @@ def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None =
             raise CheckpointError(f"{path}: checksum mismatch for {rel}")
 
 
-def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True) -> None:
+def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: bool = True) -> None:
     """:func:`verify` ``ckpt`` (``full=False``: :func:`check_present` only, reading no file: the driver's early
     check, the ranks verify checksums of what they load); when it fails, the error also names the newest older
-    checkpoint of the same run directory that verifies (at the same level), and how to resume from it (a new run
-    starting from that checkpoint)."""
+    checkpoint of the same run directory that verifies (at the same level), and (``resume``) how to resume from it
+    (a new run starting from that checkpoint)."""
     check = verify if full else check_present
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
-        raise CheckpointError(point_back(ckpt, str(e), full)) from None
+        raise CheckpointError(_point_back(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
 
 
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
@@ -275,13 +275,15 @@ def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
     return _point_back(ckpt.path.parent, ckpt.step, error, full)
 
 
-def _point_back(run_dir: Path, step: int, error: str, full: bool) -> str:
+def _point_back(run_dir: Path, step: int, error: str, full: bool, resume: bool = True) -> str:
     check = verify if full else check_present
     for candidate in reversed([c for c in list_committed(run_dir) if c.step < step]):
         try:
             check(candidate.path, candidate.manifest)
         except CheckpointError:
             continue
+        if not resume:  # export, eval, generate...: the same command takes that directory
+            return f"{error}; the newest checkpoint that verifies is step {candidate.step}: {candidate.path}"
         return (
             f"{error}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
             f"with ./launch.sh resume {candidate.path}"
@@ -335,12 +337,13 @@ def check_directory(path: Path) -> None:
         raise CheckpointError(f"{path} {not_a(path, 'a directory')}")
 
 
-def latest_committed(run_dir: Path, full: bool = True) -> CommittedCheckpoint | None:
+def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> CommittedCheckpoint | None:
     """The newest committed checkpoint of ``run_dir`` (None when it has none or does not exist); raises
     :func:`check_directory`'s error for a path that is no directory, and a CheckpointError when a newer step
     directory's manifest is missing or cannot be read (a commit renames a directory with a complete manifest into
     the step's name, so that is damage, never a save in progress): its error, the newest older checkpoint that
-    verifies (``full``: every checksum; else presence and sizes, reading no file) and how to resume from it."""
+    verifies (``full``: every checksum; else presence and sizes, reading no file) and (``resume``) how to resume
+    from it."""
     check_directory(run_dir)
     found = list_committed(run_dir)
     newest = found[-1] if found else None
@@ -354,7 +357,7 @@ def latest_committed(run_dir: Path, full: bool = True) -> CommittedCheckpoint | 
             try:
                 read_manifest(child)
             except CheckpointError as e:
-                raise CheckpointError(_point_back(run_dir, step, str(e), full)) from None
+                raise CheckpointError(_point_back(run_dir, step, str(e), full, resume)) from None
     return newest
 
 

@@ -34,25 +34,26 @@ def checkpoint_safe_globals() -> list:
 def weights_only_loads() -> Iterator[None]:
     """Every ``torch.load`` in the block unpickles with ``weights_only=True`` and the allowlist of
     :func:`checkpoint_safe_globals`, whatever its caller passes: 0.19's ``zero_to_fp32``, ``ds_to_universal`` and
-    the engine's universal and ZeRO-3 loads pass ``weights_only=False``, and a checkpoint file must not run code
-    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which ``torch.load`` reads at each call, set for the block). The variable
-    is process-wide: a load in another thread meanwhile is restricted too, never loosened."""
-    key = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-    old = os.environ.get(key)
-    os.environ[key] = "1"
+    the optimizers' loads of the universal form pass ``weights_only=False``, and a checkpoint file must not run code
+    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which ``torch.load`` reads at each call, set for the block, and the user's
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, which torch refuses beside it, unset). The variables and the allowlist are
+    process-wide: one block at a time (a load in another thread meanwhile is restricted too)."""
     # As (class, "module.name") pairs: torch's safe_globals removes its entries on exit, so a nested block of the
     # bare classes (the engine's own loads) would otherwise take this block's allowlist with it.
     named: list[Callable | tuple[Callable, str]] = [
         (getattr(importlib.import_module(mod), name), f"{mod}.{name}") for mod, name in CHECKPOINT_GLOBALS
     ]
+    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
         with torch.serialization.safe_globals(named):
             yield
     finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 _RANK_STATE_FILE = re.compile(r"(?:^|/)(?:\w*_)?pp_rank_(\d+)_")

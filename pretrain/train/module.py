@@ -204,7 +204,7 @@ class TrainModule:
         """Load :meth:`save`'s output, or its DeepSpeed universal form (another worker count) when ``universal``."""
         self.settle()
         ds_adapter.set_universal_load(self.engine, universal)
-        with ds_adapter.weights_only_loads():  # DeepSpeed's own loads of universal and ZeRO-3 files too
+        with ds_adapter.weights_only_loads():  # the optimizers' own loads of the universal form too
             load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True)
         if load_path is None:
             raise CheckpointError(f"{directory}: DeepSpeed could not load the engine state")

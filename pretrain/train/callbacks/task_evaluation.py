@@ -86,7 +86,8 @@ def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device:
 
 
 class TaskEvaluation(Callback):
-    """``eval.tasks`` every ``eval.every`` steps (0: with validation) and at the last step, on all ranks."""
+    """``eval.tasks`` every ``eval.every`` steps (0: every ``train.val_every`` steps) and at the last step, on all
+    ranks."""
 
     order = 42
 

@@ -282,7 +282,8 @@ def test_stop_running_job_and_listeners_while_training(head):
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     assert "MLflow run id: " in proc.stdout
 
-    assert _watch(head, job_id, _training, 180)[0] == "RUNNING"
+    status, logs = _watch(head, job_id, _training, 180)
+    assert status == "RUNNING", logs[-3000:]
     found = _listeners(state)
     wide = [x for x in found if x[0] not in LOOPBACK]
     print("\nlisteners while a job trains:", sorted(found))
@@ -347,7 +348,8 @@ def test_cluster_down_stops_a_running_job_with_a_checkpoint_first(head):
     proc = cli(work, "submit", CONFIG, *long, expect=0, timeout=240, env=env)
     job_id = re.match(r"job id: (\S+)", proc.stdout).group(1)
     run_id = re.search(r"MLflow run id: (\w+)", proc.stdout).group(1)
-    assert _watch(head, job_id, _training, 180)[0] == "RUNNING"
+    status, logs = _watch(head, job_id, _training, 180)
+    assert status == "RUNNING", logs[-3000:]
     down = cli(work, "cluster", "down", expect=0, timeout=240, env=env)
     assert "stopping 1 running job(s) first" in down.stdout and f"job {job_id}: STOPPED" in down.stdout, down.stdout
     run = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).get_run(run_id)

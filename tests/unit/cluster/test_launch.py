@@ -3,7 +3,7 @@ alone, and the note on restarts without Ray (``cluster/launch.py``)."""
 
 from __future__ import annotations
 
-from cluster.launch import alone_note, worker_env
+from cluster.launch import alone_note, restarts_note, worker_env
 from pretrain.cli import CUDA_ALLOC_CONF, main
 from pretrain.config import ClusterConfig
 
@@ -31,13 +31,10 @@ def test_a_job_of_several_workers_trained_alone_says_so():
     assert alone_note(ClusterConfig(num_workers=1, use_ray=False), {}) is None
 
 
-def test_restarts_asked_of_a_job_without_ray_are_noted_once(capsys):
-    """``cluster.max_failures`` is Ray Train's: without Ray (``cluster.use_ray=false``) the run says it has no effect,
-    and prepares as usual; with Ray (or no restarts asked) nothing is said."""
-    from cluster.launch import prepare_while_ray_starts
-
-    assert prepare_while_ray_starts(ClusterConfig(use_ray=False, max_failures=2), lambda: "job") == ("job", False)
-    out = capsys.readouterr().out
-    assert out.count("note: cluster.max_failures=2 has no effect with cluster.use_ray=false") == 1, out
-    assert prepare_while_ray_starts(ClusterConfig(use_ray=False), lambda: "job") == ("job", False)
-    assert capsys.readouterr().out == ""
+def test_restarts_asked_of_a_job_without_ray_get_a_note():
+    """``cluster.max_failures`` is Ray Train's: without Ray (``cluster.use_ray=false``) the run says it has no effect
+    (``run``, for ``train`` and ``resume`` alike); with Ray, or with no restarts asked, there is no note."""
+    note = restarts_note(ClusterConfig(use_ray=False, max_failures=2))
+    assert note and "cluster.max_failures=2 has no effect with cluster.use_ray=false" in note
+    assert restarts_note(ClusterConfig(use_ray=True, max_failures=2)) is None
+    assert restarts_note(ClusterConfig(use_ray=False)) is None

@@ -56,6 +56,13 @@ def test_a_load_that_asks_for_full_unpickling_gets_weights_only_in_the_block(tmp
         loaded = torch.load(ds_like, map_location="cpu", weights_only=False)
     assert loaded["zero_stage"] is ZeroStageEnum.gradients and torch.equal(loaded["state"]["exp_avg"], torch.zeros(3))
 
+    # a user's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (torch refuses it beside the forcing one) is set aside, then back
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with weights_only_loads():
+        assert torch.load(ds_like, map_location="cpu", weights_only=False)["zero_stage"] is ZeroStageEnum.gradients
+    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and KEY not in os.environ
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+
     # outside the block the caller's choice stands: the same file runs its payload (what the block prevents)
     monkeypatch.setenv(KEY, "0")
     with weights_only_loads():
