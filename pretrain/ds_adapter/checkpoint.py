@@ -41,7 +41,7 @@ def weights_only_loads() -> Iterator[None]:
     # As (class, "module.name") pairs: torch's safe_globals removes its entries on exit, so a nested block of the
     # bare classes (the engine's own loads) would otherwise take this block's allowlist with it.
     named: list[Callable | tuple[Callable, str]] = [
-        (getattr(importlib.import_module(mod), name), f"{mod}.{name}") for mod, name in CHECKPOINT_GLOBALS
+        (cls, f"{mod}.{name}") for cls, (mod, name) in zip(checkpoint_safe_globals(), CHECKPOINT_GLOBALS)
     ]
     saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
