@@ -96,24 +96,29 @@ def cmd_train(args: list[str]) -> int:
 
     from pretrain.config.paths import resolve_paths
     from pretrain.driver.prepare import preflight, prepare_new
+    from pretrain.driver.resume import check_resume_from, prepare_fork
 
     timeline.enter("run_preparation")
     cfg = resolve_paths(cfg)
     preflight(cfg)  # a bad corpus or directory is refused before Ray starts (and before the imports below)
+    fork = check_resume_from(cfg)  # checkpoint.resume_from: the checks of `resume DIR`, also before Ray starts
     from cluster.launch import prepare_while_ray_starts
 
     # The run is created (MLflow, tokenizer) while Ray starts.
     from pretrain.driver.run_job import run_job
 
+    def prepare(held):
+        return prepare_new(cfg, checked=True, hold=held) if fork is None else prepare_fork(cfg, fork, held)
+
     return run_job(
-        lambda held: prepare_while_ray_starts(cfg.cluster, lambda: prepare_new(cfg, checked=True, hold=held)),
+        lambda held: prepare_while_ray_starts(cfg.cluster, lambda: prepare(held)),
         lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}",
     )
 
 
 def cmd_resume(args: list[str]) -> int:
     timeline.start()
-    from pretrain.driver.prepare import prepare_resume
+    from pretrain.driver.resume import prepare_resume
 
     if not args:
         raise ConfigError("resume: give a run id or a checkpoint directory")

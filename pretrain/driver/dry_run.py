@@ -25,6 +25,7 @@ from pretrain.driver.budget import resolve_budget
 from pretrain.driver.memory_plan import count_parameters
 from pretrain.driver.memory_report import plan_rows
 from pretrain.driver.prepare import _round_up, preflight
+from pretrain.driver.resume import check_resume_from
 
 
 def _tokenizer_line(cfg: RunConfig) -> tuple[str, int]:
@@ -96,6 +97,7 @@ def dry_run(cfg: RunConfig, config_path: str) -> int:
 def _dry_run(cfg: RunConfig, config_path: str) -> int:
     cfg = resolve_paths(cfg)
     skipped = preflight(cfg, probe=False)
+    check_resume_from(cfg)  # checkpoint.resume_from: what `resume DIR` checks (the checkpoint's tokenizer, too)
     if cfg.model.init_from_hf:
         from pretrain.driver.prepare import _adopt_hf_model
 

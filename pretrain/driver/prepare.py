@@ -13,7 +13,6 @@ torch, transformers or Ray are imported (this module imports them lazily), so wi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import tempfile
 import uuid
@@ -34,7 +33,6 @@ from pretrain.data.sanity import check_corpus, hub_sources
 from pretrain.driver.budget import keep_resolved_budget, resolve_budget
 from pretrain.driver.run_lock import hold_run
 from pretrain.train import tracking
-from pretrain.train.job import FINGERPRINT_STATE
 
 if TYPE_CHECKING:
     from pretrain.train.job import Job
@@ -279,82 +277,3 @@ def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
 
 def _say(line: str) -> None:
     print(f"[pretrain] {line}", flush=True)
-
-
-def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = None) -> Job:
-    """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
-    or run directory (a new run that records where it came from). ``hold``: where the run's lock is entered before
-    anything is read or recorded (a run training in another process is refused), held while it trains."""
-    from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
-    from pretrain.checkpoint.reader import read_config
-    from pretrain.train.job import Job
-
-    uri = tracking.tracking_uri()
-    path = Path(target)
-    if not path.exists():
-        root = tracking.run_checkpoint_root(uri, target)
-        if hold is not None and root.is_dir():
-            hold.enter_context(hold_run(root, target))
-        ckpt = latest_committed(root, full=False)
-        if ckpt is None:
-            raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
-        # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
-        # a damaged one names the newest that verifies.
-        verify_or_point_back(ckpt, full=False)
-        cfg = resolve_paths(read_config(ckpt, overrides)).validate()
-        keep_resolved_budget(read_config(ckpt, []), cfg)
-        preflight(cfg)
-        fingerprint, tags = _check_resume(ckpt, cfg, overrides)
-        if cfg.tracking.enabled:
-            tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
-            _record_data_change(uri, target, fingerprint, tags)
-        return Job(
-            config=to_dict(cfg),
-            run_id=target,
-            run_dir=str(root),
-            tracking_uri=uri if cfg.tracking.enabled else "",
-            data_fingerprint=fingerprint,
-        )
-    ckpt = resolve(path, full=False)
-    cfg = resolve_paths(read_config(ckpt, overrides))
-    cfg.checkpoint.resume_from = str(ckpt.path)
-    cfg.validate()
-    keep_resolved_budget(read_config(ckpt, []), cfg)
-    preflight(cfg)
-    fingerprint, tags = _check_resume(ckpt, cfg, overrides)
-    job = prepare_new(
-        dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: str(ckpt.path)}, checked=True, hold=hold
-    )
-    if job.tracking_uri:
-        _record_data_change(job.tracking_uri, job.run_id, fingerprint, tags)
-    return job
-
-
-def _check_resume(ckpt, cfg: RunConfig, overrides: list[str]) -> tuple[dict, dict[str, str]]:
-    """What a resume of ``ckpt`` as ``cfg`` may change (:mod:`pretrain.driver.resume_checks`; one-line refusals
-    before anything is recorded) and the data it resumes on: (its fingerprint, MLflow tags of a change the user
-    allowed with ``data.allow_changed``, which holds for this resume only)."""
-    from pretrain.checkpoint.reader import is_full_weights, read_config, read_trainer_state
-    from pretrain.data.fingerprint import check_unchanged, differences
-    from pretrain.driver.resume_checks import check_resume, check_steps_left
-
-    saved = resolve_paths(read_config(ckpt))
-    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
-    state = read_trainer_state(ckpt)
-    recorded = (state.get("callbacks") or {}).get(FINGERPRINT_STATE, state.get(FINGERPRINT_STATE))
-    current = check_unchanged(recorded, cfg.data, str(ckpt.path))
-    changed = differences(recorded, current) if recorded is not None else []
-    tags: dict[str, str] = {}
-    if changed:
-        print(f"[pretrain] warning: data.allow_changed: resuming on changed data: {'; '.join(changed)}", flush=True)
-        tags = {"pretrain.data.changed": f"at step {ckpt.manifest.step}: {'; '.join(changed)}"[:4000]}
-    cfg.data.allow_changed = False  # this resume's permission, not the run's
-    check_steps_left(saved, cfg, ckpt.manifest.step, str(ckpt.path))
-    return current, tags
-
-
-def _record_data_change(uri: str, run_id: str, fingerprint: dict, tags: dict[str, str]) -> None:
-    if tags:
-        tracker = tracking.Tracker(uri, run_id)
-        tracker.set_tags(tags)
-        tracker.log_json(fingerprint, "data/fingerprint.json")

@@ -58,6 +58,23 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     assert re.search(rf"resume: .*\./launch\.sh resume {run_id} train\.max_steps=12$", first.stdout, re.M)
     line = _refused(capsys, "resume", run_id)  # a finished run: nothing left to train
     assert line.endswith("step_00000006 is at step 6: there is nothing to train. To train on: train.max_steps=12")
+
+    # `train CONFIG checkpoint.resume_from=DIR` makes the same checks before anything is recorded, and its fork (with
+    # the checkpoint's tokenizer and vocabulary size: the config gives neither) goes on as the run did
+    step3 = tmp_path / "checkpoints" / run_id / "step_00000003"
+    fork = [CONFIG, *RUN, data, f"checkpoint.resume_from={step3}"]
+    experiment = [client.get_run(run_id).info.experiment_id]
+    runs = len(client.search_runs(experiment))
+    line = _refused(capsys, "train", *fork, "model.hidden_size=128")
+    assert "model.hidden_size cannot change at resume (checkpoint 64, asked 128)" in line
+    line = _refused(capsys, "train", *fork, "train.max_steps=3")
+    assert line.endswith("step_00000003 is at step 3: there is nothing to train. To train on: train.max_steps=6")
+    assert "data.tokenizer: " in _refused(capsys, "train", *fork, f"data.tokenizer={tmp_path / 'checkpoints'}")
+    assert len(client.search_runs(experiment)) == runs
+    forked = run_id_of(cli(tmp_path, "train", *fork).stdout)
+    assert client.get_run(forked).data.tags["pretrain.resumed_from"] == str(step3)
+    ours = metric_history(run_id, uri=uri)
+    assert metric_history(forked, uri=uri) == {s: ours[s] for s in (4, 5, 6)}
     whole = run_id_of(cli(tmp_path, "train", CONFIG, *RUN, data, "train.max_steps=12").stdout)
     second = cli(tmp_path, "resume", run_id, "train.max_steps=12")
     for key in ("train/loss", "train/lr"):

@@ -1,0 +1,159 @@
+"""Driver-side preparation of a resume: a run continued from its latest committed checkpoint (``resume RUN_ID``), or
+a new run forked from a committed checkpoint (``resume DIR``, or ``train CONFIG checkpoint.resume_from=DIR``).
+
+Every way in makes the same checks before Ray starts and before anything is recorded: the checkpoint is there with
+its files' recorded sizes (a damaged one names the newest that verifies), the config may resume it
+(:mod:`pretrain.driver.resume_checks`), its data is what the checkpoint trained on, and a step is left to train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pretrain.config import ConfigError, RunConfig, to_dict
+from pretrain.config.errors import clip
+from pretrain.config.paths import resolve_paths
+from pretrain.driver.budget import keep_resolved_budget
+from pretrain.driver.prepare import preflight, prepare_new
+from pretrain.driver.run_lock import hold_run
+from pretrain.train import tracking
+from pretrain.train.job import FINGERPRINT_STATE
+
+if TYPE_CHECKING:
+    from pretrain.checkpoint.store import CommittedCheckpoint
+    from pretrain.train.job import Job
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """A new run from a committed checkpoint, checked: the checkpoint, the fingerprint of the data it resumes on,
+    and the MLflow tags of a data change the user allowed (``data.allow_changed``)."""
+
+    checkpoint: str
+    fingerprint: dict
+    data_tags: dict[str, str]
+
+
+def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = None) -> Job:
+    """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
+    or run directory (a new run that records where it came from). ``hold``: where the run's lock is entered before
+    anything is read or recorded (a run training in another process is refused), held while it trains."""
+    from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
+    from pretrain.checkpoint.reader import read_config
+    from pretrain.train.job import Job
+
+    uri = tracking.tracking_uri()
+    path = Path(target)
+    if path.exists():
+        ckpt = resolve(path, full=False)
+        cfg = resolve_paths(read_config(ckpt, overrides))
+        cfg.checkpoint.resume_from = str(ckpt.path)
+        cfg.validate()
+        preflight(cfg)
+        return prepare_fork(cfg, check_fork(ckpt, cfg), hold)
+    root = tracking.run_checkpoint_root(uri, target)
+    if hold is not None and root.is_dir():
+        hold.enter_context(hold_run(root, target))
+    latest = latest_committed(root, full=False)
+    if latest is None:
+        raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
+    ckpt = latest
+    # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
+    # a damaged one names the newest that verifies.
+    verify_or_point_back(ckpt, full=False)
+    cfg = resolve_paths(read_config(ckpt, overrides)).validate()
+    preflight(cfg)
+    fork = check_fork(ckpt, cfg)
+    if cfg.tracking.enabled:
+        tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
+        _record_data_change(uri, target, fork)
+    return Job(
+        config=to_dict(cfg),
+        run_id=target,
+        run_dir=str(root),
+        tracking_uri=uri if cfg.tracking.enabled else "",
+        data_fingerprint=fork.fingerprint,
+    )
+
+
+def check_resume_from(cfg: RunConfig) -> Fork | None:
+    """``train CONFIG`` with ``checkpoint.resume_from`` (paths resolved, :func:`preflight` done): the checks
+    ``resume DIR`` makes, on the config as given. A run directory stands for its latest committed checkpoint, which
+    ``checkpoint.resume_from`` then names; the run trains with the checkpoint's tokenizer (a ``data.tokenizer`` given
+    must be that one) and, with ``model.vocab_size`` 0, its vocabulary size. None without ``resume_from``."""
+    if not cfg.checkpoint.resume_from:
+        return None
+    from pretrain.checkpoint import resolve
+    from pretrain.checkpoint.reader import read_config, tokenizer_dir
+
+    ckpt = resolve(Path(cfg.checkpoint.resume_from), full=False)
+    cfg.checkpoint.resume_from = str(ckpt.path)
+    own = tokenizer_dir(ckpt)
+    if cfg.data.tokenizer:
+        _check_same_tokenizer(cfg.data.tokenizer, own, str(ckpt.path))
+    else:
+        print(f"[pretrain] checkpoint.resume_from: the run trains with the checkpoint's tokenizer ({own})", flush=True)
+    cfg.data.tokenizer = str(own)
+    if not cfg.model.vocab_size:
+        cfg.model.vocab_size = read_config(ckpt).model.vocab_size
+    return check_fork(ckpt, cfg)
+
+
+def _check_same_tokenizer(given: str, own: Path, checkpoint: str) -> None:
+    """A ``data.tokenizer`` given with ``checkpoint.resume_from`` has the checkpoint's vocabulary (every token with
+    the same id), or the token ids would mean other text: refused in one line."""
+    from tokenizers import Tokenizer
+
+    mine = Path(given) / "tokenizer.json"
+    if (
+        not mine.is_file()
+        or Tokenizer.from_file(str(mine)).get_vocab() != Tokenizer.from_file(str(own / "tokenizer.json")).get_vocab()
+    ):
+        raise ConfigError(
+            f"data.tokenizer: {clip(given)} is not the tokenizer of checkpoint {checkpoint} (another vocabulary), "
+            "which the run resumes; leave data.tokenizer unset to train with the checkpoint's"
+        )
+
+
+def check_fork(ckpt: CommittedCheckpoint, cfg: RunConfig) -> Fork:
+    """What a resume of ``ckpt`` as ``cfg`` may change (:mod:`pretrain.driver.resume_checks`; one-line refusals
+    before anything is recorded) and the data it resumes on. ``data.allow_changed`` holds for this resume only."""
+    from pretrain.checkpoint.reader import is_full_weights, read_config, read_trainer_state
+    from pretrain.data.fingerprint import check_unchanged, differences
+    from pretrain.driver.resume_checks import check_resume, check_steps_left
+
+    saved = resolve_paths(read_config(ckpt))
+    keep_resolved_budget(saved, cfg)
+    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
+    state = read_trainer_state(ckpt)
+    recorded = (state.get("callbacks") or {}).get(FINGERPRINT_STATE, state.get(FINGERPRINT_STATE))
+    current = check_unchanged(recorded, cfg.data, str(ckpt.path))
+    changed = differences(recorded, current) if recorded is not None else []
+    tags: dict[str, str] = {}
+    if changed:
+        print(f"[pretrain] warning: data.allow_changed: resuming on changed data: {'; '.join(changed)}", flush=True)
+        tags = {"pretrain.data.changed": f"at step {ckpt.manifest.step}: {'; '.join(changed)}"[:4000]}
+    cfg.data.allow_changed = False  # this resume's permission, not the run's
+    check_steps_left(saved, cfg, ckpt.manifest.step, str(ckpt.path))
+    return Fork(str(ckpt.path), current, tags)
+
+
+def prepare_fork(cfg: RunConfig, fork: Fork, hold: ExitStack | None = None) -> Job:
+    """The new run of a checked fork (:func:`prepare_new`), recording the checkpoint it came from
+    (``pretrain.resumed_from``) and an allowed data change."""
+    job = prepare_new(
+        dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: fork.checkpoint}, checked=True, hold=hold
+    )
+    if job.tracking_uri:
+        _record_data_change(job.tracking_uri, job.run_id, fork)
+    return job
+
+
+def _record_data_change(uri: str, run_id: str, fork: Fork) -> None:
+    if fork.data_tags:
+        tracker = tracking.Tracker(uri, run_id)
+        tracker.set_tags(fork.data_tags)
+        tracker.log_json(fork.fingerprint, "data/fingerprint.json")
