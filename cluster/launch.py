@@ -93,7 +93,8 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     runtime_env = {"env_vars": worker_env()}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+        with _sigterm_kept():
+            ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
     else:
         # No dashboard: its head and module processes are most of the CPU that Ray's own processes take from the
         # training worker on a small machine. Its State API serves only Train's placement-group cleaner, which
@@ -119,7 +120,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         # address="local": always a fresh private instance, never a cluster that happens to run here.
         # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
         # the whole process group, and the run's stop (pretrain.driver.signals) needs Ray alive to take its checkpoint.
-        with _sigint_ignored():
+        with _sigint_ignored(), _sigterm_kept():
             ray.init(
                 address="local",
                 num_cpus=local_cpus(),
@@ -146,33 +147,65 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def prepare_while_ray_starts(cluster: ClusterConfig, prepare: Callable[[], T]) -> tuple[T, bool]:
+@contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """The SIGTERM handler before the block is back after it: ``ray.init`` sets its own for the driver (the process
+    exits with status 15) at its start and keeps it, where ours make a stop of it (:mod:`pretrain.driver.signals`).
+    A SIGTERM that Ray's handler took meanwhile is a stop at once (:class:`~pretrain.driver.signals.StopNow`), and
+    the processes the interrupted start had made are killed (:func:`end_ray_with_process`: the command ends)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        from pretrain.driver.signals import StopNow
+
+        _kill_descendants()  # what the interrupted start made: the command ends
+        raise StopNow(signal.SIGTERM, "SIGTERM: stopped at once") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def prepare_while_ray_starts(
+    cluster: ClusterConfig, prepare: Callable[[], T], abandon: Callable[[T, BaseException], None] | None = None
+) -> tuple[T, bool]:
     """``prepare()`` (creating the run: MLflow, tokenizer, config) in a thread while this thread starts Ray — Ray
     keeps the thread that starts it, since its servers are tied to it. For a job that trains in this process
     (``cluster.use_ray=false``, or one worker Ray would have nothing to do for:
     :meth:`~pretrain.config.ClusterConfig.trains_in_process`) or with a Ray already running, just ``prepare()``.
-    Returns its result and whether Ray was started here (the caller shuts it down: :func:`stop_ray`); when either
-    fails, Ray started here is shut down and the failure raised (the
-    preparation's first: a bad config or corpus is the user's error to see). Timeline: ``ray`` while Ray starts,
-    ``run_preparation`` for any wait for the rest of the preparation (its own phases overlap Ray's start)."""
+    Returns its result and whether Ray was started here (the caller shuts it down: :func:`stop_ray`). When either
+    fails, Ray started here is shut down and the failure raised (the preparation's, when it failed first: a bad
+    config or corpus is the user's error to see); when this thread fails or is interrupted (a stop) while the
+    preparation goes on, the preparation is waited for and what it made is handed to ``abandon(result, error)``
+    (the caller ends the run it created). Timeline: ``ray`` while Ray starts, ``run_preparation`` for any wait for
+    the rest of the preparation (its own phases overlap Ray's start)."""
     if cluster.trains_in_process():
         return prepare(), False
     check_local_layout(cluster)  # before anything starts
     _ray_address(cluster)
-    with ThreadPoolExecutor(1, thread_name_prefix="run-preparation") as pool:
-        prepared = pool.submit(timeline.quietly, lambda: _prepare_then_import(prepare))
-        timeline.enter("ray")
-        started = False
-        try:
-            started = ensure_ray(cluster)
-            timeline.enter("run_preparation")
-            result = prepared.result()
-        except BaseException:
-            if prepared.done() and prepared.exception() is not None:
-                stop_ray(started)
-                raise cast(BaseException, prepared.exception()) from None  # not None: checked above
-            stop_ray(started)
-            raise
+    pool = ThreadPoolExecutor(1, thread_name_prefix="run-preparation")
+    prepared = pool.submit(timeline.quietly, lambda: _prepare_then_import(prepare))
+    timeline.enter("ray")
+    started = False
+    try:
+        started = ensure_ray(cluster)
+        timeline.enter("run_preparation")
+        result = prepared.result()
+    except BaseException as e:
+        failed_first = prepared.done() and prepared.exception() is not None
+        # a stop ends the command: Ray's agents, still starting, would outlive a graceful shutdown by a minute
+        (end_ray_with_process if isinstance(e, KeyboardInterrupt) else stop_ray)(started)
+        pool.shutdown(wait=True)
+        if failed_first:
+            raise cast(BaseException, prepared.exception()) from None  # not None: checked above
+        if abandon is not None and prepared.exception() is None:
+            abandon(prepared.result(), e)
+        raise
+    pool.shutdown(wait=True)
     timeline.enter("ray")
     return result, started
 

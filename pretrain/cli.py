@@ -105,13 +105,13 @@ def cmd_train(args: list[str]) -> int:
     from cluster.launch import prepare_while_ray_starts
 
     # The run is created (MLflow, tokenizer) while Ray starts.
-    from pretrain.driver.run_job import run_job
+    from pretrain.driver.run_job import abandon, run_job
 
     def prepare(held):
         return prepare_new(cfg, checked=True, hold=held) if fork is None else prepare_fork(cfg, fork, held)
 
     return run_job(
-        lambda held: prepare_while_ray_starts(cfg.cluster, lambda: prepare(held)),
+        lambda held: prepare_while_ray_starts(cfg.cluster, lambda: prepare(held), abandon),
         lambda job: f"run {job.run_id}: {cfg.name}, {cfg.model.kind}, checkpoints in {job.run_dir}",
     )
 

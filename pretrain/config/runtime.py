@@ -212,6 +212,9 @@ class FaultsConfig:
     slow_step_s: float = 0.0
     """Every step first sleeps this long on every rank (the numbers do not change), so a test can act mid-run
     (send a signal) whatever the machine's speed. 0 disables."""
+    slow_run_creation_s: float = 0.0
+    """The driver sleeps this long while it creates a run, once its MLflow run exists (before its tokenizer), so a
+    test can stop the command while the run is being created. 0 disables."""
 
 
 @dataclass(kw_only=True)

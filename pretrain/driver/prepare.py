@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -224,6 +225,9 @@ def prepare_new(
     def complete(run_dir: Path) -> None:
         from pretrain.data.tokenizer_cache import run_tokenizer
 
+        if cfg.faults.slow_run_creation_s > 0:
+            _say(f"faults.slow_run_creation_s: the run's creation sleeps {cfg.faults.slow_run_creation_s:g} s")
+            time.sleep(cfg.faults.slow_run_creation_s)
         if cfg.model.init_from_hf:
             _adopt_hf_model(cfg)
         _warn_if_not_exportable(cfg)
@@ -250,9 +254,9 @@ def prepare_new(
     elif cfg.model.vocab_size:  # derived steps known before the run's params are logged (else once known)
         resolve_budget(cfg, say=_say, announce=True)
     run_id, run_dir, uri = create_run(cfg, tags, complete)
-    if hold is not None:
-        hold.enter_context(hold_run(run_dir, run_id))
     with ended_on_error(uri, run_id):
+        if hold is not None:
+            hold.enter_context(hold_run(run_dir, run_id))
         init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     return Job(
         config=to_dict(cfg),

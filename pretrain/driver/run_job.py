@@ -62,30 +62,32 @@ def run_job(prepare, announce) -> int:
     """``prepare(held)`` the job (returns it and whether it started Ray, which is then shut down at the end) and run
     it, the terminal quiet from the start (:class:`QuietConsole`: the log goes into the run directory once the
     run exists). ``held``: an ExitStack that keeps what ``prepare`` enters into it (the run's lock,
-    :mod:`pretrain.driver.run_lock`) until the run has ended. ``announce(job)``: the line that names the run."""
+    :mod:`pretrain.driver.run_lock`) until the run has ended. ``announce(job)``: the line that names the run.
+    A stop before the run trains ends the command at once (:func:`~pretrain.driver.signals.stop_at_once`), and the
+    run, if created, ``KILLED``."""
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
     from pretrain.driver.launched import follow, launched
-    from pretrain.driver.signals import StopNow, StopSignals
+    from pretrain.driver.signals import StopNow, StopSignals, stop_at_once
     from pretrain.train.tracking import Tracker, tracking_uri
 
     launch = launched()
     if launch is not None and not launch.leads:  # torchrun: rank 0 prepares and tracks the run
         return follow(launch)
-    with QuietConsole(None) as console, contextlib.ExitStack() as held:
+    with QuietConsole(None) as console, contextlib.ExitStack() as held, stop_at_once():
         job, ray_started = prepare(held)
-        if launch is not None:
-            launch.publish(job)
-        log = Path(job.run_dir) / "logs" / "driver.log"
-        console.set_log(log)
-        print(f"[pretrain] {announce(job)}", flush=True)
-        print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
         tracker = Tracker(job.tracking_uri, job.run_id)
         cfg = from_dict(job.config)
+        log = Path(job.run_dir) / "logs" / "driver.log"
         stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
         try:
             try:
+                if launch is not None:
+                    launch.publish(job)
+                console.set_log(log)
+                print(f"[pretrain] {announce(job)}", flush=True)
+                print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)
                 with stop:
                     final = run(job, cfg.cluster)
             except BaseException:
@@ -94,10 +96,8 @@ def run_job(prepare, announce) -> int:
             end_ray_with_process(ray_started)  # the command ends right after the summary
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop that could not wait for its checkpoint
-                signame = stop.signame or "SIGINT"
-                tracker.set_tags({"pretrain.stop.signal": signame, "pretrain.stop.checkpoint": "none (at once)"})
-                tracker.finish("KILLED")
-                raise StopNow(stop.signum or signal.SIGINT, _stopped_at_once(signame, job)) from e
+                signum = stop.signum or getattr(e, "signum", signal.SIGINT)
+                raise StopNow(signum, end_stopped_at_once(job, signum)) from e
             tracker.finish("FAILED")
             e.add_note(f"full log: {log}")
             raise
@@ -115,6 +115,30 @@ def run_job(prepare, announce) -> int:
         return _print_stopped(final, job, stop.signum or signal.SIGTERM)
     print_summary(final, job, tracking_uri())
     return 0
+
+
+def abandon(job, error: BaseException) -> None:
+    """``job``'s run was created while the command failed or was stopped (:func:`cluster.launch.
+    prepare_while_ray_starts`): it ends ``FAILED``, or for a stop ``KILLED`` with the stop's line."""
+    from pretrain.driver.signals import StopNow
+    from pretrain.train.tracking import Tracker
+
+    if isinstance(error, KeyboardInterrupt):
+        signum = getattr(error, "signum", signal.SIGINT)
+        raise StopNow(signum, end_stopped_at_once(job, signum)) from error
+    Tracker(job.tracking_uri, job.run_id).finish("FAILED")
+
+
+def end_stopped_at_once(job, signum: int) -> str:
+    """``job``'s run ends ``KILLED`` by a stop that wrote no checkpoint (recorded in its tags); returns the line
+    that says where its latest committed checkpoint is."""
+    from pretrain.train.tracking import Tracker
+
+    signame = signal.Signals(signum).name
+    tracker = Tracker(job.tracking_uri, job.run_id)
+    tracker.set_tags({"pretrain.stop.signal": signame, "pretrain.stop.checkpoint": "none (at once)"})
+    tracker.finish("KILLED")
+    return _stopped_at_once(signame, job)
 
 
 def _stopped_at_once(signame: str, job) -> str:

@@ -13,9 +13,11 @@ driver gets SIGTERM from ``./launch.sh stop JOB`` (Ray Jobs' stop).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -83,6 +85,27 @@ class StopSignals:
         self._timer = threading.Timer(self.timeout_s, os.kill, args=(os.getpid(), signum))
         self._timer.daemon = True
         self._timer.start()
+
+
+@contextlib.contextmanager
+def stop_at_once() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`StopNow` while the block runs (in the main thread): before a run trains there
+    is nothing to checkpoint, so a stop ends the command (exit 143 or 130) and the run, if created, ends ``KILLED``
+    (:func:`pretrain.driver.prepare.ended_on_error`, :func:`pretrain.driver.run_job.run_job`). A
+    :class:`StopSignals` entered inside it takes over until it exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        raise StopNow(signum, f"{signal.Signals(signum).name}: stopped at once")
+
+    previous = {sig: signal.signal(sig, handle) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _say(line: str) -> None:

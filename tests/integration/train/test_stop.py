@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from mlflow import MlflowClient
 
 from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
@@ -118,3 +119,53 @@ def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
     assert "Traceback" not in out
     assert client.get_run(run_id).info.status == "KILLED"
     assert sorted(p.name for p in ckpt.parent.glob("step_*")) == [ckpt.name]
+
+
+def test_a_stop_while_the_run_is_created_ends_it_killed(tmp_path):
+    """SIGTERM while the run is being created in a thread (its MLflow run exists; the faults hook holds its creation
+    there) and the embedded Ray starts for 2 workers in the main thread (or has started: which, the machine's speed
+    decides): the command ends at once (exit 143) with one line, the run is ``KILLED`` with the stop recorded, not
+    left ``RUNNING``, and it never trained; no process of the command's outlives it (Ray's agents would, for a
+    minute, after a graceful shutdown of a Ray that had only just started)."""
+    proc = start_cli(
+        tmp_path,
+        "train",
+        CONFIG,
+        *E2E,
+        "faults.slow_run_creation_s=5",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    out = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.append(line)
+        if "the run's creation sleeps 5 s" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(out) + rest
+    assert proc.returncode == 143, output
+    line = _stop_line(output)
+    assert line == "error: SIGTERM: stopped at once; the run has no committed checkpoint, so there is nothing to resume"
+    assert "[pretrain] run " not in output and "Traceback" not in output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "KILLED" and run.data.tags["pretrain.stop.signal"] == "SIGTERM"
+    assert "train/loss" not in run.data.metrics
+    deadline = time.time() + 10  # SIGKILLed, they may take a moment to leave the process table
+    while (left := _in_session(proc.pid)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, left
+
+
+def _in_session(sid: int) -> list[dict]:
+    return [p.info for p in psutil.process_iter(["pid", "name", "status"]) if _session(p.info["pid"]) == sid]
+
+
+def _session(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone meanwhile
+        return -1
