@@ -149,14 +149,15 @@ def _sigint_ignored() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _sigterm_kept() -> Iterator[None]:
-    """The SIGTERM handler before the block is back after it: ``ray.init`` sets its own for the driver (the process
-    exits with status 15) at its start and keeps it, where ours make a stop of it (:mod:`pretrain.driver.signals`).
-    A SIGTERM that Ray's handler took meanwhile is a stop at once (:class:`~pretrain.driver.signals.StopNow`), and
-    the processes the interrupted start had made are killed (:func:`end_ray_with_process`: the command ends)."""
-    if threading.current_thread() is not threading.main_thread():
+    """A SIGTERM handler of ours (a run's stop handling: :mod:`pretrain.driver.signals`) is back after the block:
+    ``ray.init`` sets its own for the driver (the process exits with status 15) at its start and keeps it. A SIGTERM
+    that Ray's handler took meanwhile is then a stop at once (:class:`~pretrain.driver.signals.StopNow`), and the
+    processes the interrupted start had made are killed (:func:`end_ray_with_process`: the command ends). Without a
+    handler of ours (the default action), Ray's stays."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield
         return
-    previous = signal.getsignal(signal.SIGTERM)
     try:
         yield
     except SystemExit as e:
