@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -165,7 +165,8 @@ def _sigterm_kept() -> Iterator[None]:
             raise
         from pretrain.driver.signals import StopNow
 
-        _kill_descendants()  # what the interrupted start made: the command ends
+        with contextlib.suppress(Exception):  # what the interrupted start made (disconnected first): the command ends
+            end_ray_with_process(True)
         raise StopNow(signal.SIGTERM, "SIGTERM: stopped at once") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -196,19 +197,31 @@ def prepare_while_ray_starts(
         started = ensure_ray(cluster)
         timeline.enter("run_preparation")
         result = prepared.result()
+        pool.shutdown(wait=True)
     except BaseException as e:
         failed_first = prepared.done() and prepared.exception() is not None
         # a stop ends the command: Ray's agents, still starting, would outlive a graceful shutdown by a minute
         (end_ray_with_process if isinstance(e, KeyboardInterrupt) else stop_ray)(started)
-        pool.shutdown(wait=True)
+        _wait_for(pool, prepared)
         if failed_first:
             raise cast(BaseException, prepared.exception()) from None  # not None: checked above
         if abandon is not None and prepared.exception() is None:
             abandon(prepared.result(), e)
         raise
-    pool.shutdown(wait=True)
     timeline.enter("ray")
     return result, started
+
+
+def _wait_for(pool: ThreadPoolExecutor, prepared: Future) -> None:
+    """The end of the preparation, whatever stops come meanwhile (the run it creates is handed on to be ended)."""
+    if not prepared.done():
+        print("[pretrain] waiting for the run's creation to end, to end the run", flush=True)
+    while True:
+        try:
+            pool.shutdown(wait=True)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _prepare_then_import(prepare: Callable[[], T]) -> T:

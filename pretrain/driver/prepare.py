@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
 import time
 import uuid
@@ -182,9 +183,11 @@ def create_run(
     its checkpoints). Returns (run id, run directory, tracking URI or ""). A run whose creation fails after its
     MLflow run exists ends ``FAILED`` (``KILLED`` when interrupted), never left ``RUNNING``."""
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
-    run_id = tracking.start_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
+    run_id = tracking.new_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
     run_dir = Path(cfg.checkpoint.dir) / run_id
     with ended_on_error(uri, run_id):
+        if uri:
+            tracking.log_inputs(uri, run_id, cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
         if complete is not None:
             complete(run_dir)
@@ -205,8 +208,16 @@ def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
     except BaseException as e:
         if uri:
             with contextlib.suppress(Exception):  # the error itself matters more than its record
-                tracking.Tracker(uri, run_id).finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                tracker = tracking.Tracker(uri, run_id)
+                if isinstance(e, KeyboardInterrupt):
+                    tracker.set_tags(stop_tags(getattr(e, "signum", signal.SIGINT)))
+                tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+
+
+def stop_tags(signum: int) -> dict[str, str]:
+    """The MLflow tags of a run that a stop (signal ``signum``) ended with no new checkpoint."""
+    return {"pretrain.stop.signal": signal.Signals(signum).name, "pretrain.stop.checkpoint": "none (at once)"}
 
 
 def prepare_new(

@@ -83,7 +83,8 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
     """``train CONFIG`` with ``checkpoint.resume_from`` (paths resolved, :func:`preflight` done): the checks
     ``resume DIR`` makes, on the config as given. A run directory stands for its latest committed checkpoint, which
     ``checkpoint.resume_from`` then names; the run trains with the checkpoint's tokenizer (a ``data.tokenizer`` given
-    must be that one) and, with ``model.vocab_size`` 0, its vocabulary size. None without ``resume_from``."""
+    must be that one) and, with ``model.vocab_size`` 0, its vocabulary size; with the checkpoint's budget
+    ``train.max_flops``, the steps it was resolved into. None without ``resume_from``."""
     if not cfg.checkpoint.resume_from:
         return None
     from pretrain.checkpoint import resolve
@@ -91,6 +92,7 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
 
     ckpt = resolve(Path(cfg.checkpoint.resume_from), full=False)
     cfg.checkpoint.resume_from = str(ckpt.path)
+    saved = read_config(ckpt)
     own = tokenizer_dir(ckpt)
     if cfg.data.tokenizer:
         _check_same_tokenizer(cfg.data.tokenizer, own, str(ckpt.path))
@@ -98,8 +100,31 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
         print(f"[pretrain] checkpoint.resume_from: the run trains with the checkpoint's tokenizer ({own})", flush=True)
     cfg.data.tokenizer = str(own)
     if not cfg.model.vocab_size:
-        cfg.model.vocab_size = read_config(ckpt).model.vocab_size
-    return check_fork(ckpt, cfg)
+        cfg.model.vocab_size = saved.model.vocab_size
+    if cfg.train.max_flops and cfg.train.max_flops == saved.train.max_flops:
+        cfg.train.max_steps = saved.train.max_steps
+    return check_fork(ckpt, cfg, _as_built(cfg, saved, ckpt.manifest.step))
+
+
+def _as_built(cfg: RunConfig, saved: RunConfig, step: int) -> RunConfig:
+    """``cfg`` with the architecture the workers build for a resume at ``step``: the Hugging Face model's for
+    ``model.init_from_hf`` (the checkpoint's, when its run was initialized from the same directory); the
+    checkpoint's own when ``growth.schedule`` grew the model at or before ``step`` (as
+    :func:`pretrain.train.resume.checkpoint_architecture` takes it)."""
+    hf_dir = cfg.model.init_from_hf
+    if any(entry.at_step and entry.at_step <= step for entry in cfg.growth.schedule) or (
+        hf_dir and hf_dir == saved.model.init_from_hf
+    ):
+        return dataclasses.replace(cfg, model=saved.model, moe=saved.moe)
+    if hf_dir:
+        from pretrain.export.hf import model_config_from_hf
+
+        try:
+            model, _ = model_config_from_hf(Path(hf_dir), base=cfg.model, max_seq_len=cfg.model.max_seq_len)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from_hf: {e}") from None
+        return dataclasses.replace(cfg, model=model)
+    return cfg
 
 
 def _check_same_tokenizer(given: str, own: Path, checkpoint: str) -> None:
@@ -118,16 +143,17 @@ def _check_same_tokenizer(given: str, own: Path, checkpoint: str) -> None:
         )
 
 
-def check_fork(ckpt: CommittedCheckpoint, cfg: RunConfig) -> Fork:
+def check_fork(ckpt: CommittedCheckpoint, cfg: RunConfig, built: RunConfig | None = None) -> Fork:
     """What a resume of ``ckpt`` as ``cfg`` may change (:mod:`pretrain.driver.resume_checks`; one-line refusals
-    before anything is recorded) and the data it resumes on. ``data.allow_changed`` holds for this resume only."""
+    before anything is recorded; ``built``: ``cfg`` with the architecture the workers build, when it differs) and
+    the data it resumes on. ``data.allow_changed`` holds for this resume only."""
     from pretrain.checkpoint.reader import is_full_weights, read_config, read_trainer_state
     from pretrain.data.fingerprint import check_unchanged, differences
     from pretrain.driver.resume_checks import check_resume, check_steps_left
 
     saved = resolve_paths(read_config(ckpt))
     keep_resolved_budget(saved, cfg)
-    check_resume(saved, cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
+    check_resume(saved, built or cfg, ckpt.manifest.step, str(ckpt.path), engine_state=not is_full_weights(ckpt))
     state = read_trainer_state(ckpt)
     recorded = (state.get("callbacks") or {}).get(FINGERPRINT_STATE, state.get(FINGERPRINT_STATE))
     current = check_unchanged(recorded, cfg.data, str(ckpt.path))

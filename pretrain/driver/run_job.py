@@ -77,12 +77,13 @@ def run_job(prepare, announce) -> int:
         return follow(launch)
     with QuietConsole(None) as console, contextlib.ExitStack() as held, stop_at_once():
         job, ray_started = prepare(held)
-        tracker = Tracker(job.tracking_uri, job.run_id)
-        cfg = from_dict(job.config)
+        stop: StopSignals | None = None
         log = Path(job.run_dir) / "logs" / "driver.log"
-        stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
         try:
             try:
+                tracker = Tracker(job.tracking_uri, job.run_id)
+                cfg = from_dict(job.config)
+                stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
                 if launch is not None:
                     launch.publish(job)
                 console.set_log(log)
@@ -96,9 +97,10 @@ def run_job(prepare, announce) -> int:
             end_ray_with_process(ray_started)  # the command ends right after the summary
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop that could not wait for its checkpoint
-                signum = stop.signum or getattr(e, "signum", signal.SIGINT)
+                signum = (stop.signum if stop else 0) or getattr(e, "signum", signal.SIGINT)
                 raise StopNow(signum, end_stopped_at_once(job, signum)) from e
-            tracker.finish("FAILED")
+            with contextlib.suppress(Exception):  # the error itself matters more than its record
+                Tracker(job.tracking_uri, job.run_id).finish("FAILED")
             e.add_note(f"full log: {log}")
             raise
         stopped = final.get("stopped")
@@ -112,7 +114,7 @@ def run_job(prepare, announce) -> int:
             )
         tracker.finish("KILLED" if stopped else "FINISHED")
     if stopped:
-        return _print_stopped(final, job, stop.signum or signal.SIGTERM)
+        return _print_stopped(final, job, (stop.signum if stop else 0) or signal.SIGTERM)
     print_summary(final, job, tracking_uri())
     return 0
 
@@ -126,19 +128,23 @@ def abandon(job, error: BaseException) -> None:
     if isinstance(error, KeyboardInterrupt):
         signum = getattr(error, "signum", signal.SIGINT)
         raise StopNow(signum, end_stopped_at_once(job, signum)) from error
-    Tracker(job.tracking_uri, job.run_id).finish("FAILED")
+    with contextlib.suppress(Exception):  # the error itself matters more than its record
+        Tracker(job.tracking_uri, job.run_id).finish("FAILED")
 
 
 def end_stopped_at_once(job, signum: int) -> str:
-    """``job``'s run ends ``KILLED`` by a stop that wrote no checkpoint (recorded in its tags); returns the line
-    that says where its latest committed checkpoint is."""
+    """``job``'s run ends ``KILLED`` by a stop (signal ``signum``) that wrote no checkpoint, recorded in its tags (a
+    store that cannot be reached records nothing); returns the line that says where its latest committed checkpoint
+    is."""
+    from pretrain.driver.prepare import stop_tags
     from pretrain.train.tracking import Tracker
 
-    signame = signal.Signals(signum).name
-    tracker = Tracker(job.tracking_uri, job.run_id)
-    tracker.set_tags({"pretrain.stop.signal": signame, "pretrain.stop.checkpoint": "none (at once)"})
-    tracker.finish("KILLED")
-    return _stopped_at_once(signame, job)
+    tags = stop_tags(signum)
+    with contextlib.suppress(Exception):
+        tracker = Tracker(job.tracking_uri, job.run_id)
+        tracker.set_tags(tags)
+        tracker.finish("KILLED")
+    return _stopped_at_once(tags["pretrain.stop.signal"], job)
 
 
 def _stopped_at_once(signame: str, job) -> str:

@@ -106,16 +106,26 @@ def mark_training_experiments(uri: str) -> int:
 
 
 def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str:
-    """Create a run, log the resolved config as params and a YAML artifact; return the run id."""
+    """Create a run (:func:`new_run`) and log its inputs (:func:`log_inputs`); return the run id."""
+    run_id = new_run(uri, cfg, tags)
+    log_inputs(uri, run_id, cfg)
+    return run_id
+
+
+def new_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str:
+    """Create a run (``RUNNING``) in ``tracking.experiment``, named and tagged; return its id."""
     client = _client(uri)
     exp_id = get_or_create_experiment(uri, cfg.tracking.experiment)
     run = client.create_run(
         exp_id, run_name=cfg.tracking.run_name or cfg.name, tags={TAG_KIND: cfg.model.kind, **(tags or {})}
     )
-    log_config(uri, run.info.run_id, cfg)
-
-    log_datasets(uri, run.info.run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
     return run.info.run_id
+
+
+def log_inputs(uri: str, run_id: str, cfg: RunConfig) -> None:
+    """The resolved config as params and a YAML artifact, and the data sources as MLflow datasets."""
+    log_config(uri, run_id, cfg)
+    log_datasets(uri, run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
 
 
 def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml") -> None:

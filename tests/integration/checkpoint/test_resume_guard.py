@@ -12,6 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pretrain.cli import main
+from pretrain.data.tokenizer import train_tokenizer
 from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of
 
 RUN = [
@@ -59,8 +60,9 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     line = _refused(capsys, "resume", run_id)  # a finished run: nothing left to train
     assert line.endswith("step_00000006 is at step 6: there is nothing to train. To train on: train.max_steps=12")
 
-    # `train CONFIG checkpoint.resume_from=DIR` makes the same checks before anything is recorded, and its fork (with
-    # the checkpoint's tokenizer and vocabulary size: the config gives neither) goes on as the run did
+    # `train CONFIG checkpoint.resume_from=DIR` makes the same checks before anything is recorded (so does --dry-run,
+    # which takes the checkpoint's tokenizer: the config gives none), and its fork (given the checkpoint's tokenizer,
+    # and with the checkpoint's vocabulary size: the config gives none) goes on as the run did
     step3 = tmp_path / "checkpoints" / run_id / "step_00000003"
     fork = [CONFIG, *RUN, data, f"checkpoint.resume_from={step3}"]
     experiment = [client.get_run(run_id).info.experiment_id]
@@ -69,9 +71,15 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     assert "model.hidden_size cannot change at resume (checkpoint 64, asked 128)" in line
     line = _refused(capsys, "train", *fork, "train.max_steps=3")
     assert line.endswith("step_00000003 is at step 3: there is nothing to train. To train on: train.max_steps=6")
-    assert "data.tokenizer: " in _refused(capsys, "train", *fork, f"data.tokenizer={tmp_path / 'checkpoints'}")
+    other = tmp_path / "other-tokenizer"
+    train_tokenizer(corpus.read_text().splitlines()[:200], 300).save_pretrained(str(other))
+    for given in (other, tmp_path / "checkpoints"):  # another vocabulary; no tokenizer at all
+        assert "is not the tokenizer of checkpoint" in _refused(capsys, "train", *fork, f"data.tokenizer={given}")
     assert len(client.search_runs(experiment)) == runs
-    forked = run_id_of(cli(tmp_path, "train", *fork).stdout)
+    capsys.readouterr()
+    assert main(["train", *fork, "--dry-run"]) == 0  # the checks pass; the plan's tokenizer is the checkpoint's
+    assert f"the run trains with the checkpoint's tokenizer ({step3 / 'tokenizer'})" in capsys.readouterr().out
+    forked = run_id_of(cli(tmp_path, "train", *fork, f"data.tokenizer={step3 / 'tokenizer'}").stdout)
     assert client.get_run(forked).data.tags["pretrain.resumed_from"] == str(step3)
     ours = metric_history(run_id, uri=uri)
     assert metric_history(forked, uri=uri) == {s: ours[s] for s in (4, 5, 6)}

@@ -161,7 +161,12 @@ def test_a_stop_while_the_run_is_created_ends_it_killed(tmp_path):
 
 
 def _in_session(sid: int) -> list[dict]:
-    return [p.info for p in psutil.process_iter(["pid", "name", "status"]) if _session(p.info["pid"]) == sid]
+    """The live processes of session ``sid`` (a zombie has ended: where PID 1 does not reap, it stays listed)."""
+    return [
+        p.info
+        for p in psutil.process_iter(["pid", "name", "status"])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and _session(p.info["pid"]) == sid
+    ]
 
 
 def _session(pid: int) -> int:

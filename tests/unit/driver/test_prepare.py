@@ -1,20 +1,29 @@
-"""A run whose creation fails after its MLflow run exists (the tokenizer, the vocabulary check, an interrupt) ends
-FAILED or KILLED in MLflow, never left RUNNING (a real sqlite store)."""
+"""A run whose creation fails after its MLflow run exists (the tokenizer, the vocabulary check, an interrupt, a stop)
+ends FAILED or KILLED in MLflow, never left RUNNING (a real sqlite store)."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 from mlflow import MlflowClient
 
 from pretrain.config import ConfigError, load_config
 from pretrain.driver.prepare import create_run
+from pretrain.driver.signals import StopNow
 from pretrain.train import tracking
 
 
 @pytest.mark.parametrize(
-    ("error", "status"), [(ConfigError("model.vocab_size: too small"), "FAILED"), (KeyboardInterrupt(), "KILLED")]
+    ("error", "status", "signame"),
+    [
+        (ConfigError("model.vocab_size: too small"), "FAILED", None),
+        (KeyboardInterrupt(), "KILLED", "SIGINT"),
+        (StopNow(signal.SIGTERM, "SIGTERM: stopped at once"), "KILLED", "SIGTERM"),
+    ],
 )
-def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, status):
+def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, status, signame):
+    """An error ends the run FAILED; a stop KILLED, with the signal recorded."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'checkpoints'}"])
@@ -25,7 +34,9 @@ def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, sta
     with pytest.raises(type(error)):
         create_run(cfg, complete=complete)
     (run,) = tracking.list_runs(uri)
-    assert MlflowClient(uri).get_run(run.info.run_id).info.status == status
+    run = MlflowClient(uri).get_run(run.info.run_id)
+    assert run.info.status == status
+    assert run.data.tags.get("pretrain.stop.signal") == signame
 
 
 def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exists(tokenizer_dir, workdir):
