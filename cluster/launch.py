@@ -163,7 +163,7 @@ def _sigterm_kept() -> Iterator[None]:
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
-        from pretrain.driver.signals import StopNow
+        from pretrain.train.stop_request import StopNow
 
         with contextlib.suppress(Exception):  # what the interrupted start made (disconnected first): the command ends
             end_ray_with_process(True)

@@ -22,18 +22,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from pretrain.train.stop_request import clear_request, write_request
+from pretrain.train.stop_request import StopNow, clear_request, write_request
+
+__all__ = ["SIGNALS", "StopNow", "StopSignals", "exit_code", "stop_at_once"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class StopNow(KeyboardInterrupt):
-    """The run ends at once (a second signal, the stop's time limit, or ``checkpoint.on_stop: exit``); the command
-    exits ``128 + signum``."""
-
-    def __init__(self, signum: int, why: str) -> None:
-        super().__init__(why)
-        self.signum = signum
 
 
 def exit_code(signum: int) -> int:

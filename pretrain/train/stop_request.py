@@ -14,6 +14,15 @@ from typing import Any
 from pretrain.checkpoint.layout import STOP_REQUEST
 
 
+class StopNow(KeyboardInterrupt):
+    """The run ends at once, with no new checkpoint (a second signal, the stop's time limit,
+    ``checkpoint.on_stop: exit``, or a stop before the run trains); the command exits ``128 + signum``."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(why)
+        self.signum = signum
+
+
 def request_path(run_dir: Path | str) -> Path:
     return Path(run_dir) / STOP_REQUEST
 
