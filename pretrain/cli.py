@@ -176,6 +176,11 @@ def cmd_ui(args: list[str]) -> int:
     if a.open:
         ui_links.open_when_serving(links[0][1] if links else ui_links.ui_url(base), a.host, int(a.port))
     command = ["ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port, "--workers", a.workers]
+    # MLflow's job runner serves GenAI jobs (judges, prompt optimization, trace roll-ups), which a training store
+    # has none of: a runner and seven consumer processes, each importing MLflow, several times the UI's own CPU at
+    # start and memory, beside training on the same machine (benchmarks/ui_cpu.py).
+    # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true brings them back.
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     os.execv(str(mlflow), [str(mlflow), *command])
 
 

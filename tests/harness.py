@@ -440,3 +440,18 @@ E2E = [
 the end-of-run plot (about 3 s of matplotlib per run; the session's ``reference`` run draws it and checks it)."""
 
 TASKS = ["eval.tasks=[heldout_lastword]", "eval.max_examples=16"]
+
+
+def session_processes(sid: int) -> list[dict]:
+    """The live processes of session ``sid`` (e.g. a command started with ``start_new_session``), with their pid,
+    name and command line; a zombie has ended (where PID 1 does not reap, it stays listed) and does not count."""
+    import psutil  # a dependency of ray
+
+    out = []
+    for proc in psutil.process_iter(["pid", "name", "status", "cmdline"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.info["pid"]) == sid:
+                out.append({k: proc.info[k] for k in ("pid", "name", "cmdline")})
+        except OSError:  # gone meanwhile
+            continue
+    return out

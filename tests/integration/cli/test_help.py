@@ -23,7 +23,7 @@ from pretrain.cli import COMMANDS
 from pretrain.ports import free_port
 from tests import browser
 from tests.conftest import PYTHON, ROOT, cli_env
-from tests.harness import CONFIG, cli, run_id_of, start_cli, tiny_model
+from tests.harness import CONFIG, cli, run_id_of, session_processes, start_cli, tiny_model
 
 TINY = [
     *tiny_model(num_kv_heads=2, max_seq_len=32, vocab_size=None),
@@ -170,6 +170,8 @@ def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
         while not _answers(base):
             assert ui.poll() is None and time.monotonic() < deadline, f"ui did not come up:\n{log.read_text()[-3000:]}"
             time.sleep(1)
+        served = [" ".join(p["cmdline"] or []) for p in session_processes(ui.pid)]
+        assert not [c for c in served if "huey" in c or "job_runner" in c], served  # no GenAI job runner
         client = lineage.client()
         exp = client.get_run(lineage.parent).info.experiment_id
         exp_url = f"{base}/#/experiments/{exp}{ML}"

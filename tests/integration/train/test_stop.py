@@ -13,10 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 from mlflow import MlflowClient
 
-from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, start_cli
+from tests.harness import CONFIG, E2E, cli, metric_history, run_id_of, session_processes, start_cli
 
 SLOW = "faults.slow_step_s=0.4"  # steps slow enough to signal mid-run on any machine (numbers unchanged)
 
@@ -155,22 +154,6 @@ def test_a_stop_while_the_run_is_created_ends_it_killed(tmp_path):
     assert run.info.status == "KILLED" and run.data.tags["pretrain.stop.signal"] == "SIGTERM"
     assert "train/loss" not in run.data.metrics
     deadline = time.time() + 10  # SIGKILLed, they may take a moment to leave the process table
-    while (left := _in_session(proc.pid)) and time.time() < deadline:
+    while (left := session_processes(proc.pid)) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, left
-
-
-def _in_session(sid: int) -> list[dict]:
-    """The live processes of session ``sid`` (a zombie has ended: where PID 1 does not reap, it stays listed)."""
-    return [
-        p.info
-        for p in psutil.process_iter(["pid", "name", "status"])
-        if p.info["status"] != psutil.STATUS_ZOMBIE and _session(p.info["pid"]) == sid
-    ]
-
-
-def _session(pid: int) -> int:
-    try:
-        return os.getsid(pid)
-    except OSError:  # gone meanwhile
-        return -1
