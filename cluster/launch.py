@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -23,6 +23,7 @@ from cluster.requires import require_ray_for
 from pretrain import startup_gc, timeline
 from pretrain.config import ClusterConfig
 from pretrain.train.job import Job
+from pretrain.train.stop_request import stops_deferred
 
 # Environment variables forwarded to Ray workers (an explicit allowlist: never the whole environment).
 _FORWARD_ENV = (
@@ -200,28 +201,19 @@ def prepare_while_ray_starts(
         pool.shutdown(wait=True)
     except BaseException as e:
         failed_first = prepared.done() and prepared.exception() is not None
-        # a stop ends the command: Ray's agents, still starting, would outlive a graceful shutdown by a minute
-        (end_ray_with_process if isinstance(e, KeyboardInterrupt) else stop_ray)(started)
-        _wait_for(pool, prepared)
-        if failed_first:
-            raise cast(BaseException, prepared.exception()) from None  # not None: checked above
-        if abandon is not None and prepared.exception() is None:
-            abandon(prepared.result(), e)
+        with stops_deferred("ending the run being created (its creation first; SIGKILL ends at once)"):
+            # a stop ends the command: Ray's agents, still starting, would outlive a graceful shutdown by a minute
+            (end_ray_with_process if isinstance(e, KeyboardInterrupt) else stop_ray)(started)
+            if not prepared.done():
+                print("[pretrain] waiting for the run's creation to end, to end the run", flush=True)
+            pool.shutdown(wait=True)
+            if failed_first:
+                raise cast(BaseException, prepared.exception()) from None  # not None: checked above
+            if abandon is not None and prepared.exception() is None:
+                abandon(prepared.result(), e)
         raise
     timeline.enter("ray")
     return result, started
-
-
-def _wait_for(pool: ThreadPoolExecutor, prepared: Future) -> None:
-    """The end of the preparation, whatever stops come meanwhile (the run it creates is handed on to be ended)."""
-    if not prepared.done():
-        print("[pretrain] waiting for the run's creation to end, to end the run", flush=True)
-    while True:
-        try:
-            pool.shutdown(wait=True)
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 def _prepare_then_import(prepare: Callable[[], T]) -> T:

@@ -35,6 +35,7 @@ from pretrain.data.sanity import check_corpus, hub_sources
 from pretrain.driver.budget import keep_resolved_budget, resolve_budget
 from pretrain.driver.run_lock import hold_run
 from pretrain.train import tracking
+from pretrain.train.stop_request import stops_deferred
 
 if TYPE_CHECKING:
     from pretrain.train.job import Job
@@ -206,8 +207,8 @@ def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        if uri:
-            with contextlib.suppress(Exception):  # the error itself matters more than its record
+        if uri:  # the error itself matters more than its record; a second stop waits for it
+            with stops_deferred("ending the run (SIGKILL ends at once)"), contextlib.suppress(Exception):
                 tracker = tracking.Tracker(uri, run_id)
                 if isinstance(e, KeyboardInterrupt):
                     tracker.set_tags(stop_tags(getattr(e, "signum", signal.SIGINT)))

@@ -17,7 +17,7 @@ from pretrain.config import ConfigError, RunConfig, to_dict
 from pretrain.config.errors import clip
 from pretrain.config.paths import resolve_paths
 from pretrain.driver.budget import keep_resolved_budget
-from pretrain.driver.prepare import preflight, prepare_new
+from pretrain.driver.prepare import ended_on_error, preflight, prepare_new
 from pretrain.driver.run_lock import hold_run
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
@@ -107,24 +107,22 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
 
 
 def _as_built(cfg: RunConfig, saved: RunConfig, step: int) -> RunConfig:
-    """``cfg`` with the architecture the workers build for a resume at ``step``: the Hugging Face model's for
-    ``model.init_from_hf`` (the checkpoint's, when its run was initialized from the same directory); the
-    checkpoint's own when ``growth.schedule`` grew the model at or before ``step`` (as
-    :func:`pretrain.train.resume.checkpoint_architecture` takes it)."""
-    hf_dir = cfg.model.init_from_hf
-    if any(entry.at_step and entry.at_step <= step for entry in cfg.growth.schedule) or (
-        hf_dir and hf_dir == saved.model.init_from_hf
-    ):
-        return dataclasses.replace(cfg, model=saved.model, moe=saved.moe)
-    if hf_dir:
-        from pretrain.export.hf import model_config_from_hf
+    """``cfg`` with the architecture it gives the model at ``step``: after the entries of ``growth.schedule`` at or
+    before it (the workers take the checkpoint's, which must be that one). ``model.init_from_hf`` is refused: the
+    architecture would be the Hugging Face model's, and the weights the checkpoint's."""
+    if cfg.model.init_from_hf:
+        raise ConfigError(
+            f"model.init_from_hf ({clip(cfg.model.init_from_hf)}) with checkpoint.resume_from: a run that resumes a "
+            "checkpoint takes its weights from it; set model.init_from_hf='' with the checkpoint's architecture (its "
+            "config.yaml), or resume it with ./launch.sh resume CHECKPOINT_DIR, which reads that config"
+        )
+    if not cfg.growth.schedule:
+        return cfg
+    from pretrain.model.growth_stages import stage_architectures
 
-        try:
-            model, _ = model_config_from_hf(Path(hf_dir), base=cfg.model, max_seq_len=cfg.model.max_seq_len)
-        except ValueError as e:
-            raise ConfigError(f"model.init_from_hf: {e}") from None
-        return dataclasses.replace(cfg, model=model)
-    return cfg
+    grown = sum(1 for entry in cfg.growth.schedule if entry.at_step and entry.at_step <= step)
+    model, moe = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)[grown]
+    return dataclasses.replace(cfg, model=model, moe=moe)
 
 
 def _check_same_tokenizer(given: str, own: Path, checkpoint: str) -> None:
@@ -174,7 +172,8 @@ def prepare_fork(cfg: RunConfig, fork: Fork, hold: ExitStack | None = None) -> J
         dataclasses.replace(cfg), tags={tracking.TAG_RESUMED_FROM: fork.checkpoint}, checked=True, hold=hold
     )
     if job.tracking_uri:
-        _record_data_change(job.tracking_uri, job.run_id, fork)
+        with ended_on_error(job.tracking_uri, job.run_id):
+            _record_data_change(job.tracking_uri, job.run_id, fork)
     return job
 
 

@@ -137,10 +137,11 @@ def end_stopped_at_once(job, signum: int) -> str:
     store that cannot be reached records nothing); returns the line that says where its latest committed checkpoint
     is."""
     from pretrain.driver.prepare import stop_tags
+    from pretrain.train.stop_request import stops_deferred
     from pretrain.train.tracking import Tracker
 
     tags = stop_tags(signum)
-    with contextlib.suppress(Exception):
+    with stops_deferred("ending the run KILLED (SIGKILL ends at once)"), contextlib.suppress(Exception):
         tracker = Tracker(job.tracking_uri, job.run_id)
         tracker.set_tags(tags)
         tracker.finish("KILLED")

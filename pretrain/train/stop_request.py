@@ -5,10 +5,15 @@ reaches workers on any node without a channel of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from pretrain.checkpoint.layout import STOP_REQUEST
@@ -21,6 +26,27 @@ class StopNow(KeyboardInterrupt):
     def __init__(self, signum: int, why: str) -> None:
         super().__init__(why)
         self.signum = signum
+
+
+@contextlib.contextmanager
+def stops_deferred(why: str) -> Iterator[None]:
+    """SIGTERM and SIGINT do not interrupt the block (in the main thread): each one says in a line that the command
+    is ``why`` (SIGKILL still ends it). For the cleanup after a stop, which a second Ctrl-C would otherwise cut
+    short, leaving the run it ends ``RUNNING``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(OSError):
+            os.write(2, f"[pretrain] {signal.Signals(signum).name}: {why}\n".encode())
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def request_path(run_dir: Path | str) -> Path:
