@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.growth_check import GOAL_SAVING
 from benchmarks.loop import loop_benchmark
 from benchmarks.step import ROOT, run_bench, run_moe_bench, step_after_loop
 from pretrain.config import load_config
@@ -180,6 +181,16 @@ def main(argv: list[str]) -> int:
         help="--growth: these recipes (comma-separated; default: stack4@10%%, G_stack; benchmarks/growth.py)",
     )
     p.add_argument(
+        "--check-saving",
+        type=float,
+        nargs="?",
+        const=GOAL_SAVING,
+        default=None,
+        metavar="SHARE",
+        help="--growth: also train each recipe on (1 - SHARE) of the budget (default 0.25), its schedule fully "
+        "decayed there, and report whether it reaches the scratch run's final loss (benchmarks/growth_check.py)",
+    )
+    p.add_argument(
         "--sizes",
         choices=("auto", "yes", "no"),
         default="no",
@@ -252,6 +263,7 @@ def measure(a: argparse.Namespace) -> dict:
                 reuse=tuple(Path(x) for x in a.reuse.split(",") if x),
                 tokens_per_param=GPU_TOKENS_PER_PARAM if a.gpu_size else TOKENS_PER_PARAM,
                 jobs=jobs_of(a.jobs, gpu),
+                check=a.check_saving,
             )
         )
     if a.layer_drop and a.quality:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.growth_check import check_runs, checked
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
@@ -189,13 +190,15 @@ def growth_bench(
     reuse: tuple[Path, ...] = (),
     tokens_per_param: float = TOKENS_PER_PARAM,
     jobs: int = 1,
+    check: float | None = None,
 ) -> dict:
     """The study; ``tokens`` None: ``tokens_per_param`` per target parameter; ``only`` limits the recipes;
     ``sizes`` forces (True) or skips (False) the trend (None: when the best recipe saves < 25 %); ``scan``: only
     the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth); ``reuse``: earlier
     studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`); ``jobs``: runs
-    trained side by side (:meth:`Study.train_many`; the trend's runs train one at a time). Returns the study's dict
-    (see :func:`summary`)."""
+    trained side by side (:meth:`Study.train_many`; the trend's runs train one at a time); ``check``: also train each
+    recipe on ``1 - check`` of the budget, fully decayed there (:mod:`benchmarks.growth_check`; not with ``scan``).
+    Returns the study's dict (see :func:`summary`)."""
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, val_sequences=VAL_SEQUENCES)
@@ -237,12 +240,15 @@ def growth_bench(
         "run_ids": {},
     }
     budget = [*repeat, *budget_overrides(flops, points)]
-    trained = study.train_many(
-        [(f"{n} seed {seed}", [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs], jobs, True
-    )
+    todo = [(n, seed, [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs]
+    if check is not None and not scan:
+        book = {n: [*model_overrides(target), *e] for n, e in recipes(target).items()}
+        checks = check_runs(book, names, seeds, flops, check, points)
+        todo += [(n, seed, [*extra, f"train.seed={seed}", *repeat]) for n, seed, extra in checks]
+    trained = study.train_many([(f"{n} seed {seed}", extra) for n, seed, extra in todo], jobs, True)
     out["jobs"] = jobs
     out["in_context_copying"] = {}
-    for (name, seed, _), run in zip(runs, trained):
+    for (name, seed, _), run in zip(todo, trained):
         out["curves"].setdefault(name, {})[seed] = run.flops
         out["run_ids"].setdefault(name, {})[seed] = run.run_id
         out["in_context_copying"].setdefault(name, {})[seed] = _copying(study, run)
@@ -256,6 +262,8 @@ def growth_bench(
             names, key=lambda n: -1e9 if out["growth_flops_saving"][n] is None else out["growth_flops_saving"][n]
         )
         out["best_recipe"] = ranked[-1] if ranked else None
+        if check is not None:
+            out["saving_checked"] = checked(out["curves"], names, list(seeds), check, flops)
     out.update(alternatives(out))
     out["iso_flop"] = iso_flop(out, {n: _parameters(study, a) for n, a in archs.items()}, per_token)
     best = out.get("best_recipe")

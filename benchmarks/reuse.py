@@ -46,14 +46,18 @@ def _tokenizer_digest(path: str) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
 
 
-def same_config(want: dict[str, Any], params: dict[str, str]) -> bool:
+def same_config(want: dict[str, Any], params: dict[str, str], defaults: dict[str, Any] | None = None) -> bool:
     """Whether a run logged with ``params`` trained what the flat config ``want`` asks for (its location keys
-    aside; ``data.tokenizer`` equal as text or by the content of the tokenizer it names)."""
+    aside; ``data.tokenizer`` equal as text or by the content of the tokenizer it names). A key the run did not log
+    at all (a config field added since it ran) matches when ``want`` leaves it at its value in ``defaults`` (the
+    flat default config): a new field's default keeps what the code did before it."""
     for key, value in want.items():
         if key.startswith(LOCATION_KEYS):
             continue
         text, have = str(value)[:PARAM_CHARS], params.get(key)
         if have == text:
+            continue
+        if have is None and defaults is not None and key in defaults and str(defaults[key]) == str(value):
             continue
         if key == "data.tokenizer" and have and text:
             digest = _tokenizer_digest(text)
@@ -65,10 +69,13 @@ def same_config(want: dict[str, Any], params: dict[str, str]) -> bool:
 
 def find(uris: list[str], want: dict[str, Any], steps: int) -> tuple[str, Any] | None:
     """(store URI, MLflow run) of a finished run in one of the stores ``uris`` that trained ``want``
-    (:func:`same_config`; whatever its name) to its last step ``steps``, the earliest of the first store that has
-    one; None when there is none."""
+    (:func:`same_config`, against the default config; whatever its name) to its last step ``steps``, the earliest
+    of the first store that has one; None when there is none."""
     from mlflow import MlflowClient
 
+    from pretrain.config import flatten, from_dict, to_dict
+
+    defaults = flatten(to_dict(from_dict({})))
     for uri in uris:
         client = MlflowClient(tracking_uri=uri)
         ids = [e.experiment_id for e in client.search_experiments()]
@@ -76,7 +83,7 @@ def find(uris: list[str], want: dict[str, Any], steps: int) -> tuple[str, Any] |
             ids, "attributes.status = 'FINISHED'", max_results=50_000, order_by=["start_time ASC"]
         )
         for run in found:
-            if not same_config(want, run.data.params):
+            if not same_config(want, run.data.params, defaults):
                 continue
             losses = client.get_metric_history(run.info.run_id, "train/loss")
             if losses and max(m.step for m in losses) >= steps:

@@ -103,8 +103,8 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     for side_by_side, alone_ in ids.values():
         for key in ("val/loss", "train/loss"):
             assert _history(client, side_by_side, key) == _history(_client_of(one), alone_, key), key
-    # extended by a recipe: the runs it already has are read from the first study's store, not trained again
-    args = [*args, "--recipes", "stack2@10%,stack2@5%"]
+    # extended by a recipe and the saving's check: the runs it already has are read from the first study's store
+    args = [*args, "--recipes", "stack2@10%,stack2@5%", "--check-saving"]
     again = _bench(tmp_path, *args, "--reuse", str(tmp_path / "study"), corpus, study="again")
     reused = {label: ref["run_id"] for label, ref in again["reused_runs"].items()}
     assert reused == {f"{name} seed 0": r["run_ids"][name]["0"] for name in ("scratch", "stack2@10%", small)}
@@ -112,7 +112,15 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
         assert again["curves_flops_val_loss"][name] == curves[name]
         assert again["in_context_copying"][name] == copying[name], "the reused run's model, from its checkpoints"
     _, trained = _children(again)
-    assert [run.info.run_name for run in trained] == ["stack2@5% seed 0"], "only the new recipe trains"
+    names = ["stack2@5% seed 0", "stack2@10% on 75% seed 0", "stack2@5% on 75% seed 0"]
+    assert sorted(run.info.run_name for run in trained) == sorted(names), "the new recipe and the checks train"
+    check = again["saving_checked"]
+    assert check["share_saved"] == 0.25 and check["budget_flops"] == pytest.approx(0.75 * r["budget_flops"])
+    for name in ("stack2@10%", "stack2@5%"):
+        short = again["curves_flops_val_loss"][f"{name} on 75%"]["0"]
+        assert short[-1][0] == pytest.approx(0.75 * r["budget_flops"], rel=0.05), "its own, shorter budget"
+        assert check["final_loss"][name]["0"] == pytest.approx(short[-1][1], rel=1e-5)
+        assert check["reaches_scratch"][name]["0"] == (check["final_loss"][name]["0"] <= scratch[-1][1] + 1e-5)
 
 
 def test_layer_drop_study_on_a_tiny_budget(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.growth import alternatives, iso_flop, plan, recipes, small_model
+from benchmarks.growth_check import check_runs, checked
 from benchmarks.study import epochs
 from pretrain.config import ConfigError
 
@@ -95,3 +96,27 @@ def test_the_default_and_gpu_sizes_are_the_documented_ones():
     gpu, cfg = params(GPU_PRESET)
     assert round(cpu / 1e4) == 33 and round(gpu / 1e5) == 35
     assert cfg.train.precision == "bf16" and cfg.model.max_seq_len == 512 and cfg.model.num_heads * 32 == 256
+
+
+def test_a_saving_is_checked_by_a_run_on_the_shorter_budget():
+    book = recipes(ARCH)
+    runs = check_runs(book, ["stack2@10%", "stack4@10%"], (0, 1), 8.0, 0.25, 4)
+    assert [(name, seed) for name, seed, _ in runs] == [
+        ("stack2@10% on 75%", 0),
+        ("stack4@10% on 75%", 0),
+        ("stack2@10% on 75%", 1),
+        ("stack4@10% on 75%", 1),
+    ]
+    extra = runs[0][2]
+    assert extra[: len(book["stack2@10%"])] == book["stack2@10%"], "the recipe as it is, growth point included"
+    assert "train.max_flops=6" in extra and "train.val_every_flops=2" in extra, "3/4 of the FLOPs, the same grid"
+    with pytest.raises(ConfigError, match="--check-saving: a share of the budget in"):
+        check_runs(book, ["stack2@10%"], (0,), 8.0, 1.0, 4)
+    curves = {
+        "scratch": {0: _curve(6.0, 5.0, 4.2, 3.9), 1: _curve(6.0, 5.0, 4.5, 4.1)},
+        "stack2@10% on 75%": {0: _curve(5.5, 4.5, 3.85), 1: _curve(5.5, 4.5, 4.2)},
+    }
+    got = checked(curves, ["stack2@10%"], [0, 1], 0.25, 8.0)
+    assert got["reaches_scratch"] == {"stack2@10%": {0: True, 1: False}}
+    assert got["vs_scratch_final"]["stack2@10%"][0] == pytest.approx(-0.05)
+    assert got["reaches_on_every_seed"] == {"stack2@10%": False} and got["budget_flops"] == 6.0

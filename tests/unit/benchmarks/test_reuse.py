@@ -25,6 +25,16 @@ def test_the_same_config_matches_whatever_its_locations():
     assert same_config(long, _logged(long)), "MLflow keeps the first 6000 characters"
 
 
+def test_a_field_added_since_the_run_matches_only_at_its_default():
+    defaults = {"faults.slow_run_creation_s": 0.0, "train.lr": 0.0004}
+    added = {**WANT, "faults.slow_run_creation_s": 0.0}
+    assert same_config(added, _logged(WANT), defaults), "the run predates the field; the default keeps its code"
+    assert not same_config({**WANT, "faults.slow_run_creation_s": 1.0}, _logged(WANT), defaults), "not the default"
+    assert not same_config(added, _logged(WANT)), "without the defaults: a key the run never logged"
+    logged_other = {**_logged(WANT), "faults.slow_run_creation_s": "2.0"}
+    assert not same_config(added, logged_other, defaults), "a logged value is compared as it is"
+
+
 def test_the_tokenizer_matches_by_content(tmp_path):
     for name, text in (("a", '{"v": 1}'), ("b", '{"v": 1}'), ("c", '{"v": 2}')):
         (tmp_path / name).mkdir()
