@@ -184,14 +184,15 @@ def prepare_while_ray_starts(
     fails, Ray started here is shut down and the failure raised (the preparation's, when it failed first: a bad
     config or corpus is the user's error to see); when this thread fails or is interrupted (a stop) while the
     preparation goes on, the preparation is waited for and what it made is handed to ``abandon(result, error)``
-    (the caller ends the run it created). Timeline: ``ray`` while Ray starts, ``run_preparation`` for any wait for
-    the rest of the preparation (its own phases overlap Ray's start)."""
+    (the caller ends the run it created), as is the run of a preparation whose ``import torch`` fails. Timeline:
+    ``ray`` while Ray starts, ``run_preparation`` for any wait for the rest of the preparation (its own phases
+    overlap Ray's start)."""
     if cluster.trains_in_process():
         return prepare(), False
     check_local_layout(cluster)  # before anything starts
     _ray_address(cluster)
     pool = ThreadPoolExecutor(1, thread_name_prefix="run-preparation")
-    prepared = pool.submit(timeline.quietly, lambda: _prepare_then_import(prepare))
+    prepared = pool.submit(timeline.quietly, lambda: _prepare_then_import(prepare, abandon))
     timeline.enter("ray")
     started = False
     try:
@@ -216,10 +217,16 @@ def prepare_while_ray_starts(
     return result, started
 
 
-def _prepare_then_import(prepare: Callable[[], T]) -> T:
+def _prepare_then_import(prepare: Callable[[], T], abandon: Callable[[T, BaseException], None] | None) -> T:
+    """``prepare()``, then ``import torch`` (Ray Train's TorchTrainer imports it next: here it overlaps Ray's
+    start); when the import fails, the prepared run is handed to ``abandon`` before the failure is raised."""
     result = prepare()
-    import torch  # noqa: F401  (Ray Train's TorchTrainer imports it next: here it overlaps Ray's start)
-
+    try:
+        import torch  # noqa: F401
+    except BaseException as e:
+        if abandon is not None:
+            abandon(result, e)
+        raise
     return result
 
 

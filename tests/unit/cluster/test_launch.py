@@ -1,9 +1,14 @@
 """What every command sets up for the CUDA allocator and what Ray's workers get of it, the line of a job trained
-alone, and the note on restarts without Ray (``cluster/launch.py``)."""
+alone, the note on restarts without Ray, and a run created before a failing import is ended
+(``cluster/launch.py``)."""
 
 from __future__ import annotations
 
-from cluster.launch import alone_note, restarts_note, worker_env
+import sys
+
+import pytest
+
+from cluster.launch import _prepare_then_import, alone_note, restarts_note, worker_env
 from pretrain.cli import CUDA_ALLOC_CONF, main
 from pretrain.config import ClusterConfig
 
@@ -38,3 +43,14 @@ def test_restarts_asked_of_a_job_without_ray_get_a_note():
     assert note and "cluster.max_failures=2 has no effect with cluster.use_ray=false" in note
     assert restarts_note(ClusterConfig(use_ray=True, max_failures=2)) is None
     assert restarts_note(ClusterConfig(use_ray=False)) is None
+
+
+def test_a_failing_torch_import_after_the_run_is_created_abandons_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    abandoned = []
+    with pytest.raises(ImportError):
+        _prepare_then_import(lambda: "run", lambda run, e: abandoned.append((run, isinstance(e, ImportError))))
+    assert abandoned == [("run", True)], "the created run is ended, not left RUNNING"
+    monkeypatch.undo()
+    assert _prepare_then_import(lambda: "run", lambda run, e: abandoned.append(run)) == "run"
+    assert len(abandoned) == 1
