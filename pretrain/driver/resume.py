@@ -84,7 +84,8 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
     ``resume DIR`` makes, on the config as given. A run directory stands for its latest committed checkpoint, which
     ``checkpoint.resume_from`` then names; the run trains with the checkpoint's tokenizer (a ``data.tokenizer`` given
     must be that one) and, with ``model.vocab_size`` 0, its vocabulary size; with the checkpoint's budget
-    ``train.max_flops``, the steps it was resolved into. None without ``resume_from``."""
+    ``train.max_flops``, the steps it was resolved into, and so do the growth points it shares with the checkpoint's
+    run (:func:`_resolved_points`). None without ``resume_from``."""
     if not cfg.checkpoint.resume_from:
         return None
     from pretrain.checkpoint import resolve
@@ -103,13 +104,25 @@ def check_resume_from(cfg: RunConfig) -> Fork | None:
         cfg.model.vocab_size = saved.model.vocab_size
     if cfg.train.max_flops and cfg.train.max_flops == saved.train.max_flops:
         cfg.train.max_steps = saved.train.max_steps
+    _resolved_points(cfg, saved)
     return check_fork(ckpt, cfg, _as_built(cfg, saved, ckpt.manifest.step))
 
 
+def _resolved_points(cfg: RunConfig, saved: RunConfig) -> None:
+    """Each ``growth.schedule`` entry of ``cfg`` given by ``at_tokens`` or ``at_fraction`` (or no point) that the
+    checkpoint's run has too, at the same place in its schedule and otherwise equal, takes the step it was resolved
+    to there (the checkpoint's config records it): the config a run was created from forks from its checkpoints as
+    it is. Any other such entry stays without a step, and the checks refuse it in one line."""
+    for mine, theirs in zip(cfg.growth.schedule, saved.growth.schedule):
+        if not mine.at_step and theirs.at_step and dataclasses.replace(mine, at_step=theirs.at_step) == theirs:
+            mine.at_step = theirs.at_step
+
+
 def _as_built(cfg: RunConfig, saved: RunConfig, step: int) -> RunConfig:
-    """``cfg`` with the architecture it gives the model at ``step``: after the entries of ``growth.schedule`` at or
-    before it (the workers take the checkpoint's, which must be that one). ``model.init_from_hf`` is refused: the
-    architecture would be the Hugging Face model's, and the weights the checkpoint's."""
+    """``cfg`` with the architecture it gives the model at ``step``: after the entries of ``growth.schedule`` before
+    it (an entry grows before the step after its ``at_step``, so the checkpoint at that step holds the model before
+    the growth; the workers take the checkpoint's architecture, which must be that one). ``model.init_from_hf`` is
+    refused: the architecture would be the Hugging Face model's, and the weights the checkpoint's."""
     if cfg.model.init_from_hf:
         raise ConfigError(
             f"model.init_from_hf ({clip(cfg.model.init_from_hf)}) with checkpoint.resume_from: a run that resumes a "
@@ -120,7 +133,7 @@ def _as_built(cfg: RunConfig, saved: RunConfig, step: int) -> RunConfig:
         return cfg
     from pretrain.model.growth_stages import stage_architectures
 
-    grown = sum(1 for entry in cfg.growth.schedule if entry.at_step and entry.at_step <= step)
+    grown = sum(1 for entry in cfg.growth.schedule if entry.at_step and entry.at_step < step)
     model, moe = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)[grown]
     return dataclasses.replace(cfg, model=model, moe=moe)
 

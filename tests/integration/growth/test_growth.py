@@ -49,6 +49,7 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
 
     import yaml
 
+    from pretrain.cli import main
     from pretrain.driver.budget import run_flops
     from pretrain.driver.prepare import prepare_new
     from tests.conftest import ROOT, in_workdir
@@ -102,6 +103,13 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
         every = budget / 3
         expected = [s for s in range(1, 9) if flops[s] // every > flops.get(s - 1, 0.0) // every or s == 8]
         assert sorted(val_at) == expected and len(expected) == 3, (val_at, expected)
+        # the config the run was created from forks from its checkpoints as it is (`train CONFIG
+        # checkpoint.resume_from=DIR`): its growth points are the ones the run resolved; at a growth's step the
+        # checkpoint is the model before it
+        for step in (2, 4, 6):
+            ckpt = Path(full.run_dir) / f"step_{step:08d}"
+            fork = [str(cfg_path), *opts, *tok, f"checkpoint.resume_from={ckpt}", "--dry-run"]
+            assert main(["train", *fork]) == 0, step
 
 
 def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data_stream(tmp_path):
