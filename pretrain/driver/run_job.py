@@ -64,12 +64,13 @@ def run_job(prepare, announce) -> int:
     run exists). ``held``: an ExitStack that keeps what ``prepare`` enters into it (the run's lock,
     :mod:`pretrain.driver.run_lock`) until the run has ended. ``announce(job)``: the line that names the run.
     A stop before the run trains ends the command at once (:func:`~pretrain.driver.signals.stop_at_once`), and the
-    run, if created, ``KILLED``."""
+    run, if created, ``KILLED``; a stop once it has trained waits for the run's end to be recorded."""
     from cluster.launch import end_ray_with_process, run, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
     from pretrain.driver.launched import follow, launched
     from pretrain.driver.signals import StopNow, StopSignals, stop_at_once
+    from pretrain.train.stop_request import stops_deferred
     from pretrain.train.tracking import Tracker, tracking_uri
 
     launch = launched()
@@ -94,7 +95,9 @@ def run_job(prepare, announce) -> int:
             except BaseException:
                 stop_ray(ray_started)
                 raise
-            end_ray_with_process(ray_started)  # the command ends right after the summary
+            with stops_deferred("ending the run, which has trained (SIGKILL ends at once)"):
+                end_ray_with_process(ray_started)  # the command ends right after the summary
+                stopped = _record_end(tracker, final)
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C, or a stop that could not wait for its checkpoint
                 signum = (stop.signum if stop else 0) or getattr(e, "signum", signal.SIGINT)
@@ -103,20 +106,26 @@ def run_job(prepare, announce) -> int:
                 Tracker(job.tracking_uri, job.run_id).finish("FAILED")
             e.add_note(f"full log: {log}")
             raise
-        stopped = final.get("stopped")
-        if stopped:
-            tracker.set_tags(
-                {
-                    "pretrain.stop.signal": stopped["signal"],
-                    "pretrain.stop.step": stopped["step"],
-                    "pretrain.stop.checkpoint": final.get("checkpoint", ""),
-                }
-            )
-        tracker.finish("KILLED" if stopped else "FINISHED")
     if stopped:
         return _print_stopped(final, job, (stop.signum if stop else 0) or signal.SIGTERM)
     print_summary(final, job, tracking_uri())
     return 0
+
+
+def _record_end(tracker, final: dict) -> dict | None:
+    """The MLflow status of a run that has trained: ``KILLED`` with the stop's tags when a stop ended it with a
+    checkpoint (returned: ``final["stopped"]``), else ``FINISHED``."""
+    stopped = final.get("stopped")
+    if stopped:
+        tracker.set_tags(
+            {
+                "pretrain.stop.signal": stopped["signal"],
+                "pretrain.stop.step": stopped["step"],
+                "pretrain.stop.checkpoint": final.get("checkpoint", ""),
+            }
+        )
+    tracker.finish("KILLED" if stopped else "FINISHED")
+    return stopped
 
 
 def abandon(job, error: BaseException) -> None:

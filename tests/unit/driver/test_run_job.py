@@ -41,3 +41,29 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
         out = capsys.readouterr().out
         assert "S3cretPW" not in out and ("MLflow UI:" in out) == uri.startswith("sqlite")
         assert ("resume:      MLFLOW_TRACKING_URI=sqlite:////tmp/m.db ./launch.sh resume" in out) == (uri != secret)
+
+
+def test_a_stop_while_a_trained_run_ends_leaves_it_finished(tmp_path, monkeypatch, capfd):
+    """A Ctrl-C while the command ends Ray after the run has trained waits (one line) for the run's end to be
+    recorded: the run is ``FINISHED`` and the summary printed, not a run marked ``KILLED`` that trained to its end."""
+    import os
+    import signal
+
+    import cluster.launch
+    from mlflow import MlflowClient
+
+    from pretrain.driver.run_job import run_job
+    from pretrain.train.tracking import new_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = load_config(None, ["train.max_steps=8"])
+    job = Job(config=to_dict(cfg), run_id=new_run(uri, cfg), run_dir=str(tmp_path / "run"), tracking_uri=uri)
+    monkeypatch.setattr(cluster.launch, "run", lambda job, cluster: {"step": 8, "final_train_loss": 1.0})
+    monkeypatch.setattr(cluster.launch, "end_ray_with_process", lambda started: os.kill(os.getpid(), signal.SIGINT))
+    assert run_job(lambda held: (job, False), lambda job: "run") == 0
+    out, _ = capfd.readouterr()
+    log = (tmp_path / "run" / "logs" / "driver.log").read_text()  # the terminal is quiet: lines go to the run's log
+    assert "SIGINT: ending the run, which has trained" in log, log
+    assert "== finished:" in out and "[pretrain] SIGINT: ending the run" in out, "on the terminal too"
+    assert MlflowClient(uri).get_run(job.run_id).info.status == "FINISHED"
