@@ -183,12 +183,10 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--check-saving",
         type=float,
-        nargs="?",
-        const=GOAL_SAVING,
         default=None,
         metavar="SHARE",
-        help="--growth: also train each recipe on (1 - SHARE) of the budget (default 0.25), its schedule fully "
-        "decayed there, and report whether it reaches the scratch run's final loss (benchmarks/growth_check.py)",
+        help=f"--growth: also train each recipe on (1 - SHARE) of the budget (the goal: {GOAL_SAVING}), its schedule "
+        "fully decayed there, and report whether it reaches the scratch run's final loss (benchmarks/growth_check.py)",
     )
     p.add_argument(
         "--sizes",

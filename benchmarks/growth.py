@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.growth_check import check_runs, checked
+from benchmarks.growth_check import check_runs, check_share, checked
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
@@ -197,8 +197,9 @@ def growth_bench(
     the iso-FLOP scan (the target from scratch and the recipes' small models alone, no growth); ``reuse``: earlier
     studies' stores whose matching runs are read instead of trained (:mod:`benchmarks.reuse`); ``jobs``: runs
     trained side by side (:meth:`Study.train_many`; the trend's runs train one at a time); ``check``: also train each
-    recipe on ``1 - check`` of the budget, fully decayed there (:mod:`benchmarks.growth_check`; not with ``scan``).
+    recipe on ``1 - check`` of the budget, fully decayed there (:mod:`benchmarks.growth_check`; refused with ``scan``).
     Returns the study's dict (see :func:`summary`)."""
+    check_share(check, scan)
     vocab = vocab_of(overrides, VOCAB)
     corpus, corpus_name, manifest = corpus_overrides(overrides, vocab)
     base = study_base(vocab, corpus, overrides, val_sequences=VAL_SEQUENCES)
@@ -241,7 +242,7 @@ def growth_bench(
     }
     budget = [*repeat, *budget_overrides(flops, points)]
     todo = [(n, seed, [*extra, f"train.seed={seed}", *budget]) for n, seed, extra in runs]
-    if check is not None and not scan:
+    if check is not None:
         book = {n: [*model_overrides(target), *e] for n, e in recipes(target).items()}
         checks = check_runs(book, names, seeds, flops, check, points)
         todo += [(n, seed, [*extra, f"train.seed={seed}", *repeat]) for n, seed, extra in checks]

@@ -16,8 +16,21 @@ from typing import Any
 from benchmarks.study import Curve
 
 GOAL_SAVING = 0.25
-"""``--check-saving``'s default share of the budget left out: issue 44's goal (the best recipe reaches the scratch
-target's final loss with 25 % fewer training FLOPs)."""
+"""The share of the budget a recipe should save (the best recipe reaches the scratch target's final loss with 25 %
+fewer training FLOPs on every seed): the value to give ``--check-saving``."""
+
+
+def check_share(share: float | None, scan: bool) -> None:
+    """Refuses, in one line and before anything trains, a share outside (0, 1) or a check with ``--scan`` (which
+    trains no recipe)."""
+    from pretrain.config import ConfigError
+
+    if share is None:
+        return
+    if scan:
+        raise ConfigError("bench --growth --check-saving: --scan trains no recipe to check; leave one of them out")
+    if not 0 < share < 1:
+        raise ConfigError(f"bench --growth --check-saving: a share of the budget in (0, 1), got {share}")
 
 
 def check_name(name: str, share: float) -> str:
@@ -30,10 +43,7 @@ def check_runs(
 ) -> list[tuple[str, int, list[str]]]:
     """(curve name, seed, overrides on the target) of each recipe of ``names`` (``book``: its overrides) on
     ``(1 - share) * flops``, validated on the whole budget's grid (every ``flops / points``) and at its last step."""
-    if not 0 < share < 1:
-        from pretrain.config import ConfigError
-
-        raise ConfigError(f"bench --growth --check-saving: a share of the budget in (0, 1), got {share}")
+    check_share(share, scan=False)
     budget = [
         f"train.max_flops={flops * (1 - share):.6g}",
         "train.val_every=0",

@@ -50,7 +50,9 @@ def same_config(want: dict[str, Any], params: dict[str, str], defaults: dict[str
     """Whether a run logged with ``params`` trained what the flat config ``want`` asks for (its location keys
     aside; ``data.tokenizer`` equal as text or by the content of the tokenizer it names). A key the run did not log
     at all (a config field added since it ran) matches when ``want`` leaves it at its value in ``defaults`` (the
-    flat default config): a new field's default keeps what the code did before it."""
+    flat default config): a new field's default keeps what the code did before it. (A field renamed since, whose old
+    name the run logged with another value, would match at its new name's default: the code is the user's to keep
+    equal, as the module says.)"""
     for key, value in want.items():
         if key.startswith(LOCATION_KEYS):
             continue

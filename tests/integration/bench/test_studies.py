@@ -104,7 +104,7 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
         for key in ("val/loss", "train/loss"):
             assert _history(client, side_by_side, key) == _history(_client_of(one), alone_, key), key
     # extended by a recipe and the saving's check: the runs it already has are read from the first study's store
-    args = [*args, "--recipes", "stack2@10%,stack2@5%", "--check-saving"]
+    args = [*args, "--recipes", "stack2@10%,stack2@5%", "--check-saving", "0.25"]
     again = _bench(tmp_path, *args, "--reuse", str(tmp_path / "study"), corpus, study="again")
     reused = {label: ref["run_id"] for label, ref in again["reused_runs"].items()}
     assert reused == {f"{name} seed 0": r["run_ids"][name]["0"] for name in ("scratch", "stack2@10%", small)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.growth import alternatives, iso_flop, plan, recipes, small_model
-from benchmarks.growth_check import check_runs, checked
+from benchmarks.growth_check import check_runs, check_share, checked
 from benchmarks.study import epochs
 from pretrain.config import ConfigError
 
@@ -112,6 +112,9 @@ def test_a_saving_is_checked_by_a_run_on_the_shorter_budget():
     assert "train.max_flops=6" in extra and "train.val_every_flops=2" in extra, "3/4 of the FLOPs, the same grid"
     with pytest.raises(ConfigError, match="--check-saving: a share of the budget in"):
         check_runs(book, ["stack2@10%"], (0,), 8.0, 1.0, 4)
+    with pytest.raises(ConfigError, match="--check-saving: --scan trains no recipe"):
+        check_share(0.25, scan=True)
+    check_share(None, scan=True)
     curves = {
         "scratch": {0: _curve(6.0, 5.0, 4.2, 3.9), 1: _curve(6.0, 5.0, 4.5, 4.1)},
         "stack2@10% on 75%": {0: _curve(5.5, 4.5, 3.85), 1: _curve(5.5, 4.5, 4.2)},

@@ -49,9 +49,9 @@ def test_a_stop_while_a_trained_run_ends_leaves_it_finished(tmp_path, monkeypatc
     import os
     import signal
 
-    import cluster.launch
     from mlflow import MlflowClient
 
+    import cluster.launch
     from pretrain.driver.run_job import run_job
     from pretrain.train.tracking import new_run
 
