@@ -2,8 +2,8 @@
 ``1 - S`` of the budget, its own schedule fully decayed there, against the target from scratch on the whole budget.
 
 The study's ``growth_flops_saving`` reads where a recipe's curve first reaches the scratch run's final loss, on a
-run whose cosine schedule ends at the whole budget: at that point its learning rate has not decayed, so the reading
-understates what the recipe reaches on the shorter budget (the comparison "No Train No Gain", Kaddour et al. 2023,
+run whose cosine schedule ends at the whole budget: at that point its learning rate has not decayed, so the reading may
+understate what the recipe reaches on the shorter budget (the comparison "No Train No Gain", Kaddour et al. 2023,
 asks for: every run fully decayed at its own budget). A user who grows to save S of the FLOPs trains on the shorter
 budget, so that is the run this module adds, per recipe and seed; ``reaches_scratch`` says whether its final loss is
 at or below the scratch run's. The growth point stays ``at_fraction`` of the run's own budget.
