@@ -30,6 +30,8 @@ export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 # The project is installed into the venv (editable); PYTHONPATH still puts this checkout first, so that its
 # launch.sh runs its own code even through a venv that another checkout of the project installed.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The commands this one prints (the next step, the fix in an error) start with this launcher (pretrain/invocation.py).
+export PRETRAIN_LAUNCHER="$ROOT/launch.sh"
 
 inputs_hash() {  # what requirements.lock was resolved from (recorded in its first line)
   cat "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt" | sha256sum | cut -d' ' -f1

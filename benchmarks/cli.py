@@ -41,6 +41,7 @@ from benchmarks.growth_check import GOAL_SAVING
 from benchmarks.loop import loop_benchmark
 from benchmarks.step import ROOT, run_bench, run_moe_bench, step_after_loop
 from pretrain.config import load_config
+from pretrain.invocation import command
 from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
 
@@ -52,7 +53,7 @@ def bench(argv: list[str]) -> int:
         from cluster.requires import require_ray
 
         if not {"-h", "--help"} & set(argv):
-            require_ray("./launch.sh bench --cluster")
+            require_ray(f"{command()} bench --cluster")
         return cluster_bench(argv)
     if "--gpu" in argv:  # the one GPU check: real train/resume/export runs, tiny without CUDA
         from benchmarks.gpu_check import main as gpu_check

@@ -32,6 +32,7 @@ from typing import Any
 
 from cluster.head_procs import head_processes, session_of, terminate
 from cluster.requires import require_ray
+from pretrain import invocation
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
@@ -174,7 +175,7 @@ def is_alive(state: dict[str, Any]) -> bool:
 def up(args: argparse.Namespace) -> int:
     state = read_state()
     if state and is_alive(state):
-        print(f"Ray head already running at {state['address']} (./launch.sh cluster down to stop it)")
+        print(f"Ray head already running at {state['address']} ({invocation.command()} cluster down to stop it)")
         return 0
     if state:  # stale: a head that died; clean up leftovers of it
         terminate(head_processes(state), grace_s=3)
@@ -287,8 +288,8 @@ def up(args: argparse.Namespace) -> int:
         raise ClusterError(f"the Ray dashboard did not come up at {state['address']} (HTTP {status}); log: {log_path}")
     print(f"Ray head up: {state['address']}  (Jobs API and dashboard; GCS {state['gcs_address']}; 127.0.0.1 only)")
     print(f"  token authentication: on (token in {_display(tok)}, mode 600; clients here pick it up)")
-    print("  submit:  ./launch.sh submit [CONFIG] [key=value ...]")
-    print("  stop:    ./launch.sh cluster down")
+    print(f"  submit:  {invocation.command()} submit [CONFIG] [key=value ...]")
+    print(f"  stop:    {invocation.command()} cluster down")
     return 0
 
 
@@ -343,7 +344,7 @@ def down(args: argparse.Namespace, stop_jobs: Callable[[str], None] | None = Non
 def status(args: argparse.Namespace) -> int:
     state = read_state()
     if not state:
-        print("no local Ray head recorded (./launch.sh cluster up starts one)")
+        print(f"no local Ray head recorded ({invocation.command()} cluster up starts one)")
         return 1
     address = state["address"]
     alive = is_alive(state)
@@ -357,7 +358,8 @@ def status(args: argparse.Namespace) -> int:
         time.sleep(1)
     print(f"address:   {address}  (GCS {state.get('gcs_address')}, temp dir {state.get('temp_dir')})")
     if not alive:
-        print("state:     dead (./launch.sh cluster down clears it; ./launch.sh cluster up starts a new one)")
+        cmd = invocation.command()
+        print(f"state:     dead ({cmd} cluster down clears it; {cmd} cluster up starts a new one)")
         return 1
     if code != 200:
         print(f"state:     alive, but the dashboard answered HTTP {code or 'nothing'}")
@@ -419,7 +421,7 @@ def run_cli(fn, argv: list[str], command: str) -> int:
     line on stderr and exit code 1; config errors, and Ray not installed (:func:`cluster.requires.require_ray`),
     propagate to the CLI (exit 2). Its ``--help`` needs no Ray."""
     if not {"-h", "--help"} & set(argv):
-        require_ray(f"./launch.sh {command}")
+        require_ray(f"{invocation.command()} {command}")
     try:
         return fn(argv)
     except ClusterError as e:

@@ -22,6 +22,7 @@ from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from cluster.requires import require_ray_for
 from pretrain import startup_gc, timeline
 from pretrain.config import ClusterConfig
+from pretrain.invocation import command
 from pretrain.train.job import Job
 from pretrain.train.stop_request import stops_deferred
 
@@ -388,7 +389,7 @@ def restarts_note(cluster: ClusterConfig) -> str | None:
         return None
     return (
         f"[pretrain] note: cluster.max_failures={cluster.max_failures} has no effect with cluster.use_ray=false: "
-        "nothing restarts the workers if one fails (./launch.sh resume RUN_ID continues from the last checkpoint)"
+        f"nothing restarts the workers if one fails ({command()} resume RUN_ID continues from the last checkpoint)"
     )
 
 

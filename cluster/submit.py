@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cluster.head import ClusterError, read_state, read_token
+from pretrain import invocation
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -198,7 +199,7 @@ def connect(address: str):
         reason = e.strerror or type(e).__name__
         raise ClusterError(
             f"cannot reach the Ray Jobs API at {address} ({reason}); start a local head with "
-            "./launch.sh cluster up, or pass --address http://HEAD:8265"
+            f"{invocation.command()} cluster up, or pass --address http://HEAD:8265"
         ) from None
     token, source = auth_token(address)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -260,6 +261,8 @@ def _stage_working_dir(config_yaml: str) -> Path:
 
 def job_env(local: bool, extra: list[str], gcs_address: str = "") -> dict[str, str]:
     env = {k: os.environ[k] for k in JOB_ENV if os.environ.get(k)}
+    # The commands the job prints (its logs) start as the user starts them in this shell.
+    env[invocation.LAUNCHER_ENV] = invocation.command()
     if local:
         env.update({k: os.environ[k] for k in LOCAL_JOB_ENV if os.environ.get(k)})
         if "MLFLOW_TRACKING_URI" not in env:  # the store that `./launch.sh runs` reads here
@@ -370,9 +373,10 @@ def submit(argv: list[str]) -> int:
     rc = 0
     if a.wait > 0:
         rc = _wait_for_run_id(client, address, job_id, a.wait, hint)
-    print(f"  logs:    ./launch.sh logs {job_id} --follow{hint}")
-    print(f"  status:  ./launch.sh status {job_id}{hint}")
-    print(f"  stop:    ./launch.sh stop {job_id}{hint}")
+    cmd = invocation.command()
+    print(f"  logs:    {cmd} logs {job_id} --follow{hint}")
+    print(f"  status:  {cmd} status {job_id}{hint}")
+    print(f"  stop:    {cmd} stop {job_id}{hint}")
     return rc
 
 
@@ -394,14 +398,15 @@ def _wait_for_run_id(client, address: str, job_id: str, timeout: float, hint: st
                 info = call_api(client, address, client.get_job_info, job_id, job_id=job_id)
                 why = (info.message or "").strip().splitlines()[0] if info.message else "no details"
             print(
-                f"error: job {job_id} {status} before it started a run: {why[:300]} (./launch.sh logs {job_id}{hint})",
+                f"error: job {job_id} {status} before it started a run: {why[:300]} "
+                f"({invocation.command()} logs {job_id}{hint})",
                 file=sys.stderr,
             )
             return 1
         if time.time() >= deadline:
             print(
                 f"MLflow run id: not known yet after {timeout:.0f} s (job {status}; "
-                f"./launch.sh logs {job_id}{hint} shows it once the run starts)",
+                f"{invocation.command()} logs {job_id}{hint} shows it once the run starts)",
                 flush=True,
             )
             return 0

@@ -17,6 +17,7 @@ from typing import Any
 
 from pretrain.config import ConfigError
 from pretrain.config.errors import clip
+from pretrain.invocation import command
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -104,7 +105,7 @@ def _refusal(path: Path, who: str, error: Exception) -> ConfigError:
     damaged = damaged_file(path)
     if damaged:
         return ConfigError(
-            f"{who}: {path}: {damaged}; export it again (./launch.sh export RUN_ID --out DIR). Loading said: {said}"
+            f"{who}: {path}: {damaged}; export it again ({command()} export RUN_ID --out DIR). Loading said: {said}"
         )
     text = first if first.startswith(str(path)) else f"{path}: {first}"
     return ConfigError(f"{who}: {clip(text)} ({type(error).__name__})")

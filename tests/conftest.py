@@ -19,6 +19,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("RAY_ADDRESS", None)
+# Printed commands as a user sees them who runs ./launch.sh from the checkout, however pytest was started
+# (tests/unit/test_invocation.py covers the other ways to start a command).
+os.environ["PRETRAIN_LAUNCHER"] = "./launch.sh"
 SHARED = ROOT.parent / "shared" / "corpora"
 WIKITEXT = SHARED / "wikitext2-valid.txt"
 FIXTURES = ROOT / "tests" / "fixtures"  # files kept byte for byte (a checkpoint written by an older version)

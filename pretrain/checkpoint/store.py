@@ -20,6 +20,7 @@ from typing import Any
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
 from pretrain.config.errors import not_a
+from pretrain.invocation import command
 
 
 class CheckpointError(RuntimeError):
@@ -286,7 +287,7 @@ def _point_back(run_dir: Path, step: int, error: str, full: bool, resume: bool =
             return f"{error}; the newest checkpoint that verifies is step {candidate.step}: {candidate.path}"
         return (
             f"{error}; the newest checkpoint that verifies is step {candidate.step}: resume from it "
-            f"with ./launch.sh resume {candidate.path}"
+            f"with {command()} resume {candidate.path}"
         )
     return f"{error}; no older checkpoint of this run verifies"
 

@@ -22,6 +22,7 @@ from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_d
 from pretrain.driver.derive import derive_run, parent_engine_state, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.invocation import command
 from pretrain.train.schedule import lr_at
 
 USAGE = "anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]"
@@ -99,9 +100,10 @@ def anneal(argv: list[str]) -> int:
         f"{steps} steps ({t.decay_shape}){'; fresh streams of the new data mixture' if data else ''}"
     )
     print(f"[anneal] new run {run_id}: checkpoint {path} (the parent's weights and optimizer state)")
+    cmd = command()
     print(
-        f"  train:   ./launch.sh resume {run_id}\n  eval:    ./launch.sh eval {run_id}\n"
-        f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+        f"  train:   {cmd} resume {run_id}\n  eval:    {cmd} eval {run_id}\n"
+        f"  export:  {cmd} export {run_id} --out exported/{run_id}"
     )
     print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -15,6 +15,7 @@ from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.invocation import command
 from pretrain.train.schedule import train_longer
 
 
@@ -127,8 +128,8 @@ def grow(argv: list[str]) -> int:
             f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)"
         )
     print(
-        f"  resume:  ./launch.sh resume {run_id} {train_longer(new_cfg.train, parent.ckpt.step)}\n"
-        f"  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+        f"  resume:  {command()} resume {run_id} {train_longer(new_cfg.train, parent.ckpt.step)}\n"
+        f"  export:  {command()} export {run_id} --out exported/{run_id}"
     )
     print_run_link(new_cfg.tracking.enabled, run_id)
     return 0

@@ -14,6 +14,7 @@ from pretrain.config import ConfigError, RunConfig
 from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
+from pretrain.invocation import command
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
 from pretrain.train.schedule import train_longer
 
@@ -126,9 +127,10 @@ def prune(argv: list[str], checkpoint_dir: str | None = None) -> int:
             "pruned model is not exactly the parent with the other blocks skipped"
         )
     print(f"[prune] new run {run_id}: checkpoint {path}")
+    cmd = command()
     print(
-        f"  eval:    ./launch.sh eval {run_id}\n  resume:  ./launch.sh resume {run_id} "
-        f"{train_longer(cfg.train, parent.ckpt.step)}\n  export:  ./launch.sh export {run_id} --out exported/{run_id}"
+        f"  eval:    {cmd} eval {run_id}\n  resume:  {cmd} resume {run_id} "
+        f"{train_longer(cfg.train, parent.ckpt.step)}\n  export:  {cmd} export {run_id} --out exported/{run_id}"
     )
     print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -19,6 +19,7 @@ from pretrain.config.paths import resolve_paths
 from pretrain.driver.budget import keep_resolved_budget
 from pretrain.driver.prepare import ended_on_error, preflight, prepare_new
 from pretrain.driver.run_lock import hold_run
+from pretrain.invocation import command
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
 
@@ -127,7 +128,7 @@ def _as_built(cfg: RunConfig, saved: RunConfig, step: int) -> RunConfig:
         raise ConfigError(
             f"model.init_from_hf ({clip(cfg.model.init_from_hf)}) with checkpoint.resume_from: a run that resumes a "
             "checkpoint takes its weights from it; set model.init_from_hf='' with the checkpoint's architecture (its "
-            "config.yaml), or resume it with ./launch.sh resume CHECKPOINT_DIR, which reads that config"
+            f"config.yaml), or resume it with {command()} resume CHECKPOINT_DIR, which reads that config"
         )
     if not cfg.growth.schedule:
         return cfg

@@ -17,6 +17,7 @@ from typing import Any
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.errors import quote
+from pretrain.invocation import command
 from pretrain.train.schedule import extension_refusal, train_longer
 
 SHAPE_FIELDS = (
@@ -60,7 +61,7 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
         key, old, new = changed
         raise ConfigError(
             f"{key} cannot change at resume (checkpoint {quote(old)}, asked {quote(new)}): the checkpoint's weights "
-            "have other shapes. A bigger or smaller model of this one is a new run: ./launch.sh grow or prune "
+            f"have other shapes. A bigger or smaller model of this one is a new run: {command()} grow or prune "
             f"{checkpoint} (docs/growth.md); otherwise resume with {key}={_yaml(old)}"
         )
     old_stage, new_stage = saved.zero.stage, cfg.zero.stage
@@ -68,7 +69,7 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
         raise ConfigError(
             f"zero.stage cannot change from {old_stage} to {new_stage} at resume: DeepSpeed loads ZeRO-1 and ZeRO-2 "
             "checkpoints into each other, a ZeRO-3 one only into ZeRO-3. Resume with "
-            f"zero.stage={old_stage}, or export the weights (./launch.sh export) and start a run from them "
+            f"zero.stage={old_stage}, or export the weights ({command()} export) and start a run from them "
             "(model.init_from_hf)"
         )
     old_k, new_k = saved.data.shuffle_sequences, cfg.data.shuffle_sequences
@@ -76,7 +77,7 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
         raise ConfigError(
             f"data.shuffle_sequences cannot change at resume (checkpoint {old_k}, asked {new_k}): the checkpoint's "
             f"data position is a shuffle buffer of {old_k} sequences per stream. Resume with "
-            f"data.shuffle_sequences={old_k}, or start a new run from its weights (./launch.sh export, then "
+            f"data.shuffle_sequences={old_k}, or start a new run from its weights ({command()} export, then "
             "model.init_from_hf)"
         )
     refusal = extension_refusal(saved.train, cfg.train, step)

@@ -43,14 +43,16 @@ def print_summary(final: dict, job, uri: str) -> None:
     env = _store_prefix(uri)
     from pretrain.config import from_dict
     from pretrain.driver.ui_links import run_url
+    from pretrain.invocation import command
     from pretrain.train.schedule import train_longer
 
     longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
-    print("\n  resume:      " + f"{env}./launch.sh resume {run_id} {longer}")
-    print("  export:      " + f"{env}./launch.sh export {run_id} --out exported/{run_id}")
+    cmd = env + command()
+    print("\n  resume:      " + f"{cmd} resume {run_id} {longer}")
+    print("  export:      " + f"{cmd} export {run_id} --out exported/{run_id}")
     if not uri.startswith(("http://", "https://")):  # a tracking server serves its own UI: the link below
         print(
-            "  MLflow UI:   " + f"{env}./launch.sh ui   (or: .venv/bin/mlflow ui --backend-store-uri "
+            "  MLflow UI:   " + f"{cmd} ui   (or: .venv/bin/mlflow ui --backend-store-uri "
             f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
         )
     link = run_url(job.tracking_uri, run_id)
@@ -174,16 +176,18 @@ def _stopped_at_once(signame: str, job) -> str:
 
 
 def _resume_command(job, step: int) -> str:
-    """``./launch.sh resume RUN_ID`` from a checkpoint at ``step``, with the tracking store when the user set one in
-    the environment; at the run's last step, with the overrides that train on (a bare resume has nothing to do)."""
+    """``./launch.sh resume RUN_ID`` (the prefix: :func:`pretrain.invocation.command`) from a checkpoint at
+    ``step``, with the tracking store when the user set one in the environment; at the run's last step, with the
+    overrides that train on (a bare resume has nothing to do)."""
     from pretrain.config import from_dict
+    from pretrain.invocation import command
     from pretrain.train.schedule import train_longer
     from pretrain.train.tracking import tracking_uri
 
     env = _store_prefix(tracking_uri())
     train = from_dict(job.config).train
     longer = f" {train_longer(train, step)}" if step >= train.max_steps else ""
-    return f"{env}./launch.sh resume {job.run_id}{longer}"
+    return f"{env}{command()} resume {job.run_id}{longer}"
 
 
 def _store_prefix(uri: str) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pretrain.config import ConfigError
+from pretrain.invocation import command
 
 LOCK_FILE = ".pretrain-run.lock"
 
@@ -37,7 +38,7 @@ def hold_run(run_dir: Path, run_id: str) -> Iterator[None]:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise ConfigError(
                     f"run {run_id} is training in another process ({_holder(fd)}): wait for it to end, or stop it "
-                    "(Ctrl-C in its terminal; ./launch.sh stop JOB for a submitted job), then resume"
+                    f"(Ctrl-C in its terminal; {command()} stop JOB for a submitted job), then resume"
                 ) from None
             # no flock on this filesystem (ENOLCK, EOPNOTSUPP, ...): train without the lock
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}

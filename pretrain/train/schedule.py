@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from pretrain.config import TrainConfig
+from pretrain.invocation import command
 
 
 def decay_shape(shape: str, progress: float) -> float:
@@ -127,9 +128,10 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     )
     if "train.decay=constant" in overrides and saved.decay != "constant":
         line += " (the LR reached, held) — or " + (
-            "anneal a checkpoint of the stable phase with ./launch.sh anneal (docs/schedules.md)"
+            f"anneal a checkpoint of the stable phase with {command()} anneal (docs/schedules.md)"
             if saved.decay == "wsd"
-            else "plan a run of open length with train.decay=wsd and end it with ./launch.sh anneal (docs/schedules.md)"
+            else f"plan a run of open length with train.decay=wsd and end it with {command()} anneal "
+            "(docs/schedules.md)"
         )
     return line
 

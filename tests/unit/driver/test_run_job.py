@@ -23,6 +23,21 @@ def test_a_stop_at_the_last_step_prints_a_resume_that_trains(tmp_path, monkeypat
     )
 
 
+def test_the_printed_commands_start_as_the_user_starts_commands(tmp_path, monkeypatch):
+    """The launcher's path relative to the working directory; without it, the console command that ran this one
+    (:mod:`pretrain.invocation`)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    job = Job(config=to_dict(load_config(None, [])), run_id="abc", run_dir=str(tmp_path), tracking_uri="")
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setenv("PRETRAIN_LAUNCHER", str(tmp_path / "launch.sh"))
+    assert _resume_command(job, 1) == f"./{tmp_path.name}/launch.sh resume abc"
+    monkeypatch.delenv("PRETRAIN_LAUNCHER")
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "bin" / "pretrain"), "train"])
+    assert _resume_command(job, 1) == "pretrain resume abc"
+    monkeypatch.setattr("sys.argv", ["-m", "train"])
+    assert _resume_command(job, 1) == "python -m pretrain resume abc"
+
+
 def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, capsys):
     """A password in ``MLFLOW_TRACKING_URI`` stays out of the summary (whose commands then rely on the shell that has
     it set), of the UI line (a server serves its own UI: the run's link), and of any error line."""
