@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from typing import Any
 from cluster.head_procs import head_processes, session_of, terminate
 from cluster.requires import require_ray
 from pretrain import invocation
+from pretrain.config.errors import without_passwords
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
@@ -78,18 +80,18 @@ def _clear_state() -> None:
     (state_dir() / "state.json").unlink(missing_ok=True)
 
 
-def _ensure_token() -> Path:
-    """The head's token file (created once, mode 600, 256 random bits); its content is never printed."""
+def _new_token() -> Path:
+    """The head's token file, with a new token for each head started (mode 600, 256 random bits; a token that an
+    earlier head's clients hold opens nothing later); its content is never printed."""
     path = token_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
-    if path.is_file() and len(path.read_text().strip()) >= 32:
-        os.chmod(path, 0o600)
-        return path
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
+    os.replace(tmp, path)
     return path
 
 
@@ -201,7 +203,7 @@ def up(args: argparse.Namespace) -> int:
             raise ClusterError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
 
     _private_dir(Path(temp_dir))
-    tok = _ensure_token()
+    tok = _new_token()
     sdir = state_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
     env.update(
@@ -263,17 +265,41 @@ def up(args: argparse.Namespace) -> int:
         "log": str(log_path),
     }
     _write_state(state)  # recorded first, so `down` can clean up even a half-started head
+    # `ray start` runs in its own session, which Ctrl-C does not reach: a stop (or a failure) while the head starts
+    # ends what it started, rather than leave a head that runs with no record of its GCS.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _wait_until_up(proc, state, tok, log_path)
+    except BaseException:
+        terminate(head_processes(state), grace_s=3)
+        _clear_state()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"Ray head up: {state['address']}  (Jobs API and dashboard; GCS {state['gcs_address']}; 127.0.0.1 only)")
+    print(f"  token authentication: on (token in {_display(tok)}, mode 600; clients here pick it up)")
+    print(f"  submit:  {invocation.command()} submit [CONFIG] [key=value ...]")
+    print(f"  stop:    {invocation.command()} cluster down")
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the Python stack unwinds (and cleans up) instead of ending at once."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _wait_until_up(proc: subprocess.Popen, state: dict[str, Any], tok: Path, log_path: Path) -> None:
+    """Wait for ``ray start`` to end and the dashboard to answer; record the GCS server's pid in the state.
+    Raises :class:`ClusterError` when either fails (the caller ends what was started)."""
     try:
         rc = proc.wait(timeout=180)
     except subprocess.TimeoutExpired:
         rc = None
     if rc != 0:
-        terminate(head_processes(state), grace_s=3)
-        _clear_state()
         raise ClusterError(f"ray start failed ({_last_error_line(log_path)}); full log: {log_path}")
     state["gcs_pid"] = _find_gcs_pid(state)
     _write_state(state)
-    _private_dir(Path(temp_dir))  # again: `ray start` makes its temp dir world-writable
+    _private_dir(Path(state["temp_dir"]))  # again: `ray start` makes its temp dir world-writable
     token = read_token(tok)
     deadline = time.time() + 60
     status = 0
@@ -283,14 +309,7 @@ def up(args: argparse.Namespace) -> int:
             break
         time.sleep(0.5)
     if status != 200:
-        terminate(head_processes(state), grace_s=3)
-        _clear_state()
         raise ClusterError(f"the Ray dashboard did not come up at {state['address']} (HTTP {status}); log: {log_path}")
-    print(f"Ray head up: {state['address']}  (Jobs API and dashboard; GCS {state['gcs_address']}; 127.0.0.1 only)")
-    print(f"  token authentication: on (token in {_display(tok)}, mode 600; clients here pick it up)")
-    print(f"  submit:  {invocation.command()} submit [CONFIG] [key=value ...]")
-    print(f"  stop:    {invocation.command()} cluster down")
-    return 0
 
 
 def _display(path: Path) -> str:
@@ -424,6 +443,6 @@ def run_cli(fn, argv: list[str], command: str) -> int:
         require_ray(f"{invocation.command()} {command}")
     try:
         return fn(argv)
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ClusterError as e:  # an address may hold a password (http://user:PASSWORD@head:8265): never printed
+        print(f"error: {without_passwords(str(e))}", file=sys.stderr)
         return 1

@@ -17,9 +17,10 @@ def session_of(pid: int) -> int | None:
 
 
 def head_processes(state: dict[str, Any]) -> list:
-    """Every live process of the recorded head: same session as the ``ray start`` leader (created after
-    it), their descendants (job drivers start their own sessions), and anything running in the head's
-    temp dir. Nothing else on the machine."""
+    """Every live process of the recorded head: a Ray binary or the head's Python (created after the ``ray start``
+    leader) in the leader's session or running in the head's temp dir (a job's driver, whose supervisor has gone),
+    and their descendants (job drivers start their own sessions). Nothing else on the machine: a shell or a
+    ``tail -f`` in the head's log directory is not the head's."""
     import psutil
 
     sid = int(state.get("sid", 0))
@@ -33,14 +34,13 @@ def head_processes(state: dict[str, Any]) -> list:
         try:
             if p.pid == os.getpid() or p.info["create_time"] < started:
                 continue
-            if session_of(p.pid) == sid:
-                # ... and a Ray binary or the head's Python: a recycled session id is not enough
-                exe = os.path.realpath(p.exe())
-                if any(exe == o or exe.startswith(o + os.sep) for o in ours):
-                    found[p.pid] = p
-                continue
-            cwd = p.cwd()
-            if cwd == temp_dir or cwd.startswith(temp_dir + "/"):
+            if session_of(p.pid) != sid:
+                cwd = p.cwd()
+                if cwd != temp_dir and not cwd.startswith(temp_dir + "/"):
+                    continue
+            # ... and a Ray binary or the head's Python: a recycled session id or a working directory is not enough
+            exe = os.path.realpath(p.exe())
+            if any(exe == o or exe.startswith(o + os.sep) for o in ours):
                 found[p.pid] = p
         except (psutil.Error, OSError):
             continue

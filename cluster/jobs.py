@@ -10,6 +10,7 @@ import time
 
 from cluster.head import ClusterError
 from cluster.submit import STOP_WAIT_KEY, TERMINAL, api_errors, call_api, check_job_id, connect, resolve_address
+from pretrain.config.errors import without_passwords
 
 
 def _address_arg(p: argparse.ArgumentParser) -> None:
@@ -39,10 +40,10 @@ def jobs(argv: list[str]) -> int:
         if str(getattr(j.type, "value", j.type)) == "SUBMISSION" and j.submission_id
     ]
     if not listed:
-        print(f"no jobs at {address}")
+        print(f"no jobs at {without_passwords(address)}")
         return 0
     listed.sort(key=lambda j: j.start_time or 0)
-    print(f"jobs at {address}")
+    print(f"jobs at {without_passwords(address)}")
     print(f"{'job id':<30} {'status':<10} {'started':<19} {'duration':>9}  {'config':<16} message")
     for j in listed:
         msg = (j.message or "").strip().splitlines()[0][:60] if j.message else ""

@@ -24,6 +24,7 @@ the local head's own address), else ``~/.ray/auth_token``.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import logging
 import os
 import re
@@ -39,8 +40,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.head import ClusterError, read_state, read_token
+from cluster.head import ClusterError, is_alive, read_state, read_token
 from pretrain import invocation
+from pretrain.config.errors import without_passwords
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -62,6 +64,8 @@ EXCLUDES = [
     ".mypy_cache",
     ".ruff_cache",
 ]
+SECRETS = [".env", ".env.*", ".netrc", ".pypirc", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ed25519*"]
+"""Files that hold credentials: never uploaded with the job's code, at any depth."""
 # Environment variables forwarded to the job when set on the submitting machine (values never printed).
 JOB_ENV = (
     "MLFLOW_TRACKING_URI",
@@ -88,7 +92,7 @@ STOP_MARGIN_S = 30
 """Seconds Ray Jobs waits after ``checkpoint.stop_timeout_s`` before it kills a stopping job's driver."""
 STOP_WAIT_KEY = "stop_wait_s"
 """The job's metadata key of the seconds its stop may take (``stop`` waits that long by default)."""
-_RUN_RE = re.compile(r"\[pretrain\] (?:resuming )?run ([0-9a-f]{8,})")
+_RUN_RE = re.compile(r"\[pretrain\] (?:resuming )?run ((?:local-)?[0-9a-f]{8,})")  # local-: tracking.enabled=false
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
 
@@ -110,9 +114,9 @@ def resolve_address(explicit: str | None = None) -> str:
 
 
 def _endpoint(address: str) -> tuple[str, int]:
-    parts = urlsplit(address)
-    host = parts.hostname or ""
-    try:
+    try:  # urlsplit refuses some addresses itself (an unclosed IPv6 bracket), .port a port that is not one
+        parts = urlsplit(address)
+        host = parts.hostname or ""
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise ClusterError(f"{address}: invalid address") from None
@@ -122,10 +126,17 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 
 def local_head(address: str) -> dict[str, Any] | None:
-    """The state of the head started here by ``cluster up`` when ``address`` is that head (same machine,
-    same filesystem: paths are resolved against the cwd here, and its Python runs the job)."""
-    state = read_state()
+    """The state of the head started here by ``cluster up`` when ``address`` is that head and it is alive (same
+    machine, same filesystem: paths are resolved against the cwd here, and its Python runs the job). A head that
+    died is not it: whatever answers on its port now gets neither its token nor the local-only environment."""
+    state = _live_head()
     return state if state and state.get("address") and _same_endpoint(address, state["address"]) else None
+
+
+def _live_head() -> dict[str, Any] | None:
+    """The recorded state of ``cluster up``'s head while that head runs, else None."""
+    state = read_state()
+    return state if state and is_alive(state) else None
 
 
 def _same_endpoint(a: str, b: str) -> bool:
@@ -146,7 +157,7 @@ def auth_token(address: str) -> tuple[str, str]:
         if not tok:
             raise ClusterError(f"RAY_AUTH_TOKEN_PATH={path}: file missing or empty")
         return tok, "RAY_AUTH_TOKEN_PATH"
-    state = read_state()
+    state = _live_head()
     if state and state.get("token_path") and _same_endpoint(address, state["address"]):
         tok = read_token(state["token_path"])
         if tok:
@@ -247,12 +258,25 @@ def check_job_id(job_id: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _stage_working_dir(config_yaml: str) -> Path:
-    """A temp dir mirroring the repo root (symlinks; Ray's packer follows them) plus the job config."""
+def upload_excludes(cfg) -> list[str]:
+    """What the job's upload leaves out (patterns as in ``.gitignore``, relative to the checkout): :data:`EXCLUDES`,
+    :data:`SECRETS`, and the run's checkpoint and cache directories where they lie inside the checkout (any name:
+    earlier runs' checkpoints would otherwise travel with every job)."""
+    out = [*EXCLUDES, *SECRETS]
+    for d in (cfg.checkpoint.dir, cfg.data.cache_dir):
+        path = (Path.cwd() / d).resolve()  # relative: where the runs of this shell wrote it
+        if path != ROOT and path.is_relative_to(ROOT):
+            out.append("/" + path.relative_to(ROOT).as_posix())
+    return out
+
+
+def _stage_working_dir(config_yaml: str, excludes: list[str] = EXCLUDES) -> Path:
+    """A temp dir mirroring the repo root (symlinks; Ray's packer follows them) plus the job config; top-level
+    entries that ``excludes`` names are left out (the upload applies the other patterns)."""
     stage = Path(tempfile.mkdtemp(prefix="pretrain-submit-"))
-    top_excludes = {e for e in EXCLUDES if "*" not in e}
+    top = [e.lstrip("/") for e in excludes if "/" not in e.lstrip("/")]
     for entry in ROOT.iterdir():
-        if entry.name in top_excludes or entry.name == JOB_CONFIG_NAME:
+        if entry.name == JOB_CONFIG_NAME or any(fnmatch.fnmatch(entry.name, e) for e in top):
             continue
         (stage / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     (stage / JOB_CONFIG_NAME).write_text(config_yaml)
@@ -290,7 +314,9 @@ def job_env(local: bool, extra: list[str], gcs_address: str = "") -> dict[str, s
 
 
 def _hint(address: str, explicit: bool) -> str:
-    return f" --address {address}" if explicit else ""
+    """The ``--address`` of the printed commands (with a password in it shown as ``***``: the shell that has it
+    set, e.g. in ``RAY_ADDRESS``, runs them as they are)."""
+    return f" --address {without_passwords(address)}" if explicit else ""
 
 
 def submit(argv: list[str]) -> int:
@@ -349,9 +375,10 @@ def submit(argv: list[str]) -> int:
     env.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(int(cfg.checkpoint.stop_timeout_s) + STOP_MARGIN_S))
     python = a.python or (shlex.quote(head.get("python") or sys.executable) if head else "python")
     entrypoint = f"{python} -m pretrain train {JOB_CONFIG_NAME}"
-    stage = _stage_working_dir(dump_yaml(cfg))
+    excludes = upload_excludes(cfg)
+    stage = _stage_working_dir(dump_yaml(cfg), excludes)
     try:
-        runtime_env: dict[str, Any] = {"working_dir": str(stage), "excludes": list(EXCLUDES), "env_vars": env}
+        runtime_env: dict[str, Any] = {"working_dir": str(stage), "excludes": excludes, "env_vars": env}
         job_id = call_api(
             client,
             address,

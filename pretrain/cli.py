@@ -76,7 +76,7 @@ from pathlib import Path
 
 from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
-from pretrain.config.errors import quote
+from pretrain.config.errors import quote, without_passwords
 from pretrain.usage import asks_help, command_usage
 
 
@@ -175,7 +175,10 @@ def cmd_ui(args: list[str]) -> int:
         print(f"[pretrain] {what}: {url}", flush=True)
     if a.open:
         ui_links.open_when_serving(links[0][1] if links else ui_links.ui_url(base), a.host, int(a.port))
-    command = ["ui", "--backend-store-uri", uri, "--host", a.host, "--port", a.port, "--workers", a.workers]
+    command = ["ui", "--host", a.host, "--port", a.port, "--workers", a.workers]
+    # The store reaches MLflow through its environment variable, not the command line: any local user can read a
+    # process's arguments (ps, /proc/PID/cmdline), and the URI may hold a password.
+    os.environ["MLFLOW_BACKEND_STORE_URI"] = uri
     # MLflow's job runner serves GenAI jobs (judges, prompt optimization, trace roll-ups), which a training store
     # has none of: a runner and seven consumer processes, each importing MLflow, several times the UI's own CPU at
     # start and memory, beside training on the same machine (benchmarks/ui_cpu.py).
@@ -434,14 +437,6 @@ def main(argv: list[str] | None = None) -> int:
         print(without_passwords("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         print(f"error: internal error: {without_passwords(_root_cause(e))}", file=sys.stderr)
         return 1
-
-
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@", re.IGNORECASE)
-
-
-def without_passwords(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***``."""
-    return _URL_PASSWORD.sub(r"\1:***@", text)
 
 
 def _stdout_closed() -> bool:

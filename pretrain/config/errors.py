@@ -1,15 +1,19 @@
 """The config error type (its own module so every part of the config tree can raise it) and the helpers that keep
 a user error one short line: :func:`quote` and :func:`clip` bound what a message shows of a value, a key, a path
-or another error's text; :func:`not_a` says what a path that is not a regular file (or directory) is instead."""
+or another error's text; :func:`not_a` says what a path that is not a regular file (or directory) is instead;
+:func:`without_passwords` keeps a URL's password out of any printed line."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import reprlib
 import stat
 from pathlib import Path
 from typing import NoReturn
+
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@", re.IGNORECASE)
 
 LIMIT = 200
 """The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""
@@ -80,3 +84,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message}")
+
+
+def without_passwords(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", text)

@@ -45,16 +45,15 @@ def print_summary(final: dict, job, uri: str) -> None:
     from pretrain.driver.ui_links import run_url
     from pretrain.invocation import command
     from pretrain.train.schedule import train_longer
+    from pretrain.train.tracking import has_secret
 
     longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
     cmd = env + command()
     print("\n  resume:      " + f"{cmd} resume {run_id} {longer}")
     print("  export:      " + f"{cmd} export {run_id} --out exported/{run_id}")
     if not uri.startswith(("http://", "https://")):  # a tracking server serves its own UI: the link below
-        print(
-            "  MLflow UI:   " + f"{cmd} ui   (or: .venv/bin/mlflow ui --backend-store-uri "
-            f"{shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
-        )
+        plain = f"   (or: .venv/bin/mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
+        print(f"  MLflow UI:   {cmd} ui" + ("" if has_secret(uri) else plain))  # never a password
     link = run_url(job.tracking_uri, run_id)
     if link:
         print("  run in UI:   " + link)

@@ -144,7 +144,8 @@ def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
     Runs table with the run (its children nested under it), then the run's link as its page with Model metrics;
     both with the model-training side bar (Runs, Models, Model registry) and none of the GenAI one (Judges,
     Evaluation runs). The same experiment without the parameter is the GenAI overview, which is what this test
-    guards against. The run's charts are screenshot (``PRETRAIN_UI_SCREENSHOT=PATH``: there)."""
+    guards against. The store's URI (which may hold a password) is on no process's command line. The run's charts
+    are screenshot (``PRETRAIN_UI_SCREENSHOT=PATH``: there)."""
     browser.require_chromium()
     opened, script = tmp_path / "opened.txt", tmp_path / "browser.sh"
     script.write_text(f'#!/bin/sh\necho "$1" > {opened}\n')
@@ -172,6 +173,7 @@ def test_the_ui_opens_on_training_in_a_browser(lineage, tmp_path):
             time.sleep(1)
         served = [" ".join(p["cmdline"] or []) for p in session_processes(ui.pid)]
         assert not [c for c in served if "huey" in c or "job_runner" in c], served  # no GenAI job runner
+        assert not [c for c in served if "mlflow.db" in c], served  # the store's URI is in no command line (ps)
         client = lineage.client()
         exp = client.get_run(lineage.parent).info.experiment_id
         exp_url = f"{base}/#/experiments/{exp}{ML}"

@@ -157,10 +157,16 @@ def test_address_and_token_resolution(tmp_path, monkeypatch):
     assert submit.resolve_address(None) == "http://127.0.0.1:8265"
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "auth_token").write_text("a" * 64)
-    (tmp_path / "head" / "state.json").write_text(
-        json.dumps({"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")})
-    )
+    state = {"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")}
+    (tmp_path / "head" / "state.json").write_text(json.dumps(state))
     assert submit.resolve_address(None) == "http://127.0.0.1:18999"
+    # a head that is not running (no process, or a process of another session) lends nobody its token
+    assert submit.auth_token("http://127.0.0.1:18999") == ("", "") and submit.local_head(state["address"]) is None
+    (tmp_path / "head" / "state.json").write_text(json.dumps({**state, "gcs_pid": os.getpid(), "sid": 1}))
+    assert submit.auth_token("http://127.0.0.1:18999") == ("", "")
+    # the recorded head alive (this process stands in for its GCS server)
+    (tmp_path / "head" / "state.json").write_text(json.dumps({**state, "gcs_pid": os.getpid(), "sid": os.getsid(0)}))
+    assert submit.local_head("http://localhost:18999") is not None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
     assert submit.resolve_address(None) == "http://10.0.0.5:8265"
     assert submit.resolve_address("https://head:443/") == "https://head:443"
@@ -249,3 +255,52 @@ def test_staged_working_dir_mirrors_repo_with_excludes():
     finally:
         shutil.rmtree(stage)
     assert not (ROOT / submit.JOB_CONFIG_NAME).exists()  # nothing written into the checkout
+
+
+def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_their_name(monkeypatch):
+    from cluster import submit
+    from pretrain.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(None, ["checkpoint.dir=ckpt/mine", "data.cache_dir=/elsewhere/cache"])
+    excludes = submit.upload_excludes(cfg)
+    assert {".env", "*.pem", ".netrc", "/ckpt/mine"} <= set(excludes) and not any("elsewhere" in e for e in excludes)
+    assert "/ckpt" in submit.upload_excludes(load_config(None, ["checkpoint.dir=ckpt"]))
+    stage = submit._stage_working_dir("name: x\n", [*excludes, "/configs"])  # a top-level entry, left out
+    try:
+        names = {p.name for p in stage.iterdir()}
+        assert "configs" not in names and "pretrain" in names
+    finally:
+        shutil.rmtree(stage)
+
+
+def test_an_address_with_a_password_or_that_is_no_url_gets_one_line_without_the_password(capsys):
+    """Every cluster command's error goes through :func:`cluster.head.run_cli`: one line, exit 1, an address's
+    password shown as ``***`` (also in the ``--address`` of the commands ``submit`` prints)."""
+    from cluster import submit
+    from cluster.head import run_cli
+
+    with pytest.raises(submit.ClusterError, match=r"^http://\[::1: invalid address$"):
+        submit._endpoint("http://[::1")
+
+    def unreachable(argv):
+        submit.connect("http://alice:hunter2@127.0.0.1:1")
+
+    assert run_cli(unreachable, ["x"], "status") == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: cannot reach the Ray Jobs API at http://alice:***@127.0.0.1:1 ") and "hunter2" not in err
+    )
+    assert err.count("\n") == 1
+    assert submit._hint("http://alice:hunter2@head:8265", explicit=True) == " --address http://alice:***@head:8265"
+
+
+def test_the_run_id_is_read_from_the_jobs_log_with_or_without_tracking():
+    from cluster.submit import _RUN_RE
+
+    for line, run_id in (
+        ("[pretrain] run 0123456789abcdef0123456789abcdef: demo, decoder", "0123456789abcdef0123456789abcdef"),
+        ("[pretrain] resuming run 89abcdef0123 into /x", "89abcdef0123"),
+        ("[pretrain] run local-0123456789ab: demo, decoder", "local-0123456789ab"),  # tracking.enabled=false
+    ):
+        assert _RUN_RE.search(f"noise\n{line}\n").group(1) == run_id

@@ -40,7 +40,8 @@ def test_the_printed_commands_start_as_the_user_starts_commands(tmp_path, monkey
 
 def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, capsys):
     """A password in ``MLFLOW_TRACKING_URI`` stays out of the summary (whose commands then rely on the shell that has
-    it set), of the UI line (a server serves its own UI: the run's link), and of any error line."""
+    it set), of the UI line (a server serves its own UI: the run's link; a database store's line names no URI), and
+    of any error line."""
     from pretrain.cli import without_passwords
     from pretrain.driver.run_job import print_summary
     from pretrain.train.tracking import shown_uri
@@ -49,13 +50,15 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
     assert shown_uri(secret) == "http://user:***@127.0.0.1:5126" and shown_uri("sqlite:////x.db") == "sqlite:////x.db"
     assert without_passwords(f"cannot reach {secret}/api/2.0") == "cannot reach http://user:***@127.0.0.1:5126/api/2.0"
     cfg = load_config(None, ["train.max_steps=8"])
-    for uri in (secret, "sqlite:////tmp/m.db"):
+    database = "postgresql://alice:S3cretPW@db.example/mlflow"
+    for uri in (secret, database, "sqlite:////tmp/m.db"):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         job = Job(config=to_dict(cfg), run_id="local-1", run_dir=str(tmp_path), tracking_uri="")
         print_summary({"step": 8, "final_train_loss": 1.0}, job, uri)
         out = capsys.readouterr().out
-        assert "S3cretPW" not in out and ("MLflow UI:" in out) == uri.startswith("sqlite")
-        assert ("resume:      MLFLOW_TRACKING_URI=sqlite:////tmp/m.db ./launch.sh resume" in out) == (uri != secret)
+        assert "S3cretPW" not in out and ("MLflow UI:" in out) != uri.startswith("http")
+        assert ("--backend-store-uri sqlite:////tmp/m.db" in out) == uri.startswith("sqlite")
+        assert ("resume:      MLFLOW_TRACKING_URI=sqlite:////tmp/m.db ./launch.sh resume" in out) == (uri[0] == "s")
 
 
 def test_a_stop_while_a_trained_run_ends_leaves_it_finished(tmp_path, monkeypatch, capfd):

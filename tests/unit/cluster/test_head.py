@@ -1,0 +1,40 @@
+"""The local head's own state (``cluster/head.py``, ``cluster/head_procs.py``) without starting Ray: a new token
+for each head, and the processes ``cluster down`` would end — the head's, never a shell or a reader of its logs."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+from cluster import head
+from cluster.head_procs import head_processes
+
+
+def test_each_head_gets_a_new_token_readable_by_its_user_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
+    first = head._new_token()
+    token = first.read_text()
+    assert len(token) == 64 and stat.S_IMODE(first.stat().st_mode) == 0o600
+    second = head._new_token()
+    assert second == first and second.read_text() != token and stat.S_IMODE(second.stat().st_mode) == 0o600
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary file left
+
+
+def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its_python(tmp_path):
+    temp = tmp_path / "ray-temp" / "session_latest" / "logs"
+    temp.mkdir(parents=True)
+    state = {"sid": os.getsid(0), "started_at": time.time() - 1, "temp_dir": str(tmp_path / "ray-temp")}
+    # own sessions (as a job's driver has), working in the head's temp dir: a reader of its logs and a Python
+    reader = subprocess.Popen(["sleep", "30"], cwd=temp, start_new_session=True)
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=temp, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        found = {p.pid for p in head_processes(state)}
+        assert driver.pid in found and reader.pid not in found, found
+    finally:
+        for p in (reader, driver):
+            p.kill()
+            p.wait()
