@@ -11,8 +11,9 @@ Every source is read through real ``datasets`` streaming datasets:
 * ``parquet`` files: ``datasets.load_dataset("parquet", data_files=FILE, streaming=True)``, one per
   file, so a bad row is reported as ``file:row N`` (0-based row index within the file).
 * ``hub``: ``datasets.load_dataset(path, split=split, streaming=True)`` (needs network access).
-* ``shards``: a directory written by ``./launch.sh tokenize`` (it holds a ``manifest.json``): its documents are
-  read as tokens by memory map (:mod:`pretrain.data.shards.reader`), never tokenized again.
+* ``shards``: a directory written by ``./launch.sh tokenize`` (its ``manifest.json`` names the token-shard format;
+  one of another kind is a file like any other): its documents are read as tokens by memory map
+  (:mod:`pretrain.data.shards.reader`), never tokenized again.
 
 Each record reaches the caller as a dict ``{"text": str | None, "bad": reason | None, "msg": str,
 "file": str, "line": int | str}``; bad records are *data*, not side effects of the reader, so
@@ -44,8 +45,8 @@ from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip, not_a, quote
 from pretrain.data.bad_records import bad_record, check_text
 from pretrain.data.demo_corpus import build_demo_corpus
-from pretrain.data.shards.format import FORMAT as SHARD_FORMAT
 from pretrain.data.shards.format import MANIFEST as SHARD_MANIFEST
+from pretrain.data.shards.format import is_shard_dir
 
 if TYPE_CHECKING:
     import datasets
@@ -198,7 +199,7 @@ def _looks_like_hub(path: str) -> bool:
 def _directory_files(root: Path) -> list[Path]:
     """The files below ``root``, sorted; not hidden ones, nor those of a token-shard directory inside it (the
     output of ``./launch.sh tokenize``: its manifest and tokenizer are JSON, not the corpus)."""
-    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if _is_shard_manifest(m)}
+    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if is_shard_dir(m.parent)}
     return sorted(
         f
         for f in root.rglob("*")
@@ -206,15 +207,6 @@ def _directory_files(root: Path) -> list[Path]:
         and not any(x.startswith(".") for x in f.relative_to(root).parts)
         and not any(d in shard_dirs for d in f.parents)
     )
-
-
-def _is_shard_manifest(path: Path) -> bool:
-    """A ``manifest.json`` that ``./launch.sh tokenize`` wrote (its format field), not any file of that name."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == SHARD_FORMAT
 
 
 def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:
@@ -240,7 +232,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
             format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
         )
     p, shown = Path(src.path).expanduser(), clip(src.path)
-    if os.path.isdir(p) and os.path.isfile(p / SHARD_MANIFEST):  # written by ./launch.sh tokenize
+    if os.path.isdir(p) and is_shard_dir(p):  # written by ./launch.sh tokenize
         return ResolvedSource(format="shards", files=[str(p)], **base)
     if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
         files = _directory_files(p)

@@ -129,3 +129,12 @@ def test_a_directory_of_compressed_data_files_is_refused_not_half_read(tmp_path)
     assert [Path(f).name for f in resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")[0].files] == [
         "part0.txt"
     ]
+
+
+def test_a_manifest_json_of_another_kind_does_not_make_a_directory_token_shards(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_txt(d / "a.jsonl", [json.dumps({"text": "one document"})])
+    (d / "manifest.json").write_text(json.dumps({"name": "my corpus", "text": "its description"}))
+    (src,) = resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")
+    assert src.format == "json" and [Path(f).name for f in src.files] == ["a.jsonl", "manifest.json"]
