@@ -219,6 +219,11 @@ def merge_states(states: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+class TooLittleValidationData(ConfigError):
+    """The validation data holds fewer tokens than one sequence (a user error, one line; per source, that source is
+    left to the aggregate set)."""
+
+
 def _unique(docs):
     """Documents once each (a document of token shards is compared by its tokens)."""
     seen: set = set()
@@ -255,7 +260,7 @@ def validation_sequences(
         out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
     if not out:
         where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
-        raise ConfigError(
+        raise TooLittleValidationData(
             f"validation: {where} has fewer than seq_len={seq_len} tokens (a document repeated counts once); "
             f"add validation data or raise data.val_holdout"
         )
@@ -323,7 +328,7 @@ def source_validation_batches(
                 seed=seed,
                 part=part,
             )
-        except ValueError:  # fewer held-out tokens than one sequence: only the aggregate covers this source
+        except TooLittleValidationData:  # only the aggregate covers this source (bad records, bad shards: raised)
             skipped.append(name)
     return sets, skipped
 
