@@ -39,9 +39,9 @@ from pretrain.config.errors import clip
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.shards.format import (
     DEFAULT_SHARD_TOKENS,
-    MANIFEST,
     TOKENIZER_DIR,
     dtype_for,
+    is_shard_dir,
     load_manifest,
     tokenizer_hash,
 )
@@ -212,11 +212,25 @@ def _source_names(sources) -> list[str]:
 
 
 def _check_out(out: Path) -> None:
-    """``--out`` is new, empty, or a tokenize output (finished or not); anything else is refused (nothing lost)."""
+    """``--out`` is new, empty, or a tokenize output: finished (a token-shard manifest) or not (the job file an
+    earlier job wrote first, :func:`_is_job_dir`). Anything else is refused: the job replaces files in it."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"tokenize --out: {clip(str(out))} is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not (out / WORK_DIR).is_dir():
-        raise ConfigError(f"tokenize --out: {clip(str(out))} is not empty and holds no token shards; give a new one")
+    if out.is_dir() and any(out.iterdir()) and not is_shard_dir(out) and not _is_job_dir(out):
+        raise ConfigError(
+            f"tokenize --out: {clip(str(out))} is not empty and holds neither token shards nor an unfinished tokenize "
+            "job; give a new one (nothing was changed)"
+        )
+
+
+def _is_job_dir(out: Path) -> bool:
+    """``out`` holds the job file of a tokenize job (``.work/job.json``: an object naming its sources and
+    tokenizer), not merely a directory named ``.work``."""
+    try:
+        raw = json.loads((out / WORK_DIR / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
 
 
 def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
@@ -251,7 +265,7 @@ def tokenize(args: list[str]) -> int:
     from pretrain.data.fingerprint import source_fingerprint
     from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
-    from pretrain.data.shards.writer import assemble
+    from pretrain.data.shards.writer import assemble, write_atomic
     from pretrain.data.sources import resolve_sources
 
     a = parse(args)
@@ -265,7 +279,7 @@ def tokenize(args: list[str]) -> int:
         check_source(src, f"tokenize SOURCE {i + 1}", cfg)  # training's corpus checks, before Ray: empty, not text...
     # Nothing is written into --out before the job is known to be new or this one unfinished: a refusal or a
     # "done already" leaves it as it was (a tokenizer trained to compare with goes to a temporary directory).
-    work, finished = out / WORK_DIR, (out / MANIFEST).is_file()
+    work, finished = out / WORK_DIR, is_shard_dir(out)
     with tempfile.TemporaryDirectory(prefix="pretrain-tokenize-") as scratch:
         tok_dir = _tokenizer_dir(a, cfg, None if finished else work / TOKENIZER_DIR, Path(scratch))
         tok_hash, vocab = tokenizer_hash(tok_dir), tokenizer_vocab_size(tok_dir)
@@ -290,10 +304,10 @@ def tokenize(args: list[str]) -> int:
                 f"directory or remove {clip(str(work))}"
             )
         work.mkdir(parents=True, exist_ok=True)
+        write_atomic(job_file, json.dumps(spec, indent=1).encode())  # first: it makes --out a job's (_check_out)
         if tok_dir.parent == Path(scratch):  # trained now: kept with the job, which a rerun after a crash reuses
             shutil.copytree(tok_dir, work / TOKENIZER_DIR, dirs_exist_ok=True)
             tok_dir = work / TOKENIZER_DIR
-    job_file.write_text(json.dumps(spec, indent=1))
 
     units = plan_units(sources, a.chunk_bytes)
     pending = [u for u in units if unit_done(work, u) is None]
