@@ -209,11 +209,14 @@ def _directory_files(root: Path) -> list[Path]:
     )
 
 
-def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:
+def resolve_source(
+    src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0, *, format_option: str = ""
+) -> ResolvedSource:
     """Turn a source config into files and one format (``path: demo`` is the built-in corpus).
 
     A source that resolves to nothing raises :class:`ConfigError` naming ``key`` (e.g. ``data.sources[0]``)
-    or, without a key, the source's name."""
+    or, without a key, the source's name. A file whose extension tells no format is told to set the source's
+    ``format``, or ``format_option`` when given (a command's option, e.g. ``--format``)."""
     name = src.name or src.path
     label = f"{key}.path" if key else f"data source {quote(name)}"
     base: dict[str, Any] = dict(
@@ -268,9 +271,10 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
-            where = f"{key}.format" if key else f"data source {quote(name)}"
+            where = key or f"data source {quote(name)}"
+            where, remedy = (where, f"give {format_option}") if format_option else (f"{where}.format", "set format")
             raise ConfigError(
-                f"{where}: cannot tell the format of {bad} from its extension; set format (text, json, parquet)"
+                f"{where}: cannot tell the format of {bad} from its extension; {remedy} (text, json, parquet)"
             )
         if len(kinds) > 1:
             raise ConfigError(f"{label}: mixed formats {sorted(cast(set[str], kinds))}; use one source per format")

@@ -63,6 +63,12 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=DataConfig.tokenizer_vocab_size, help="of a trained BPE")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
     p.add_argument("--workers", type=int, default=0, help="Ray Data tokenizing actors (default: the cluster's CPUs)")
+    p.add_argument(
+        "--format",
+        choices=("auto", "text", "json", "parquet"),
+        default="auto",
+        help="the format of every SOURCE's files (default auto: from each file's extension)",
+    )
     p.add_argument("--text-field", default="text", help="the text field of json/parquet/hub records")
     p.add_argument("--bad-records", choices=("skip", "fail"), default="skip", help="as data.bad_records")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes of txt/jsonl per unit")
@@ -87,7 +93,7 @@ def _absolute(path: str) -> str:
 
 
 def _data_config(a: argparse.Namespace) -> DataConfig:
-    sources = [SourceConfig(path=_absolute(p), text_field=a.text_field) for p in a.sources]
+    sources = [SourceConfig(path=_absolute(p), text_field=a.text_field, format=a.format) for p in a.sources]
     return DataConfig(sources=sources, bad_records=a.bad_records, tokenizer_vocab_size=a.vocab_size)
 
 
@@ -240,6 +246,7 @@ def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) ->
     return {
         "sources": [
             {"path": s.path, "text_field": s.text_field, "fingerprint": source_fingerprint(s, cfg.cache_dir)}
+            | ({"format": s.format} if s.format != "auto" else {})  # (no key for auto: as jobs before --format)
             for s in cfg.sources
         ],
         "tokenizer_sha256": tok_hash,
@@ -266,17 +273,20 @@ def tokenize(args: list[str]) -> int:
     from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
     from pretrain.data.shards.writer import assemble, write_atomic
-    from pretrain.data.sources import resolve_sources
+    from pretrain.data.sources import resolve_source
 
     a = parse(args)
     out = Path(a.out).expanduser().resolve()
     _check_out(out)
     cfg = _data_config(a)
-    sources = resolve_sources(cfg.sources, cfg.cache_dir, "tokenize SOURCE")
-    for i, (s, src) in enumerate(zip(sources, cfg.sources, strict=True)):
+    keys = [f"tokenize SOURCE[{i}]" for i in range(len(cfg.sources))]
+    sources = [
+        resolve_source(s, cfg.cache_dir, k, format_option="--format") for s, k in zip(cfg.sources, keys, strict=True)
+    ]
+    for key, s, src in zip(keys, sources, cfg.sources, strict=True):
         if s.format == "shards":
-            raise ConfigError(f"tokenize SOURCE: {clip(src.path)} holds token shards already (train on it directly)")
-        check_source(src, f"tokenize SOURCE {i + 1}", cfg)  # training's corpus checks, before Ray: empty, not text...
+            raise ConfigError(f"{key}: {clip(src.path)} holds token shards already (train on it directly)")
+        check_source(src, key, cfg)  # training's corpus checks, before Ray: empty, not text...
     # Nothing is written into --out before the job is known to be new or this one unfinished: a refusal or a
     # "done already" leaves it as it was (a tokenizer trained to compare with goes to a temporary directory).
     work, finished = out / WORK_DIR, is_shard_dir(out)

@@ -115,3 +115,26 @@ def test_a_job_that_crashed_is_rerun_in_its_directory(tmp_path, tok_dir, monkeyp
     assert tokenize(args) == 0 and not (tmp_path / "out" / ".work").exists()
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["documents"] == 50
     assert tokenize(args) == 0 and "done already" in capsys.readouterr().out
+
+
+def test_format_names_the_option_and_reads_every_source_so(tmp_path, tok_dir):
+    notes = write_txt(tmp_path / "notes.md", make_docs(30, "n"))
+    with pytest.raises(ConfigError) as e:
+        tokenize([str(notes), "--out", "out", "--tokenizer", str(tok_dir)])
+    assert str(e.value) == (
+        f"tokenize SOURCE[0]: cannot tell the format of {notes} from its extension; give --format (text, json, parquet)"
+    )
+    assert not (tmp_path / "out").exists()
+    assert tokenize([str(notes), "--out", "out", "--tokenizer", str(tok_dir), "--format", "text"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["documents"] == 30 and manifest["sources"][0]["format"] == "text"
+    assert manifest["job"]["sources"][0]["format"] == "text"  # another --format is another job
+
+
+def test_a_source_has_one_number_in_every_refusal(tmp_path, tok_dir):
+    good, empty = write_txt(tmp_path / "a.txt", make_docs(30, "a")), tmp_path / "b.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"^tokenize SOURCE\[1\] \("):
+        tokenize([str(good), str(empty), "--out", "out", "--tokenizer", str(tok_dir)])
+    with pytest.raises(ConfigError, match=r"^tokenize SOURCE\[1\]\.path: .* does not exist"):
+        tokenize([str(good), str(tmp_path / "gone.txt"), "--out", "out", "--tokenizer", str(tok_dir)])
