@@ -239,6 +239,17 @@ def _is_job_dir(out: Path) -> bool:
     return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
 
 
+def _refuse_skipped_bad_records(bad: dict[str, Any], policy: str, out: Path) -> None:
+    """Under ``--bad-records fail``, a finished output made skipping bad records (its manifest's ``bad_records``)
+    raises :class:`BadRecordError` with the first one (``file:line: reason``), as the job would have."""
+    from pretrain.data.bad_records import BadRecordError
+
+    total = int(bad.get("total", 0))
+    if policy == "fail" and total:
+        first = (bad.get("examples") or ["(no example recorded)"])[0]
+        raise BadRecordError(f"{first} (one of {total} bad record(s) that {clip(str(out))} was made skipping)")
+
+
 def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
     """What the output depends on (a rerun must match it)."""
     from pretrain.data.fingerprint import source_fingerprint
@@ -305,6 +316,7 @@ def tokenize(args: list[str]) -> int:
                     f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a "
                     "new directory (nothing was overwritten)"
                 )
+            _refuse_skipped_bad_records(done.bad_records, a.bad_records, out)
             print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
             return 0
         job_file = work / JOB_FILE

@@ -18,7 +18,7 @@ from pretrain.data.sources import resolve_source
 from pretrain.data.tokenizer import train_tokenizer
 from pretrain.driver import tokenize as job
 from pretrain.driver.tokenize import TokenizeUnits, _bad_records, _same_job, parse, tokenize
-from tests.unit.data.common import make_docs, write_txt
+from tests.unit.data.common import make_docs, write_parquet, write_txt
 
 
 def _bytes(texts: list[str]) -> list[list[int]]:
@@ -138,3 +138,19 @@ def test_a_source_has_one_number_in_every_refusal(tmp_path, tok_dir):
         tokenize([str(good), str(empty), "--out", "out", "--tokenizer", str(tok_dir)])
     with pytest.raises(ConfigError, match=r"^tokenize SOURCE\[1\]\.path: .* does not exist"):
         tokenize([str(good), str(tmp_path / "gone.txt"), "--out", "out", "--tokenizer", str(tok_dir)])
+
+
+def test_a_finished_output_made_skipping_bad_records_is_refused_under_fail(tmp_path, tok_dir, capsys):
+    texts: list = make_docs(1600, "p")
+    texts[1500] = None  # past the rows the corpus check reads: only the job meets it
+    corpus = write_parquet(tmp_path / "c.parquet", texts)
+    args = [str(corpus), "--out", "out", "--tokenizer", str(tok_dir)]
+    assert tokenize(args) == 0
+    with pytest.raises(BadRecordError) as e:
+        tokenize([*args, "--bad-records", "fail"])
+    assert str(e.value) == (
+        f"{corpus}:row 1500: text field is not a string (NoneType) "
+        f"(one of 1 bad record(s) that {tmp_path / 'out'} was made skipping)"
+    )
+    capsys.readouterr()
+    assert tokenize(args) == 0 and "done already" in capsys.readouterr().out  # skip: as it was made
