@@ -10,7 +10,8 @@ Every source is read through real ``datasets`` streaming datasets:
   skipped silently (they separate nothing: every non-empty line is a document).
 * ``parquet`` files: ``datasets.load_dataset("parquet", data_files=FILE, streaming=True)``, one per
   file, so a bad row is reported as ``file:row N`` (0-based row index within the file).
-* ``hub``: ``datasets.load_dataset(path, split=split, streaming=True)`` (needs network access).
+* ``hub``: ``datasets.load_dataset(name, split=split, streaming=True, revision=revision)`` (needs network access);
+  a path ``org/name@revision`` pins a revision (a commit, tag or branch), ``org/name`` streams the default branch.
 * ``shards``: a directory written by ``./launch.sh tokenize`` (its ``manifest.json`` names the token-shard format;
   one of another kind is a file like any other): its documents are read as tokens by memory map
   (:mod:`pretrain.data.shards.reader`), never tokenized again.
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip"}
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?(@[\w.\-/]+)?")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,6 +135,9 @@ class ResolvedSource:
     text_field: str = "text"
     weight: float = 1.0
     hub_path: str = ""
+    """A hub dataset's name (or URL), without its revision."""
+    revision: str = ""
+    """The revision a hub path pins (``org/name@revision``); '' for the default branch."""
     split: str = "train"
     piece_chars: int = 0
     """txt/jsonl documents longer than this are read as their pieces (:func:`cut_pieces`); 0 never."""
@@ -174,7 +178,9 @@ class ResolvedSource:
                 )
             return ds.select_columns([self.text_field]) if ds.column_names else ds
         try:
-            return datasets.load_dataset(self.hub_path, split=self.split, streaming=True)
+            return datasets.load_dataset(
+                self.hub_path, split=self.split, streaming=True, revision=self.revision or None
+            )
         except Exception as e:  # noqa: BLE001 - offline, unknown name...: one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
@@ -193,7 +199,21 @@ class ResolvedSource:
 def _looks_like_hub(path: str) -> bool:
     if "://" in path:
         return True
-    return bool(_HUB_NAME.fullmatch(path)) and Path(path).suffix.lower() not in _EXTENSIONS
+    return bool(_HUB_NAME.fullmatch(path)) and Path(hub_revision(path)[0]).suffix.lower() not in _EXTENSIONS
+
+
+def hub_revision(path: str) -> tuple[str, str]:
+    """A hub path as (name, revision): ``org/name@rev`` -> ``("org/name", "rev")``; no ``@`` (or a URL, whose ``@``
+    is not a revision) -> ``(path, "")``."""
+    if "://" in path:
+        return path, ""
+    name, _, revision = path.partition("@")
+    return name, revision
+
+
+def _hub_source(path: str, base: dict[str, Any]) -> ResolvedSource:
+    name, revision = hub_revision(path)
+    return ResolvedSource(format="hub", hub_path=name, revision=revision, **base)
 
 
 def _directory_files(root: Path) -> list[Path]:
@@ -223,7 +243,7 @@ def resolve_source(
         name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars
     )
     if src.format == "hub":
-        return ResolvedSource(format="hub", hub_path=src.path, **base)
+        return _hub_source(src.path, base)
     if src.path == "demo":
         try:
             files = [build_demo_corpus(Path(cache_dir))]
@@ -256,7 +276,7 @@ def resolve_source(
     elif not_a(p):  # a FIFO, a socket, a device: what it is (never opened: reading a FIFO would block)
         raise ConfigError(f"{label}: {shown} {not_a(p)}")
     elif _looks_like_hub(src.path):
-        return ResolvedSource(format="hub", hub_path=src.path, **base)
+        return _hub_source(src.path, base)
     else:
         raise ConfigError(f"{label}: {shown} does not exist")
     if not files:
