@@ -235,9 +235,18 @@ def _unique(docs):
 
 
 def validation_sequences(
-    cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, seed: int
+    cfg: DataConfig,
+    *,
+    kind: str,
+    seq_len: int,
+    tokenizer,
+    val_sequences: int,
+    seed: int,
+    bad: BadRecords | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global validation set: the first ``val_sequences`` packed sequences of the validation stream."""
+    """The global validation set: the first ``val_sequences`` packed sequences of the validation stream. ``bad``
+    (a ``BadRecords(cfg.bad_records)`` of the caller's, to report after) counts the bad records read; by default a
+    counter of its own."""
     _check_kind(kind)
     role: Literal["train", "val", "all"]
     if cfg.val_sources:
@@ -248,7 +257,8 @@ def validation_sequences(
         return []
     if val_sequences <= 0:
         return []
-    docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=BadRecords(cfg.bad_records))
+    bad = bad if bad is not None else BadRecords(cfg.bad_records)
+    docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=bad)
     packer = Packer(_unique(docs), make_encoder(tokenizer), separator_id(tokenizer), seq_len)
     masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
     out = []
@@ -277,12 +287,14 @@ def validation_batches(
     micro_batch: int,
     seed: int,
     part: slice = slice(None),
+    bad: BadRecords | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches."""
+    """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches;
+    ``bad`` as :func:`validation_sequences` takes it."""
     if micro_batch <= 0:
         raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
     seqs = validation_sequences(
-        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed
+        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed, bad=bad
     )[part]
     return [
         {

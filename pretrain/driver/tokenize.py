@@ -280,6 +280,7 @@ def _same_job(recorded: dict, spec: dict) -> bool:
 
 
 def tokenize(args: list[str]) -> int:
+    from pretrain.data.bad_records import summary_line
     from pretrain.data.fingerprint import source_fingerprint
     from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
@@ -343,8 +344,7 @@ def tokenize(args: list[str]) -> int:
         summaries.append(summary)
     bad = _bad_records(units, summaries, sources, a.bad_records)
     if bad["total"]:
-        reasons = ", ".join(f"{n} {r}" for r, n in bad["by_reason"].items())
-        print(f"[tokenize] {bad['total']} bad record(s) skipped ({reasons}); first: {bad['examples'][0]}", flush=True)
+        print(f"[tokenize] {summary_line(bad)}", flush=True)
 
     per_source: list[dict[str, Any]] = []
     names = _source_names(sources)

@@ -9,7 +9,8 @@ import torch
 
 from pretrain.config import SourceConfig
 from pretrain.data import BadRecordError, data_throughput
-from pretrain.data.batches import source_validation_batches
+from pretrain.data.bad_records import BadRecords, summarize_bad_records, summary_line
+from pretrain.data.batches import source_validation_batches, validation_batches
 from tests.unit.data.common import T, data_cfg, make_docs, write_jsonl, write_txt
 
 pytestmark = pytest.mark.usefixtures("datasets_cache")
@@ -34,3 +35,16 @@ def test_per_source_validation_skips_a_source_too_small_and_raises_its_bad_recor
     failing = dataclasses.replace(cfg, val_sources=[cfg.val_sources[0], SourceConfig(path=str(broken))])
     with pytest.raises(BadRecordError, match=rf"^{broken}:1: invalid JSON"):
         source_validation_batches(dataclasses.replace(failing, bad_records="fail"), **args)
+
+
+def test_the_validation_sets_bad_records_reach_the_callers_counter(tmp_path, corpus, tok):
+    val = write_jsonl(tmp_path / "val.jsonl", make_docs(60, "v"))
+    val.write_text(val.read_text().replace('{"text": "v 0:', '{"txt": "v 0:', 1))
+    cfg = data_cfg(corpus, val_sources=[SourceConfig(path=str(val))])
+    bad = BadRecords(cfg.bad_records)
+    assert validation_batches(
+        cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4, micro_batch=2, seed=0, bad=bad
+    )
+    assert summary_line(summarize_bad_records([bad])) == (
+        f"1 bad record(s) skipped (1 missing_field); first: {val}:1: missing text field ('text')"
+    )
