@@ -94,6 +94,13 @@ def summarize_bad_records(parts: list[BadRecords]) -> dict:
     }
 
 
+def summary_line(summary: dict) -> str:
+    """A :func:`summarize_bad_records` summary with bad records in one line: the count, per reason, and the first
+    (``file:line: reason``)."""
+    reasons = ", ".join(f"{n} {r}" for r, n in summary["by_reason"].items())
+    return f"{summary['total']} bad record(s) skipped ({reasons}); first: {summary['examples'][0]}"
+
+
 def bad_record(reason: str, file: str, line: Any, detail: str = "") -> dict:
     """A bad record of ``reason`` (a key of :data:`REASONS`) at ``file:line``."""
     msg = REASONS[reason] + (f" ({detail})" if detail else "")

@@ -219,6 +219,11 @@ def merge_states(states: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+class TooLittleValidationData(ConfigError):
+    """The validation data holds fewer tokens than one sequence (a user error, one line; per source, that source is
+    left to the aggregate set)."""
+
+
 def _unique(docs):
     """Documents once each (a document of token shards is compared by its tokens)."""
     seen: set = set()
@@ -230,9 +235,18 @@ def _unique(docs):
 
 
 def validation_sequences(
-    cfg: DataConfig, *, kind: str, seq_len: int, tokenizer, val_sequences: int, seed: int
+    cfg: DataConfig,
+    *,
+    kind: str,
+    seq_len: int,
+    tokenizer,
+    val_sequences: int,
+    seed: int,
+    bad: BadRecords | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global validation set: the first ``val_sequences`` packed sequences of the validation stream."""
+    """The global validation set: the first ``val_sequences`` packed sequences of the validation stream. ``bad``
+    (a ``BadRecords(cfg.bad_records)`` of the caller's, to report after) counts the bad records read; by default a
+    counter of its own."""
     _check_kind(kind)
     role: Literal["train", "val", "all"]
     if cfg.val_sources:
@@ -243,7 +257,8 @@ def validation_sequences(
         return []
     if val_sequences <= 0:
         return []
-    docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=BadRecords(cfg.bad_records))
+    bad = bad if bad is not None else BadRecords(cfg.bad_records)
+    docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=bad)
     packer = Packer(_unique(docs), make_encoder(tokenizer), separator_id(tokenizer), seq_len)
     masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
     out = []
@@ -255,7 +270,7 @@ def validation_sequences(
         out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
     if not out:
         where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
-        raise ConfigError(
+        raise TooLittleValidationData(
             f"validation: {where} has fewer than seq_len={seq_len} tokens (a document repeated counts once); "
             f"add validation data or raise data.val_holdout"
         )
@@ -272,12 +287,14 @@ def validation_batches(
     micro_batch: int,
     seed: int,
     part: slice = slice(None),
+    bad: BadRecords | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches."""
+    """The ``part`` of the validation set (a worker's: ``RunPlan.val_part``; all by default), in micro-batches;
+    ``bad`` as :func:`validation_sequences` takes it."""
     if micro_batch <= 0:
         raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
     seqs = validation_sequences(
-        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed
+        cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed, bad=bad
     )[part]
     return [
         {
@@ -323,7 +340,7 @@ def source_validation_batches(
                 seed=seed,
                 part=part,
             )
-        except ValueError:  # fewer held-out tokens than one sequence: only the aggregate covers this source
+        except TooLittleValidationData:  # only the aggregate covers this source (bad records, bad shards: raised)
             skipped.append(name)
     return sets, skipped
 

@@ -25,8 +25,7 @@ from pretrain.data.sources import resolve_source
 def source_fingerprint(src: SourceConfig, cache_dir: str) -> dict[str, Any]:
     resolved = resolve_source(src, cache_dir)
     if resolved.format == "hub":
-        name, _, revision = src.path.partition("@")
-        return {"hub": name, "split": src.split, "revision": revision or "unpinned"}
+        return {"hub": resolved.hub_path, "split": src.split, "revision": resolved.revision or "unpinned"}
     if resolved.format == "shards":  # the manifest and every file it lists
         from pretrain.data.shards.format import MANIFEST, load_manifest
 

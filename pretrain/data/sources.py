@@ -10,9 +10,11 @@ Every source is read through real ``datasets`` streaming datasets:
   skipped silently (they separate nothing: every non-empty line is a document).
 * ``parquet`` files: ``datasets.load_dataset("parquet", data_files=FILE, streaming=True)``, one per
   file, so a bad row is reported as ``file:row N`` (0-based row index within the file).
-* ``hub``: ``datasets.load_dataset(path, split=split, streaming=True)`` (needs network access).
-* ``shards``: a directory written by ``./launch.sh tokenize`` (it holds a ``manifest.json``): its documents are
-  read as tokens by memory map (:mod:`pretrain.data.shards.reader`), never tokenized again.
+* ``hub``: ``datasets.load_dataset(name, split=split, streaming=True, revision=revision)`` (needs network access);
+  a path ``org/name@revision`` pins a revision (a commit, tag or branch), ``org/name`` streams the default branch.
+* ``shards``: a directory written by ``./launch.sh tokenize`` (its ``manifest.json`` names the token-shard format;
+  one of another kind is a file like any other): its documents are read as tokens by memory map
+  (:mod:`pretrain.data.shards.reader`), never tokenized again.
 
 Each record reaches the caller as a dict ``{"text": str | None, "bad": reason | None, "msg": str,
 "file": str, "line": int | str}``; bad records are *data*, not side effects of the reader, so
@@ -44,8 +46,8 @@ from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip, not_a, quote
 from pretrain.data.bad_records import bad_record, check_text
 from pretrain.data.demo_corpus import build_demo_corpus
-from pretrain.data.shards.format import FORMAT as SHARD_FORMAT
 from pretrain.data.shards.format import MANIFEST as SHARD_MANIFEST
+from pretrain.data.shards.format import is_shard_dir
 
 if TYPE_CHECKING:
     import datasets
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 
 _EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip"}
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?(@[\w.\-/]+)?")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,6 +135,9 @@ class ResolvedSource:
     text_field: str = "text"
     weight: float = 1.0
     hub_path: str = ""
+    """A hub dataset's name (or URL), without its revision."""
+    revision: str = ""
+    """The revision a hub path pins (``org/name@revision``); '' for the default branch."""
     split: str = "train"
     piece_chars: int = 0
     """txt/jsonl documents longer than this are read as their pieces (:func:`cut_pieces`); 0 never."""
@@ -173,7 +178,9 @@ class ResolvedSource:
                 )
             return ds.select_columns([self.text_field]) if ds.column_names else ds
         try:
-            return datasets.load_dataset(self.hub_path, split=self.split, streaming=True)
+            return datasets.load_dataset(
+                self.hub_path, split=self.split, streaming=True, revision=self.revision or None
+            )
         except Exception as e:  # noqa: BLE001 - offline, unknown name...: one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
@@ -192,13 +199,27 @@ class ResolvedSource:
 def _looks_like_hub(path: str) -> bool:
     if "://" in path:
         return True
-    return bool(_HUB_NAME.fullmatch(path)) and Path(path).suffix.lower() not in _EXTENSIONS
+    return bool(_HUB_NAME.fullmatch(path)) and Path(hub_revision(path)[0]).suffix.lower() not in _EXTENSIONS
+
+
+def hub_revision(path: str) -> tuple[str, str]:
+    """A hub path as (name, revision): ``org/name@rev`` -> ``("org/name", "rev")``; no ``@`` (or a URL, whose ``@``
+    is not a revision) -> ``(path, "")``."""
+    if "://" in path:
+        return path, ""
+    name, _, revision = path.partition("@")
+    return name, revision
+
+
+def _hub_source(path: str, base: dict[str, Any]) -> ResolvedSource:
+    name, revision = hub_revision(path)
+    return ResolvedSource(format="hub", hub_path=name, revision=revision, **base)
 
 
 def _directory_files(root: Path) -> list[Path]:
     """The files below ``root``, sorted; not hidden ones, nor those of a token-shard directory inside it (the
     output of ``./launch.sh tokenize``: its manifest and tokenizer are JSON, not the corpus)."""
-    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if _is_shard_manifest(m)}
+    shard_dirs = {m.parent for m in root.rglob(SHARD_MANIFEST) if is_shard_dir(m.parent)}
     return sorted(
         f
         for f in root.rglob("*")
@@ -208,27 +229,21 @@ def _directory_files(root: Path) -> list[Path]:
     )
 
 
-def _is_shard_manifest(path: Path) -> bool:
-    """A ``manifest.json`` that ``./launch.sh tokenize`` wrote (its format field), not any file of that name."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == SHARD_FORMAT
-
-
-def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0) -> ResolvedSource:
+def resolve_source(
+    src: SourceConfig, cache_dir: str | Path, key: str = "", piece_chars: int = 0, *, format_option: str = ""
+) -> ResolvedSource:
     """Turn a source config into files and one format (``path: demo`` is the built-in corpus).
 
     A source that resolves to nothing raises :class:`ConfigError` naming ``key`` (e.g. ``data.sources[0]``)
-    or, without a key, the source's name."""
+    or, without a key, the source's name. A file whose extension tells no format is told to set the source's
+    ``format``, or ``format_option`` when given (a command's option, e.g. ``--format``)."""
     name = src.name or src.path
     label = f"{key}.path" if key else f"data source {quote(name)}"
     base: dict[str, Any] = dict(
         name=name, text_field=src.text_field, weight=src.weight, split=src.split, piece_chars=piece_chars
     )
     if src.format == "hub":
-        return ResolvedSource(format="hub", hub_path=src.path, **base)
+        return _hub_source(src.path, base)
     if src.path == "demo":
         try:
             files = [build_demo_corpus(Path(cache_dir))]
@@ -240,7 +255,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
             format="text" if src.format == "auto" else src.format, files=[str(f) for f in files], **base
         )
     p, shown = Path(src.path).expanduser(), clip(src.path)
-    if os.path.isdir(p) and os.path.isfile(p / SHARD_MANIFEST):  # written by ./launch.sh tokenize
+    if os.path.isdir(p) and is_shard_dir(p):  # written by ./launch.sh tokenize
         return ResolvedSource(format="shards", files=[str(p)], **base)
     if os.path.isdir(p):  # (os.path: Path.is_dir raises on a name too long)
         files = _directory_files(p)
@@ -261,7 +276,7 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
     elif not_a(p):  # a FIFO, a socket, a device: what it is (never opened: reading a FIFO would block)
         raise ConfigError(f"{label}: {shown} {not_a(p)}")
     elif _looks_like_hub(src.path):
-        return ResolvedSource(format="hub", hub_path=src.path, **base)
+        return _hub_source(src.path, base)
     else:
         raise ConfigError(f"{label}: {shown} does not exist")
     if not files:
@@ -276,9 +291,10 @@ def resolve_source(src: SourceConfig, cache_dir: str | Path, key: str = "", piec
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
-            where = f"{key}.format" if key else f"data source {quote(name)}"
+            where = key or f"data source {quote(name)}"
+            where, remedy = (where, f"give {format_option}") if format_option else (f"{where}.format", "set format")
             raise ConfigError(
-                f"{where}: cannot tell the format of {bad} from its extension; set format (text, json, parquet)"
+                f"{where}: cannot tell the format of {bad} from its extension; {remedy} (text, json, parquet)"
             )
         if len(kinds) > 1:
             raise ConfigError(f"{label}: mixed formats {sorted(cast(set[str], kinds))}; use one source per format")

@@ -141,18 +141,33 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
 
 
 def heldout_documents(cfg: DataConfig, seed: int):
-    """The held-out documents validation packs: ``data.val_sources``, else the ``val_holdout`` share."""
+    """The held-out documents validation packs, as texts: ``data.val_sources``, else the ``val_holdout`` share. A
+    document of token shards is decoded with the shards' tokenizer (:func:`_as_texts`)."""
     from pretrain.data.bad_records import BadRecords
     from pretrain.data.sources import training_sources, validation_sources
     from pretrain.data.stream import DocumentStream
 
     if cfg.val_sources:
-        return DocumentStream(
-            validation_sources(cfg), seed, role="all", val_holdout=0.0, bad=BadRecords(cfg.bad_records)
-        )
-    return DocumentStream(
-        training_sources(cfg), seed, role="val", val_holdout=cfg.val_holdout, bad=BadRecords(cfg.bad_records)
-    )
+        sources = validation_sources(cfg)
+        docs = DocumentStream(sources, seed, role="all", val_holdout=0.0, bad=BadRecords(cfg.bad_records))
+    else:
+        sources = training_sources(cfg)
+        docs = DocumentStream(sources, seed, role="val", val_holdout=cfg.val_holdout, bad=BadRecords(cfg.bad_records))
+    return _as_texts(docs, sources)
+
+
+def _as_texts(documents, sources):
+    """``documents`` with each one of token shards (a NumPy array of token ids) decoded to its text by the tokenizer
+    kept in the shard directory (every shard directory of a run has the same: :mod:`pretrain.data.shards.compat`)."""
+    shards = [s for s in sources if s.format == "shards"]
+    if not shards:
+        return documents
+    from tokenizers import Tokenizer
+
+    from pretrain.data.shards.format import TOKENIZER_DIR
+
+    tokenizer = Tokenizer.from_file(str(Path(shards[0].files[0]) / TOKENIZER_DIR / "tokenizer.json"))
+    return (d if isinstance(d, str) else tokenizer.decode(d.tolist()) for d in documents)
 
 
 def load_tasks(specs: list[str], data: DataConfig, *, max_examples: int, num_choices: int, seed: int) -> list[Task]:

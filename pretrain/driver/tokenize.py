@@ -39,9 +39,9 @@ from pretrain.config.errors import clip
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.shards.format import (
     DEFAULT_SHARD_TOKENS,
-    MANIFEST,
     TOKENIZER_DIR,
     dtype_for,
+    is_shard_dir,
     load_manifest,
     tokenizer_hash,
 )
@@ -63,6 +63,12 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=DataConfig.tokenizer_vocab_size, help="of a trained BPE")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
     p.add_argument("--workers", type=int, default=0, help="Ray Data tokenizing actors (default: the cluster's CPUs)")
+    p.add_argument(
+        "--format",
+        choices=("auto", "text", "json", "parquet"),
+        default="auto",
+        help="the format of every SOURCE's files (default auto: from each file's extension)",
+    )
     p.add_argument("--text-field", default="text", help="the text field of json/parquet/hub records")
     p.add_argument("--bad-records", choices=("skip", "fail"), default="skip", help="as data.bad_records")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes of txt/jsonl per unit")
@@ -87,7 +93,7 @@ def _absolute(path: str) -> str:
 
 
 def _data_config(a: argparse.Namespace) -> DataConfig:
-    sources = [SourceConfig(path=_absolute(p), text_field=a.text_field) for p in a.sources]
+    sources = [SourceConfig(path=_absolute(p), text_field=a.text_field, format=a.format) for p in a.sources]
     return DataConfig(sources=sources, bad_records=a.bad_records, tokenizer_vocab_size=a.vocab_size)
 
 
@@ -212,11 +218,36 @@ def _source_names(sources) -> list[str]:
 
 
 def _check_out(out: Path) -> None:
-    """``--out`` is new, empty, or a tokenize output (finished or not); anything else is refused (nothing lost)."""
+    """``--out`` is new, empty, or a tokenize output: finished (a token-shard manifest) or not (the job file an
+    earlier job wrote first, :func:`_is_job_dir`). Anything else is refused: the job replaces files in it."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"tokenize --out: {clip(str(out))} is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not (out / WORK_DIR).is_dir():
-        raise ConfigError(f"tokenize --out: {clip(str(out))} is not empty and holds no token shards; give a new one")
+    if out.is_dir() and any(out.iterdir()) and not is_shard_dir(out) and not _is_job_dir(out):
+        raise ConfigError(
+            f"tokenize --out: {clip(str(out))} is not empty and holds neither token shards nor an unfinished tokenize "
+            "job; give a new one (nothing was changed)"
+        )
+
+
+def _is_job_dir(out: Path) -> bool:
+    """``out`` holds the job file of a tokenize job (``.work/job.json``: an object naming its sources and
+    tokenizer), not merely a directory named ``.work``."""
+    try:
+        raw = json.loads((out / WORK_DIR / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
+
+
+def _refuse_skipped_bad_records(bad: dict[str, Any], policy: str, out: Path) -> None:
+    """Under ``--bad-records fail``, a finished output made skipping bad records (its manifest's ``bad_records``)
+    raises :class:`BadRecordError` with the first one (``file:line: reason``), as the job would have."""
+    from pretrain.data.bad_records import BadRecordError
+
+    total = int(bad.get("total", 0))
+    if policy == "fail" and total:
+        first = (bad.get("examples") or ["(no example recorded)"])[0]
+        raise BadRecordError(f"{first} (one of {total} bad record(s) that {clip(str(out))} was made skipping)")
 
 
 def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
@@ -226,6 +257,7 @@ def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) ->
     return {
         "sources": [
             {"path": s.path, "text_field": s.text_field, "fingerprint": source_fingerprint(s, cfg.cache_dir)}
+            | ({"format": s.format} if s.format != "auto" else {})  # (no key for auto: as jobs before --format)
             for s in cfg.sources
         ],
         "tokenizer_sha256": tok_hash,
@@ -248,24 +280,28 @@ def _same_job(recorded: dict, spec: dict) -> bool:
 
 
 def tokenize(args: list[str]) -> int:
+    from pretrain.data.bad_records import summary_line
     from pretrain.data.fingerprint import source_fingerprint
     from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
-    from pretrain.data.shards.writer import assemble
-    from pretrain.data.sources import resolve_sources
+    from pretrain.data.shards.writer import assemble, write_atomic
+    from pretrain.data.sources import resolve_source
 
     a = parse(args)
     out = Path(a.out).expanduser().resolve()
     _check_out(out)
     cfg = _data_config(a)
-    sources = resolve_sources(cfg.sources, cfg.cache_dir, "tokenize SOURCE")
-    for i, (s, src) in enumerate(zip(sources, cfg.sources, strict=True)):
+    keys = [f"tokenize SOURCE[{i}]" for i in range(len(cfg.sources))]
+    sources = [
+        resolve_source(s, cfg.cache_dir, k, format_option="--format") for s, k in zip(cfg.sources, keys, strict=True)
+    ]
+    for key, s, src in zip(keys, sources, cfg.sources, strict=True):
         if s.format == "shards":
-            raise ConfigError(f"tokenize SOURCE: {clip(src.path)} holds token shards already (train on it directly)")
-        check_source(src, f"tokenize SOURCE {i + 1}", cfg)  # training's corpus checks, before Ray: empty, not text...
+            raise ConfigError(f"{key}: {clip(src.path)} holds token shards already (train on it directly)")
+        check_source(src, key, cfg)  # training's corpus checks, before Ray: empty, not text...
     # Nothing is written into --out before the job is known to be new or this one unfinished: a refusal or a
     # "done already" leaves it as it was (a tokenizer trained to compare with goes to a temporary directory).
-    work, finished = out / WORK_DIR, (out / MANIFEST).is_file()
+    work, finished = out / WORK_DIR, is_shard_dir(out)
     with tempfile.TemporaryDirectory(prefix="pretrain-tokenize-") as scratch:
         tok_dir = _tokenizer_dir(a, cfg, None if finished else work / TOKENIZER_DIR, Path(scratch))
         tok_hash, vocab = tokenizer_hash(tok_dir), tokenizer_vocab_size(tok_dir)
@@ -281,6 +317,7 @@ def tokenize(args: list[str]) -> int:
                     f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a "
                     "new directory (nothing was overwritten)"
                 )
+            _refuse_skipped_bad_records(done.bad_records, a.bad_records, out)
             print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
             return 0
         job_file = work / JOB_FILE
@@ -290,10 +327,10 @@ def tokenize(args: list[str]) -> int:
                 f"directory or remove {clip(str(work))}"
             )
         work.mkdir(parents=True, exist_ok=True)
+        write_atomic(job_file, json.dumps(spec, indent=1).encode())  # first: it makes --out a job's (_check_out)
         if tok_dir.parent == Path(scratch):  # trained now: kept with the job, which a rerun after a crash reuses
             shutil.copytree(tok_dir, work / TOKENIZER_DIR, dirs_exist_ok=True)
             tok_dir = work / TOKENIZER_DIR
-    job_file.write_text(json.dumps(spec, indent=1))
 
     units = plan_units(sources, a.chunk_bytes)
     pending = [u for u in units if unit_done(work, u) is None]
@@ -307,8 +344,7 @@ def tokenize(args: list[str]) -> int:
         summaries.append(summary)
     bad = _bad_records(units, summaries, sources, a.bad_records)
     if bad["total"]:
-        reasons = ", ".join(f"{n} {r}" for r, n in bad["by_reason"].items())
-        print(f"[tokenize] {bad['total']} bad record(s) skipped ({reasons}); first: {bad['examples'][0]}", flush=True)
+        print(f"[tokenize] {summary_line(bad)}", flush=True)
 
     per_source: list[dict[str, Any]] = []
     names = _source_names(sources)

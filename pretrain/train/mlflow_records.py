@@ -46,10 +46,11 @@ def _dataset(src: SourceConfig, cfg: RunConfig):
     resolved = resolve_source(src, cfg.data.cache_dir)
     h = hashlib.sha256()
     if resolved.format == "hub":
-        h.update(f"{resolved.hub_path}\0{resolved.split}".encode())
+        pin = f"\0{resolved.revision}" if resolved.revision else ""
+        h.update(f"{resolved.hub_path}\0{resolved.split}{pin}".encode())
         url = (
             resolved.hub_path if "://" in resolved.hub_path else f"https://huggingface.co/datasets/{resolved.hub_path}"
-        )
+        ) + (f"/tree/{resolved.revision}" if resolved.revision else "")
         source = HTTPDatasetSource(url)
     else:
         for f in resolved.files:

@@ -23,6 +23,7 @@ from pretrain.data import (
     token_byte_lengths,
     validation_batches,
 )
+from pretrain.data.bad_records import BadRecords, summarize_bad_records, summary_line
 from pretrain.data.tasks import load_tasks
 from pretrain.model.compile import is_compiled
 from pretrain.train import dist
@@ -104,7 +105,8 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         seed=cfg.train.seed,
         part=plan.val_part(ctx.rank),
     )
-    val_set = validation_batches(cfg.data, **val_args)
+    val_bad = BadRecords(cfg.data.bad_records)  # those of data.val_sources are reported below (rank 0)
+    val_set = validation_batches(cfg.data, **val_args, bad=val_bad)
     per_source, skipped = source_validation_batches(cfg.data, **val_args)
     group = cfg.data.val_sources or cfg.data.sources
     only = source_name(group[0].path, group[0].name) if val_set and len(group) == 1 else ""
@@ -141,6 +143,8 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         f"{threads} thread(s)/worker, compiled blocks {'on' if is_compiled(module.model) else 'off'}"
     )
     progress.say(plan.describe())
+    if cfg.data.val_sources and val_bad.total:  # (those of a val_holdout are training's: its summary counts them)
+        progress.say(f"validation: data.val_sources: {summary_line(summarize_bad_records([val_bad]))}")
     if skipped:
         progress.say(f"per-source validation: {', '.join(skipped)} too small for one sequence (only in val/loss)")
     if not tracker.log_params(plan.params()):  # resumed on another layout: params are immutable

@@ -133,7 +133,13 @@ def file_record(path: Path, tokens: int = 0) -> FileRecord:
 
 
 def is_shard_dir(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    """``path`` holds a ``manifest.json`` that ``./launch.sh tokenize`` wrote (its format field), not merely a file
+    of that name; its version and fields are checked when it is loaded (:func:`load_manifest`)."""
+    try:
+        raw = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
 
 
 def load_manifest(directory: str | Path) -> Manifest:

@@ -1,12 +1,17 @@
-"""Training batches and the data-throughput probe (``pretrain/data/batches.py``)."""
+"""Training batches, per-source validation and the data-throughput probe (``pretrain/data/batches.py``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from pretrain.data import data_throughput
-from tests.unit.data.common import T, data_cfg
+from pretrain.config import SourceConfig
+from pretrain.data import BadRecordError, data_throughput
+from pretrain.data.bad_records import BadRecords, summarize_bad_records, summary_line
+from pretrain.data.batches import source_validation_batches, validation_batches
+from tests.unit.data.common import T, data_cfg, make_docs, write_jsonl, write_txt
 
 pytestmark = pytest.mark.usefixtures("datasets_cache")
 
@@ -17,3 +22,29 @@ def test_data_throughput_is_positive(corpus, tok):
     assert data_throughput(cfg, kind="decoder", seq_len=T, tokenizer=tok, seconds=0.3) > 1000
     assert data_throughput(cfg, kind="encoder", seq_len=T, tokenizer=tok, seconds=0.3) > 1000
     assert torch.get_num_threads() == threads  # restored after measuring with one thread
+
+
+def test_per_source_validation_skips_a_source_too_small_and_raises_its_bad_records(tmp_path, corpus, tok):
+    small = write_txt(tmp_path / "small.txt", ["a few words only"])
+    broken = write_jsonl(tmp_path / "broken.jsonl", make_docs(50, "b"))
+    broken.write_text("{broken\n" + broken.read_text())
+    args = dict(kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4, micro_batch=2, seed=0)
+    cfg = data_cfg(corpus, val_sources=[SourceConfig(path=str(corpus)), SourceConfig(path=str(small))])
+    sets, skipped = source_validation_batches(cfg, **args)
+    assert list(sets) == ["docs"] and skipped == ["small"]
+    failing = dataclasses.replace(cfg, val_sources=[cfg.val_sources[0], SourceConfig(path=str(broken))])
+    with pytest.raises(BadRecordError, match=rf"^{broken}:1: invalid JSON"):
+        source_validation_batches(dataclasses.replace(failing, bad_records="fail"), **args)
+
+
+def test_the_validation_sets_bad_records_reach_the_callers_counter(tmp_path, corpus, tok):
+    val = write_jsonl(tmp_path / "val.jsonl", make_docs(60, "v"))
+    val.write_text(val.read_text().replace('{"text": "v 0:', '{"txt": "v 0:', 1))
+    cfg = data_cfg(corpus, val_sources=[SourceConfig(path=str(val))])
+    bad = BadRecords(cfg.bad_records)
+    assert validation_batches(
+        cfg, kind="decoder", seq_len=T, tokenizer=tok, val_sequences=4, micro_batch=2, seed=0, bad=bad
+    )
+    assert summary_line(summarize_bad_records([bad])) == (
+        f"1 bad record(s) skipped (1 missing_field); first: {val}:1: missing text field ('text')"
+    )

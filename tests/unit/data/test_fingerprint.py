@@ -43,3 +43,15 @@ def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     assert "900 -> 450 bytes" in line and "data.allow_changed=true" in line
     assert check_unchanged(recorded, _data(tmp_path, "data.allow_changed=true"), "x") != recorded
     assert check_unchanged(None, data, "x") == fingerprints(data)  # a checkpoint without one: not compared
+
+
+def test_a_hub_dataset_is_recorded_with_its_pinned_revision():
+    pinned = load_config(None, ["data.sources=[{path: org/corpus@abc123}, {path: org/corpus}]"]).data
+    recorded = fingerprints(pinned)
+    assert recorded["data.sources[0]"] == {
+        "path": "org/corpus@abc123",
+        "hub": "org/corpus",
+        "split": "train",
+        "revision": "abc123",
+    }
+    assert recorded["data.sources[1]"]["revision"] == "unpinned"

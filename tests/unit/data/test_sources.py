@@ -129,3 +129,30 @@ def test_a_directory_of_compressed_data_files_is_refused_not_half_read(tmp_path)
     assert [Path(f).name for f in resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")[0].files] == [
         "part0.txt"
     ]
+
+
+def test_a_manifest_json_of_another_kind_does_not_make_a_directory_token_shards(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    write_txt(d / "a.jsonl", [json.dumps({"text": "one document"})])
+    (d / "manifest.json").write_text(json.dumps({"name": "my corpus", "text": "its description"}))
+    (src,) = resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")
+    assert src.format == "json" and [Path(f).name for f in src.files] == ["a.jsonl", "manifest.json"]
+
+
+def test_a_hub_path_pins_a_revision_that_load_dataset_gets(monkeypatch):
+    import datasets
+
+    for fmt in ("auto", "hub"):
+        (src,) = resolve_sources([SourceConfig(path="org/corpus@v1.2", format=fmt)], ".", "data.sources")
+        assert (src.format, src.hub_path, src.revision) == ("hub", "org/corpus", "v1.2")
+    (plain,) = resolve_sources([SourceConfig(path="org/corpus")], ".")
+    assert (plain.hub_path, plain.revision) == ("org/corpus", "")
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append((a, kw)))
+    src.open_part(0)
+    plain.open_part(0)
+    assert calls == [
+        (("org/corpus",), {"split": "train", "streaming": True, "revision": "v1.2"}),
+        (("org/corpus",), {"split": "train", "streaming": True, "revision": None}),
+    ]

@@ -1,18 +1,24 @@
-"""The tokenize job's bookkeeping (``pretrain/driver/tokenize.py``) without Ray: bad records get their file's line
-numbers across units, ``fail`` refuses the first in document order; a rerun matches its job whatever the mtimes."""
+"""The tokenize job (``pretrain/driver/tokenize.py``) without Ray: bad records get their file's line numbers across
+units, ``fail`` refuses the first in document order; a rerun matches its job whatever the mtimes; what ``--out`` may
+be. Whole jobs run their units in this process (:func:`_in_process`, in place of the Ray Data job)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pretrain.config import ConfigError, SourceConfig
 from pretrain.data.bad_records import BadRecordError
 from pretrain.data.shards.units import plan_units, tokenize_unit
 from pretrain.data.sources import resolve_source
-from pretrain.driver.tokenize import _bad_records, _same_job, parse
-from tests.unit.data.common import make_docs
+from pretrain.data.tokenizer import train_tokenizer
+from pretrain.driver import tokenize as job
+from pretrain.driver.tokenize import TokenizeUnits, _bad_records, _same_job, parse, tokenize
+from tests.unit.data.common import make_docs, write_parquet, write_txt
 
 
 def _bytes(texts: list[str]) -> list[list[int]]:
@@ -56,3 +62,95 @@ def test_a_rerun_matches_a_job_whatever_the_modification_times():
     touched = json.loads(json.dumps(spec).replace("1.0", "2.0"))
     changed = json.loads(json.dumps(spec).replace('"x"', '"y"'))
     assert _same_job(spec, touched) and not _same_job(spec, changed)
+
+
+def _in_process(pending, sources, tok_dir, work, vocab, workers, total) -> None:
+    """The pending units tokenized here, one after the other, by the actor the Ray Data job uses."""
+    actor = TokenizeUnits([asdict(s) | {"_shards": None} for s in sources], str(tok_dir), str(work), vocab)
+    for unit in pending:
+        actor({"unit": np.array([json.dumps(asdict(unit))])})
+
+
+@pytest.fixture
+def tok_dir(tmp_path, monkeypatch) -> Path:
+    """A saved tokenizer; the working directory is ``tmp_path`` and units run in this process."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(job, "_run_units", _in_process)
+    train_tokenizer(make_docs(200, "tok"), 300).save_pretrained(str(tmp_path / "tok"))
+    return tmp_path / "tok"
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_a_directory_that_merely_has_a_work_folder_is_refused_and_left_as_it_was(tmp_path, tok_dir):
+    corpus = write_txt(tmp_path / "c.txt", make_docs(50, "c"))
+    out = tmp_path / "mine"
+    for name in (".work/notes.txt", "tokenizer/vocab.txt", "shard-00000.npy"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("the user's")
+    before = _files(out)
+    with pytest.raises(ConfigError) as e:
+        tokenize([str(corpus), "--out", str(out), "--tokenizer", str(tok_dir)])
+    assert str(e.value) == (
+        f"tokenize --out: {out} is not empty and holds neither token shards nor an unfinished tokenize job; give a "
+        "new one (nothing was changed)"
+    )
+    assert _files(out) == before
+
+
+def test_a_job_that_crashed_is_rerun_in_its_directory(tmp_path, tok_dir, monkeypatch, capsys):
+    corpus = write_txt(tmp_path / "c.txt", make_docs(50, "c"))
+    args = [str(corpus), "--out", "out", "--tokenizer", str(tok_dir)]
+
+    def crash(*a) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "_run_units", crash)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize(args)
+    assert (tmp_path / "out" / ".work" / "job.json").is_file()  # written before any unit: the directory is the job's
+    monkeypatch.setattr(job, "_run_units", _in_process)
+    assert tokenize(args) == 0 and not (tmp_path / "out" / ".work").exists()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["documents"] == 50
+    assert tokenize(args) == 0 and "done already" in capsys.readouterr().out
+
+
+def test_format_names_the_option_and_reads_every_source_so(tmp_path, tok_dir):
+    notes = write_txt(tmp_path / "notes.md", make_docs(30, "n"))
+    with pytest.raises(ConfigError) as e:
+        tokenize([str(notes), "--out", "out", "--tokenizer", str(tok_dir)])
+    assert str(e.value) == (
+        f"tokenize SOURCE[0]: cannot tell the format of {notes} from its extension; give --format (text, json, parquet)"
+    )
+    assert not (tmp_path / "out").exists()
+    assert tokenize([str(notes), "--out", "out", "--tokenizer", str(tok_dir), "--format", "text"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["documents"] == 30 and manifest["sources"][0]["format"] == "text"
+    assert manifest["job"]["sources"][0]["format"] == "text"  # another --format is another job
+
+
+def test_a_source_has_one_number_in_every_refusal(tmp_path, tok_dir):
+    good, empty = write_txt(tmp_path / "a.txt", make_docs(30, "a")), tmp_path / "b.txt"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"^tokenize SOURCE\[1\] \("):
+        tokenize([str(good), str(empty), "--out", "out", "--tokenizer", str(tok_dir)])
+    with pytest.raises(ConfigError, match=r"^tokenize SOURCE\[1\]\.path: .* does not exist"):
+        tokenize([str(good), str(tmp_path / "gone.txt"), "--out", "out", "--tokenizer", str(tok_dir)])
+
+
+def test_a_finished_output_made_skipping_bad_records_is_refused_under_fail(tmp_path, tok_dir, capsys):
+    texts: list = make_docs(1600, "p")
+    texts[1500] = None  # past the rows the corpus check reads: only the job meets it
+    corpus = write_parquet(tmp_path / "c.parquet", texts)
+    args = [str(corpus), "--out", "out", "--tokenizer", str(tok_dir)]
+    assert tokenize(args) == 0
+    with pytest.raises(BadRecordError) as e:
+        tokenize([*args, "--bad-records", "fail"])
+    assert str(e.value) == (
+        f"{corpus}:row 1500: text field is not a string (NoneType) "
+        f"(one of 1 bad record(s) that {tmp_path / 'out'} was made skipping)"
+    )
+    capsys.readouterr()
+    assert tokenize(args) == 0 and "done already" in capsys.readouterr().out  # skip: as it was made

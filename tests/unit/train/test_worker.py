@@ -177,3 +177,23 @@ def test_a_real_run_emits_events_in_order_and_early_stop_and_profiling_are_callb
     assert final["time_to_first_step_s"] == pytest.approx(sum(phases.values())) and min(phases.values()) >= 0
     artifacts = {a.path for a in MlflowClient().list_artifacts(job.run_id, "profile")}
     assert artifacts == {"profile/rank0_steps1-2.json", "profile/rank0_steps1-2.txt"}
+
+
+def test_bad_records_of_the_validation_sources_are_reported_in_one_line(workdir, capsys):
+    """data.val_sources are read by validation only: their bad records (skipped) are reported when the run starts."""
+    import json
+
+    from pretrain.driver.prepare import prepare_new
+    from pretrain.train.worker import build_trainer
+
+    val = workdir / "val.jsonl"
+    lines = [json.dumps({"text": f"held out document {i} with a few words in it"}) for i in range(200)]
+    lines[2] = "{broken"
+    val.write_text("\n".join(lines) + "\n")
+    job = prepare_new(load_config(DEMO, [*RUN, f"data.val_sources=[{{path: {val}}}]"]))
+    capsys.readouterr()
+    build_trainer(asdict(job), [])
+    out = capsys.readouterr().out
+    assert (
+        f"validation: data.val_sources: 1 bad record(s) skipped (1 invalid_json); first: {val}:3: invalid JSON" in out
+    )

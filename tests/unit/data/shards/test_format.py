@@ -14,6 +14,7 @@ from pretrain.data.shards.format import (
     ShardError,
     check_files,
     dtype_for,
+    is_shard_dir,
     load_manifest,
     npy_bytes,
     shard_name,
@@ -84,3 +85,11 @@ def test_a_truncated_or_corrupted_shard_is_named_with_expected_and_found(shards,
     shard.unlink()
     with pytest.raises(ShardError, match=rf"{shard_name(1)}: missing"):
         check_files(d, m)
+
+
+def test_only_a_token_shard_manifest_makes_a_shard_directory(tmp_path, shards):
+    assert is_shard_dir(shards) and not is_shard_dir(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"name": "my corpus"}))
+    assert not is_shard_dir(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert not is_shard_dir(tmp_path)

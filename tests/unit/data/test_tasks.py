@@ -1,0 +1,32 @@
+"""Downstream tasks (``pretrain/data/tasks.py``): the built-in ``heldout_lastword`` task from held-out text."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import DataConfig, SourceConfig
+from pretrain.data.tasks import BUILTIN, load_tasks
+from tests.unit.data.shards.common import build_shards
+
+pytestmark = pytest.mark.usefixtures("datasets_cache")
+
+
+def _examples(cfg: DataConfig) -> list:
+    (task,) = load_tasks([BUILTIN], cfg, max_examples=20, num_choices=4, seed=3)
+    return task.examples
+
+
+def test_heldout_lastword_of_token_shards_is_the_task_of_their_text(tmp_path, corpus, tok):
+    """Shard documents are tokens: decoded with the shards' tokenizer, they give the examples their text gives."""
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(str(tok_dir))
+    shards = tmp_path / "shards"
+    build_shards(shards, [corpus], tok, tok_dir)
+    text = _examples(DataConfig(sources=[SourceConfig(path=str(corpus))], val_holdout=0.2))
+    assert len(text) == 20
+    assert _examples(DataConfig(sources=[SourceConfig(path=str(shards))], val_holdout=0.2)) == text
+
+    def val_on(path) -> DataConfig:
+        return DataConfig(sources=[SourceConfig(path=str(corpus))], val_sources=[SourceConfig(path=str(path))])
+
+    assert _examples(val_on(shards)) == _examples(val_on(corpus))  # data.val_sources of token shards too
