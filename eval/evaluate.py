@@ -27,7 +27,8 @@ Results print as a table, or with ``--json`` as one JSON object (keys ``loss``, 
 ``bits_per_byte`` or ``mlm_acc``, plus counts and provenance). For a tracked run/checkpoint they are
 logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``); with
 ``--data``, as ``eval/<name>/...`` (the sources' names, ``+``-joined), never over the run's own.
-Decoders also get a short greedy sample from ``transformers``' ``generate``.
+Decoders also get a short greedy sample from ``transformers``' ``generate`` (skipped, with a note, for a model that no
+Hugging Face class represents; see :func:`pretrain.export.hf.unexportable`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class EvalSource:
     run_id: str | None = None
     step: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    no_hf: str = ""
+    """Why the model has no ``transformers`` equivalent (no greedy sample, no harness); empty when it has one."""
 
 
 def open_hf_dir(path: Path) -> EvalSource:
@@ -128,7 +131,7 @@ def open_hf_dir(path: Path) -> EvalSource:
 
 def open_checkpoint(target: str, step: int | None) -> EvalSource:
     from pretrain.export.checkpoints import resolve_checkpoint
-    from pretrain.export.hf import special_token_ids, to_hf_model
+    from pretrain.export.hf import special_token_ids, to_hf_model, unexportable
     from pretrain.export.parity import our_model
 
     loaded = resolve_checkpoint(target, step)
@@ -169,6 +172,7 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
         run_id=loaded.run_id,
         step=loaded.ckpt.step,
         info={"checkpoint": str(loaded.ckpt.path)},
+        no_hf=", ".join(unexportable(cfg.model, cfg.moe)),
     )
 
 
@@ -226,6 +230,8 @@ def greedy_sample(hf_model, tokenizer, prompt_ids: list[int], max_len: int, new_
 def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
     """lm-evaluation-harness on the model's HF directory when ``lm_eval`` and the task data are available
     locally; otherwise one line saying why not. Returns (line, per-task results or None)."""
+    if src.no_hf:
+        return f"harness: {src.no_hf} has no Hugging Face class; skipped tasks {tasks}", None
     if importlib.util.find_spec("lm_eval") is None:
         return f"harness: lm-evaluation-harness (package lm_eval) is not installed; skipped tasks {tasks}", None
     try:
@@ -315,7 +321,9 @@ def evaluate_source(
     }
     if src.step is not None:
         result["step"] = src.step
-    if sample and src.kind == "decoder" and batches:
+    if sample and src.kind == "decoder" and batches and src.no_hf:
+        result["sample_skipped"] = f"{src.no_hf} has no Hugging Face class, which transformers' generate needs"
+    elif sample and src.kind == "decoder" and batches:
         prompt = batches[0]["input_ids"][0, : max(1, min(8, T // 2))].tolist()
         result["sample"] = greedy_sample(src.hf_model(), src.tokenizer, prompt, T)
     if track and src.run_id and src.step is not None:
@@ -373,6 +381,8 @@ def print_table(r: dict[str, Any]) -> None:
     if "sample" in r:
         s = r["sample"]
         print(f"  {'greedy sample':<14} {s['prompt']!r} -> {s['continuation']!r}")
+    if "sample_skipped" in r:
+        print(f"  {'greedy sample':<14} skipped: {r['sample_skipped']}")
     for k, v in r.get("tasks", {}).items():
         print(f"  {k[len('eval/') :]:<14} {v:.4f}")
     if "mlflow_run_id" in r:

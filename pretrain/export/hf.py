@@ -132,10 +132,13 @@ def _remote_module():
 
 
 def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None], moe: MoEConfig | None = None):
-    """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``."""
+    """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``; ExportError (one line)
+    for a config that no class represents (:func:`unexportable`)."""
     import transformers
     from transformers.initialization import no_init_weights
 
+    if unexportable(model_cfg, moe):
+        raise ExportError(export_target(model_cfg, moe)[1])
     sd = strip_module_prefix(sd)
     moe = moe or MoEConfig()
     family, _ = find_family(model_cfg) if not moe.enabled else (None, [])

@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.evaluate import evaluate, open_source, run_harness, score, token_byte_lengths
+from eval.evaluate import (
+    evaluate,
+    evaluate_source,
+    open_source,
+    print_table,
+    run_harness,
+    score,
+    token_byte_lengths,
+)
 from eval.generate import load_generator
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
@@ -113,6 +121,21 @@ def test_checkpoint_and_export_agree(name, tokenizer_dir, workdir):
     other.write_text("\n".join(corpus_lines(400)[:200]) + "\n", encoding="utf-8")
     c = evaluate(str(ckpt), data=[str(other)], sample=False)
     assert c["data"] == [str(other)] and c["loss"] != a["loss"]
+
+
+def test_a_model_without_a_hf_class_is_scored_without_a_sample(tokenizer_dir, workdir, capsys):
+    """model.qk_norm has no Hugging Face class: the loss is scored and printed, the greedy sample and the harness
+    are skipped with a note."""
+    cfg = small_run_config(workdir, tokenizer_dir, [*AGREE["llama-decoder"], "model.qk_norm=true"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    src = open_source(str(ckpt))
+    r = evaluate_source(src, sequences=2)
+    assert r["loss"] > 0 and "sample" not in r
+    assert r["sample_skipped"] == "model.qk_norm has no Hugging Face class, which transformers' generate needs"
+    print_table(r)
+    out = capsys.readouterr().out
+    assert "loss" in out and "greedy sample  skipped: model.qk_norm has no Hugging Face class" in out
+    assert run_harness(src, "t") == ("harness: model.qk_norm has no Hugging Face class; skipped tasks t", None)
 
 
 def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
