@@ -258,14 +258,20 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
         return f"harness: lm_eval could not run {tasks} ({type(e).__name__}: {first[:200]})", None
 
 
-def log_to_mlflow(run_id: str, step: int, result: dict[str, Any], data: list[str] | tuple[str, ...] = ()) -> None:
-    """``eval/<metric>`` at ``step`` for the run's own validation data; ``eval/<name>/<metric>`` for ``--data``
-    (its sources' names, as per-source validation names them), so that other data never overwrites the run's."""
+def metric_prefix(data: list[str] | tuple[str, ...] = ()) -> str:
+    """``eval/`` for the run's own validation data; ``eval/<name>/`` for ``--data`` (its sources' names, as
+    per-source validation names them, ``+``-joined), so that other data never overwrites the run's figures."""
     from pretrain.config import source_name
+
+    return f"eval/{'+'.join(source_name(p) for p in data)}/" if data else "eval/"
+
+
+def log_to_mlflow(run_id: str, step: int, result: dict[str, Any], data: list[str] | tuple[str, ...] = ()) -> None:
+    """``<prefix><metric>`` at ``step`` (:func:`metric_prefix`)."""
     from pretrain.train.tracking import Tracker, tracking_uri
 
     tracker = Tracker(tracking_uri(), run_id)
-    prefix = f"eval/{'+'.join(source_name(p) for p in data)}/" if data else "eval/"
+    prefix = metric_prefix(data)
     metrics = {f"{prefix}{k}": float(result[k]) for k in ("loss", "ppl", "bits_per_byte", "mlm_acc") if k in result}
     tracker.log_metrics(metrics, step)
     tracker.log_json(result, f"{prefix}step_{step:08d}.json")
@@ -342,7 +348,8 @@ def evaluate_tasks(
     track: bool = True,
 ) -> dict[str, float]:
     """``eval/<task>/acc`` (``acc_norm``) of ``src`` on ``specs`` (task files or ``heldout_lastword``, built from
-    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process."""
+    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process. Logged
+    to a tracked run under :func:`metric_prefix` (``eval/<name>/<task>/acc`` with ``data``)."""
     from pretrain.config import EvalConfig
     from pretrain.data.tasks import load_tasks
     from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
@@ -361,7 +368,9 @@ def evaluate_tasks(
     if track and src.run_id and src.step is not None:
         from pretrain.train.tracking import Tracker, tracking_uri
 
-        Tracker(tracking_uri(), src.run_id).log_metrics(metrics, src.step)
+        prefix = metric_prefix(data)
+        logged = {prefix + k.removeprefix("eval/"): v for k, v in metrics.items()}
+        Tracker(tracking_uri(), src.run_id).log_metrics(logged, src.step)
     return metrics
 
 

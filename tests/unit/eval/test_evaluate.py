@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from eval.evaluate import (
     evaluate,
     evaluate_source,
+    evaluate_tasks,
     open_source,
     print_table,
     run_harness,
@@ -136,6 +137,35 @@ def test_a_model_without_a_hf_class_is_scored_without_a_sample(tokenizer_dir, wo
     out = capsys.readouterr().out
     assert "loss" in out and "greedy sample  skipped: model.qk_norm has no Hugging Face class" in out
     assert run_harness(src, "t") == ("harness: model.qk_norm has no Hugging Face class; skipped tasks t", None)
+
+
+def test_tasks_on_other_data_are_logged_beside_the_runs_own(tokenizer_dir, workdir, monkeypatch):
+    """eval --data X --tasks T logs eval/X/T/acc (as the loss goes to eval/X/loss), never over eval/T/acc."""
+    import dataclasses
+
+    from pretrain.train import tracking
+
+    logged: list[tuple[dict, int]] = []
+
+    class Tracker:
+        def __init__(self, uri, run_id):
+            pass
+
+        def log_metrics(self, metrics, step):
+            logged.append((metrics, step))
+
+    monkeypatch.setattr(tracking, "Tracker", Tracker)
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    src = dataclasses.replace(open_source(str(ckpt)), run_id="r")
+    task = workdir / "t.jsonl"
+    task.write_text(json.dumps({"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}))
+    other = workdir / "other.txt"
+    other.write_text("\n".join(corpus_lines(200)) + "\n", encoding="utf-8")
+    metrics = evaluate_tasks(src, [str(task)])
+    assert set(metrics) == {"eval/t/acc", "eval/t/acc_norm"} and logged[-1] == (metrics, 4)
+    evaluate_tasks(src, [str(task)], data=[str(other)])
+    assert logged[-1] == ({f"eval/other/{k[len('eval/') :]}": v for k, v in metrics.items()}, 4)
 
 
 def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
