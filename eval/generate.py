@@ -27,7 +27,6 @@ the ``generate`` call (after one untimed warm-up call), on the device and dtype 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,11 +120,9 @@ def load_generator(target: str, step: int | None = None, device: str = "cpu", dt
     """The decoder of ``target`` (an MLflow run id, a run or checkpoint directory, or a Hugging Face directory) on
     ``device`` in ``dtype``; ConfigError (exit 2) for a missing source, an encoder, a bad device."""
     from eval.hf_dir import is_hf_dir
+    from pretrain.export.parity import check_device
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ConfigError(f"generate --device: {device!r} is not cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"generate --device {device}: no CUDA device is available here")
+    check_device("generate", device)
     path = Path(target).expanduser()
     if path.is_dir() and is_hf_dir(path):
         if step is not None:

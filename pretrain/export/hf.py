@@ -43,6 +43,7 @@ from pretrain.export.parity import (
     PARITY_TOLERANCE,
     PROBE_TEXTS,
     ExportError,
+    check_device,
     check_tokenizer,
     our_model,
     parity_batch,
@@ -368,8 +369,7 @@ def main(argv: list[str]) -> int:
         help="where the logits parity check runs both models in fp32: cpu (default), cuda or cuda:N",
     )
     a = p.parse_args(argv)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
-        raise ConfigError(f"export --device: {a.device!r} is not cpu, cuda or cuda:N")
+    check_device("export", a.device)
     export_checkpoint(
         a.source, a.out, step=a.step, register=a.register, max_shard_size=shard_size(a.max_shard_size), device=a.device
     )

@@ -127,3 +127,18 @@ def test_sampling_options_are_checked_before_the_model_loads(args, message):
     with pytest.raises(ConfigError) as e:
         main(["/no/such/model", "--prompt", "x", *args])
     assert str(e.value) == message
+
+
+def test_a_device_this_machine_lacks_is_refused_before_loading(monkeypatch):
+    from eval.generate import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        main(["/no/such/model", "--prompt", "x", "--device", "cuda:3"])
+    assert str(e.value) == "generate --device cuda:3: this machine has 2 CUDA device(s), cuda:0 to cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^generate --device cuda:0: no CUDA device is available here$"):
+        main(["/no/such/model", "--prompt", "x", "--device", "cuda:0"])
+    with pytest.raises(ConfigError, match="^/no/such/model: no such checkpoint"):  # cpu: as before
+        main(["/no/such/model", "--prompt", "x", "--device", "cpu"])
