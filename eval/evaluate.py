@@ -240,6 +240,8 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
         from pretrain.export.hf import is_our_remote_code
 
         with src.hf_dir() as path:
+            if "," in str(path) or "=" in str(path):  # lm_eval splits model_args at each ',' (some versions at '=')
+                return f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped {tasks}", None
             args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
             out = lm_eval.simple_evaluate(
                 model="hf",

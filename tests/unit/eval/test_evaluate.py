@@ -260,3 +260,21 @@ def test_the_harness_reads_a_temporary_export_that_is_removed_after(tokenizer_di
     assert line == "harness: t: acc 0.2500" and results == {"t": {"acc": 0.25}}
     assert seen and seen[0][1] and str(seen[0][0]).startswith(str(scratch))
     assert list(scratch.iterdir()) == [], "the temporary export is removed"
+
+
+@pytest.mark.parametrize("name", ["a,b", "a=b"])
+def test_the_harness_refuses_a_path_model_args_cannot_carry(name, tmp_path, monkeypatch):
+    """lm_eval's model_args is 'key=value,...': a ',' in the path would cut it (loading another directory)."""
+    import contextlib
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=lambda **kw: calls.append(kw)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
+    path = tmp_path / name / "hf"
+    src = types.SimpleNamespace(no_hf="", hf_dir=lambda: contextlib.nullcontext(path))
+    line, results = run_harness(src, "t")  # type: ignore[arg-type]
+    assert line == f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped t"
+    assert results is None and not calls
