@@ -252,14 +252,15 @@ def test_the_harness_reads_a_temporary_export_that_is_removed_after(tokenizer_di
         return {"results": {tasks[0]: {"acc": 0.25}}}
 
     monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=simple_evaluate))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
     scratch = workdir / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     line, results = run_harness(open_source(str(ckpt)), "t")
     assert line == "harness: t: acc 0.2500" and results == {"t": {"acc": 0.25}}
     assert seen and seen[0][1] and str(seen[0][0]).startswith(str(scratch))
-    assert list(scratch.iterdir()) == [], "the temporary export is removed"
+    assert list(scratch.glob("pretrain-eval-*")) == [], "the temporary export is removed"  # (torch's caches may stay)
 
 
 @pytest.mark.parametrize("name", ["a,b", "a=b"])
