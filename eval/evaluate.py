@@ -27,7 +27,8 @@ Results print as a table, or with ``--json`` as one JSON object (keys ``loss``, 
 ``bits_per_byte`` or ``mlm_acc``, plus counts and provenance). For a tracked run/checkpoint they are
 logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``); with
 ``--data``, as ``eval/<name>/...`` (the sources' names, ``+``-joined), never over the run's own.
-Decoders also get a short greedy sample from ``transformers``' ``generate``.
+Decoders also get a short greedy sample from ``transformers``' ``generate`` (skipped, with a note, for a model that no
+Hugging Face class represents; see :func:`pretrain.export.hf.unexportable`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class EvalSource:
     run_id: str | None = None
     step: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    no_hf: str = ""
+    """Why the model has no ``transformers`` equivalent (no greedy sample, no harness); empty when it has one."""
 
 
 def open_hf_dir(path: Path) -> EvalSource:
@@ -128,7 +131,7 @@ def open_hf_dir(path: Path) -> EvalSource:
 
 def open_checkpoint(target: str, step: int | None) -> EvalSource:
     from pretrain.export.checkpoints import resolve_checkpoint
-    from pretrain.export.hf import special_token_ids, to_hf_model
+    from pretrain.export.hf import special_token_ids, to_hf_model, unexportable
     from pretrain.export.parity import our_model
 
     loaded = resolve_checkpoint(target, step)
@@ -169,6 +172,7 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
         run_id=loaded.run_id,
         step=loaded.ckpt.step,
         info={"checkpoint": str(loaded.ckpt.path)},
+        no_hf=", ".join(unexportable(cfg.model, cfg.moe)),
     )
 
 
@@ -226,6 +230,8 @@ def greedy_sample(hf_model, tokenizer, prompt_ids: list[int], max_len: int, new_
 def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
     """lm-evaluation-harness on the model's HF directory when ``lm_eval`` and the task data are available
     locally; otherwise one line saying why not. Returns (line, per-task results or None)."""
+    if src.no_hf:
+        return f"harness: {src.no_hf} has no Hugging Face class; skipped tasks {tasks}", None
     if importlib.util.find_spec("lm_eval") is None:
         return f"harness: lm-evaluation-harness (package lm_eval) is not installed; skipped tasks {tasks}", None
     try:
@@ -234,6 +240,8 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
         from pretrain.export.hf import is_our_remote_code
 
         with src.hf_dir() as path:
+            if "," in str(path) or "=" in str(path):  # lm_eval splits model_args at each ',' (some versions at '=')
+                return f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped {tasks}", None
             args = f"pretrained={path},dtype=float32,trust_remote_code={is_our_remote_code(path)}"
             out = lm_eval.simple_evaluate(
                 model="hf",
@@ -252,14 +260,20 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
         return f"harness: lm_eval could not run {tasks} ({type(e).__name__}: {first[:200]})", None
 
 
-def log_to_mlflow(run_id: str, step: int, result: dict[str, Any], data: list[str] | tuple[str, ...] = ()) -> None:
-    """``eval/<metric>`` at ``step`` for the run's own validation data; ``eval/<name>/<metric>`` for ``--data``
-    (its sources' names, as per-source validation names them), so that other data never overwrites the run's."""
+def metric_prefix(data: list[str] | tuple[str, ...] = ()) -> str:
+    """``eval/`` for the run's own validation data; ``eval/<name>/`` for ``--data`` (its sources' names, as
+    per-source validation names them, ``+``-joined), so that other data never overwrites the run's figures."""
     from pretrain.config import source_name
+
+    return f"eval/{'+'.join(source_name(p) for p in data)}/" if data else "eval/"
+
+
+def log_to_mlflow(run_id: str, step: int, result: dict[str, Any], data: list[str] | tuple[str, ...] = ()) -> None:
+    """``<prefix><metric>`` at ``step`` (:func:`metric_prefix`)."""
     from pretrain.train.tracking import Tracker, tracking_uri
 
     tracker = Tracker(tracking_uri(), run_id)
-    prefix = f"eval/{'+'.join(source_name(p) for p in data)}/" if data else "eval/"
+    prefix = metric_prefix(data)
     metrics = {f"{prefix}{k}": float(result[k]) for k in ("loss", "ppl", "bits_per_byte", "mlm_acc") if k in result}
     tracker.log_metrics(metrics, step)
     tracker.log_json(result, f"{prefix}step_{step:08d}.json")
@@ -315,7 +329,9 @@ def evaluate_source(
     }
     if src.step is not None:
         result["step"] = src.step
-    if sample and src.kind == "decoder" and batches:
+    if sample and src.kind == "decoder" and batches and src.no_hf:
+        result["sample_skipped"] = f"{src.no_hf} has no Hugging Face class, which transformers' generate needs"
+    elif sample and src.kind == "decoder" and batches:
         prompt = batches[0]["input_ids"][0, : max(1, min(8, T // 2))].tolist()
         result["sample"] = greedy_sample(src.hf_model(), src.tokenizer, prompt, T)
     if track and src.run_id and src.step is not None:
@@ -334,7 +350,8 @@ def evaluate_tasks(
     track: bool = True,
 ) -> dict[str, float]:
     """``eval/<task>/acc`` (``acc_norm``) of ``src`` on ``specs`` (task files or ``heldout_lastword``, built from
-    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process."""
+    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process. Logged
+    to a tracked run under :func:`metric_prefix` (``eval/<name>/<task>/acc`` with ``data``)."""
     from pretrain.config import EvalConfig
     from pretrain.data.tasks import load_tasks
     from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
@@ -353,7 +370,9 @@ def evaluate_tasks(
     if track and src.run_id and src.step is not None:
         from pretrain.train.tracking import Tracker, tracking_uri
 
-        Tracker(tracking_uri(), src.run_id).log_metrics(metrics, src.step)
+        prefix = metric_prefix(data)
+        logged = {prefix + k.removeprefix("eval/"): v for k, v in metrics.items()}
+        Tracker(tracking_uri(), src.run_id).log_metrics(logged, src.step)
     return metrics
 
 
@@ -373,6 +392,8 @@ def print_table(r: dict[str, Any]) -> None:
     if "sample" in r:
         s = r["sample"]
         print(f"  {'greedy sample':<14} {s['prompt']!r} -> {s['continuation']!r}")
+    if "sample_skipped" in r:
+        print(f"  {'greedy sample':<14} skipped: {r['sample_skipped']}")
     for k, v in r.get("tasks", {}).items():
         print(f"  {k[len('eval/') :]:<14} {v:.4f}")
     if "mlflow_run_id" in r:

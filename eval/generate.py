@@ -27,7 +27,6 @@ the ``generate`` call (after one untimed warm-up call), on the device and dtype 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,11 +120,9 @@ def load_generator(target: str, step: int | None = None, device: str = "cpu", dt
     """The decoder of ``target`` (an MLflow run id, a run or checkpoint directory, or a Hugging Face directory) on
     ``device`` in ``dtype``; ConfigError (exit 2) for a missing source, an encoder, a bad device."""
     from eval.hf_dir import is_hf_dir
+    from pretrain.export.parity import check_device
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ConfigError(f"generate --device: {device!r} is not cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"generate --device {device}: no CUDA device is available here")
+    check_device("generate", device)
     path = Path(target).expanduser()
     if path.is_dir() and is_hf_dir(path):
         if step is not None:
@@ -141,6 +138,16 @@ def load_generator(target: str, step: int | None = None, device: str = "cpu", dt
 def check_early_exit(gen: Generator, early_exit: int) -> None:
     """ConfigError unless 1 <= ``early_exit`` < the model's depth and the model's class drafts at that depth."""
     check_exit(gen.model, gen.num_layers, early_exit)
+
+
+def check_draft(early_exit: int | None, draft_tokens: int | None, draft_confidence: float | None) -> None:
+    """ConfigError for a draft setting out of range, or given without ``early_exit`` (nothing drafts then)."""
+    if draft_tokens is not None and draft_tokens < 1:
+        raise ConfigError(f"generate --draft-tokens: must be at least 1, got {draft_tokens}")
+    if draft_confidence is not None and not 0 <= draft_confidence <= 1:
+        raise ConfigError(f"generate --draft-confidence: must be in [0, 1], got {draft_confidence}")
+    if early_exit is None and (draft_tokens is not None or draft_confidence is not None):
+        raise ConfigError("generate --draft-tokens/--draft-confidence need --early-exit E")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,10 +266,7 @@ def generate(
         raise ConfigError(f"generate --max-new-tokens: must be at least 1, got {max_new_tokens}")
     if early_exit is not None:
         check_early_exit(gen, early_exit)
-    if sampling.get("draft_tokens") is not None and sampling["draft_tokens"] < 1:
-        raise ConfigError(f"generate --draft-tokens: must be at least 1, got {sampling['draft_tokens']}")
-    if sampling.get("draft_confidence") is not None and not 0 <= sampling["draft_confidence"] <= 1:
-        raise ConfigError(f"generate --draft-confidence: must be in [0, 1], got {sampling['draft_confidence']}")
+    check_draft(early_exit, sampling.get("draft_tokens"), sampling.get("draft_confidence"))
     draft = {k: sampling.pop(k, None) for k in ("draft_tokens", "draft_confidence")}
     prompt_ids = encode_prompt(gen, prompt)
     n = min(max_new_tokens, gen.context - len(prompt_ids))
@@ -384,6 +388,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"generate --top-p: must be in (0, 1], got {a.top_p}")
     if a.temperature == 0 and (a.top_k is not None or a.top_p is not None):
         raise ConfigError("generate: --top-k and --top-p apply to sampling; add --temperature T (> 0)")
+    check_draft(a.early_exit, a.draft_tokens, a.draft_confidence)
     gen = load_generator(a.source, a.step, a.device, a.dtype)
     result = generate(
         gen,

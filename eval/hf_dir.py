@@ -21,10 +21,13 @@ from pretrain.invocation import command
 
 
 def is_hf_dir(path: Path) -> bool:
-    """A directory with a ``config.json`` that is not one of our checkpoint directories."""
+    """A directory with a ``config.json``, or with our export's manifest (an export whose ``config.json`` is gone is
+    opened as one, so that the refusal names the missing file), that is not one of our checkpoint directories."""
     from pretrain.checkpoint.store import is_checkpoint_dir
+    from pretrain.export.output import MANIFEST_FILE
 
-    return (path / "config.json").is_file() and not is_checkpoint_dir(path)
+    marked = (path / "config.json").is_file() or (path / MANIFEST_FILE).is_file()
+    return marked and not is_checkpoint_dir(path)
 
 
 def hf_kind(config: Any) -> str:

@@ -36,25 +36,24 @@ from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
 from pretrain.config.errors import ArgumentParser
 from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
 from pretrain.export.families import StateDict, find_family
-from pretrain.export.hf_import import REMOTE_MODEL_TYPE, import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
+from pretrain.export.hf_import import import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
 from pretrain.export.moe import moe_target, remote_moe_fields, to_hf_moe
 from pretrain.export.output import check_out, commit, staging_dir
 from pretrain.export.parity import (
     PARITY_TOLERANCE,
     PROBE_TEXTS,
     ExportError,
+    check_device,
     check_tokenizer,
     our_model,
     parity_batch,
     parity_on,
 )
 from pretrain.export.registry import mlflow_references, record_export, register_model  # noqa: F401 (register_model: re-exported)
+from pretrain.export.remote import REMOTE_CLASSES, REMOTE_CODE_DIR, REMOTE_MODULE, is_our_remote_code, remote_auto_map
 from pretrain.model.transformer import resolved_ffn_size
 
 METADATA_FILE = "pretrain_export.json"
-REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_code"
-REMOTE_MODULE = "modeling_pretrain"
-REMOTE_CLASSES = {"decoder": "PretrainTransformerForCausalLM", "encoder": "PretrainTransformerForMaskedLM"}
 
 # ----------------------------------------------------------------------------------------------
 # Which class
@@ -134,10 +133,13 @@ def _remote_module():
 
 
 def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | None], moe: MoEConfig | None = None):
-    """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``."""
+    """An in-memory HF model (standard class or our remote-code class) holding exactly ``sd``; ExportError (one line)
+    for a config that no class represents (:func:`unexportable`)."""
     import transformers
     from transformers.initialization import no_init_weights
 
+    if unexportable(model_cfg, moe):
+        raise ExportError(export_target(model_cfg, moe)[1])
     sd = strip_module_prefix(sd)
     moe = moe or MoEConfig()
     family, _ = find_family(model_cfg) if not moe.enabled else (None, [])
@@ -152,12 +154,7 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
     else:
         mod = _remote_module()
         config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg, moe), **special)
-        config.auto_map = {
-            "AutoConfig": f"{REMOTE_MODULE}.PretrainTransformerConfig",
-            (
-                "AutoModelForCausalLM" if model_cfg.kind == "decoder" else "AutoModelForMaskedLM"
-            ): f"{REMOTE_MODULE}.{REMOTE_CLASSES[model_cfg.kind]}",
-        }
+        config.auto_map = remote_auto_map(model_cfg.kind)
         cls = getattr(mod, REMOTE_CLASSES[model_cfg.kind])
         hf_sd = dict(sd)
     config.architectures = [cls.__name__]
@@ -215,24 +212,6 @@ def load_exported(path: Path, kind: str):
     if problems:
         raise ExportError(f"{path}: loading was incomplete: {problems}")
     return model.eval()
-
-
-def is_our_remote_code(path: Path) -> bool:
-    """Whether ``path`` is a remote-code export of this project, whose code may be trusted: its modeling
-    file must be byte-identical to ours (never run foreign code just because a directory asks)."""
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if cfg.get("model_type") != REMOTE_MODEL_TYPE:
-        return False
-    theirs = Path(path) / f"{REMOTE_MODULE}.py"
-    if not theirs.is_file() or theirs.read_bytes() != (REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py").read_bytes():
-        raise ValueError(
-            f"{path}: {REMOTE_MODULE}.py is missing or differs from this version's; refusing to run "
-            f"it (load it yourself with trust_remote_code=True if you trust it)"
-        )
-    return True
 
 
 def export_model(
@@ -390,8 +369,7 @@ def main(argv: list[str]) -> int:
         help="where the logits parity check runs both models in fp32: cpu (default), cuda or cuda:N",
     )
     a = p.parse_args(argv)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
-        raise ConfigError(f"export --device: {a.device!r} is not cpu, cuda or cuda:N")
+    check_device("export", a.device)
     export_checkpoint(
         a.source, a.out, step=a.step, register=a.register, max_shard_size=shard_size(a.max_shard_size), device=a.device
     )

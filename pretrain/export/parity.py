@@ -4,6 +4,8 @@ written only when these agree (:func:`pretrain.export.hf.export_model`)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig
@@ -57,12 +59,25 @@ def logits_max_abs_diff(ours: Transformer, hf_model, input_ids: torch.Tensor) ->
     return float((a - b).abs().max())
 
 
+def check_device(who: str, device: str) -> None:
+    """ConfigError (one line, naming the command ``who``) unless ``device`` is ``cpu``, or ``cuda`` / ``cuda:N`` with
+    CUDA available and N below the number of CUDA devices here."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"{who} --device: {device!r} is not cpu, cuda or cuda:N")
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{who} --device {device}: no CUDA device is available here")
+    n = torch.cuda.device_count()
+    if int(device.partition(":")[2] or 0) >= n:
+        raise ConfigError(f"{who} --device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+
+
 def parity_on(device: str, ours: Transformer, hf_model, input_ids: torch.Tensor) -> float:
     """:func:`logits_max_abs_diff` with both models and the batch on ``device`` (fp32: TF32 matmuls are turned off
     for the check and restored after)."""
+    check_device("export", device)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"export --device {device}: no CUDA device is available here")
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:

@@ -12,7 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.evaluate import evaluate, open_source, run_harness, score, token_byte_lengths
+from eval.evaluate import (
+    evaluate,
+    evaluate_source,
+    evaluate_tasks,
+    open_source,
+    print_table,
+    run_harness,
+    score,
+    token_byte_lengths,
+)
 from eval.generate import load_generator
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
@@ -115,6 +124,50 @@ def test_checkpoint_and_export_agree(name, tokenizer_dir, workdir):
     assert c["data"] == [str(other)] and c["loss"] != a["loss"]
 
 
+def test_a_model_without_a_hf_class_is_scored_without_a_sample(tokenizer_dir, workdir, capsys):
+    """model.qk_norm has no Hugging Face class: the loss is scored and printed, the greedy sample and the harness
+    are skipped with a note."""
+    cfg = small_run_config(workdir, tokenizer_dir, [*AGREE["llama-decoder"], "model.qk_norm=true"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    src = open_source(str(ckpt))
+    r = evaluate_source(src, sequences=2)
+    assert r["loss"] > 0 and "sample" not in r
+    assert r["sample_skipped"] == "model.qk_norm has no Hugging Face class, which transformers' generate needs"
+    print_table(r)
+    out = capsys.readouterr().out
+    assert "loss" in out and "greedy sample  skipped: model.qk_norm has no Hugging Face class" in out
+    assert run_harness(src, "t") == ("harness: model.qk_norm has no Hugging Face class; skipped tasks t", None)
+
+
+def test_tasks_on_other_data_are_logged_beside_the_runs_own(tokenizer_dir, workdir, monkeypatch):
+    """eval --data X --tasks T logs eval/X/T/acc (as the loss goes to eval/X/loss), never over eval/T/acc."""
+    import dataclasses
+
+    from pretrain.train import tracking
+
+    logged: list[tuple[dict, int]] = []
+
+    class Tracker:
+        def __init__(self, uri, run_id):
+            pass
+
+        def log_metrics(self, metrics, step):
+            logged.append((metrics, step))
+
+    monkeypatch.setattr(tracking, "Tracker", Tracker)
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    src = dataclasses.replace(open_source(str(ckpt)), run_id="r")
+    task = workdir / "t.jsonl"
+    task.write_text(json.dumps({"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}))
+    other = workdir / "other.txt"
+    other.write_text("\n".join(corpus_lines(200)) + "\n", encoding="utf-8")
+    metrics = evaluate_tasks(src, [str(task)])
+    assert set(metrics) == {"eval/t/acc", "eval/t/acc_norm"} and logged[-1] == (metrics, 4)
+    evaluate_tasks(src, [str(task)], data=[str(other)])
+    assert logged[-1] == ({f"eval/other/{k[len('eval/') :]}": v for k, v in metrics.items()}, 4)
+
+
 def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
     import transformers
 
@@ -199,11 +252,30 @@ def test_the_harness_reads_a_temporary_export_that_is_removed_after(tokenizer_di
         return {"results": {tasks[0]: {"acc": 0.25}}}
 
     monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=simple_evaluate))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
     scratch = workdir / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     line, results = run_harness(open_source(str(ckpt)), "t")
     assert line == "harness: t: acc 0.2500" and results == {"t": {"acc": 0.25}}
     assert seen and seen[0][1] and str(seen[0][0]).startswith(str(scratch))
-    assert list(scratch.iterdir()) == [], "the temporary export is removed"
+    assert list(scratch.glob("pretrain-eval-*")) == [], "the temporary export is removed"  # (torch's caches may stay)
+
+
+@pytest.mark.parametrize("name", ["a,b", "a=b"])
+def test_the_harness_refuses_a_path_model_args_cannot_carry(name, tmp_path, monkeypatch):
+    """lm_eval's model_args is 'key=value,...': a ',' in the path would cut it (loading another directory)."""
+    import contextlib
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=lambda **kw: calls.append(kw)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
+    path = tmp_path / name / "hf"
+    src = types.SimpleNamespace(no_hf="", hf_dir=lambda: contextlib.nullcontext(path))
+    line, results = run_harness(src, "t")  # type: ignore[arg-type]
+    assert line == f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped t"
+    assert results is None and not calls

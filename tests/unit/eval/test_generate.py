@@ -93,6 +93,8 @@ def test_refusals(llama, tokenizer):
         encode_prompt(llama, "")
     with pytest.raises(ConfigError, match="--max-new-tokens"):
         generate(llama, PROMPT, max_new_tokens=0)
+    with pytest.raises(ConfigError, match="^generate --draft-tokens/--draft-confidence need --early-exit E$"):
+        generate(llama, PROMPT, draft_tokens=3)  # nothing would draft: refused, not ignored
 
 
 def test_sampling_is_seeded_and_counted(llama):
@@ -114,6 +116,9 @@ def test_sampling_is_seeded_and_counted(llama):
         (["--temperature", "1", "--top-p", "0"], "generate --top-p: must be in (0, 1], got 0.0"),
         (["--temperature", "1", "--top-p", "2"], "generate --top-p: must be in (0, 1], got 2.0"),
         (["--top-k", "5"], "generate: --top-k and --top-p apply to sampling; add --temperature T (> 0)"),
+        (["--draft-tokens", "3"], "generate --draft-tokens/--draft-confidence need --early-exit E"),
+        (["--draft-confidence", "0.5"], "generate --draft-tokens/--draft-confidence need --early-exit E"),
+        (["--early-exit", "1", "--draft-tokens", "0"], "generate --draft-tokens: must be at least 1, got 0"),
     ],
 )
 def test_sampling_options_are_checked_before_the_model_loads(args, message):
@@ -122,3 +127,18 @@ def test_sampling_options_are_checked_before_the_model_loads(args, message):
     with pytest.raises(ConfigError) as e:
         main(["/no/such/model", "--prompt", "x", *args])
     assert str(e.value) == message
+
+
+def test_a_device_this_machine_lacks_is_refused_before_loading(monkeypatch):
+    from eval.generate import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError) as e:
+        main(["/no/such/model", "--prompt", "x", "--device", "cuda:3"])
+    assert str(e.value) == "generate --device cuda:3: this machine has 2 CUDA device(s), cuda:0 to cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^generate --device cuda:0: no CUDA device is available here$"):
+        main(["/no/such/model", "--prompt", "x", "--device", "cuda:0"])
+    with pytest.raises(ConfigError, match="^/no/such/model: no such checkpoint"):  # cpu: as before
+        main(["/no/such/model", "--prompt", "x", "--device", "cpu"])

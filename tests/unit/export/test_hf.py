@@ -427,3 +427,14 @@ def test_unrepresentable_stabilizers_are_refused_up_front(override, tmp_path):
     with pytest.raises(ExportError, match="cannot export"):
         export_model(cfg, {}, None, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override", [{"qk_norm": True}, {"embedding_scale": 2.0}])
+def test_to_hf_model_refuses_what_no_class_represents(override, tokenizer):
+    """A Llama-shaped model with a stabilizer Llama lacks: refused in one line, never built approximately."""
+    from pretrain.export.hf import special_token_ids, to_hf_model
+
+    cfg = tiny(LLAMA_CFG, **override)
+    with pytest.raises(ExportError, match=f"^cannot export: model.{next(iter(override))} is not represented") as e:
+        to_hf_model(cfg, perturbed_state(cfg), special_token_ids(tokenizer))
+    assert "\n" not in str(e.value)

@@ -1,0 +1,28 @@
+"""Which directories ``eval`` and ``generate`` open as Hugging Face directories. Their refusals of damaged exports
+are in ``test_evaluate.py`` (``test_bad_arguments_and_a_damaged_export_are_one_line``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.evaluate import evaluate
+from eval.generate import load_generator
+from eval.hf_dir import is_hf_dir
+from pretrain.config import ConfigError
+from pretrain.export.hf import export_model
+from tests.unit.export.test_hf import NAMED, one_thread, perturbed_state  # noqa: F401 - the autouse fixture
+
+
+def test_an_export_without_its_config_is_diagnosed(tokenizer, tmp_path):
+    """An export whose config.json is gone is still opened as an export: the refusal names the missing file and
+    says to export again (not "no committed checkpoint")."""
+    cfg, _ = NAMED["llama-tied-mha"]
+    hf = tmp_path / "hf"
+    export_model(cfg, perturbed_state(cfg), tokenizer, hf, log=lambda *a: None)
+    (hf / "config.json").unlink()
+    assert is_hf_dir(hf) and not is_hf_dir(tmp_path)
+    for who, open_it in [("eval", evaluate), ("generate", load_generator)]:
+        with pytest.raises(ConfigError) as e:
+            open_it(str(hf))
+        assert str(e.value).startswith(f"{who}: {hf}: config.json is missing; export it again (")
+        assert "\n" not in str(e.value)
