@@ -196,11 +196,12 @@ def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, File
     write_json(stage / layout.MANIFEST, manifest.to_dict())
     fsync_file(stage / layout.MANIFEST)
     final = run_dir / layout.step_dir_name(manifest.step)
-    if final.exists():  # a re-run of the same step (e.g. after a restart): replace atomically-ish
-        trash = layout.replaced_dir(run_dir, manifest.step, new_nonce())
-        os.replace(final, trash)
-        os.replace(stage, final)
-        shutil.rmtree(trash, ignore_errors=True)
+    if final.exists():  # a re-run of the same step (e.g. after a restart): the old one waits aside until replaced
+        previous = layout.superseded_dir(run_dir, manifest.step, new_nonce())
+        os.replace(final, previous)
+        os.replace(stage, final)  # interrupted before this: the next start puts the old one back
+        fsync_dir(run_dir)
+        shutil.rmtree(previous, ignore_errors=True)
     else:
         os.replace(stage, final)
     fsync_dir(run_dir)
@@ -378,8 +379,24 @@ def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
     return ckpt
 
 
+def restore_superseded(run_dir: Path) -> list[Path]:
+    """Put back each checkpoint that a re-commit of its step set aside (:func:`commit`) when the step has no
+    directory: the commit was interrupted between its two renames. Returns the checkpoints put back."""
+    restored: list[Path] = []
+    for child in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        step = layout.superseded_step_of(child.name)
+        final = run_dir / layout.step_dir_name(step) if step is not None else None
+        if final is not None and not final.exists() and is_checkpoint_dir(child):
+            os.replace(child, final)
+            restored.append(final)
+    if restored:
+        fsync_dir(run_dir)
+    return restored
+
+
 def cleanup_staging(run_dir: Path) -> None:
-    """Remove leftovers of interrupted saves (rank 0, at start)."""
+    """Remove leftovers of interrupted saves (rank 0, at start), after :func:`restore_superseded`."""
+    restore_superseded(run_dir)
     if run_dir.is_dir():
         for child in run_dir.iterdir():
             if child.name.startswith(layout.LEFTOVER_PREFIXES):

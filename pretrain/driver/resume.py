@@ -44,9 +44,12 @@ class Fork:
 def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = None) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
     or run directory (a new run that records where it came from). ``hold``: where the run's lock is entered before
-    anything is read or recorded (a run training in another process is refused), held while it trains."""
+    anything is read or recorded (a run training in another process is refused), held while it trains; once it is
+    held, a checkpoint that an interrupted re-commit of its step set aside is put back
+    (:func:`~pretrain.checkpoint.store.restore_superseded`)."""
     from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
     from pretrain.checkpoint.reader import read_config
+    from pretrain.checkpoint.store import restore_superseded
     from pretrain.train.job import Job
 
     uri = tracking.tracking_uri()
@@ -61,6 +64,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     root = tracking.run_checkpoint_root(uri, target)
     if hold is not None and root.is_dir():
         hold.enter_context(hold_run(root, target))
+        restore_superseded(root)  # no other process writes the run now: a re-commit it interrupted is undone
     latest = latest_committed(root, full=False)
     if latest is None:
         raise ConfigError(f"{target}: run has no committed checkpoint in {root}")

@@ -100,3 +100,18 @@ def test_a_run_resumed_by_its_id_restores_a_missing_tokenizer_and_refuses_anothe
     (root / "tokenizer").rmdir()
     prepare_resume("run-1", ["tracking.enabled=false"])
     assert (root / "tokenizer" / "tokenizer.json").read_text() == '{"model": {}}'
+
+
+def test_resume_by_id_puts_back_a_checkpoint_an_interrupted_recommit_set_aside(tmp_path, monkeypatch):
+    """Killed between a re-commit's two renames, a run's only checkpoint sits under its set-aside name: ``resume
+    RUN_ID``, holding the run's lock, puts it back before it looks for the latest checkpoint."""
+    from contextlib import ExitStack
+
+    from pretrain.checkpoint import layout
+    from pretrain.driver.resume import prepare_resume
+
+    root, _ = _resumable_run(tmp_path, monkeypatch)
+    (root / layout.step_dir_name(1)).rename(layout.superseded_dir(root, 1, "abc"))
+    with ExitStack() as hold:
+        job = prepare_resume("run-1", ["tracking.enabled=false"], hold)
+    assert job.run_dir == str(root) and (root / layout.step_dir_name(1) / layout.MANIFEST).is_file()
