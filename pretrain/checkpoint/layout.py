@@ -12,7 +12,7 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
     .prev-step_NNNNNNNN-X/   a checkpoint set aside while a re-run of its step commits (put back at the next start
                              when the step has no directory: the commit was interrupted)
-    universal-step_N/        a checkpoint's DeepSpeed universal form (resumed on another worker count)
+    universal-step_N-KEY/    a checkpoint's DeepSpeed universal form (resumed on another worker count)
     full-step_N-KEY/         a checkpoint's full form (resumed on another expert-parallel layout)
 
 One committed checkpoint::
@@ -109,8 +109,10 @@ def superseded_dir(run_dir: Path, step: int, nonce: str) -> Path:
     return run_dir / f"{SUPERSEDED_PREFIX}{step_dir_name(step)}-{nonce}"
 
 
-def universal_dir(cache_root: Path, step: int) -> Path:
-    return cache_root / f"{UNIVERSAL_PREFIX}{step_dir_name(step)}"
+def universal_dir(cache_root: Path, step: int, key: str) -> Path:
+    """The DeepSpeed universal form of the checkpoint of ``step`` whose manifest hashes to ``key``
+    (``weights.universal_checkpoint``): another checkpoint of the same step (after a rollback) has another key."""
+    return cache_root / f"{UNIVERSAL_PREFIX}{step_dir_name(step)}-{key}"
 
 
 def universal_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:

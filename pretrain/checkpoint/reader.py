@@ -6,7 +6,6 @@ to its checkpoint directory is the caller's (``pretrain/export/checkpoints.py``)
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -98,8 +97,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     which DeepSpeed's own loading (and its universal form) cannot. Converted once (single process) and cached
     under ``cache_root``, keyed by the manifest's hash; staged and renamed so an interrupted conversion is never
     used. Returns the directory to read with :func:`weights.load_full_weights` / ``load_optimizer_moments``."""
-    key = hashlib.sha256((ckpt.path / layout.MANIFEST).read_bytes()).hexdigest()[:12]
-    final = layout.resharded_dir(cache_root, ckpt.step, key)
+    final = layout.resharded_dir(cache_root, ckpt.step, weights.manifest_key(ckpt))
     if (final / layout.OPTIMIZER).is_file():
         return final
     cfg = load(ckpt).config
