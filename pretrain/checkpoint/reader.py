@@ -165,22 +165,28 @@ class LoadedCheckpoint:
 
 
 def pick_step(run_dir: Path, step: int) -> CommittedCheckpoint:
-    """The committed checkpoint of ``step`` in ``run_dir``, verified (ConfigError naming the steps there)."""
+    """The committed checkpoint of ``step`` in ``run_dir``, verified: ConfigError naming the steps there when it has
+    none; a damaged one, or one whose manifest cannot be read, is refused naming the newest older checkpoint that
+    verifies (for export, eval and the other commands that read a checkpoint: no resume advice)."""
     store.check_directory(run_dir)
-    found = store.list_committed(run_dir)
-    for c in found:
-        if c.step == step:
-            store.verify(c.path, c.manifest)
-            return c
-    steps = ", ".join(str(c.step) for c in found) or "none"
-    raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+    path = run_dir / layout.step_dir_name(step)
+    if not path.exists():
+        steps = ", ".join(str(c.step) for c in store.list_committed(run_dir)) or "none"
+        raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+    try:
+        ckpt = CommittedCheckpoint(path, step, store.read_manifest(path))
+    except CheckpointError as e:
+        raise CheckpointError(store.point_back_before(run_dir, step, str(e), resume=False)) from None
+    store.verify_or_point_back(ckpt, resume=False)
+    return ckpt
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> CommittedCheckpoint:
-    """A checkpoint directory, or a run directory (its latest, or ``step``), verified."""
+    """A checkpoint directory, or a run directory (its latest, or ``step``), verified; a damaged one is refused
+    naming the newest older checkpoint that verifies (no resume advice: export, eval and others read it)."""
     if step is not None and not store.is_checkpoint_dir(path):
         return pick_step(path.resolve(), step)
-    ckpt = store.resolve(path)
+    ckpt = store.resolve(path, resume=False)
     if step is not None and ckpt.step != step:
         raise ConfigError(f"--step {step}: {ckpt.path} is the checkpoint of step {ckpt.step}")
     return ckpt

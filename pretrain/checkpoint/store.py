@@ -268,16 +268,18 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: b
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
-        raise CheckpointError(_point_back(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
+        raise CheckpointError(point_back_before(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
 
 
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
     """``error`` (about ``ckpt``) followed by the newest older checkpoint of the same run directory that verifies
     (``full``: every checksum; else presence and sizes) and how to resume from it."""
-    return _point_back(ckpt.path.parent, ckpt.step, error, full)
+    return point_back_before(ckpt.path.parent, ckpt.step, error, full)
 
 
-def _point_back(run_dir: Path, step: int, error: str, full: bool, resume: bool = True) -> str:
+def point_back_before(run_dir: Path, step: int, error: str, full: bool = True, resume: bool = True) -> str:
+    """``error`` (about the checkpoint of ``step`` in ``run_dir``, whose manifest may be unreadable) followed by the
+    newest older checkpoint there that verifies and (``resume``) how to resume from it."""
     check = verify if full else check_present
     for candidate in reversed([c for c in list_committed(run_dir) if c.step < step]):
         try:
@@ -359,23 +361,24 @@ def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> C
             try:
                 read_manifest(child)
             except CheckpointError as e:
-                raise CheckpointError(_point_back(run_dir, step, str(e), full, resume)) from None
+                raise CheckpointError(point_back_before(run_dir, step, str(e), full, resume)) from None
     return newest
 
 
-def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
+def resolve(path: Path, full: bool = True, resume: bool = True) -> CommittedCheckpoint:
     """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
-    presence and sizes only, see :func:`verify_or_point_back`)."""
+    presence and sizes only, see :func:`verify_or_point_back`); a damaged one is refused naming the newest older
+    checkpoint that verifies and (``resume``) how to resume from it."""
     path = path.resolve()
     check_directory(path)
     ckpt: CommittedCheckpoint | None
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)
     else:
-        ckpt = latest_committed(path, full)
+        ckpt = latest_committed(path, full, resume)
         if ckpt is None:
             raise CheckpointError(f"{path}: no committed checkpoint found")
-    verify_or_point_back(ckpt, full)
+    verify_or_point_back(ckpt, full, resume)
     return ckpt
 
 
