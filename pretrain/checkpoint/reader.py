@@ -67,7 +67,9 @@ def read_rng_state(ckpt_path: Path, rank: int) -> dict[str, torch.Tensor] | None
 
 
 def load_rank_state(ckpt_path: Path, rank: int) -> tuple[dict, dict | None]:
-    """(merged data state of all ranks, this rank's RNG state or None if the world size changed)."""
+    """(merged data state of all ranks, this rank's RNG state): the RNG state is None only when the checkpoint has
+    none for ``rank`` (saved by fewer workers); with fewer workers now, each rank gets the saved state of its
+    number."""
     return read_data_position(ckpt_path), read_rng_state(ckpt_path, rank)
 
 
