@@ -10,7 +10,9 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     stop_request.json        a stop asked for by the driver (a signal, ``stop JOB``); present only while it stops
     step_NNNNNNNN/           committed checkpoints (below)
     .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
-    universal-step_N/        a checkpoint's DeepSpeed universal form (resumed on another worker count)
+    .prev-step_NNNNNNNN-X/   a checkpoint set aside while a re-run of its step commits (put back at the next start
+                             when the step has no directory: the commit was interrupted)
+    universal-step_N-KEY/    a checkpoint's DeepSpeed universal form (resumed on another worker count)
     full-step_N-KEY/         a checkpoint's full form (resumed on another expert-parallel layout)
 
 One committed checkpoint::
@@ -54,9 +56,11 @@ ABANDONED = "abandoned"
 STEP_PREFIX = "step_"
 STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".old-"
+SUPERSEDED_PREFIX = ".prev-"
 UNIVERSAL_PREFIX = "universal-"
 RESHARDED_PREFIX = "full-"
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{8}})$")
+_SUPERSEDED_RE = re.compile(rf"^{re.escape(SUPERSEDED_PREFIX)}{STEP_PREFIX}(\d{{8}})-\w+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -66,6 +70,12 @@ def step_dir_name(step: int) -> str:
 def step_of(name: str) -> int | None:
     """The step of a committed checkpoint directory's name, or None for any other name."""
     m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def superseded_step_of(name: str) -> int | None:
+    """The step of a :func:`superseded_dir` name, or None for any other name."""
+    m = _SUPERSEDED_RE.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -89,13 +99,20 @@ def staging_dir(run_dir: Path, step: int, nonce: str) -> Path:
 
 
 def replaced_dir(run_dir: Path, step: int, nonce: str) -> Path:
-    """Where a committed checkpoint goes on its way out (replaced by a re-run of its step, or pruned) until it is
-    deleted."""
+    """Where a pruned checkpoint goes until it is deleted (possibly half-deleted: never read again)."""
     return run_dir / f"{REPLACED_PREFIX}{step_dir_name(step)}-{nonce}"
 
 
-def universal_dir(cache_root: Path, step: int) -> Path:
-    return cache_root / f"{UNIVERSAL_PREFIX}{step_dir_name(step)}"
+def superseded_dir(run_dir: Path, step: int, nonce: str) -> Path:
+    """Where a committed checkpoint waits while a re-run of its step renames the new one into its place; deleted
+    once that is done, put back if the new one never arrived (``store.restore_superseded``)."""
+    return run_dir / f"{SUPERSEDED_PREFIX}{step_dir_name(step)}-{nonce}"
+
+
+def universal_dir(cache_root: Path, step: int, key: str) -> Path:
+    """The DeepSpeed universal form of the checkpoint of ``step`` whose manifest hashes to ``key``
+    (``weights.universal_checkpoint``): another checkpoint of the same step (after a rollback) has another key."""
+    return cache_root / f"{UNIVERSAL_PREFIX}{step_dir_name(step)}-{key}"
 
 
 def universal_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
@@ -115,7 +132,9 @@ def resharded_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
 LEFTOVER_PREFIXES = (
     f"{STAGING_PREFIX}{STEP_PREFIX}",
     f"{REPLACED_PREFIX}{STEP_PREFIX}",
+    f"{SUPERSEDED_PREFIX}{STEP_PREFIX}",
     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}",
     f"{STAGING_PREFIX}{RESHARDED_PREFIX}",
 )
-"""Names of interrupted saves and conversions, removed by rank 0 at the start of a job."""
+"""Names of interrupted saves and conversions, removed by rank 0 at the start of a job (after a superseded checkpoint
+whose step has no directory is put back)."""

@@ -6,7 +6,6 @@ to its checkpoint directory is the caller's (``pretrain/export/checkpoints.py``)
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -68,7 +67,9 @@ def read_rng_state(ckpt_path: Path, rank: int) -> dict[str, torch.Tensor] | None
 
 
 def load_rank_state(ckpt_path: Path, rank: int) -> tuple[dict, dict | None]:
-    """(merged data state of all ranks, this rank's RNG state or None if the world size changed)."""
+    """(merged data state of all ranks, this rank's RNG state): the RNG state is None only when the checkpoint has
+    none for ``rank`` (saved by fewer workers); with fewer workers now, each rank gets the saved state of its
+    number."""
     return read_data_position(ckpt_path), read_rng_state(ckpt_path, rank)
 
 
@@ -98,8 +99,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     which DeepSpeed's own loading (and its universal form) cannot. Converted once (single process) and cached
     under ``cache_root``, keyed by the manifest's hash; staged and renamed so an interrupted conversion is never
     used. Returns the directory to read with :func:`weights.load_full_weights` / ``load_optimizer_moments``."""
-    key = hashlib.sha256((ckpt.path / layout.MANIFEST).read_bytes()).hexdigest()[:12]
-    final = layout.resharded_dir(cache_root, ckpt.step, key)
+    final = layout.resharded_dir(cache_root, ckpt.step, weights.manifest_key(ckpt))
     if (final / layout.OPTIMIZER).is_file():
         return final
     cfg = load(ckpt).config
@@ -167,22 +167,28 @@ class LoadedCheckpoint:
 
 
 def pick_step(run_dir: Path, step: int) -> CommittedCheckpoint:
-    """The committed checkpoint of ``step`` in ``run_dir``, verified (ConfigError naming the steps there)."""
+    """The committed checkpoint of ``step`` in ``run_dir``, verified: ConfigError naming the steps there when it has
+    none; a damaged one, or one whose manifest cannot be read, is refused naming the newest older checkpoint that
+    verifies (for export, eval and the other commands that read a checkpoint: no resume advice)."""
     store.check_directory(run_dir)
-    found = store.list_committed(run_dir)
-    for c in found:
-        if c.step == step:
-            store.verify(c.path, c.manifest)
-            return c
-    steps = ", ".join(str(c.step) for c in found) or "none"
-    raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+    path = run_dir / layout.step_dir_name(step)
+    if not path.exists():
+        steps = ", ".join(str(c.step) for c in store.list_committed(run_dir)) or "none"
+        raise ConfigError(f"--step {step}: no committed checkpoint of that step in {run_dir} (committed: {steps})")
+    try:
+        ckpt = CommittedCheckpoint(path, step, store.read_manifest(path))
+    except CheckpointError as e:
+        raise CheckpointError(store.point_back_before(run_dir, step, str(e), resume=False)) from None
+    store.verify_or_point_back(ckpt, resume=False)
+    return ckpt
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> CommittedCheckpoint:
-    """A checkpoint directory, or a run directory (its latest, or ``step``), verified."""
+    """A checkpoint directory, or a run directory (its latest, or ``step``), verified; a damaged one is refused
+    naming the newest older checkpoint that verifies (no resume advice: export, eval and others read it)."""
     if step is not None and not store.is_checkpoint_dir(path):
         return pick_step(path.resolve(), step)
-    ckpt = store.resolve(path)
+    ckpt = store.resolve(path, resume=False)
     if step is not None and ckpt.step != step:
         raise ConfigError(f"--step {step}: {ckpt.path} is the checkpoint of step {ckpt.step}")
     return ckpt

@@ -1,6 +1,6 @@
 """Asynchronous saving: a rank's checkpoint files held in host memory (a :class:`Snapshot`), then written, hashed
 and fsynced by a :class:`BackgroundWrite` thread while training continues. The writer (``writer.py``) builds the
-snapshot at the save step; the commit stays collective and happens later (see ``pretrain/train/checkpointing.py``).
+snapshot at the save step; the commit stays collective and happens later (see ``pretrain/train/checkpointer.py``).
 
 The copy is what makes a background write safe: the optimizer updates its tensors in place at the next step, so
 every tensor reachable from a state dict is copied into fresh host memory at the save step (on the CPU, where

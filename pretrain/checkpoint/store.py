@@ -196,11 +196,12 @@ def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, File
     write_json(stage / layout.MANIFEST, manifest.to_dict())
     fsync_file(stage / layout.MANIFEST)
     final = run_dir / layout.step_dir_name(manifest.step)
-    if final.exists():  # a re-run of the same step (e.g. after a restart): replace atomically-ish
-        trash = layout.replaced_dir(run_dir, manifest.step, new_nonce())
-        os.replace(final, trash)
-        os.replace(stage, final)
-        shutil.rmtree(trash, ignore_errors=True)
+    if final.exists():  # a re-run of the same step (e.g. after a restart): the old one waits aside until replaced
+        previous = layout.superseded_dir(run_dir, manifest.step, new_nonce())
+        os.replace(final, previous)
+        os.replace(stage, final)  # interrupted before this: the next start puts the old one back
+        fsync_dir(run_dir)
+        shutil.rmtree(previous, ignore_errors=True)
     else:
         os.replace(stage, final)
     fsync_dir(run_dir)
@@ -267,16 +268,18 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: b
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
-        raise CheckpointError(_point_back(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
+        raise CheckpointError(point_back_before(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
 
 
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
     """``error`` (about ``ckpt``) followed by the newest older checkpoint of the same run directory that verifies
     (``full``: every checksum; else presence and sizes) and how to resume from it."""
-    return _point_back(ckpt.path.parent, ckpt.step, error, full)
+    return point_back_before(ckpt.path.parent, ckpt.step, error, full)
 
 
-def _point_back(run_dir: Path, step: int, error: str, full: bool, resume: bool = True) -> str:
+def point_back_before(run_dir: Path, step: int, error: str, full: bool = True, resume: bool = True) -> str:
+    """``error`` (about the checkpoint of ``step`` in ``run_dir``, whose manifest may be unreadable) followed by the
+    newest older checkpoint there that verifies and (``resume``) how to resume from it."""
     check = verify if full else check_present
     for candidate in reversed([c for c in list_committed(run_dir) if c.step < step]):
         try:
@@ -358,28 +361,45 @@ def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> C
             try:
                 read_manifest(child)
             except CheckpointError as e:
-                raise CheckpointError(_point_back(run_dir, step, str(e), full, resume)) from None
+                raise CheckpointError(point_back_before(run_dir, step, str(e), full, resume)) from None
     return newest
 
 
-def resolve(path: Path, full: bool = True) -> CommittedCheckpoint:
+def resolve(path: Path, full: bool = True, resume: bool = True) -> CommittedCheckpoint:
     """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
-    presence and sizes only, see :func:`verify_or_point_back`)."""
+    presence and sizes only, see :func:`verify_or_point_back`); a damaged one is refused naming the newest older
+    checkpoint that verifies and (``resume``) how to resume from it."""
     path = path.resolve()
     check_directory(path)
     ckpt: CommittedCheckpoint | None
     if is_checkpoint_dir(path):
         ckpt = open_committed(path)
     else:
-        ckpt = latest_committed(path, full)
+        ckpt = latest_committed(path, full, resume)
         if ckpt is None:
             raise CheckpointError(f"{path}: no committed checkpoint found")
-    verify_or_point_back(ckpt, full)
+    verify_or_point_back(ckpt, full, resume)
     return ckpt
 
 
+def restore_superseded(run_dir: Path) -> list[Path]:
+    """Put back each checkpoint that a re-commit of its step set aside (:func:`commit`) when the step has no
+    directory: the commit was interrupted between its two renames. Returns the checkpoints put back."""
+    restored: list[Path] = []
+    for child in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        step = layout.superseded_step_of(child.name)
+        final = run_dir / layout.step_dir_name(step) if step is not None else None
+        if final is not None and not final.exists() and is_checkpoint_dir(child):
+            os.replace(child, final)
+            restored.append(final)
+    if restored:
+        fsync_dir(run_dir)
+    return restored
+
+
 def cleanup_staging(run_dir: Path) -> None:
-    """Remove leftovers of interrupted saves (rank 0, at start)."""
+    """Remove leftovers of interrupted saves (rank 0, at start), after :func:`restore_superseded`."""
+    restore_superseded(run_dir)
     if run_dir.is_dir():
         for child in run_dir.iterdir():
             if child.name.startswith(layout.LEFTOVER_PREFIXES):

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -197,11 +198,18 @@ def check_experts_complete(sd: StateDict, num_layers: int, moe) -> None:
                 )
 
 
+def manifest_key(ckpt: CommittedCheckpoint) -> str:
+    """A short hash of ``ckpt``'s manifest (its files' checksums, its commit time): what a conversion cached for it is
+    keyed by, so another checkpoint of the same step (committed after a rollback) never reuses it."""
+    return hashlib.sha256((ckpt.path / layout.MANIFEST).read_bytes()).hexdigest()[:12]
+
+
 def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     """DeepSpeed universal form of ``ckpt`` (for resuming with a different worker count), converted once
-    and cached under ``cache_root``; staged and renamed so an interrupted conversion is never used.
-    Returns the directory to pass to the engine's load (tag :data:`layout.DS_TAG`)."""
-    final = layout.universal_dir(cache_root, ckpt.step)
+    and cached under ``cache_root``, keyed by its manifest (:func:`manifest_key`); staged and renamed so an
+    interrupted conversion is never used. Returns the directory to pass to the engine's load (tag
+    :data:`layout.DS_TAG`)."""
+    final = layout.universal_dir(cache_root, ckpt.step, manifest_key(ckpt))
     if (final / layout.DS_TAG).is_dir():
         return final
     stage = layout.universal_staging_dir(cache_root, ckpt.step, new_nonce())

@@ -50,7 +50,9 @@ class CheckpointConfig:
     every_steps: int = 100
     """Commit a checkpoint every N steps (and always at the end); 0 only at the end."""
     keep_last: int = 0
-    """Delete older committed checkpoints beyond the newest N; 0 keeps all."""
+    """Delete older committed checkpoints beyond the newest N; 0 keeps all. Under ``stability.policy: rollback`` the
+    rollback target and the checkpoints not yet good (``stability.good_after_steps``) are kept too, so more than N
+    may exist for a while: each until a newer checkpoint becomes the target or a spike rules it out."""
     resume_from: str = ""
     """A committed checkpoint directory to resume from (set by ``resume``)."""
     async_: bool = field(default=True, metadata={YAML_KEY: "async"})

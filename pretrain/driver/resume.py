@@ -9,6 +9,9 @@ its files' recorded sizes (a damaged one names the newest that verifies), the co
 from __future__ import annotations
 
 import dataclasses
+import filecmp
+import os
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,9 +44,12 @@ class Fork:
 def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = None) -> Job:
     """Resume from an MLflow run id (its latest committed checkpoint, same run) or from a checkpoint
     or run directory (a new run that records where it came from). ``hold``: where the run's lock is entered before
-    anything is read or recorded (a run training in another process is refused), held while it trains."""
+    anything is read or recorded (a run training in another process is refused), held while it trains; once it is
+    held, a checkpoint that an interrupted re-commit of its step set aside is put back
+    (:func:`~pretrain.checkpoint.store.restore_superseded`)."""
     from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
     from pretrain.checkpoint.reader import read_config
+    from pretrain.checkpoint.store import restore_superseded
     from pretrain.train.job import Job
 
     uri = tracking.tracking_uri()
@@ -58,6 +64,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     root = tracking.run_checkpoint_root(uri, target)
     if hold is not None and root.is_dir():
         hold.enter_context(hold_run(root, target))
+        restore_superseded(root)  # no other process writes the run now: a re-commit it interrupted is undone
     latest = latest_committed(root, full=False)
     if latest is None:
         raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
@@ -65,7 +72,9 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
     # a damaged one names the newest that verifies.
     verify_or_point_back(ckpt, full=False)
-    cfg = resolve_paths(read_config(ckpt, overrides)).validate()
+    cfg = resolve_paths(read_config(ckpt, overrides))
+    cfg.data.tokenizer = str(resumed_tokenizer(root, ckpt))
+    cfg.validate()
     preflight(cfg)
     fork = check_fork(ckpt, cfg)
     if cfg.tracking.enabled:
@@ -78,6 +87,30 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         tracking_uri=uri if cfg.tracking.enabled else "",
         data_fingerprint=fork.fingerprint,
     )
+
+
+def resumed_tokenizer(root: Path, ckpt: CommittedCheckpoint) -> Path:
+    """The tokenizer a run resumed by its id trains with: the run directory's own copy (``root / tokenizer``),
+    which every save copies into its checkpoint and which, unlike the checkpoint's copy, retention
+    (``checkpoint.keep_last``) never deletes. When the run directory has none, ``ckpt``'s copy is copied there first;
+    one that differs from ``ckpt``'s is refused in one line."""
+    from pretrain.checkpoint import layout
+    from pretrain.checkpoint.reader import tokenizer_dir
+    from pretrain.checkpoint.store import new_nonce
+
+    own, saved = root / layout.RUN_TOKENIZER, tokenizer_dir(ckpt)
+    if not own.exists():
+        stage = root / f"{layout.STAGING_PREFIX}{layout.RUN_TOKENIZER}-{new_nonce()}"
+        shutil.copytree(saved, stage)
+        os.replace(stage, own)  # never a partial copy under the run's tokenizer's name
+        return own
+    files = [p.relative_to(saved) for p in saved.rglob("*") if p.is_file()]
+    if not all((own / f).is_file() and filecmp.cmp(own / f, saved / f, shallow=False) for f in files):
+        raise ConfigError(
+            f"{own}: not the tokenizer of checkpoint {ckpt.path}, which the run resumes; put back the run's "
+            f"tokenizer (a copy of {saved})"
+        )
+    return own
 
 
 def check_resume_from(cfg: RunConfig) -> Fork | None:

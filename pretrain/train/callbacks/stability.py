@@ -22,7 +22,7 @@ from pretrain.train.trainer import Trainer, is_last_step
 
 class StabilityCallback(Callback):
     """The stability guard of every update and the actions of its decisions (see ``stability.py``). Publishes the
-    step of the latest event (``trainer.shared.last_event_step``) and keeps its rollback target from pruning."""
+    step of the latest event (``trainer.shared.last_event_step``) and keeps its rollback targets from pruning."""
 
     order = 10
     name = "stability"

@@ -291,9 +291,13 @@ class StabilityMonitor:
         return max(good, key=lambda c: c["step"]) if good else None
 
     def protected_paths(self) -> set[str]:
-        """Checkpoints pruning must keep: the current rollback target."""
+        """Checkpoints pruning must keep under policy ``rollback`` (no other policy rolls back): the current rollback
+        target and every checkpoint still proving itself (neither good nor tainted yet), which may become the target
+        once it has seen ``good_after_steps`` healthy steps."""
+        if self.cfg.policy != "rollback":
+            return set()
         target = self.rollback_target()
-        return {target["path"]} if target else set()
+        return {c["path"] for c in self.s.checkpoints if c is target or not (c["good"] or c["tainted"])}
 
     def rolled_back(
         self, step: int, target: dict[str, Any], from_sequence: int, to_sequence: int, abandoned: list[str]

@@ -1,10 +1,14 @@
 """Checkpoints of an older layout still work: ``tests/fixtures/old_checkpoint/step_00000002`` was written by an
 older version (see the README there) and is kept unchanged. It exports with a passing parity check; its bitwise
-resume is in ``tests/integration/checkpoint/test_compat.py``."""
+resume is in ``tests/integration/checkpoint/test_compat.py``. How export and eval find a checkpoint in a run
+directory, a damaged one refused naming the one to take instead."""
 
 from __future__ import annotations
 
 import shutil
+
+import pytest
+import torch
 
 from tests.conftest import FIXTURES
 
@@ -21,3 +25,41 @@ def test_old_checkpoint_exports(tmp_path):
     loaded = reader.load(reader.find_checkpoint(ckpt))
     assert loaded.trainer_state()["step"] == 2 and loaded.trainer_state()["sequences"] == 16
     assert sum(s["sequences"] for s in loaded.data_position()["streams"].values()) == 16
+
+
+def _two_checkpoints(tmp_path):
+    """A run directory with the checkpoints of steps 1 and 2."""
+    from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+    from pretrain.config import load_config
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    cfg = load_config(None, [f"data.tokenizer={tmp_path / 'tok'}"])
+    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r")
+    for step in (1, 2):
+        writer.save(Contents(cfg, {"step": step}, {}, FullWeights({"a": torch.zeros(2)})))
+    return tmp_path / "run"
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_one_to_take_instead_without_resume_advice(tmp_path):
+    """Export and eval find a checkpoint by run directory, ``--step`` or not: a damaged one names the newest older
+    checkpoint that verifies, as the directory to give the same command (no ``resume``); an unreadable manifest of
+    the step asked for is said to be one, not taken for a missing step."""
+    from pretrain.checkpoint import reader
+    from pretrain.checkpoint.store import CheckpointError
+    from pretrain.config import ConfigError
+
+    run = _two_checkpoints(tmp_path)
+    (run / "step_00000002" / "data" / "rank_0.json").write_text("[]")  # same size, other bytes
+    instead = f"; the newest checkpoint that verifies is step 1: {run / 'step_00000001'}"
+    for step in (None, 2):
+        with pytest.raises(CheckpointError) as e:
+            reader.find_checkpoint(run, step)
+        assert str(e.value) == f"{run / 'step_00000002'}: checksum mismatch for data/rank_0.json{instead}"
+    (run / "step_00000002" / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"step_00000002/manifest.json: corrupt manifest \(") as e:
+        reader.find_checkpoint(run, 2)
+    assert str(e.value).endswith(instead)
+    with pytest.raises(ConfigError, match=r"^--step 3: no committed checkpoint of that step in .* \(committed: 1\)$"):
+        reader.find_checkpoint(run, 3)
+    assert reader.find_checkpoint(run, 1).step == 1

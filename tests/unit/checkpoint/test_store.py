@@ -155,6 +155,36 @@ def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
         ck.resolve(ckpt, full=False)
 
 
+def test_a_recommit_interrupted_between_its_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """A re-run of a committed step sets the old checkpoint aside, then renames the new one into place: killed
+    between the two, the step has no directory; the next start puts the old one back (and removes the new one's
+    staging), while a set-aside whose step is there again, or a pruned checkpoint, is removed."""
+    _commit(tmp_path, 3)
+    _commit(tmp_path, 5, tokens_seen=50)
+    rename = os.replace
+
+    def killed_before_the_new_one_lands(src, dst):
+        if os.path.basename(src).startswith(ly.STAGING_PREFIX) and ly.step_of(os.path.basename(dst)) == 5:
+            raise KeyboardInterrupt("killed between the two renames")
+        rename(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", killed_before_the_new_one_lands)
+    with pytest.raises(KeyboardInterrupt):
+        _commit(tmp_path, 5, tokens_seen=99)
+    monkeypatch.setattr(ck.os, "replace", rename)
+    assert ck.latest_committed(tmp_path).step == 3
+    _commit(tmp_path, 7)
+    assert ck.prune(tmp_path, keep_last=1, delete=False)[0].name.startswith(ly.REPLACED_PREFIX)  # pruned: step 3
+    ck.cleanup_staging(tmp_path)  # the next start
+    assert [(c.step, c.manifest.tokens_seen) for c in ck.list_committed(tmp_path)] == [(5, 50), (7, 0)]
+    ck.verify(tmp_path / ly.step_dir_name(5))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ly.step_dir_name(5), ly.step_dir_name(7)]
+    ly.superseded_dir(tmp_path, 7, "x").mkdir()  # set aside by a re-commit that completed, then killed
+    assert ck.restore_superseded(tmp_path) == []
+    ck.cleanup_staging(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ly.step_dir_name(5), ly.step_dir_name(7)]
+
+
 def test_pruned_checkpoints_leave_sight_at_once_and_are_deleted_later(tmp_path):
     for step in (1, 2, 3):
         _commit(tmp_path, step)

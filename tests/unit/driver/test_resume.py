@@ -1,11 +1,12 @@
 """The architecture a fork's checks compare with its checkpoint's (``train CONFIG checkpoint.resume_from=DIR``):
 the one the config gives the model at the checkpoint's step; the growth points it shares with the checkpoint's run.
-The checks themselves, through the CLI:
+The tokenizer a run resumed by its id trains with (the run directory's). The checks themselves, through the CLI:
 ``tests/integration/checkpoint/test_resume_guard.py``."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pretrain.config import ConfigError
 from pretrain.driver.resume import _as_built, _resolved_points
@@ -41,3 +42,76 @@ def test_a_fork_takes_the_steps_its_checkpoints_run_resolved_its_growth_points_t
     fixed = tiny_config("model.num_layers=1", "growth.schedule=[{at_step: 3, depth: 2x}]")
     _resolved_points(fixed, saved)
     assert fixed.growth.schedule[0].at_step == 3, "a step given stays"
+
+
+def _contents(cfg, step: int):
+    from pretrain.checkpoint.writer import Contents, FullWeights
+
+    return Contents(cfg=cfg, trainer_state={"step": step}, data_state={}, model=FullWeights({"a": torch.zeros(2)}))
+
+
+def _resumable_run(tmp_path, monkeypatch, keep_last=1):
+    """A run directory as a run creates it (its own ``tokenizer/``), one checkpoint committed, found by its id."""
+    from pretrain.checkpoint.writer import CheckpointWriter, LocalWorld
+    from pretrain.driver import resume
+    from pretrain.train import tracking
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    root = tmp_path / "ckpts" / "run-1"
+    (root / "tokenizer").mkdir(parents=True)
+    (root / "tokenizer" / "tokenizer.json").write_text('{"model": {}}')
+    cfg = tiny_config(f"data.sources=[{{path: {corpus}}}]", f"data.tokenizer={root / 'tokenizer'}", "train.max_steps=9")
+    writer = CheckpointWriter(root, LocalWorld(), "run-1", keep_last=keep_last)
+    writer.save(_contents(cfg, 1))
+    monkeypatch.setattr(tracking, "tracking_uri", lambda: "")
+    monkeypatch.setattr(tracking, "run_checkpoint_root", lambda uri, run_id: root)
+    monkeypatch.setattr(resume, "preflight", lambda cfg: [])  # Ray, the corpus: not what is tested here
+    return root, writer
+
+
+def test_a_run_resumed_by_its_id_saves_its_own_tokenizer_after_retention_pruned_its_checkpoint(tmp_path, monkeypatch):
+    """``resume RUN_ID`` trains with the run directory's tokenizer, not its checkpoint's copy: saves go on copying
+    it after ``checkpoint.keep_last`` deleted the checkpoint resumed from."""
+    from pretrain.checkpoint import layout, list_committed
+    from pretrain.config import from_dict
+    from pretrain.driver.resume import prepare_resume
+
+    root, writer = _resumable_run(tmp_path, monkeypatch)
+    job = prepare_resume("run-1", ["tracking.enabled=false"])
+    cfg = from_dict(job.config)
+    assert cfg.data.tokenizer == str(root / layout.RUN_TOKENIZER)
+    for step in (2, 3):  # step 2's save prunes step 1, the checkpoint resumed from
+        writer.save(_contents(cfg, step))
+        writer.settle()
+    assert [c.step for c in list_committed(root)] == [3]
+
+
+def test_a_run_resumed_by_its_id_restores_a_missing_tokenizer_and_refuses_another(tmp_path, monkeypatch):
+    """A run directory whose tokenizer differs from its checkpoint's is refused in one line; one without a tokenizer
+    gets the checkpoint's copy back."""
+    from pretrain.driver.resume import prepare_resume
+
+    root, _ = _resumable_run(tmp_path, monkeypatch)
+    (root / "tokenizer" / "tokenizer.json").write_text('{"model": {"other": 1}}')
+    with pytest.raises(ConfigError, match=r"tokenizer: not the tokenizer of checkpoint .*step_00000001, which the run"):
+        prepare_resume("run-1", ["tracking.enabled=false"])
+    (root / "tokenizer" / "tokenizer.json").unlink()
+    (root / "tokenizer").rmdir()
+    prepare_resume("run-1", ["tracking.enabled=false"])
+    assert (root / "tokenizer" / "tokenizer.json").read_text() == '{"model": {}}'
+
+
+def test_resume_by_id_puts_back_a_checkpoint_an_interrupted_recommit_set_aside(tmp_path, monkeypatch):
+    """Killed between a re-commit's two renames, a run's only checkpoint sits under its set-aside name: ``resume
+    RUN_ID``, holding the run's lock, puts it back before it looks for the latest checkpoint."""
+    from contextlib import ExitStack
+
+    from pretrain.checkpoint import layout
+    from pretrain.driver.resume import prepare_resume
+
+    root, _ = _resumable_run(tmp_path, monkeypatch)
+    (root / layout.step_dir_name(1)).rename(layout.superseded_dir(root, 1, "abc"))
+    with ExitStack() as hold:
+        job = prepare_resume("run-1", ["tracking.enabled=false"], hold)
+    assert job.run_dir == str(root) and (root / layout.step_dir_name(1) / layout.MANIFEST).is_file()

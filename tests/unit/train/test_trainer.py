@@ -42,7 +42,7 @@ def _trainer(callbacks: list[Callback], state: TrainerState) -> Trainer:
 
 
 def _callbacks() -> tuple[StabilityCallback, FaultInjection]:
-    cfg = load_config(None, ["faults.loss_spike_at_step=3", "train.max_steps=20"])
+    cfg = load_config(None, ["faults.loss_spike_at_step=3", "train.max_steps=20", "stability.policy=rollback"])
     control = SimpleNamespace(monitor=StabilityMonitor(cfg.stability, cfg.moe))
     return StabilityCallback(control), FaultInjection(cfg)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,10 +103,46 @@ def test_checkpoint_goodness_taint_and_target():
     m.note_checkpoint(22, "/c/22", 2)
     _feed(m, range(23, 25))  # 22 has seen 2 healthy steps: pending
     assert m.rollback_target()["step"] == 19
+    assert m.protected_paths() == {"/c/19", "/c/22"}  # 22 may become the target
     assert m.decide(StepSignals(25, 9.0, 1.0)).action == "rollback"
     _feed(m, range(26, 30))  # a spike tainted 22: never a target, however many healthy steps follow
     assert m.rollback_target()["step"] == 19 and [c["step"] for c in m.s.checkpoints] == [19]
     assert m.protected_paths() == {"/c/19"}
+
+
+def _train_with_retention(m: StabilityMonitor, run_dir: Path, tokenizer: Path) -> list[str]:
+    """40 healthy steps, a checkpoint every 10 with ``keep_last=1`` pruning outside what ``m`` protects (as the
+    checkpoint callback does), the rollback target checked on disk at every step (policy ``rollback``); the
+    checkpoints left."""
+    from pretrain.checkpoint.writer import CheckpointWriter, Contents, FullWeights, LocalWorld
+
+    cfg = load_config(None, [f"data.tokenizer={tokenizer}"])
+    writer = CheckpointWriter(run_dir, LocalWorld(), "r", keep_last=1)
+    for step in range(1, 41):
+        m.decide(StepSignals(step, 3.0, 1.0))
+        if step % 10 == 0:
+            model = FullWeights({"a": torch.ones(2)})
+            path = writer.save(Contents(cfg, {"step": step}, {}, model), m.protected_paths())
+            writer.settle()
+            m.note_checkpoint(step, str(path), 0)
+        target = m.rollback_target()
+        if m.cfg.policy == "rollback" and target is not None:  # (other policies never roll back)
+            assert Path(target["path"]).is_dir(), f"step {step}: target {target['step']} pruned"
+    return sorted(p.name for p in run_dir.iterdir())
+
+
+def test_retention_keeps_the_checkpoints_that_may_become_the_rollback_target(tmp_path):
+    """``checkpoint.keep_last`` with checkpoints more often than they become good: pruning keeps the pending ones,
+    so each is on disk when it becomes the target; a policy that never rolls back protects none."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    m = _monitor(policy="rollback", good_after_steps=20)
+    kept = _train_with_retention(m, tmp_path / "rollback", tmp_path / "tok")
+    assert kept == ["step_00000020", "step_00000030", "step_00000040"]  # the target, and two still pending
+    assert m.rollback_target()["step"] == 20
+    skip = _monitor(policy="skip", good_after_steps=20)
+    assert skip.protected_paths() == set()
+    assert _train_with_retention(skip, tmp_path / "skip", tmp_path / "tok") == ["step_00000040"]
 
 
 def test_nonfinite_weights_roll_back_or_halt():
