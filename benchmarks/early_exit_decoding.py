@@ -13,7 +13,8 @@ Prompts: the first ``--prompt-tokens`` tokens of ``--prompts`` held-out sequence
 read as ``eval`` reads it, or ``--data``), decoded to text; each is encoded again as ``generate`` encodes a prompt.
 Every prompt is decoded greedily, plainly and self-speculatively at each exit E (default: every E below the depth),
 in-process through ``transformers``' ``generate`` (:mod:`eval.generate`, one untimed warm-up call first; the modes
-alternate prompt by prompt so that load on the machine falls on all of them). Per mode: tokens/s = all new tokens /
+alternate prompt by prompt, each mode first on as many prompts as the others, so that load on the machine and the
+order of the calls fall on all of them). Per mode: tokens/s = all new tokens /
 all seconds; per exit: the speedup over plain greedy, how many prompts decode identically token for token, and the
 acceptance rate pooled over the prompts (accepted / drafted, :mod:`eval.generate`). The best exit is the fastest one
 whose every output is identical. Then ``--cli-prompts`` prompts go through ``./launch.sh generate --early-exit BEST
@@ -70,14 +71,23 @@ def decoding_benchmark(
     for e in exits:
         totals[str(e)] = {"tokens": 0, "seconds": 0.0, "identical_prompts": 0, "drafted": 0, "accepted": 0}
     plain_texts = []
-    for ids in encoded:
+    modes: list[int | None] = [None, *exits]  # None: plain greedy
+    for k, ids in enumerate(encoded):
         n = min(max_new_tokens, gen.context - len(ids))
-        plain = decode(gen, ids, n)
+        out: dict[int | None, Any] = {}
+        for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:  # each mode first as often as the others
+            if mode is None:
+                out[mode] = decode(gen, ids, n)
+            else:
+                out[mode] = decode(
+                    gen, ids, n, early_exit=mode, draft_tokens=draft_tokens, draft_confidence=draft_confidence
+                )
+        plain = out[None]
         plain_texts.append(gen.tokenizer.decode(plain.ids))
         totals["greedy"]["tokens"] += len(plain.ids)
         totals["greedy"]["seconds"] += plain.seconds
         for e in exits:
-            spec = decode(gen, ids, n, early_exit=e, draft_tokens=draft_tokens, draft_confidence=draft_confidence)
+            spec = out[e]
             t = totals[str(e)]
             t["tokens"] += len(spec.ids)
             t["seconds"] += spec.seconds

@@ -152,9 +152,14 @@ def mean_curve(curves: list[Curve]) -> Curve:
     return [(x, sum(value_at(c, x) for c in curves) / len(curves)) for x, _ in curves[0]]
 
 
-def first_below(curve: Curve, other: Curve) -> float | None:
-    """The first x of ``curve`` at which its loss is at or below ``other``'s there (interpolated); None: never."""
-    return next((x for x, loss in curve if loss <= value_at(other, x)), None)
+def ahead_from(curve: Curve, other: Curve) -> float | None:
+    """The x of ``curve`` from which its loss stays at or below ``other``'s (interpolated) to its end: the point after
+    the last one where it is above (a curve that dips below and comes back up is not ahead yet); None: it ends
+    above."""
+    above = [i for i, (x, loss) in enumerate(curve) if loss > value_at(other, x)]
+    if not above:
+        return curve[0][0]
+    return None if above[-1] == len(curve) - 1 else curve[above[-1] + 1][0]
 
 
 def flops_saving(reference: Curve, other: Curve) -> float | None:

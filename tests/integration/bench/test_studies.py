@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from benchmarks.study import first_below, flops_saving, time_to_loss_speedup
+from benchmarks.study import ahead_from, flops_saving, time_to_loss_speedup
 from pretrain.model.early_exit import speedup_bound
 from tests.conftest import WIKITEXT
 from tests.harness import cli, tiny_model
@@ -85,7 +85,7 @@ def test_growth_study_on_a_tiny_budget(tmp_path):
     assert [row["model"] for row in r["iso_flop"]] == ["scratch", small]
     small_row = r["iso_flop"][1]
     assert small_row["tokens"] > r["iso_flop"][0]["tokens"] == pytest.approx(3000)
-    ahead = first_below(scratch, alone)
+    ahead = ahead_from(scratch, alone)
     assert small_row["target_ahead_from"]["0"] == (None if ahead is None else pytest.approx(ahead / r["budget_flops"]))
     copying = r["in_context_copying"]  # every run's final model, from its checkpoints
     assert set(copying) == {"scratch", "stack2@10%", small} and all(set(c) == {"0"} for c in copying.values())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.growth import alternatives, iso_flop, plan, recipes, small_model
+from benchmarks.growth import TARGET, alternatives, check_grows_into_target, iso_flop, plan, recipes, small_model
 from benchmarks.growth_check import check_runs, check_share, checked
 from benchmarks.study import epochs
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, load_config
 
 ARCH = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}
 """A target for the plan's arithmetic (any 4-block one whose half width keeps whole heads)."""
@@ -123,3 +123,18 @@ def test_a_saving_is_checked_by_a_run_on_the_shorter_budget():
     assert got["reaches_scratch"] == {"stack2@10%": {0: True, 1: False}}
     assert got["vs_scratch_final"]["stack2@10%"][0] == pytest.approx(-0.05)
     assert got["reaches_on_every_seed"] == {"stack2@10%": False} and got["budget_flops"] == 6.0
+
+
+def test_a_recipe_that_grows_into_another_model_is_refused_before_anything_trains():
+    """Tiling doubles every width, key-value heads included, and unties the embeddings: on the study's target (one
+    key-value head, tied) ``tile2@10%`` ends in another model, where the stacking recipes end in the target."""
+
+    def config(overrides):
+        return load_config(None, ["model.vocab_size=2048", *overrides])
+
+    check_grows_into_target(config, TARGET, ["stack2@10%", "stack4@10%"], 1e13)
+    with pytest.raises(
+        SystemExit, match=r"recipe tile2@10% grows into another model than the target: .*num_kv_heads 2"
+    ):
+        check_grows_into_target(config, TARGET, ["stack2@10%", "tile2@10%"], 1e13)
+    check_grows_into_target(config, ARCH, ["stack2@10%"], 1e13)  # any stacking target

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.study import crossing, first_below, flops_saving, mean_curve, time_to_loss_speedup, value_at
+from benchmarks.study import ahead_from, crossing, flops_saving, mean_curve, time_to_loss_speedup, value_at
 
 SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
 
@@ -21,12 +21,15 @@ def test_saving_from_known_curves():
     assert time_to_loss_speedup(SCRATCH, [(8.0, 3.0)]) == 0.5
 
 
-def test_interpolation_and_first_below():
+def test_interpolation_and_ahead_from():
     assert value_at(SCRATCH, 2.5) == pytest.approx(3.75)
     assert value_at(SCRATCH, 0.0) == 5.0 and value_at(SCRATCH, 9.0) == 3.0
     small = [(1.0, 4.0), (2.0, 3.8), (3.0, 3.7), (4.0, 3.65)]
-    assert first_below(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
-    assert first_below(small, [(1.0, 1.0), (4.0, 1.0)]) is None
+    assert ahead_from(SCRATCH, small) == 3.0, "the larger model is ahead from x = 3"
+    assert ahead_from(small, [(1.0, 1.0), (4.0, 1.0)]) is None
+    back = [(1.0, 4.0), (2.0, 4.1), (3.0, 3.3), (4.0, 3.2)]  # scratch below at 2, above at 3, below for good at 4
+    assert ahead_from(SCRATCH, back) == 4.0, "a dip below that does not last is not ahead"
+    assert ahead_from(SCRATCH, [(1.0, 9.0), (4.0, 9.0)]) == 1.0, "ahead throughout"
 
 
 def test_mean_curve_over_seeds():
