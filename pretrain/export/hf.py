@@ -156,7 +156,8 @@ def to_hf_model(model_cfg: ModelConfig, sd: StateDict, special: dict[str, int | 
         config = mod.PretrainTransformerConfig(**remote_config_fields(model_cfg, moe), **special)
         config.auto_map = remote_auto_map(model_cfg.kind)
         cls = getattr(mod, REMOTE_CLASSES[model_cfg.kind])
-        hf_sd = dict(sd)
+        # the bundled modeling file (byte for byte as exports hold it) names the selection bias gate.expert_bias
+        hf_sd = {k.replace(".gate.selection_bias", ".gate.expert_bias"): v for k, v in sd.items()}
     config.architectures = [cls.__name__]
     with no_init_weights():  # every weight is overwritten below
         model = cls(config)

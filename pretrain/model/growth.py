@@ -297,7 +297,7 @@ def _grow_tensor(
         return w[hid.index].clone()
     if key.endswith("gate.wg.weight"):  # MoE router (E, D)
         return _grow_matrix(w, None, hid)
-    if key.endswith("gate.expert_bias"):  # per expert (E,): not a hidden-size axis
+    if key.endswith(("gate.selection_bias", "gate.expert_bias")):  # per expert (E,): not a hidden-size axis
         return w.clone()
     if key.startswith("head_transform.dense."):
         return _grow_matrix(w, hid, hid) if leaf == "weight" else w[hid.index].clone()
@@ -333,7 +333,7 @@ def upcycle(
     for i in range(cfg.num_layers):
         out[f"blocks.{i}.ffn.deepspeed_moe.gate.wg.weight"] = torch.zeros(num_experts, cfg.hidden_size)
         if moe.balance != "aux_loss":  # the selection bias of moe.balance: bias|both starts at zero
-            out[f"blocks.{i}.ffn.deepspeed_moe.gate.expert_bias"] = torch.zeros(num_experts)
+            out[f"blocks.{i}.ffn.deepspeed_moe.gate.selection_bias"] = torch.zeros(num_experts)
     from pretrain.model.transformer import resolved_ffn_size
 
     new_moe = dataclasses.replace(

@@ -39,12 +39,24 @@ STAT_FIELDS = ("routed", "kept", "tokens", "entropy", "balance", "z")
 sum of load-balancing loss and router z-loss values over forwards (the last two divided by ``forwards``)."""
 
 
+LEGACY_BIAS = "expert_bias"
+"""The selection bias's name in checkpoints written before it was ``selection_bias`` (and in the bundled
+remote-code modeling file, which stays byte for byte): loaded under either."""
+
+
 class _Gate(nn.Module):
     def __init__(self, hidden: int, num_experts: int, selection_bias: bool = False) -> None:
         super().__init__()
         self.wg = nn.Linear(hidden, num_experts, bias=False)
         if selection_bias:  # auxiliary-loss-free balancing: saved with the model, updated outside autograd
-            self.register_buffer("expert_bias", torch.zeros(num_experts))
+            # No "expert" in its name: DeepSpeed's MoE checkpoint takes every such key of an MoE layer (but the
+            # router's) for an expert's weight and fails on it under expert parallelism.
+            self.register_buffer("selection_bias", torch.zeros(num_experts))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001 - torch's signature
+        if prefix + LEGACY_BIAS in state_dict:
+            state_dict[prefix + "selection_bias"] = state_dict.pop(prefix + LEGACY_BIAS)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class _Experts(nn.Module):
@@ -103,7 +115,7 @@ class MoEFeedForward(nn.Module):
     @property
     def selection_bias(self) -> torch.Tensor | None:
         """(E,) fp32 bias added to the router probabilities for choosing experts (``moe.balance: bias|both``)."""
-        return getattr(self.deepspeed_moe.gate, "expert_bias", None)
+        return getattr(self.deepspeed_moe.gate, "selection_bias", None)
 
     @torch.no_grad()
     def update_bias(self, routed: torch.Tensor) -> None:

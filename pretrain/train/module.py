@@ -294,7 +294,7 @@ def build_module(
         device=device,
     )
     for layer, bias in biases:
-        layer.deepspeed_moe.gate.expert_bias = bias
+        layer.deepspeed_moe.gate.selection_bias = bias
     if masters is not None:
         from deepspeed.utils import safe_set_full_fp32_param
 

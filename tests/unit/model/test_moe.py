@@ -271,11 +271,18 @@ def test_loss_free_balancing_evens_a_skewed_router_without_an_aux_loss():
 def test_loss_free_balancing_bias_is_saved_grown_and_bf16_safe():
     cfg = _small("moe.balance=both")
     model = build_model(cfg.model, 0, cfg.moe)
-    key = "blocks.0.ffn.deepspeed_moe.gate.expert_bias"
+    key = "blocks.0.ffn.deepspeed_moe.gate.selection_bias"
     assert torch.equal(model.state_dict()[key], torch.zeros(4))
     assert key not in build_model(_small().model, 0, _small().moe).state_dict()  # aux_loss: checkpoints unchanged
     sd = {**model.state_dict(), key: torch.tensor([0.1, -0.2, 0.3, -0.4])}
     assert torch.equal(build_model(cfg.model, 0, cfg.moe, weights=sd).state_dict()[key], sd[key])
+    legacy = {k.replace("selection_bias", "expert_bias"): v for k, v in sd.items()}  # written by older versions
+    assert torch.equal(build_model(cfg.model, 0, cfg.moe, weights=legacy).state_dict()[key], sd[key])
+    # DeepSpeed's MoE checkpoint takes any key of an MoE layer with "expert" in it, but the router's, for an
+    # expert's weight (and fails on one that names no expert): the bias's key must not look like one
+    experts = ".deepspeed_moe.experts.deepspeed_experts."
+    odd = [k for k in model.state_dict() if ".ffn." in k and "expert" in k and experts not in k]
+    assert odd == [], odd
     layer = moe_layers(build_model(cfg.model, 0, cfg.moe))[0][1]
     assert layer.aux_loss_weight == cfg.moe.aux_loss_weight  # both: the Switch loss stays
 
