@@ -314,12 +314,13 @@ class RunConfig:
                     else f"{where}: no growth point: set train.max_flops to grow at the default point (at_fraction "
                     f"{e.fraction:g} of the budget), or give at_step, at_tokens or at_fraction"
                 )
-            if e.derived_step and not e.at_step:
-                continue  # at_step is derived from at_tokens / at_fraction when the run is created
-            if not 0 < e.at_step < self.train.max_steps:
+            if not (e.derived_step and not e.at_step) and not 0 < e.at_step < self.train.max_steps:
+                # (a derived at_step is set from at_tokens / at_fraction when the run is created)
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
+            if e.experts and not 1 <= e.top_k <= e.experts:
+                raise ConfigError(f"{where}.top_k: must be in [1, experts={e.experts}], got {e.top_k}")
             for name in e.TARGETS:
                 spec, shown = str(getattr(e, name)), quote(str(getattr(e, name)))
                 if spec and not _COUNT.fullmatch(spec):

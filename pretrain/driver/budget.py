@@ -4,20 +4,47 @@ each growth stage counted at its own FLOPs per token (:mod:`pretrain.model.growt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
-from pretrain.config import RunConfig, make_plan
+from pretrain.config import ModelConfig, MoEConfig, RunConfig, make_plan
 from pretrain.config.errors import ConfigError
+from pretrain.config.tree import BYTE_LEVEL_VOCAB
+
+
+def growth_stages(cfg: RunConfig) -> list[tuple[ModelConfig, MoEConfig]]:
+    """The architecture before the first growth of ``growth.schedule`` and after each, built as
+    :func:`pretrain.model.growth_stages.stage_architectures` builds them (weightless). An entry that cannot grow the
+    model it is applied to (a ``tile`` factor that is not whole, a smaller depth, an MoE model upcycled again...)
+    is refused with a :class:`ConfigError` naming the entry."""
+    from pretrain.model.growth_stages import grown_architecture
+
+    stages = [(cfg.model, cfg.moe)]
+    for i, entry in enumerate(cfg.growth.schedule):
+        try:
+            stages.append(grown_architecture(*stages[-1], entry))
+        except ValueError as e:
+            raise ConfigError(f"growth.schedule[{i}]: {e}") from None
+    return stages
+
+
+def check_growth_stages(cfg: RunConfig) -> None:
+    """Every entry of ``growth.schedule`` applies to the model before it (:func:`growth_stages`), checked before a
+    run is recorded; a vocabulary size still to be taken from the tokenizer (0) is stood in for, as growth never
+    changes it."""
+    if not cfg.growth.schedule:
+        return
+    model = cfg.model if cfg.model.vocab_size > 0 else dataclasses.replace(cfg.model, vocab_size=BYTE_LEVEL_VOCAB)
+    growth_stages(dataclasses.replace(cfg, model=model))
 
 
 def stage_flops_per_step(cfg: RunConfig) -> list[float]:
     """Training FLOPs of one optimizer step before the first growth of ``growth.schedule`` and after each."""
     from pretrain.model import flops_per_token
-    from pretrain.model.growth_stages import stage_architectures
 
     plan = make_plan(cfg, cfg.cluster.num_workers)
-    stages = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)
+    stages = growth_stages(cfg)
     return [flops_per_token(m, plan.seq_len, moe) * plan.tokens_per_step for m, moe in stages]
 
 

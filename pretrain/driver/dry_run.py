@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pretrain.config import RunConfig, make_plan
 from pretrain.config.paths import resolve_paths
-from pretrain.driver.budget import resolve_budget
+from pretrain.driver.budget import check_growth_stages, resolve_budget
 from pretrain.driver.memory_plan import count_parameters
 from pretrain.driver.memory_report import plan_rows
 from pretrain.driver.prepare import _round_up, preflight
@@ -102,6 +102,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
         from pretrain.driver.prepare import _adopt_hf_model
 
         _adopt_hf_model(cfg)
+        check_growth_stages(cfg)
     tok, length = _tokenizer_line(cfg)
     m, t, c = cfg.model, cfg.train, cfg.cluster
     if m.vocab_size == 0:

@@ -3,6 +3,8 @@ one-line errors: ``tests/integration/cli/test_config.py``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, from_dict, load_config, to_dict
@@ -59,6 +61,9 @@ def test_every_preset_loads_validates_and_round_trips(path):
         ("train.global_batch_size=8000000000", "train.global_batch_size: 8000000000 is more than 1,048,576"),
         ("moe.num_experts=2", None),
         ("growth.schedule=[{at_step: 1, depth: 2y}]", "growth.schedule[0].depth: '2y': expected a factor like 2x"),
+        ("growth.schedule=[{at_step: 1, experts: 4, top_k: 9}]", "growth.schedule[0].top_k: must be in [1, experts=4]"),
+        ("growth.schedule=[{at_step: 1, experts: 4, top_k: 0}]", "growth.schedule[0].top_k: must be in [1, experts=4]"),
+        ("growth.schedule=[{at_step: 1, experts: 1}]", "growth.schedule[0].top_k: must be in [1, experts=1], got 2"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
@@ -150,3 +155,15 @@ def test_config_errors_are_one_line_even_for_multiline_input():
         load_config(None, ["name\nx"])
     assert "\n" not in str(e.value)
     assert str(ConfigError("a\nb")) == "a b"
+
+
+def test_a_derived_growth_point_does_not_skip_the_entry_checks():
+    """An entry whose ``at_step`` is derived (``at_fraction``, ``at_tokens``) has its targets and ``top_k`` checked
+    when the config is loaded, not only once the step is derived."""
+    base = [ROOT / "configs" / "demo-decoder.yaml", "train.max_flops=1e12"]
+    for schedule, message in (
+        ("[{at_fraction: 0.5, depth: 2y}]", "growth.schedule[0].depth: '2y'"),
+        ("[{at_tokens: 5000, experts: 2, top_k: 3}]", "growth.schedule[0].top_k: must be in [1, experts=2]"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(base[0], [base[1], f"growth.schedule={schedule}"])

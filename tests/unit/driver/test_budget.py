@@ -114,3 +114,29 @@ def test_continuing_a_budgeted_run_lifts_the_budget():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
     assert continue_overrides(cfg.train, 100, 400)[0] == "train.max_flops=0"  # else max_steps is derived again
     assert "train.max_flops=0" not in continue_overrides(load_config(DEMO, SMALL).train, 100, 400)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("[{at_step: 10, width: 1.5x}]", "growth.schedule[0]: width_op tile needs integer factors: hidden size 64"),
+        ("[{at_step: 10, depth: 2}]", "growth.schedule[0]: depth 2 is smaller than the model's 4 blocks"),
+        ("[{at_step: 10, experts: 4, top_k: 1}, {at_step: 20, experts: 4}]", "growth.schedule[1]: experts: the model"),
+        ("[{at_step: 10, depth: 2x}, {at_step: 20, depth: 6}]", "growth.schedule[1]: depth 6 is smaller than"),
+    ],
+)
+def test_growth_that_cannot_apply_is_refused_naming_its_entry(schedule, message):
+    """Each entry is applied to a weightless model of the stage before it (the vocabulary size still 0, as before
+    the tokenizer is known), so a growth that would fail mid-run is a one-line ConfigError."""
+    from pretrain.driver.budget import check_growth_stages
+
+    cfg = load_config(DEMO, [*tiny_model(hidden_size=64, num_layers=4, vocab_size=None), f"growth.schedule={schedule}"])
+    assert cfg.model.vocab_size == 0
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_growth_stages(cfg)
+
+
+def test_a_budget_over_a_growth_that_cannot_apply_is_a_config_error():
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{width: 1.5x}]"])
+    with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]: width_op tile needs integer factors")):
+        resolve_budget(cfg, say=lambda _: None)
