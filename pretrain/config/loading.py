@@ -158,8 +158,10 @@ def to_dict(cfg: Any) -> Any:
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Set ``a.b.c=value`` in a nested dict, checking each key against its section (an unknown key is refused with
-    the valid ones). A list of sections takes an index, ``data.sources[0].text_field=value``: the index names an item
-    of the list the config file gives, or of the default list when the file gives none."""
+    the valid ones). A mapping given for a section (``model={num_layers: 6}``) is merged into the section's keys so
+    far, as a config file is merged (lists in it replace the lists there whole). A list of sections takes an index,
+    ``data.sources[0].text_field=value``: the index names an item of the list the config file gives, or of the
+    default list when the file gives none; a mapping given for the item (``data.sources[0]={...}``) replaces it."""
     keys = dotted.split(".")
     cls: Any = RunConfig
     node = tree
@@ -211,8 +213,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             child: dict = dict(items[index])
             items[index] = child
         else:
-            if last:
-                node[key] = value
+            if last:  # a section given whole merges into what is there, as a config file does; anything else is set
+                merge = dataclasses.is_dataclass(tp) and isinstance(value, dict) and isinstance(node.get(key), dict)
+                node[key] = _merge(node[key], value) if merge else value
                 return
             child = node[key] if isinstance(node.get(key), dict) else {}
             node[key] = child
