@@ -157,6 +157,10 @@ class RunConfig:
             "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
             "checkpoint.stop_timeout_s": self.checkpoint.stop_timeout_s,
+            "model.norm_eps": m.norm_eps,
+            "model.init_std": m.init_std,
+            "train.eps": t.eps,
+            "zero.reduce_bucket_size": self.zero.reduce_bucket_size,
         }
         for key, value in positive.items():
             if value <= 0:
@@ -179,9 +183,7 @@ class RunConfig:
             "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars,
             "data.shuffle_sequences": d.shuffle_sequences,
-            "model.init_std": m.init_std,
             "train.weight_decay": t.weight_decay,
-            "train.eps": t.eps,
             "train.grad_clip": t.grad_clip,
             "train.profile_at": t.profile_at,
             "growth.check_tolerance": self.growth.check_tolerance,
