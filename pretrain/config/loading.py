@@ -360,7 +360,8 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
 ) -> RunConfig:
     """Load YAML (or start from ``base``: a stored, resolved config, whose moved keys are migrated), apply dotted
-    overrides, validate strictly."""
+    overrides, validate strictly. Without ``base`` the config is one as written, so a growth entry that gives
+    ``at_step`` beside ``at_tokens`` or ``at_fraction`` is refused (a stored config records both)."""
     tree: dict = {} if base is None else migrate(base)
     if path is not None:
         p, where = Path(path), clip(path)
@@ -380,7 +381,11 @@ def load_config(
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    return from_dict(tree)
+    if base is not None:  # a stored config: its growth points may be resolved already
+        return from_dict(tree)
+    cfg = _build(RunConfig, tree, "")
+    cfg.growth.check_given_points()
+    return cfg.validate()
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:

@@ -291,7 +291,6 @@ class RunConfig:
         rules.check_growth(self)
         if g.rewarm_steps < -1:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0 (or -1: train.warmup_steps), got {g.rewarm_steps}")
-        steps = [e.at_step for e in g.schedule if e.at_step or not e.derived_step]  # derived: checked once set
         if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
             why = (
                 "train.val_sequences is 0"
@@ -331,8 +330,7 @@ class RunConfig:
                     )
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
                     raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
-        if steps != sorted(set(steps)):
-            raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
+        g.check_order()
 
     def _validate_stability(self) -> None:
         s, m = self.stability, self.model

@@ -73,6 +73,12 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
             entry.at_step = math.ceil(entry.at_tokens / plan.tokens_per_step)
         elif fraction:
             goal = fraction * t.max_flops
+            if i and goal <= spent:
+                raise ConfigError(
+                    f"{where}: {'' if entry.at_fraction else 'the default point, '}at_fraction {fraction:g} of "
+                    f"train.max_flops is spent by step {step}, where "
+                    f"growth.schedule[{i - 1}] grows; the growths must come in order, each at a later point"
+                )
             entry.at_step = step + max(1, math.ceil((goal - spent) / per_step[i] - 1e-9))
         changed = announce or entry.at_step != before
         if changed and entry.at_tokens:

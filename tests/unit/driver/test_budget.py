@@ -87,11 +87,24 @@ def test_budgets_that_cannot_hold_are_refused_when_resolved():
     spent = load_config(DEMO, [*SMALL, "train.max_flops=1e9", "growth.schedule=[{at_tokens: 100000, depth: 2x}]"])
     with pytest.raises(ConfigError, match="train.max_flops: 1e\\+09 is spent before the last growth"):
         resolve_budget(spent, say=lambda _: None)
-    backwards = load_config(
-        DEMO, [*SMALL, "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_tokens: 5000, width: 2x}]"]
-    )
+    backwards = load_config(DEMO, [*SMALL, "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_step: 3, width: 2x}]"])
     with pytest.raises(ConfigError, match=r"growth.schedule\[1\]: at step 3, not after the growth before it"):
         resolve_budget(backwards, say=lambda _: None)
+    fractions = ["train.max_flops=4e12", "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_fraction: 0.001}]"]
+    with pytest.raises(
+        ConfigError, match=re.escape("growth.schedule[1]: at_fraction 0.001 of train.max_flops is spent")
+    ):
+        resolve_budget(load_config(DEMO, [*SMALL, *fractions]), say=lambda _: None)
+
+
+def test_a_resolved_config_keeps_its_derived_steps_beside_their_points():
+    """A run's stored config records each derived ``at_step`` beside its ``at_tokens`` / ``at_fraction``: loaded as
+    a stored config (``base=``), as resume and the derived runs do, it is accepted."""
+    from pretrain.config import to_dict
+
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    resolve_budget(cfg, say=lambda _: None)
+    assert load_config(None, base=to_dict(cfg)).growth.schedule[0].at_step == cfg.growth.schedule[0].at_step > 0
 
 
 def test_a_resume_keeps_the_derived_steps():
