@@ -252,6 +252,7 @@ class RunConfig:
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
+        self._validate_effective()
         self.moe.validate(m.num_layers)
         rules.check_expert(self)
         rules.check_compile(self)
@@ -291,12 +292,8 @@ class RunConfig:
         rules.check_growth(self)
         if g.rewarm_steps < -1:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0 (or -1: train.warmup_steps), got {g.rewarm_steps}")
-        if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
-            why = (
-                "train.val_sequences is 0"
-                if self.train.val_sequences == 0
-                else "data.val_holdout is 0 and data.val_sources is empty"
-            )
+        why = self.no_validation()
+        if g.schedule and why:
             raise ConfigError(
                 f"growth.schedule: every growth checks the loss on a held-back validation batch, but "
                 f"{why}; set train.val_sequences > 0 and data.val_holdout > 0 (or data.val_sources)"
@@ -331,6 +328,39 @@ class RunConfig:
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
                     raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
         g.check_order()
+
+    def no_validation(self) -> str:
+        """Why the run never validates (no held-back data, or no validation sequences); "" when it does."""
+        if not (self.data.val_sources or self.data.val_holdout > 0):
+            return "data.val_holdout is 0 and data.val_sources is empty"
+        return "train.val_sequences is 0" if self.train.val_sequences == 0 else ""
+
+    def _validate_effective(self) -> None:
+        """A setting that would do nothing beside another one is refused in one line naming both."""
+        t, why = self.train, self.no_validation()
+        for key, value in (
+            ("train.stop_at_val_loss", t.stop_at_val_loss),
+            ("train.val_every_flops", t.val_every_flops),
+        ):
+            if value and why:
+                fix = (
+                    "train.val_sequences > 0"
+                    if why.startswith("train.")
+                    else "data.val_holdout > 0 (or data.val_sources)"
+                )
+                raise ConfigError(
+                    f"{key}: {value:g} needs validation, but {why} (never validated); set {fix} or {key} 0"
+                )
+        if self.zero.offload_optimizer and self.zero.stage == 0:
+            raise ConfigError(
+                "zero.offload_optimizer: ZeRO offloads the optimizer state at stages 1-3, not with zero.stage 0; "
+                "set zero.stage 1, 2 or 3, or zero.offload_optimizer false"
+            )
+        if self.stability.policy == "rollback" and self.checkpoint.every_steps == 0:
+            raise ConfigError(
+                "stability.policy: rollback returns to a good checkpoint, but checkpoint.every_steps is 0 (one "
+                "checkpoint, at the end), so every event would halt the run; set checkpoint.every_steps > 0"
+            )
 
     def _validate_stability(self) -> None:
         s, m = self.stability, self.model

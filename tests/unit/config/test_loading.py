@@ -82,6 +82,28 @@ def test_bad_overrides_name_the_key(override, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["zero.stage=0", "zero.offload_optimizer=true"], "zero.offload_optimizer: ZeRO offloads the optimizer state"),
+        (["stability.policy=rollback", "checkpoint.every_steps=0"], "stability.policy: rollback returns to a good"),
+        (["data.val_holdout=0", "train.stop_at_val_loss=2"], "train.stop_at_val_loss: 2 needs validation, but data."),
+        (["data.val_holdout=0", "train.val_every_flops=1e9"], "train.val_every_flops: 1e+09 needs validation, but"),
+        (["train.val_sequences=0", "train.stop_at_val_loss=2"], "train.stop_at_val_loss: 2 needs validation, but tr"),
+        # controls: the same settings where they do something
+        (["zero.offload_optimizer=true"], None),  # at ZeRO-1, the preset's stage
+        (["stability.policy=rollback"], None),
+        (["data.val_holdout=0", "data.val_sources=[{path: v.txt}]", "train.stop_at_val_loss=2"], None),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused_naming_both(overrides, message):
+    if message is None:
+        load_config(ROOT / "configs" / "demo-decoder.yaml", overrides)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ROOT / "configs" / "demo-decoder.yaml", overrides)
+
+
 def test_yaml_unknown_nested_key(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  hidden: 3\n")
