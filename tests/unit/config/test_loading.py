@@ -104,6 +104,29 @@ def test_settings_that_would_do_nothing_are_refused_naming_both(overrides, messa
         load_config(ROOT / "configs" / "demo-decoder.yaml", overrides)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("layer_drop.early_exit.layers=[1.5]", "layer_drop.early_exit.layers[0]: expected int, got float 1.5"),
+        ("layer_drop.early_exit.layers=[1, x]", "layer_drop.early_exit.layers[1]: expected int, got str 'x'"),
+        ("layer_drop.early_exit.layers=3", "layer_drop.early_exit.layers: expected str or a list of int, got int 3"),
+        ("growth.schedule=[{at_step: 10, depth: 2.5}]", "growth.schedule[0].depth: expected int, got float 2.5"),
+        ("growth.schedule=[{at_step: 10, depth: [2]}]", "growth.schedule[0].depth: expected str or int, got list [2]"),
+        (
+            "train.activation_checkpointing=3",
+            "train.activation_checkpointing: expected one of none, full, selective or bool, got int 3",
+        ),
+        ("train.activation_checkpointing=most", "train.activation_checkpointing: expected one of none, full, selecti"),
+    ],
+)
+def test_a_union_field_reports_the_branch_of_the_values_kind(override, message):
+    """A field of several types (``str | list[int]``, ``str | int``, ``Literal | bool``) reports the error of the type
+    the value has the kind of (a list's bad item by its index), or every type when it has none of their kinds."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "demo-decoder.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
 def test_yaml_unknown_nested_key(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  hidden: 3\n")
