@@ -401,8 +401,7 @@ sequences, MoE token counts, ZeRO-3 gathers) fragment less and runs near the mem
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(__doc__)
-        return 0
+        return _print_help(__doc__ or "")
     cmd, rest = argv[0], argv[1:]
     if not any(Path(dev).exists() for dev in ("/dev/nvidiactl", "/dev/kfd")):  # no GPU driver: DeepSpeed would
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # warn about falling back to CPU (workers inherit this)
@@ -413,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {quote(cmd)} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     if cmd not in _ARGPARSE_COMMANDS and asks_help(rest):
-        print(command_usage(__doc__ or "", cmd))
-        return 0
+        return _print_help(command_usage(__doc__ or "", cmd))
     try:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), printed already
@@ -425,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
     except Exception as e:  # noqa: BLE001 - user errors become one line; internal ones keep their traceback
         if isinstance(e, BrokenPipeError) and _stdout_closed():  # `runs | head`: end quietly, as `ls | head` does
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
-            return 128 + signal.SIGPIPE
+            return _reader_gone()
         if os.environ.get("PRETRAIN_DEBUG"):
             raise
         known = user_error(e)
@@ -437,6 +434,25 @@ def main(argv: list[str] | None = None) -> int:
         print(without_passwords("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         print(f"error: internal error: {without_passwords(_root_cause(e))}", file=sys.stderr)
         return 1
+
+
+def _print_help(text: str) -> int:
+    """Print a help text (exit status 0); a reader that stops reading (``--help | head -2``) ends it quietly with
+    SIGPIPE's status, as a command's output does in :func:`main`."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _reader_gone()
+    return 0
+
+
+def _reader_gone() -> int:
+    """The exit status of a command whose stdout's reader has gone (SIGPIPE's); stdout then writes to /dev/null, so
+    the interpreter's final flush does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _stdout_closed() -> bool:
