@@ -28,7 +28,7 @@ from pretrain.config.yaml_reading import PLUS_INT, load_value, read_yaml
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-decoder.yaml"
 
 _HINTS: dict[type, dict[str, Any]] = {}
-_INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
+INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _INDEXED = re.compile(r"^(\w+)\[([^\]]*)\]$")  # an override's list item: sources[0]
 
@@ -63,7 +63,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 (w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices), value
             )
         if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {quote(value)}")
+            words = " (YAML reads yes/no, on/off, true/false as a boolean)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {quote(value)}{words}")
         return value
     if origin in (typing.Union, types.UnionType):
         return _coerce_union(typing.get_args(tp), value, path)
@@ -81,8 +82,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
-        if abs(value) > _INT_MAX:
-            raise ConfigError(f"{path}: {quote(value)} is out of range (at most {_INT_MAX} in absolute value)")
+        if abs(value) > INT_MAX:
+            raise ConfigError(f"{path}: {quote(value)} is out of range (at most {INT_MAX} in absolute value)")
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
@@ -201,6 +202,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     ``data.sources[0].text_field=value``: the index names an item of the list the config file gives, or of the
     default list when the file gives none; a mapping given for the item (``data.sources[0]={...}``) replaces it."""
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(
+            f"{clip(dotted)}: an empty key (or part of one, between dots or at either end); overrides look like "
+            "key.sub=value, e.g. train.lr=1e-3"
+        )
     cls: Any = RunConfig
     node = tree
     for i, part in enumerate(keys):
@@ -265,6 +271,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"{clip(text)}: overrides look like key.sub=value")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"{clip(text)}: no key before '='; overrides look like key.sub=value, e.g. train.lr=1e-3")
     try:
         value = load_value(raw) if raw != "" else ""
     except ConfigError as e:  # an alias bomb: refused, not read as text

@@ -34,6 +34,16 @@ BYTE_LEVEL_VOCAB = 260
 """The smallest trained tokenizer: a byte-level BPE has the 256 bytes and 4 special tokens."""
 MAX_GLOBAL_BATCH = 1 << 20
 """The most sequences per step we accept (the largest real runs take a few thousand)."""
+MAX_SIZE = {
+    "model.num_layers": 10_000,
+    "model.hidden_size": 1 << 20,
+    "model.ffn_size": 1 << 22,
+    "model.vocab_size": 1 << 24,
+    "model.max_seq_len": 1 << 24,
+    "moe.num_experts": 4096,
+}
+"""The largest sizes accepted: far beyond real models (126 blocks, width 16,384, 256k tokens, 1M-token contexts),
+and small enough that a shape-only model of them is built in seconds and its tensor sizes fit int64."""
 _COUNT = re.compile(r"\s*(\d+(\.\d+)?x|\+\d+|\d+)\s*")  # growth targets: 2x, 1.5x, +4, 12
 
 
@@ -158,6 +168,7 @@ class RunConfig:
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
             "checkpoint.stop_timeout_s": self.checkpoint.stop_timeout_s,
             "model.norm_eps": m.norm_eps,
+            "model.vocab_multiple": m.vocab_multiple,
             "model.init_std": m.init_std,
             "train.eps": t.eps,
             "zero.reduce_bucket_size": self.zero.reduce_bucket_size,
@@ -165,6 +176,16 @@ class RunConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {value}")
+        for key, value in (
+            ("model.num_layers", m.num_layers),
+            ("model.hidden_size", m.hidden_size),
+            ("model.ffn_size", m.ffn_size),
+            ("model.vocab_size", m.vocab_size),
+            ("model.max_seq_len", m.max_seq_len),
+            ("moe.num_experts", self.moe.num_experts),
+        ):
+            if value > MAX_SIZE[key]:
+                raise ConfigError(f"{key}: {value:,} is more than {MAX_SIZE[key]:,}, the most accepted")
         nonneg = {
             "model.vocab_size": m.vocab_size,
             "model.num_kv_heads": m.num_kv_heads,
@@ -317,6 +338,8 @@ class RunConfig:
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
+            if e.experts > MAX_SIZE["moe.num_experts"]:
+                raise ConfigError(f"{where}.experts: {e.experts:,} is more than {MAX_SIZE['moe.num_experts']:,}")
             if e.experts and not 1 <= e.top_k <= e.experts:
                 raise ConfigError(f"{where}.top_k: must be in [1, experts={e.experts}], got {e.top_k}")
             for name in e.TARGETS:

@@ -8,9 +8,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from pretrain.config import ModelConfig, MoEConfig, RunConfig, make_plan
+from pretrain.config import GrowthStep, ModelConfig, MoEConfig, RunConfig, make_plan
 from pretrain.config.errors import ConfigError
-from pretrain.config.tree import BYTE_LEVEL_VOCAB
+from pretrain.config.loading import INT_MAX
+from pretrain.config.tree import BYTE_LEVEL_VOCAB, MAX_SIZE
 
 
 def growth_stages(cfg: RunConfig) -> list[tuple[ModelConfig, MoEConfig]]:
@@ -23,10 +24,32 @@ def growth_stages(cfg: RunConfig) -> list[tuple[ModelConfig, MoEConfig]]:
     stages = [(cfg.model, cfg.moe)]
     for i, entry in enumerate(cfg.growth.schedule):
         try:
+            _check_grown_sizes(stages[-1][0], entry, f"growth.schedule[{i}]")
             stages.append(grown_architecture(*stages[-1], entry))
+        except ConfigError:
+            raise  # (a ValueError too) already naming the entry
         except ValueError as e:
             raise ConfigError(f"growth.schedule[{i}]: {e}") from None
     return stages
+
+
+def _check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> None:
+    """The sizes ``entry`` grows ``model`` to are within :data:`~pretrain.config.tree.MAX_SIZE` (checked before the
+    growth is applied, which takes time in the number of blocks)."""
+    from pretrain.model.growth import resolve_count
+    from pretrain.model.transformer import resolved_ffn_size
+
+    head_dim = model.hidden_size // model.num_heads
+    for name, key, current, unit in (
+        ("depth", "model.num_layers", model.num_layers, 1),
+        ("width", "model.hidden_size", model.hidden_size, 1),
+        ("heads", "model.hidden_size", model.num_heads, head_dim),
+        ("ffn", "model.ffn_size", resolved_ffn_size(model), 1),
+    ):
+        spec = str(getattr(entry, name))
+        size = resolve_count(spec, current) * unit if spec else 0
+        if size > MAX_SIZE[key]:
+            raise ConfigError(f"{where}.{name}: {spec} grows {key} to {size:,}, more than {MAX_SIZE[key]:,}")
 
 
 def check_growth_stages(cfg: RunConfig) -> None:
@@ -102,6 +125,11 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"train.max_flops: {t.max_flops:.4g} is spent before the last growth (step {step}, {spent:.4g} FLOPs)"
             )
         before, t.max_steps = t.max_steps, step + math.ceil((t.max_flops - spent) / per_step[-1] - 1e-9)
+        if t.max_steps > INT_MAX:
+            raise ConfigError(
+                f"train.max_flops: {t.max_flops:.4g} is {t.max_steps:.4g} steps of {per_step[-1]:.4g} FLOPs, more than "
+                f"{INT_MAX:,} (int64)"
+            )
         if announce or t.max_steps != before:
             say(
                 f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "

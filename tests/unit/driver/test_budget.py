@@ -136,6 +136,8 @@ def test_continuing_a_budgeted_run_lifts_the_budget():
         ("[{at_step: 10, depth: 2}]", "growth.schedule[0]: depth 2 is smaller than the model's 4 blocks"),
         ("[{at_step: 10, experts: 4, top_k: 1}, {at_step: 20, experts: 4}]", "growth.schedule[1]: experts: the model"),
         ("[{at_step: 10, depth: 2x}, {at_step: 20, depth: 6}]", "growth.schedule[1]: depth 6 is smaller than"),
+        ("[{at_step: 10, depth: 1000000000}]", "growth.schedule[0].depth: 1000000000 grows model.num_layers to 1,0"),
+        ("[{at_step: 10, heads: 100000}]", "growth.schedule[0].heads: 100000 grows model.hidden_size to 1,600,000"),
     ],
 )
 def test_growth_that_cannot_apply_is_refused_naming_its_entry(schedule, message):
@@ -147,6 +149,12 @@ def test_growth_that_cannot_apply_is_refused_naming_its_entry(schedule, message)
     assert cfg.model.vocab_size == 0
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_growth_stages(cfg)
+
+
+def test_a_budget_of_more_steps_than_int64_is_refused():
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e40"])
+    with pytest.raises(ConfigError, match=r"^train\.max_flops: 1e\+40 is .* steps of .* FLOPs, more than 9,223,372"):
+        resolve_budget(cfg, say=lambda _: None)
 
 
 def test_a_budget_over_a_growth_that_cannot_apply_is_a_config_error():
