@@ -77,7 +77,7 @@ from pathlib import Path
 from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
 from pretrain.config.errors import quote, without_passwords
-from pretrain.usage import asks_help, command_usage
+from pretrain.usage import asks_help, command_usage, print_help, reader_gone, stdout_closed
 
 
 def cmd_train(args: list[str]) -> int:
@@ -401,8 +401,7 @@ sequences, MoE token counts, ZeRO-3 gathers) fragment less and runs near the mem
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(__doc__)
-        return 0
+        return print_help(__doc__ or "")
     cmd, rest = argv[0], argv[1:]
     if not any(Path(dev).exists() for dev in ("/dev/nvidiactl", "/dev/kfd")):  # no GPU driver: DeepSpeed would
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # warn about falling back to CPU (workers inherit this)
@@ -413,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {quote(cmd)} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     if cmd not in _ARGPARSE_COMMANDS and asks_help(rest):
-        print(command_usage(__doc__ or "", cmd))
-        return 0
+        return print_help(command_usage(__doc__ or "", cmd))
     try:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), printed already
@@ -424,9 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 128 + signum
     except Exception as e:  # noqa: BLE001 - user errors become one line; internal ones keep their traceback
-        if isinstance(e, BrokenPipeError) and _stdout_closed():  # `runs | head`: end quietly, as `ls | head` does
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
-            return 128 + signal.SIGPIPE
+        if isinstance(e, BrokenPipeError) and stdout_closed():  # `runs | head`: end quietly, as `ls | head` does
+            return reader_gone()
         if os.environ.get("PRETRAIN_DEBUG"):
             raise
         known = user_error(e)
@@ -437,15 +434,3 @@ def main(argv: list[str] | None = None) -> int:
         print(without_passwords("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         print(f"error: internal error: {without_passwords(_root_cause(e))}", file=sys.stderr)
         return 1
-
-
-def _stdout_closed() -> bool:
-    """Whether stdout is a pipe whose reader has gone (any other broken pipe is an error like any other)."""
-    import select
-
-    try:
-        poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
-    except (OSError, ValueError, AttributeError):  # no file descriptor (captured output)
-        return False

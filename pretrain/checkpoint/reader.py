@@ -18,15 +18,15 @@ from pretrain.checkpoint import layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_FULL
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
 from pretrain.config import ConfigError, RunConfig, load_config
-from pretrain.config.loading import read_yaml
 from pretrain.config.moved import migrate
+from pretrain.config.yaml_reading import read_yaml
 
 StateDict = dict[str, torch.Tensor]
 
 
 def config_dict(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     """The checkpoint's resolved config as a plain dict (CheckpointError when it has none), read as a config file is
-    (:func:`~pretrain.config.loading.read_yaml`: an alias bomb is refused before it is expanded)."""
+    (:func:`~pretrain.config.yaml_reading.read_yaml`: an alias bomb is refused before it is expanded)."""
     path = ckpt.path / layout.CONFIG
     if not path.is_file():
         raise CheckpointError(f"{ckpt.path}: no {layout.CONFIG}")

@@ -309,6 +309,30 @@ class GrowthConfig:
     positive, else the parent's ``train.warmup_steps``: the child starts with fresh AdamW moments) and re-warms from
     its first step."""
 
+    def check_order(self) -> None:
+        """The growth points of each kind (``at_step``, once set or given alone; ``at_tokens``; ``at_fraction``)
+        strictly increase along the schedule; the first that does not is refused naming both entries. (Points of
+        different kinds are compared once resolved into steps: ``pretrain/driver/budget.py``.)"""
+        for kind in ("at_step", "at_tokens", "at_fraction"):
+            points = [(i, getattr(e, kind)) for i, e in enumerate(self.schedule) if getattr(e, kind)]
+            for (i, a), (j, b) in zip(points, points[1:]):
+                if b <= a:
+                    raise ConfigError(
+                        f"growth.schedule[{j}]: {kind} {b!r} is not after growth.schedule[{i}]'s {a!r}; "
+                        "the growths must come in order, each at a later point"
+                    )
+
+    def check_given_points(self) -> None:
+        """A schedule as written (a config file and overrides, not a run's resolved config, which records the
+        ``at_step`` derived beside ``at_tokens`` / ``at_fraction``): each entry gives at most one growth point."""
+        for i, e in enumerate(self.schedule):
+            if e.at_step and (e.at_tokens or e.at_fraction):
+                other = "at_tokens" if e.at_tokens else "at_fraction"
+                raise ConfigError(
+                    f"growth.schedule[{i}]: at_step {e.at_step} and {other} {getattr(e, other)!r} both give the "
+                    f"growth point; set one ({other} is resolved into at_step when the run is created)"
+                )
+
     def rewarm(self, warmup_steps: int) -> int:
         """The re-warm in steps (``rewarm_steps``, with -1 resolved to the run's ``warmup_steps``)."""
         return warmup_steps if self.rewarm_steps < 0 else self.rewarm_steps

@@ -1,8 +1,7 @@
-"""Strict loading of the config tree: YAML plus dotted overrides; unknown keys, duplicate keys, wrong types
-and non-finite or out-of-range numbers raise :class:`ConfigError` naming the full key path; an empty config
-file is refused, and so is YAML whose aliases expand it beyond ``MAX_YAML_VALUES`` values (an alias bomb);
-messages show at most ``errors.LIMIT`` characters of a value; round trip through :func:`to_dict` /
-:func:`from_dict`."""
+"""Strict loading of the config tree: YAML (read by ``yaml_reading.py``: duplicate keys and alias bombs refused)
+plus dotted overrides; unknown keys, wrong types and non-finite or out-of-range numbers raise :class:`ConfigError`
+naming the full key path; an empty config file is refused; messages show at most ``errors.LIMIT`` characters of a
+value; round trip through :func:`to_dict` / :func:`from_dict`."""
 
 from __future__ import annotations
 
@@ -23,14 +22,14 @@ from pretrain.config.errors import clip, not_a, quote
 from pretrain.config.moved import check_key, migrate
 from pretrain.config.runtime import YAML_KEY
 from pretrain.config.tree import ConfigError, RunConfig
+from pretrain.config.yaml_reading import PLUS_INT, load_value, read_yaml
 
 # The config `train` and `submit` use when none is given (absolute: repository root / configs).
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-decoder.yaml"
 
 _HINTS: dict[type, dict[str, Any]] = {}
-_INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
+INT_MAX = (1 << 63) - 1  # ints travel through torch, numpy and JSON as int64
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_PLUS_INT = re.compile(r"^\+[0-9]+$")  # kept as text by the loader (a growth increment); int keys convert it back
 _INDEXED = re.compile(r"^(\w+)\[([^\]]*)\]$")  # an override's list item: sources[0]
 
 
@@ -64,21 +63,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 (w for w in (("yes", "on", "true") if value else ("no", "off", "false")) if w in choices), value
             )
         if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {quote(value)}")
+            words = " (YAML reads yes/no, on/off, true/false as a boolean)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: expected one of {', '.join(map(str, choices))}; got {quote(value)}{words}")
         return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: invalid value {quote(value)}")
+        return _coerce_union(typing.get_args(tp), value, path)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
@@ -89,12 +78,12 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
         return value
     if tp is int:
-        if isinstance(value, str) and _PLUS_INT.match(value.strip()):  # `+4`, which the loader keeps as text
+        if isinstance(value, str) and PLUS_INT.match(value.strip()):  # `+4`, which the loader keeps as text
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
-        if abs(value) > _INT_MAX:
-            raise ConfigError(f"{path}: {quote(value)} is out of range (at most {_INT_MAX} in absolute value)")
+        if abs(value) > INT_MAX:
+            raise ConfigError(f"{path}: {quote(value)} is out of range (at most {INT_MAX} in absolute value)")
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):  # YAML 1.1 reads 3e-4 as a string
@@ -113,6 +102,56 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")
         return value
     raise TypeError(f"unsupported config type {tp!r} at {path}")  # internal: the tree uses only the above
+
+
+def _shape(value: Any) -> str:
+    """The kind of a plain value, as the branches of a union are told apart: bool, number, str, list or mapping."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (str, list)):
+        return type(value).__name__
+    return "mapping" if isinstance(value, dict) else type(value).__name__
+
+
+def _shape_of(tp: Any) -> str:
+    """The kind of value type ``tp`` takes (see :func:`_shape`)."""
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if typing.get_origin(tp) is Literal:
+        return _shape(typing.get_args(tp)[0])
+    if typing.get_origin(tp) is list:
+        return "list"
+    if tp is bool:
+        return "bool"
+    return "number" if tp in (int, float) else "str" if tp is str else ""
+
+
+def _expected(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) is list:
+        return f"a list of {getattr(typing.get_args(tp)[0], '__name__', 'values')}"
+    return "a mapping" if dataclasses.is_dataclass(tp) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce_union(args: tuple, value: Any, path: str) -> Any:
+    """``value`` as the first branch of a union that takes it; refused with the error of the branch of the value's
+    kind (a list checked as the list branch, naming the bad item), or naming every branch when none is of it."""
+    if value is None and type(None) in args:
+        return None
+    branches = [arg for arg in args if arg is not type(None)]
+    errors: dict[int, str] = {}
+    for i, arg in enumerate(branches):
+        try:
+            return _coerce(arg, value, path)
+        except ConfigError as e:
+            errors[i] = str(e)
+    same = [i for i, arg in enumerate(branches) if _shape_of(arg) == _shape(value)]
+    if same:
+        raise ConfigError(errors[same[0]])
+    raise ConfigError(f"{path}: expected {' or '.join(map(_expected, branches))}, got {_describe(value)}")
 
 
 def _build(cls: type, data: dict, path: str) -> Any:
@@ -158,9 +197,16 @@ def to_dict(cfg: Any) -> Any:
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Set ``a.b.c=value`` in a nested dict, checking each key against its section (an unknown key is refused with
-    the valid ones). A list of sections takes an index, ``data.sources[0].text_field=value``: the index names an item
-    of the list the config file gives, or of the default list when the file gives none."""
+    the valid ones). A mapping given for a section (``model={num_layers: 6}``) is merged into the section's keys so
+    far, as a config file is merged (lists in it replace the lists there whole). A list of sections takes an index,
+    ``data.sources[0].text_field=value``: the index names an item of the list the config file gives, or of the
+    default list when the file gives none; a mapping given for the item (``data.sources[0]={...}``) replaces it."""
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(
+            f"{clip(dotted)}: an empty key (or part of one, between dots or at either end); overrides look like "
+            "key.sub=value, e.g. train.lr=1e-3"
+        )
     cls: Any = RunConfig
     node = tree
     for i, part in enumerate(keys):
@@ -211,8 +257,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             child: dict = dict(items[index])
             items[index] = child
         else:
-            if last:
-                node[key] = value
+            if last:  # a section given whole merges into what is there, as a config file does; anything else is set
+                merge = dataclasses.is_dataclass(tp) and isinstance(value, dict) and isinstance(node.get(key), dict)
+                node[key] = _merge(node[key], value) if merge else value
                 return
             child = node[key] if isinstance(node.get(key), dict) else {}
             node[key] = child
@@ -224,8 +271,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"{clip(text)}: overrides look like key.sub=value")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"{clip(text)}: no key before '='; overrides look like key.sub=value, e.g. train.lr=1e-3")
     try:
-        value = _load_value(raw) if raw != "" else ""
+        value = load_value(raw) if raw != "" else ""
     except ConfigError as e:  # an alias bomb: refused, not read as text
         raise ConfigError(f"{clip(key.strip())}: {e}") from None
     except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # ValueError: e.g. a date 2001-13-45
@@ -233,131 +282,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-class _Loader(yaml.SafeLoader):
-    """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently). A plain scalar ``+N``
-    stays the text ``'+N'`` (YAML 1.1 would read the int N, so ``depth: +4`` in a growth schedule would silently
-    mean a total of 4 blocks, not 4 more); int keys convert it back to N."""
-
-
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.yaml_implicit_resolvers["+"] = [("tag:yaml.org,2002:str", _PLUS_INT), *_Loader.yaml_implicit_resolvers["+"]]
-
-MAX_YAML_VALUES = 100_000
-"""The most values (scalars, lists, mappings, keys) one YAML config file or override value may stand for, each
-``*alias`` counted as a copy of its ``&anchor``: a config has a few hundred, an alias bomb ("billion laughs", ten
-nested lists of nine aliases in 350 bytes) a billion."""
-
-
-def _check_size(node: yaml.Node, sizes: dict[int, int] | None = None, open_: set[int] | None = None) -> int:
-    """How many values the composed ``node`` stands for once its aliases are expanded; :class:`ConfigError` above
-    ``MAX_YAML_VALUES`` or for an alias inside the value it names (a recursive structure). An alias is the very
-    node of its anchor, so memoising by node counts the expansion in time linear in the document, before any
-    Python object is built."""
-    sizes = {} if sizes is None else sizes
-    open_ = set() if open_ is None else open_
-    if id(node) in sizes:
-        return sizes[id(node)]
-    if id(node) in open_:
-        raise ConfigError("a YAML alias (*name) refers to a value that contains it (a recursive structure)")
-    open_.add(id(node))
-    children: list[yaml.Node] = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [part for pair in node.value for part in pair]
-    size = 1
-    for child in children:
-        size += _check_size(child, sizes, open_)
-        if size > MAX_YAML_VALUES:
-            raise ConfigError(
-                f"its YAML aliases (*name) expand it beyond {MAX_YAML_VALUES:,} values (an alias bomb?); a config "
-                f"has a few hundred"
-            )
-    open_.discard(id(node))
-    sizes[id(node)] = size
-    return size
-
-
-def _load_value(text: str) -> Any:
-    """One YAML document as plain data (None when it has none), refused by :func:`_check_size` before it is built."""
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_size(node)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def _check_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:
-    """Refuse a mapping that repeats a key, naming its full key path and both lines."""
-    if id(node) in seen:  # an alias: already checked
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first: dict[tuple[str, str], int] = {}
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                where = f"{path}.{key_node.value}" if path else str(key_node.value)
-                line = key_node.start_mark.line + 1
-                ident = (key_node.tag, key_node.value)
-                if ident in first:
-                    raise ConfigError(f"{clip(where)}: duplicate key (lines {first[ident]} and {line})")
-                first[ident] = line
-                _check_duplicates(value_node, where, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_duplicates(item, f"{path}[{i}]", seen)
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None) or getattr(e, "context", None)
-    if problem and mark is not None:
-        return f"{clip(problem)} (line {mark.line + 1}, column {mark.column + 1})"
-    return clip(" ".join(str(e).split()))
-
-
-def read_yaml(path: str | Path) -> Any:
-    """A YAML file as plain data; None for an empty one (no document, or only comments). Invalid YAML,
-    undecodable bytes, duplicate keys and aliases that expand it beyond ``MAX_YAML_VALUES`` values raise
-    :class:`ConfigError` naming the file."""
-    where = clip(path)
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read the config file ({e.strerror or e})") from None
-    loader = None
-    try:
-        loader = _Loader(text)
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_size(node)  # before anything walks the aliases' expansion
-        _check_duplicates(node, "", set())
-        return loader.construct_document(node)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(e)}") from None
-    except (ValueError, TypeError) as e:  # PyYAML's constructors: e.g. a date 2001-13-45
-        raise ConfigError(f"{where}: invalid YAML value: {clip(e)}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None
 ) -> RunConfig:
     """Load YAML (or start from ``base``: a stored, resolved config, whose moved keys are migrated), apply dotted
-    overrides, validate strictly."""
+    overrides, validate strictly. Without ``base`` the config is one as written, so a growth entry that gives
+    ``at_step`` beside ``at_tokens`` or ``at_fraction`` is refused (a stored config records both)."""
     tree: dict = {} if base is None else migrate(base)
     if path is not None:
         p, where = Path(path), clip(path)
@@ -377,7 +307,11 @@ def load_config(
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    return from_dict(tree)
+    if base is not None:  # a stored config: its growth points may be resolved already
+        return from_dict(tree)
+    cfg = _build(RunConfig, tree, "")
+    cfg.growth.check_given_points()
+    return cfg.validate()
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:

@@ -9,12 +9,14 @@ from pretrain.config.tree import RunConfig
 
 
 def absolute(path: str, base: Path) -> str:
-    """``path`` made absolute against ``base`` (empty and absolute paths unchanged)."""
+    """``path`` with a leading ``~`` or ``~user`` expanded, made absolute against ``base`` (empty and absolute paths
+    unchanged)."""
+    path = os.path.expanduser(path)
     return str((base / path).resolve()) if path and not Path(path).is_absolute() else path
 
 
 def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
-    """Make every local path absolute (workers do not share the driver's working directory)."""
+    """Make every local path absolute (workers do not share the driver's working directory), ``~`` expanded."""
     base = base or Path.cwd()
     c = cfg
     c.checkpoint.dir = absolute(c.checkpoint.dir, base)
@@ -24,6 +26,7 @@ def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
     c.model.init_from_hf = absolute(c.model.init_from_hf, base)
     for src in [*c.data.sources, *c.data.val_sources]:
         if src.path != "demo" and src.format != "hub" and "://" not in src.path:
+            src.path = os.path.expanduser(src.path)
             candidate = base / src.path
             exists = os.path.exists(candidate)  # (Path.exists raises on a name too long)
             if not Path(src.path).is_absolute() and (exists or any(ch in src.path for ch in "*?[")):

@@ -33,7 +33,7 @@ class ZeroConfig:
     offload_optimizer: bool = False
     """Offload optimizer state to CPU memory (stages 1-3): the fp32 masters and AdamW moments live in host memory
     and torch's fused AdamW steps them there (on GPU runs, GPU memory for host memory and a step that waits on the
-    host)."""
+    host). Refused with ``stage: 0``, which has no optimizer state of ZeRO's to offload."""
     reduce_bucket_size: int = 50_000_000
     """Elements per gradient reduction bucket."""
     overlap_comm: bool = False
@@ -232,7 +232,8 @@ class StabilityConfig:
     spiking step (weights and optimizer state untouched, the batch is consumed); a divergence is only
     logged. ``rollback``: skip non-finite steps; on a spike or divergence (or too many consecutive skips)
     restore the last good checkpoint, continue from the current data position (skipping the data window
-    since that checkpoint) with a cooled-down LR. ``halt``: stop at the first event with a report.
+    since that checkpoint) with a cooled-down LR (needs ``checkpoint.every_steps`` > 0). ``halt``: stop at the
+    first event with a report.
     Default ``skip``, as OLMo-core's skip-step optimizer: cheap, and a false positive costs one batch."""
     health_every: int = 10
     """Log health metrics (per-block gradient/parameter norms, update/parameter ratios, activation RMS and

@@ -55,7 +55,8 @@ class TrainConfig:
     val_every_flops: float = 0.0
     """Also validate each time the run's training FLOPs (``train/flops``: model FLOPs per token times tokens, each
     growth stage counted at its own size) pass a multiple of this; 0: off. Runs of different sizes, grown or not,
-    are then validated at the same FLOPs (``val_every: 0`` for these points only)."""
+    are then validated at the same FLOPs (``val_every: 0`` for these points only). Needs validation, as
+    ``stop_at_val_loss`` does."""
     max_flops: float = 0.0
     """A training budget in FLOPs (as ``train/flops`` counts them); > 0 derives ``max_steps`` (printed when the run
     is created): the steps whose FLOPs reach the budget, the model before each growth counted at its size. A run
@@ -82,7 +83,8 @@ class TrainConfig:
     dropout does not recompile; the health probe's forwards (``stability.health_every``) run eagerly, so its hooks
     recompile nothing."""
     stop_at_val_loss: float = 0.0
-    """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never."""
+    """End the run (with its final checkpoint) at the first validation whose loss is at or below this; 0 never.
+    Needs validation (``data.val_holdout`` > 0 or ``data.val_sources``, and ``val_sequences`` > 0)."""
     profile_at: int = 0
     """Profile training steps from this one (1-based) with the torch profiler: a Chrome trace and an operator table
     per rank in ``RUN_DIR/profile/`` (rank 0's also in MLflow); 0 never."""

@@ -34,6 +34,16 @@ BYTE_LEVEL_VOCAB = 260
 """The smallest trained tokenizer: a byte-level BPE has the 256 bytes and 4 special tokens."""
 MAX_GLOBAL_BATCH = 1 << 20
 """The most sequences per step we accept (the largest real runs take a few thousand)."""
+MAX_SIZE = {
+    "model.num_layers": 10_000,
+    "model.hidden_size": 1 << 20,
+    "model.ffn_size": 1 << 22,
+    "model.vocab_size": 1 << 24,
+    "model.max_seq_len": 1 << 24,
+    "moe.num_experts": 4096,
+}
+"""The largest sizes accepted: far beyond real models (126 blocks, width 16,384, 256k tokens, 1M-token contexts),
+and small enough that a shape-only model of them is built in seconds and its tensor sizes fit int64."""
 _COUNT = re.compile(r"\s*(\d+(\.\d+)?x|\+\d+|\d+)\s*")  # growth targets: 2x, 1.5x, +4, 12
 
 
@@ -157,10 +167,25 @@ class RunConfig:
             "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
             "data.tokenizer_train_docs": d.tokenizer_train_docs,
             "checkpoint.stop_timeout_s": self.checkpoint.stop_timeout_s,
+            "model.norm_eps": m.norm_eps,
+            "model.vocab_multiple": m.vocab_multiple,
+            "model.init_std": m.init_std,
+            "train.eps": t.eps,
+            "zero.reduce_bucket_size": self.zero.reduce_bucket_size,
         }
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{key}: must be > 0, got {value}")
+        for key, value in (
+            ("model.num_layers", m.num_layers),
+            ("model.hidden_size", m.hidden_size),
+            ("model.ffn_size", m.ffn_size),
+            ("model.vocab_size", m.vocab_size),
+            ("model.max_seq_len", m.max_seq_len),
+            ("moe.num_experts", self.moe.num_experts),
+        ):
+            if value > MAX_SIZE[key]:
+                raise ConfigError(f"{key}: {value:,} is more than {MAX_SIZE[key]:,}, the most accepted")
         nonneg = {
             "model.vocab_size": m.vocab_size,
             "model.num_kv_heads": m.num_kv_heads,
@@ -179,9 +204,7 @@ class RunConfig:
             "train.num_threads": t.num_threads,
             "data.piece_chars": d.piece_chars,
             "data.shuffle_sequences": d.shuffle_sequences,
-            "model.init_std": m.init_std,
             "train.weight_decay": t.weight_decay,
-            "train.eps": t.eps,
             "train.grad_clip": t.grad_clip,
             "train.profile_at": t.profile_at,
             "growth.check_tolerance": self.growth.check_tolerance,
@@ -250,6 +273,7 @@ class RunConfig:
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
+        self._validate_effective()
         self.moe.validate(m.num_layers)
         rules.check_expert(self)
         rules.check_compile(self)
@@ -289,13 +313,8 @@ class RunConfig:
         rules.check_growth(self)
         if g.rewarm_steps < -1:
             raise ConfigError(f"growth.rewarm_steps: must be >= 0 (or -1: train.warmup_steps), got {g.rewarm_steps}")
-        steps = [e.at_step for e in g.schedule if e.at_step or not e.derived_step]  # derived: checked once set
-        if g.schedule and (self.train.val_sequences == 0 or not (self.data.val_sources or self.data.val_holdout > 0)):
-            why = (
-                "train.val_sequences is 0"
-                if self.train.val_sequences == 0
-                else "data.val_holdout is 0 and data.val_sources is empty"
-            )
+        why = self.no_validation()
+        if g.schedule and why:
             raise ConfigError(
                 f"growth.schedule: every growth checks the loss on a held-back validation batch, but "
                 f"{why}; set train.val_sequences > 0 and data.val_holdout > 0 (or data.val_sources)"
@@ -314,12 +333,15 @@ class RunConfig:
                     else f"{where}: no growth point: set train.max_flops to grow at the default point (at_fraction "
                     f"{e.fraction:g} of the budget), or give at_step, at_tokens or at_fraction"
                 )
-            if e.derived_step and not e.at_step:
-                continue  # at_step is derived from at_tokens / at_fraction when the run is created
-            if not 0 < e.at_step < self.train.max_steps:
+            if not (e.derived_step and not e.at_step) and not 0 < e.at_step < self.train.max_steps:
+                # (a derived at_step is set from at_tokens / at_fraction when the run is created)
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
             if e.noise < 0 or e.experts < 0:
                 raise ConfigError(f"{where}: noise and experts must be >= 0")
+            if e.experts > MAX_SIZE["moe.num_experts"]:
+                raise ConfigError(f"{where}.experts: {e.experts:,} is more than {MAX_SIZE['moe.num_experts']:,}")
+            if e.experts and not 1 <= e.top_k <= e.experts:
+                raise ConfigError(f"{where}.top_k: must be in [1, experts={e.experts}], got {e.top_k}")
             for name in e.TARGETS:
                 spec, shown = str(getattr(e, name)), quote(str(getattr(e, name)))
                 if spec and not _COUNT.fullmatch(spec):
@@ -328,8 +350,40 @@ class RunConfig:
                     )
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
                     raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
-        if steps != sorted(set(steps)):
-            raise ConfigError("growth.schedule: at_step values must be increasing and distinct")
+        g.check_order()
+
+    def no_validation(self) -> str:
+        """Why the run never validates (no held-back data, or no validation sequences); "" when it does."""
+        if not (self.data.val_sources or self.data.val_holdout > 0):
+            return "data.val_holdout is 0 and data.val_sources is empty"
+        return "train.val_sequences is 0" if self.train.val_sequences == 0 else ""
+
+    def _validate_effective(self) -> None:
+        """A setting that would do nothing beside another one is refused in one line naming both."""
+        t, why = self.train, self.no_validation()
+        for key, value in (
+            ("train.stop_at_val_loss", t.stop_at_val_loss),
+            ("train.val_every_flops", t.val_every_flops),
+        ):
+            if value and why:
+                fix = (
+                    "train.val_sequences > 0"
+                    if why.startswith("train.")
+                    else "data.val_holdout > 0 (or data.val_sources)"
+                )
+                raise ConfigError(
+                    f"{key}: {value:g} needs validation, but {why} (never validated); set {fix} or {key} 0"
+                )
+        if self.zero.offload_optimizer and self.zero.stage == 0:
+            raise ConfigError(
+                "zero.offload_optimizer: ZeRO offloads the optimizer state at stages 1-3, not with zero.stage 0; "
+                "set zero.stage 1, 2 or 3, or zero.offload_optimizer false"
+            )
+        if self.stability.policy == "rollback" and self.checkpoint.every_steps == 0:
+            raise ConfigError(
+                "stability.policy: rollback returns to a good checkpoint, but checkpoint.every_steps is 0 (one "
+                "checkpoint, at the end), so every event would halt the run; set checkpoint.every_steps > 0"
+            )
 
     def _validate_stability(self) -> None:
         s, m = self.stability, self.model

@@ -4,20 +4,70 @@ each growth stage counted at its own FLOPs per token (:mod:`pretrain.model.growt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
-from pretrain.config import RunConfig, make_plan
+from pretrain.config import GrowthStep, ModelConfig, MoEConfig, RunConfig, make_plan
 from pretrain.config.errors import ConfigError
+from pretrain.config.loading import INT_MAX
+from pretrain.config.tree import BYTE_LEVEL_VOCAB, MAX_SIZE
+
+
+def growth_stages(cfg: RunConfig) -> list[tuple[ModelConfig, MoEConfig]]:
+    """The architecture before the first growth of ``growth.schedule`` and after each, built as
+    :func:`pretrain.model.growth_stages.stage_architectures` builds them (weightless). An entry that cannot grow the
+    model it is applied to (a ``tile`` factor that is not whole, a smaller depth, an MoE model upcycled again...)
+    is refused with a :class:`ConfigError` naming the entry."""
+    from pretrain.model.growth_stages import grown_architecture
+
+    stages = [(cfg.model, cfg.moe)]
+    for i, entry in enumerate(cfg.growth.schedule):
+        try:
+            _check_grown_sizes(stages[-1][0], entry, f"growth.schedule[{i}]")
+            stages.append(grown_architecture(*stages[-1], entry))
+        except ConfigError:
+            raise  # (a ValueError too) already naming the entry
+        except ValueError as e:
+            raise ConfigError(f"growth.schedule[{i}]: {e}") from None
+    return stages
+
+
+def _check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> None:
+    """The sizes ``entry`` grows ``model`` to are within :data:`~pretrain.config.tree.MAX_SIZE` (checked before the
+    growth is applied, which takes time in the number of blocks)."""
+    from pretrain.model.growth import resolve_count
+    from pretrain.model.transformer import resolved_ffn_size
+
+    head_dim = model.hidden_size // model.num_heads
+    for name, key, current, unit in (
+        ("depth", "model.num_layers", model.num_layers, 1),
+        ("width", "model.hidden_size", model.hidden_size, 1),
+        ("heads", "model.hidden_size", model.num_heads, head_dim),
+        ("ffn", "model.ffn_size", resolved_ffn_size(model), 1),
+    ):
+        spec = str(getattr(entry, name))
+        size = resolve_count(spec, current) * unit if spec else 0
+        if size > MAX_SIZE[key]:
+            raise ConfigError(f"{where}.{name}: {spec} grows {key} to {size:,}, more than {MAX_SIZE[key]:,}")
+
+
+def check_growth_stages(cfg: RunConfig) -> None:
+    """Every entry of ``growth.schedule`` applies to the model before it (:func:`growth_stages`), checked before a
+    run is recorded; a vocabulary size still to be taken from the tokenizer (0) is stood in for, as growth never
+    changes it."""
+    if not cfg.growth.schedule:
+        return
+    model = cfg.model if cfg.model.vocab_size > 0 else dataclasses.replace(cfg.model, vocab_size=BYTE_LEVEL_VOCAB)
+    growth_stages(dataclasses.replace(cfg, model=model))
 
 
 def stage_flops_per_step(cfg: RunConfig) -> list[float]:
     """Training FLOPs of one optimizer step before the first growth of ``growth.schedule`` and after each."""
     from pretrain.model import flops_per_token
-    from pretrain.model.growth_stages import stage_architectures
 
     plan = make_plan(cfg, cfg.cluster.num_workers)
-    stages = stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)
+    stages = growth_stages(cfg)
     return [flops_per_token(m, plan.seq_len, moe) * plan.tokens_per_step for m, moe in stages]
 
 
@@ -46,6 +96,12 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
             entry.at_step = math.ceil(entry.at_tokens / plan.tokens_per_step)
         elif fraction:
             goal = fraction * t.max_flops
+            if i and goal <= spent:
+                raise ConfigError(
+                    f"{where}: {'' if entry.at_fraction else 'the default point, '}at_fraction {fraction:g} of "
+                    f"train.max_flops is spent by step {step}, where "
+                    f"growth.schedule[{i - 1}] grows; the growths must come in order, each at a later point"
+                )
             entry.at_step = step + max(1, math.ceil((goal - spent) / per_step[i] - 1e-9))
         changed = announce or entry.at_step != before
         if changed and entry.at_tokens:
@@ -69,6 +125,11 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"train.max_flops: {t.max_flops:.4g} is spent before the last growth (step {step}, {spent:.4g} FLOPs)"
             )
         before, t.max_steps = t.max_steps, step + math.ceil((t.max_flops - spent) / per_step[-1] - 1e-9)
+        if t.max_steps > INT_MAX:
+            raise ConfigError(
+                f"train.max_flops: {t.max_flops:.4g} is {t.max_steps:.4g} steps of {per_step[-1]:.4g} FLOPs, more than "
+                f"{INT_MAX:,} (int64)"
+            )
         if announce or t.max_steps != before:
             say(
                 f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "

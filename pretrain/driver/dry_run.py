@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pretrain.config import RunConfig, make_plan
 from pretrain.config.paths import resolve_paths
-from pretrain.driver.budget import resolve_budget
+from pretrain.driver.budget import check_growth_stages, resolve_budget
 from pretrain.driver.memory_plan import count_parameters
 from pretrain.driver.memory_report import plan_rows
 from pretrain.driver.prepare import _round_up, preflight
@@ -102,6 +102,7 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
         from pretrain.driver.prepare import _adopt_hf_model
 
         _adopt_hf_model(cfg)
+        check_growth_stages(cfg)
     tok, length = _tokenizer_line(cfg)
     m, t, c = cfg.model, cfg.train, cfg.cluster
     if m.vocab_size == 0:
@@ -132,6 +133,8 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
         ", ".join(s.name or s.path for s in cfg.data.val_sources)
         if cfg.data.val_sources
         else f"{cfg.data.val_holdout:.2%} of the training documents held out"
+        if cfg.data.val_holdout > 0
+        else "none"
     )
     rows = [
         ("config", f"{cfg.name} ({config_path})"),
@@ -149,7 +152,12 @@ def _dry_run(cfg: RunConfig, config_path: str) -> int:
         (
             "steps",
             f"{t.max_steps:,} ({t.max_steps * plan.tokens_per_step:,} tokens), lr {t.lr:g} {t.decay}, "
-            f"warmup {t.warmup_steps}, validation every {t.val_every or t.max_steps} steps",
+            f"warmup {t.warmup_steps}, "
+            + (
+                f"no validation ({cfg.no_validation()})"
+                if cfg.no_validation()
+                else f"validation every {t.val_every or t.max_steps} steps"
+            ),
         ),
         ("engine", f"DeepSpeed ZeRO-{cfg.zero.stage}, precision {t.precision}, compile {t.compile}"),
         (

@@ -5,9 +5,11 @@ Runs once on the driver before any worker starts, so workers receive a fully res
 
 :func:`preflight` comes first: the checks that need the file system (the checkpoint directory can be
 created and written, the given tokenizer / HF model / resume directories exist) and the corpus checks of
-:mod:`pretrain.data.sanity` (every source opened, a bounded prefix read, the split planned). They refuse
-a bad run with one :class:`ConfigError` line before an MLflow run or a run directory exists, and before
-torch, transformers or Ray are imported (this module imports them lazily), so within a second or two.
+:mod:`pretrain.data.sanity` (every source opened, a bounded prefix read, the split planned), and each
+``growth.schedule`` entry applied to a weightless model (:func:`pretrain.driver.budget.check_growth_stages`).
+They refuse a bad run with one :class:`ConfigError` line before an MLflow run or a run directory exists, and
+(without a growth schedule, whose check builds meta-device models) before torch, transformers or Ray are imported
+(this module imports them lazily), so within a second or two.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pretrain.config.errors import clip, not_a
 from pretrain.config.paths import resolve_paths
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.sanity import check_corpus, hub_sources
-from pretrain.driver.budget import keep_resolved_budget, resolve_budget
+from pretrain.driver.budget import check_growth_stages, keep_resolved_budget, resolve_budget
 from pretrain.driver.run_lock import hold_run
 from pretrain.train import tracking
 from pretrain.train.stop_request import stops_deferred
@@ -80,8 +82,9 @@ def _check_gpu_request(cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     """The driver's checks before anything is created (paths already absolute): directories, the worker layout
-    (an embedded local Ray must be able to place it: :func:`cluster.placement.check_local_layout`), then the
-    corpus (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
+    (an embedded local Ray must be able to place it: :func:`cluster.placement.check_local_layout`), the growth
+    schedule against the model (:func:`pretrain.driver.budget.check_growth_stages`), then the corpus
+    (:func:`pretrain.data.sanity.check_corpus`). Sets ``data.piece_chars`` when the documents are
     too few for a document-level split, and says so in one line.
 
     ``probe=False`` (``train --dry-run``, which plans for another machine): only what this machine can check of
@@ -102,6 +105,8 @@ def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     _check_dir(cfg.data.tokenizer, "data.tokenizer", " (a saved Hugging Face tokenizer)")
     _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
+    if not m.init_from_hf:  # else the architecture is the Hugging Face model's, checked once it is adopted
+        check_growth_stages(cfg)
     plan = check_corpus(
         cfg.data,
         seq_len=cfg.model.max_seq_len,
@@ -242,6 +247,7 @@ def prepare_new(
             time.sleep(cfg.faults.slow_run_creation_s)
         if cfg.model.init_from_hf:
             _adopt_hf_model(cfg)
+            check_growth_stages(cfg)
         _warn_if_not_exportable(cfg)
         tok_dir = run_dir / layout.RUN_TOKENIZER
         timeline.enter("tokenizer")

@@ -1,6 +1,9 @@
-"""The MoE section of the config (``pretrain/config/capabilities.py``): bad values named by path, the presets."""
+"""The capability sections of the config (``pretrain/config/capabilities.py``): bad MoE values named by path, the
+presets, growth points."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -38,3 +41,26 @@ def test_zero3_with_ep1_and_presets_validate():
         assert cfg.moe.enabled
     demo = load_config(ROOT / "configs" / "demo-moe.yaml")
     assert (demo.model.kind, demo.moe.num_experts, demo.moe.top_k) == ("decoder", 4, 2)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("[{at_step: 10, at_tokens: 5}]", "growth.schedule[0]: at_step 10 and at_tokens 5 both give the growth point"),
+        ("[{at_fraction: 0.5, at_step: 10}]", "growth.schedule[0]: at_step 10 and at_fraction 0.5 both give the"),
+        (
+            "[{at_fraction: 0.5}, {at_fraction: 0.2, width: 2x}]",
+            "growth.schedule[1]: at_fraction 0.2 is not after growth.schedule[0]'s 0.5; the growths must come in order",
+        ),
+        ("[{at_tokens: 9000}, {at_tokens: 9000, width: 2x}]", "growth.schedule[1]: at_tokens 9000 is not after"),
+        (
+            "[{at_step: 10}, {at_tokens: 5000}, {at_step: 5, width: 2x}]",
+            "growth.schedule[2]: at_step 5 is not after growth.schedule[0]'s 10",
+        ),
+    ],
+)
+def test_growth_points_given_twice_or_out_of_order_are_refused(schedule, message):
+    """``GrowthConfig.check_given_points`` (a config as written) and ``check_order`` (points of one kind); points of
+    different kinds are compared once resolved (``tests/unit/driver/test_budget.py``)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ROOT / "configs" / "demo-decoder.yaml", ["train.max_flops=4e12", f"growth.schedule={schedule}"])

@@ -18,7 +18,7 @@ from pretrain.checkpoint import store
 from pretrain.checkpoint.reader import find_checkpoint, pick_step
 from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
 from pretrain.config.errors import LIMIT, clip, quote
-from pretrain.config.loading import MAX_YAML_VALUES, read_yaml
+from pretrain.config.yaml_reading import MAX_YAML_VALUES, read_yaml
 from pretrain.data import BadRecordError
 from pretrain.data.sanity import check_sources
 from pretrain.data.sources import resolve_source

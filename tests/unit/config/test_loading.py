@@ -3,6 +3,8 @@ one-line errors: ``tests/integration/cli/test_config.py``)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pretrain.config import ConfigError, RunConfig, config_hash, dump_yaml, from_dict, load_config, to_dict
@@ -47,9 +49,15 @@ def test_every_preset_loads_validates_and_round_trips(path):
         ("model.vocab_size=100", None),  # models are built alone too; against the tokenizer: the driver's check
         ("data.tokenizer_train_docs=-1", "data.tokenizer_train_docs: must be > 0"),
         ("train.beta2=1.0", "train.beta2: must be in [0, 1)"),
-        ("train.eps=-1e-8", "train.eps: must be >= 0"),
+        ("train.eps=-1e-8", "train.eps: must be > 0"),
+        ("train.eps=0", "train.eps: must be > 0, got 0"),
         ("train.weight_decay=-0.1", "train.weight_decay: must be >= 0"),
-        ("model.init_std=-0.02", "model.init_std: must be >= 0"),
+        ("model.init_std=-0.02", "model.init_std: must be > 0"),
+        ("model.init_std=0", "model.init_std: must be > 0, got 0"),
+        ("model.norm_eps=0", "model.norm_eps: must be > 0, got 0"),
+        ("model.norm_eps=-1", "model.norm_eps: must be > 0, got -1"),
+        ("zero.reduce_bucket_size=0", "zero.reduce_bucket_size: must be > 0, got 0"),
+        ("zero.reduce_bucket_size=-5", "zero.reduce_bucket_size: must be > 0, got -5"),
         ("model.rope_theta=0", "model.rope_theta: must be > 0"),
         ("data.piece_chars=-1", "data.piece_chars: must be >= 0"),
         ("train.lr=.nan", "train.lr: expected a finite float"),
@@ -58,7 +66,19 @@ def test_every_preset_loads_validates_and_round_trips(path):
         ("train.seed=99999999999999999999999", "train.seed: 99999999999999999999999 is out of range"),
         ("train.global_batch_size=8000000000", "train.global_batch_size: 8000000000 is more than 1,048,576"),
         ("moe.num_experts=2", None),
+        ("=5", "=5: no key before '='; overrides look like key.sub=value"),
+        (".model=5", ".model: an empty key (or part of one, between dots or at either end)"),
+        ("model..num_layers=5", "model..num_layers: an empty key"),
+        ("model.vocab_multiple=-64", "model.vocab_multiple: must be > 0, got -64"),
+        ("model.kind=yes", "model.kind: expected one of decoder, encoder; got True (YAML reads yes/no, on/off"),
+        ("model.hidden_size=4000000000", "model.hidden_size: 4,000,000,000 is more than 1,048,576"),
+        ("model.num_layers=1000000000", "model.num_layers: 1,000,000,000 is more than 10,000"),
+        ("model.num_layers=10000", None),
+        ("growth.schedule=[{at_step: 9, experts: 5000, top_k: 1}]", "growth.schedule[0].experts: 5,000 is more than"),
         ("growth.schedule=[{at_step: 1, depth: 2y}]", "growth.schedule[0].depth: '2y': expected a factor like 2x"),
+        ("growth.schedule=[{at_step: 1, experts: 4, top_k: 9}]", "growth.schedule[0].top_k: must be in [1, experts=4]"),
+        ("growth.schedule=[{at_step: 1, experts: 4, top_k: 0}]", "growth.schedule[0].top_k: must be in [1, experts=4]"),
+        ("growth.schedule=[{at_step: 1, experts: 1}]", "growth.schedule[0].top_k: must be in [1, experts=1], got 2"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
@@ -69,6 +89,51 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(ROOT / "configs" / "demo-decoder.yaml", [override])
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["zero.stage=0", "zero.offload_optimizer=true"], "zero.offload_optimizer: ZeRO offloads the optimizer state"),
+        (["stability.policy=rollback", "checkpoint.every_steps=0"], "stability.policy: rollback returns to a good"),
+        (["data.val_holdout=0", "train.stop_at_val_loss=2"], "train.stop_at_val_loss: 2 needs validation, but data."),
+        (["data.val_holdout=0", "train.val_every_flops=1e9"], "train.val_every_flops: 1e+09 needs validation, but"),
+        (["train.val_sequences=0", "train.stop_at_val_loss=2"], "train.stop_at_val_loss: 2 needs validation, but tr"),
+        # controls: the same settings where they do something
+        (["zero.offload_optimizer=true"], None),  # at ZeRO-1, the preset's stage
+        (["stability.policy=rollback"], None),
+        (["data.val_holdout=0", "data.val_sources=[{path: v.txt}]", "train.stop_at_val_loss=2"], None),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused_naming_both(overrides, message):
+    if message is None:
+        load_config(ROOT / "configs" / "demo-decoder.yaml", overrides)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ROOT / "configs" / "demo-decoder.yaml", overrides)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("layer_drop.early_exit.layers=[1.5]", "layer_drop.early_exit.layers[0]: expected int, got float 1.5"),
+        ("layer_drop.early_exit.layers=[1, x]", "layer_drop.early_exit.layers[1]: expected int, got str 'x'"),
+        ("layer_drop.early_exit.layers=3", "layer_drop.early_exit.layers: expected str or a list of int, got int 3"),
+        ("growth.schedule=[{at_step: 10, depth: 2.5}]", "growth.schedule[0].depth: expected int, got float 2.5"),
+        ("growth.schedule=[{at_step: 10, depth: [2]}]", "growth.schedule[0].depth: expected str or int, got list [2]"),
+        (
+            "train.activation_checkpointing=3",
+            "train.activation_checkpointing: expected one of none, full, selective or bool, got int 3",
+        ),
+        ("train.activation_checkpointing=most", "train.activation_checkpointing: expected one of none, full, selecti"),
+    ],
+)
+def test_a_union_field_reports_the_branch_of_the_values_kind(override, message):
+    """A field of several types (``str | list[int]``, ``str | int``, ``Literal | bool``) reports the error of the type
+    the value has the kind of (a list's bad item by its index), or every type when it has none of their kinds."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "demo-decoder.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)
 
 
 def test_yaml_unknown_nested_key(tmp_path):
@@ -96,8 +161,8 @@ def test_checks_that_depend_on_the_model_kind_and_tokenizer():
     assert cfg.data.tokenizer_vocab_size == 3
     with pytest.raises(ConfigError, match=r"^moe\.every: 9 selects no block of model\.num_layers=4"):
         load_config(None, ["moe.num_experts=2", "moe.every=9"])
-    huge = load_config(None, ["model.num_layers=1000000000000", "moe.num_experts=2", "moe.every=999999999999"])
-    assert huge.model.num_layers == 10**12  # checked in O(1), not block by block
+    deep = load_config(None, ["model.num_layers=10000", "moe.num_experts=2", "moe.every=9999"])
+    assert deep.model.num_layers == 10_000  # the most accepted (model.num_layers beyond: refused, by its size)
 
 
 def test_yaml_duplicate_keys_name_the_key_and_both_lines(tmp_path):
@@ -150,3 +215,15 @@ def test_config_errors_are_one_line_even_for_multiline_input():
         load_config(None, ["name\nx"])
     assert "\n" not in str(e.value)
     assert str(ConfigError("a\nb")) == "a b"
+
+
+def test_a_derived_growth_point_does_not_skip_the_entry_checks():
+    """An entry whose ``at_step`` is derived (``at_fraction``, ``at_tokens``) has its targets and ``top_k`` checked
+    when the config is loaded, not only once the step is derived."""
+    base = [ROOT / "configs" / "demo-decoder.yaml", "train.max_flops=1e12"]
+    for schedule, message in (
+        ("[{at_fraction: 0.5, depth: 2y}]", "growth.schedule[0].depth: '2y'"),
+        ("[{at_tokens: 5000, experts: 2, top_k: 3}]", "growth.schedule[0].top_k: must be in [1, experts=2]"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(base[0], [base[1], f"growth.schedule={schedule}"])

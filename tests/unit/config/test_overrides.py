@@ -42,6 +42,22 @@ def test_an_index_sets_one_key_of_one_item():
     assert (cfg.data.sources[0].path, cfg.data.sources[0].name) == ("x.txt", "x")
 
 
+def test_a_section_given_whole_merges_into_the_presets():
+    """``data={num_streams: 64}`` changes that key and keeps the preset's others (sources, tokenizer size), as a config
+    file's section is merged; a list inside it still replaces the list whole."""
+    llama = load_config(ROOT / "configs" / "llama-1b.yaml")
+    cfg = load_config(ROOT / "configs" / "llama-1b.yaml", ["data={num_streams: 64}"])
+    assert cfg.data.num_streams == 64
+    assert dataclasses.replace(cfg.data, num_streams=llama.data.num_streams) == llama.data
+    gpt = load_config(ROOT / "configs" / "gpt-125m.yaml")
+    cfg = load_config(ROOT / "configs" / "gpt-125m.yaml", ["model={num_layers: 6}"])
+    assert cfg.model == dataclasses.replace(gpt.model, num_layers=6)
+    cfg = load_config(None, ["data.sources=[{path: a.txt}, {path: b.txt}]", "data={sources: [{path: c.txt}]}"])
+    assert [s.path for s in cfg.data.sources] == ["c.txt"]
+    cfg = load_config(None, ["layer_drop={early_exit: {layers: all}}", "layer_drop={rate: 0.1}"])
+    assert (cfg.layer_drop.early_exit.layers, cfg.layer_drop.rate) == ("all", 0.1)
+
+
 def test_an_index_into_the_config_files_list(tmp_path):
     """The file's list is changed, not the default; an item that a YAML alias shares with another list stays as it
     is there."""

@@ -87,11 +87,24 @@ def test_budgets_that_cannot_hold_are_refused_when_resolved():
     spent = load_config(DEMO, [*SMALL, "train.max_flops=1e9", "growth.schedule=[{at_tokens: 100000, depth: 2x}]"])
     with pytest.raises(ConfigError, match="train.max_flops: 1e\\+09 is spent before the last growth"):
         resolve_budget(spent, say=lambda _: None)
-    backwards = load_config(
-        DEMO, [*SMALL, "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_tokens: 5000, width: 2x}]"]
-    )
+    backwards = load_config(DEMO, [*SMALL, "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_step: 3, width: 2x}]"])
     with pytest.raises(ConfigError, match=r"growth.schedule\[1\]: at step 3, not after the growth before it"):
         resolve_budget(backwards, say=lambda _: None)
+    fractions = ["train.max_flops=4e12", "growth.schedule=[{at_tokens: 100000, depth: 2x}, {at_fraction: 0.001}]"]
+    with pytest.raises(
+        ConfigError, match=re.escape("growth.schedule[1]: at_fraction 0.001 of train.max_flops is spent")
+    ):
+        resolve_budget(load_config(DEMO, [*SMALL, *fractions]), say=lambda _: None)
+
+
+def test_a_resolved_config_keeps_its_derived_steps_beside_their_points():
+    """A run's stored config records each derived ``at_step`` beside its ``at_tokens`` / ``at_fraction``: loaded as
+    a stored config (``base=``), as resume and the derived runs do, it is accepted."""
+    from pretrain.config import to_dict
+
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{at_fraction: 0.5, depth: 2x}]"])
+    resolve_budget(cfg, say=lambda _: None)
+    assert load_config(None, base=to_dict(cfg)).growth.schedule[0].at_step == cfg.growth.schedule[0].at_step > 0
 
 
 def test_a_resume_keeps_the_derived_steps():
@@ -114,3 +127,37 @@ def test_continuing_a_budgeted_run_lifts_the_budget():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e12"])
     assert continue_overrides(cfg.train, 100, 400)[0] == "train.max_flops=0"  # else max_steps is derived again
     assert "train.max_flops=0" not in continue_overrides(load_config(DEMO, SMALL).train, 100, 400)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("[{at_step: 10, width: 1.5x}]", "growth.schedule[0]: width_op tile needs integer factors: hidden size 64"),
+        ("[{at_step: 10, depth: 2}]", "growth.schedule[0]: depth 2 is smaller than the model's 4 blocks"),
+        ("[{at_step: 10, experts: 4, top_k: 1}, {at_step: 20, experts: 4}]", "growth.schedule[1]: experts: the model"),
+        ("[{at_step: 10, depth: 2x}, {at_step: 20, depth: 6}]", "growth.schedule[1]: depth 6 is smaller than"),
+        ("[{at_step: 10, depth: 1000000000}]", "growth.schedule[0].depth: 1000000000 grows model.num_layers to 1,0"),
+        ("[{at_step: 10, heads: 100000}]", "growth.schedule[0].heads: 100000 grows model.hidden_size to 1,600,000"),
+    ],
+)
+def test_growth_that_cannot_apply_is_refused_naming_its_entry(schedule, message):
+    """Each entry is applied to a weightless model of the stage before it (the vocabulary size still 0, as before
+    the tokenizer is known), so a growth that would fail mid-run is a one-line ConfigError."""
+    from pretrain.driver.budget import check_growth_stages
+
+    cfg = load_config(DEMO, [*tiny_model(hidden_size=64, num_layers=4, vocab_size=None), f"growth.schedule={schedule}"])
+    assert cfg.model.vocab_size == 0
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_growth_stages(cfg)
+
+
+def test_a_budget_of_more_steps_than_int64_is_refused():
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e40"])
+    with pytest.raises(ConfigError, match=r"^train\.max_flops: 1e\+40 is .* steps of .* FLOPs, more than 9,223,372"):
+        resolve_budget(cfg, say=lambda _: None)
+
+
+def test_a_budget_over_a_growth_that_cannot_apply_is_a_config_error():
+    cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{width: 1.5x}]"])
+    with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]: width_op tile needs integer factors")):
+        resolve_budget(cfg, say=lambda _: None)

@@ -59,3 +59,15 @@ def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exis
     )
     preflight(resolve_paths(load_config(None, [*base, f"model.vocab_size={size}"])), probe=False)
     assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()
+
+
+def test_a_growth_that_cannot_apply_is_refused_before_the_run_exists(workdir):
+    """``preflight`` applies each ``growth.schedule`` entry to a weightless model: a growth that would fail at its
+    step is refused in one line before an MLflow run or a run directory exists (``train --dry-run`` too)."""
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.prepare import preflight
+
+    cfg = load_config(None, ["cluster.use_ray=false", "growth.schedule=[{at_step: 10, width: 1.5x}]"])
+    with pytest.raises(ConfigError, match=r"^growth\.schedule\[0\]: width_op tile needs integer factors"):
+        preflight(resolve_paths(cfg), probe=False)
+    assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()

@@ -123,3 +123,22 @@ def test_the_experiment_is_a_model_training_one(tmp_path):
     client.create_run(genai, tags={tracking.TAG_KIND: "decoder"})
     assert tracking.mark_training_experiments(uri) == 1
     assert kind(ours) == "custom_model_development" and kind(other) is None and kind(genai) == "genai_development"
+
+
+@pytest.mark.parametrize("args", [["anneal", "--help"], ["--help"], ["runs", "-h"]])
+def test_help_into_a_pipe_nobody_reads_ends_quietly(args):
+    """``python -m pretrain anneal --help | head -2``: a reader gone before the help is written ends the command with
+    SIGPIPE's status and nothing on stderr (no BrokenPipeError traceback), as a command's output does."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails, whatever the timing
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pretrain", *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")

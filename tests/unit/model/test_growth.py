@@ -330,7 +330,7 @@ def test_schedule_targets_accept_yaml_ints_and_unquoted_increments(tmp_path):
         ("abc", r"^growth\.schedule\[0\]\.depth: 'abc': expected a factor like 2x"),
         ("0", r"^growth\.schedule\[0\]\.depth: '0' grows nothing"),
         ("-2", r"^growth\.schedule\[0\]\.depth: '-2': expected"),
-        ("1.5", r"^growth\.schedule\[0\]\.depth: expected str, got float"),
+        ("1.5", r"^growth\.schedule\[0\]\.depth: expected int, got float 1.5"),
     ):
         p.write_text(f"growth:\n  schedule:\n    - at_step: 1\n      depth: {bad}\n")
         with pytest.raises(ConfigError, match=message):
