@@ -53,13 +53,21 @@ def _check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> Non
 
 
 def check_growth_stages(cfg: RunConfig) -> None:
-    """Every entry of ``growth.schedule`` applies to the model before it (:func:`growth_stages`), checked before a
-    run is recorded; a vocabulary size still to be taken from the tokenizer (0) is stood in for, as growth never
-    changes it."""
+    """Every entry of ``growth.schedule`` applies to the model before it (:func:`growth_stages`), and the config of
+    the model it grows to passes the checks the job makes at that growth (the parallel degrees against its heads,
+    experts and MoE), checked before a run is recorded; a vocabulary size still to be taken from the tokenizer (0)
+    is stood in for, as growth never changes it."""
     if not cfg.growth.schedule:
         return
+    from pretrain.train.callbacks.growth import grown_config
+
     model = cfg.model if cfg.model.vocab_size > 0 else dataclasses.replace(cfg.model, vocab_size=BYTE_LEVEL_VOCAB)
-    growth_stages(dataclasses.replace(cfg, model=model))
+    cfg = dataclasses.replace(cfg, model=model)
+    for i, (grown, moe) in enumerate(growth_stages(cfg)[1:]):
+        try:  # the checks the job makes at the growth (parallelism against the grown model: heads, MoE, experts)
+            grown_config(cfg, grown, moe)
+        except ConfigError as e:
+            raise ConfigError(f"growth.schedule[{i}]: the model it grows to: {e}") from None
 
 
 def stage_flops_per_step(cfg: RunConfig) -> list[float]:

@@ -151,6 +151,28 @@ def test_growth_that_cannot_apply_is_refused_naming_its_entry(schedule, message)
         check_growth_stages(cfg)
 
 
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ("[{at_step: 5, experts: 4}]", "growth.schedule[0]: the model it grows to: parallel.tensor: not with MoE"),
+        (
+            "[{at_step: 5, heads: 6, width_op: net2net}]",
+            "growth.schedule[0]: the model it grows to: parallel.tensor: 2 must divide model.num_heads (6)",
+        ),
+    ],
+)
+def test_growth_into_a_model_the_parallel_layout_cannot_split_is_refused(schedule, message):
+    """The grown model's config passes the checks the job makes at the growth (here tensor parallelism against MoE
+    and the heads), before anything starts; a depth growth under the same layout is fine."""
+    from pretrain.driver.budget import check_growth_stages
+
+    layout = ["parallel.tensor=2", "cluster.num_workers=2", "data.num_streams=2"]
+    model = tiny_model(hidden_size=64, num_layers=4, vocab_size=None)
+    check_growth_stages(load_config(DEMO, [*model, *layout, "growth.schedule=[{at_step: 5, depth: 8}]"]))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_growth_stages(load_config(DEMO, [*model, *layout, f"growth.schedule={schedule}"]))
+
+
 def test_a_budget_of_more_steps_than_int64_is_refused():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=1e40"])
     with pytest.raises(ConfigError, match=r"^train\.max_flops: 1e\+40 is .* steps of .* FLOPs, more than 9,223,372"):
