@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pretrain import ds_adapter
-from pretrain.model.moe import moe_layers, update_balance_biases
+from pretrain.model.moe import moe_layers, routing_stats_discarded, update_balance_biases
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.health import grad_signals
@@ -115,8 +115,8 @@ def _padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepResult:
     """One optimizer step of ``module`` (a :class:`~pretrain.train.module.TrainModule`) over this rank's share:
 
-    * the plan's micro-batches (padded with zero-weight ones when the ranks' shares differ), each seeded,
-      forward, ``hooks.objective``, backward;
+    * the plan's micro-batches (padded with zero-weight ones when the ranks' shares differ, whose MoE routing
+      statistics are discarded), each seeded, forward, ``hooks.objective``, backward;
     * at the accumulation boundary, after the last backward and *before* the update, the loss, the squared
       gradient norm (from this rank's shard) and a non-finite flag are all-reduced in one collective, and the
       hooks' ``decide`` (same inputs on every rank) may drop the update, which leaves weights and optimizer
@@ -135,7 +135,8 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
         for h in hooks:
             h.before_forward(module, i)
             kwargs.update(h.forward_kwargs(module, i))
-        out = engine(mb["input_ids"], labels=mb["labels"], **kwargs)
+        with routing_stats_discarded(engine.module) if i >= real else nullcontext():  # padding: routes nothing
+            out = engine(mb["input_ids"], labels=mb["labels"], **kwargs)
         for h in hooks:
             h.after_forward(module, i, out)
         objective = out.objective()
