@@ -22,7 +22,8 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """The decay's floor as a fraction of the peak: the LR of the last step of ``wsd``; ``cosine`` and ``linear``
+    reach it at step ``max_steps``, one after the last (whose LR is one decay step above it)."""
     warmup_steps: int = 30
     """Linear warm-up steps."""
     decay: Literal["cosine", "linear", "constant", "wsd"] = "cosine"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -313,6 +314,34 @@ def update_balance_biases(model: nn.Module, stats: dict[int, torch.Tensor]) -> N
     for block, layer in moe_layers(model):
         if layer.selection_bias is not None and block in stats:
             layer.update_bias(stats[block][: layer.num_experts])
+
+
+@contextmanager
+def routing_stats_discarded(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer's routing statistics (committed and pending) are as they were on entry when the block
+    exits: the forwards inside count nowhere (not in the load that moves the selection biases, the ``moe/`` metrics
+    or collapse detection)."""
+    layers = [layer for _, layer in moe_layers(model)]
+    saved = [(layer.stats, layer.pending_stats) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, (stats, pending) in zip(layers, saved):
+            layer.stats, layer.pending_stats = stats, pending
+
+
+@contextmanager
+def routing_state_kept(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer's selection bias (values restored in place) and routing statistics are as they were on entry
+    when the block exits, whatever ran inside (a step that must not count as training)."""
+    biases = [(b, b.detach().clone()) for _, layer in moe_layers(model) if (b := layer.selection_bias) is not None]
+    try:
+        with routing_stats_discarded(model):
+            yield
+    finally:
+        with torch.no_grad():
+            for bias, value in biases:
+                bias.copy_(value)
 
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:

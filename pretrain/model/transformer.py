@@ -77,13 +77,17 @@ class ModelOutput(NamedTuple):
     exit_tokens: torch.Tensor | None = None
     """(E, B, T) greedy tokens of each exit, for forwards without gradients (validation); else None."""
 
-    def objective(self) -> torch.Tensor:
-        """The training objective: ``loss`` plus the z-loss and MoE terms that are present."""
+    def objective(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The training objective: ``loss`` plus the z-loss and MoE terms that are present. ``weight`` multiplies
+        the terms that are means over the targets (``loss``, ``z_loss``, ``exit_loss``), not the MoE terms (means
+        over every routed token); a weight of exactly 1 gives the unweighted objective bit for bit."""
         total = self.loss
         assert total is not None  # the objective is taken of outputs with labels
-        for term in (self.z_loss, self.moe_loss, self.exit_loss):
+        if weight is not None:
+            total = total * weight
+        for term, per_target in ((self.z_loss, True), (self.moe_loss, False), (self.exit_loss, True)):
             if term is not None:
-                total = total + term
+                total = total + (term * weight if per_target and weight is not None else term)
         return total
 
 

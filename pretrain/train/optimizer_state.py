@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pretrain import ds_adapter
+from pretrain.model.moe import routing_state_kept
 from pretrain.parallel.expert import global_param_names
 from pretrain.parallel.tensor import gather_shards, local_shards
 
@@ -57,19 +58,26 @@ def gather_moments(module) -> dict[str, Any]:
     return out
 
 
-def load_moments(module, moments: dict[str, Any]) -> None:
-    """Set the moments (full tensors by full-state-dict name: experts under global ids) and the step count; under
-    expert parallelism each rank takes those of its own experts. A fresh optimizer has no state yet:
-    one step with zero gradients at LR 0 creates it without moving a weight (AdamW: zero moments, a zero update,
-    weight decay scaled by the LR). Collective."""
+def _create_state(module) -> None:
+    """Give a fresh optimizer its state: one step with zero gradients at LR 0, which moves no weight (AdamW: zero
+    moments, a zero update, weight decay scaled by the LR) and leaves the MoE selection biases and routing
+    statistics as they were (the step's routing counts neither move the biases nor reach the metrics). Collective."""
     from pretrain.train.step import StepInput, run_step
 
+    ids = torch.zeros(module.plan.share(module.rank), module.cfg.model.max_seq_len, dtype=torch.long)
+    with routing_state_kept(module.model):
+        run_step(module, StepInput(0, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, 0.0))
+
+
+def load_moments(module, moments: dict[str, Any]) -> None:
+    """Set the moments (full tensors by full-state-dict name: experts under global ids) and the step count; under
+    expert parallelism each rank takes those of its own experts. A fresh optimizer has no state yet: see
+    :func:`_create_state`. Collective."""
     if not moments.get("step"):
         return
     base = _base(module)
     if not base.state:
-        ids = torch.zeros(module.plan.share(module.rank), module.cfg.model.max_seq_len, dtype=torch.long)
-        run_step(module, StepInput(0, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, 0.0))
+        _create_state(module)
     _link_all_groups(module)
     names = global_param_names(module.model)
     local = {key: local_shards(module.model, moments[key]) for key in MOMENTS}  # tensor parallelism: this rank's

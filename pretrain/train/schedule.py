@@ -29,6 +29,8 @@ def wsd_decay_steps(cfg: TrainConfig) -> int:
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """LR for optimizer step ``step`` (0-based): linear warm-up, then decay to ``min_lr_ratio * lr``.
 
+    ``cosine`` and ``linear`` decay from ``warmup_steps`` (the peak) with progress (step - warmup) / (max_steps -
+    warmup), so they reach the floor at step ``max_steps``, one after the last step, which runs just above it.
     ``wsd`` (warmup-stable-decay) holds the peak until the last ``wsd_decay_steps`` steps, which go down to the
     floor in ``decay_shape``: the decay's step j (1-based) has progress j / D, so its last step is at the floor."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio

@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pretrain import ds_adapter
-from pretrain.model.moe import moe_layers, update_balance_biases
-from pretrain.model.score import ScoreSums, score_batches
+from pretrain.model.moe import moe_layers, routing_stats_discarded, update_balance_biases
+from pretrain.model.score import IGNORE, ScoreSums, score_batches, targets
 from pretrain.train import dist
 from pretrain.train.health import grad_signals
 from pretrain.train.stability.monitor import StepSignals
@@ -95,7 +95,8 @@ class StepHooks:
 @dataclass
 class StepResult:
     loss: float
-    """Mean loss over all ranks and micro-batches (the cross-entropy, without the z-loss term)."""
+    """The cross-entropy (without the z-loss term) as the token mean over all the step's targets (every rank's and
+    micro-batch's), the objective's main term (see :func:`token_weights`)."""
     grad_norm: float
     """Global pre-clipping gradient norm (same on every rank)."""
     applied: bool = True
@@ -115,8 +116,10 @@ def _padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepResult:
     """One optimizer step of ``module`` (a :class:`~pretrain.train.module.TrainModule`) over this rank's share:
 
-    * the plan's micro-batches (padded with zero-weight ones when the ranks' shares differ), each seeded,
-      forward, ``hooks.objective``, backward;
+    * the plan's micro-batches (padded with zero-weight ones when the ranks' shares differ, whose MoE routing
+      statistics are discarded), each seeded, forward, ``hooks.objective``, backward; each micro-batch's per-target
+      terms weighted by its share of the step's targets (:func:`token_weights`), so the update follows the token mean
+      of the whole global batch whatever the micro-batching and the worker count;
     * at the accumulation boundary, after the last backward and *before* the update, the loss, the squared
       gradient norm (from this rank's shard) and a non-finite flag are all-reduced in one collective, and the
       hooks' ``decide`` (same inputs on every rank) may drop the update, which leaves weights and optimizer
@@ -126,6 +129,7 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     mbs = list(_micro_batches(inp.batch, plan.micro_batch, device))
     real = len(mbs)
     mbs += [_padding(mbs[0]) for _ in range(plan.grad_accum - real)]
+    weights = token_weights(inp.batch["labels"], plan, module.model.causal, device)
     scale = None if plan.even else plan.gradient_scale()
     losses = []
     for i, mb in enumerate(mbs):
@@ -135,17 +139,18 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
         for h in hooks:
             h.before_forward(module, i)
             kwargs.update(h.forward_kwargs(module, i))
-        out = engine(mb["input_ids"], labels=mb["labels"], **kwargs)
+        with routing_stats_discarded(engine.module) if i >= real else nullcontext():  # padding: routes nothing
+            out = engine(mb["input_ids"], labels=mb["labels"], **kwargs)
         for h in hooks:
             h.after_forward(module, i, out)
-        objective = out.objective()
+        objective = out.objective(weights[i] if i < real else None)
         if scale is not None:
             objective = objective * (scale if i < real else 0.0)
         for h in hooks:
             objective = h.objective(objective, i, len(mbs))
         engine.backward(objective)
         if i < real:
-            losses.append(out.loss.detach().float())  # read by the host once, after the last backward
+            losses.append((out.loss * weights[i]).detach().float())  # read by the host once, after the last backward
         if i < len(mbs) - 1:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
     for h in hooks:
@@ -178,6 +183,24 @@ def run_step(module, inp: StepInput, hooks: Sequence[StepHooks] = ()) -> StepRes
     for h in hooks:
         h.after_update(module)
     return StepResult(loss, grad_norm, applied, decision, moe)
+
+
+def token_weights(labels: torch.Tensor, plan, causal: bool, device: torch.device) -> torch.Tensor:
+    """(this rank's real micro-batches,) fp32 on ``device``: each micro-batch's number of targets (``labels`` of this
+    rank's share) over the mean number per real micro-batch of the whole step, every data-parallel rank's counted
+    (0 for all without any target). Weighting each micro-batch's mean cross-entropy by it makes the mean over the
+    step's micro-batches (what DeepSpeed's gradient accumulation and data-parallel averaging form) the token mean
+    over the step's targets, whatever the micro-batch size and the worker count; exactly 1 where every micro-batch
+    has as many targets (decoders' full labels). The counts are summed over all workers (one all-reduce, no host
+    read): the model-parallel ranks of one data-parallel rank count the same targets, which the mean divides out."""
+    keep = targets(labels, causal) != IGNORE  # (share, T')
+    counts = torch.stack([keep[i : i + plan.micro_batch].sum() for i in range(0, keep.shape[0], plan.micro_batch)])
+    counts = counts.to(device, torch.float64)
+    total = counts.sum().view(1)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    # integers in float64: the one rounding is the division's, so equal counts give exactly 1
+    return (counts * float(plan.real_micro_batches * plan.model_parallel) / total.clamp(min=1.0)).float()
 
 
 def _loss_sum(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

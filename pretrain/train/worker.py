@@ -29,7 +29,7 @@ from pretrain.model.compile import is_compiled
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.standard import RunParts, standard_callbacks
-from pretrain.train.callbacks.task_evaluation import prepare_tasks
+from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_part
 from pretrain.train.checkpointer import Checkpointer
 from pretrain.train.host_memory import keep_freed_host_memory
 from pretrain.train.job import Job
@@ -127,8 +127,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         tokenizer,
         cfg.model.kind,
         plan.seq_len,
-        ctx.rank,
-        ctx.world_size,
+        *task_part(plan, ctx.rank),
     )
 
     state = TrainerState()

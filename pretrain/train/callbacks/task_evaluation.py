@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from pretrain.config import RunPlan
 from pretrain.data.tasks import Task, choice_rows
-from pretrain.model.score import Forward, score_batches
+from pretrain.model.score import IGNORE, Forward, score_batches
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.trainer import Trainer
@@ -31,10 +33,18 @@ class PreparedTask:
         return sum(len(rows) for example in self.rows for rows in example)
 
 
+def task_part(plan: RunPlan, rank: int) -> tuple[int, int]:
+    """(``rank``, ``world``) of :func:`prepare_tasks` for worker ``rank``: its data-parallel rank and the number of
+    data-parallel ranks. The workers of one sequence- or tensor-parallel group score the same examples (their forwards
+    are collectives of the group), as they evaluate the same validation sequences (``RunPlan.val_part``)."""
+    return plan.data_rank(rank), plan.world_size
+
+
 def prepare_tasks(
     tasks: list[Task], tokenizer, kind: str, max_len: int, rank: int = 0, world: int = 1
 ) -> list[PreparedTask]:
-    """Rank ``rank``'s share (examples ``rank::world``) of every task, as scoring rows."""
+    """Share ``rank`` of ``world`` (examples ``rank::world``) of every task, as scoring rows; in training the worker's
+    data-parallel share (:func:`task_part`)."""
     out = []
     for task in tasks:
         mine = task.examples[rank::world]
@@ -54,14 +64,34 @@ def _argmax(values: list[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))  # ties: the first, as numpy's argmax
 
 
+def padded_forward(forward: Forward, multiple: int) -> Forward:
+    """``forward`` of rows padded at the end to a multiple of ``multiple`` tokens (token 0 without a target: sequence
+    parallelism splits every row into equal slices), its logits cut back to the row's length. A decoder's logits are
+    those of the row without the padding (causal attention); an encoder's positions also attend the padding."""
+    if multiple == 1:
+        return forward
+
+    def run(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        extra = -t % multiple
+        if not extra:
+            return forward(ids, labels)
+        return forward(F.pad(ids, (0, extra), value=0), F.pad(labels, (0, extra), value=IGNORE))[:, :t]
+
+    return run
+
+
 @torch.no_grad()
-def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device: torch.device) -> dict[str, float]:
+def task_metrics(
+    forward: Forward, tasks: list[PreparedTask], kind: str, device: torch.device, counted: bool = True
+) -> dict[str, float]:
     """``eval/<task>/acc`` (and ``acc_norm`` for multiple-choice) over all ranks' examples. A choice's score is
     its log-likelihood, minus the summed nats the one scorer gives its rows (decoders: the continuation's
     log-probability given the context; encoders: the masked-LM pseudo-log-likelihood of its tokens);
     ``acc``: the answer has the highest score, ``acc_norm``: the highest score per UTF-8 byte of the choice
     (lm-evaluation-harness). Every rank runs as many forwards as the rank with the most rows (padding rows
-    without targets). Collective."""
+    without targets). ``counted``: whether this rank's examples count (False on all but the first worker of a
+    model-parallel group, whose workers score the same examples). Collective."""
     mine = sum(t.forwards for t in tasks)
     forwards = int(-dist.all_reduce_min([-float(mine)], device)[0])
     sums: list[float] = []
@@ -75,6 +105,8 @@ def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device:
     if forwards > mine:  # keep the collectives of ZeRO-3 / expert-parallel forwards matched
         blank = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.full((1, 2), -100)}
         score_batches(forward, [blank] * (forwards - mine), kind, device=device)
+    if not counted:
+        sums = [0.0] * len(sums)
     sums = dist.all_reduce_sum(sums, device)
     out: dict[str, float] = {}
     for i, task in enumerate(tasks):
@@ -87,7 +119,7 @@ def task_metrics(forward: Forward, tasks: list[PreparedTask], kind: str, device:
 
 class TaskEvaluation(Callback):
     """``eval.tasks`` every ``eval.every`` steps (0: every ``train.val_every`` steps) and at the last step, on all
-    ranks."""
+    ranks (each scoring the examples of :func:`task_part`; rows padded for sequence parallelism)."""
 
     order = 42
 
@@ -100,14 +132,15 @@ class TaskEvaluation(Callback):
         if not self.tasks or self.done_at == trainer.state.step:
             return
         self.done_at = trainer.state.step
-        engine = trainer.module.engine
+        engine, plan = trainer.module.engine, trainer.plan
         engine.eval()
         try:
             self.last = task_metrics(
-                lambda ids, labels: engine(ids, labels=labels).logits,
+                padded_forward(lambda ids, labels: engine(ids, labels=labels).logits, plan.sequence_parallel),
                 self.tasks,
                 trainer.cfg.model.kind,
                 trainer.module.device,
+                counted=plan.shares_data(trainer.ctx.rank),
             )
         finally:
             engine.train()

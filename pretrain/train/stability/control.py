@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import store as ckpt_store
+from pretrain.checkpoint.reader import read_trainer_state
 from pretrain.checkpoint.store import CommittedCheckpoint
 from pretrain.config import RunConfig
 from pretrain.train import dist, tracking
@@ -20,7 +21,7 @@ class StabilityControl:
     """The trainer's side (a thin impure shell, driven by ``StabilityCallback``): events to progress and MLflow,
     halts and rollbacks. The decisions come from :class:`StabilityMonitor`, identical on all ranks; its state is
     ``StabilityCallback``'s (saved and restored under the callback's name). ``state`` is the trainer's
-    ``TrainerState`` (step, sequences)."""
+    ``TrainerState`` (step, tokens seen, FLOPs, sequences)."""
 
     def __init__(
         self, cfg: RunConfig, state: Any, ctx: dist.DistContext, run_dir: Path, tracker: Tracker, progress: Progress
@@ -62,20 +63,30 @@ class StabilityControl:
         return err
 
     def rollback(self, load: Callable[[CommittedCheckpoint], None], step: int) -> Path:
-        """Restore the newest good checkpoint (``load`` puts its engine state in place); the data stream
-        stays where it is, so the window since that checkpoint is skipped; later checkpoints of the
-        abandoned trajectory move to ``abandoned/``."""
+        """Restore the newest good checkpoint (``load`` puts its engine state in place) and its counters (step,
+        tokens seen, FLOPs); the data stream stays where it is (``sequences`` too), so the window since that
+        checkpoint is skipped; later checkpoints of the abandoned trajectory move to ``abandoned/``."""
         target = self.monitor.rollback_target()
         assert target is not None, "decide() only rolls back to an existing good checkpoint"
         path = Path(target["path"])
-        load(ckpt_store.open_committed(path))
+        ckpt = ckpt_store.open_committed(path)
+        load(ckpt)
         abandoned = ckpt_store.abandon_after(self.run_dir, target["step"]) if self.ctx.is_main else None
         abandoned = dist.broadcast_object(abandoned)
         event = self.monitor.rolled_back(step, target, target["sequences"], self.state.sequences, abandoned)
-        self.state.step = target["step"]
+        self._restore_counters(target["step"], read_trainer_state(ckpt))
         self.report(event, urgent=True)
         self.tracker.set_tags({tracking.TAG_CKPT_LATEST: str(path), tracking.TAG_CKPT_STEP: target["step"]})
         return path
+
+    def _restore_counters(self, step: int, saved: dict[str, Any]) -> None:
+        """Back to ``step`` with the tokens seen and FLOPs of that checkpoint's trainer state (``saved``). A checkpoint
+        written before FLOPs were counted gets the current run's FLOPs per step so far times its step."""
+        state = self.state
+        flops = float(saved.get("flops") or 0.0)
+        if step and not flops and state.step:
+            flops = state.flops / state.step * step
+        state.step, state.tokens_seen, state.flops = step, int(saved["tokens_seen"]), flops
 
     def plot(self, tracking_uri: str) -> str:
         """Rank 0: the PNG of loss, grad norm and events (from MLflow when tracked), saved and logged."""

@@ -174,6 +174,15 @@ def test_all_ignored_labels_give_zero_not_nan():
     loss.backward()  # still differentiable (zero gradients), so gradient accumulation is safe
 
 
+def test_objective_weight_scales_the_per_target_terms_and_exactly_one_changes_nothing():
+    """The weight multiplies the loss, z-loss and exit terms (means over the targets), not the MoE terms; a weight of
+    exactly 1 gives the plain objective bit for bit."""
+    loss, z, moe, exit_loss = (torch.tensor(v) for v in (2.3, 0.013, 0.07, 0.41))
+    out = ModelOutput(loss=loss, logits=torch.zeros(1), z_loss=z, moe_loss=moe, exit_loss=exit_loss)
+    assert torch.equal(out.objective(torch.tensor(1.0)), out.objective())
+    torch.testing.assert_close(out.objective(torch.tensor(0.5)), 0.5 * (loss + z + exit_loss) + moe)
+
+
 def test_bf16_logits_and_fp32_loss():
     model = build_model(tiny(norm="rmsnorm", activation="swiglu"), seed=0).to(torch.bfloat16)
     ids = tokens()

@@ -35,6 +35,18 @@ def test_cosine_is_unchanged():
     assert lr_at(55, t) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_cosine_and_linear_end_one_decay_step_above_the_floor(decay):
+    """What docs/schedules.md says of the last step (step max_steps - 1): with S = max_steps - warmup_steps decay
+    steps, floor + (peak - floor) / S (linear) or floor + (peak - floor) * (1 - cos(pi / S)) / 2 (cosine); the floor
+    itself is step max_steps's LR, which no run trains."""
+    t = train_cfg(f"train.decay={decay}")
+    s = 100 - 10
+    above = 1 / s if decay == "linear" else (1 - math.cos(math.pi / s)) / 2
+    assert lr_at(99, t) == pytest.approx(0.1 + 0.9 * above, rel=1e-12) and lr_at(99, t) > 0.1
+    assert lr_at(100, t) == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
 def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor(shape):
     t = train_cfg("train.decay=wsd", "train.decay_steps=20", f"train.decay_shape={shape}")
