@@ -48,14 +48,25 @@ def gather_moments(module) -> dict[str, Any]:
     if not steps:
         return out
     _link_all_groups(module)
+    masters = ds_adapter.unfused_fp32_masters(module.engine)
     for name, p in module.model.named_parameters():
         shape = ds_adapter.full_shape(p)
         for key in MOMENTS:
-            value = base.state[p][key] if module.zero_stage == 0 else ds_adapter.full_optimizer_state(p, key)
+            value = (
+                _stage0_state(base, masters, p)[key]
+                if module.zero_stage == 0
+                else ds_adapter.full_optimizer_state(p, key)
+            )
             out[key][name] = value.detach().float().cpu().clone().reshape(shape)
     for key in MOMENTS:  # tensor parallelism: whole tensors from the AutoTP shards
         out[key] = gather_shards(module.model, out[key])
     return out
+
+
+def _stage0_state(base, masters: dict[int, torch.Tensor], p: torch.Tensor) -> dict:
+    """The ZeRO-0 optimizer's state of module parameter ``p``: kept on its fp32 master under bf16/fp16 (DeepSpeed's
+    unfused wrapper steps the inner optimizer on fp32 copies, ``masters`` by ``id``), else on ``p`` itself."""
+    return base.state[masters.get(id(p), p)]
 
 
 def _create_state(module) -> None:
@@ -81,11 +92,13 @@ def load_moments(module, moments: dict[str, Any]) -> None:
     _link_all_groups(module)
     names = global_param_names(module.model)
     local = {key: local_shards(module.model, moments[key]) for key in MOMENTS}  # tensor parallelism: this rank's
+    masters = ds_adapter.unfused_fp32_masters(module.engine)
     for name, p in module.model.named_parameters():
         for key in MOMENTS:
             value = local[key][names.get(name, name)].to(module.device, torch.float32)
             if module.zero_stage == 0:
-                base.state[p][key].copy_(value.view_as(base.state[p][key]))
+                state = _stage0_state(base, masters, p)
+                state[key].copy_(value.view_as(state[key]))
             else:
                 ds_adapter.set_full_optimizer_state(p, value, key)
     for state in base.state.values():

@@ -58,3 +58,33 @@ def test_loading_moments_into_a_fresh_optimizer_keeps_the_moe_selection_biases_a
     (got,) = run_distributed(_load_into_fresh_engine, 1, fresh=False)
     assert got["loaded"] and min(got["moved"]) > 0, got  # the first step moved the biases away from 0
     assert got["biases"] == [True, True] and got["stats"] == [True, True], got
+
+
+def _bf16_stage0_round_trip(rank: int, world: int) -> dict:
+    """ZeRO-0 under bf16: DeepSpeed's unfused wrapper keeps AdamW's state on fp32 copies of the parameters. The
+    moments gathered after a step, loaded into a fresh engine, and gathered again."""
+    from pretrain.train.module import build_module
+    from pretrain.train.optimizer_state import gather_moments, load_moments
+    from pretrain.train.step import StepInput, run_step
+
+    torch.set_num_threads(1)
+    cfg = tiny_config("zero.stage=0", "train.precision=bf16", "train.global_batch_size=2", "data.num_streams=1")
+    module = build_module(cfg)
+    ids = torch.randint(0, 101, (module.plan.share(rank), 16), generator=torch.Generator().manual_seed(0))
+    run_step(module, StepInput(1, {"input_ids": ids, "labels": ids}, 1e-3))
+    moments = gather_moments(module)
+    module.rebuild(cfg, weights=module.full_state_dict())
+    load_moments(module, moments)
+    again = gather_moments(module)
+    return {
+        "wrapper": type(module.engine.optimizer).__name__,
+        "moved": max(float(v.abs().max()) for v in moments["exp_avg"].values()),
+        "same": all(torch.equal(moments[k][n], again[k][n]) for k in ("exp_avg", "exp_avg_sq") for n in moments[k]),
+        "step": (moments["step"], again["step"]),
+    }
+
+
+def test_moments_round_trip_under_zero_0_bf16_through_the_fp32_masters():
+    (got,) = run_distributed(_bf16_stage0_round_trip, 1, fresh=False)
+    assert got["wrapper"] == "FP16_UnfusedOptimizer" and got["moved"] > 0, got
+    assert got["same"] and got["step"][0] == got["step"][1] > 0, got
