@@ -25,6 +25,7 @@ then compares within :data:`OTHER_KERNELS_RTOL` and says so, instead of failing 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -120,7 +121,28 @@ def run_case(name: str, work: Path) -> dict:
     for metric in METRICS:
         history = sorted(client.get_metric_history(run_id, metric), key=lambda m: (m.step, m.timestamp))
         out[metric] = {str(m.step): float(m.value).hex() for m in history}
-    return {"case": name, "preset": preset, "overrides": COMMON + overrides, "metrics": out, "kernels": kernels}
+    return {
+        "case": name,
+        "preset": preset,
+        "overrides": COMMON + overrides,
+        "metrics": out,
+        "kernels": kernels,
+        "machine": machine_id(),
+    }
+
+
+def machine_id() -> str:
+    """A hash of this machine's processor (model name and instruction-set flags) and torch's version. Two machines
+    with one kernel fingerprint have still been seen to differ by an ulp in losses of two workers and by 7e-7 in
+    gradient norms (an AVX2 recording replayed on an AVX-512 FP16 processor): a file recorded on another machine is
+    compared bitwise only when it names none (the files recorded before this field)."""
+    import platform
+
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join([*lines, torch.__version__]).encode()).hexdigest()[:16]
 
 
 @functools.cache  # one per process: the pins and the machine do not change
