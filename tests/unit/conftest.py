@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -13,3 +15,15 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has ``n`` visible CUDA devices (0: CUDA is not available)."""
+    import torch
+
+    def have(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return have

@@ -4,21 +4,9 @@ itself is tested through whole exports in ``test_hf.py``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pretrain.config import ConfigError
 from pretrain.export.parity import check_device
-
-
-@pytest.fixture
-def gpus(monkeypatch):
-    """Pretend this machine has ``n`` CUDA devices (0: CUDA is not available)."""
-
-    def have(n: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-    return have
 
 
 def test_check_device(gpus):

@@ -11,17 +11,6 @@ import torch
 from pretrain.train import dist
 
 
-@pytest.fixture
-def gpus(monkeypatch):
-    """Pretend this machine has ``n`` visible GPUs."""
-
-    def set_count(n: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-    return set_count
-
-
 def test_every_local_worker_gets_its_own_gpu_or_the_run_is_on_the_cpu(gpus):
     gpus(1)
     assert dist.gpu_count("auto", 1) == 1
