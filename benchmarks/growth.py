@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.growth_check import check_runs, check_share, checked
+from benchmarks.growth_check import check_grows_into_target, check_runs, check_share, checked
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
@@ -146,28 +146,6 @@ def _budget(study: Study, arch: dict, tokens: int) -> tuple[float, float]:
     return budget_flops(cfg, tokens), block_flops_share(cfg.model, seq_len, cfg.moe)
 
 
-def check_grows_into_target(config, target: dict, names: list[str], flops: float) -> None:
-    """Each recipe's last stage is the target model (the fields that shape it, embeddings tied or not): a recipe that
-    grows into another model is refused before anything trains, since "grown against scratch" would then compare
-    two models (e.g. ``tile2@10%`` where the target has one key-value head: tiling doubles it). ``config(overrides)``:
-    the study's config with ``overrides`` (:meth:`Study.config`)."""
-    from pretrain.model.growth_stages import stage_architectures
-
-    def shape(m) -> dict:
-        keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "tie_embeddings")
-        return {**{k: getattr(m, k) for k in keys}, "ffn_size": m.ffn_width()}
-
-    want = shape(config(model_overrides(target)).model)
-    for name in names:
-        cfg = config([*model_overrides(target), *recipes(target)[name], f"train.max_flops={flops}"])
-        got = shape(stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)[-1][0])
-        wrong = [f"{k} {got[k]} (target {want[k]})" for k in want if got[k] != want[k]]
-        if wrong:
-            raise SystemExit(
-                f"bench --growth: recipe {name} grows into another model than the target: {', '.join(wrong)}"
-            )
-
-
 def small_model(target: dict, extra: list[str]) -> dict:
     """The architecture a recipe starts from (its ``model.*`` overrides on ``target``)."""
     arch = dict(target)
@@ -239,7 +217,8 @@ def growth_bench(
             f"bench --growth --recipes: unknown {', '.join(unknown)} (known: {', '.join(recipes(target))})"
         )
     if not scan:
-        check_grows_into_target(study.config, target, names, flops)
+        recipe_book = {n: recipes(target)[n] for n in names}
+        check_grows_into_target(study.config, model_overrides(target), recipe_book, flops)
     runs = plan(target, names, seeds, scan)
     # the run that reads most tokens starts at the smallest model (a grown run reads fewer than its model alone)
     archs = {n: small_model(target, extra[len(model_overrides(target)) :]) for n, _, extra in runs}

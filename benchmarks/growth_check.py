@@ -1,4 +1,5 @@
-"""A growth saving checked by the run it claims (``bench --growth --check-saving S``): each recipe trained on
+"""Checks of the growth study: each recipe grows into the target (:func:`check_grows_into_target`), and a growth
+saving is checked by the run it claims (``bench --growth --check-saving S``): each recipe trained on
 ``1 - S`` of the budget, its own schedule fully decayed there, against the target from scratch on the whole budget.
 
 The study's ``growth_flops_saving`` reads where a recipe's curve first reaches the scratch run's final loss, on a
@@ -69,3 +70,26 @@ def checked(
         "reaches_scratch": {n: {s: margin[n][s] <= 0 for s in seeds} for n in names},
         "reaches_on_every_seed": {n: all(margin[n][s] <= 0 for s in seeds) for n in names},
     }
+
+
+def check_grows_into_target(config, target: list[str], recipes: dict[str, list[str]], flops: float) -> None:
+    """Each recipe's last stage is the target model (the fields that shape it, embeddings tied or not): a recipe that
+    grows into another model is refused before anything trains, since "grown against scratch" would then compare
+    two models (e.g. ``tile2@10%`` where the target has one key-value head: tiling doubles it). ``config(overrides)``:
+    the study's config with ``overrides`` (:meth:`benchmarks.study.Study.config`); ``target``: the target's
+    ``model.*`` overrides; ``recipes``: name -> the recipe's overrides on the target."""
+    from pretrain.model.growth_stages import stage_architectures
+
+    def shape(m) -> dict:
+        keys = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "tie_embeddings")
+        return {**{k: getattr(m, k) for k in keys}, "ffn_size": m.ffn_width()}
+
+    want = shape(config(target).model)
+    for name, overrides in recipes.items():
+        cfg = config([*target, *overrides, f"train.max_flops={flops}"])
+        got = shape(stage_architectures(cfg.model, cfg.moe, cfg.growth.schedule)[-1][0])
+        wrong = [f"{k} {got[k]} (target {want[k]})" for k in want if got[k] != want[k]]
+        if wrong:
+            raise SystemExit(
+                f"bench --growth: recipe {name} grows into another model than the target: {', '.join(wrong)}"
+            )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.growth import TARGET, alternatives, check_grows_into_target, iso_flop, plan, recipes, small_model
-from benchmarks.growth_check import check_runs, check_share, checked
+from benchmarks.growth import TARGET, alternatives, iso_flop, model_overrides, plan, recipes, small_model
+from benchmarks.growth_check import check_grows_into_target, check_runs, check_share, checked
 from benchmarks.study import epochs
 from pretrain.config import ConfigError, load_config
 
@@ -132,9 +132,12 @@ def test_a_recipe_that_grows_into_another_model_is_refused_before_anything_train
     def config(overrides):
         return load_config(None, ["model.vocab_size=2048", *overrides])
 
-    check_grows_into_target(config, TARGET, ["stack2@10%", "stack4@10%"], 1e13)
+    def check(target: dict, names: list[str]) -> None:
+        check_grows_into_target(config, model_overrides(target), {n: recipes(target)[n] for n in names}, 1e13)
+
+    check(TARGET, ["stack2@10%", "stack4@10%"])
     with pytest.raises(
         SystemExit, match=r"recipe tile2@10% grows into another model than the target: .*num_kv_heads 2"
     ):
-        check_grows_into_target(config, TARGET, ["stack2@10%", "tile2@10%"], 1e13)
-    check_grows_into_target(config, ARCH, ["stack2@10%"], 1e13)  # any stacking target
+        check(TARGET, ["stack2@10%", "tile2@10%"])
+    check(ARCH, ["stack2@10%"])  # any stacking target
