@@ -7,6 +7,7 @@ training's, and both launches give them bitwise alike.
 
     python -m tests.golden_losses            # (re)record every case into tests/golden/*.json
     python -m tests.golden_losses CASE ...   # only these cases
+    python -m tests.golden_losses --this-machine CASE ...   # add this machine's recording beside the file's
 
 Record only on purpose: a change of these numbers is a change of results.
 
@@ -160,14 +161,34 @@ def golden_path(name: str) -> Path:
     return GOLDEN_DIR / f"{name}.json"
 
 
+def recording_for(want: dict, got: dict) -> tuple[dict, bool]:
+    """The metrics of golden file ``want`` to compare run ``got`` with, and whether bitwise: this machine's own
+    recording (``other_machines``, added by ``--this-machine``), else the file's, bitwise when its fingerprint is this
+    machine's and it names this machine or none (files recorded before the machine was)."""
+    mine = want.get("other_machines", {}).get(got["machine"])
+    if mine is not None and mine["kernels"] == got["kernels"]:
+        return mine["metrics"], True
+    same = got["kernels"] == want["kernels"] and want.get("machine", got["machine"]) == got["machine"]
+    return want["metrics"], same
+
+
 def main(argv: list[str]) -> int:
-    names = argv or list(CASES)
+    """``[--this-machine] [CASE ...]``: (re)record the cases; ``--this-machine`` keeps each file's recording and
+    adds this machine's beside it (``other_machines``), for a machine that rounds otherwise under the same code."""
+    this_machine = "--this-machine" in argv
+    names = [a for a in argv if a != "--this-machine"] or list(CASES)
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     for name in names:
         with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
             result = run_case(name, Path(tmp))
+        if this_machine:
+            kept = json.loads(golden_path(name).read_text())
+            if kept["overrides"] != result["overrides"]:
+                raise SystemExit(f"{name}: the case changed since its file was recorded: record it anew")
+            mine = {"kernels": result["kernels"], "metrics": result["metrics"]}
+            result = {**kept, "other_machines": {**kept.get("other_machines", {}), result["machine"]: mine}}
         golden_path(name).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-        losses = [float.fromhex(v) for v in result["metrics"]["train/loss"].values()]
+        losses = [float.fromhex(v) for v in (mine if this_machine else result)["metrics"]["train/loss"].values()]
         print(f"{name}: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return 0
 

@@ -310,7 +310,7 @@ def load_config(
     if base is not None:  # a stored config: its growth points may be resolved already
         return from_dict(tree)
     cfg = _build(RunConfig, tree, "")
-    cfg.growth.check_given_points()
+    cfg.check_as_written()
     return cfg.validate()
 
 

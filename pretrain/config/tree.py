@@ -273,7 +273,6 @@ class RunConfig:
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
-        self._validate_effective()
         self.moe.validate(m.num_layers)
         rules.check_expert(self)
         rules.check_compile(self)
@@ -350,7 +349,6 @@ class RunConfig:
                     )
                 if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
                     raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
-        g.check_order()
 
     def no_validation(self) -> str:
         """Why the run never validates (no held-back data, or no validation sequences); "" when it does."""
@@ -358,8 +356,13 @@ class RunConfig:
             return "data.val_holdout is 0 and data.val_sources is empty"
         return "train.val_sequences is 0" if self.train.val_sequences == 0 else ""
 
-    def _validate_effective(self) -> None:
-        """A setting that would do nothing beside another one is refused in one line naming both."""
+    def check_as_written(self) -> None:
+        """The checks of a config as the user writes it (:func:`~pretrain.config.loading.load_config` without a
+        stored base), not of a run's stored config, which a checkpoint, an export or a resume must still read
+        whatever an older version accepted: each growth entry gives one point, the points of each kind come in
+        order, and no setting would do nothing beside another one (refused in one line naming both)."""
+        self.growth.check_given_points()
+        self.growth.check_order()
         t, why = self.train, self.no_validation()
         for key, value in (
             ("train.stop_at_val_loss", t.stop_at_val_loss),

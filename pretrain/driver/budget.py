@@ -14,15 +14,15 @@ from pretrain.config.loading import INT_MAX
 from pretrain.config.tree import BYTE_LEVEL_VOCAB, MAX_SIZE
 
 
-def growth_stages(cfg: RunConfig) -> list[tuple[ModelConfig, MoEConfig]]:
-    """The architecture before the first growth of ``growth.schedule`` and after each, built as
-    :func:`pretrain.model.growth_stages.stage_architectures` builds them (weightless). An entry that cannot grow the
-    model it is applied to (a ``tile`` factor that is not whole, a smaller depth, an MoE model upcycled again...)
-    is refused with a :class:`ConfigError` naming the entry."""
+def growth_stages(cfg: RunConfig, first: int = 0) -> list[tuple[ModelConfig, MoEConfig]]:
+    """The architecture before the first growth of ``growth.schedule`` (from its entry ``first`` on) and after
+    each, built as :func:`pretrain.model.growth_stages.stage_architectures` builds them (weightless). An entry that
+    cannot grow the model it is applied to (a ``tile`` factor that is not whole, a smaller depth, an MoE model
+    upcycled again...) is refused with a :class:`ConfigError` naming the entry."""
     from pretrain.model.growth_stages import grown_architecture
 
     stages = [(cfg.model, cfg.moe)]
-    for i, entry in enumerate(cfg.growth.schedule):
+    for i, entry in enumerate(cfg.growth.schedule[first:], start=first):
         try:
             _check_grown_sizes(stages[-1][0], entry, f"growth.schedule[{i}]")
             stages.append(grown_architecture(*stages[-1], entry))
@@ -52,18 +52,21 @@ def _check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> Non
             raise ConfigError(f"{where}.{name}: {spec} grows {key} to {size:,}, more than {MAX_SIZE[key]:,}")
 
 
-def check_growth_stages(cfg: RunConfig) -> None:
+def check_growth_stages(cfg: RunConfig, grown_at: int = 0) -> None:
     """Every entry of ``growth.schedule`` applies to the model before it (:func:`growth_stages`), and the config of
     the model it grows to passes the checks the job makes at that growth (the parallel degrees against its heads,
     experts and MoE), checked before a run is recorded; a vocabulary size still to be taken from the tokenizer (0)
-    is stood in for, as growth never changes it."""
-    if not cfg.growth.schedule:
+    is stood in for, as growth never changes it. ``grown_at``: the step of the checkpoint whose stored config this
+    is, whose model the entries before that step have grown already (a checkpoint at an entry's ``at_step`` is
+    the model before it): only the later entries are applied."""
+    done = sum(1 for e in cfg.growth.schedule if e.at_step < grown_at) if grown_at else 0
+    if done == len(cfg.growth.schedule):
         return
     from pretrain.train.callbacks.growth import grown_config
 
     model = cfg.model if cfg.model.vocab_size > 0 else dataclasses.replace(cfg.model, vocab_size=BYTE_LEVEL_VOCAB)
     cfg = dataclasses.replace(cfg, model=model)
-    for i, (grown, moe) in enumerate(growth_stages(cfg)[1:]):
+    for i, (grown, moe) in enumerate(growth_stages(cfg, done)[1:], start=done):
         try:  # the checks the job makes at the growth (parallelism against the grown model: heads, MoE, experts)
             grown_config(cfg, grown, moe)
         except ConfigError as e:

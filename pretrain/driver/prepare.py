@@ -80,7 +80,7 @@ def _check_gpu_request(cfg: RunConfig) -> None:
         )
 
 
-def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
+def preflight(cfg: RunConfig, probe: bool = True, grown_at: int = 0) -> list[str]:
     """The driver's checks before anything is created (paths already absolute): directories, the worker layout
     (an embedded local Ray must be able to place it: :func:`cluster.placement.check_local_layout`), the growth
     schedule against the model (:func:`pretrain.driver.budget.check_growth_stages`), then the corpus
@@ -89,7 +89,8 @@ def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
 
     ``probe=False`` (``train --dry-run``, which plans for another machine): only what this machine can check of
     any job, never waiting on the network; the GPU driver, the local CPUs and GPUs for the layout, and the hub
-    datasets are not checked. Returns one line for each check left out, saying why."""
+    datasets are not checked. Returns one line for each check left out, saying why. ``grown_at``: the step of the
+    checkpoint whose stored config ``cfg`` is (a resume): the growths before it are in its model already."""
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
     skipped = [] if probe else _not_probed(cfg)
     if probe:
@@ -106,7 +107,7 @@ def preflight(cfg: RunConfig, probe: bool = True) -> list[str]:
     _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
     if not m.init_from_hf:  # else the architecture is the Hugging Face model's, checked once it is adopted
-        check_growth_stages(cfg)
+        check_growth_stages(cfg, grown_at)
     plan = check_corpus(
         cfg.data,
         seq_len=cfg.model.max_seq_len,

@@ -59,7 +59,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         cfg = resolve_paths(read_config(ckpt, overrides))
         cfg.checkpoint.resume_from = str(ckpt.path)
         cfg.validate()
-        preflight(cfg)
+        preflight(cfg, grown_at=ckpt.step)
         return prepare_fork(cfg, check_fork(ckpt, cfg), hold)
     root = tracking.run_checkpoint_root(uri, target)
     if hold is not None and root.is_dir():
@@ -75,7 +75,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.data.tokenizer = str(resumed_tokenizer(root, ckpt))
     cfg.validate()
-    preflight(cfg)
+    preflight(cfg, grown_at=ckpt.step)
     fork = check_fork(ckpt, cfg)
     if cfg.tracking.enabled:
         tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")

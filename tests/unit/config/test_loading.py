@@ -227,3 +227,20 @@ def test_a_derived_growth_point_does_not_skip_the_entry_checks():
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(base[0], [base[1], f"growth.schedule={schedule}"])
+
+
+def test_a_stored_config_an_older_version_accepted_still_loads(tmp_path):
+    """The checks of a config as written (settings that would do nothing, growth points out of order) are not made
+    on a run's stored config: a checkpoint written before them is still exported, evaluated and resumed."""
+    from pretrain.config import dump_yaml, from_dict, to_dict
+
+    cfg = load_config(ROOT / "configs" / "demo-decoder.yaml", ["stability.policy=rollback", "train.max_flops=1e12"])
+    stored = to_dict(cfg)
+    stored["checkpoint"]["every_steps"] = 0  # what an older version wrote: rollback with one checkpoint at the end
+    stored["zero"].update(stage=0, offload_optimizer=True)
+    stored["growth"]["schedule"] = [{"at_fraction": 0.5, "at_step": 50}, {"at_fraction": 0.2, "at_step": 51}]
+    assert from_dict(stored).checkpoint.every_steps == 0
+    (tmp_path / "config.yaml").write_text(dump_yaml(from_dict(stored)))
+    assert load_config(None, ["train.max_steps=200"], base=stored).zero.offload_optimizer  # resume RUN k=v
+    with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]: at_step 50 and at_fraction 0.5 both")):
+        load_config(tmp_path / "config.yaml", [])  # the same file given as a config to train: as written

@@ -183,3 +183,19 @@ def test_a_budget_over_a_growth_that_cannot_apply_is_a_config_error():
     cfg = load_config(DEMO, [*SMALL, "train.max_flops=4e12", "growth.schedule=[{width: 1.5x}]"])
     with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]: width_op tile needs integer factors")):
         resolve_budget(cfg, say=lambda _: None)
+
+
+def test_a_stored_config_is_checked_with_only_the_growths_its_model_has_not_had():
+    """A checkpoint's config holds the model grown by every entry before its step: a resume applies only the later
+    entries to it (an upcycled model is not upcycled again, a depth of 16 not grown to 8)."""
+    from pretrain.driver.budget import check_growth_stages
+
+    model = tiny_model(hidden_size=64, num_layers=16, vocab_size=None)
+    upcycled = load_config(DEMO, [*model, "moe.num_experts=4", "growth.schedule=[{at_step: 3, experts: 4, top_k: 2}]"])
+    with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]:")):
+        check_growth_stages(upcycled)  # as if the model had not grown yet
+    check_growth_stages(upcycled, grown_at=4)
+    deep = load_config(DEMO, [*model, "growth.schedule=[{at_step: 2, depth: 8}, {at_step: 4, depth: 16}]"])
+    check_growth_stages(deep, grown_at=5)
+    with pytest.raises(ConfigError, match=re.escape("growth.schedule[0]:")):
+        check_growth_stages(deep)  # the 16 blocks "grown" to 8

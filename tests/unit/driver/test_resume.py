@@ -66,7 +66,7 @@ def _resumable_run(tmp_path, monkeypatch, keep_last=1):
     writer.save(_contents(cfg, 1))
     monkeypatch.setattr(tracking, "tracking_uri", lambda: "")
     monkeypatch.setattr(tracking, "run_checkpoint_root", lambda uri, run_id: root)
-    monkeypatch.setattr(resume, "preflight", lambda cfg: [])  # Ray, the corpus: not what is tested here
+    monkeypatch.setattr(resume, "preflight", lambda cfg, **_: [])  # Ray, the corpus: not what is tested here
     return root, writer
 
 
