@@ -17,10 +17,10 @@ def session_of(pid: int) -> int | None:
 
 
 def head_processes(state: dict[str, Any]) -> list:
-    """Every live process of the recorded head: a Ray binary or the head's Python (created after the ``ray start``
-    leader) in the leader's session or running in the head's temp dir (a job's driver, whose supervisor has gone),
-    and their descendants (job drivers start their own sessions). Nothing else on the machine: a shell or a
-    ``tail -f`` in the head's log directory is not the head's."""
+    """Every live process of the recorded head: a Ray binary, the head's Python or a job's driver (created after the
+    ``ray start`` leader) in the leader's session or running in the head's temp dir (a job's driver, whose
+    supervisor has gone), and their descendants (job drivers start their own sessions). Nothing else on the
+    machine: a shell or a ``tail -f`` in the head's log directory is not the head's."""
     import psutil
 
     sid = int(state.get("sid", 0))
@@ -40,7 +40,7 @@ def head_processes(state: dict[str, Any]) -> list:
                     continue
             # ... and a Ray binary or the head's Python: a recycled session id or a working directory is not enough
             exe = os.path.realpath(p.exe())
-            if any(exe == o or exe.startswith(o + os.sep) for o in ours):
+            if any(exe == o or exe.startswith(o + os.sep) for o in ours) or _runs_a_job(p.cmdline()):
                 found[p.pid] = p
         except (psutil.Error, OSError):
             continue
@@ -52,6 +52,11 @@ def head_processes(state: dict[str, Any]) -> list:
         except psutil.Error:
             continue
     return list(found.values())
+
+
+def _runs_a_job(cmdline: list[str]) -> bool:
+    """A job's driver whatever Python runs it (``submit --python OTHER``): ``PYTHON -m pretrain ...``."""
+    return any(a == "-m" and b == "pretrain" for a, b in zip(cmdline, cmdline[1:]))
 
 
 def _ray_executables(state: dict[str, Any]) -> list[str]:

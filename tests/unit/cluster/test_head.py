@@ -30,11 +30,13 @@ def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its
     # own sessions (as a job's driver has), working in the head's temp dir: a reader of its logs and a Python
     reader = subprocess.Popen(["sleep", "30"], cwd=temp, start_new_session=True)
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=temp, start_new_session=True)
+    # a job's driver under another Python (submit --python): `sh` stands in, named as it would be
+    job = subprocess.Popen(["sh", "-c", "sleep 30", "-m", "pretrain"], cwd=temp, start_new_session=True)
     try:
         time.sleep(0.3)
         found = {p.pid for p in head_processes(state)}
-        assert driver.pid in found and reader.pid not in found, found
+        assert driver.pid in found and job.pid in found and reader.pid not in found, found
     finally:
-        for p in (reader, driver):
+        for p in (reader, driver, job):
             p.kill()
             p.wait()
