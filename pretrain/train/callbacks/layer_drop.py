@@ -19,6 +19,7 @@ class LayerDropCallback(Callback):
     micro-batch id (the same on any worker count). Padding micro-batches get the gates of the first one."""
 
     order = 5  # before anything that looks at which blocks run this step
+    name = "layer_drop_window"  # the executed blocks since the last logged step: a resume logs what the run would
 
     def __init__(self, cfg: RunConfig, rank: int, micro_ids: list[int]) -> None:
         self.ld, self.seed, self.layers = cfg.layer_drop, cfg.train.seed, cfg.model.num_layers
@@ -79,6 +80,12 @@ class LayerDropCallback(Callback):
         for p, grad in ds_adapter.zero3_grad_partitions(module.engine.optimizer):
             if id(p) in unused:
                 grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"executed_sum": self.executed_sum, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.executed_sum, self.steps = float(state["executed_sum"]), int(state["steps"])
 
     def skipped_blocks(self) -> set[int]:
         """Blocks that did no work in the current step (``layer`` mode)."""

@@ -17,6 +17,7 @@ class MetricsLogger(Callback):
     callback's ``extra_metrics``) to MLflow, and the MoE routing metrics."""
 
     order = 30
+    name = "metrics_window"  # the losses since the last logged step: a resume logs the train/loss_avg the run would
 
     def __init__(self) -> None:
         self.window: list[float] = []
@@ -45,6 +46,12 @@ class MetricsLogger(Callback):
         if result.moe:
             self.moe_metrics = routing_metrics(result.moe)
             trainer.tracker.log_metrics(self.moe_metrics, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = [float(v) for v in state["window"]]
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
         if self.moe_metrics:

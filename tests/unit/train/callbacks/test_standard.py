@@ -116,4 +116,6 @@ def test_the_checkpointed_names_stay():
         "StabilityCallback": "stability",
         "FaultInjection": "faults_fired",
         "DataFingerprint": "data_fingerprint",
+        "LayerDropCallback": "layer_drop_window",
+        "MetricsLogger": "metrics_window",
     }

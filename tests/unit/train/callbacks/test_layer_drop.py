@@ -1,0 +1,22 @@
+"""``LayerDropCallback`` (``pretrain/train/callbacks/layer_drop.py``): the executed blocks since the last logged step
+travel in a checkpoint, so a run resumed between two logged steps logs the ``train/active_layers`` of the
+uninterrupted run. (The gates themselves: ``tests/unit/model/test_layerdrop.py``.)"""
+
+from __future__ import annotations
+
+import json
+
+from pretrain.config import load_config
+from pretrain.train.callbacks.layer_drop import LayerDropCallback
+
+
+def test_the_executed_blocks_since_the_last_log_are_saved_and_restored():
+    cfg = load_config(None, ["layer_drop.rate=0.5", "layer_drop.mode=layer", "model.num_layers=4"])
+    run = LayerDropCallback(cfg, 0, [0])
+    for step in (1, 2, 3):
+        run.on_step_start(None, step)
+    resumed = LayerDropCallback(cfg, 0, [0])
+    resumed.load_state_dict(json.loads(json.dumps(run.state_dict())))  # as a checkpoint holds it
+    run.on_step_start(None, 4)
+    resumed.on_step_start(None, 4)
+    assert resumed.extra_metrics() == run.extra_metrics() and run.name
