@@ -34,10 +34,8 @@ def head_processes(state: dict[str, Any]) -> list:
         try:
             if p.pid == os.getpid() or p.info["create_time"] < started:
                 continue
-            if session_of(p.pid) != sid:
-                cwd = p.cwd()
-                if cwd != temp_dir and not cwd.startswith(temp_dir + "/"):
-                    continue
+            if session_of(p.pid) != sid and not works_under(p, temp_dir):
+                continue
             # ... and a Ray binary or the head's Python: a recycled session id or a working directory is not enough
             exe = os.path.realpath(p.exe())
             if any(exe == o or exe.startswith(o + os.sep) for o in ours) or _runs_a_job(p.cmdline()):
@@ -52,6 +50,30 @@ def head_processes(state: dict[str, Any]) -> list:
         except psutil.Error:
             continue
     return list(found.values())
+
+
+def works_under(proc, directory: str, max_depth: int = 64) -> bool:
+    """Whether ``proc``'s working directory is ``directory`` or lies below it, compared as directories (device and
+    inode), not as path strings: a path through a symbolic link, a bind mount or another mount namespace names the
+    same directory differently. Walks up from ``/proc/PID/cwd`` where there is one; elsewhere compares real paths."""
+    try:
+        target = os.stat(directory)
+    except OSError:
+        return False
+    here = f"/proc/{proc.pid}/cwd"
+    if os.path.exists(here):
+        previous = None
+        for _ in range(max_depth):
+            st = os.stat(here)  # PermissionError (another user's process) is the caller's to skip
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                return True
+            if previous == (st.st_dev, st.st_ino):  # the root: its parent is itself
+                return False
+            previous = (st.st_dev, st.st_ino)
+            here += "/.."
+        return False
+    cwd, real = os.path.realpath(proc.cwd()), os.path.realpath(directory)
+    return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
 
 
 def _runs_a_job(cmdline: list[str]) -> bool:

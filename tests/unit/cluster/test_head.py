@@ -35,8 +35,46 @@ def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its
     try:
         time.sleep(0.3)
         found = {p.pid for p in head_processes(state)}
-        assert driver.pid in found and job.pid in found and reader.pid not in found, found
+        assert driver.pid in found and job.pid in found and reader.pid not in found, (found, _seen(state, driver, job))
     finally:
         for p in (reader, driver, job):
             p.kill()
             p.wait()
+
+
+def test_the_temp_dir_is_recognised_through_a_symbolic_link(tmp_path):
+    """``cluster up --temp-dir`` through a link, or a process that entered the directory by another path: the same
+    directory either way."""
+    real = tmp_path / "real" / "ray-temp"
+    (real / "logs").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    state = {"sid": os.getsid(0), "started_at": time.time() - 1, "temp_dir": str(tmp_path / "link" / "ray-temp")}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], cwd=real / "logs", start_new_session=True
+    )
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        found = {p.pid for p in head_processes(state)}
+        assert driver.pid in found and outside.pid not in found, (found, _seen(state, driver, outside))
+    finally:
+        for p in (driver, outside):
+            p.kill()
+            p.wait()
+
+
+def _seen(state: dict, *procs: subprocess.Popen) -> list[dict]:
+    """What the search saw of each process, for a failure's message."""
+    import psutil
+
+    out = []
+    for proc in procs:
+        p = psutil.Process(proc.pid)
+        seen = {"pid": proc.pid, "sid": os.getsid(proc.pid), "created_after": p.create_time() - state["started_at"]}
+        try:
+            seen["cwd"] = p.cwd()
+            seen["exe"] = p.exe()
+        except psutil.Error as e:
+            seen["error"] = repr(e)
+        out.append(seen)
+    return out
