@@ -120,6 +120,30 @@ def read_lines(files: list[str], fmt: str, text_field: str, piece_chars: int = 0
                     yield record
 
 
+@dataclass
+class PrefixLine:
+    file: str
+    lineno: int
+    raw: bytes
+    complete: bool  # False: the budget cut the line
+
+
+def prefix_lines(files: list[str], budget: int) -> Iterator[PrefixLine]:
+    """The first lines of ``files`` within ``budget`` bytes, never reading a line past the budget."""
+    for file in files:
+        with open(file, "rb") as f:
+            lineno = 0
+            while budget > 0:
+                raw = f.readline(budget)
+                if not raw:
+                    break
+                lineno += 1
+                budget -= len(raw)
+                yield PrefixLine(file, lineno, raw, raw.endswith(b"\n") or not f.peek(1))
+        if budget <= 0:
+            return
+
+
 # ----------------------------------------------------------------------------------------------
 # Source resolution
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig, layout, load_config
 from pretrain.data import BadRecordError, TrainBatches, load_or_train_tokenizer, validation_sequences
-from pretrain.data.sanity import check_corpus, check_sources, plan_split, why_not_text
+from pretrain.data.sanity import check_corpus, check_source, check_sources, why_not_text
+from pretrain.data.split_plan import plan_split
 from pretrain.data.sources import cut_pieces, read_lines
 
 WORDS = "the a of to and in is that it for on with as was by be at this from or an are river mountain".split()
@@ -73,6 +74,13 @@ def test_binary_and_compressed_sources_are_not_text(tmp_path):
     utf16 = tmp_path / "utf16.txt"
     utf16.write_bytes(("hello world, a line of text\n" * 100).encode("utf-16"))
     assert "UTF-16" in refusal(cfg_for(utf16))
+    # a parquet file named as text: the fix names the key to set, or the command's option
+    pq = tmp_path / "rows.txt"
+    pq.write_bytes(b"PAR1" + bytes(200))
+    assert refusal(cfg_for(pq)).endswith("it looks like a parquet file (set data.sources[0].format: parquet)")
+    with pytest.raises(ConfigError) as e:
+        check_source(SourceConfig(path=str(pq)), "tokenize SOURCE[0]", cfg_for(pq), format_option="--format")
+    assert str(e.value).endswith("it looks like a parquet file (give --format parquet)")
     assert why_not_text("naïve café 東京 ☕\n".encode() * 100) == ""
     assert why_not_text(b"mostly text \xe9 with a latin-1 byte\n" * 100) == ""
 
