@@ -5,7 +5,7 @@ split into its phases (:mod:`pretrain.timeline`).
 Summary keys (``summary.json``, the CLI's ``final``):
 
 * ``tokens_per_s``: tokens over the time inside the steps (``on_step_start`` to ``on_step_end``: the batch is
-  already fetched; validation and checkpoints excluded), as the progress line shows;
+  already fetched; validation, checkpoints and a growth's rebuild excluded), as the progress line shows;
 * ``loop_mean_tokens_per_s``: tokens over the wall time between the ends of the steady-state steps (the first
   ``LOOP_WARMUP_STEPS`` excluded): everything between two steps counts — fetching the batch, every callback,
   logging, MLflow, and validation or checkpoints when they fall inside;
@@ -74,6 +74,9 @@ class SpeedMonitor(Callback):
         if not self.ends:
             timeline.enter("first_step")
         self._t0 = time.perf_counter()
+
+    def on_model_changed(self, trainer: Trainer) -> None:
+        self._t0 = time.perf_counter()  # a growth rebuilt the model in this step's start: not step time
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         now = time.perf_counter()

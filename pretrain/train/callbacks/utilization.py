@@ -2,7 +2,8 @@
 
 ``train/mfu``: model FLOPs/s over the device peak, with the FLOP count and the peak of ``./launch.sh bench``
 (:func:`pretrain.model.flops_per_token`, :func:`pretrain.model.peak.device_peak`: the measured matmul peak on CPU,
-the datasheet peak on known GPUs), over the step time of the logging interval (as ``train/tokens_per_s``).
+the datasheet peak on known GPUs), over the step time of the logging interval (as ``train/tokens_per_s``: a
+growth's rebuild is not step time; each step counts the FLOPs of the model it trained).
 ``train/data_wait_frac``: the share of (step + batch fetch) time spent waiting for the next batch
 (``trainer.shared.data_wait_s``).
 """
@@ -46,7 +47,7 @@ class ThroughputMonitor(Callback):
         self.tokens_per_step = 0
         self.world = 1
         self._t0 = 0.0
-        self._step_s = self._wait_s = 0.0
+        self._step_s = self._wait_s = self._flops = 0.0
         self._steps = 0
         self._say: Callable[[str], None] = print
         self._warned = False
@@ -72,6 +73,7 @@ class ThroughputMonitor(Callback):
 
     def on_model_changed(self, trainer: Trainer) -> None:
         self._model_flops(trainer)  # growth: more FLOPs per token from here on
+        self._t0 = time.perf_counter()  # the rebuild (in this step's start) is not step time
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         self._t0 = time.perf_counter()
@@ -79,17 +81,17 @@ class ThroughputMonitor(Callback):
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         self._step_s += time.perf_counter() - self._t0
         self._wait_s += trainer.shared.data_wait_s
+        self._flops += self.flops_per_token * self.tokens_per_step  # at the size this step trained
         self._steps += 1
 
     def extra_metrics(self) -> dict[str, float]:
         if not self._steps or not self.peak:
             return {}
-        tokens_per_s = self._steps * self.tokens_per_step / max(self._step_s, 1e-9)
         out = {
-            "train/mfu": self.flops_per_token * tokens_per_s / (self.peak * self.world),
+            "train/mfu": self._flops / max(self._step_s, 1e-9) / (self.peak * self.world),
             "train/data_wait_frac": self._wait_s / max(self._wait_s + self._step_s, 1e-9),
         }
-        self._step_s = self._wait_s = 0.0
+        self._step_s = self._wait_s = self._flops = 0.0
         self._steps = 0
         if out["train/mfu"] > 1 and not self._warned:
             self._warned = True

@@ -68,3 +68,34 @@ def test_loop_rates_leave_out_warmup_and_count_periodic_work():
 
 def test_window_is_a_whole_number_of_logging_and_health_cycles():
     assert cycle(10, 10) == 10 and cycle(10, 4) == 20 and cycle(5, 0) == 5 and cycle(1, 1) == 1
+
+
+def test_a_growths_rebuild_is_not_step_time_and_each_step_counts_its_models_flops():
+    """Growth rebuilds the model inside a step's start (``on_model_changed``): the progress line's tokens/s and
+    ``train/mfu`` leave the rebuild out, and MFU counts each step at the FLOPs of the model it trained."""
+    from types import SimpleNamespace
+
+    from pretrain.train.callbacks.speed import SpeedMonitor
+    from pretrain.train.callbacks.utilization import ThroughputMonitor
+    from pretrain.train.progress import Progress
+
+    trainer = SimpleNamespace(progress=Progress(10, 0, 100, False), shared=SimpleNamespace(data_wait_s=0.0))
+    speed, mfu = SpeedMonitor(), ThroughputMonitor()
+    speed.ends = [0.0]  # not the first step (no start-up report)
+    mfu.peak, mfu.tokens_per_step, mfu.flops_per_token = 1e9, 100, 1e6
+    sizes = iter([3e6])
+    mfu._model_flops = lambda trainer: setattr(mfu, "flops_per_token", next(sizes))  # the grown model's count
+    for grow in (False, True):
+        speed.on_step_start(trainer, 1)
+        mfu.on_step_start(trainer, 1)
+        if grow:
+            time.sleep(0.5)  # the rebuild
+            speed.on_model_changed(trainer)
+            mfu.on_model_changed(trainer)
+        time.sleep(0.05)
+        speed.on_step_end(trainer, None)
+        mfu.on_step_end(trainer, None)
+    assert trainer.progress.train_seconds < 0.3, trainer.progress.train_seconds
+    step_s = mfu._step_s
+    assert step_s < 0.3
+    assert mfu.extra_metrics()["train/mfu"] == pytest.approx((1e6 + 3e6) * 100 / step_s / 1e9)
