@@ -13,7 +13,8 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     .prev-step_NNNNNNNN-X/   a checkpoint set aside while a re-run of its step commits (put back at the next start
                              when the step has no directory: the commit was interrupted)
     universal-step_N-KEY/    a checkpoint's DeepSpeed universal form (resumed on another worker count)
-    full-step_N-KEY/         a checkpoint's full form (resumed on another expert-parallel layout)
+    full-step_N-KEY/         a checkpoint's full form (resumed on another expert-parallel layout); both removed at a
+                             job's start once their checkpoint is gone (``conversions.remove_stale``)
 
 One committed checkpoint::
 
@@ -61,6 +62,7 @@ UNIVERSAL_PREFIX = "universal-"
 RESHARDED_PREFIX = "full-"
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{8}})$")
 _SUPERSEDED_RE = re.compile(rf"^{re.escape(SUPERSEDED_PREFIX)}{STEP_PREFIX}(\d{{8}})-\w+$")
+_CONVERSION_RE = re.compile(rf"^(?:{UNIVERSAL_PREFIX}|{RESHARDED_PREFIX}){STEP_PREFIX}(\d{{8}})(?:-(\w+))?$")
 
 
 def step_dir_name(step: int) -> str:
@@ -123,6 +125,13 @@ def resharded_dir(cache_root: Path, step: int, key: str) -> Path:
     """The full form (weights and moments) of the checkpoint of ``step`` whose manifest hashes to ``key``, converted
     for another expert-parallel layout (``reader.resharded_full_form``)."""
     return cache_root / f"{RESHARDED_PREFIX}{step_dir_name(step)}-{key}"
+
+
+def conversion_of(name: str) -> tuple[int, str] | None:
+    """(step, manifest key) of a cached conversion's directory name (:func:`universal_dir`, :func:`resharded_dir`;
+    key '' for a name without one), or None for any other name."""
+    m = _CONVERSION_RE.match(name)
+    return (int(m.group(1)), m.group(2) or "") if m else None
 
 
 def resharded_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pretrain.checkpoint import layout, store, weights
+from pretrain.checkpoint import conversions, layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_FULL
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
 from pretrain.config import ConfigError, RunConfig, load_config
@@ -99,7 +98,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     which DeepSpeed's own loading (and its universal form) cannot. Converted once (single process) and cached
     under ``cache_root``, keyed by the manifest's hash; staged and renamed so an interrupted conversion is never
     used. Returns the directory to read with :func:`weights.load_full_weights` / ``load_optimizer_moments``."""
-    final = layout.resharded_dir(cache_root, ckpt.step, weights.manifest_key(ckpt))
+    final = layout.resharded_dir(cache_root, ckpt.step, conversions.manifest_key(ckpt))
     if (final / layout.OPTIMIZER).is_file():
         return final
     cfg = load(ckpt).config
@@ -124,9 +123,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     stage.mkdir(parents=True)
     weights.save_full_weights(stage, sd)
     weights.save_optimizer_moments(stage, moments)
-    os.replace(stage, final)
-    store.fsync_dir(cache_root)
-    return final
+    return conversions.publish(stage, final)
 
 
 @dataclass

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import re
@@ -23,7 +22,8 @@ import torch
 
 from pretrain import ds_adapter
 from pretrain.checkpoint import layout
-from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint, fsync_dir, new_nonce
+from pretrain.checkpoint.conversions import manifest_key, publish
+from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint, new_nonce
 from pretrain.parallel.dims import ParallelDims
 
 StateDict = dict[str, torch.Tensor]
@@ -198,15 +198,9 @@ def check_experts_complete(sd: StateDict, num_layers: int, moe) -> None:
                 )
 
 
-def manifest_key(ckpt: CommittedCheckpoint) -> str:
-    """A short hash of ``ckpt``'s manifest (its files' checksums, its commit time): what a conversion cached for it is
-    keyed by, so another checkpoint of the same step (committed after a rollback) never reuses it."""
-    return hashlib.sha256((ckpt.path / layout.MANIFEST).read_bytes()).hexdigest()[:12]
-
-
 def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     """DeepSpeed universal form of ``ckpt`` (for resuming with a different worker count), converted once
-    and cached under ``cache_root``, keyed by its manifest (:func:`manifest_key`); staged and renamed so an
+    and cached under ``cache_root``, keyed by its manifest (:func:`conversions.manifest_key`); staged and renamed so an
     interrupted conversion is never used. Returns the directory to pass to the engine's load (tag
     :data:`layout.DS_TAG`)."""
     final = layout.universal_dir(cache_root, ckpt.step, manifest_key(ckpt))
@@ -214,6 +208,4 @@ def universal_checkpoint(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
         return final
     stage = layout.universal_staging_dir(cache_root, ckpt.step, new_nonce())
     ds_adapter.convert_to_universal(ds_engine_dir(ckpt.path) / layout.DS_TAG, stage / layout.DS_TAG)
-    os.replace(stage, final)
-    fsync_dir(cache_root)
-    return final
+    return publish(stage, final)

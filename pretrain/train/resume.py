@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import reader, store, weights
+from pretrain.checkpoint import conversions, reader, store, weights
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
 from pretrain.config import RunConfig
 from pretrain.data import TrainBatches
@@ -22,9 +22,10 @@ from pretrain.train.trainer import TrainerState
 def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> CommittedCheckpoint | None:
     """The run's latest committed checkpoint, else ``checkpoint.resume_from``; verified (layout; file presence and
     sizes; checksums with every rank hashing its share of the files in parallel, see :func:`verify_in_parallel`).
-    Rank 0 first removes leftovers of interrupted saves."""
+    Rank 0 first removes leftovers of interrupted saves and the cached conversions of checkpoints that are gone."""
     if ctx.is_main:
         store.cleanup_staging(run_dir)
+        conversions.remove_stale(run_dir)
     dist.barrier()
     resume = store.latest_committed(run_dir, full=False)
     if resume is None and cfg.checkpoint.resume_from:
