@@ -213,13 +213,34 @@ def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        if uri:  # the error itself matters more than its record; a second stop waits for it
-            with stops_deferred("ending the run (SIGKILL ends at once)"), contextlib.suppress(Exception):
-                tracker = tracking.Tracker(uri, run_id)
-                if isinstance(e, KeyboardInterrupt):
-                    tracker.set_tags(stop_tags(getattr(e, "signum", signal.SIGINT)))
-                tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        _end_run(uri, run_id, e)
         raise
+
+
+def _end_run(uri: str, run_id: str, error: BaseException) -> None:
+    """The run ends ``KILLED`` (``error`` is an interrupt, recorded in its tags) or ``FAILED``."""
+    if uri:  # the error itself matters more than its record; a second stop waits for it
+        with stops_deferred("ending the run (SIGKILL ends at once)"), contextlib.suppress(Exception):
+            tracker = tracking.Tracker(uri, run_id)
+            if isinstance(error, KeyboardInterrupt):
+                tracker.set_tags(stop_tags(getattr(error, "signum", signal.SIGINT)))
+            tracker.finish("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+
+
+def ended_if_left_running(uri: str, run_id: str):
+    """An exit callback for the ``hold`` of a run being created: when the command leaves on an error (a stop between
+    the run's creation and the code that runs it, where no handler is yet in place) and the run is still
+    ``RUNNING``, it ends as :func:`ended_on_error` ends it. A run that its runner already ended is left as it is."""
+
+    def end(exc_type, exc, tb) -> None:
+        if exc is None or not uri:
+            return
+        with contextlib.suppress(Exception):
+            run = tracking.find_run(uri, run_id)
+            if run is not None and run.info.status == "RUNNING":
+                _end_run(uri, run_id, exc)
+
+    return end
 
 
 def stop_tags(signum: int) -> dict[str, str]:
@@ -276,6 +297,7 @@ def prepare_new(
     with ended_on_error(uri, run_id):
         if hold is not None:
             hold.enter_context(hold_run(run_dir, run_id))
+            hold.push(ended_if_left_running(uri, run_id))
         init_weights = _import_hf_weights(cfg, run_dir) if cfg.model.init_from_hf else ""
     return Job(
         config=to_dict(cfg),

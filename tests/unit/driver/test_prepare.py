@@ -71,3 +71,39 @@ def test_a_growth_that_cannot_apply_is_refused_before_the_run_exists(workdir):
     with pytest.raises(ConfigError, match=r"^growth\.schedule\[0\]: width_op tile needs integer factors"):
         preflight(resolve_paths(cfg), probe=False)
     assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()
+
+
+def test_a_stop_after_the_run_exists_and_before_it_runs_ends_it_killed(tokenizer_dir, workdir, monkeypatch):
+    """Between the end of the run's creation and the code that runs it no handler is in place: a stop there still
+    ends the run ``KILLED`` (the run's hold does, on the command's way out), and a run its runner ended (a failed
+    job: ``FAILED``) is left as its runner ended it."""
+    import cluster.launch
+    from pretrain.driver.prepare import prepare_new
+    from pretrain.driver.run_job import run_job
+    from tests.conftest import corpus_lines
+
+    corpus = workdir / "c.txt"
+    corpus.write_text("\n".join(corpus_lines(400)) + "\n")
+    cfg = load_config(None, [f"data.sources=[{{path: {corpus}}}]", f"data.tokenizer={tokenizer_dir}"])
+    created = []
+
+    def stopped_on_the_way(held):
+        job = prepare_new(cfg, hold=held)
+        created.append(job.run_id)
+        raise StopNow(signal.SIGTERM, "SIGTERM: stopped at once")  # as a signal raises it, after the creation
+
+    with pytest.raises(StopNow):
+        run_job(stopped_on_the_way, lambda job: "run")
+
+    def failing(job, cluster):
+        raise RuntimeError("a worker died")
+
+    monkeypatch.setattr(cluster.launch, "run", failing)
+    with pytest.raises(RuntimeError):
+        run_job(lambda held: (prepare_new(cfg, hold=held), False), lambda job: "run")
+    uri = tracking.tracking_uri()
+    runs = {r.info.run_id: MlflowClient(uri).get_run(r.info.run_id) for r in tracking.list_runs(uri)}
+    killed = runs.pop(created[0])
+    assert killed.info.status == "KILLED" and killed.data.tags.get("pretrain.stop.signal") == "SIGTERM"
+    ((failed),) = runs.values()
+    assert failed.info.status == "FAILED" and "pretrain.stop.signal" not in failed.data.tags
