@@ -298,7 +298,7 @@ def tokenize(args: list[str]) -> int:
     for key, s, src in zip(keys, sources, cfg.sources, strict=True):
         if s.format == "shards":
             raise ConfigError(f"{key}: {clip(src.path)} holds token shards already (train on it directly)")
-        check_source(src, key, cfg, format_option="--format")  # training's corpus checks, before Ray: empty, not text...
+        check_source(src, key, cfg, format_option="--format")  # training's corpus checks, before Ray
     # Nothing is written into --out before the job is known to be new or this one unfinished: a refusal or a
     # "done already" leaves it as it was (a tokenizer trained to compare with goes to a temporary directory).
     work, finished = out / WORK_DIR, is_shard_dir(out)

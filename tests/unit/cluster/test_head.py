@@ -52,7 +52,9 @@ def test_the_temp_dir_is_recognised_through_a_symbolic_link(tmp_path):
     driver = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(30)"], cwd=real / "logs", start_new_session=True
     )
-    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, start_new_session=True)
+    outside = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, start_new_session=True
+    )
     try:
         time.sleep(0.3)
         found = {p.pid for p in head_processes(state)}

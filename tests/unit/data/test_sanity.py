@@ -16,8 +16,8 @@ import torch
 from pretrain.config import ConfigError, DataConfig, SourceConfig, layout, load_config
 from pretrain.data import BadRecordError, TrainBatches, load_or_train_tokenizer, validation_sequences
 from pretrain.data.sanity import check_corpus, check_source, check_sources, why_not_text
-from pretrain.data.split_plan import plan_split
 from pretrain.data.sources import cut_pieces, read_lines
+from pretrain.data.split_plan import plan_split
 
 WORDS = "the a of to and in is that it for on with as was by be at this from or an are river mountain".split()
 

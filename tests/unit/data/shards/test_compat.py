@@ -44,8 +44,8 @@ def test_shard_directories_of_different_tokenizers_are_refused(shards, tok_dir, 
 def test_too_few_shard_documents_for_the_streams_and_a_nested_shard_directory(corpus, shards, tok, tok_dir, tmp_path):
     """Shards are never cut into pieces: fewer documents than streams is one line before the run (not a traceback
     in its first pass). A shard directory inside a corpus directory is not read as its JSON records."""
-    from pretrain.data.split_plan import plan_split
     from pretrain.data.sources import resolve_source
+    from pretrain.data.split_plan import plan_split
     from tests.unit.data.shards.common import build_shards
 
     two = tmp_path / "two.txt"
