@@ -15,12 +15,15 @@ Decoding is ``transformers``' ``generate``: greedy by default, sampling with ``-
 (``generate(..., assistant_early_exit=E)``: the first E layers and the shared final norm and LM head draft up to
 ``--draft-tokens`` tokens, a draft ending early at a token whose probability is below ``--draft-confidence``; the
 full model verifies them in one forward pass and keeps the longest agreeing prefix plus its own next token). Under
-greedy decoding both outputs must be identical token for token; the result says whether they are.
+greedy decoding both outputs must be identical token for token (exactly so in float32: in bfloat16 or float16 a
+near-tie may fall otherwise in a several-token pass than in a one-token one); the result says whether they are.
 
 Acceptance rate = drafted tokens accepted / drafted tokens. Drafted tokens are counted as the model's forward passes
-at depth E (each drafts one token); every full-depth forward pass verifies one draft and adds the accepted drafted
-tokens plus one token of its own, so accepted = new tokens - full-depth passes. A drafted token beyond the end
-(the separator or ``--max-new-tokens``) counts as drafted and not accepted. tokens/s = new tokens / wall seconds of
+at depth E (each drafts one token); every full-depth forward pass verifies one draft (its last input tokens) and adds
+the longest prefix of it that agrees plus one token of its own (none when the draft's accepted tokens end at the
+separator), so accepted = the drafts' tokens found in the output, new tokens - full-depth passes (+1 when decoding
+ended on an accepted drafted separator). A drafted token beyond the end (the separator or ``--max-new-tokens``)
+counts as drafted and not accepted. tokens/s = new tokens / wall seconds of
 the ``generate`` call (after one untimed warm-up call), on the device and dtype asked for.
 """
 
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from eval.speculative import DraftCounter, check_exit
+from eval.speculative import DraftCounter, base_model, check_exit
 from pretrain.config import ConfigError, load_config
 from pretrain.config.errors import ArgumentParser
 
@@ -221,6 +224,7 @@ def decode(
     # The drafting model is the model itself: transformers reads how it drafts from the model's generation config.
     config = model.generation_config
     saved = {k: getattr(config, k) for k in DRAFT_SETTINGS}
+    depth = base_model(model).config.num_hidden_layers  # drafting truncates it, and an error in a draft leaves it so
     if early_exit is not None:
         kwargs["assistant_early_exit"] = early_exit
         if draft_tokens is not None:
@@ -238,18 +242,28 @@ def decode(
     finally:
         for k, v in saved.items():
             setattr(config, k, v)
+        base_model(model).config.num_hidden_layers = depth
         if counter is not None:
             counter.remove()
     new = out[0, len(prompt_ids) :].tolist()
     if counter is None:
         return Decoded(new, seconds)
-    accepted = len(new) - counter.verified
-    if not 0 <= accepted <= counter.drafted:  # the counting rule no longer describes transformers' loop
+    accepted = counter.accepted(new)
+    own = len(new) - counter.verified  # one token of its own from every verification, but after a drafted separator
+    if not (0 <= accepted <= counter.drafted and own <= accepted <= own + 1):  # the rule no longer describes the loop
         raise RuntimeError(
             f"self-speculative counting: {len(new)} new tokens from {counter.verified} verification and "
             f"{counter.drafted} draft passes is inconsistent"
         )
     return Decoded(new, seconds, drafted=counter.drafted, accepted=accepted, verify_passes=counter.verified)
+
+
+def continuation(tok, prompt_ids: list[int], new: list[int]) -> str:
+    """The text ``new`` adds to the prompt's: decoded together with the prompt, so that a tokenizer whose decoder
+    strips the first token's leading space (SentencePiece's) keeps the space between them."""
+    before = tok.decode(prompt_ids)
+    text = tok.decode(prompt_ids + new)
+    return text[len(before) :] if text.startswith(before) else tok.decode(new)
 
 
 def generate(
@@ -283,7 +297,7 @@ def generate(
         "prompt_tokens": len(prompt_ids),
         "max_new_tokens": n,
         "greedy": sampling.get("temperature", 0.0) <= 0,
-        "continuation": tok.decode(plain.ids),
+        "continuation": continuation(tok, prompt_ids, plain.ids),
         "new_tokens": len(plain.ids),
         "seconds": plain.seconds,
         "tokens_per_s": plain.tokens_per_s,
@@ -295,7 +309,7 @@ def generate(
         result["early_exit"] = {
             "layers": early_exit,
             **draft,
-            "continuation": tok.decode(spec.ids),
+            "continuation": continuation(tok, prompt_ids, spec.ids),
             "new_tokens": len(spec.ids),
             "seconds": spec.seconds,
             "tokens_per_s": spec.tokens_per_s,

@@ -10,7 +10,7 @@ import torch
 from pretrain.config import ConfigError
 
 
-def _base(model):
+def base_model(model):
     return getattr(model, model.base_model_prefix)
 
 
@@ -19,7 +19,7 @@ def layers_run_at(model, num_layers: int, early_exit: int) -> int:
     """How many of the model's ``num_layers`` blocks one forward pass runs while ``config.num_hidden_layers`` is
     ``early_exit`` (how ``transformers``' early-exit drafting truncates the model): ``early_exit`` for classes that
     honour it (Llama, Qwen, Mistral...), ``num_layers`` for those that ignore it."""
-    base = _base(model)
+    base = base_model(model)
     blocks = next((m for m in base.children() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
     if blocks is None:
         return num_layers
@@ -60,20 +60,39 @@ def check_exit(model, num_layers: int, early_exit: int) -> None:
 
 class DraftCounter:
     """Counts the model's forward passes by depth while it is installed (a forward pre-hook): passes below full depth
-    are drafting (one drafted token each), full-depth passes verify (:mod:`eval.generate`)."""
+    are drafting (one drafted token each), full-depth passes verify (:mod:`eval.generate`). A verification pass reads
+    the drafts it checks as its last input tokens: :meth:`accepted` compares them with the decoded tokens."""
 
     def __init__(self, model, num_layers: int):
-        self.base = _base(model)
+        self.base = base_model(model)
         self.num_layers = num_layers
         self.drafted = 0
         self.verified = 0
-        self._hook = model.register_forward_pre_hook(self._count)
+        self.rounds: list[list[int]] = []  # each verification's drafts
+        self._since = 0  # draft passes since the last verification
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
 
-    def _count(self, *_: Any) -> None:
+    def _count(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if self.base.config.num_hidden_layers < self.num_layers:
             self.drafted += 1
-        else:
-            self.verified += 1
+            self._since += 1
+            return
+        self.verified += 1
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.rounds.append(ids[0, ids.shape[1] - self._since :].tolist() if self._since and ids is not None else [])
+        self._since = 0
+
+    def accepted(self, new: list[int]) -> int:
+        """Drafted tokens kept in ``new`` (the decoded tokens): each round keeps the longest prefix of its drafts that
+        the output holds, then adds the full model's own token (none after a drafted end-of-text token: the output
+        ends there). Under sampling too: a rejected draft is never resampled as itself."""
+        kept, pos = 0, 0
+        for drafts in self.rounds:
+            n = 0
+            while n < len(drafts) and pos + n < len(new) and new[pos + n] == drafts[n]:
+                n += 1
+            kept, pos = kept + n, pos + n + 1
+        return kept
 
     def remove(self) -> None:
         self._hook.remove()

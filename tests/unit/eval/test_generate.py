@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.generate import Generator, check_early_exit, encode_prompt, generate
+from eval.generate import Generator, check_early_exit, decode, encode_prompt, generate
 from eval.speculative import layers_run_at
 from pretrain.config import ConfigError
 from pretrain.export.hf import special_token_ids, to_hf_model
@@ -71,6 +71,14 @@ def test_acceptance_is_one_when_the_late_layers_add_nothing(tokenizer):
     spec = r["early_exit"]
     assert spec["identical"] and spec["acceptance"] == 1.0 and spec["draft_confidence"] == 0.0
     assert spec["verify_passes"] == -(-r["new_tokens"] // 5), spec
+    # Decoding that ends on a drafted separator the full model accepts: that round adds no token of its own, and
+    # every new token is a drafted one that was accepted.
+    first = decode(gen, encode_prompt(gen, PROMPT), 1).ids[0]
+    gen.model.generation_config.eos_token_id = first  # the first drafted token ends the decoding
+    r = generate(gen, PROMPT, max_new_tokens=20, early_exit=2, draft_tokens=4, draft_confidence=0.0, warmup=False)
+    spec = r["early_exit"]
+    assert spec["identical"] and r["new_tokens"] == 1 and spec["verify_passes"] == 1, spec
+    assert spec["accepted"] == 1 and spec["acceptance"] == 1 / spec["drafted"], spec
 
 
 def test_refusals(llama, tokenizer):
@@ -142,3 +150,34 @@ def test_a_device_this_machine_lacks_is_refused_before_loading(monkeypatch):
         main(["/no/such/model", "--prompt", "x", "--device", "cuda:0"])
     with pytest.raises(ConfigError, match="^/no/such/model: no such checkpoint"):  # cpu: as before
         main(["/no/such/model", "--prompt", "x", "--device", "cpu"])
+
+
+def test_the_continuation_keeps_the_space_a_sentencepiece_decoder_strips():
+    """A decoder that strips the first token's leading space (SentencePiece's "▁"): the new tokens decoded alone
+    would glue the first new word to the prompt; decoded after the prompt they keep the space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from eval.generate import continuation
+
+    t = Tokenizer(models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=t)
+    assert tok.decode([2, 3]) == "world again"  # what decoding the new tokens alone gives
+    assert continuation(tok, [1], [2, 3]) == " world again"
+
+
+def test_an_error_while_drafting_leaves_the_model_whole(llama, monkeypatch):
+    """transformers truncates the model's depth while it drafts and does not put it back when a draft raises (an
+    interrupt, out of memory): ``decode`` does, so the next plain decoding runs every layer."""
+    import eval.speculative
+
+    def interrupted(self, module, args, kwargs):
+        if self.base.config.num_hidden_layers < self.num_layers:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval.speculative.DraftCounter, "_count", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llama, PROMPT, max_new_tokens=8, early_exit=2, warmup=False)
+    assert llama.model.model.config.num_hidden_layers == LAYERS
