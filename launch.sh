@@ -154,6 +154,28 @@ torch_kind() {  # [WHEELHOUSE] sets KIND=cpu|cuda|system (PRETRAIN_TORCH; else s
   [[ "$KIND" != system ]] || TORCH="$("$PY" "$INSTALL" probe ${1:+--offline} "$VENV")" || return 2
 }
 
+driver_version() {  # the NVIDIA driver's version (580.65.06), '' where none is found
+  local v=""
+  [[ -r /proc/driver/nvidia/version ]] \
+    && v="$(sed -n 's/.*Kernel Module[^0-9]*\([0-9][0-9.]*\).*/\1/p' /proc/driver/nvidia/version | head -1)"
+  if [[ -z "$v" ]] && command -v nvidia-smi >/dev/null; then
+    v="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  fi
+  echo "$v"
+}
+
+check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch needs is refused in one line
+  local cuda need have
+  cuda="$(sed -n 's/^nvidia-cuda-runtime[a-z0-9-]*==\([0-9]*\)\..*/\1/p' "$1" | head -1)"
+  case "$cuda" in 13) need=580 ;; 12) need=525 ;; *) return 0 ;; esac  # NVIDIA's minimum Linux driver per CUDA
+  have="$(driver_version)"
+  [[ -z "$have" || "${have%%.*}" -ge "$need" ]] && return 0
+  echo "[setup] error: NVIDIA driver $have is older than $need, which the CUDA $cuda torch of $(basename "$1") needs" \
+    "(torch would not see the GPU): update the driver, or set up around a CUDA torch this driver runs" \
+    "(PYTHON=/path/to/its/python PRETRAIN_TORCH=system), or PRETRAIN_TORCH=cpu" >&2
+  return 2
+}
+
 setup() {  # setup [--offline WHEELHOUSE]
   # The stamp records which lock (name, sha256; the environment's torch, the wheelhouse) and which pyproject.toml the
   # venv was made from. A venv made offline stays offline: later setups install from the wheelhouse its stamp names.
@@ -171,6 +193,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   lock="$LOCK"
   [[ "$KIND" == cuda ]] && lock="$CUDA_LOCK"
   [[ -f "$lock" ]] || { echo "[setup] error: $lock is missing: ./launch.sh lock" >&2; exit 1; }
+  [[ "$KIND" != cuda ]] || check_cuda_driver "$lock" || exit 2
   want_lock="$(basename "$lock") sha256=$(sha256sum "$lock" | cut -d' ' -f1)"
   [[ "$KIND" == system ]] && want_lock+=" around the environment's torch $TORCH"
   [[ -n "$offline" ]] && want_lock+=" from wheelhouse $offline"

@@ -399,10 +399,22 @@ def results_name(result: dict) -> str:
     return f"{time.strftime('%Y-%m-%d', time.gmtime())}-{slug}.md"
 
 
+def gpu_driver(proc: Path = Path("/proc/driver/nvidia/version")) -> str:
+    """The NVIDIA kernel driver's version line ('' when there is none): a GPU machine, whatever torch sees."""
+    try:
+        return " ".join(proc.read_text().splitlines()[0].split()[:8])
+    except (OSError, IndexError):
+        return ""
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="launch.sh bench --gpu", description="One GPU check (benchmarks/gpu_check.py).")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--tiny", action="store_true", help="tiny models, fp32, a few steps (the default without CUDA)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny models, fp32, a few steps (the default where there is no NVIDIA driver)",
+    )
     p.add_argument("--steps", type=int, default=0, help="steps of the timed gpt-125m run (default 200 GPU, 12 tiny)")
     p.add_argument("--dir", default=".cache/bench-gpu", help="where the runs write (removed afterwards)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
@@ -422,6 +434,12 @@ def main(argv: list[str]) -> int:
     only = tuple(x for x in a.only.split(",") if x)
     if not only or set(only) - set(RUNS):
         raise ConfigError(f"bench --gpu --only: {a.only!r}: give some of {', '.join(RUNS)}")
+    if not a.tiny and not torch.cuda.is_available() and gpu_driver():
+        raise ConfigError(
+            f"bench --gpu: this machine has an NVIDIA driver ({gpu_driver()}) but torch {torch.__version__} "
+            f"({'CUDA ' + torch.version.cuda if torch.version.cuda else 'a CPU build'}) cannot use its GPU: the driver "
+            "may be older than that CUDA needs (nvidia-smi tells); --tiny runs the CPU size"
+        )
     tiny = a.tiny or not torch.cuda.is_available()
     steps = a.steps or (12 if tiny else 200)
     with contextlib.redirect_stdout(sys.stderr):  # library chatter is no result

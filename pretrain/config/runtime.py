@@ -96,8 +96,8 @@ class ClusterConfig:
     """Training workers (processes). Each gets ``cpus_per_worker`` CPUs and one GPU when ``use_gpu``."""
     use_gpu: Literal["auto", "yes", "no"] = "auto"
     """``auto`` uses GPUs when the cluster has one for every worker (a worker's node: one per local worker), else
-    the CPU; ``yes`` refuses fewer GPUs than workers; ``no`` runs on the CPU (DeepSpeed's CPU accelerator, also on
-    a GPU node)."""
+    the CPU; ``yes`` refuses fewer GPUs than workers, and a torch that cannot use the node's GPU (never the CPU in
+    their place); ``no`` runs on the CPU (DeepSpeed's CPU accelerator, also on a GPU node)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker in Ray. A fraction (e.g. 0.5) lets more workers than CPUs share a machine: Ray
     places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads`` threads)."""

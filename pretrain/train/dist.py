@@ -53,8 +53,22 @@ def _ray_node_id() -> str:
 def gpu_count(use_gpu: str, local_world: int) -> int:
     """The GPUs this node's workers get: 0 for a CPU run. ``cluster.use_gpu`` ``auto`` uses GPUs only when every
     local worker has its own (NCCL refuses two ranks on one GPU); ``yes`` with fewer GPUs than local workers is
-    refused in one line."""
-    if use_gpu == "no" or not torch.cuda.is_available():
+    refused in one line, as is ``yes`` where torch cannot use a GPU (a CPU build, or a driver too old for its CUDA):
+    never a CPU run in its place."""
+    if use_gpu == "no":
+        return 0
+    if not torch.cuda.is_available():
+        if use_gpu == "yes":
+            why = (
+                f"built for CUDA {torch.version.cuda}: no NVIDIA driver it can use (missing, or older than that CUDA "
+                "needs)"
+                if torch.version.cuda
+                else "a CPU build"
+            )
+            raise ValueError(
+                f"cluster.use_gpu: yes, but torch {torch.__version__} cannot use a GPU on this node ({why}); "
+                "cluster.use_gpu=auto trains on the CPU where there is none"
+            )
         return 0
     n = torch.cuda.device_count()
     if n >= local_world:

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from pretrain import ds_adapter
-from pretrain.config import RunConfig, RunPlan
+from pretrain.config import ConfigError, RunConfig, RunPlan
 from pretrain.parallel.apply import after_engine, before_engine, deepspeed_sections
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """``auto`` -> bf16 on GPUs that support it, else fp32. bf16 on CPU is allowed when asked for."""
+    """``auto`` -> bf16 on GPUs that compute in it natively (Ampere and later: not torch's emulation on older ones,
+    slower than fp32 there), else fp32. bf16 on CPU is allowed when asked for."""
     if requested != "auto":
         return requested
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return "bf16"
     return "fp32"
 
@@ -100,6 +102,21 @@ def expert_param_groups(param_groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
+def check_tensor_parallel_device(tensor: int, device: torch.device | None) -> None:
+    """DeepSpeed's AutoTP (``parallel.tensor`` > 1) selects the GPU numbered ``LOCAL_RANK`` while it partitions the
+    model (0.19's ``_apply_autotp_partitioning``), whatever GPU this worker runs on: refused in one line where that is
+    another (each worker seeing only its own GPU, as Slurm's ``--gpus-per-task=1`` gives, or Ray's order)."""
+    if tensor <= 1 or device is None or device.type != "cuda" or device.index is None:
+        return
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.strip().isdigit() and int(local) != device.index:
+        raise ConfigError(
+            f"parallel.tensor={tensor}: DeepSpeed's tensor parallelism would select GPU {int(local)} (LOCAL_RANK) "
+            f"while this worker runs on cuda:{device.index}; let every worker of a node see all its GPUs "
+            "(torchrun, or Slurm's --gpus-per-node instead of --gpus-per-task), or parallel.tensor=1"
+        )
+
+
 def initialize(
     model: torch.nn.Module,
     param_groups: list[dict],
@@ -114,6 +131,7 @@ def initialize(
     directly."""
     import deepspeed  # heavy import, kept local
 
+    check_tensor_parallel_device(cfg.parallel.tensor, device)
     optimizer = build_optimizer(expert_param_groups(param_groups), cfg)
     before_engine(plan.dims)
     ds_adapter.skip_shm_comm_op(torch.distributed.get_world_size())

@@ -56,3 +56,19 @@ def test_results_file_name_and_rows():
     text = results_markdown(result, "./launch.sh bench --gpu --json")
     assert "| `mfu` | fail | 41.0% | 1.0 |" in text and "| `export` | pass | a / b |  |" in text
     assert "Overall: FAILED" in text and "NVIDIA H100 80GB HBM3" in text
+
+
+def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_the_cpu_size(tmp_path, monkeypatch):
+    """On a machine with an NVIDIA driver, a torch that cannot use the GPU (a CPU build, a driver older than its
+    CUDA) is refused in one line: never the tiny CPU check reported as passed. Without a driver: the tiny size."""
+    import benchmarks.gpu_check as gc
+    from pretrain.config import ConfigError
+
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n")
+    assert gc.gpu_driver(version) == "NVRM version: NVIDIA UNIX x86_64 Kernel Module 535.183.01"
+    assert gc.gpu_driver(tmp_path / "none") == ""
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gc, "gpu_driver", lambda: "NVRM version: NVIDIA UNIX x86_64 Kernel Module 535.183.01")
+    with pytest.raises(ConfigError, match=r"^bench --gpu: this machine has an NVIDIA driver \(NVRM .* 535\.183\.01\) "):
+        gc.main(["--gpu", "--dir", str(tmp_path / "runs")])

@@ -157,3 +157,33 @@ def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
     assert "PYTHONPATH" not in yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
     doc = (ROOT / "docs" / "multi-node.md").read_text()
     assert "docker build -t REGISTRY/pretrain:VERSION ." in doc and "docker push REGISTRY/pretrain:VERSION" in doc
+
+
+def test_setup_refuses_a_driver_older_than_the_cuda_locks_torch_needs(tmp_path):
+    """The CUDA lock's torch (CUDA 13) needs NVIDIA driver 580 or newer: with an older one torch would not see the
+    GPU and every run would fall to the CPU, so ``setup`` refuses it in one line with what to do instead."""
+    import subprocess
+
+    functions = subprocess.run(
+        ["sed", "-n", "/^driver_version()/,/^}/p;/^check_cuda_driver()/,/^}/p", str(ROOT / "launch.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "nvidia-cuda-runtime==13." in LOCKS["cuda"].read_text()
+    for driver, rc in (("535.183.01", 2), ("580.65.06", 0), ("", 0)):  # '' : no driver found (not this check's)
+        smi = tmp_path / "bin" / "nvidia-smi"
+        smi.parent.mkdir(exist_ok=True)
+        smi.write_text(f"#!/bin/sh\necho '{driver}'\n")
+        smi.chmod(0o755)
+        run = subprocess.run(
+            ["bash", "-c", f'{functions}\ncheck_cuda_driver "$0"', str(LOCKS["cuda"])],
+            capture_output=True,
+            text=True,
+            env={"PATH": f"{smi.parent}:/usr/bin:/bin"},
+        )
+        assert run.returncode == rc, (driver, run.stderr)
+        if rc:
+            (line,) = run.stderr.splitlines()
+            assert line.startswith(f"[setup] error: NVIDIA driver {driver} is older than 580, which the CUDA 13 torch")
+            assert "PRETRAIN_TORCH=system" in line and "PRETRAIN_TORCH=cpu" in line

@@ -22,6 +22,8 @@ def test_every_local_worker_gets_its_own_gpu_or_the_run_is_on_the_cpu(gpus):
     assert dist.gpu_count("auto", 8) == 8 and dist.gpu_count("yes", 4) == 8
     gpus(0)
     assert dist.gpu_count("auto", 1) == 0
+    with pytest.raises(ValueError, match=r"^cluster.use_gpu: yes, but torch \S+ cannot use a GPU on this node \("):
+        dist.gpu_count("yes", 1)  # a CPU build, or a driver too old for the CUDA torch was built for: never the CPU
 
 
 def test_the_gpu_is_the_one_ray_assigned_else_the_local_ranks(gpus):

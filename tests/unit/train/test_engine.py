@@ -55,3 +55,30 @@ def test_the_engine_stays_on_the_workers_gpu():
 
     assert engine_args(torch.device("cuda", 3)).device_rank == 3
     assert engine_args(torch.device("cpu")) is None
+
+
+def test_tensor_parallelism_is_refused_where_autotp_would_select_another_gpu(monkeypatch):
+    """AutoTP selects ``LOCAL_RANK``'s GPU while it partitions: a worker that sees only its own GPU (local rank 1 on
+    cuda:0) is refused in one line; the same GPU, no tensor parallelism or the CPU pass."""
+    from pretrain.config import ConfigError
+    from pretrain.train.engine import check_tensor_parallel_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"^parallel.tensor=2: DeepSpeed's tensor parallelism would select GPU 1 "):
+        check_tensor_parallel_device(2, torch.device("cuda", 0))
+    check_tensor_parallel_device(2, torch.device("cuda", 1))
+    check_tensor_parallel_device(1, torch.device("cuda", 0))
+    check_tensor_parallel_device(2, torch.device("cpu"))
+
+
+def test_auto_precision_is_bf16_only_where_the_gpu_computes_in_it(monkeypatch):
+    """A GPU whose bf16 torch only emulates (before Ampere: T4, V100) trains fp32 under ``auto``; a CPU run too."""
+    import torch
+
+    from pretrain.train.engine import resolve_precision
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_precision("auto", gpu) == "fp32" and resolve_precision("bf16", gpu) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_precision("auto", gpu) == "bf16" and resolve_precision("auto", torch.device("cpu")) == "fp32"
