@@ -24,3 +24,16 @@ def test_the_verdict_names_what_to_change():
     assert "train.micro_batch_size=" in line and "train.activation_checkpointing=" in line
     cfg = load_config(None, ["cluster.use_gpu=yes", "model.vocab_size=4096"])
     assert verdict(cfg, count_parameters(cfg), layout_of(cfg, make_plan(cfg, 1))).startswith("no GPU type named")
+
+
+def test_the_documented_example_is_what_the_dry_run_prints():
+    """``docs/memory-plan.md``'s llama-1b example, row for row (a change to the plan changes the page with it)."""
+    from pretrain.driver.memory_report import plan_rows
+
+    page = (ROOT / "docs" / "memory-plan.md").read_text()
+    example = page[page.index("## Example: llama-1b on H100-80GB") :].split("```")[1].splitlines()
+    shown = example[example.index(next(x for x in example if x.startswith("  parallel"))) :]
+    cfg = load_config(ROOT / "configs" / "llama-1b.yaml", ["cluster.gpu_type=H100-80GB"])
+    cfg.model.vocab_size = cfg.data.tokenizer_vocab_size  # as the dry run resolves it (32,000)
+    rows = plan_rows(cfg, make_plan(cfg, cfg.cluster.num_workers), count_parameters(cfg))
+    assert [f"  {k:<12} {v}" for k, v in rows] == shown
