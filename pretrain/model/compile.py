@@ -37,15 +37,22 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 def compile_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether ``torch.compile``'s inductor backend can run here, and why not (it needs a C++ compiler on CPU
-    and Triton on CUDA)."""
+    """Whether ``torch.compile``'s inductor backend can run here, and why not (it needs a C++ compiler on CPU;
+    on CUDA Triton, which builds its kernel launcher with a C compiler and the Python headers at first use)."""
+    import os
     import shutil
+    import sysconfig
 
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:
             return False, "torch.compile on CUDA needs triton (pip install triton)"
+        if not (os.environ.get("CC") or any(shutil.which(c) for c in ("gcc", "cc", "clang"))):
+            return False, "torch.compile on CUDA needs a C compiler for Triton's launcher (gcc, cc or clang; or CC)"
+        headers = sysconfig.get_paths().get("include", "")
+        if not os.path.isfile(os.path.join(headers, "Python.h")):
+            return False, f"torch.compile on CUDA needs the Python headers for Triton's launcher (no {headers}/Python.h)"
         return True, ""
     if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
         return False, "torch.compile on CPU needs a C++ compiler (g++ or clang++)"

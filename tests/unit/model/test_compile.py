@@ -23,3 +23,30 @@ def test_compile_setting_resolves_per_device():
     assert load_config(None, ["train.compile=off"]).train.compile == "no"
     with pytest.raises(ConfigError, match="train.compile"):
         load_config(None, ["train.compile=sometimes"])
+
+
+def test_compile_on_cuda_needs_triton_a_c_compiler_and_the_python_headers(monkeypatch, tmp_path):
+    """Triton builds its kernel launcher with a C compiler and Python.h at the first compiled step: where either is
+    missing, ``train.compile: auto`` stays eager (and ``yes`` is refused) instead of failing at that step."""
+    import shutil
+    import sys
+    import sysconfig
+    import types
+
+    from pretrain.model.compile import compile_supported
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    assert compile_supported(cuda) == (False, "torch.compile on CUDA needs triton (pip install triton)")
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    ok, why = compile_supported(cuda)
+    assert not ok and why.startswith("torch.compile on CUDA needs a C compiler")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "include": str(tmp_path)})
+    ok, why = compile_supported(cuda)
+    assert not ok and why.endswith(f"(no {tmp_path}/Python.h)")
+    (tmp_path / "Python.h").write_text("")
+    assert compile_supported(cuda) == (True, "")
