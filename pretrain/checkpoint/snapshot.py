@@ -104,6 +104,7 @@ class HostCopy:
         self.buffers, self.deferred = buffers, deferred
         self.storages: list[torch.UntypedStorage] = []
         self._pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._ready: dict[torch.device, Any] = {}  # per GPU: an event after the work that made the sources
         self._storages: dict[tuple[str, int | None, int], torch.UntypedStorage] = {}
         self._memo: dict[int, Any] = {}
 
@@ -115,6 +116,9 @@ class HostCopy:
             return self._copy(obj)
         finally:
             self._storages, self._memo = {}, {}
+            for device in self._ready:  # after the work that made every source met so far (their producers may
+                self._ready[device] = torch.cuda.Event()  # queue work between calls: the newest event covers all)
+                self._ready[device].record(torch.cuda.current_stream(device))
 
     def _copy(self, obj: Any) -> Any:
         seen = self._memo.get(id(obj))
@@ -145,10 +149,24 @@ class HostCopy:
 
     def copy_pending(self) -> None:
         """With ``deferred``: copy the bytes of every storage met so far into its host copy (the sources were
-        taken when met; until this returns, nothing may change them)."""
+        taken when met; until this returns, nothing may change them). A GPU's copies run on a stream of their own,
+        after the work queued before the snapshot (an event recorded then), so they overlap the training thread's
+        kernels instead of queueing between them on the default stream; this returns once they are done."""
         pending, self._pending = self._pending, []
+        ready, self._ready = self._ready, {}
+        streams: dict[torch.device, Any] = {}
         for dst, src in pending:
-            _bytes_of(dst).copy_(_bytes_of(src))  # a tensor's copy_ releases the GIL (a storage's does not)
+            if src.device.type != "cuda":
+                _bytes_of(dst).copy_(_bytes_of(src))  # a tensor's copy_ releases the GIL (a storage's does not)
+                continue
+            stream = streams.get(src.device)
+            if stream is None:
+                stream = streams[src.device] = torch.cuda.Stream(device=src.device)
+                stream.wait_event(ready[src.device])
+            with torch.cuda.stream(stream):
+                _bytes_of(dst).copy_(_bytes_of(src), non_blocking=True)  # into pinned memory: a DMA
+        for stream in streams.values():
+            stream.synchronize()
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         src = t.untyped_storage()
@@ -163,6 +181,8 @@ class HostCopy:
             )
             if self.deferred:  # the structure is copied now, the bytes by :meth:`copy_pending`
                 self._pending.append((dst, src))
+                if src.device.type == "cuda":
+                    self._ready.setdefault(src.device, None)  # recorded at the end of the call
             else:
                 dst.copy_(src)
             self._storages[key] = dst
