@@ -64,6 +64,6 @@ def test_a_run_faster_than_its_peak_says_once_that_the_peak_is_stale(capsys):
     lines = []
     monitor._say = lines.append
     for _ in range(2):
-        monitor._steps, monitor._step_s = 1, 0.5  # 2e9 model FLOP/s against a 1e9 peak
+        monitor._steps, monitor._step_s, monitor._flops = 1, 0.5, 1e9  # 2e9 model FLOP/s against a 1e9 peak
         assert monitor.extra_metrics()["train/mfu"] == pytest.approx(2.0)
     assert len(lines) == 1 and "MFU 200% is above 100 %" in lines[0] and "matmul-peak" in lines[0], lines
