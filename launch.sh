@@ -154,22 +154,29 @@ torch_kind() {  # [WHEELHOUSE] sets KIND=cpu|cuda|system (PRETRAIN_TORCH; else s
   [[ "$KIND" != system ]] || TORCH="$("$PY" "$INSTALL" probe ${1:+--offline} "$VENV")" || return 2
 }
 
-driver_version() {  # the NVIDIA driver's version (580.65.06), '' where none is found
-  local v=""
-  [[ -r /proc/driver/nvidia/version ]] \
-    && v="$(sed -n 's/.*Kernel Module[^0-9]*\([0-9][0-9.]*\).*/\1/p' /proc/driver/nvidia/version | head -1)"
+driver_version() {  # [VERSION_FILE] the NVIDIA driver's version (580.65.06), '' where none is found
+  # The kernel module's banner ("... Kernel Module  580.65.06 ...", or "... Open Kernel Module for x86_64  580.65.06
+  # ..."): its first field that is a version; else nvidia-smi's answer when it is one (not its error text).
+  local file="${1:-/proc/driver/nvidia/version}" v=""
+  [[ -r "$file" ]] && v="$(head -1 "$file" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+\.[0-9]+(\.[0-9]+)?$/) {print $i; exit}}')"
   if [[ -z "$v" ]] && command -v nvidia-smi >/dev/null; then
     v="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
   fi
-  echo "$v"
+  [[ "$v" =~ ^[0-9]+\.[0-9]+ ]] && echo "$v" || true
 }
 
-check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch needs is refused in one line
+check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch needs is refused in one line (a warning
+  # where PRETRAIN_TORCH=cuda asks for that lock: an image built on one machine runs on others)
   local cuda need have
   cuda="$(sed -n 's/^nvidia-cuda-runtime[a-z0-9-]*==\([0-9]*\)\..*/\1/p' "$1" | head -1)"
   case "$cuda" in 13) need=580 ;; 12) need=525 ;; *) return 0 ;; esac  # NVIDIA's minimum Linux driver per CUDA
   have="$(driver_version)"
   [[ -z "$have" || "${have%%.*}" -ge "$need" ]] && return 0
+  if [[ "${PRETRAIN_TORCH:-}" == cuda ]]; then
+    echo "[setup] warning: NVIDIA driver $have is older than $need, which the CUDA $cuda torch of $(basename "$1")" \
+      "needs: torch will not see this machine's GPU (PRETRAIN_TORCH=cuda installs it anyway)" >&2
+    return 0
+  fi
   echo "[setup] error: NVIDIA driver $have is older than $need, which the CUDA $cuda torch of $(basename "$1") needs" \
     "(torch would not see the GPU): update the driver, or set up around a CUDA torch this driver runs" \
     "(PYTHON=/path/to/its/python PRETRAIN_TORCH=system), or PRETRAIN_TORCH=cpu" >&2

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from pretrain.checkpoint import layout
-from pretrain.checkpoint.store import CommittedCheckpoint, fsync_dir, fsync_file, list_committed
+from pretrain.checkpoint.store import CommittedCheckpoint, fsync_dir, fsync_file, list_committed, new_nonce
 
 
 def manifest_key(ckpt: CommittedCheckpoint) -> str:
@@ -33,17 +33,22 @@ def publish(stage: Path, final: Path) -> Path:
     return final
 
 
-def remove_stale(run_dir: Path) -> list[str]:
+def remove_stale(run_dir: Path, keep: CommittedCheckpoint | None = None) -> list[str]:
     """Remove the cached conversions whose checkpoint is no longer there: pruned, rolled back, replaced by another
-    checkpoint of its step (another manifest key), or of a version that named them without a key. Rank 0, at the
-    start of a job (no conversion is being made or read then). Returns the names removed."""
+    checkpoint of its step (another manifest key), or of a version that named them without a key. ``keep``: a
+    checkpoint outside the run whose conversions stay too (``checkpoint.resume_from``: another run's). Each is renamed
+    out of sight first (a leftover name, removed at the next start if the deletion is cut short), so a half-deleted
+    conversion is never found. Rank 0, at the start of a job (no conversion is being made or read then). Returns the
+    names removed."""
     if not run_dir.is_dir():
         return []
-    live = {(c.step, manifest_key(c)) for c in list_committed(run_dir)}
+    live = {(c.step, manifest_key(c)) for c in [*list_committed(run_dir), *([keep] if keep else [])]}
     gone = []
     for child in run_dir.iterdir():
         made_from = layout.conversion_of(child.name)
         if made_from is not None and made_from not in live and child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
+            trash = layout.discarded_dir(run_dir, child.name, new_nonce())
+            os.replace(child, trash)
+            shutil.rmtree(trash, ignore_errors=True)
             gone.append(child.name)
     return sorted(gone)

@@ -138,9 +138,16 @@ def resharded_staging_dir(cache_root: Path, step: int, nonce: str) -> Path:
     return cache_root / f"{STAGING_PREFIX}{RESHARDED_PREFIX}{step_dir_name(step)}-{nonce}"
 
 
+def discarded_dir(run_dir: Path, name: str, nonce: str) -> Path:
+    """Where a cached conversion named ``name`` goes until it is deleted (``conversions.remove_stale``)."""
+    return run_dir / f"{REPLACED_PREFIX}{name}-{nonce}"
+
+
 LEFTOVER_PREFIXES = (
     f"{STAGING_PREFIX}{STEP_PREFIX}",
     f"{REPLACED_PREFIX}{STEP_PREFIX}",
+    f"{REPLACED_PREFIX}{UNIVERSAL_PREFIX}",
+    f"{REPLACED_PREFIX}{RESHARDED_PREFIX}",
     f"{SUPERSEDED_PREFIX}{STEP_PREFIX}",
     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}",
     f"{STAGING_PREFIX}{RESHARDED_PREFIX}",

@@ -155,18 +155,20 @@ class HostCopy:
         pending, self._pending = self._pending, []
         ready, self._ready = self._ready, {}
         streams: dict[torch.device, Any] = {}
-        for dst, src in pending:
-            if src.device.type != "cuda":
-                _bytes_of(dst).copy_(_bytes_of(src))  # a tensor's copy_ releases the GIL (a storage's does not)
-                continue
-            stream = streams.get(src.device)
-            if stream is None:
-                stream = streams[src.device] = torch.cuda.Stream(device=src.device)
-                stream.wait_event(ready[src.device])
-            with torch.cuda.stream(stream):
-                _bytes_of(dst).copy_(_bytes_of(src), non_blocking=True)  # into pinned memory: a DMA
-        for stream in streams.values():
-            stream.synchronize()
+        try:
+            for dst, src in pending:
+                if src.device.type != "cuda":
+                    _bytes_of(dst).copy_(_bytes_of(src))  # a tensor's copy_ releases the GIL (a storage's does not)
+                    continue
+                stream = streams.get(src.device)
+                if stream is None:
+                    stream = streams[src.device] = torch.cuda.Stream(device=src.device)
+                    stream.wait_event(ready[src.device])
+                with torch.cuda.stream(stream):
+                    _bytes_of(dst).copy_(_bytes_of(src), non_blocking=True)  # into pinned memory: a DMA
+        finally:  # also after an error: no copy may still read a source once ``pending`` lets it go
+            for stream in streams.values():
+                stream.synchronize()
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         src = t.untyped_storage()

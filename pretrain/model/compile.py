@@ -48,11 +48,13 @@ def compile_supported(device: torch.device) -> tuple[bool, str]:
             import triton  # noqa: F401
         except ImportError:
             return False, "torch.compile on CUDA needs triton (pip install triton)"
-        if not (os.environ.get("CC") or any(shutil.which(c) for c in ("gcc", "cc", "clang"))):
-            return False, "torch.compile on CUDA needs a C compiler for Triton's launcher (gcc, cc or clang; or CC)"
-        headers = sysconfig.get_paths().get("include", "")
+        # as Triton looks for them (triton/runtime/build.py): $CC, else gcc or clang; the headers of its scheme
+        if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+            return False, "torch.compile on CUDA needs a C compiler for Triton's launcher (gcc or clang, or set CC)"
+        scheme = sysconfig.get_default_scheme()
+        headers = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme).get("include", "")
         if not os.path.isfile(os.path.join(headers, "Python.h")):
-            return False, f"torch.compile on CUDA needs the Python headers for Triton's launcher (no {headers}/Python.h)"
+            return False, f"torch.compile on CUDA needs the Python headers for Triton (no {headers}/Python.h)"
         return True, ""
     if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
         return False, "torch.compile on CPU needs a C++ compiler (g++ or clang++)"

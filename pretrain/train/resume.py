@@ -25,11 +25,12 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> C
     Rank 0 first removes leftovers of interrupted saves and the cached conversions of checkpoints that are gone."""
     if ctx.is_main:
         store.cleanup_staging(run_dir)
-        conversions.remove_stale(run_dir)
     dist.barrier()
     resume = store.latest_committed(run_dir, full=False)
     if resume is None and cfg.checkpoint.resume_from:
         resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
+    if ctx.is_main:  # (only rank 0 makes and removes conversions, later in this job)
+        conversions.remove_stale(run_dir, keep=resume)
     if resume is not None:
         store.verify_or_point_back(resume, full=False)
         verify_in_parallel(resume, ctx)

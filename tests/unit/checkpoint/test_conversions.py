@@ -21,14 +21,18 @@ def test_conversions_of_checkpoints_that_are_gone_are_removed_and_nothing_else(t
         ly.resharded_dir(run, 3, "0123456789ab"),  # of a pruned checkpoint
         run / f"{ly.UNIVERSAL_PREFIX}{ly.step_dir_name(7)}",  # named without a key
     ]
+    elsewhere = _commit(tmp_path / "other-run", 9, tokens_seen=90)  # checkpoint.resume_from: another run's
+    live.append(ly.universal_dir(run, 9, conversions.manifest_key(elsewhere)))
     others = [run / "universal-notes", run / "my-full-step_00000003-x"]  # not ours
     for d in live + stale + others:
         d.mkdir(parents=True)
         (d / "f").write_text("x")
-    gone = conversions.remove_stale(run)
+    gone = conversions.remove_stale(run, keep=elsewhere)
     assert gone == sorted(d.name for d in stale)
     assert all(d.is_dir() for d in live + others) and not any(d.exists() for d in stale)
-    assert conversions.remove_stale(run) == [] and conversions.remove_stale(tmp_path / "none") == []
+    assert not any(p.name.startswith(ly.LEFTOVER_PREFIXES) for p in run.iterdir())  # renamed, then deleted
+    assert conversions.remove_stale(run) == [live[-1].name]  # without its checkpoint: removed too
+    assert conversions.remove_stale(tmp_path / "none") == []
 
 
 def test_a_conversion_is_published_after_its_files_are_on_disk(tmp_path, monkeypatch):

@@ -161,7 +161,10 @@ def test_the_image_installs_the_cuda_lock_and_both_manifests_name_it():
 
 def test_setup_refuses_a_driver_older_than_the_cuda_locks_torch_needs(tmp_path):
     """The CUDA lock's torch (CUDA 13) needs NVIDIA driver 580 or newer: with an older one torch would not see the
-    GPU and every run would fall to the CPU, so ``setup`` refuses it in one line with what to do instead."""
+    GPU and every run would fall to the CPU, so ``setup`` refuses it in one line with what to do instead (a warning
+    where ``PRETRAIN_TORCH=cuda`` asks for that lock: an image is built on another machine than it runs on). The
+    version is read from the kernel module's banner (closed and open modules) or from ``nvidia-smi``, never from
+    its error text."""
     import subprocess
 
     functions = subprocess.run(
@@ -170,20 +173,36 @@ def test_setup_refuses_a_driver_older_than_the_cuda_locks_torch_needs(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert "nvidia-cuda-runtime==13." in LOCKS["cuda"].read_text()
-    for driver, rc in (("535.183.01", 2), ("580.65.06", 0), ("", 0)):  # '' : no driver found (not this check's)
-        smi = tmp_path / "bin" / "nvidia-smi"
-        smi.parent.mkdir(exist_ok=True)
-        smi.write_text(f"#!/bin/sh\necho '{driver}'\n")
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+
+    def bash(script: str, smi_says: str, **env: str) -> subprocess.CompletedProcess:
+        smi.write_text(f"#!/bin/sh\necho '{smi_says}'\n")
         smi.chmod(0o755)
-        run = subprocess.run(
-            ["bash", "-c", f'{functions}\ncheck_cuda_driver "$0"', str(LOCKS["cuda"])],
+        return subprocess.run(
+            ["bash", "-c", f"{functions}\n{script}", str(LOCKS["cuda"])],
             capture_output=True,
             text=True,
-            env={"PATH": f"{smi.parent}:/usr/bin:/bin"},
+            env={"PATH": f"{smi.parent}:/usr/bin:/bin", **env},
         )
+
+    banners = {
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024": "535.183.01",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs@U16)": "580.65.06",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  570.86.15  Release Build  (dvs@U16)": "570.86.15",
+    }
+    for banner, version in banners.items():
+        (tmp_path / "version").write_text(banner + "\n")
+        assert bash(f"driver_version {tmp_path / 'version'}", "").stdout.strip() == version
+    failed = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+    assert bash(f"driver_version {tmp_path / 'none'}", failed).stdout.strip() == ""
+    assert "nvidia-cuda-runtime==13." in LOCKS["cuda"].read_text()
+    for driver, rc in (("535.183.01", 2), ("580.65.06", 0), ("", 0), (failed, 0)):  # no version: not this check's
+        run = bash('check_cuda_driver "$0"', driver)
         assert run.returncode == rc, (driver, run.stderr)
         if rc:
             (line,) = run.stderr.splitlines()
             assert line.startswith(f"[setup] error: NVIDIA driver {driver} is older than 580, which the CUDA 13 torch")
             assert "PRETRAIN_TORCH=system" in line and "PRETRAIN_TORCH=cpu" in line
+    asked = bash('check_cuda_driver "$0"', "535.183.01", PRETRAIN_TORCH="cuda")
+    assert asked.returncode == 0 and asked.stderr.startswith("[setup] warning: NVIDIA driver 535.183.01 is older")
