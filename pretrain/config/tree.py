@@ -7,6 +7,7 @@ faults and stability in runtime.py), a docstring on every field, cross-field rul
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -253,8 +254,8 @@ class RunConfig:
             *(("data.sources", i, s) for i, s in enumerate(d.sources)),
             *(("data.val_sources", i, s) for i, s in enumerate(d.val_sources)),
         ]:
-            if s.weight <= 0:
-                raise ConfigError(f"{key}[{i}].weight: must be > 0, got {s.weight}")
+            if not 0 < s.weight < math.inf:  # (an infinite weight draws no other source: its pass never ends)
+                raise ConfigError(f"{key}[{i}].weight: must be > 0 and finite, got {s.weight}")
             if not s.path.strip():  # Path("") is the working directory: every data file below it
                 raise ConfigError(f"{key}[{i}].path: empty (a file, directory, glob or hub dataset name)")
         check_source_names(d.sources, d.val_sources)

@@ -101,6 +101,15 @@ def summary_line(summary: dict) -> str:
     return f"{summary['total']} bad record(s) skipped ({reasons}); first: {summary['examples'][0]}"
 
 
+def refuse_skipped(bad: dict, policy: str, made: str) -> None:
+    """Under ``bad_records: fail``, data made skipping bad records (a token-shard manifest's ``bad_records``) raises
+    :class:`BadRecordError` with the first one (``file:line: reason``), as reading the text would have."""
+    total = int(bad.get("total", 0))
+    if policy == "fail" and total:
+        first = (bad.get("examples") or ["(no example recorded)"])[0]
+        raise BadRecordError(f"{first} (one of {total} bad record(s) that {made} was made skipping)")
+
+
 def bad_record(reason: str, file: str, line: Any, detail: str = "") -> dict:
     """A bad record of ``reason`` (a key of :data:`REASONS`) at ``file:line``."""
     msg = REASONS[reason] + (f" ({detail})" if detail else "")

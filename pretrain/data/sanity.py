@@ -31,7 +31,7 @@ import re
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
 from pretrain.config.errors import clip
-from pretrain.data.bad_records import REASONS, BadRecordError, BadRecords
+from pretrain.data.bad_records import REASONS, BadRecordError, BadRecords, refuse_skipped
 from pretrain.data.sources import ResolvedSource, parse_line, prefix_lines, resolve_source
 from pretrain.data.split_plan import SCAN_BYTES, SplitPlan, check_validation_sources, plan_split
 
@@ -178,7 +178,7 @@ def check_source(src: SourceConfig, key: str, cfg: DataConfig, format_option: st
     ``format_option``: the command's option that names a format (``--format``), where it is not the config's."""
     rs = resolve_source(src, cfg.cache_dir, key, format_option=format_option)
     if rs.format == "shards":  # the manifest and its files (sizes, sampled sha256): ShardError names the file
-        rs.shard_set()
+        refuse_skipped(rs.shard_set().manifest.bad_records, cfg.bad_records, f"{key} ({clip(src.path)})")
         return rs
     try:
         if rs.format in ("text", "json"):

@@ -239,17 +239,6 @@ def _is_job_dir(out: Path) -> bool:
     return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
 
 
-def _refuse_skipped_bad_records(bad: dict[str, Any], policy: str, out: Path) -> None:
-    """Under ``--bad-records fail``, a finished output made skipping bad records (its manifest's ``bad_records``)
-    raises :class:`BadRecordError` with the first one (``file:line: reason``), as the job would have."""
-    from pretrain.data.bad_records import BadRecordError
-
-    total = int(bad.get("total", 0))
-    if policy == "fail" and total:
-        first = (bad.get("examples") or ["(no example recorded)"])[0]
-        raise BadRecordError(f"{first} (one of {total} bad record(s) that {clip(str(out))} was made skipping)")
-
-
 def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
     """What the output depends on (a rerun must match it)."""
     from pretrain.data.fingerprint import source_fingerprint
@@ -263,6 +252,8 @@ def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) ->
         "tokenizer_sha256": tok_hash,
         "shard_tokens": a.shard_tokens,
         "chunk_bytes": a.chunk_bytes,
+        # a BPE trained for the job: the size asked for (an unfinished job's tokenizer is reused, not trained again)
+        **({} if a.tokenizer else {"tokenizer_vocab_size": a.vocab_size}),
     }
 
 
@@ -276,11 +267,13 @@ def _same_job(recorded: dict, spec: dict) -> bool:
             return [strip(v) for v in x]
         return x
 
+    if "tokenizer_vocab_size" not in recorded:  # a job recorded before the key: its tokenizer's hash says enough
+        spec = {k: v for k, v in spec.items() if k != "tokenizer_vocab_size"}
     return strip(recorded) == strip(spec)
 
 
 def tokenize(args: list[str]) -> int:
-    from pretrain.data.bad_records import summary_line
+    from pretrain.data.bad_records import refuse_skipped, summary_line
     from pretrain.data.fingerprint import source_fingerprint
     from pretrain.data.sanity import check_source
     from pretrain.data.shards.compat import tokenizer_vocab_size
@@ -317,19 +310,23 @@ def tokenize(args: list[str]) -> int:
                     f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a "
                     "new directory (nothing was overwritten)"
                 )
-            _refuse_skipped_bad_records(done.bad_records, a.bad_records, out)
+            refuse_skipped(done.bad_records, a.bad_records, clip(str(out)))
             print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
             return 0
         job_file = work / JOB_FILE
         if job_file.is_file() and not _same_job(json.loads(job_file.read_text()), spec):
             raise ConfigError(
                 f"tokenize --out: {clip(str(out))} holds an unfinished job of other sources or settings; give a new "
-                f"directory or remove {clip(str(work))}"
+                f"directory, or remove {clip(str(out))} (what an unfinished job wrote: nothing else is in it)"
             )
         work.mkdir(parents=True, exist_ok=True)
         write_atomic(job_file, json.dumps(spec, indent=1).encode())  # first: it makes --out a job's (_check_out)
         if tok_dir.parent == Path(scratch):  # trained now: kept with the job, which a rerun after a crash reuses
-            shutil.copytree(tok_dir, work / TOKENIZER_DIR, dirs_exist_ok=True)
+            staged = work / f".{TOKENIZER_DIR}-{os.getpid()}"  # whole or not at all (a rerun reuses what is there)
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.copytree(tok_dir, staged)
+            shutil.rmtree(work / TOKENIZER_DIR, ignore_errors=True)
+            os.replace(staged, work / TOKENIZER_DIR)
             tok_dir = work / TOKENIZER_DIR
 
     units = plan_units(sources, a.chunk_bytes)

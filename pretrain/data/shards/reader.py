@@ -57,6 +57,8 @@ class ShardSet:
         """Global tokens ``[start, end)``."""
         N = self.shard_tokens
         k, off = divmod(start, N)
+        if end <= start:  # a document of no tokens (at the very end, ``start`` is past the last shard)
+            return self._shard(min(k, len(self._shards) - 1))[:0]
         if end - start <= N - off:
             return self._shard(k)[off : off + end - start]
         pieces = []
@@ -180,7 +182,7 @@ class ShardReader:
         """Global token ranges ``[starts[i], ends[i])`` (in any order), each followed by ``separator``, as one int64
         array (``lengths``: the ranges' lengths plus one; ``room``: their running sum)."""
         N = self.shards.shard_tokens
-        shard = int(starts.min()) // N
+        shard = min(int(starts.min()) // N, len(self.shards._shards) - 1)  # (documents of no tokens at the end)
         if int(ends.max()) > (shard + 1) * N:  # the ranges span shards: one range at a time
             sep = np.array([separator], dtype=np.int64)
             parts = [p for a, b in zip(starts.tolist(), ends.tolist()) for p in (self.shards.tokens(a, b), sep)]

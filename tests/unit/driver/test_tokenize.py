@@ -117,6 +117,28 @@ def test_a_job_that_crashed_is_rerun_in_its_directory(tmp_path, tok_dir, monkeyp
     assert tokenize(args) == 0 and "done already" in capsys.readouterr().out
 
 
+def test_a_job_that_crashed_after_training_its_tokenizer_refuses_another_vocabulary(tmp_path, tok_dir, monkeypatch):
+    """The tokenizer an unfinished job trained is reused by its rerun: a rerun asking for another ``--vocab-size`` is
+    another job (refused in one line), never the old tokenizer under the new command; the trained one was kept whole
+    (renamed into place)."""
+    corpus = write_txt(tmp_path / "c.txt", make_docs(300, "c"))
+
+    def crash(*a) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "_run_units", crash)
+    monkeypatch.setenv("PRETRAIN_TOKENIZER_CACHE", "0")
+    with pytest.raises(KeyboardInterrupt):
+        tokenize([str(corpus), "--out", "out", "--vocab-size", "300"])
+    work = tmp_path / "out" / ".work"
+    assert sorted(p.name for p in work.iterdir()) == ["job.json", "tokenizer"]
+    monkeypatch.setattr(job, "_run_units", _in_process)
+    with pytest.raises(ConfigError) as e:
+        tokenize([str(corpus), "--out", "out", "--vocab-size", "400"])
+    assert str(e.value).startswith(f"tokenize --out: {tmp_path / 'out'} holds an unfinished job of other sources or")
+    assert tokenize([str(corpus), "--out", "out", "--vocab-size", "300"]) == 0
+
+
 def test_format_names_the_option_and_reads_every_source_so(tmp_path, tok_dir):
     notes = write_txt(tmp_path / "notes.md", make_docs(30, "n"))
     with pytest.raises(ConfigError) as e:
@@ -154,3 +176,15 @@ def test_a_finished_output_made_skipping_bad_records_is_refused_under_fail(tmp_p
     )
     capsys.readouterr()
     assert tokenize(args) == 0 and "done already" in capsys.readouterr().out  # skip: as it was made
+    # training on those shards under data.bad_records=fail is refused as training on the text would be
+    from pretrain.config import DataConfig, SourceConfig
+    from pretrain.data.sanity import check_sources
+
+    shards = SourceConfig(path=str(tmp_path / "out"))
+    check_sources(DataConfig(sources=[shards], bad_records="skip", tokenizer=str(tmp_path / "out" / "tokenizer")))
+    with pytest.raises(BadRecordError) as e:
+        check_sources(DataConfig(sources=[shards], bad_records="fail", tokenizer=str(tmp_path / "out" / "tokenizer")))
+    assert str(e.value) == (
+        f"{corpus}:row 1500: text field is not a string (NoneType) "
+        f"(one of 1 bad record(s) that data.sources[0] ({tmp_path / 'out'}) was made skipping)"
+    )

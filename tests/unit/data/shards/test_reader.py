@@ -178,3 +178,24 @@ def test_bulk_reading_one_document_at_a_time_leaves_the_state_of_reading_documen
             assert docs[1].state_dict() == docs[0].state_dict()
             taken += 1
             assert taken < 20_000
+
+
+def test_a_document_of_no_tokens_at_the_very_end_reads_as_empty(tmp_path):
+    """A document a tokenizer turns into no ids (a normaliser that drops control characters), last in a corpus whose
+    tokens fill whole shards, starts past the last shard: it reads as empty, alone or in a batch."""
+    import numpy as np
+
+    from pretrain.data.shards.format import Manifest
+    from pretrain.data.shards.writer import write_index, write_manifest, write_shards
+
+    out = tmp_path / "shards"
+    out.mkdir()
+    shards = write_shards(out, [np.arange(8, dtype=np.uint16)], "uint16", 4, say=lambda line: None)
+    index = write_index(out, np.array([3, 5, 0], np.uint64), np.array([1, 2, 3], np.uint32))
+    manifest = Manifest(dtype="uint16", shard_tokens=4, tokens=8, documents=3, tokenizer={"vocab_size": 100},
+                        sources=[], shards=shards, index=index)  # fmt: skip
+    write_manifest(out, manifest)
+    docs = ShardSet(out)
+    assert [docs.document(i).tolist() for i in range(3)] == [[0, 1, 2], [3, 4, 5, 6, 7], []]
+    tokens, passed, ended = ShardReader(docs, "x").take_tokens(0, False, 0, 1, 100, -1)
+    assert tokens.tolist() == [0, 1, 2, -1, 3, 4, 5, 6, 7, -1, -1] and passed == 3 and ended
