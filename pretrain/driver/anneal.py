@@ -6,10 +6,11 @@ The child (``pretrain.derived: anneal``, an MLflow child of the parent run) star
 and trains N more steps with ``train.decay: wsd`` whose decay phase is exactly those N steps: the LR goes from the
 checkpoint's LR (the parent's LR of its step S, the last step it trained) down to the parent's floor ``lr *
 min_lr_ratio`` in ``train.decay_shape``. ``key=value`` overrides the child's config (e.g. another data mixture:
-``data.sources=[...]``; any data change starts fresh streams of the new mixture, otherwise the parent's data position is
-carried on). Written through the derived-run path of ``grow``/``prune``, but with the parent's model and optimizer state
-unchanged (AdamW moments and step included): the child continues the parent's optimization exactly, only the LR schedule
-differs (so the model, MoE and ZeRO sections cannot be overridden). The child resumes (``./launch.sh resume CHILD``),
+``data.sources=[...]``; a change of what the training streams are (:data:`STREAM_FIELDS`) starts fresh streams of the
+new mixture, otherwise the parent's data position is carried on). Written through the derived-run path of
+``grow``/``prune``, but with the parent's model and optimizer state unchanged (AdamW moments and step included): the
+child continues the parent's optimization exactly, only the LR schedule differs (so the model, MoE and ZeRO sections
+cannot be overridden). The child resumes (``./launch.sh resume CHILD``),
 evaluates and exports like any run.
 """
 
@@ -24,6 +25,7 @@ from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.invocation import command
 from pretrain.train.schedule import lr_at
+from pretrain.train.tracking import run_ref
 
 USAGE = "anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]"
 FIXED = ("model", "moe", "zero")
@@ -64,6 +66,16 @@ def fresh_data_position(cfg: RunConfig, parent: LoadedCheckpoint) -> dict:
     ).state_dict()
 
 
+STREAM_FIELDS = ("sources", "val_sources", "val_holdout", "num_streams", "repeat", "shuffle_sequences", "piece_chars")
+"""The ``data`` fields that define the training streams (what the data position is a position in); the others
+(``bad_records``, ``mlm_probability``, ``cache_dir``...) leave the parent's position valid."""
+
+
+def _stream(cfg: RunConfig) -> dict:
+    data = to_dict(cfg.data)
+    return {k: data[k] for k in STREAM_FIELDS}
+
+
 def anneal(argv: list[str]) -> int:
     """``anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]``: a new child run annealing the parent."""
     if not argv or "=" in argv[0]:
@@ -79,7 +91,7 @@ def anneal(argv: list[str]) -> int:
     parent = resolve_checkpoint(argv[0], step_option(opts, "anneal"))
     at = parent.ckpt.step
     cfg = annealed_config(parent.config, at, steps, overrides)
-    data = fresh_data_position(cfg, parent) if to_dict(cfg.data) != to_dict(parent.config.data) else None
+    data = fresh_data_position(cfg, parent) if _stream(cfg) != _stream(parent.config) else None
     run_id, path = derive_run(
         parent,
         cfg,
@@ -100,10 +112,10 @@ def anneal(argv: list[str]) -> int:
         f"{steps} steps ({t.decay_shape}){'; fresh streams of the new data mixture' if data else ''}"
     )
     print(f"[anneal] new run {run_id}: checkpoint {path} (the parent's weights and optimizer state)")
-    cmd = command()
+    cmd, ref = command(), run_ref(run_id, path.parent)
     print(
-        f"  train:   {cmd} resume {run_id}\n  eval:    {cmd} eval {run_id}\n"
-        f"  export:  {cmd} export {run_id} --out exported/{run_id}"
+        f"  train:   {cmd} resume {ref}\n  eval:    {cmd} eval {ref}\n"
+        f"  export:  {cmd} export {ref} --out exported/{run_id}"
     )
     print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -59,7 +59,11 @@ def derive_run(
     ckpt = dataclasses.replace(cfg.checkpoint, resume_from="")
     if checkpoint_dir:
         ckpt = dataclasses.replace(ckpt, dir=checkpoint_dir)
-    cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=ckpt))
+    track = cfg.tracking
+    if track.run_name and track.run_name == parent.config.tracking.run_name:  # the MLflow name: the child's differs
+        suffix = cfg.name.removeprefix(parent.config.name) if cfg.name != parent.config.name else f"-{what}"
+        track = dataclasses.replace(track, run_name=track.run_name + suffix)
+    cfg = resolve_paths(dataclasses.replace(cfg, checkpoint=ckpt, tracking=track))
     cfg.data.tokenizer = str(parent.tokenizer_dir())
     all_tags = {
         **{k: str(v) for k, v in tags.items()},
@@ -77,6 +81,7 @@ def derive_run(
         "step": int(raw.get("step", parent.ckpt.step)),
         "tokens_seen": int(raw.get("tokens_seen", 0)),
         "sequences": int(raw.get("sequences", 0)),
+        "flops": float(raw.get("flops", 0.0)),  # the parent's, each stage at its size (not recounted at the child's)
         "last_train_loss": float("nan"),
     }
     # the data the child trains on (a resume of the child compares its sources with it)

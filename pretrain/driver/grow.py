@@ -16,7 +16,8 @@ from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.invocation import command
-from pretrain.train.schedule import train_longer
+from pretrain.train.schedule import resume_overrides
+from pretrain.train.tracking import run_ref
 
 
 def _held_back_batch(parent: LoadedCheckpoint) -> dict[str, torch.Tensor]:
@@ -127,9 +128,10 @@ def grow(argv: list[str]) -> int:
             f"[grow] the new run starts with fresh AdamW moments and re-warms its LR from 0 over {rewarm} steps "
             f"after step {parent.ckpt.step} (growth.rewarm_steps; rewarm=N to change, 0 to continue)"
         )
+    ref, longer = run_ref(run_id, path.parent), resume_overrides(new_cfg.train, parent.ckpt.step)
     print(
-        f"  resume:  {command()} resume {run_id} {train_longer(new_cfg.train, parent.ckpt.step)}\n"
-        f"  export:  {command()} export {run_id} --out exported/{run_id}"
+        f"  resume:  {command()} resume {ref}{' ' + longer if longer else ''}\n"
+        f"  export:  {command()} export {ref} --out exported/{run_id}"
     )
     print_run_link(new_cfg.tracking.enabled, run_id)
     return 0

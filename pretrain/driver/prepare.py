@@ -190,7 +190,7 @@ def create_run(
     its checkpoints). Returns (run id, run directory, tracking URI or ""). A run whose creation fails after its
     MLflow run exists ends ``FAILED`` (``KILLED`` when interrupted), never left ``RUNNING``."""
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
-    run_id = tracking.new_run(uri, cfg, tags) if uri else f"local-{uuid.uuid4().hex[:12]}"
+    run_id = tracking.new_run(uri, cfg, tags) if uri else f"{tracking.LOCAL_RUN_PREFIX}{uuid.uuid4().hex[:12]}"
     run_dir = Path(cfg.checkpoint.dir) / run_id
     with ended_on_error(uri, run_id):
         if uri:

@@ -16,7 +16,8 @@ from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.invocation import command
 from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
-from pretrain.train.schedule import train_longer
+from pretrain.train.schedule import resume_overrides
+from pretrain.train.tracking import run_ref
 
 StateDict = dict[str, torch.Tensor]
 
@@ -72,6 +73,8 @@ def prune_blocks(
             key = f"blocks.{new_index[int(old)]}.{rest}"
         out[key] = value
     model = dataclasses.replace(cfg.model, num_layers=len(keep))
+    if model.norm_placement == "deepnorm":  # alpha = (2N)^(1/4) of the parent's depth: the parent's forward, exactly
+        model = dataclasses.replace(model, deepnorm_depth=cfg.model.deepnorm_depth or cfg.model.num_layers)
     exits = layer_drop.early_exit
     if isinstance(exits.layers, list):  # listed exits as deep as the pruned model or deeper go
         kept = [d for d in exits.layers if d < len(keep)]
@@ -121,16 +124,11 @@ def prune(argv: list[str], checkpoint_dir: str | None = None) -> int:
             "[prune] layer_drop.scaling rho: the parent's rho of the kept blocks is folded into their weights; "
             "the new run uses layer_drop.scaling=inverted (nothing to apply at inference)"
         )
-    if cfg.model.norm_placement == "deepnorm":
-        print(
-            "[prune] note: deepnorm's residual weight alpha = (2 * num_layers) ** 0.25 follows the depth, so the "
-            "pruned model is not exactly the parent with the other blocks skipped"
-        )
     print(f"[prune] new run {run_id}: checkpoint {path}")
-    cmd = command()
+    cmd, ref, longer = command(), run_ref(run_id, path.parent), resume_overrides(cfg.train, parent.ckpt.step)
     print(
-        f"  eval:    {cmd} eval {run_id}\n  resume:  {cmd} resume {run_id} "
-        f"{train_longer(cfg.train, parent.ckpt.step)}\n  export:  {cmd} export {run_id} --out exported/{run_id}"
+        f"  eval:    {cmd} eval {ref}\n  resume:  {cmd} resume {ref}{' ' + longer if longer else ''}\n"
+        f"  export:  {cmd} export {ref} --out exported/{run_id}"
     )
     print_run_link(cfg.tracking.enabled, run_id)
     return 0

@@ -61,8 +61,9 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
         key, old, new = changed
         raise ConfigError(
             f"{key} cannot change at resume (checkpoint {quote(old)}, asked {quote(new)}): the checkpoint's weights "
-            f"have other shapes. A bigger or smaller model of this one is a new run: {command()} grow or prune "
-            f"{checkpoint} (docs/growth.md); otherwise resume with {key}={_yaml(old)}"
+            f"have other shapes. A bigger or smaller model of this one is a new run: {command()} grow {checkpoint} "
+            f"depth=2x (or {command()} prune {checkpoint} layers=every_other; docs/growth.md); otherwise resume with "
+            f"{key}={_yaml(old)}"
         )
     old_stage, new_stage = saved.zero.stage, cfg.zero.stage
     if engine_state and old_stage != new_stage and 3 in (old_stage, new_stage):

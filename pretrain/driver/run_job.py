@@ -44,13 +44,13 @@ def print_summary(final: dict, job, uri: str) -> None:
     from pretrain.config import from_dict
     from pretrain.driver.ui_links import run_url
     from pretrain.invocation import command
-    from pretrain.train.schedule import train_longer
-    from pretrain.train.tracking import has_secret
+    from pretrain.train.schedule import resume_overrides
+    from pretrain.train.tracking import has_secret, run_ref
 
-    longer = train_longer(from_dict(job.config).train, int(final.get("step", 0)))  # no jump of the LR, no new warm-up
-    cmd = env + command()
-    print("\n  resume:      " + f"{cmd} resume {run_id} {longer}")
-    print("  export:      " + f"{cmd} export {run_id} --out exported/{run_id}")
+    longer = resume_overrides(from_dict(job.config).train, int(final.get("step", 0)))  # no LR jump, no new warm-up
+    cmd, ref = env + command(), run_ref(run_id, job.run_dir)
+    print("\n  resume:      " + f"{cmd} resume {ref}{' ' + longer if longer else ''}")
+    print("  export:      " + f"{cmd} export {ref} --out exported/{run_id}")
     if not uri.startswith(("http://", "https://")):  # a tracking server serves its own UI: the link below
         plain = f"   (or: .venv/bin/mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000)"
         print(f"  MLflow UI:   {cmd} ui" + ("" if has_secret(uri) else plain))  # never a password
@@ -180,13 +180,12 @@ def _resume_command(job, step: int) -> str:
     overrides that train on (a bare resume has nothing to do)."""
     from pretrain.config import from_dict
     from pretrain.invocation import command
-    from pretrain.train.schedule import train_longer
-    from pretrain.train.tracking import tracking_uri
+    from pretrain.train.schedule import resume_overrides
+    from pretrain.train.tracking import run_ref, tracking_uri
 
     env = _store_prefix(tracking_uri())
-    train = from_dict(job.config).train
-    longer = f" {train_longer(train, step)}" if step >= train.max_steps else ""
-    return f"{env}{command()} resume {job.run_id}{longer}"
+    longer = resume_overrides(from_dict(job.config).train, step)
+    return f"{env}{command()} resume {run_ref(job.run_id, job.run_dir)}{' ' + longer if longer else ''}"
 
 
 def _store_prefix(uri: str) -> str:

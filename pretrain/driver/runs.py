@@ -26,6 +26,9 @@ def runs(args: list[str]) -> int:
         print(f"  in the UI: {ui_url(ui_base(uri), run.info.experiment_id, args[0])}")
         for line in _lineage(run.data.tags):
             print(f"  {line}")
+        for child in tracking.child_runs(uri, run):
+            derived = child.data.tags.get("pretrain.derived", "?")
+            print(f"  child: {child.info.run_id} ({child.info.run_name}): {derived}")
         if run.data.tags.get("pretrain.stability.last_event"):
             print(
                 f"  stability: {run.data.tags.get('pretrain.stability.events', '?')} event(s), last "

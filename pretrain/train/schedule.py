@@ -158,6 +158,12 @@ def train_longer(saved: TrainConfig, step: int) -> str:
     return " ".join(continue_overrides(saved, step, 2 * step))
 
 
+def resume_overrides(saved: TrainConfig, step: int) -> str:
+    """What a printed ``resume`` adds after a checkpoint at ``step``: nothing before the run's last step (the run
+    trains on as scheduled), the :func:`train_longer` overrides at or past it (a bare resume has nothing to do)."""
+    return train_longer(saved, step) if step >= saved.max_steps else ""
+
+
 def schedule_warning(cfg: TrainConfig) -> str:
     """A line when the schedule never decays because the warm-up lasts the whole run ('' otherwise)."""
     if cfg.decay == "constant" or cfg.warmup_steps < cfg.max_steps:

@@ -234,6 +234,16 @@ def find_run(uri: str, run_id: str):
         return None
 
 
+LOCAL_RUN_PREFIX = "local-"
+"""The id of a run made with ``tracking.enabled=false``: no store knows it."""
+
+
+def run_ref(run_id: str, run_dir: str | Path) -> str:
+    """How a printed command names a run: its MLflow id, or, for a run no store knows (:data:`LOCAL_RUN_PREFIX`),
+    its directory (``resume`` then makes a new run from its latest checkpoint; ``export`` and ``eval`` read it)."""
+    return str(run_dir) if run_id.startswith(LOCAL_RUN_PREFIX) else run_id
+
+
 def names_a_path(target: str) -> bool:
     """Whether a command's RUN_ID|PATH argument that does not exist is a path (it has a ``/`` or starts with ``.``),
     not a run id: a missing path is said to be missing, and the tracking store is not touched."""
@@ -270,6 +280,16 @@ def store_missing(uri: str) -> bool:
     """A local sqlite store that does not exist yet (looking at it would create it)."""
     db = sqlite_path(uri)
     return db is not None and not db.exists()
+
+
+def child_runs(uri: str, run) -> list:
+    """The runs derived from ``run`` (``grow``, ``prune``, ``anneal``: MLflow children, ``mlflow.parentRunId``),
+    oldest first."""
+    return _client(uri).search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
 
 
 def list_runs(uri: str, max_results: int = 50) -> list:

@@ -284,6 +284,11 @@ def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path)
     assert f"growth of run {parent} at step 20" in run("runs", child)
     assert f"^ growth of run {parent}" in run("runs")
     run_dir = next(p for p in tmp_path.rglob(child) if p.is_dir() and (p / "config.yaml").exists())
+    parent_dir = next(p for p in tmp_path.rglob(parent) if p.is_dir() and (p / "config.yaml").exists())
+    flops = [
+        json.loads((d / "step_00000020" / "trainer_state.json").read_text())["flops"] for d in (parent_dir, run_dir)
+    ]
+    assert flops[1] == flops[0] > 0, "the child carries the parent's FLOPs (not its steps recounted at its size)"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["growth"]["rewarm_steps"] == 20, "a grown run re-warms (the parent's warm-up), recorded in its config"
     run("resume", child, "train.max_steps=30", "train.val_every=10", "cluster.num_workers=1")

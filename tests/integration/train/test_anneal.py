@@ -28,6 +28,7 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
         "train.max_steps=10",
         "train.decay=wsd",
         "train.decay_steps=4",
+        "tracking.run_name=wsd-parent",
     )
     parent = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("MLflow run id"))
     err = run("anneal", parent, "steps=3", "step=4", "train.decay_shape=sqrt", code=2)
@@ -37,8 +38,10 @@ def test_anneal_child_run_decays_to_the_floor_trains_and_exports(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     tags = client.get_run(child).data.tags
     assert tags["pretrain.derived"] == "anneal" and tags["mlflow.parentRunId"] == parent
+    assert client.get_run(child).info.run_name == "wsd-parent-anneal4", "a child's name differs from its parent's"
     assert (tags["anneal.parent_run_id"], tags["anneal.parent_step"], tags["anneal.steps"]) == (parent, "4", "3")
     assert f"anneal of run {parent} at step 4: LR decay to the floor over 3 steps (linear)" in run("runs", child)
+    assert f"\n  child: {child} (wsd-parent-anneal4): anneal\n" in run("runs", parent)
     page = f"http://127.0.0.1:5000/#/experiments/{client.get_run(child).info.experiment_id}/runs/{child}"
     assert f"\n  MLflow:  {page}?workflowType=machine_learning\n" in out, out  # opens as model training
     assert f"\n  run in UI:   {page}?workflowType=machine_learning\n" in run("resume", child)

@@ -58,3 +58,15 @@ def test_bad_anneal_arguments_are_one_line(args, message):
     with pytest.raises(ConfigError) as e:
         anneal(args)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_only_a_change_of_the_training_streams_starts_fresh_streams():
+    """The data position is a position in the streams: a new mixture starts fresh ones; a policy change (bad records,
+    masking, the cache) keeps the parent's position."""
+    from pretrain.driver.anneal import _stream
+
+    parent = load_config(None, TINY + ["train.decay=wsd", "train.max_steps=1000", "train.decay_steps=200"])
+    kept = annealed_config(parent, 400, 50, ["data.bad_records=fail", "data.mlm_probability=0.2"])
+    assert _stream(kept) == _stream(parent)
+    moved = annealed_config(parent, 400, 50, ["data.sources=[{path: demo, weight: 2}]"])
+    assert _stream(moved) != _stream(parent)

@@ -273,6 +273,7 @@ def test_rho_folded_into_weights_equals_scaled_model(placement, extra):
         ("pre", []),
         ("post", ["model.bias=true", "model.norm=layernorm"]),
         ("sandwich", []),
+        ("deepnorm", []),  # alpha of the parent's depth (model.deepnorm_depth), not of the child's
         ("pre", ["moe.num_experts=4", "model.activation=swiglu"]),
     ],
 )
