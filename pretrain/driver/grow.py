@@ -105,6 +105,11 @@ def grow(argv: list[str]) -> int:
         at_step=parent.ckpt.step,
     )
     print(f"[grow] {grown.operator}: held-back loss (fp32) {before:.5f} -> {after:.5f} (relative change {rel:.1e})")
+    if entry.experts and entry.noise == 0:
+        print(
+            "[grow] warning: noise=0 upcycles into identical experts behind a zero router: training never tells them "
+            "apart (every token picks the same ones); an exactness check only, train with noise > 0 (default 1e-3)"
+        )
     run_id, path = derive_run(
         parent,
         new_cfg,

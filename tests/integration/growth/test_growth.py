@@ -304,7 +304,9 @@ def test_offline_grow_then_resume_keeps_improving_exports_and_upcycles(tmp_path)
     cfg = json.loads((tmp_path / "hf_grown" / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["tie_word_embeddings"]) == (8, 256, False)
 
-    moe_child = new_run(run("grow", parent, "experts=4", "noise=0"), "grow")
+    upcycled = run("grow", parent, "experts=4", "noise=0")
+    assert "[grow] warning: noise=0 upcycles into identical experts" in upcycled
+    moe_child = new_run(upcycled, "grow")
     # the upcycled child (written on 1 process) trains with expert parallelism on 2 Ray workers
     out = run(
         "resume",
