@@ -77,7 +77,8 @@ def is_full_weights(ckpt: CommittedCheckpoint) -> bool:
 
 
 def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
-    """The model's full fp32 training weights (our names, every expert under its global id; checked)."""
+    """The model's full fp32 training weights (our names, every expert under its global id; checked). An
+    expert-parallel checkpoint gives its module weights in the training dtype, cast (docs/moe.md#export)."""
     moe = cfg.moe
     if is_full_weights(ckpt):
         sd = weights.load_full_weights(ckpt.path)
