@@ -105,7 +105,7 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
         pts = [(s, v) for s, v in final if math.isfinite(v)]
         if pts:
             (line,) = ax.plot(*zip(*pts), style, label=key, lw=1.2, ms=4)
-            for i, seg in enumerate(abandoned):  # what a rollback threw away, faded
+            for i, seg in enumerate(abandoned):  # what a rollback (or a crash before a save) threw away, faded
                 seg = [(s, v) for s, v in seg if math.isfinite(v)]
                 if seg:
                     ax.plot(
@@ -115,7 +115,7 @@ def plot_training(series: Series, events: list[dict[str, Any]], out: Path, title
                         alpha=0.35,
                         lw=1.0,
                         ms=3,
-                        label=f"{key} (rolled back)" if i == 0 else None,
+                        label=f"{key} (replayed: a rollback, or a resume from before it)" if i == 0 else None,
                     )
             if key == "train/loss":
                 spikes = [p for seg in abandoned for p in seg] + [p for p in final if not math.isfinite(p[1])]
