@@ -125,7 +125,8 @@ def stop(argv: list[str]) -> int:
     if current in TERMINAL:
         print(f"job {job_id} already ended: {current}")
         return 0
-    wait = a.wait if a.wait is not None else float((info.metadata or {}).get(STOP_WAIT_KEY, 60))
+    # (a few seconds past Ray's own deadline by default: a driver still running then is killed, and this says so)
+    wait = a.wait if a.wait is not None else float((info.metadata or {}).get(STOP_WAIT_KEY, 60)) + STOP_GRACE_S
     print(f"job {job_id}: stopping (the run commits a checkpoint at its current step; waiting up to {wait:.0f} s)")
     call_api(client, address, client.stop_job, job_id, job_id=job_id)
     deadline = time.time() + wait
@@ -135,10 +136,16 @@ def stop(argv: list[str]) -> int:
             break
         time.sleep(0.5)
     if current in TERMINAL:
-        print(f"job {job_id}: {current}")
+        late = time.time() > deadline - STOP_GRACE_S and a.wait is None
+        killed = " (at Ray's deadline: killed, maybe before its checkpoint)" if late else ""
+        print(f"job {job_id}: {current}{killed}")
         return 0
     print(f"job {job_id}: stop requested, still {current} after {wait:.0f} s")
     return 1
+
+
+STOP_GRACE_S = 5
+"""Seconds ``stop`` waits past the job's stop deadline (Ray kills a driver still running then)."""
 
 
 def stop_running(address: str) -> None:

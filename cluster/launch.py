@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 from cluster.placement import check_local_layout, local_cpus, wait_for_placement
 from cluster.requires import require_ray_for
+from cluster.submit import NETWORK_ENV
 from pretrain import startup_gc, timeline
 from pretrain.config import ClusterConfig
 from pretrain.invocation import command
@@ -37,8 +38,7 @@ _FORWARD_ENV = (
     "MLFLOW_LOGGING_LEVEL",
     "DS_BUILD_OPS",
     "PYTORCH_CUDA_ALLOC_CONF",
-    "NCCL_DEBUG",
-    "NCCL_SOCKET_IFNAME",
+    *NETWORK_ENV,
 )
 
 

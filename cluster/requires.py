@@ -14,7 +14,10 @@ import importlib.util
 
 from pretrain.config import ClusterConfig, ConfigError
 
-_INSTALL = "install Ray (requirements.txt pins it; ./launch.sh setup installs it)"
+_INSTALL = (
+    "install Ray (requirements.txt pins it; ./launch.sh setup installs it; a setup --offline from a wheelhouse made "
+    "--without ray needs a wheelhouse made with it)"
+)
 
 
 class RayMissingError(ConfigError):

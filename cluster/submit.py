@@ -66,6 +66,16 @@ EXCLUDES = [
 ]
 SECRETS = [".env", ".env.*", ".netrc", ".pypirc", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ed25519*"]
 """Files that hold credentials: never uploaded with the job's code, at any depth."""
+NETWORK_ENV = (
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_NET_GDR_LEVEL",
+    "GLOO_SOCKET_IFNAME",
+)
+"""How the collectives find their network: forwarded to a submitted job and by a job to its Ray workers."""
 # Environment variables forwarded to the job when set on the submitting machine (values never printed).
 JOB_ENV = (
     "MLFLOW_TRACKING_URI",
@@ -77,13 +87,7 @@ JOB_ENV = (
     "DS_ACCELERATOR",
     "DS_BUILD_OPS",
     "PYTORCH_CUDA_ALLOC_CONF",
-    "NCCL_DEBUG",
-    "NCCL_SOCKET_IFNAME",
-    "NCCL_IB_DISABLE",
-    "NCCL_IB_HCA",
-    "NCCL_IB_GID_INDEX",
-    "NCCL_NET_GDR_LEVEL",
-    "GLOO_SOCKET_IFNAME",
+    *NETWORK_ENV,
 )
 # Forwarded only to a head on this machine (they name local paths).
 LOCAL_JOB_ENV = ("TORCH_EXTENSIONS_DIR",)
@@ -261,12 +265,14 @@ def check_job_id(job_id: str) -> str:
 def upload_excludes(cfg) -> list[str]:
     """What the job's upload leaves out (patterns as in ``.gitignore``, relative to the checkout): :data:`EXCLUDES`,
     :data:`SECRETS`, and the run's checkpoint and cache directories where they lie inside the checkout (any name:
-    earlier runs' checkpoints would otherwise travel with every job)."""
+    earlier runs' checkpoints would otherwise travel with every job), and wheelhouses made in the checkout
+    (``./launch.sh wheelhouse wheels/``: hundreds of MiB no job reads)."""
     out = [*EXCLUDES, *SECRETS]
     for d in (cfg.checkpoint.dir, cfg.data.cache_dir):
         path = (Path.cwd() / d).resolve()  # relative: where the runs of this shell wrote it
         if path != ROOT and path.is_relative_to(ROOT):
             out.append("/" + path.relative_to(ROOT).as_posix())
+    out += [f"/{d.name}" for d in sorted(ROOT.iterdir()) if d.is_dir() and (d / "wheelhouse.json").is_file()]
     return out
 
 
@@ -287,10 +293,11 @@ def job_env(local: bool, extra: list[str], gcs_address: str = "") -> dict[str, s
     env = {k: os.environ[k] for k in JOB_ENV if os.environ.get(k)}
     # The commands the job prints (its logs) start as the user starts them in this shell.
     env[invocation.LAUNCHER_ENV] = invocation.command()
-    if local:
-        env.update({k: os.environ[k] for k in LOCAL_JOB_ENV if os.environ.get(k)})
-        if "MLFLOW_TRACKING_URI" not in env:  # the store that `./launch.sh runs` reads here
-            env["MLFLOW_TRACKING_URI"] = f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    if local:  # paths as this shell resolves them (the job runs in Ray's copy of the code, elsewhere)
+        from pretrain.train.tracking import tracking_uri
+
+        env.update({k: str(Path(os.environ[k]).resolve()) for k in LOCAL_JOB_ENV if os.environ.get(k)})
+        env["MLFLOW_TRACKING_URI"] = tracking_uri()  # the store `./launch.sh runs` reads here (a relative one too)
         if gcs_address:
             # Ray-internal actors (Train's placement-group cleaner uses the State API) find their cluster
             # by RAY_ADDRESS; without it they guess, and fail when this machine runs several Rays.

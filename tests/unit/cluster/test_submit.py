@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -237,6 +238,16 @@ def test_job_env_is_an_allowlist(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     local = submit.job_env(local=True, extra=[], gcs_address="127.0.0.1:6379")
     assert local["MLFLOW_TRACKING_URI"].startswith("sqlite:////") and local["RAY_ADDRESS"] == "127.0.0.1:6379"
+    # relative stores and paths as this shell resolves them: the job runs in Ray's copy of the code, elsewhere
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///runs.db")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", ".cache/ext")
+    local = submit.job_env(local=True, extra=[])
+    assert local["MLFLOW_TRACKING_URI"] == f"sqlite:///{Path.cwd().resolve() / 'runs.db'}"
+    assert local["TORCH_EXTENSIONS_DIR"] == str(Path.cwd().resolve() / ".cache" / "ext")
+    assert submit.NETWORK_ENV == tuple(k for k in submit.JOB_ENV if k.startswith(("NCCL_", "GLOO_")))
+    from cluster.launch import _FORWARD_ENV
+
+    assert set(submit.NETWORK_ENV) <= set(_FORWARD_ENV), "the job's workers get what the job got"
     with pytest.raises(submit.ClusterError):
         submit.job_env(local=False, extra=["NOT_SET_ANYWHERE_123"])
 
@@ -266,6 +277,13 @@ def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_the
     excludes = submit.upload_excludes(cfg)
     assert {".env", "*.pem", ".netrc", "/ckpt/mine"} <= set(excludes) and not any("elsewhere" in e for e in excludes)
     assert "/ckpt" in submit.upload_excludes(load_config(None, ["checkpoint.dir=ckpt"]))
+    wheels = ROOT / "wheels-test-upload"
+    wheels.mkdir()
+    try:
+        (wheels / "wheelhouse.json").write_text("{}")
+        assert "/wheels-test-upload" in submit.upload_excludes(cfg), "a wheelhouse made in the checkout stays"
+    finally:
+        shutil.rmtree(wheels)
     stage = submit._stage_working_dir("name: x\n", [*excludes, "/configs"])  # a top-level entry, left out
     try:
         names = {p.name for p in stage.iterdir()}
