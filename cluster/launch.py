@@ -57,10 +57,24 @@ def train_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def ray_train_worker(job: dict[str, Any]) -> dict[str, Any]:
     """:func:`train_worker` in a Ray worker process: its start-up with the garbage collector paused (see
-    :mod:`pretrain.startup_gc`; resumed after the first step, or when the function ends before one)."""
+    :mod:`pretrain.startup_gc`; resumed after the first step, or when the function ends before one). A stability
+    halt returns (rank 0 leaves it in the run directory for :func:`run_with_ray`, which raises it): Ray Train would
+    retry a raised one from the last checkpoint (``cluster.max_failures``), replaying up to the halt, or past it
+    where the replay is not bitwise."""
+    from pretrain.train.stability.monitor import StabilityHaltError
+
     startup_gc.pause()
     try:
         return train_worker(job)
+    except StabilityHaltError as e:  # every rank halts at the same step (all-reduced signals): a result, not a
+        import ray.train  # failure that Ray Train would retry (cluster.max_failures) from the last checkpoint
+
+        if ray.train.get_context().get_world_rank() == 0:
+            from pretrain.checkpoint.layout import HALT
+            from pretrain.checkpoint.store import write_json
+
+            write_json(Path(job["run_dir"]) / HALT, {"line": str(e), "report": e.report})
+        return {}
     finally:
         startup_gc.resume()
 
@@ -328,9 +342,19 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
                 logging_config=LoggingConfig(log_level="WARNING"),
             ),
         )
+        from pretrain.checkpoint.layout import HALT
+
+        halt = Path(job.run_dir) / HALT
+        halt.unlink(missing_ok=True)  # (an earlier attempt's, its driver gone before it read it)
         result = trainer.fit()
         if result.error is not None:
             raise result.error
+        if halt.is_file():
+            from pretrain.train.stability.monitor import StabilityHaltError
+
+            said = json.loads(halt.read_text())
+            halt.unlink()
+            raise StabilityHaltError(said["line"], said.get("report"))
         return read_summary(job)
     finally:
         if started:

@@ -8,6 +8,8 @@ A run directory (``checkpoint.dir / RUN_ID``)::
     init_weights.pt          ``model.init_from_hf`` weights converted by the driver (when set)
     summary.json             the end-of-run summary
     stop_request.json        a stop asked for by the driver (a signal, ``stop JOB``); present only while it stops
+    halt.json                a stability halt under Ray, for the driver (not a failure Ray Train would retry);
+                             present only until the driver reads it
     step_NNNNNNNN/           committed checkpoints (below)
     .tmp-step_NNNNNNNN-X/    a save in progress (never read; removed at the next start)
     .prev-step_NNNNNNNN-X/   a checkpoint set aside while a re-run of its step commits (put back at the next start
@@ -52,6 +54,7 @@ RUN_TOKENIZER = TOKENIZER
 INIT_WEIGHTS = "init_weights.pt"
 SUMMARY = "summary.json"
 STOP_REQUEST = "stop_request.json"
+HALT = "halt.json"
 ABANDONED = "abandoned"
 
 STEP_PREFIX = "step_"
