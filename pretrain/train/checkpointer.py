@@ -234,9 +234,13 @@ class Checkpointer:
         )  # max over ranks
         record.snapshot_gb, record.write_s, record.copy_s = -gb, -seconds, -copy_s
         parts = self.writer.gather(write.digests, write.error)
+        # What retention keeps is read here, on the loop's thread (the callbacks' state changes there, and a set read
+        # mid-change could miss a rollback target); a set a little stale is safe: while this save is in flight no
+        # checkpoint is noted, so the rollback targets can only become fewer.
+        protected = flight.protect()
 
         def commit() -> None:
-            flight.result = self.writer.commit_gathered(flight.staged, flight.manifest, flight.protect(), parts)
+            flight.result = self.writer.commit_gathered(flight.staged, flight.manifest, protected, parts)
 
         if not background:
             commit()
