@@ -151,7 +151,14 @@ def _same_endpoint(a: str, b: str) -> bool:
 
 
 def auth_token(address: str) -> tuple[str, str]:
-    """(token, where it came from); ("", "") when none is available."""
+    """(token, where it came from); ("", "") when none is available. The live local head's own token for its
+    address (the one it accepts, whatever ``RAY_AUTH_TOKEN`` says for other clusters), else ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``."""
+    state = _live_head()
+    if state and state.get("token_path") and _same_endpoint(address, state["address"]):
+        tok = read_token(state["token_path"])
+        if tok:
+            return tok, "the local head's token file"
     tok = os.environ.get("RAY_AUTH_TOKEN", "").strip()
     if tok:
         return tok, "RAY_AUTH_TOKEN"
@@ -161,11 +168,6 @@ def auth_token(address: str) -> tuple[str, str]:
         if not tok:
             raise ClusterError(f"RAY_AUTH_TOKEN_PATH={path}: file missing or empty")
         return tok, "RAY_AUTH_TOKEN_PATH"
-    state = _live_head()
-    if state and state.get("token_path") and _same_endpoint(address, state["address"]):
-        tok = read_token(state["token_path"])
-        if tok:
-            return tok, "the local head's token file"
     default = Path.home() / ".ray" / "auth_token"
     tok = read_token(default) if default.is_file() else ""
     return (tok, "~/.ray/auth_token") if tok else ("", "")

@@ -180,7 +180,9 @@ def test_address_and_token_resolution(tmp_path, monkeypatch):
     (tmp_path / "tok").write_text("b" * 64 + "\n")
     assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
-    assert submit.auth_token("http://127.0.0.1:18999")[0] == "c" * 64
+    assert submit.auth_token("http://10.0.0.5:8265") == ("c" * 64, "RAY_AUTH_TOKEN")
+    # a token set for another cluster never replaces the live local head's own (`cluster down` stops its jobs with it)
+    assert submit.auth_token("http://127.0.0.1:18999") == ("a" * 64, "the local head's token file")
 
 
 def test_the_address_given_is_the_one_talked_to_whatever_ray_address_says(tmp_path, monkeypatch):
