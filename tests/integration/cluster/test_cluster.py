@@ -224,11 +224,14 @@ def test_head_is_local_only_and_authenticated(head):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == code
-    proc = cli(work, "jobs", expect=1, timeout=120, env={**env, "RAY_AUTH_TOKEN": "wrong-token"})
+    # a client with no token at all (no local-head state, empty HOME), or a wrong one
+    bare = _env(work, work / "no-head", HOME=str(work / "home"))
+    wrong = {**bare, "RAY_AUTH_TOKEN": "wrong-token"}
+    proc = cli(work, "jobs", "--address", state["address"], expect=1, timeout=120, env=wrong)
     line = _one_error_line(proc)
     assert line.startswith("error: authentication failed at ") and "wrong-token" not in line
-    # a client with no token at all (no local-head state, empty HOME)
-    bare = _env(work, work / "no-head", HOME=str(work / "home"))
+    # a token set for another cluster: the running local head's own is sent to it
+    cli(work, "jobs", expect=0, timeout=120, env={**env, "RAY_AUTH_TOKEN": "wrong-token"})
     proc = cli(work, "status", "raysubmit_x", "--address", state["address"], expect=1, timeout=120, env=bare)
     assert "authentication failed" in _one_error_line(proc)
 
