@@ -263,6 +263,8 @@ def up(args: argparse.Namespace) -> int:
         "dashboard_agent_port": agent_port,
         "python": sys.executable,
         "log": str(log_path),
+        "num_cpus": args.num_cpus or os.cpu_count() or 1,  # what it offers: submit refuses a layout beyond it
+        "num_gpus": args.num_gpus,  # None: Ray's detection (this machine's GPUs)
     }
     _write_state(state)  # recorded first, so `down` can clean up even a half-started head
     # `ray start` runs in its own session, which Ctrl-C does not reach: a stop (or a failure) while the head starts

@@ -47,20 +47,25 @@ def check_local_layout(cluster: ClusterConfig) -> None:
     (:meth:`ClusterConfig.trains_in_process`)."""
     if cluster.trains_in_process() or cluster.address or os.environ.get("RAY_ADDRESS"):
         return
-    n, share, cpus = cluster.num_workers, cluster.cpus_per_worker, local_cpus()
+    check_layout(cluster, local_cpus(), local_gpus(), "this machine has", "an embedded local Ray")
+
+
+def check_layout(cluster: ClusterConfig, cpus: float, gpus: int, has: str, what: str) -> None:
+    """Refuse the workers that ``cpus`` CPUs and ``gpus`` GPUs (what ``has``: "this machine has", "the local head
+    offers"; ``what`` the Ray it is) cannot hold all at once: Ray would wait for them forever."""
+    n, share = cluster.num_workers, cluster.cpus_per_worker
     if not fits(cpus, share, n):
         fewer = int(cpus // share + 1e-9)
         fraction = math.floor(cpus / n * 100) / 100
         raise ConfigError(
-            f"cluster.num_workers: {n} workers x cluster.cpus_per_worker={share:g} need {n * share:g} CPUs, but this "
-            f"machine has {cpus} (an embedded local Ray; Ray would wait forever): set cluster.num_workers={fewer} "
-            f"or fewer, or cluster.cpus_per_worker={fraction:g} (the workers then share the CPUs)"
+            f"cluster.num_workers: {n} workers x cluster.cpus_per_worker={share:g} need {n * share:g} CPUs, but {has} "
+            f"{cpus:g} ({what}; Ray would wait forever): set cluster.num_workers={fewer} or fewer, or "
+            f"cluster.cpus_per_worker={fraction:g} (the workers then share the CPUs)"
         )
-    if cluster.use_gpu == "yes" and local_gpus() < n:
+    if cluster.use_gpu == "yes" and gpus < n:
         raise ConfigError(
-            f"cluster.use_gpu: yes, with {n} workers of one GPU each, but this machine has "
-            f"{local_gpus()} GPU(s): set cluster.num_workers={max(local_gpus(), 1)} or fewer, or "
-            f"cluster.use_gpu=auto"
+            f"cluster.use_gpu: yes, with {n} workers of one GPU each, but {has} {gpus} GPU(s): set "
+            f"cluster.num_workers={max(gpus, 1)} or fewer, or cluster.use_gpu=auto"
         )
 
 

@@ -365,8 +365,12 @@ def submit(argv: list[str]) -> int:
         check_job_id(a.job_id)
     client = connect(address)  # unreachable / authentication: one line before anything else
     if local:
+        from cluster.placement import check_layout, local_gpus
         from pretrain.config.paths import resolve_paths
 
+        if head.get("num_cpus"):  # (a head of an earlier version recorded no resources)
+            gpus = local_gpus() if head.get("num_gpus") is None else int(head["num_gpus"])
+            check_layout(cfg.cluster, float(head["num_cpus"]), gpus, "the local head offers", "cluster up")
         cfg = resolve_paths(cfg, Path.cwd())  # same filesystem: checkpoints/caches where the user is
     elif not Path(cfg.checkpoint.dir).is_absolute():
         print(

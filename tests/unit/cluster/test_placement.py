@@ -45,6 +45,12 @@ def test_local_layout_check_applies_to_an_embedded_ray_only(monkeypatch):
     placement.check_local_layout(load_config(DEMO, ["cluster.num_workers=4", "cluster.use_ray=false"]).cluster)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # a cluster: it may have (or add) the nodes
     placement.check_local_layout(big)
+    # the local head of `cluster up`: what it offers (submit checks it before sending the job)
+    with pytest.raises(ConfigError, match=r"need 4 CPUs, but the local head offers 3 \(cluster up; Ray would wait"):
+        placement.check_layout(big, 3, 0, "the local head offers", "cluster up")
+    gpu = load_config(DEMO, ["cluster.num_workers=2", "cluster.use_gpu=yes"]).cluster
+    with pytest.raises(ConfigError, match=r"^cluster.use_gpu: yes, with 2 workers of one GPU each, but the local head"):
+        placement.check_layout(gpu, 8, 1, "the local head offers", "cluster up")
     assert placement.describe_shortfall({"CPU": 1.0}, 3, {"CPU": 2.0}) == (2, "CPU 1")
     assert placement.describe_shortfall({"CPU": 8.0, "GPU": 1.0}, 16, {"CPU": 96.0, "GPU": 8.0}) == (8, "CPU 32, GPU 8")
     assert placement.describe_shortfall({"CPU": 1.0}, 2, {"CPU": 2.0})[1].startswith("no resource in total")
