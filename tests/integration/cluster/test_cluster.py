@@ -246,8 +246,8 @@ def test_submit_tiny_job_end_to_end(head):
     before = cli(work, "jobs", expect=0, timeout=120, env=env)
     bad = cli(work, "submit", CONFIG, *TINY, "model.hidden_size=oops", expect=2, timeout=120, env=env)
     assert "model.hidden_size" in _one_error_line(bad)
-    big = cli(work, "submit", CONFIG, *TINY, "cluster.num_workers=64", expect=2, timeout=120, env=env)
-    assert "need 64 CPUs, but the local head offers " in _one_error_line(big)  # not a job waiting 600 s to fail
+    big = cli(work, "submit", CONFIG, *TINY, "cluster.cpus_per_worker=512", expect=2, timeout=120, env=env)
+    assert "CPUs, but the local head offers " in _one_error_line(big)  # not a job waiting 600 s to fail
     after = cli(work, "jobs", expect=None, timeout=120, env=env)
     assert after.stdout.count("raysubmit_") == before.stdout.count("raysubmit_")  # nothing sent
 
