@@ -364,7 +364,7 @@ def submit(argv: list[str]) -> int:
     if a.job_id:
         check_job_id(a.job_id)
     client = connect(address)  # unreachable / authentication: one line before anything else
-    if local:
+    if head is not None:  # (local)
         from cluster.placement import check_layout, local_gpus
         from pretrain.config.paths import resolve_paths
 
