@@ -10,8 +10,7 @@ min_lr_ratio`` in ``train.decay_shape``. ``key=value`` overrides the child's con
 new mixture, otherwise the parent's data position is carried on). Written through the derived-run path of
 ``grow``/``prune``, but with the parent's model and optimizer state unchanged (AdamW moments and step included): the
 child continues the parent's optimization exactly, only the LR schedule differs (so the model, MoE and ZeRO sections
-cannot be overridden). The child resumes (``./launch.sh resume CHILD``),
-evaluates and exports like any run.
+cannot be overridden). The child resumes (``./launch.sh resume CHILD``), evaluates and exports like any run.
 """
 
 from __future__ import annotations

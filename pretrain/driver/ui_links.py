@@ -53,9 +53,10 @@ def served_base(host: str, port: int | str) -> str:
 def run_url(uri: str, run_id: str) -> str | None:
     """The UI page of run ``run_id`` of the tracking store ``uri``; None when tracking is off (``uri`` empty, a
     ``local-`` id) or the store has no such run."""
-    if not uri or run_id.startswith("local-"):
-        return None
     from pretrain.train import tracking
+
+    if not uri or run_id.startswith(tracking.LOCAL_RUN_PREFIX):
+        return None
 
     run = tracking.find_run(uri, run_id)
     return None if run is None else ui_url(ui_base(uri), run.info.experiment_id, run_id)

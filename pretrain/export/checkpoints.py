@@ -22,7 +22,7 @@ def resolve_checkpoint(target: str, step: int | None = None) -> LoadedCheckpoint
     if path.exists():
         ckpt = find_checkpoint(path, step)
         candidate = ckpt.manifest.run_id
-        if candidate and not candidate.startswith("local-"):
+        if candidate and not candidate.startswith(tracking.LOCAL_RUN_PREFIX):
             run_id = candidate if tracking.find_run(tracking.tracking_uri(), candidate) is not None else None
     elif tracking.names_a_path(target):
         raise ConfigError(f"{target}: no such checkpoint or run directory")
