@@ -3,6 +3,7 @@ for each head, and the processes ``cluster down`` would end — the head's, neve
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -26,7 +27,8 @@ def test_each_head_gets_a_new_token_readable_by_its_user_alone(tmp_path, monkeyp
 def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its_python(tmp_path):
     temp = tmp_path / "ray-temp" / "session_latest" / "logs"
     temp.mkdir(parents=True)
-    state = {"sid": os.getsid(0), "started_at": time.time() - 1, "temp_dir": str(tmp_path / "ray-temp")}
+    leader = _session_leader()
+    state = {"sid": leader.pid, "started_at": time.time() - 1, "temp_dir": str(tmp_path / "ray-temp")}
     # own sessions (as a job's driver has), working in the head's temp dir: a reader of its logs and a Python
     reader = subprocess.Popen(["sleep", "30"], cwd=temp, start_new_session=True)
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=temp, start_new_session=True)
@@ -35,9 +37,10 @@ def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its
     try:
         time.sleep(0.3)
         found = {p.pid for p in head_processes(state)}
-        assert driver.pid in found and job.pid in found and reader.pid not in found, (found, _seen(state, driver, job))
+        assert driver.pid in found and job.pid in found and reader.pid not in found, _seen(found, state, driver, job)
+        assert leader.pid in {p.pid for p in head_processes({**state, "temp_dir": str(tmp_path / "elsewhere")})}
     finally:
-        for p in (reader, driver, job):
+        for p in (leader, reader, driver, job):
             p.kill()
             p.wait()
 
@@ -48,7 +51,8 @@ def test_the_temp_dir_is_recognised_through_a_symbolic_link(tmp_path):
     real = tmp_path / "real" / "ray-temp"
     (real / "logs").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    state = {"sid": os.getsid(0), "started_at": time.time() - 1, "temp_dir": str(tmp_path / "link" / "ray-temp")}
+    leader = _session_leader()
+    state = {"sid": leader.pid, "started_at": time.time() - 1, "temp_dir": str(tmp_path / "link" / "ray-temp")}
     driver = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(30)"], cwd=real / "logs", start_new_session=True
     )
@@ -58,15 +62,22 @@ def test_the_temp_dir_is_recognised_through_a_symbolic_link(tmp_path):
     try:
         time.sleep(0.3)
         found = {p.pid for p in head_processes(state)}
-        assert driver.pid in found and outside.pid not in found, (found, _seen(state, driver, outside))
+        assert driver.pid in found and outside.pid not in found, _seen(found, state, driver, outside)
     finally:
-        for p in (driver, outside):
+        for p in (leader, driver, outside):
             p.kill()
             p.wait()
 
 
-def _seen(state: dict, *procs: subprocess.Popen) -> list[dict]:
-    """What the search saw of each process, for a failure's message."""
+def _session_leader() -> subprocess.Popen:
+    """A Python leading its own session, as ``ray start`` does under ``cluster up`` (whose pid the head records as its
+    session). Not the test's own session: inside a PID namespace whose session leader lies outside it (as in a
+    container), ``getsid`` answers 0."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+
+
+def _seen(found: set, state: dict, *procs: subprocess.Popen) -> str:
+    """What the search found and saw of each process, for a failure's message (a string: pytest shortens reprs)."""
     import psutil
 
     out = []
@@ -79,4 +90,4 @@ def _seen(state: dict, *procs: subprocess.Popen) -> list[dict]:
         except psutil.Error as e:
             seen["error"] = repr(e)
         out.append(seen)
-    return out
+    return json.dumps({"found": sorted(found), "state": state, "seen": out}, indent=1)
