@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pretrain import ds_adapter
 from pretrain.checkpoint import conversions, layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_FULL
 from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
@@ -76,21 +77,39 @@ def is_full_weights(ckpt: CommittedCheckpoint) -> bool:
     return ckpt.manifest.format == FORMAT_FULL
 
 
-def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
-    """The model's full fp32 training weights (our names, every expert under its global id; checked). An
-    expert-parallel checkpoint gives its module weights in the training dtype, cast (docs/moe.md#export)."""
+def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig, masters: StateDict | None = None) -> StateDict:
+    """The model's full fp32 training weights (our names, every expert under its global id; checked): each
+    parameter's fp32 master where the checkpoint keeps one. An expert-parallel checkpoint's module weights hold the
+    training dtype; under bf16 its parameters come from the masters in the ZeRO optimizer files (``masters``, when
+    the caller has them read already) and its buffers from the module state (docs/moe.md#export)."""
     moe = cfg.moe
     if is_full_weights(ckpt):
         sd = weights.load_full_weights(ckpt.path)
     elif moe.enabled and (ckpt.manifest.moe_ep_size or cfg.parallel.expert) > 1:
         ds_tag = weights.ds_engine_dir(ckpt.path) / layout.DS_TAG
         sd = weights.strip_module_prefix(weights.expert_parallel_state_dict(ds_tag))
+        low = any(v.dtype in (torch.bfloat16, torch.float16) for v in sd.values())
         sd = {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
+        if masters is None and low and ds_adapter.zero_optimizer_files(ds_tag):
+            masters, _ = weights.gathered_optimizer_state(ckpt.path, moe.num_experts)
     else:
         sd = weights.consolidated_state_dict(ckpt.path, cfg.zero.stage)
+    if masters is not None:
+        sd = _with_masters(sd, masters, ckpt, cfg)
     if moe.enabled:
         weights.check_experts_complete(sd, cfg.model.num_layers, moe)
     return sd
+
+
+def _with_masters(sd: StateDict, masters: StateDict, ckpt: CommittedCheckpoint, cfg: RunConfig) -> StateDict:
+    """``sd`` with every parameter replaced by its flat fp32 master (shaped as in ``sd``); buffers kept."""
+    unknown = sorted(set(masters) - set(sd))
+    if unknown:
+        raise CheckpointError(f"{ckpt.path}: optimizer state of unknown parameters {unknown[:3]}")
+    out = {**sd, **{name: flat.detach().view(sd[name].shape) for name, flat in masters.items()}}
+    if cfg.model.tie_embeddings and "lm_head.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
 
 
 def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
@@ -109,17 +128,11 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
             f"{cfg.zero.stage}); resume with parallel.expert={ckpt.manifest.moe_ep_size} "
             f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}"
         )
-    sd = full_state_dict(ckpt, cfg)  # buffers (and shapes) from the module state
     masters, moments = weights.gathered_optimizer_state(ckpt.path, cfg.moe.num_experts)
-    unknown = sorted(set(masters) - set(sd))
-    if unknown:
-        raise CheckpointError(f"{ckpt.path}: optimizer state of unknown parameters {unknown[:3]}")
-    for name, flat in masters.items():
-        sd[name] = flat.view(sd[name].shape)
+    sd = full_state_dict(ckpt, cfg, masters)  # buffers (and shapes) from the module state
+    for name in masters:
         for key in weights.MOMENTS:
             moments[key][name] = moments[key][name].view(sd[name].shape)
-    if cfg.model.tie_embeddings and "lm_head.weight" in sd:
-        sd["lm_head.weight"] = sd["embed_tokens.weight"]
     stage = layout.resharded_staging_dir(cache_root, ckpt.step, store.new_nonce())
     stage.mkdir(parents=True)
     weights.save_full_weights(stage, sd)

@@ -232,7 +232,8 @@ def ep_runs(tmp_path_factory):
     * the run with replicated experts (EP=1, ``replicated``) and its step-4 checkpoint resumed on 1 worker
       (``elastic``);
     * expert layouts changed on resume: an EP=1 run on 1 worker (``layout_ref``), resumed at step 4 with 2 workers
-      and EP=2 (``ep2``), whose step-8 checkpoint resumes with EP=1 on 2 workers under ZeRO-2 (``ep1``)."""
+      and EP=2 (``ep2``), whose step-8 checkpoint resumes with EP=1 on 2 workers under ZeRO-2 (``ep1``);
+    * a 4-step EP=2 run in bf16 under ZeRO-1 (``bf16``)."""
     from pretrain.driver.prepare import prepare_new
 
     def prepare(*over: str):
@@ -258,7 +259,8 @@ def ep_runs(tmp_path_factory):
                 ],
             )
         )
-        ranks = run_jobs(2, [full, replicated, ep2], fresh=False)
+        bf16 = prepare(*tok, "train.precision=bf16", "zero.stage=1", "train.max_steps=4")
+        ranks = run_jobs(2, [full, replicated, ep2, bf16], fresh=False)
         resumed = prepare(*tok, f"checkpoint.resume_from={Path(full.run_dir) / 'step_00000008'}")
         ep1 = prepare_new(
             load_config(
@@ -294,6 +296,7 @@ def ep_runs(tmp_path_factory):
             "layout_ref": layout_ref,
             "ep2": ep2,
             "ep1": ep1,
+            "bf16": bf16,
         }
 
 
@@ -380,6 +383,32 @@ def test_ep_checkpoint_consolidates_every_expert_and_exports_to_mixtral(ep_runs,
     assert report.max_abs_diff < 1e-4
     model = load_exported(tmp_path / "hf", "decoder")
     assert type(model).__name__ == "MixtralForCausalLM"
+
+
+def test_a_bf16_ep_checkpoint_gives_its_fp32_masters(ep_runs):
+    """What export, eval, grow and prune read of a bf16 EP=2 checkpoint: each parameter's fp32 master from the ZeRO
+    optimizer files (experts under their global ids), which rounds to the module's bf16 weight; buffers as saved."""
+    from pretrain.checkpoint import layout, weights
+    from pretrain.checkpoint.reader import full_state_dict
+    from pretrain.export.checkpoints import resolve_checkpoint
+
+    loaded = resolve_checkpoint(str(Path(ep_runs["bf16"].run_dir) / "step_00000004"))
+    got = full_state_dict(loaded.ckpt, loaded.config)
+    tag = weights.ds_engine_dir(loaded.ckpt.path) / layout.DS_TAG
+    module = weights.strip_module_prefix(weights.expert_parallel_state_dict(tag))
+    masters, _ = weights.gathered_optimizer_state(loaded.ckpt.path, loaded.config.moe.num_experts)
+    assert set(got) == set(module) and all(v.dtype == torch.float32 for v in got.values())
+    assert any(v.dtype == torch.bfloat16 for v in module.values()), "the module state holds the training dtype"
+    assert any(".deepspeed_experts.3." in name for name in masters), "every expert's master, under its global id"
+    tied = loaded.config.model.tie_embeddings
+    for name, value in got.items():
+        if name in masters:
+            assert torch.equal(value.bfloat16(), module[name].bfloat16()) and not value.requires_grad, name
+        elif tied and name == "lm_head.weight":
+            assert torch.equal(value, got["embed_tokens.weight"])
+        else:
+            assert torch.equal(value, module[name].float()), name
+    assert any(not torch.equal(got[n], got[n].bfloat16().float()) for n in masters), "bits bf16 lacks: the masters"
 
 
 def test_demo_moe_through_the_cli_and_ray_with_ep2_then_export_and_eval(tmp_path):
