@@ -6,7 +6,7 @@
 * Token authentication on: ``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN_PATH`` pointing at a token file
   in the state directory (``.cache/ray-head/auth_token``, mode 600; the user's ``~/.ray`` is not touched).
   Every HTTP request to the dashboard / Jobs API and every gRPC call needs that token.
-* Its own temp dir (``/tmp/pretrain-ray-<uid>``: Unix socket paths must stay under 107 characters).
+* Its own temp dir (``/tmp/pretrain-ray-<uid>-<hash of the state directory>``: :func:`default_temp_dir`).
 * ``ray start`` runs as the leader of a new session, so every Ray process of this head shares that
   session id; ``down`` stops exactly those processes (plus their descendants, e.g. job drivers, and
   anything whose cwd is under the head's temp dir). It never runs ``ray stop``, which would stop every
@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import secrets
@@ -153,7 +154,11 @@ def _ray_bin() -> str:
 
 
 def default_temp_dir() -> str:
-    return f"/tmp/pretrain-ray-{os.getuid()}"
+    """``/tmp/pretrain-ray-<uid>-<8 hex digits of the state directory>``: short (Unix socket paths must stay under 107
+    characters), and one per state directory, so that two heads of one user (two checkouts, or
+    ``PRETRAIN_RAY_HEAD_DIR``) never share one: ``down`` ends the processes working in its head's temp dir."""
+    digest = hashlib.sha256(str(state_dir()).encode()).hexdigest()[:8]
+    return f"/tmp/pretrain-ray-{os.getuid()}-{digest}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,7 +430,9 @@ def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int
         "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="Jobs API / dashboard port (default 8265)"
     )
     pu.add_argument("--port", type=int, default=0, help="GCS port (default 6379, or a free one if taken)")
-    pu.add_argument("--temp-dir", default="", help="Ray temp dir (default /tmp/pretrain-ray-UID; keep it short)")
+    pu.add_argument(
+        "--temp-dir", default="", help="Ray temp dir (default /tmp/pretrain-ray-UID-HASH, one per state directory)"
+    )
     pu.add_argument("--num-cpus", type=int, default=0, help="CPUs to offer (default: all)")
     pu.add_argument("--num-gpus", type=int, default=None, help="GPUs to offer (default: detected)")
     pd = sub.add_parser("down", help="stop the local head started by `cluster up` (only its processes)")

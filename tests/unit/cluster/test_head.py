@@ -24,6 +24,16 @@ def test_each_head_gets_a_new_token_readable_by_its_user_alone(tmp_path, monkeyp
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary file left
 
 
+def test_two_state_directories_get_two_short_temp_dirs(tmp_path, monkeypatch):
+    """Two heads of one user (two checkouts) never share a temp dir: ``down`` ends what works in its own."""
+    dirs = []
+    for name in ("a", "b", "a"):
+        monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "checkout" / name / ".cache" / "ray-head"))
+        dirs.append(head.default_temp_dir())
+    assert dirs[0] == dirs[2] != dirs[1] and all(len(d) <= 60 for d in dirs)
+    assert dirs[0].startswith(f"/tmp/pretrain-ray-{os.getuid()}-")
+
+
 def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its_python(tmp_path):
     temp = tmp_path / "ray-temp" / "session_latest" / "logs"
     temp.mkdir(parents=True)
