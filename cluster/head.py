@@ -36,6 +36,7 @@ from cluster.head_procs import head_processes, session_of, terminate
 from cluster.requires import require_ray
 from pretrain import invocation
 from pretrain.config.errors import without_passwords
+from pretrain.ports import free_port, port_free
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
@@ -119,15 +120,7 @@ def _private_dir(path: Path) -> None:
     path.chmod(0o700)
 
 
-def _port_free(port: int) -> bool:
-    from pretrain.ports import port_free
-
-    return port_free(port)
-
-
 def _free_port(avoid: set[int]) -> int:
-    from pretrain.ports import free_port
-
     try:
         return free_port(avoid | set(_WORKER_PORTS))
     except OSError as e:
@@ -192,11 +185,11 @@ def up(args: argparse.Namespace) -> int:
     if len(temp_dir) > 60:
         raise ClusterError(f"--temp-dir {temp_dir}: too long (Ray's Unix socket paths must stay under 107 chars)")
     dash = args.dashboard_port
-    if not _port_free(dash):
+    if not port_free(dash):
         raise ClusterError(f"port {dash} on 127.0.0.1 is in use (another Ray dashboard?); pass --dashboard-port N")
     taken = {dash}
-    gcs = args.port or (DEFAULT_GCS_PORT if _port_free(DEFAULT_GCS_PORT) else _free_port(taken))
-    if not _port_free(gcs):
+    gcs = args.port or (DEFAULT_GCS_PORT if port_free(DEFAULT_GCS_PORT) else _free_port(taken))
+    if not port_free(gcs):
         raise ClusterError(f"port {gcs} on 127.0.0.1 is in use; pass --port N")
     taken.add(gcs)
     client_port = _free_port(taken)
