@@ -30,7 +30,7 @@ from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.paths import resolve_paths
 from pretrain.data.fingerprint import fingerprints
-from pretrain.driver.prepare import create_run
+from pretrain.driver.prepare import create_run, ended_on_error
 from pretrain.export.checkpoints import LoadedCheckpoint
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
@@ -73,31 +73,33 @@ def derive_run(
     if parent.run_id:
         all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
     run_id, run_dir, uri = create_run(cfg, all_tags)
-    tracker = tracking.Tracker(uri, run_id)
-    if metrics:
-        tracker.log_metrics(metrics, parent.ckpt.step)
-    raw = parent.trainer_state()
-    state: dict[str, Any] = {
-        "step": int(raw.get("step", parent.ckpt.step)),
-        "tokens_seen": int(raw.get("tokens_seen", 0)),
-        "sequences": int(raw.get("sequences", 0)),
-        "flops": float(raw.get("flops", 0.0)),  # the parent's, each stage at its size (not recounted at the child's)
-        "last_train_loss": float("nan"),
-    }
-    # the data the child trains on (a resume of the child compares its sources with it)
-    state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
-    if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
-        applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
-        state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}
-    world = LocalWorld()
-    if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
-        world.world_size = parent.ckpt.manifest.world_size
-    writer = CheckpointWriter(
-        run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
-    )
-    data_state = data if data is not None else parent.data_position()
-    rng = reader.read_rng_state(parent.ckpt.path, 0) or {"torch": torch.get_rng_state()}
-    path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state, model=model, rng_state=rng))
+    with ended_on_error(uri, run_id):  # a failed or interrupted write ends the child FAILED or KILLED
+        tracker = tracking.Tracker(uri, run_id)
+        if metrics:
+            tracker.log_metrics(metrics, parent.ckpt.step)
+        raw = parent.trainer_state()
+        state: dict[str, Any] = {
+            "step": int(raw.get("step", parent.ckpt.step)),
+            "tokens_seen": int(raw.get("tokens_seen", 0)),
+            "sequences": int(raw.get("sequences", 0)),
+            # the parent's, each stage at its size (not recounted at the child's)
+            "flops": float(raw.get("flops", 0.0)),
+            "last_train_loss": float("nan"),
+        }
+        # the data the child trains on (a resume of the child compares its sources with it)
+        state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
+        if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
+            applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
+            state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}
+        world = LocalWorld()
+        if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
+            world.world_size = parent.ckpt.manifest.world_size
+        writer = CheckpointWriter(
+            run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
+        )
+        data_state = data if data is not None else parent.data_position()
+        rng = reader.read_rng_state(parent.ckpt.path, 0) or {"torch": torch.get_rng_state()}
+        path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state, model=model, rng_state=rng))
     tracker.finish("FINISHED")
     return run_id, path
 

@@ -194,7 +194,7 @@ def create_run(
     run_dir = Path(cfg.checkpoint.dir) / run_id
     with ended_on_error(uri, run_id):
         if uri:
-            tracking.log_inputs(uri, run_id, cfg)
+            tracking.log_inputs(uri, run_id, cfg, params=False)  # params once resolved (vocab size, budget, tokenizer)
         run_dir.mkdir(parents=True, exist_ok=True)
         if complete is not None:
             complete(run_dir)

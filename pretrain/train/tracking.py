@@ -122,13 +122,20 @@ def new_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str
     return run.info.run_id
 
 
-def log_inputs(uri: str, run_id: str, cfg: RunConfig) -> None:
-    """The resolved config as params and a YAML artifact, and the data sources as MLflow datasets."""
-    log_config(uri, run_id, cfg)
+def log_inputs(uri: str, run_id: str, cfg: RunConfig, params: bool = True) -> None:
+    """The config as a YAML artifact (and as params unless ``params`` is False: MLflow's params are immutable, so a
+    config still to be resolved logs them later, with :func:`log_config`), and the data sources as MLflow
+    datasets."""
+    if params:
+        log_config(uri, run_id, cfg)
+    else:
+        _client(uri).log_text(run_id, dump_yaml(cfg), "config/config.yaml")
     log_datasets(uri, run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
 
 
 def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml") -> None:
+    """``cfg`` as a YAML artifact and as params; a param the run has already keeps its first value (MLflow's params
+    are immutable: a resume's config is in its artifact)."""
     from mlflow.entities import Param
 
     client = _client(uri)

@@ -39,3 +39,32 @@ def test_malformed_values_are_refused_before_the_checkpoint_is_read(command, arg
     with pytest.raises(ConfigError) as e:
         command(argv)
     assert str(e.value) == message
+
+
+def test_a_child_whose_first_checkpoint_fails_ends_failed(tmp_path, monkeypatch):
+    """The child run exists (MLflow) before its first checkpoint is written: a write that fails ends it FAILED, never
+    left RUNNING (a real sqlite store; the old-layout fixture is the parent)."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    from pretrain.checkpoint.writer import CheckpointWriter
+    from pretrain.driver.derive import derive_run, parent_engine_state
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.train import tracking
+    from tests.unit.checkpoint.test_reader import OLD
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    parent = resolve_checkpoint(str(shutil.copytree(OLD, tmp_path / "run" / OLD.name)))
+    cfg = parent.config
+    cfg.checkpoint.dir, cfg.tracking.enabled = str(tmp_path / "children"), True
+
+    def full_disk(self, contents):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointWriter, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
+    (run,) = tracking.list_runs(uri)
+    assert MlflowClient(uri).get_run(run.info.run_id).info.status == "FAILED"

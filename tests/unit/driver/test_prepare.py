@@ -39,6 +39,29 @@ def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, sta
     assert run.data.tags.get("pretrain.stop.signal") == signame
 
 
+def test_the_runs_params_are_its_resolved_config(tmp_path, monkeypatch):
+    """Params are immutable in MLflow: they are logged once the config is resolved (what ``complete`` settles: the
+    vocabulary, the tokenizer, the budget's steps), the config as given stays an artifact."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'checkpoints'}"])
+    given = cfg.model.vocab_size
+
+    def complete(run_dir):
+        cfg.model.vocab_size, cfg.data.tokenizer, cfg.train.max_steps = 4096, str(run_dir / "tokenizer"), 77
+
+    run_id, run_dir, _ = create_run(cfg, complete=complete)
+    client = MlflowClient(uri)
+    params = client.get_run(run_id).data.params
+    assert (params["model.vocab_size"], params["data.tokenizer"], params["train.max_steps"]) == (
+        "4096",
+        str(run_dir / "tokenizer"),
+        "77",
+    )
+    given_yaml = client.download_artifacts(run_id, "config/config.yaml", str(tmp_path))
+    assert f"vocab_size: {given}" in open(given_yaml).read()
+
+
 def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exists(tokenizer_dir, workdir):
     """With ``data.tokenizer`` (or token shards) the tokenizer's size is known before the run is created: a smaller
     ``model.vocab_size`` is refused by the driver's checks (``train --dry-run`` too), not after a FAILED run."""
