@@ -181,17 +181,22 @@ def layout(
     seq_len: int,
     val_sequences: int = 0,
     dims: ParallelDims | None = None,
+    workers: int = 0,
 ) -> RunPlan:
     """The batch layout of ``world_size`` data-parallel ranks behind ``make_plan(cfg, world_size)`` (in ``tree.py``,
     beside the config it reads, which sets ``dims``; also what data-only tools, e.g. the data throughput probe, plan
-    with); errors name the config keys."""
+    with); errors name the config keys. ``workers``: all the job's workers, when tensor or sequence parallelism
+    groups them into fewer data-parallel ranks (the errors count both)."""
     if world_size < 1:
         raise ConfigError(f"cluster.num_workers: must be >= 1, got {world_size}")
+    # the ranks that share the data: the workers, or their data-parallel groups under tensor/sequence parallelism
+    group = max(1, workers // world_size)
+    ranks = f"{world_size} data-parallel ranks ({world_size * group} workers)" if group > 1 else f"{world_size} workers"
     if world_size > num_streams:
         raise ConfigError(
-            f"cluster.num_workers: {world_size} workers but only data.num_streams={num_streams} data streams "
+            f"cluster.num_workers: {ranks} but only data.num_streams={num_streams} data streams "
             f"to share; set data.num_streams to a multiple of {world_size} (and train.global_batch_size to a "
-            f"multiple of it) or use at most {num_streams} workers"
+            f"multiple of it) or use at most {num_streams * group} workers"
         )
     if global_batch <= 0 or global_batch % num_streams:
         raise ConfigError(
@@ -203,7 +208,7 @@ def layout(
     micro = _largest_divisor_at_most(math.gcd(*shares), micro_cap)
     if 0 < val_sequences < world_size:  # every worker runs validation forwards (collectives under ZeRO-3)
         raise ConfigError(
-            f"train.val_sequences: {val_sequences} is fewer than the {world_size} workers; set it to "
+            f"train.val_sequences: {val_sequences} is fewer than the {ranks}; set it to "
             f"at least {world_size} (or 0 to skip validation)"
         )
     val = tuple(len(range(r, val_sequences, world_size)) for r in range(world_size))

@@ -119,7 +119,9 @@ class ModelConfig:
     style, so a small-std embedding enters the residual stream at unit scale)."""
     init_from_hf: str = ""
     """A Hugging Face model directory of a supported family to start from (architecture and weights are
-    taken from it; the architecture fields above are then ignored). Its tokenizer is used too."""
+    taken from it; the architecture fields above are then ignored, the training choices ``dropout``,
+    ``attention_dropout``, ``init_std`` and ``z_loss`` kept). Its tokenizer is used too. A dense model: to train
+    it with experts, start dense and upcycle (``grow RUN experts=N``)."""
 
     def ffn_width(self) -> int:
         """``ffn_size`` if set, else 4*D (GELU) or 8/3*D rounded up to a multiple of 64 (SwiGLU)."""
@@ -436,6 +438,7 @@ def make_plan(cfg: RunConfig, world_size: int) -> RunPlan:
         num_streams=cfg.data.num_streams,
         seq_len=cfg.model.max_seq_len,
         val_sequences=t.val_sequences,
+        workers=world_size,
     )
     rules.check_expert_world(cfg, world_size)
     return dataclasses.replace(plan, dims=ParallelDims.from_config(cfg, world_size))  # the one layout of the job

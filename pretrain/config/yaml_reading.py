@@ -14,16 +14,24 @@ import yaml
 from pretrain.config.errors import ConfigError, clip
 
 PLUS_INT = re.compile(r"^\+[0-9]+$")  # kept as text by the loader (a growth increment); int keys convert it back
+SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+"""YAML 1.1's base-60 numbers (``1:00`` is 60): kept as text, so a typed field refuses them instead of a typo
+becoming a number."""
 
 
 class _Loader(yaml.SafeLoader):
     """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently). A plain scalar ``+N``
     stays the text ``'+N'`` (YAML 1.1 would read the int N, so ``depth: +4`` in a growth schedule would silently
-    mean a total of 4 blocks, not 4 more); int keys convert it back to N."""
+    mean a total of 4 blocks, not 4 more); int keys convert it back to N. A base-60 number (``1:00``) stays text."""
 
 
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.yaml_implicit_resolvers["+"] = [("tag:yaml.org,2002:str", PLUS_INT), *_Loader.yaml_implicit_resolvers["+"]]
+for _first in "-+0123456789":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        ("tag:yaml.org,2002:str", SEXAGESIMAL),
+        *_Loader.yaml_implicit_resolvers.get(_first, []),
+    ]
 
 MAX_YAML_VALUES = 100_000
 """The most values (scalars, lists, mappings, keys) one YAML config file or override value may stand for, each

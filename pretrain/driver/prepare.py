@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from cluster.placement import check_local_layout
 from cluster.requires import require_ray_for
-from pretrain import timeline
+from pretrain import invocation, timeline
 from pretrain.checkpoint import layout
 from pretrain.config import ConfigError, RunConfig, dump_yaml, to_dict
 from pretrain.config.errors import clip, not_a
@@ -108,6 +108,12 @@ def preflight(cfg: RunConfig, probe: bool = True, grown_at: int = 0) -> list[str
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
     if not m.init_from_hf:  # else the architecture is the Hugging Face model's, checked once it is adopted
         check_growth_stages(cfg, grown_at)
+    elif cfg.moe.enabled and not grown_at and not cfg.checkpoint.resume_from:  # a new run
+        raise ConfigError(
+            f"model.init_from_hf: a dense model (importing Mixture-of-Experts models is not supported) and "
+            f"moe.num_experts={cfg.moe.num_experts}; start it dense (moe.num_experts=0), then upcycle the run: "
+            f"{invocation.command()} grow RUN_ID experts={cfg.moe.num_experts}"
+        )
     plan = check_corpus(
         cfg.data,
         seq_len=cfg.model.max_seq_len,

@@ -215,6 +215,14 @@ def load_exported(path: Path, kind: str):
     return model.eval()
 
 
+def _set_model_max_length(export_dir: Path, max_seq_len: int) -> None:
+    """The exported tokenizer's ``model_max_length`` is the model's context (``transformers`` truncates to it and
+    warns past it; the tokenizer alone does not know it), written into its ``tokenizer_config.json``."""
+    path = export_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, "model_max_length": max_seq_len}, indent=2, ensure_ascii=False) + "\n")
+
+
 def export_model(
     model_cfg: ModelConfig,
     sd: StateDict,
@@ -248,6 +256,7 @@ def export_model(
         if not standard:
             shutil.copy2(REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py", stage / f"{REMOTE_MODULE}.py")
         tokenizer.save_pretrained(str(stage))
+        _set_model_max_length(stage, model_cfg.max_seq_len)
         del hf_model
 
         loaded = load_exported(stage, model_cfg.kind)

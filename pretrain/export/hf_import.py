@@ -129,7 +129,7 @@ def model_config_from_hf(
     hf_dir: str | Path, base: ModelConfig, max_seq_len: int | None = None
 ) -> tuple[ModelConfig, StateDict]:
     """For ``model.init_from_hf``: the architecture of ``hf_dir`` with the training choices of ``base``
-    (dropout, attention_dropout, init_std, init_from_hf) and its weights."""
+    (dropout, attention_dropout, init_std, z_loss, init_from_hf) and its weights."""
     fields, sd = import_hf(hf_dir, max_seq_len=max_seq_len)
-    keep = {k: getattr(base, k) for k in ("dropout", "attention_dropout", "init_std", "init_from_hf")}
+    keep = {k: getattr(base, k) for k in ("dropout", "attention_dropout", "init_std", "z_loss", "init_from_hf")}
     return ModelConfig(**{**fields, **keep}), sd

@@ -33,6 +33,7 @@ Events, in the order a run emits them (``trainer`` is the running :class:`~pretr
         (counters advanced: ``trainer.state.step`` is now ``step``)
         on_step_end(trainer, result)       may be cut short: ``trainer.end_step()`` skips the later callbacks
             on_rollback(trainer)           nested: the stability guard is about to restore a checkpoint
+            on_halt(trainer)               nested: the stability guard is about to end the run (its halt)
             on_validation(trainer, metrics)      nested: validation ran (ValidationCallback)
             on_nonfinite_weights(trainer, step)  nested: a save found NaN/Inf weights (nothing was written)
             on_checkpoint(trainer, path)   nested: a checkpoint was saved (CheckpointCallback)
@@ -136,6 +137,10 @@ class Callback(StepHooks):
         """A committed checkpoint is about to be restored into the running job (a stability rollback), emitted
         inside the stability guard's ``on_step_end``: finish what depends on the current state (CheckpointCallback
         commits a save in flight first, its target may be that one)."""
+
+    def on_halt(self, trainer: TrainerArg) -> None:
+        """The stability guard is about to end the run (its ``halt`` policy; every rank at the same step), emitted
+        inside its ``on_step_end``: finish what must outlive the run (CheckpointCallback commits a save in flight)."""
 
     def on_nonfinite_weights(self, trainer: TrainerArg, step: int) -> None:
         """A save at ``step`` found NaN/Inf weights; nothing was written (emitted inside CheckpointCallback's

@@ -54,6 +54,9 @@ class CheckpointCallback(Callback):
     def on_rollback(self, trainer: Trainer) -> None:
         self.committed(trainer, self.checkpointer.finish())
 
+    def on_halt(self, trainer: Trainer) -> None:
+        self.committed(trainer, self.checkpointer.finish())
+
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
         self.committed(trainer, self.checkpointer.finish())
         last = trainer.last_checkpoint

@@ -47,6 +47,9 @@ class MetricsLogger(Callback):
             self.moe_metrics = routing_metrics(result.moe)
             trainer.tracker.log_metrics(self.moe_metrics, step)
 
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.window.clear()  # losses of the abandoned steps
+
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window}
 

@@ -78,7 +78,7 @@ class ProfilerCallback(Callback):
 
 
 # Emitted inside another callback's event.
-_NESTED = (".on_validation", ".on_checkpoint", ".on_nonfinite_weights", ".on_rollback")
+_NESTED = (".on_validation", ".on_checkpoint", ".on_nonfinite_weights", ".on_rollback", ".on_halt")
 
 
 def loop_table(averages, wall: float, steps: int) -> str:

@@ -73,6 +73,7 @@ class StabilityCallback(Callback):
             self.control.report(decision.event, decision.action != "log")
         if decision.action == "halt":
             assert decision.event is not None  # halt and rollback decisions record an event
+            trainer.emit("on_halt")  # a save in flight is committed first (every rank halts at this step)
             raise self.control.halt(decision.event)
         if decision.action == "rollback":
             assert decision.event is not None  # halt and rollback decisions record an event

@@ -18,7 +18,7 @@ from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.step import StepResult
 from pretrain.train.stop_request import read_request
-from pretrain.train.trainer import Trainer
+from pretrain.train.trainer import Trainer, is_last_step
 
 
 class EarlyStop(Callback):
@@ -49,7 +49,7 @@ class StopOnRequest(Callback):
         self.signal = ""
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if self.signal:
+        if self.signal or is_last_step(trainer):  # a stop during the last step: the run has finished
             return
         request = read_request(trainer.run_dir) if trainer.ctx.is_main else None
         asked = 1.0 if request is not None else 0.0

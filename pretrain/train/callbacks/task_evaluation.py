@@ -128,6 +128,9 @@ class TaskEvaluation(Callback):
         self.done_at = -1
         self.last: dict[str, float] = {}
 
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.done_at = -1  # the run goes back: the steps ahead are new ones and evaluate again
+
     def run(self, trainer: Trainer) -> None:
         if not self.tasks or self.done_at == trainer.state.step:
             return

@@ -38,6 +38,9 @@ class ValidationCallback(Callback):
         )
         trainer.emit("on_validation", state.last_val)
 
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.validated_at = -1  # the run goes back: the steps ahead are new ones and validate again
+
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         t, state = trainer.cfg.train, trainer.state
         every, per_flops = t.val_every, t.val_every_flops

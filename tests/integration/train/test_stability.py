@@ -266,7 +266,8 @@ def fault_runs(tmp_path_factory):
                 TINY + tok + ["stability.policy=skip", "faults.nan_grad_at_step=5"],
             )
         )
-        spike_over = TINY + tok + ["stability.policy=rollback", "faults.loss_spike_at_step=13"]
+        # validation at step 12, which the rollback (to step 8) makes the run go through twice
+        spike_over = TINY + tok + ["stability.policy=rollback", "faults.loss_spike_at_step=13", "train.val_every=12"]
         spike = prepare_new(
             load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over + ["stability.plot_at_end=true"])
         )
@@ -331,6 +332,8 @@ def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_r
     assert timeline["timeline"] == events and timeline["skipped_windows"] == [[64, 112]]
     losses = metric_history(fault_runs["jobs"]["spike"].run_id)
     assert max(losses.values()) < 10 and sorted(losses) == list(range(1, 25))
+    # step 12 validated on both trajectories (before the spike, and again after the rollback), then step 24
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [12, 12, 24]
     assert Path(spike["plot"]).is_file()
     for job in fault_runs["jobs"].values():  # every checkpoint ever written, abandoned ones included
         checked, bad = _all_finite(Path(job.run_dir))
@@ -372,7 +375,8 @@ def test_halt_policy_stops_with_one_line_and_a_report_then_plot(tmp_path):
     """Through Ray, 2 workers, restarts allowed (``cluster.max_failures=1``): a halt ends the run once, as a
     result, not a failure that Ray Train retries from the last checkpoint."""
     args = [a.replace("cluster.use_ray=false", "cluster.use_ray=true") for a in TINY]
-    halt = ["stability.policy=halt", "faults.nan_grad_at_step=3", "cluster.max_failures=1"]
+    # a save at step 2 (asynchronous: still in flight when step 3 halts) is committed before the run ends
+    halt = ["stability.policy=halt", "faults.nan_grad_at_step=3", "cluster.max_failures=1", "checkpoint.every_steps=2"]
     proc = cli(tmp_path, "train", *args, *halt, expect=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stability halt at step 3: nonfinite" in errors[0], proc.stderr[-2000:]
@@ -383,7 +387,7 @@ def test_halt_policy_stops_with_one_line_and_a_report_then_plot(tmp_path):
     )
     report = json.loads((tmp_path / "checkpoints" / run_id / "stability_report.json").read_text())
     assert report["halted"]["step"] == 3 and report["policy"] == "halt"
-    assert not list((tmp_path / "checkpoints" / run_id).glob("step_*"))  # nothing after step 0 was committed
+    assert [p.name for p in (tmp_path / "checkpoints" / run_id).glob("step_*")] == ["step_00000002"]
 
     plot = cli(tmp_path, "runs", run_id, "--plot", expect=0, timeout=120)
     path = Path(plot.stdout.strip().splitlines()[-1].split("plot: ", 1)[1])

@@ -74,6 +74,8 @@ def test_every_preset_loads_validates_and_round_trips(path):
         ("model.hidden_size=4000000000", "model.hidden_size: 4,000,000,000 is more than 1,048,576"),
         ("model.num_layers=1000000000", "model.num_layers: 1,000,000,000 is more than 10,000"),
         ("model.num_layers=10000", None),
+        ("model.norm_eps=1:00", "model.norm_eps: expected float, got str '1:00'"),  # YAML 1.1 would read 60
+        ("train.max_steps=1:00", "train.max_steps: expected int, got str '1:00'"),
         ("growth.schedule=[{at_step: 9, experts: 5000, top_k: 1}]", "growth.schedule[0].experts: 5,000 is more than"),
         ("growth.schedule=[{at_step: 1, depth: 2y}]", "growth.schedule[0].depth: '2y': expected a factor like 2x"),
         ("growth.schedule=[{at_step: 1, experts: 4, top_k: 9}]", "growth.schedule[0].top_k: must be in [1, experts=4]"),

@@ -71,3 +71,12 @@ def test_plan_micro_batch_is_a_cap_and_bad_layouts_name_what_to_set():
     assert "plan: 3 worker(s), global batch 16" in make_plan(load_config(DEMO), 3).describe()
     with pytest.raises(ConfigError, match="^train.val_sequences: 2 is fewer than the 4 workers"):
         load_config(DEMO, ["cluster.num_workers=4", "train.val_sequences=2"])
+    # tensor or sequence parallelism: the data is shared by the data-parallel ranks, and the advice counts workers
+    with pytest.raises(
+        ConfigError,
+        match=r"^cluster.num_workers: 2 data-parallel ranks \(4 workers\) but only data.num_streams=1 .* "
+        r"or use at most 2 workers$",
+    ):
+        load_config(DEMO, ["cluster.num_workers=4", "parallel.tensor=2", "data.num_streams=1"])
+    with pytest.raises(ConfigError, match=r"^train.val_sequences: 1 is fewer than the 2 data-parallel ranks \(4 w"):
+        load_config(DEMO, ["cluster.num_workers=4", "parallel.sequence=2", "train.val_sequences=1"])

@@ -275,3 +275,7 @@ def test_preflight_checks_directories_and_the_vocab_size(tmp_path):
     ):
         with pytest.raises(ConfigError, match=rf"^{key}: "):
             preflight(resolve_paths(load_config(None, [*base, override])))
+    # experts from a dense Hugging Face model: refused before the run exists, with the upcycling that does it
+    moe = ["model.init_from_hf=" + str(tmp_path), "moe.num_experts=4"]
+    with pytest.raises(ConfigError, match=r"^model\.init_from_hf: a dense model .* grow RUN_ID experts=4$"):
+        preflight(resolve_paths(load_config(None, [*base, *moe])))

@@ -339,6 +339,9 @@ def test_tokenizer_fidelity_on_corpus(tokenizer, tmp_path):
     print(f"\ntokenizer fidelity: {n} texts identical ({non_ascii} with non-ASCII characters)")
     assert n == len(lines) + len(extra) and non_ascii > 0
     assert exported.decode(exported("Ünïcödé  x\n", add_special_tokens=False)["input_ids"]) == "Ünïcödé  x\n"
+    # the model's context is the tokenizer's: truncation keeps what the model can take (learned positions)
+    assert exported.model_max_length == cfg.max_seq_len
+    assert len(exported(" ".join(lines[:50]), truncation=True)["input_ids"]) == cfg.max_seq_len
 
 
 @pytest.mark.parametrize("name", ["llama-untied-gqa", "remote-gpt2-with-bias"])

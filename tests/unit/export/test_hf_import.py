@@ -126,3 +126,18 @@ def test_import_refuses_inexact(tmp_path):
         import_hf(tmp_path / "scaled")
     with pytest.raises(ValueError, match="no config.json"):
         import_hf(tmp_path)
+
+
+def test_init_from_hf_keeps_the_runs_training_choices(tokenizer, tmp_path):
+    """``model.init_from_hf`` takes the architecture of the directory and keeps what the run chose for training: the
+    dropouts, the init std and the z-loss (a loss weight, not architecture)."""
+    import dataclasses
+
+    from pretrain.export.hf_import import model_config_from_hf
+
+    cfg, _ = NAMED["llama-untied-gqa"]
+    export_model(cfg, perturbed_state(cfg), tokenizer, tmp_path / "a", log=lambda *a: None)
+    choices = {"dropout": 0.1, "attention_dropout": 0.05, "init_std": 0.01, "z_loss": 1e-4}
+    base = dataclasses.replace(ModelConfig(), num_layers=7, **choices)
+    got, _ = model_config_from_hf(tmp_path / "a", base=base)
+    assert {k: getattr(got, k) for k in choices} == choices and got.num_layers == cfg.num_layers
