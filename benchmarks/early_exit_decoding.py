@@ -34,7 +34,7 @@ from pretrain.config import ConfigError
 
 def heldout_prompts(gen, n: int, prompt_tokens: int, data: list[str]) -> list[str]:
     """``n`` prompt texts: the first ``prompt_tokens`` tokens of held-out sequences of ``gen``'s run or of ``data``."""
-    from eval.evaluate import data_config_of
+    from eval.sources import data_config_of
     from pretrain.data import validation_batches
 
     dcfg = data_config_of(gen.data, gen.label, data)

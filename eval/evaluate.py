@@ -1,7 +1,10 @@
 """Held-out evaluation of a checkpoint (run id, run dir, checkpoint dir) or a Hugging Face directory.
 
     ./launch.sh eval RUN_ID_OR_CHECKPOINT_OR_HF_DIR [--data PATH ...] [--step N] [--sequences N]
-                     [--seq-len N] [--batch-size N] [--harness TASKS] [--no-sample] [--json]
+                     [--seq-len N] [--batch-size N] [--tasks TASKS] [--harness TASKS] [--max-examples N]
+                     [--num-choices N] [--no-sample] [--json]
+
+What is evaluated and its defaults: :mod:`eval.sources`.
 
 The data is the validation set of the run (its ``val_sources`` or its hash holdout; the same packed
 sequences and MLM masks as training's validation, see :func:`pretrain.data.validation_batches`), or
@@ -25,7 +28,7 @@ each batch's fp32 mean cross-entropy weighted by its predicted tokens, summed in
 
 Results print as a table, or with ``--json`` as one JSON object (keys ``loss``, ``ppl``,
 ``bits_per_byte`` or ``mlm_acc``, plus counts and provenance). For a tracked run/checkpoint they are
-logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_N.json``); with
+logged to its MLflow run as ``eval/...`` metrics at the checkpoint's step (and ``eval/step_NNNNNNNN.json``); with
 ``--data``, as ``eval/<name>/...`` (the sources' names, ``+``-joined), never over the run's own.
 Decoders also get a short greedy sample from ``transformers``' ``generate`` (skipped, with a note, for a model that no
 Hugging Face class represents; see :func:`pretrain.export.hf.unexportable`).
@@ -33,20 +36,16 @@ Hugging Face class represents; see :func:`pretrain.export.hf.unexportable`).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError, DataConfig, SourceConfig, load_config
+from eval.sources import EvalSource, data_config, open_source
+from pretrain.config import ConfigError
 from pretrain.config.errors import ArgumentParser
 from pretrain.data.token_bytes import token_byte_lengths
 from pretrain.model.score import score_batches
@@ -69,142 +68,6 @@ def score(
     if kind == "decoder":
         out["bytes"] = int(sums.bytes)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Sources
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalSource:
-    """What is evaluated and on which data (defaults from the run that produced it)."""
-
-    label: str
-    kind: str
-    tokenizer: Any
-    logits_fn: Callable[[torch.Tensor], torch.Tensor]
-    hf_model: Callable[[], Any]
-    """Lazily builds the transformers model (for generate)."""
-    hf_dir: Callable[[], AbstractContextManager[Path]]
-    """A Hugging Face directory of the model while the context lasts (a checkpoint's is exported into a temporary
-    directory, removed at its end)."""
-    data: DataConfig | None
-    seq_len: int
-    """The default sequence length."""
-    context: int
-    """The longest sequence the model takes (``--seq-len``'s bound)."""
-    seed: int
-    val_sequences: int
-    vocab_size: int
-    run_id: str | None = None
-    step: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    no_hf: str = ""
-    """Why the model has no ``transformers`` equivalent (no greedy sample, no harness); empty when it has one."""
-
-
-def open_hf_dir(path: Path) -> EvalSource:
-    from eval.hf_dir import open_hf_dir as open_dir
-
-    hf = open_dir(path, "eval")
-    config, model, meta = hf.config, hf.model, hf.meta
-    data = load_config(None, base={"data": meta["data"]}).data if "data" in meta else None
-    max_pos = getattr(config, "max_position_embeddings", None) or 1024
-    src = meta.get("source", {})
-    return EvalSource(
-        label=f"HF directory {path} ({type(model).__name__})",
-        kind=hf.kind,
-        tokenizer=hf.tokenizer,
-        logits_fn=lambda ids: model(input_ids=ids).logits,
-        hf_model=lambda: model,
-        hf_dir=lambda: contextlib.nullcontext(path),
-        data=data,
-        seq_len=int(meta.get("max_seq_len") or min(max_pos, 1024)),
-        context=int(meta.get("max_seq_len") or max_pos),
-        seed=int(meta.get("seed", 0)),
-        val_sequences=int(meta.get("val_sequences", 64)),
-        vocab_size=int(config.vocab_size),
-        info={"hf_class": type(model).__name__, "exported_from": src or None},
-    )
-
-
-def open_checkpoint(target: str, step: int | None) -> EvalSource:
-    from pretrain.export.checkpoints import resolve_checkpoint
-    from pretrain.export.hf import special_token_ids, to_hf_model, unexportable
-    from pretrain.export.parity import our_model
-
-    loaded = resolve_checkpoint(target, step)
-    cfg = loaded.config
-    sd = loaded.state_dict()
-    model = our_model(cfg.model, sd, cfg.moe)
-    tokenizer = loaded.tokenizer()
-    cache: dict[str, Any] = {}
-
-    def hf_model():
-        if "m" not in cache:
-            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer), cfg.moe)
-        return cache["m"]
-
-    @contextlib.contextmanager
-    def hf_dir() -> Iterator[Path]:
-        import tempfile
-
-        from pretrain.export.hf import export_model
-
-        with tempfile.TemporaryDirectory(prefix="pretrain-eval-") as tmp:
-            export_model(cfg.model, sd, tokenizer, Path(tmp) / "hf", log=lambda *a: None, moe=cfg.moe)
-            yield Path(tmp) / "hf"
-
-    return EvalSource(
-        label=f"checkpoint {loaded.ckpt.path} (step {loaded.ckpt.step})",
-        kind=cfg.model.kind,
-        tokenizer=tokenizer,
-        logits_fn=lambda ids: model(ids).logits,
-        hf_model=hf_model,
-        hf_dir=hf_dir,
-        data=cfg.data,
-        seq_len=cfg.model.max_seq_len,
-        context=cfg.model.max_seq_len,
-        seed=cfg.train.seed,
-        val_sequences=cfg.train.val_sequences,
-        vocab_size=cfg.model.vocab_size,
-        run_id=loaded.run_id,
-        step=loaded.ckpt.step,
-        info={"checkpoint": str(loaded.ckpt.path)},
-        no_hf=", ".join(unexportable(cfg.model, cfg.moe)),
-    )
-
-
-def open_source(target: str, step: int | None = None) -> EvalSource:
-    from eval.hf_dir import is_hf_dir
-
-    path = Path(target).expanduser()
-    if path.is_dir() and is_hf_dir(path):
-        if step is not None:
-            raise ConfigError("--step applies to runs and checkpoints, not to a Hugging Face directory")
-        return open_hf_dir(path.resolve())
-    return open_checkpoint(target, step)
-
-
-def data_config(src: EvalSource, paths: list[str]) -> DataConfig:
-    """The run's data config, or one whose validation sources are ``paths``."""
-    return data_config_of(src.data, src.label, paths)
-
-
-def data_config_of(data: DataConfig | None, label: str, paths: list[str]) -> DataConfig:
-    """``data`` (the data config of the run that made the model ``label``), or one whose validation sources are
-    ``paths``; ConfigError when neither is given."""
-    base = data or DataConfig()
-    if not paths:
-        if data is None:
-            raise ConfigError(f"{label}: no data config travels with it; pass --data PATH")
-        return base
-    sources = []
-    for p in paths:
-        local = Path(p).expanduser()
-        sources.append(SourceConfig(path=str(local.resolve()) if local.exists() else p))
-    return dataclasses.replace(base, val_sources=sources)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,13 +208,16 @@ def evaluate_tasks(
     specs: list[str],
     *,
     data: list[str] | tuple[str, ...] = (),
-    max_examples: int = 200,
-    num_choices: int = 4,
+    max_examples: int | None = None,
+    num_choices: int | None = None,
     track: bool = True,
 ) -> dict[str, float]:
     """``eval/<task>/acc`` (``acc_norm``) of ``src`` on ``specs`` (task files or ``heldout_lastword``, built from
-    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process. Logged
-    to a tracked run under :func:`metric_prefix` (``eval/<name>/<task>/acc`` with ``data``)."""
+    the run's held-out text, or from ``data``): the code training runs for ``eval.tasks``, in one process, with the
+    run's ``eval.max_examples`` and ``eval.num_choices`` unless given. Logged to a tracked run under
+    :func:`metric_prefix` (``eval/<name>/<task>/acc`` with ``data``)."""
+    max_examples = src.tasks["max_examples"] if max_examples is None else max_examples
+    num_choices = src.tasks["num_choices"] if num_choices is None else num_choices
     from pretrain.config import EvalConfig
     from pretrain.data.tasks import load_tasks
     from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
@@ -426,7 +292,8 @@ def main(argv: list[str]) -> int:
         metavar="TASKS",
         help="downstream tasks, comma-separated: JSONL task files (docs/tasks.md) and/or heldout_lastword",
     )
-    p.add_argument("--max-examples", type=int, default=200, help="examples per task (default 200)")
+    p.add_argument("--max-examples", type=int, help="examples per task (default: the run's eval.max_examples, or 200)")
+    p.add_argument("--num-choices", type=int, help="heldout_lastword's choices (default: the run's, or 4)")
     p.add_argument("--no-sample", action="store_true", help="skip the greedy sample")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
@@ -436,7 +303,11 @@ def main(argv: list[str]) -> int:
     )
     if a.tasks:
         result["tasks"] = evaluate_tasks(
-            src, [t.strip() for t in a.tasks.split(",") if t.strip()], data=a.data, max_examples=a.max_examples
+            src,
+            [t.strip() for t in a.tasks.split(",") if t.strip()],
+            data=a.data,
+            max_examples=a.max_examples,
+            num_choices=a.num_choices,
         )
     line = None
     if a.harness:

@@ -99,7 +99,8 @@ def heldout_lastword(documents, max_examples: int, num_choices: int, seed: int, 
     examples = []
     for k, (context, word) in enumerate(pairs):
         rng = random.Random(f"{seed}:{k}")
-        distractors = rng.sample([w for w in pool if w != word][:5000], num_choices - 1)
+        # drawn from the whole vocabulary (a sorted prefix of it would favour capitals and early letters)
+        distractors = [w for w in rng.sample(pool, num_choices) if w != word][: num_choices - 1]
         choices = [f" {w}" for w in distractors]
         answer = rng.randrange(num_choices)
         choices.insert(answer, f" {word}")

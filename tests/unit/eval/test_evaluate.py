@@ -16,13 +16,13 @@ from eval.evaluate import (
     evaluate,
     evaluate_source,
     evaluate_tasks,
-    open_source,
     print_table,
     run_harness,
     score,
     token_byte_lengths,
 )
 from eval.generate import load_generator
+from eval.sources import open_source
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint
 from tests.conftest import corpus_lines

@@ -36,6 +36,7 @@ RUN = [
     "data.val_holdout=0.2",
     "eval.tasks=[heldout_lastword]",
     "eval.max_examples=12",
+    "eval.num_choices=3",
 ]
 
 
@@ -107,11 +108,12 @@ def test_a_run_logs_speed_memory_per_source_quality_datasets_and_its_export(work
         assert len(d.dataset.digest) == 12 and str(workdir) in d.dataset.source
 
     # the built-in task on every validation step; offline `eval --tasks` gives the same numbers
-    from eval.evaluate import evaluate_tasks, open_source
+    from eval.evaluate import evaluate_tasks
+    from eval.sources import open_source
 
     acc = history("eval/heldout_lastword/acc")
     assert sorted(acc) == [4] and 0 <= acc[4] <= 1 and "eval/heldout_lastword/acc_norm" not in metrics
-    offline = evaluate_tasks(open_source(job.run_id), ["heldout_lastword"], max_examples=12, track=False)
+    offline = evaluate_tasks(open_source(job.run_id), ["heldout_lastword"], track=False)  # the run's eval.*
     assert offline == {"eval/heldout_lastword/acc": acc[4]}
 
     # an export is a logged model of its run (external: MLflow records the directory only)
@@ -258,3 +260,23 @@ def test_system_metrics_switch_logs_mlflows_own_samples(tmp_path, monkeypatch):
         SimpleNamespace(ctx=SimpleNamespace(is_main=False), tracker=trainer.tracker, state=trainer.state)
     )
     assert other.monitor is None
+
+
+def test_heldout_lastword_draws_distractors_from_the_whole_vocabulary():
+    """Distractors come from every part of a large held-out vocabulary, never the answer itself."""
+    import random
+
+    from pretrain.data.tasks import heldout_lastword
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = sorted({"".join(rng.choice(letters) for _ in range(7)) for _ in range(20_000)})
+    docs = [". ".join(" ".join(rng.sample(words, 8)) for _ in range(10)) + "." for _ in range(300)]
+    task = heldout_lastword(docs, max_examples=400, num_choices=4, seed=1)
+    firsts = set()
+    for ex in task.examples:
+        answer = ex.choices[ex.answer]
+        others = [c for i, c in enumerate(ex.choices) if i != ex.answer]
+        assert len(ex.choices) == 4 and answer not in others
+        firsts.update(c.strip()[0] for c in others)
+    assert firsts == set(letters), sorted(set(letters) - firsts)
