@@ -314,7 +314,17 @@ usage() {  # python -m pretrain --help (every command), then this launcher's own
   sed -n 's/^#   /  /p' "$ROOT/launch.sh"
 }
 
+own_help() {  # CMD: its lines of the header above, for ./launch.sh CMD --help (which then does nothing else)
+  awk -v cmd="$1" '/^#   \.\/launch\.sh /{on = ($3 == cmd)} !/^#  /{on = 0} on {sub(/^#  /, ""); print}' "$ROOT/launch.sh"
+}
+
 cmd="${1:-help}"
+case "$cmd" in
+  setup|wheelhouse|lock|lint|test)
+    for arg in "${@:2}"; do
+      if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then own_help "$cmd"; exit 0; fi
+    done ;;
+esac
 case "$cmd" in
   help|-h|--help)
     setup

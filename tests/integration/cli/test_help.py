@@ -67,6 +67,24 @@ def test_launch_sh_without_a_command_prints_the_usage(args, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("own", ["setup", "wheelhouse", "lock", "lint", "test"])
+def test_the_launchers_own_commands_print_their_usage_for_help_and_do_nothing_else(own, tmp_path):
+    """``./launch.sh CMD --help`` of a command of the launcher itself (no setup, no lint, no lock re-resolved, no
+    pytest): its lines of the launcher's usage, exit 0; ``-h`` anywhere among the arguments the same."""
+    for args in (["--help"], ["x", "-h"]):
+        proc = subprocess.run(
+            ["bash", str(ROOT / "launch.sh"), own, *args],
+            cwd=tmp_path,
+            env={**cli_env(tmp_path, store=False), "PATH": "/usr/bin:/bin"},  # no uv, no python: nothing may run
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert re.match(rf"^ \./launch\.sh {own} ", proc.stdout), proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 @dataclass
 class Lineage:
     """A trained run and its pruned and grown children in one working directory, with what each command printed."""
