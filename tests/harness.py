@@ -387,9 +387,8 @@ def cli(
     error; ``None``: any, the caller checks). ``ranks`` > 1: the command under ``torchrun --standalone
     --nproc_per_node RANKS`` (no Ray: pass ``cluster.use_ray=false``), as a user launches it without Ray. Returns
     the completed process (``returncode``, ``stdout``, ``stderr``)."""
-    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     proc = subprocess.run(
-        [PYTHON, *launcher, "-m", "pretrain", *args],
+        pretrain_command(*args, ranks=ranks),
         cwd=work,
         env=env or cli_env(work, store),
         capture_output=True,
@@ -403,11 +402,17 @@ def cli(
     return proc
 
 
-def start_cli(work: Path, *args: str, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen:
-    """``python -m pretrain ARGS`` started in ``work`` (its own MLflow store unless ``env`` is given) and not waited
-    for: for a test that signals, kills or follows the command while it runs; ``popen``: ``subprocess.Popen``'s
-    options (pipes, a session of its own). Text mode."""
-    return subprocess.Popen([PYTHON, "-m", "pretrain", *args], cwd=work, env=env or cli_env(work), text=True, **popen)
+def pretrain_command(*args: str, ranks: int = 1) -> list[str]:
+    """``python -m pretrain ARGS``; for ``ranks`` > 1 under ``torchrun --standalone --nproc_per_node RANKS``."""
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    return [PYTHON, *launcher, "-m", "pretrain", *args]
+
+
+def start_cli(work: Path, *args: str, env: dict[str, str] | None = None, ranks: int = 1, **popen) -> subprocess.Popen:
+    """:func:`cli`'s command started in ``work`` and not waited for: for a test that signals, kills or follows the
+    command while it runs; ``popen``: ``subprocess.Popen``'s options (pipes, a session of its own). Text mode."""
+    command = pretrain_command(*args, ranks=ranks)
+    return subprocess.Popen(command, cwd=work, env=env or cli_env(work), text=True, **popen)
 
 
 def run_id_of(stdout: str) -> str:

@@ -5,6 +5,7 @@ workers, a second signal. (``./launch.sh stop JOB`` on a submitted job:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,11 +29,12 @@ def _signal_at(
     group: bool = False,
     after: float = 0,
     meanwhile: Callable[[str], None] | None = None,
+    ranks: int = 1,
 ):
     """``python -m pretrain ARGS`` in its own session; ``after`` seconds after step ``at_step`` is logged, send
     ``signals`` one after the other (to the whole process group with ``group``, as a terminal's Ctrl-C); before
     them, ``meanwhile(output so far)``. Returns (exit code, output)."""
-    proc = start_cli(work, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_cli(work, *args, ranks=ranks, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     out, sent = [], False
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -80,6 +82,19 @@ def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_ru
     expected = {s: v for s, v in reference["losses"].items() if s > step}
     assert {s: losses[s] for s in expected} == expected
     assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_sigterm_to_a_torchrun_launch_stops_every_rank_after_one_step_with_a_checkpoint(tmp_path):
+    """torchrun's agent forwards a SIGTERM to every rank: rank 0 acts on it and the other rank stops with it after
+    the same step (not killed inside it), so a checkpoint at that step is committed and the run ends KILLED."""
+    args = ["train", CONFIG, *E2E, "cluster.use_ray=false", "checkpoint.every_steps=0", "train.max_steps=40", SLOW]
+    _, out = _signal_at(tmp_path, args, 3, [signal.SIGTERM], ranks=2)
+    m = re.search(r"^stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: .* resume (\w+)$", out, re.M)
+    assert m, out[-4000:]
+    step, ckpt, run_id = int(m.group(1)), Path(m.group(2)), m.group(3)
+    assert 3 <= step < 40 and ckpt.name == f"step_{step:08d}" and (ckpt / "manifest.json").is_file()
+    assert json.loads((ckpt / "manifest.json").read_text())["world_size"] == 2
+    assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
 
 
 def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
