@@ -84,6 +84,7 @@ def run_job(prepare, announce) -> int:
         try:
             try:
                 tracker = Tracker(job.tracking_uri, job.run_id)
+                tracker.reopen()  # a resumed run trains again: RUNNING until its end is recorded
                 cfg = from_dict(job.config)
                 stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
                 if launch is not None:

@@ -227,6 +227,17 @@ class Tracker:
             self.flush()
             self._client.set_terminated(self.run_id, status=status)
 
+    def reopen(self) -> None:
+        """A run that trains again (a resume of a run that ended ``KILLED``, ``FAILED`` or ``FINISHED``) is
+        ``RUNNING`` while it trains, without the tags of the stop that ended it before (:meth:`finish` ends it)."""
+        if not self._client:
+            return
+        run = self._client.get_run(self.run_id)
+        if run.info.status != "RUNNING":
+            self._client.update_run(self.run_id, status="RUNNING")
+        for key in [k for k in run.data.tags if k.startswith("pretrain.stop.")]:
+            self._client.delete_tag(self.run_id, key)
+
 
 def find_run(uri: str, run_id: str):
     """The MLflow run, or None when ``run_id`` is not a run of this tracking store (a local sqlite store that does

@@ -54,3 +54,24 @@ def test_a_run_with_no_metrics_is_not_plotted(workdir, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("20")]  # MLflow's INFO
     assert errors == [f"error: runs --plot: run {run_id} has logged no metrics yet: there is nothing to plot"]
     assert not list(workdir.glob("*.png"))
+
+
+def test_a_resumed_run_is_running_again_without_its_old_stop(tmp_path):
+    """A run stopped (``KILLED``, with the stop's tags) and resumed is ``RUNNING`` while it trains again, without
+    the old stop's tags; other tags stay (a real sqlite store)."""
+    from mlflow import MlflowClient
+
+    from pretrain.train.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x"), tags={"pretrain.kind": "decoder"}).info.run_id
+    client.set_tag(run_id, "pretrain.stop.signal", "SIGTERM")
+    client.set_terminated(run_id, "KILLED")
+    tracker = Tracker(uri, run_id)
+    tracker.reopen()
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "pretrain.stop.signal" not in run.data.tags
+    assert run.data.tags["pretrain.kind"] == "decoder"
+    tracker.finish("FINISHED")
+    assert client.get_run(run_id).info.status == "FINISHED"
