@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import RunConfig, SourceConfig, source_name
+from pretrain.config.errors import without_passwords
 
 CONTEXT_TAG = "mlflow.data.context"
 EXPORT_DIR_TAG = "pretrain.export_dir"
@@ -51,7 +52,7 @@ def _dataset(src: SourceConfig, cfg: RunConfig):
         url = (
             resolved.hub_path if "://" in resolved.hub_path else f"https://huggingface.co/datasets/{resolved.hub_path}"
         ) + (f"/tree/{resolved.revision}" if resolved.revision else "")
-        source = HTTPDatasetSource(url)
+        source = HTTPDatasetSource(without_passwords(url))  # credentials in a URL stay out of the store
     else:
         for f in resolved.files:
             st = Path(f).stat()

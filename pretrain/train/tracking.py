@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pretrain.checkpoint import CheckpointError, layout, read_manifest
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
+from pretrain.config.errors import without_passwords
 from pretrain.train.mlflow_records import log_datasets
 from pretrain.train.mlflow_records import mlflow_client as _client
 from pretrain.train.mlflow_store import sqlite_path
@@ -129,22 +130,23 @@ def log_inputs(uri: str, run_id: str, cfg: RunConfig, params: bool = True) -> No
     if params:
         log_config(uri, run_id, cfg)
     else:
-        _client(uri).log_text(run_id, dump_yaml(cfg), "config/config.yaml")
+        _client(uri).log_text(run_id, without_passwords(dump_yaml(cfg)), "config/config.yaml")
     log_datasets(uri, run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
 
 
 def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml") -> None:
-    """``cfg`` as a YAML artifact and as params; a param the run has already keeps its first value (MLflow's params
-    are immutable: a resume's config is in its artifact)."""
+    """``cfg`` as a YAML artifact and as params, a URL's password in it as ``***`` (a source or an address given
+    with credentials); a param the run has already keeps its first value (MLflow's params are immutable: a resume's
+    config is in its artifact)."""
     from mlflow.entities import Param
 
     client = _client(uri)
-    params = [Param(k, str(v)[:6000]) for k, v in flatten(to_dict(cfg)).items()]
+    params = [Param(k, without_passwords(str(v))[:6000]) for k, v in flatten(to_dict(cfg)).items()]
     existing = client.get_run(run_id).data.params
     params = [p for p in params if p.key not in existing]  # params are immutable in MLflow
     for i in range(0, len(params), 100):
         client.log_batch(run_id, params=params[i : i + 100], synchronous=True)
-    client.log_text(run_id, dump_yaml(cfg), artifact)
+    client.log_text(run_id, without_passwords(dump_yaml(cfg)), artifact)
 
 
 class Tracker:
