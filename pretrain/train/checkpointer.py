@@ -141,6 +141,7 @@ class Checkpointer:
         self.finish()  # at most one save in flight: the next one waits for it
         t0 = time.perf_counter()
         record = SaveRecord(step=state.step)
+        started = False  # a save refused (non-finite weights) or failed before it was written is not counted
         try:
             # Every rank checks its shard before anything is staged: a NaN/Inf checkpoint is never written.
             if dist.all_reduce_sum([nonfinite_params(module.engine)], self.ctx.device)[0] > 0:
@@ -154,6 +155,7 @@ class Checkpointer:
             )
             if not self.asynchronous:
                 path = self.writer.save(contents, protect())
+                started = True
                 self.tracker.log_metrics({"ckpt/stall_s": time.perf_counter() - t0}, state.step)
                 return path
             # Asynchronous: the loop waits only for this (collective: the same staging directory everywhere).
@@ -167,11 +169,13 @@ class Checkpointer:
             if overlap:  # the next update (or any change of the state) waits for the copy
                 module.hold(functools.partial(self._wait_copied, write, record))
             self.in_flight = InFlight(staged, manifest, write, record, protect)
+            started = True
             return self.run_dir / layout.step_dir_name(state.step)
         finally:  # the loop stalls for this part: measured for `bench --cluster` and `bench --checkpoint`
             self._account(record, time.perf_counter() - t0, "snapshot_s")
-            self.records.append(record)
-            self.count += 1
+            if started:
+                self.records.append(record)
+                self.count += 1
 
     def poll(self) -> Path | None:
         """At a step boundary (every rank): advance the save in flight; the committed path once it is committed,

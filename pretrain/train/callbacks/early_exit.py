@@ -72,6 +72,7 @@ class EarlyExitCallback(Callback):
     resumed run and a grown model follow the same schedule), and per-exit validation after every validation."""
 
     order = 6  # after growth (3) and layer dropout (5): the depth of the step is known
+    name = "early_exit_window"  # the exits trained since the last logged step: a resume logs what the run would
 
     def __init__(self, cfg: RunConfig) -> None:
         self.ee = cfg.layer_drop.early_exit
@@ -106,6 +107,15 @@ class EarlyExitCallback(Callback):
                 for d, _ in exits
             )
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trained": self.trained, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trained, self.steps = int(state["trained"]), int(state["steps"])
+
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.trained, self.steps = 0, 0  # the window of the abandoned steps
 
     def extra_metrics(self) -> dict[str, float]:
         """Mean number of exits trained per step since the last log."""

@@ -140,7 +140,7 @@ def _skip_worker(rank: int, world: int, overrides: list[str], ckpt_dir: str) -> 
 
 
 def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
-    """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged."""
+    """One NaN in rank 1's replica only: every rank refuses the checkpoint, nothing is staged or counted."""
     from pretrain.train import dist
     from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
     from pretrain.train.tracking import Tracker
@@ -148,10 +148,11 @@ def _refuses_nan_checkpoint(module, cfg, rank: int, run_dir: Path) -> bool:
 
     if rank == 1:
         next(module.engine.module.parameters()).data.view(-1)[0] = float("nan")
+    checkpointer = Checkpointer(cfg, run_dir, dist.setup("no"), Tracker("", "x"))
     try:
-        Checkpointer(cfg, run_dir, dist.setup("no"), Tracker("", "x")).save(module, None, TrainerState(step=9))
+        checkpointer.save(module, None, TrainerState(step=9))
     except NonFiniteWeightsError:
-        return not run_dir.exists()
+        return not run_dir.exists() and checkpointer.count == 0 and not checkpointer.records
     return False
 
 

@@ -49,3 +49,27 @@ def test_exit_metrics_follow_their_definition():
             bound = speedup_bound(got[f"val/exit_{depth}/acceptance"], depth, 4)["speedup"]
             assert got[f"val/exit_{depth}/speedup_bound"] == bound
     assert 0 < got["val/exit_3/acceptance"] <= 1
+
+
+def test_the_trained_exits_window_survives_a_resume():
+    """``early_exit/trained_exits`` averages the steps since the last log: a run resumed between two logs logs the
+    value the uninterrupted run logs (the window is in the checkpoint's callback state)."""
+    from pretrain.train.callbacks.early_exit import EarlyExitCallback
+
+    cfg = tiny_config(
+        "model.num_layers=4",
+        "layer_drop.early_exit.layers=[1,3]",
+        "layer_drop.early_exit.curriculum=gradual",
+        "train.max_steps=20",
+    )
+    whole, first = EarlyExitCallback(cfg), EarlyExitCallback(cfg)
+    for step in range(1, 21):
+        whole.on_step_start(None, step)
+        if step <= 15:
+            first.on_step_start(None, step)
+    resumed = EarlyExitCallback(cfg)
+    resumed.load_state_dict(first.state_dict())
+    for step in range(16, 21):
+        resumed.on_step_start(None, step)
+    assert resumed.extra_metrics() == whole.extra_metrics()
+    assert whole.name == "early_exit_window"
