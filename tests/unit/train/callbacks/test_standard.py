@@ -117,5 +117,6 @@ def test_the_checkpointed_names_stay():
         "FaultInjection": "faults_fired",
         "DataFingerprint": "data_fingerprint",
         "LayerDropCallback": "layer_drop_window",
+        "EarlyExitCallback": "early_exit_window",
         "MetricsLogger": "metrics_window",
     }
