@@ -316,7 +316,8 @@ def prepare_new(
 
 
 def _import_hf_weights(cfg: RunConfig, run_dir: Path) -> str:
-    """Convert the ``model.init_from_hf`` weights once, on the driver, into a state dict the workers load."""
+    """Convert the ``model.init_from_hf`` weights once, on the driver, into a state dict the workers load (the run's
+    first start; deleted once the run resumes from a checkpoint of its own)."""
     import torch
 
     from pretrain.export.hf import import_hf

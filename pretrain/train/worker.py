@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pretrain import timeline
-from pretrain.checkpoint import store
+from pretrain.checkpoint import layout, store
 from pretrain.config import from_dict, make_plan, source_name
 from pretrain.data import (
     TrainBatches,
@@ -80,7 +80,11 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
         cfg = checkpoint_architecture(cfg, resume)
     source = resume_source(resume, run_dir, ctx, ep_size_of(cfg), plan.dims.tensor) if resume is not None else None
-    weights = torch.load(job_.init_weights, weights_only=True) if job_.init_weights else None
+    weights = None
+    if job_.init_weights and resume is None:  # the model.init_from_hf weights start the run
+        weights = torch.load(job_.init_weights, weights_only=True)
+    elif resume is not None and ctx.is_main:  # a checkpoint holds the run now: the converted copy has served
+        (run_dir / layout.INIT_WEIGHTS).unlink(missing_ok=True)
     if source is not None and source.weights is not None:  # a full-weights checkpoint (a derived run)
         weights = source.weights
     timeline.enter("engine_build")
