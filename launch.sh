@@ -9,7 +9,7 @@
 #                            setup --offline needs; FILE (the target's pip list --format=freeze): only what it lacks
 #   ./launch.sh lock         re-resolve both locks from requirements-torch.txt + requirements.txt (same versions)
 #   ./launch.sh lint         setup, then ruff (lint + format check) and mypy, configured in pyproject.toml
-#   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest)
+#   ./launch.sh test [ARGS]  setup, lint, then pytest (ARGS are passed to pytest; its help: .venv/bin/pytest -h)
 #   ./launch.sh CMD ...      setup, then python -m pretrain CMD ...   (train, resume, runs, bench, ...)
 #   ./launch.sh [help]       setup, then this usage: python -m pretrain --help and these lines (also -h, --help)
 set -euo pipefail

@@ -91,7 +91,7 @@ def full_state_dict(ckpt: CommittedCheckpoint, cfg: RunConfig, masters: StateDic
         low = any(v.dtype in (torch.bfloat16, torch.float16) for v in sd.values())
         sd = {k: v.detach().to(torch.float32).contiguous() for k, v in sd.items()}
         if masters is None and low and ds_adapter.zero_optimizer_files(ds_tag):
-            masters, _ = weights.gathered_optimizer_state(ckpt.path, moe.num_experts)
+            masters, _ = weights.gathered_optimizer_state(ckpt.path, moe.num_experts, moments=False)
     else:
         sd = weights.consolidated_state_dict(ckpt.path, cfg.zero.stage)
     if masters is not None:

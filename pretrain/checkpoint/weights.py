@@ -152,17 +152,20 @@ def _global_expert_name(name: str, offset: int) -> str:
     return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}" if m and offset else name
 
 
-def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDict, dict[str, Any]]:
+def gathered_optimizer_state(
+    ckpt_path: Path, num_experts: int, moments: bool = True
+) -> tuple[StateDict, dict[str, Any]]:
     """(fp32 master weights, AdamW moments) by parameter name, flat, merged from every rank's ZeRO-1/2 partitions
     of a DeepSpeed checkpoint of any expert layout (experts under their global ids). A group partitioned over
     ``n`` of the ``W`` ranks (dense: all; experts: the expert-data-parallel group of ``W / n`` = ep_size
     consecutive-rank EP groups) holds on rank ``r`` partition ``r // (W / n)``, and its experts are those of
-    expert-parallel rank ``r % (W / n)``; a parameter is the concatenation of its fragments in partition order."""
+    expert-parallel rank ``r % (W / n)``; a parameter is the concatenation of its fragments in partition order.
+    ``moments`` False: the masters alone (the moments' dict has the step only)."""
     files = ds_adapter.zero_optimizer_files(ds_engine_dir(ckpt_path) / layout.DS_TAG)
     if not files:
         raise CheckpointError(f"{ckpt_path}: no ZeRO-1/2 optimizer state to re-shard")
     world, step = len(files), 0
-    pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *MOMENTS)}
+    pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *(MOMENTS if moments else ()))}
     for path in files:
         rank = ds_adapter.rank_of_state_file(path.name)
         assert rank is not None, path  # zero_optimizer_files lists per-rank files only
@@ -179,7 +182,7 @@ def gathered_optimizer_state(ckpt_path: Path, num_experts: int) -> tuple[StateDi
         key: {name: torch.cat([parts[i] for i in sorted(parts)]).float() for name, parts in by_name.items()}
         for key, by_name in pieces.items()
     }
-    return merged["fp32"], {"step": step, **{key: merged[key] for key in MOMENTS}}
+    return merged["fp32"], {"step": step, **{key: merged[key] for key in MOMENTS if key in merged}}
 
 
 def check_experts_complete(sd: StateDict, num_layers: int, moe) -> None:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
-from pretrain.config.errors import clip
+from pretrain.config.errors import clip, without_passwords
 from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint  # noqa: F401 - the sampling, re-exported
 from pretrain.data.sources import resolve_source
 
@@ -54,15 +54,18 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
             out.append(f"{key} {'added' if old is None else 'removed'}")
             continue
         if old.get("path") != new.get("path"):
-            out.append(f"{key}.path {clip(old.get('path'))} -> {clip(new.get('path'))}")
+            before, after = (clip(without_passwords(str(s.get("path")))) for s in (old, new))
+            out.append(f"{key}.path {before} -> {after}")
             continue
         if "hub" in old or "hub" in new:
             if {k: old.get(k) for k in ("hub", "split", "revision")} != {
                 k: new.get(k) for k in ("hub", "split", "revision")
             }:
                 out.append(
-                    f"{key}: hub dataset {old.get('hub')}@{old.get('revision')} -> "
-                    f"{new.get('hub')}@{new.get('revision')}"
+                    without_passwords(
+                        f"{key}: hub dataset {old.get('hub')}@{old.get('revision')} -> "
+                        f"{new.get('hub')}@{new.get('revision')}"
+                    )
                 )
             continue
         out.extend(_file_changes(key, old.get("files", {}), new.get("files", {})))

@@ -73,18 +73,20 @@ def launched(env: Mapping[str, str] = os.environ) -> Launch | None:
 
 def follow(launch: Launch) -> int:
     """A rank other than 0: train rank 0's job, output in ``RUN_DIR/logs/rank_N.log``; exit status 0. A stop
-    (SIGTERM, SIGINT) is rank 0's: torchrun's agent forwards it to every rank (and a terminal's Ctrl-C reaches the
-    whole group), and a follower ended by it inside a step would leave rank 0 in a collective with no checkpoint;
-    so once training, a follower ignores it and stops after the same step as rank 0, which tells every rank at the
-    step boundary. The launcher's SIGKILL still ends it if the stop does not."""
+    (SIGTERM, SIGINT) is rank 0's: torchrun's agent forwards the one it gets to every rank, and a follower ended by
+    it inside a step would leave rank 0 in a collective with no checkpoint; so under torchrun (its
+    ``TORCHELASTIC_RUN_ID`` set) a training follower ignores it and stops after the same step as rank 0, which tells
+    every rank at the step boundary; the agent SIGKILLs the ranks 30 s after it forwarded the signal. Under another
+    launcher, which may send no SIGKILL, a follower keeps the default handlers."""
     import signal
 
     from cluster.launch import train_worker
     from pretrain.driver.console import QuietConsole
 
     job = launch.receive()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     with QuietConsole(Path(job["run_dir"]) / "logs" / f"rank_{launch.rank}.log"):
         train_worker(job)
     return 0

@@ -200,15 +200,19 @@ class Tracker:
         return True
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        """Tags, a URL's password in a value as ``***`` (e.g. a data source's path in a change record)."""
         if not self._client:
             return
         from mlflow.entities import RunTag
 
-        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
+        tags_ = [RunTag(k, without_passwords(str(v))) for k, v in tags.items()]
+        self._client.log_batch(self.run_id, tags=tags_, synchronous=True)
 
     def log_json(self, obj: Any, artifact_file: str) -> None:
+        """``obj`` as a JSON artifact, a URL's password in it as ``***``."""
         if self._client:
-            self._client.log_text(self.run_id, json.dumps(obj, indent=1, sort_keys=True), artifact_file)
+            text = without_passwords(json.dumps(obj, indent=1, sort_keys=True))
+            self._client.log_text(self.run_id, text, artifact_file)
 
     def log_file(self, path: Path, artifact_dir: str) -> None:
         """Upload the file ``path`` as an artifact under ``artifact_dir``."""

@@ -87,6 +87,9 @@ class LayerDropCallback(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.executed_sum, self.steps = float(state["executed_sum"]), int(state["steps"])
 
+    def on_rollback(self, trainer: Trainer) -> None:
+        self.executed_sum, self.steps = 0.0, 0  # the window of the abandoned steps
+
     def skipped_blocks(self) -> set[int]:
         """Blocks that did no work in the current step (``layer`` mode)."""
         return set(range(self.layers)) - set(self.executed)

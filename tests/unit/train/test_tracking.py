@@ -78,12 +78,13 @@ def test_a_resumed_run_is_running_again_without_its_old_stop(tmp_path):
 
 
 def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
-    """A source given as a URL with credentials: params, the config artifacts and the dataset record show ``***``
-    where the password was (the run directory's own config keeps it: a resume needs it)."""
+    """A source given as a URL with credentials: params, the config artifacts, the dataset record, tags and JSON
+    artifacts (a resume's data-change record) show ``***`` where the password was (the run directory's own config
+    keeps it: a resume needs it)."""
     from mlflow import MlflowClient
 
     from pretrain.config import load_config
-    from pretrain.train.tracking import log_config, log_inputs
+    from pretrain.train.tracking import Tracker, log_config, log_inputs
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -91,9 +92,13 @@ def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
     cfg = load_config(None, ["data.sources=[{path: 'https://alice:s3cr3t-T0KEN@data.example/c.jsonl', name: web}]"])
     log_inputs(uri, run_id, cfg, params=False)
     log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
+    url = cfg.data.sources[0].path
+    Tracker(uri, run_id).set_tags({"pretrain.data.changed": f"data.sources[0].path {url} -> /data/c.jsonl"})
+    Tracker(uri, run_id).log_json({"data.sources[0]": {"path": url}}, "data/fingerprint.json")
     run = client.get_run(run_id)
-    logged = [*run.data.params.values(), *(d.dataset.source for d in run.inputs.dataset_inputs)]
-    for artifact in ("config/config.yaml", "config/resolved.yaml"):
+    logged = [*run.data.params.values(), *run.data.tags.values()]
+    logged += [d.dataset.source for d in run.inputs.dataset_inputs]
+    for artifact in ("config/config.yaml", "config/resolved.yaml", "data/fingerprint.json"):
         logged.append(open(client.download_artifacts(run_id, artifact, str(tmp_path))).read())
     assert not [text for text in logged if "s3cr3t" in text]
     assert "https://alice:***@data.example/c.jsonl" in run.data.params["data.sources"]
