@@ -15,6 +15,7 @@ They refuse a bad run with one :class:`ConfigError` line before an MLflow run or
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import tempfile
@@ -193,21 +194,23 @@ def create_run(
     its MLflow run (a local id when tracking is off) and its directory under ``checkpoint.dir``; then
     ``complete(run_dir)`` settles what needs the directory (tokenizer, vocab size), the config is validated and
     written as the run's config, logged to MLflow, and the run records its checkpoint root (how a run id finds
-    its checkpoints). Returns (run id, run directory, tracking URI or ""). A run whose creation fails after its
+    its checkpoints); the values ``complete`` and validation settle are params ``resolved.<key>``. Returns (run
+    id, run directory, tracking URI or ""). A run whose creation fails after its
     MLflow run exists ends ``FAILED`` (``KILLED`` when interrupted), never left ``RUNNING``."""
     uri = tracking.tracking_uri() if cfg.tracking.enabled else ""
     run_id = tracking.new_run(uri, cfg, tags) if uri else f"{tracking.LOCAL_RUN_PREFIX}{uuid.uuid4().hex[:12]}"
     run_dir = Path(cfg.checkpoint.dir) / run_id
+    given = copy.deepcopy(cfg)
     with ended_on_error(uri, run_id):
         if uri:
-            tracking.log_inputs(uri, run_id, cfg, params=False)  # params once resolved (vocab size, budget, tokenizer)
+            tracking.log_inputs(uri, run_id, cfg)  # the config as given: params (what the run was asked to train)
         run_dir.mkdir(parents=True, exist_ok=True)
         if complete is not None:
             complete(run_dir)
         cfg.validate()
         (run_dir / layout.RUN_CONFIG).write_text(dump_yaml(cfg))
         if uri:
-            tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
+            tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml", given=given)  # resolved.* params
             tracking.Tracker(uri, run_id).set_tags({tracking.TAG_CKPT_ROOT: str(run_dir)})
     return run_id, run_dir, uri
 

@@ -123,25 +123,33 @@ def new_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str
     return run.info.run_id
 
 
-def log_inputs(uri: str, run_id: str, cfg: RunConfig, params: bool = True) -> None:
-    """The config as a YAML artifact (and as params unless ``params`` is False: MLflow's params are immutable, so a
-    config still to be resolved logs them later, with :func:`log_config`), and the data sources as MLflow
-    datasets."""
-    if params:
-        log_config(uri, run_id, cfg)
-    else:
-        _client(uri).log_text(run_id, without_passwords(dump_yaml(cfg)), "config/config.yaml")
+def log_inputs(uri: str, run_id: str, cfg: RunConfig) -> None:
+    """The config as given (params and a YAML artifact) and the data sources as MLflow datasets."""
+    log_config(uri, run_id, cfg)
     log_datasets(uri, run_id, cfg)  # MLflow's Datasets section: the sources, by name and digest
 
 
-def log_config(uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml") -> None:
+RESOLVED = "resolved."
+"""The prefix of the params that record what a run derived from its config as given: ``resolved.model.vocab_size``
+(the tokenizer's size), ``resolved.data.tokenizer``, ``resolved.train.max_steps`` (a FLOPs budget's steps)."""
+
+
+def log_config(
+    uri: str, run_id: str, cfg: RunConfig, artifact: str = "config/config.yaml", given: RunConfig | None = None
+) -> None:
     """``cfg`` as a YAML artifact and as params, a URL's password in it as ``***`` (a source or an address given
     with credentials); a param the run has already keeps its first value (MLflow's params are immutable: a resume's
-    config is in its artifact)."""
+    config is in its artifact). With ``given`` (the config as the user gave it, logged first), ``cfg`` is its
+    resolution: each value that differs is logged as ``resolved.<key>`` beside the given one, which stays what the
+    run was asked to train (what ``bench --reuse`` matches)."""
     from mlflow.entities import Param
 
     client = _client(uri)
-    params = [Param(k, without_passwords(str(v))[:6000]) for k, v in flatten(to_dict(cfg)).items()]
+    flat = flatten(to_dict(cfg))
+    if given is not None:
+        before = flatten(to_dict(given))
+        flat = {f"{RESOLVED}{k}": v for k, v in flat.items() if k not in before or before[k] != v}
+    params = [Param(k, without_passwords(str(v))[:6000]) for k, v in flat.items()]
     existing = client.get_run(run_id).data.params
     params = [p for p in params if p.key not in existing]  # params are immutable in MLflow
     for i in range(0, len(params), 100):

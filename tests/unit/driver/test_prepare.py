@@ -39,13 +39,14 @@ def test_a_failed_creation_ends_the_mlflow_run(tmp_path, monkeypatch, error, sta
     assert run.data.tags.get("pretrain.stop.signal") == signame
 
 
-def test_the_runs_params_are_its_resolved_config(tmp_path, monkeypatch):
-    """Params are immutable in MLflow: they are logged once the config is resolved (what ``complete`` settles: the
-    vocabulary, the tokenizer, the budget's steps), the config as given stays an artifact."""
+def test_the_runs_params_are_its_config_as_given_and_what_it_resolved(tmp_path, monkeypatch):
+    """Params are immutable in MLflow: the config as given (what the run was asked to train; what ``bench --reuse``
+    matches), and each value its creation settled (``complete``: the vocabulary, the tokenizer, the budget's steps)
+    as ``resolved.<key>``; both configs are artifacts."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'checkpoints'}"])
-    given = cfg.model.vocab_size
+    given = (str(cfg.model.vocab_size), cfg.data.tokenizer, str(cfg.train.max_steps))
 
     def complete(run_dir):
         cfg.model.vocab_size, cfg.data.tokenizer, cfg.train.max_steps = 4096, str(run_dir / "tokenizer"), 77
@@ -53,13 +54,15 @@ def test_the_runs_params_are_its_resolved_config(tmp_path, monkeypatch):
     run_id, run_dir, _ = create_run(cfg, complete=complete)
     client = MlflowClient(uri)
     params = client.get_run(run_id).data.params
-    assert (params["model.vocab_size"], params["data.tokenizer"], params["train.max_steps"]) == (
-        "4096",
-        str(run_dir / "tokenizer"),
-        "77",
-    )
-    given_yaml = client.download_artifacts(run_id, "config/config.yaml", str(tmp_path))
-    assert f"vocab_size: {given}" in open(given_yaml).read()
+    keys = ("model.vocab_size", "data.tokenizer", "train.max_steps")
+    assert tuple(params[k] for k in keys) == given
+    assert {k: v for k, v in params.items() if k.startswith("resolved.")} == {
+        "resolved.model.vocab_size": "4096",
+        "resolved.data.tokenizer": str(run_dir / "tokenizer"),
+        "resolved.train.max_steps": "77",
+    }
+    resolved = client.download_artifacts(run_id, "config/resolved.yaml", str(tmp_path))
+    assert "vocab_size: 4096" in open(resolved).read()
 
 
 def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exists(tokenizer_dir, workdir):

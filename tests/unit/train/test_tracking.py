@@ -90,7 +90,7 @@ def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("x")).info.run_id
     cfg = load_config(None, ["data.sources=[{path: 'https://alice:s3cr3t-T0KEN@data.example/c.jsonl', name: web}]"])
-    log_inputs(uri, run_id, cfg, params=False)
+    log_inputs(uri, run_id, cfg)
     log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
     url = cfg.data.sources[0].path
     Tracker(uri, run_id).set_tags({"pretrain.data.changed": f"data.sources[0].path {url} -> /data/c.jsonl"})
