@@ -66,7 +66,9 @@ def decoding_benchmark(
     for e in exits:
         check_early_exit(gen, e)
     encoded = [encode_prompt(gen, p) for p in prompts]
-    decode(gen, encoded[0], 2)  # warm-up
+    decode(gen, encoded[0], 2)  # warm-ups, untimed: plain and each exit
+    for e in exits:
+        decode(gen, encoded[0], 2, early_exit=e, draft_tokens=draft_tokens, draft_confidence=draft_confidence)
     totals: dict[str, dict[str, Any]] = {"greedy": {"tokens": 0, "seconds": 0.0}}
     for e in exits:
         totals[str(e)] = {"tokens": 0, "seconds": 0.0, "identical_prompts": 0, "drafted": 0, "accepted": 0}

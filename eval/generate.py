@@ -15,21 +15,25 @@ Decoding is ``transformers``' ``generate``: greedy by default, sampling with ``-
 (``generate(..., assistant_early_exit=E)``: the first E layers and the shared final norm and LM head draft up to
 ``--draft-tokens`` tokens, a draft ending early at a token whose probability is below ``--draft-confidence``; the
 full model verifies them in one forward pass and keeps the longest agreeing prefix plus its own next token). Under
-greedy decoding both outputs must be identical token for token (exactly so in float32: in bfloat16 or float16 a
-near-tie may fall otherwise in a several-token pass than in a one-token one); the result says whether they are.
+greedy decoding both outputs must be identical token for token, up to rounding: a several-token pass computes the
+same logits with other shapes than a one-token pass (a difference of order 1e-7 in float32, far more in bfloat16 or
+float16), so where the full model's top two tokens are that close the two decodings may part. The result says
+whether they are identical and, where they are not, at which new token they part and how far apart the full model's
+top two logits are there (``first_difference``): a near-tie, or a defect.
 
 Acceptance rate = drafted tokens accepted / drafted tokens. Drafted tokens are counted as the model's forward passes
 at depth E (each drafts one token); every full-depth forward pass verifies one draft (its last input tokens) and adds
 the longest prefix of it that agrees plus one token of its own (none when the draft's accepted tokens end at the
 separator), so accepted = the drafts' tokens found in the output, new tokens - full-depth passes (+1 when decoding
 ended on an accepted drafted separator). A drafted token beyond the end (the separator or ``--max-new-tokens``)
-counts as drafted and not accepted. tokens/s = new tokens / wall seconds of
-the ``generate`` call (after one untimed warm-up call), on the device and dtype asked for.
+counts as drafted and not accepted (no draft: no acceptance rate). tokens/s = new tokens / wall seconds of the
+``generate`` call (after an untimed warm-up call of each decoding), on the device and dtype asked for.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +179,7 @@ class Decoded:
     def acceptance(self) -> float | None:
         if self.drafted is None or self.accepted is None:
             return None
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.accepted / self.drafted if self.drafted else None
 
 
 def encode_prompt(gen: Generator, prompt: str) -> list[int]:
@@ -258,6 +262,19 @@ def decode(
     return Decoded(new, seconds, drafted=counter.drafted, accepted=accepted, verify_passes=counter.verified)
 
 
+@torch.no_grad()
+def first_difference(gen: Generator, prompt_ids: list[int], a: list[int], b: list[int]) -> dict[str, Any] | None:
+    """Where two decodings of ``prompt_ids`` part: the index of the first new token that differs and the gap between
+    the full model's two largest logits there (one forward pass over the prompt and the common prefix, no cache);
+    None when one is a prefix of the other."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if at is None:
+        return None
+    ids = torch.tensor([prompt_ids + a[:at]], device=gen.model.device)
+    top = gen.model(input_ids=ids, use_cache=False).logits[0, -1].float().topk(2).values
+    return {"token": at, "top2_margin": float(top[0] - top[1])}
+
+
 def continuation(tok, prompt_ids: list[int], new: list[int]) -> str:
     """The text ``new`` adds to the prompt's: decoded together with the prompt, so that a tokenizer whose decoder
     strips the first token's leading space (SentencePiece's) keeps the space between them."""
@@ -286,8 +303,11 @@ def generate(
     n = min(max_new_tokens, gen.context - len(prompt_ids))
     if warmup:
         decode(gen, prompt_ids, min(n, 2), **sampling)
+        if early_exit is not None:
+            decode(gen, prompt_ids, min(n, 2), early_exit=early_exit, **draft, **sampling)
     plain = decode(gen, prompt_ids, n, **sampling)
     tok = gen.tokenizer
+    greedy = sampling.get("temperature", 0.0) <= 0
     result: dict[str, Any] = {
         "source": gen.label,
         **gen.info,
@@ -296,7 +316,7 @@ def generate(
         "prompt": prompt,
         "prompt_tokens": len(prompt_ids),
         "max_new_tokens": n,
-        "greedy": sampling.get("temperature", 0.0) <= 0,
+        "greedy": greedy,
         "continuation": continuation(tok, prompt_ids, plain.ids),
         "new_tokens": len(plain.ids),
         "seconds": plain.seconds,
@@ -314,7 +334,8 @@ def generate(
             "seconds": spec.seconds,
             "tokens_per_s": spec.tokens_per_s,
             "speedup": spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else None,
-            "identical": spec.ids == plain.ids,
+            "identical": spec.ids == plain.ids if greedy else None,  # sampled decodings need not agree
+            "first_difference": first_difference(gen, prompt_ids, plain.ids, spec.ids) if greedy else None,
             "drafted": spec.drafted,
             "accepted": spec.accepted,
             "acceptance": spec.acceptance,
@@ -337,7 +358,12 @@ def print_result(r: dict[str, Any]) -> None:
     print(f"  {mode}: {r['new_tokens']} new tokens in {r['seconds']:.3f} s, {r['tokens_per_s']:.1f} tokens/s{capped}")
     e = r.get("early_exit")
     if e:
-        same = ("identical to plain greedy" if e["identical"] else "DIFFERS from plain greedy") if r["greedy"] else ""
+        same = ""
+        if r["greedy"]:
+            same = "identical to plain greedy" if e["identical"] else "DIFFERS from plain greedy"
+            if d := e.get("first_difference"):
+                margin = f"{d['top2_margin']:.2g}"
+                same += f" from new token {d['token']} (the full model's top two logits there: {margin} apart)"
         print(
             f"  self-speculative (draft with {e['layers']} of {r['layers']} layers): {e['new_tokens']} new tokens in "
             f"{e['seconds']:.3f} s, {e['tokens_per_s']:.1f} tokens/s ({e['speedup']:.2f}x)"
@@ -345,8 +371,9 @@ def print_result(r: dict[str, Any]) -> None:
         )
         if not (r["greedy"] and e["identical"]):
             print(f"  self-speculative text: {r['prompt'] + e['continuation']!r}")
+        rate = "n/a" if e["acceptance"] is None else f"{e['acceptance']:.3f}"
         print(
-            f"  acceptance rate: {e['acceptance']:.3f} ({e['accepted']} of {e['drafted']} drafted tokens accepted, "
+            f"  acceptance rate: {rate} ({e['accepted']} of {e['drafted']} drafted tokens accepted, "
             f"{e['verify_passes']} verification passes)"
         )
 
@@ -394,8 +421,12 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.greedy and a.temperature > 0:
         raise ConfigError("generate: --greedy and --temperature > 0 contradict each other")
-    if a.temperature < 0:
-        raise ConfigError(f"generate --temperature: must be >= 0, got {a.temperature}")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise ConfigError(f"generate --temperature: must be a finite number >= 0, got {a.temperature}")
+    if not -(2**63) <= a.seed < 2**64:
+        raise ConfigError(f"generate --seed: must be in [-2**63, 2**64), got {a.seed}")
+    if a.max_new_tokens < 1:
+        raise ConfigError(f"generate --max-new-tokens: must be at least 1, got {a.max_new_tokens}")
     if a.top_k is not None and a.top_k < 0:
         raise ConfigError(f"generate --top-k: must be >= 0 (0: all tokens), got {a.top_k}")
     if a.top_p is not None and not 0 < a.top_p <= 1:

@@ -32,7 +32,9 @@ def is_hf_dir(path: Path) -> bool:
 
 def hf_kind(config: Any) -> str:
     """``decoder`` or ``encoder`` by the config's ``architectures``; ValueError for anything else."""
-    archs = list(getattr(config, "architectures", None) or [])
+    archs = getattr(config, "architectures", None) or []
+    if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json: architectures must be a list of class names, got {archs!r}")
     if any(a.endswith("ForMaskedLM") for a in archs):
         return "encoder"
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
@@ -83,7 +85,9 @@ def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
         remote = is_our_remote_code(path)  # ValueError: modeling code that is not ours
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=remote)
         kind = hf_kind(config)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' config classes raise their own types for a bad field
+        if isinstance(e, ConfigError):
+            raise
         raise _refusal(path, who, e) from None
     out = HfDir(path=path, kind=kind, config=config)
     if need is not None and kind != need:

@@ -49,6 +49,13 @@ def check_exit(model, num_layers: int, early_exit: int) -> None:
             f"generate --early-exit: {type(model).__name__} generates without a KV cache, which self-speculative "
             f"decoding needs; a model that exports to a standard class (Llama family) supports it"
         )
+    cache = getattr(model.generation_config, "cache_implementation", None)
+    if cache not in (None, "dynamic"):
+        raise ConfigError(
+            f"generate --early-exit: the model's generation config asks for a {cache!r} KV cache, with which "
+            f"transformers does not decode self-speculatively; remove cache_implementation from its "
+            f"generation_config.json (a dynamic cache) to draft from its early layers"
+        )
     ran = layers_run_at(model, num_layers, early_exit)
     if ran != early_exit:
         raise ConfigError(

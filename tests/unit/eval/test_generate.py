@@ -1,7 +1,7 @@
 """``generate``'s decoding on in-memory ``transformers`` models: self-speculative greedy equals plain greedy token for
 token, the acceptance count (exactly 1 when the late layers add nothing, below 1 when they change the prediction),
 and its refusals (the early exit's range, classes that ignore it, prompts). The CLI on checkpoints and exports is in
-``tests/integration/checkpoint/test_generate.py``."""
+``tests/integration/checkpoint/test_export.py``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,31 @@ def test_refusals(llama, tokenizer):
         generate(llama, PROMPT, max_new_tokens=0)
     with pytest.raises(ConfigError, match="^generate --draft-tokens/--draft-confidence need --early-exit E$"):
         generate(llama, PROMPT, draft_tokens=3)  # nothing would draft: refused, not ignored
+    llama.model.generation_config.cache_implementation = "static"  # transformers drafts with a dynamic cache only
+    with pytest.raises(ConfigError, match="asks for a 'static' KV cache.*remove cache_implementation"):
+        check_early_exit(llama, 2)
+
+
+def test_no_draft_has_no_acceptance_rate_and_a_difference_names_its_margin(llama, capsys):
+    from eval.generate import first_difference, print_result
+
+    r = generate(llama, PROMPT, max_new_tokens=1, early_exit=2, warmup=False)
+    e = r["early_exit"]
+    assert e["drafted"] == 0 and e["acceptance"] is None and e["first_difference"] is None, e
+    print_result(r)
+    assert "acceptance rate: n/a (0 of 0 drafted tokens accepted, 1 verification passes)" in capsys.readouterr().out
+    # Two decodings that part: where, and how far apart the full model's top two logits are there.
+    ids = encode_prompt(llama, PROMPT)
+    plain = decode(llama, ids, 6).ids
+    other = plain[:3] + [(plain[3] + 1) % 50]
+    d = first_difference(llama, ids, plain, other)
+    top = llama.model(input_ids=torch.tensor([ids + plain[:3]])).logits[0, -1].topk(2).values
+    assert d == {"token": 3, "top2_margin": pytest.approx(float(top[0] - top[1]))} and d["top2_margin"] >= 0
+    assert first_difference(llama, ids, plain, plain[:4]) is None
+    r["early_exit"].update(identical=False, first_difference=d)
+    print_result(r)
+    said = capsys.readouterr().out
+    assert "DIFFERS from plain greedy from new token 3 (the full model's top two logits there: " in said
 
 
 def test_sampling_is_seeded_and_counted(llama):
@@ -127,6 +152,10 @@ def test_sampling_is_seeded_and_counted(llama):
         (["--draft-tokens", "3"], "generate --draft-tokens/--draft-confidence need --early-exit E"),
         (["--draft-confidence", "0.5"], "generate --draft-tokens/--draft-confidence need --early-exit E"),
         (["--early-exit", "1", "--draft-tokens", "0"], "generate --draft-tokens: must be at least 1, got 0"),
+        (["--temperature", "nan"], "generate --temperature: must be a finite number >= 0, got nan"),
+        (["--temperature", "inf"], "generate --temperature: must be a finite number >= 0, got inf"),
+        (["--seed", str(2**64)], f"generate --seed: must be in [-2**63, 2**64), got {2**64}"),
+        (["--max-new-tokens", "0"], "generate --max-new-tokens: must be at least 1, got 0"),
     ],
 )
 def test_sampling_options_are_checked_before_the_model_loads(args, message):

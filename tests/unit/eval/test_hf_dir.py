@@ -26,3 +26,26 @@ def test_an_export_without_its_config_is_diagnosed(tokenizer, tmp_path):
             open_it(str(hf))
         assert str(e.value).startswith(f"{who}: {hf}: config.json is missing; export it again (")
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("architectures", 5, "architectures must be a list of class names, got 5"),
+        ("num_hidden_layers", "x", "num_hidden_layers"),
+    ],
+)
+def test_a_config_with_a_bad_field_is_one_line(tokenizer, tmp_path, field, value, said):
+    """A config.json that transformers' config class rejects (its own error types) is refused in one line that
+    names the field, by both commands, not a traceback."""
+    import json
+
+    cfg, _ = NAMED["llama-tied-mha"]
+    hf = tmp_path / "hf"
+    export_model(cfg, perturbed_state(cfg), tokenizer, hf, log=lambda *a: None)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, field: value}))
+    for who, open_it in [("eval", evaluate), ("generate", load_generator)]:
+        with pytest.raises(ConfigError) as e:
+            open_it(str(hf))
+        assert str(e.value).startswith(f"{who}: ") and said in str(e.value) and "\n" not in str(e.value), e.value
