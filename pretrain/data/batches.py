@@ -295,7 +295,15 @@ def validation_batches(
         raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
     seqs = validation_sequences(
         cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed, bad=bad
-    )[part]
+    )
+    ranks = part.step or 1  # a worker's part: every data-parallel rank's is one of these strides
+    if seqs and len(seqs) < ranks:  # a rank without a sequence would skip the collective validation the others run
+        where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
+        raise TooLittleValidationData(
+            f"validation: {where} gives {len(seqs)} sequence(s) of seq_len={seq_len} tokens; {ranks} data-parallel "
+            f"workers need at least one each: add validation data or raise data.val_holdout"
+        )
+    seqs = seqs[part]
     return [
         {
             "input_ids": torch.stack([x for x, _ in seqs[i : i + micro_batch]]),

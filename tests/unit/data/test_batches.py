@@ -48,3 +48,22 @@ def test_the_validation_sets_bad_records_reach_the_callers_counter(tmp_path, cor
     assert summary_line(summarize_bad_records([bad])) == (
         f"1 bad record(s) skipped (1 missing_field); first: {val}:1: missing text field ('text')"
     )
+
+
+def test_fewer_validation_sequences_than_data_parallel_workers_is_refused(tmp_path, corpus, tok):
+    """Every data-parallel worker validates its own part in collective forwards: a set too small to give each one a
+    sequence is refused in one line on every worker (per source: that source is skipped), never a worker without
+    a sequence skipping the validation the others run."""
+    few = write_txt(tmp_path / "few.txt", [" ".join(f"w{i}" for i in range(T))])  # a few sequences
+    args = dict(kind="decoder", seq_len=T, tokenizer=tok, val_sequences=64, micro_batch=1, seed=0)
+    cfg = data_cfg(corpus, val_sources=[SourceConfig(path=str(few))])
+    n = len(validation_batches(cfg, **args))  # sequences: one a micro-batch
+    assert 1 <= n < 8
+    for rank in range(n):  # as many workers as sequences: one each
+        assert validation_batches(cfg, **args, part=slice(rank, 64, n))
+    for rank in range(n + 1):
+        with pytest.raises(ValueError, match=rf"^validation: data.val_sources gives {n} sequence\(s\) of seq_len="):
+            validation_batches(cfg, **args, part=slice(rank, 64, n + 1))
+    both = data_cfg(corpus, val_sources=[SourceConfig(path=str(corpus)), SourceConfig(path=str(few))])
+    sets, skipped = source_validation_batches(both, **args, part=slice(0, 64, n + 1))
+    assert list(sets) == ["docs"] and skipped == ["few"]
