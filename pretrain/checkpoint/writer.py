@@ -28,6 +28,8 @@ from pretrain.checkpoint.snapshot import FileJob, HostBuffers, HostCopy, Snapsho
 from pretrain.config import RunConfig, config_hash, dump_yaml
 
 RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
+COMMITTED = "committed"
+"""How the error of a save that committed but was not recorded begins (:meth:`CheckpointWriter.outcome`)."""
 
 
 class World(Protocol):
@@ -253,12 +255,15 @@ class CheckpointWriter:
             if bad:
                 return (f"rank {bad[0][0]}: {bad[0][1]}" if self.world.world_size > 1 else bad[0][1]), None
             final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
-            if self.register is not None:
-                self.register(final, manifest)
             self._prune(protect)
-            return None, final
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
             return f"{type(e).__name__}: {e}", None
+        try:
+            if self.register is not None:
+                self.register(final, manifest)
+        except Exception as e:  # committed and pruned: only the record is missing
+            return f"{COMMITTED} as {final}, but recording it in MLflow failed: {type(e).__name__}: {e}", None
+        return None, final
 
     def _prune(self, protect: set[str] | frozenset[str]) -> None:
         """:func:`store.prune` now (out of sight at once); the deletion of the pruned directories in a thread
@@ -282,7 +287,8 @@ class CheckpointWriter:
         """Rank 0's :meth:`commit_gathered` result on every rank (collective): the path, or the one-line error."""
         error, final = self.world.broadcast(result)
         if error:
-            raise store.CheckpointError(f"checkpoint at step {staged.step} failed: {error}")
+            failed = "" if error.startswith(COMMITTED) else " failed"
+            raise store.CheckpointError(f"checkpoint at step {staged.step}{failed}: {error}")
         return final
 
     def failure(self, step: int, rank: int, error: str) -> store.CheckpointError:

@@ -83,14 +83,21 @@ def test_writer_full_weights_round_trip(tmp_path):
 
 
 def test_writer_failure_is_one_error_and_nothing_committed(tmp_path):
+    """A save the store cannot take commits nothing; one MLflow does not record is committed and pruned, and its
+    error says so (not that the save failed)."""
     (tmp_path / "tok").mkdir()
 
     def register(path, manifest):
         raise OSError("tracking store down")
 
-    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r", register=register)
-    with pytest.raises(ck.CheckpointError, match=r"^checkpoint at step 3 failed: OSError: tracking store down$"):
-        writer.save(_contents(tmp_path / "tok"))
+    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r", keep_last=1, register=register)
+    for step in (3, 5):
+        path = tmp_path / "run" / ly.step_dir_name(step)
+        said = rf"^checkpoint at step {step}: committed as {path}, but recording it in MLflow failed: OSError: "
+        with pytest.raises(ck.CheckpointError, match=said + "tracking store down$"):
+            writer.save(_contents(tmp_path / "tok", step=step))
+        writer.settle()
+        assert [c.step for c in ck.list_committed(tmp_path / "run")] == [step]  # keep_last=1 still prunes
     staged = writer.stage(4)
     with pytest.raises(ck.CheckpointError, match=rf"incomplete checkpoint, missing {ly.data_file(0)}, {ly.WEIGHTS}"):
         writer.commit(staged, Manifest(step=4, format=FORMAT_FULL))
