@@ -95,6 +95,9 @@ class Contents:
     """This rank's data stream state (the union over ranks is the data position)."""
     model: EngineState | FullWeights
     rng_state: dict[str, torch.Tensor] = field(default_factory=lambda: {"torch": torch.get_rng_state()})
+    other_ranks: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """(data state, RNG state) of ranks that write nothing themselves, written by this one (rank 0): a derived run's
+    first checkpoint, written by one process for the parent's worker count."""
 
     @property
     def format(self) -> str:
@@ -199,9 +202,11 @@ class CheckpointWriter:
                 snap.jobs.append(
                     FileJob([stage / layout.OPTIMIZER], partial(weights.save_optimizer_moments, stage, moments))
                 )
-        data_path, rng_path = stage / layout.data_file(rank), stage / layout.rng_file(rank)
-        snap.jobs.append(FileJob([data_path], partial(store.write_json, data_path, host_copy(contents.data_state))))
-        snap.jobs.append(FileJob([rng_path], partial(_save_tensors, rng_path, host_copy(contents.rng_state))))
+        ranks = {rank: (contents.data_state, contents.rng_state), **(contents.other_ranks if rank == 0 else {})}
+        for r, (data_state, rng_state) in ranks.items():
+            data_path, rng_path = stage / layout.data_file(r), stage / layout.rng_file(r)
+            snap.jobs.append(FileJob([data_path], partial(store.write_json, data_path, host_copy(data_state))))
+            snap.jobs.append(FileJob([rng_path], partial(_save_tensors, rng_path, host_copy(rng_state))))
         if rank == 0:
             cfg_text, tokenizer = dump_yaml(contents.cfg), Path(contents.cfg.data.tokenizer)
             snap.jobs.append(FileJob([stage / layout.CONFIG], partial((stage / layout.CONFIG).write_text, cfg_text)))

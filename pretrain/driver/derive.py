@@ -51,7 +51,8 @@ def derive_run(
     step, tokens and data position: full weights of ``cfg.model`` (and, when given, AdamW moments of those weights
     by name, see ``pretrain/checkpoint/weights.py``), written here without an engine and resumed on any worker count
     and expert layout; or the parent's own engine state (:func:`parent_engine_state`: the model is unchanged), then
-    recorded as written by the parent's worker count. ``grown``: the checkpoint records a growth at the parent's
+    recorded as written by the parent's worker count (each rank's data file holds the whole data position, its RNG
+    file the parent's rank's). ``grown``: the checkpoint records a growth at the parent's
     step, so the resumed run re-warms its LR over ``growth.rewarm_steps`` from there (the growth callback's state,
     as after an in-job growth). ``data``: another data position than the parent's (e.g. fresh streams of another
     mixture). ``checkpoint_dir``: where the new run's checkpoints go (default: the parent's ``checkpoint.dir``).
@@ -97,9 +98,12 @@ def derive_run(
         writer = CheckpointWriter(
             run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
         )
-        data_state = data if data is not None else parent.data_position()
-        rng = reader.read_rng_state(parent.ckpt.path, 0) or {"torch": torch.get_rng_state()}
-        path = writer.save(Contents(cfg=cfg, trainer_state=state, data_state=data_state, model=model, rng_state=rng))
+        data_state = data if data is not None else parent.data_position()  # the whole position, on every rank
+        saved = [reader.read_rng_state(parent.ckpt.path, r) for r in range(world.world_size)]
+        rngs = [rng or saved[0] or {"torch": torch.get_rng_state()} for rng in saved]
+        others = {r: (data_state, rngs[r]) for r in range(1, world.world_size)}
+        contents = Contents(cfg, state, data_state, model, rng_state=rngs[0], other_ranks=others)
+        path = writer.save(contents)
     tracker.finish("FINISHED")
     return run_id, path
 
