@@ -143,6 +143,11 @@ def data_config_of(data: DataConfig | None, label: str, paths: list[str]) -> Dat
     if not paths:
         if data is None:
             raise ConfigError(f"{label}: no data config travels with it; pass --data PATH")
+        hidden = [s.path for s in [*data.sources, *data.val_sources] if ":***@" in s.path]
+        if hidden:  # an export's data config, a URL's password left out (pretrain_export.json)
+            raise ConfigError(
+                f"{label}: its data source {hidden[0]} needs a password the export leaves out; pass --data PATH or URL"
+            )
         return base
     sources = []
     for p in paths:

@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 
 from pretrain.config import ConfigError, ModelConfig, MoEConfig, to_dict
-from pretrain.config.errors import ArgumentParser
+from pretrain.config.errors import ArgumentParser, without_passwords
 from pretrain.export.checkpoints import resolve_checkpoint, strip_module_prefix
 from pretrain.export.families import StateDict, find_family
 from pretrain.export.hf_import import import_hf, model_config_from_hf, read_hf_state_dict  # noqa: F401 (import_hf, model_config_from_hf, read_hf_state_dict: re-exported)
@@ -330,7 +330,7 @@ def export_checkpoint(
             "step": ckpt.step,
             "run_id": loaded.run_id or ckpt.manifest.run_id or None,
         },
-        "data": to_dict(cfg.data),
+        "data": json.loads(without_passwords(json.dumps(to_dict(cfg.data)))),  # an export is made to be shared
         "seed": cfg.train.seed,
         "val_sequences": cfg.train.val_sequences,
         "max_seq_len": cfg.model.max_seq_len,

@@ -220,3 +220,29 @@ def test_a_malformed_shard_size_is_refused_before_any_work(run_dir, workdir, cap
         expected = "expected bytes (> 0), or a number with KB, MB, GB, TB (or KiB, ...)"
         assert code == 2 and errors == [f"error: export --max-shard-size: {bad!r}: {expected}"]
     assert not (workdir / "out").exists()
+
+
+def test_a_data_sources_password_stays_out_of_the_export(tokenizer_dir, workdir, capsys):
+    """An export is made to be shared: a data source's URL password is ``***`` in ``pretrain_export.json``, and
+    ``eval`` of the export asks for the data instead of reading a URL it cannot open."""
+    from pretrain.config import SourceConfig, load_config
+    from pretrain.config.errors import ConfigError
+    from tests.unit.export.test_hf import small_run_config
+
+    cfg = small_run_config(workdir, tokenizer_dir, ["model.norm=rmsnorm", "model.activation=swiglu"])
+    cfg.data.val_sources = [SourceConfig(path="https://alice:hunter2@data.example/val.jsonl")]
+    write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=3), tokenizer_dir, 3)
+    assert export(capsys, str(workdir / "run"), "--out", "hf") == (0, [])
+    text = (workdir / "hf" / "pretrain_export.json").read_text()
+    assert "hunter2" not in text and "https://alice:***@data.example/val.jsonl" in text
+    from eval.sources import data_config_of
+
+    data = load_config(None, base={"data": json.loads(text)["data"]}).data
+    with pytest.raises(ConfigError) as e:
+        data_config_of(data, "HF directory hf", [])
+    assert str(e.value) == (
+        "HF directory hf: its data source https://alice:***@data.example/val.jsonl needs a password the export "
+        "leaves out; pass --data PATH or URL"
+    )
+    assert data_config_of(data, "HF directory hf", ["val.txt"]).val_sources[0].path == str(workdir / "val.txt")
+    assert data_config_of(cfg.data, "a checkpoint", []) is cfg.data  # a checkpoint keeps its password
