@@ -195,6 +195,7 @@ def commit(stage: Path, run_dir: Path, manifest: Manifest, files: dict[str, File
     manifest.committed_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(stage / layout.MANIFEST, manifest.to_dict())
     fsync_file(stage / layout.MANIFEST)
+    fsync_dir(stage)  # the manifest's name too, before the stage is renamed into place
     final = run_dir / layout.step_dir_name(manifest.step)
     if final.exists():  # a re-run of the same step (e.g. after a restart): the old one waits aside until replaced
         previous = layout.superseded_dir(run_dir, manifest.step, new_nonce())
@@ -424,6 +425,8 @@ def prune(
             except OSError:
                 continue
             trash.append(gone)
+    if trash:
+        fsync_dir(run_dir)
     if delete:
         delete_trees(trash)
     return trash
@@ -443,4 +446,7 @@ def abandon_after(run_dir: Path, step: int) -> list[str]:
             dest.parent.mkdir(exist_ok=True)
             os.replace(c.path, dest)
             moved.append(str(dest))
+    if moved:  # durable before the run goes on: after a power loss resume must not find a rejected step
+        fsync_dir(run_dir / layout.ABANDONED)
+        fsync_dir(run_dir)
     return moved
