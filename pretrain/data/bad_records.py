@@ -81,9 +81,12 @@ def summarize_bad_records(parts: list[BadRecords]) -> dict:
             by_source[k] = by_source.get(k, 0) + v
         examples.extend(tuple(e) for e in part.examples)
 
-    def order(e: tuple) -> tuple:
+    def order(e: tuple) -> tuple:  # by file, then line; rows (``row N``: parquet, hub datasets) by number
         line = e[1]
-        return (str(e[0]), 0, line, "") if isinstance(line, int) else (str(e[0]), 1, 0, str(line))
+        if isinstance(line, int):
+            return (str(e[0]), 0, line, "")
+        row = str(line).removeprefix("row ")
+        return (str(e[0]), 1, int(row), "") if row.isdigit() else (str(e[0]), 2, 0, str(line))
 
     unique = sorted(set(examples), key=order)[:_MAX_EXAMPLES]
     return {

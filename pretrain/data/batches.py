@@ -189,15 +189,19 @@ class TrainBatches:
 
     def bad_record_summary(self) -> dict:
         """Bad records of the batches taken (a prefetched batch's are not counted)."""
+        return summarize_bad_records(self.bad_record_counters())
+
+    def bad_record_counters(self) -> list[BadRecords]:
+        """The bad-record counter of each stream this worker reads, as of the batches taken."""
         if self._ahead is None:
-            return summarize_bad_records([self._streams[s].bad for s in self.owned])
+            return [self._streams[s].bad for s in self.owned]
         streams = self._ahead.result()[0]["streams"]
         counters = []
         for s in self.owned:
             bad = BadRecords(self.cfg.bad_records)
             bad.load_state_dict(streams[str(s)]["bad"])
             counters.append(bad)
-        return summarize_bad_records(counters)
+        return counters
 
 
 def merge_states(states: list[dict]) -> dict:

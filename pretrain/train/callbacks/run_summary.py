@@ -7,6 +7,7 @@ from typing import Any
 
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.store import write_json
+from pretrain.data.bad_records import BadRecords, summarize_bad_records
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
@@ -16,9 +17,9 @@ SUMMARY_FILE = layout.SUMMARY
 
 
 class RunSummary(Callback):
-    """The end of the run: bad-record totals over all ranks (collective), then on rank 0 the unigram baseline of
-    the validation set (from the user's cache when it holds it) and the summary (MLflow ``summary.json`` and
-    ``RUN_DIR/summary.json``)."""
+    """The end of the run: the bad records of every stream, gathered on rank 0 (collective), then on rank 0 the
+    unigram baseline of the validation set (from the user's cache when it holds it) and the summary (MLflow
+    ``summary.json`` and ``RUN_DIR/summary.json``)."""
 
     order = 200  # last: the summary holds what every other callback added to ``final``
 
@@ -30,11 +31,17 @@ class RunSummary(Callback):
 
         cfg, ctx, tracker, step = trainer.cfg, trainer.ctx, trainer.tracker, trainer.state.step
         final["run_id"] = self.run_id
-        bad = trainer.batches.bad_record_summary()
-        bad["total"] = int(dist.all_reduce_sum([float(bad.get("total", 0))], ctx.device)[0])  # all streams
-        final["bad_records"] = int(bad.get("total", 0))
+        # every stream's counter once: from the first of the workers that read it (model-parallel peers read the same)
+        mine = trainer.batches.bad_record_counters() if trainer.plan.shares_data(ctx.rank) else []
+        gathered = dist.gather_object([c.state_dict() for c in mine])
         if not ctx.is_main:
             return
+        counters = []
+        for state in (st for part in gathered for st in part):
+            counters.append(BadRecords(cfg.data.bad_records))
+            counters[-1].load_state_dict(state)
+        bad = summarize_bad_records(counters)
+        final["bad_records"] = int(bad["total"])
         if trainer.val_set:
             final["unigram_val_loss"] = cached_unigram_baseline_loss(
                 cfg.data,
@@ -45,12 +52,11 @@ class RunSummary(Callback):
                 seed=cfg.train.seed,
             )
             tracker.log_metrics({"val/unigram_baseline_loss": final["unigram_val_loss"]}, step)
-        if bad.get("total"):
+        if bad["total"]:
             trainer.progress.say(
-                f"bad records skipped: {bad['total']} {bad.get('by_reason', {})}; "
-                f"first: {'; '.join(bad.get('examples', [])[:3])}"
+                f"bad records skipped: {bad['total']} {bad['by_reason']}; first: {'; '.join(bad['examples'][:3])}"
             )
-        tracker.log_metrics({"data/bad_records": float(bad.get("total", 0))}, step)
+        tracker.log_metrics({"data/bad_records": float(bad["total"])}, step)
         tracker.log_json(bad, "data/bad_records.json")
         tracker.log_json(final, SUMMARY_FILE)
         write_json(Path(trainer.run_dir) / SUMMARY_FILE, final)

@@ -190,3 +190,30 @@ def test_bad_records_fail_policy_is_one_line(tmp_path):
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert err and f"{bad}:51" in err[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_records_are_reported_whole_on_any_worker_count(tmp_path):
+    """Skipped bad records are counted once each and reported whole (count, reasons, first lines) whichever worker
+    read them: the same run on 1 worker and on 2 (torchrun) reports the same ``data/bad_records.json``."""
+    from mlflow import MlflowClient
+
+    data = tmp_path / "bad.jsonl"
+    lines = [f'{{"text": "Sentence {i} about the weather, the sea and the harbour."}}\n' for i in range(400)]
+    for i in (20, 149, 260, 389):  # 1-based lines 21, 150, 261 and 390, spread over the file
+        lines[i] = '{"text": "unterminated\n' if i % 2 else '{"txt": "wrong field"}\n'
+    data.write_text("".join(lines))
+    reports = []
+    for workers in (1, 2):
+        work = tmp_path / f"w{workers}"
+        work.mkdir()
+        args = ["train", *E2E, f"data.sources=[{{path: {data}}}]", "cluster.use_ray=false"]
+        proc = cli(work, *args, f"cluster.num_workers={workers}", ranks=workers)
+        run_id = run_id_of(proc.stdout)
+        client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+        reports.append(
+            json.loads(Path(client.download_artifacts(run_id, "data/bad_records.json", str(work))).read_text())
+        )
+        assert f"bad records skipped: {reports[-1]['total']} " in proc.stdout + proc.stderr
+    one, two = reports
+    assert one == two and one["total"] >= 2 and sum(one["by_reason"].values()) == one["total"], (one, two)
+    assert all(e.startswith(f"{data}:") for e in one["examples"]), one

@@ -67,3 +67,17 @@ def test_fewer_validation_sequences_than_data_parallel_workers_is_refused(tmp_pa
     both = data_cfg(corpus, val_sources=[SourceConfig(path=str(corpus)), SourceConfig(path=str(few))])
     sets, skipped = source_validation_batches(both, **args, part=slice(0, 64, n + 1))
     assert list(sets) == ["docs"] and skipped == ["few"]
+
+
+def test_bad_rows_are_ordered_by_number():
+    """Parquet and hub datasets name a bad record by its row: the first is the lowest row, not the first as text."""
+    bad = BadRecords("skip")
+    for row in (100, 10, 2):
+        bad.add({"file": "a.parquet", "line": f"row {row}", "msg": "missing text field", "bad": "missing_field"})
+    bad.add({"file": "a.jsonl", "line": 7, "msg": "invalid JSON", "bad": "invalid_json"})
+    assert summarize_bad_records([bad])["examples"] == [
+        "a.jsonl:7: invalid JSON",
+        "a.parquet:row 2: missing text field",
+        "a.parquet:row 10: missing text field",
+        "a.parquet:row 100: missing text field",
+    ]
