@@ -26,3 +26,12 @@ def file_fingerprint(path: str) -> dict[str, Any]:
                 f.seek(round(i * step))
                 digest.update(f.read(BLOCK))
     return {"size": st.st_size, "mtime": st.st_mtime, "sampled_sha256": digest.hexdigest()}
+
+
+def full_sha256(path: str) -> str:
+    """The sha256 of the whole file (read in 4 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -241,11 +241,18 @@ def _is_job_dir(out: Path) -> bool:
 
 def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
     """What the output depends on (a rerun must match it)."""
+    from pretrain.data.file_hash import full_sha256
     from pretrain.data.fingerprint import source_fingerprint
+
+    def fingerprint(src) -> dict[str, Any]:  # every byte of a file: an edit in place that keeps its size counts
+        fp = source_fingerprint(src, cfg.cache_dir)
+        for name, f in fp.get("files", {}).items():
+            f["sha256"] = full_sha256(name)
+        return fp
 
     return {
         "sources": [
-            {"path": s.path, "text_field": s.text_field, "fingerprint": source_fingerprint(s, cfg.cache_dir)}
+            {"path": s.path, "text_field": s.text_field, "fingerprint": fingerprint(s)}
             | ({"format": s.format} if s.format != "auto" else {})  # (no key for auto: as jobs before --format)
             for s in cfg.sources
         ],
@@ -258,11 +265,14 @@ def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) ->
 
 
 def _same_job(recorded: dict, spec: dict) -> bool:
-    """Specs equal, a file's modification time aside (a copy or a ``touch`` changes no token)."""
+    """Specs equal, a file's modification time aside (a copy or a ``touch`` changes no token); a job recorded
+    before files had their whole sha256 in the spec is compared by their sampled one."""
+    files = [f for src in recorded.get("sources", []) for f in src.get("fingerprint", {}).get("files", {}).values()]
+    ignore = {"mtime"} if all("sha256" in f for f in files) else {"mtime", "sha256"}
 
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "mtime"}
+            return {k: strip(v) for k, v in x.items() if k not in ignore}
         if isinstance(x, list):
             return [strip(v) for v in x]
         return x

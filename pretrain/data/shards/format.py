@@ -121,14 +121,10 @@ class Manifest:
 
 def file_record(path: Path, tokens: int = 0) -> FileRecord:
     """Size, full sha256 and sampled sha256 (:func:`pretrain.data.fingerprint.file_fingerprint`) of one file."""
-    from pretrain.data.file_hash import file_fingerprint
+    from pretrain.data.file_hash import file_fingerprint, full_sha256
 
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
     return FileRecord(
-        path.name, path.stat().st_size, digest.hexdigest(), file_fingerprint(str(path))["sampled_sha256"], tokens
+        path.name, path.stat().st_size, full_sha256(str(path)), file_fingerprint(str(path))["sampled_sha256"], tokens
     )
 
 

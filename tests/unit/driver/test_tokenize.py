@@ -61,7 +61,32 @@ def test_a_rerun_matches_a_job_whatever_the_modification_times():
     spec = {"sources": [{"fingerprint": {"files": {"a": {"size": 1, "mtime": 1.0, "sampled_sha256": "x"}}}}]}
     touched = json.loads(json.dumps(spec).replace("1.0", "2.0"))
     changed = json.loads(json.dumps(spec).replace('"x"', '"y"'))
-    assert _same_job(spec, touched) and not _same_job(spec, changed)
+    assert _same_job(spec, touched) and not _same_job(spec, changed)  # a job recorded with sampled hashes only
+    whole = json.loads(json.dumps(spec).replace('"x"', '"x", "sha256": "h"'))
+    edited = json.loads(json.dumps(whole).replace('"h"', '"e"'))  # same size, same sampled blocks, another byte
+    assert _same_job(whole, json.loads(json.dumps(whole).replace("1.0", "2.0"))) and not _same_job(whole, edited)
+
+
+def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path):
+    """A record fixed in place (same size, outside the blocks a fingerprint samples) makes the spec another job:
+    a rerun does not answer "done already" with the shards of the file before the fix."""
+    from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint
+    from pretrain.driver.tokenize import _data_config, _job_spec
+
+    path = tmp_path / "c.jsonl"
+    line = '{"text": "some words of a document"}\n'
+    path.write_text(line * (3 * BLOCK * BLOCKS // len(line)))
+    a = parse([str(path), "--out", str(tmp_path / "out"), "--tokenizer", "t"])
+    before = _job_spec(a, _data_config(a), None, "tok")
+    text = path.read_text()
+    at = len(text) // 2 + BLOCK // 3  # between two sampled blocks
+    at = text.index("\n", at) + 1
+    path.write_text(text[:at] + text[at:].replace('"text"', '"txet"', 1))
+    assert (
+        file_fingerprint(str(path))["sampled_sha256"]
+        == list(before["sources"][0]["fingerprint"]["files"].values())[0]["sampled_sha256"]
+    )
+    assert not _same_job(before, _job_spec(a, _data_config(a), None, "tok"))
 
 
 def _in_process(pending, sources, tok_dir, work, vocab, workers, total) -> None:
