@@ -47,7 +47,7 @@ class PackedStream:
             repeat=cfg.repeat,
             state=state.get("documents"),
         )
-        self.packer = Packer(self.docs, encode, separator, seq_len, state.get("buffer"))
+        self.packer = Packer(self.docs, encode, separator, seq_len, state.get("buffer"), state.get("estimate"))
         self.sequences = int(state.get("sequences", 0))
         self.seed, self.seq_len, self.shuffle = seed, seq_len, cfg.shuffle_sequences
         self.pool = [np.asarray(x, dtype=np.int64) for x in state.get("shuffle_buffer", [])]
@@ -91,6 +91,7 @@ class PackedStream:
             "documents": self.docs.state_dict(),
             "epoch": self.docs.epoch,
             "buffer": self.packer.buffer.tolist(),
+            "estimate": self.packer.estimate,
             "sequences": self.sequences,
             "bad": self.bad.state_dict(),
             **({"shuffle_buffer": [x.tolist() if lists else x for x in self.pool]} if self.shuffle else {}),

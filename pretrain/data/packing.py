@@ -45,14 +45,22 @@ class Packer:
         separator: int,
         seq_len: int,
         buffer: list[int] | None = None,
+        estimate: list[float] | None = None,
     ):
+        """``buffer`` and ``estimate``: a saved :attr:`buffer` and :attr:`estimate` (a resume reads ahead as the
+        run it continues did)."""
         if seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         self.docs, self.encode, self.separator, self.seq_len = docs, encode, int(separator), seq_len
         self.buffer: np.ndarray = np.asarray(buffer if buffer else [], dtype=np.int64)
         self._sep = np.array([self.separator], dtype=np.int64)
-        self._chars = 4000.0  # running chars/token estimate (only decides how many documents to pull)
-        self._tokens = 1000.0
+        # running chars/token estimate: it decides how many documents a fill reads, so when a bad record is met
+        self._chars, self._tokens = (float(x) for x in (estimate or (4000.0, 1000.0)))
+
+    @property
+    def estimate(self) -> list[float]:
+        """The running characters and tokens of the chars/token estimate (part of a stream's state)."""
+        return [self._chars, self._tokens]
 
     def fill(self, n_tokens: int) -> None:
         """Make the buffer hold at least ``n_tokens``; StopIteration when the documents end first. Documents that

@@ -86,3 +86,27 @@ def test_no_buffer_keeps_packing_order_and_state(corpus, tok):
     state = tb.state_dict()
     assert all("shuffle_buffer" not in s and s["shuffle_sequences"] == 0 for s in state["streams"].values())
     assert drain(batches(data_cfg(corpus, repeat=False, shuffle_sequences=4), tok)) > 0
+
+
+def test_a_resume_reads_the_documents_the_run_it_continues_read(tmp_path, tok):
+    """Short documents (many to a sequence) with bad records among them: a resumed stream reads ahead as the run it
+    continues did (how many documents a fill reads depends on a running chars/token estimate, saved with the
+    stream), so its whole position after each step is the uninterrupted run's: the same bad records met by then
+    (where ``data.bad_records=fail`` stops)."""
+    lines = [json.dumps({"text": f"w{i} " * (1 + i % 5)}) for i in range(600)]
+    for i in range(7, 600, 29):
+        lines[i] = "{broken"
+    path = tmp_path / "short.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = data_cfg(path, num_streams=2)
+    ref = batches(cfg, tok)
+    positions = []
+    for _ in range(12):
+        ref.next_step()
+        positions.append(json.loads(json.dumps(ref.state_dict())))
+    for n in (1, 5):
+        resumed = batches(cfg, tok)
+        resumed.load_state_dict(positions[n - 1])
+        for k in range(n, 12):
+            resumed.next_step()
+            assert json.loads(json.dumps(resumed.state_dict())) == positions[k], (n, k)
