@@ -12,7 +12,9 @@
   anything whose cwd is under the head's temp dir). It never runs ``ray stop``, which would stop every
   Ray on the machine.
 * The state (address, ports, session id, temp dir, token path) is recorded in ``state.json`` in the state
-  directory (``.cache/ray-head``; ``PRETRAIN_RAY_HEAD_DIR`` overrides it).
+  directory (``.cache/ray-head``; ``PRETRAIN_RAY_HEAD_DIR`` overrides it; :mod:`cluster.head_state`). A restart
+  of the machine or container since the head started means none of its processes is alive: ``down`` ends nothing
+  then (the recorded session id may be another process's by now).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -32,92 +33,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.head_procs import head_processes, session_of, terminate
+from cluster.head_procs import head_processes, restart_mark, restarted_since, session_of, terminate
+from cluster.head_state import (  # noqa: F401 - ClusterError, read_state, read_token, state_dir: re-exported
+    ROOT,
+    ClusterError,
+    ClusterUsageError,
+    claim_temp_dir,
+    clear_state,
+    locked,
+    new_token,
+    read_state,
+    read_token,
+    state_dir,
+    write_state,
+)
 from cluster.requires import require_ray
 from pretrain import invocation
 from pretrain.config.errors import without_passwords
 from pretrain.ports import free_port, port_free
 
-ROOT = Path(__file__).resolve().parents[1]
-STATE_DIR_ENV = "PRETRAIN_RAY_HEAD_DIR"
 DEFAULT_DASHBOARD_PORT = 8265
 DEFAULT_GCS_PORT = 6379
 # Ray's default worker port range: other fixed ports must stay out of it.
 _WORKER_PORTS = range(10002, 20000)
 
 
-class ClusterError(Exception):
-    """A user-facing cluster problem: one line, exit code 1."""
-
-
-# ------------------------------------------------------------------------------------------------
-# State
-# ------------------------------------------------------------------------------------------------
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get(STATE_DIR_ENV) or ROOT / ".cache" / "ray-head").resolve()
-
-
-def token_path() -> Path:
-    return state_dir() / "auth_token"
-
-
-def read_state() -> dict[str, Any] | None:
-    path = state_dir() / "state.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_state(state: dict[str, Any]) -> None:
-    path = state_dir() / "state.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _clear_state() -> None:
-    (state_dir() / "state.json").unlink(missing_ok=True)
-
-
-def _new_token() -> Path:
-    """The head's token file, with a new token for each head started (mode 600, 256 random bits; a token that an
-    earlier head's clients hold opens nothing later); its content is never printed."""
-    path = token_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    os.replace(tmp, path)
-    return path
-
-
-def read_token(path: Path | str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
 # ------------------------------------------------------------------------------------------------
 # Network helpers
 # ------------------------------------------------------------------------------------------------
-
-
-def _private_dir(path: Path) -> None:
-    """The head's temp dir, readable by its owner only: Ray's logs there record each job's runtime environment
-    (``--env`` values included) and keep it after ``cluster down``. Ray makes its session directories inside
-    world-writable; a parent of mode 700 keeps other users out of all of them. A directory of another owner is
-    refused (another user's Ray, or a path they could read)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.stat().st_uid != os.getuid():
-        raise ClusterError(f"--temp-dir {path}: owned by another user; pass a directory of yours")
-    path.chmod(0o700)
 
 
 def _free_port(avoid: set[int]) -> int:
@@ -167,23 +110,29 @@ def is_alive(state: dict[str, Any]) -> bool:
         import psutil
 
         p = psutil.Process(pid)
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE and session_of(pid) == state.get("sid")
+        alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return alive and session_of(pid) == state.get("sid") and not restarted_since(state)
     except Exception:  # noqa: BLE001 - gone, or not ours
         return False
 
 
 def up(args: argparse.Namespace) -> int:
+    with locked("up"):
+        return _up(args)
+
+
+def _up(args: argparse.Namespace) -> int:
     state = read_state()
     if state and is_alive(state):
         print(f"Ray head already running at {state['address']} ({invocation.command()} cluster down to stop it)")
         return 0
     if state:  # stale: a head that died; clean up leftovers of it
         terminate(head_processes(state), grace_s=3)
-        _clear_state()
+        clear_state()
 
-    temp_dir = args.temp_dir or default_temp_dir()
+    temp_dir = str(Path(args.temp_dir).expanduser().absolute()) if args.temp_dir else default_temp_dir()
     if len(temp_dir) > 60:
-        raise ClusterError(f"--temp-dir {temp_dir}: too long (Ray's Unix socket paths must stay under 107 chars)")
+        raise ClusterUsageError(f"--temp-dir {temp_dir}: too long (Ray's Unix socket paths must stay under 107 chars)")
     dash = args.dashboard_port
     if not port_free(dash):
         raise ClusterError(f"port {dash} on 127.0.0.1 is in use (another Ray dashboard?); pass --dashboard-port N")
@@ -198,10 +147,10 @@ def up(args: argparse.Namespace) -> int:
     taken.add(agent_port)
     for name, port in (("--dashboard-port", dash), ("--port", gcs)):
         if port in _WORKER_PORTS:
-            raise ClusterError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
+            raise ClusterUsageError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
 
-    _private_dir(Path(temp_dir))
-    tok = _new_token()
+    claim_temp_dir(Path(temp_dir), given=bool(args.temp_dir))
+    tok = new_token()
     sdir = state_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}
     env.update(
@@ -253,6 +202,7 @@ def up(args: argparse.Namespace) -> int:
         "gcs_address": f"127.0.0.1:{gcs}",
         "sid": proc.pid,
         "started_at": started_at,
+        "restart_mark": restart_mark(),  # a later restart of the machine or container: nothing of it is alive
         "temp_dir": temp_dir,
         "token_path": str(tok),
         "dashboard_port": dash,
@@ -264,7 +214,7 @@ def up(args: argparse.Namespace) -> int:
         "num_cpus": args.num_cpus or os.cpu_count() or 1,  # what it offers: submit refuses a layout beyond it
         "num_gpus": args.num_gpus,  # None: Ray's detection (this machine's GPUs)
     }
-    _write_state(state)  # recorded first, so `down` can clean up even a half-started head
+    write_state(state)  # recorded first, so `down` can clean up even a half-started head
     # `ray start` runs in its own session, which Ctrl-C does not reach: a stop (or a failure) while the head starts
     # ends what it started, rather than leave a head that runs with no record of its GCS.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -272,7 +222,7 @@ def up(args: argparse.Namespace) -> int:
         _wait_until_up(proc, state, tok, log_path)
     except BaseException:
         terminate(head_processes(state), grace_s=3)
-        _clear_state()
+        clear_state()
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -298,8 +248,8 @@ def _wait_until_up(proc: subprocess.Popen, state: dict[str, Any], tok: Path, log
     if rc != 0:
         raise ClusterError(f"ray start failed ({_last_error_line(log_path)}); full log: {log_path}")
     state["gcs_pid"] = _find_gcs_pid(state)
-    _write_state(state)
-    _private_dir(Path(state["temp_dir"]))  # again: `ray start` makes its temp dir world-writable
+    write_state(state)
+    claim_temp_dir(Path(state["temp_dir"]), given=False)  # again: `ray start` makes its temp dir world-writable
     token = read_token(tok)
     deadline = time.time() + 60
     status = 0
@@ -343,6 +293,11 @@ def _find_gcs_pid(state: dict[str, Any]) -> int:
 def down(args: argparse.Namespace, stop_jobs: Callable[[str], None] | None = None) -> int:
     """Stop the head recorded here; ``stop_jobs(address)`` first, while it is alive (the CLI passes
     :func:`cluster.jobs.stop_running`: its jobs commit a checkpoint, as ``stop`` has them do)."""
+    with locked("down"):
+        return _down(args, stop_jobs)
+
+
+def _down(args: argparse.Namespace, stop_jobs: Callable[[str], None] | None) -> int:
     state = read_state()
     if not state:
         print("no local Ray head recorded (nothing to stop)")
@@ -351,7 +306,7 @@ def down(args: argparse.Namespace, stop_jobs: Callable[[str], None] | None = Non
         stop_jobs(state["address"])
     procs = head_processes(state)
     n = terminate(procs, grace_s=args.grace)
-    _clear_state()
+    clear_state()
     print(
         f"Ray head at {state.get('address')} stopped ({n} processes)"
         if n
@@ -420,16 +375,16 @@ def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int
     sub = p.add_subparsers(dest="action", required=True)
     pu = sub.add_parser("up", help="start a local Ray head (127.0.0.1, token auth)")
     pu.add_argument(
-        "--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT, help="Jobs API / dashboard port (default 8265)"
+        "--dashboard-port", type=_port, default=DEFAULT_DASHBOARD_PORT, help="Jobs API / dashboard port (default 8265)"
     )
-    pu.add_argument("--port", type=int, default=0, help="GCS port (default 6379, or a free one if taken)")
+    pu.add_argument("--port", type=_port, default=0, help="GCS port (default 6379, or a free one if taken)")
     pu.add_argument(
         "--temp-dir", default="", help="Ray temp dir (default /tmp/pretrain-ray-UID-HASH, one per state directory)"
     )
     pu.add_argument("--num-cpus", type=int, default=0, help="CPUs to offer (default: all)")
     pu.add_argument("--num-gpus", type=int, default=None, help="GPUs to offer (default: detected)")
     pd = sub.add_parser("down", help="stop the local head started by `cluster up` (only its processes)")
-    pd.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    pd.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL")
     sub.add_parser("status", help="address, alive/dead, resources")
     a = p.parse_args(argv)
     if a.action == "down":
@@ -437,14 +392,28 @@ def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int
     return {"up": up, "status": status}[a.action](a)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: a port is 1-65535")
+    return port
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text}: seconds must be >= 0")
+    return value
+
+
 def run_cli(fn, argv: list[str], command: str) -> int:
     """Run the cluster command ``command``: a ClusterError (unreachable, authentication, unknown job...) is one
-    line on stderr and exit code 1; config errors, and Ray not installed (:func:`cluster.requires.require_ray`),
-    propagate to the CLI (exit 2). Its ``--help`` needs no Ray."""
+    line on stderr and exit code 1 (a bad argument, :class:`ClusterUsageError`: 2); config errors, and Ray not
+    installed (:func:`cluster.requires.require_ray`), propagate to the CLI (exit 2). Its ``--help`` needs no Ray."""
     if not {"-h", "--help"} & set(argv):
         require_ray(f"{invocation.command()} {command}")
     try:
         return fn(argv)
     except ClusterError as e:  # an address may hold a password (http://user:PASSWORD@head:8265): never printed
         print(f"error: {without_passwords(str(e))}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ClusterUsageError) else 1

@@ -16,6 +16,23 @@ def session_of(pid: int) -> int | None:
         return None
 
 
+def restart_mark() -> float:
+    """When this machine, or the container (PID namespace) this runs in, last started: the start time of PID 1."""
+    import psutil
+
+    try:
+        return psutil.Process(1).create_time()
+    except psutil.Error:
+        return psutil.boot_time()
+
+
+def restarted_since(state: dict[str, Any]) -> bool:
+    """The machine or container restarted since the head of ``state`` started: none of its processes is alive, and
+    its session id and pids may now be other processes'. (A state recorded without the mark: not known.)"""
+    mark = state.get("restart_mark")
+    return mark is not None and abs(float(mark) - restart_mark()) > 1.0
+
+
 def head_processes(state: dict[str, Any]) -> list:
     """Every live process of the recorded head: a Ray binary, the head's Python or a job's driver (created after the
     ``ray start`` leader) in the leader's session or running in the head's temp dir (a job's driver, whose
@@ -27,7 +44,7 @@ def head_processes(state: dict[str, Any]) -> list:
     started = float(state.get("started_at", 0)) - 2.0
     temp_dir = str(state.get("temp_dir", "")).rstrip("/")
     found: dict[int, Any] = {}
-    if sid <= 1 or not temp_dir:
+    if sid <= 1 or not temp_dir or restarted_since(state):
         return []
     ours = _ray_executables(state)
     for p in psutil.process_iter(["pid", "create_time"]):
@@ -96,6 +113,8 @@ def _ray_executables(state: dict[str, Any]) -> list[str]:
 
 def terminate(procs: list, grace_s: float = 10.0) -> int:
     import psutil
+
+    grace_s = max(0.0, grace_s)
 
     for p in procs:
         try:

@@ -1,6 +1,6 @@
 """Watching and stopping submitted jobs: ``./launch.sh jobs | status JOB | logs JOB [--follow] | stop JOB``, each
-with ``--address URL`` (resolved as for ``submit``: :func:`cluster.submit.resolve_address`). Submission, the
-connection and the token: :mod:`cluster.submit`."""
+with ``--address URL`` (resolved as for ``submit``: :func:`cluster.connection.resolve_address`). Submission:
+:mod:`cluster.submit`; the connection and the token: :mod:`cluster.connection`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import argparse
 import sys
 import time
 
+from cluster.connection import api_errors, call_api, check_job_id, connect, resolve_address
 from cluster.head import ClusterError
-from cluster.submit import STOP_WAIT_KEY, TERMINAL, api_errors, call_api, check_job_id, connect, resolve_address
+from cluster.submit import STOP_WAIT_KEY, TERMINAL
 from pretrain.config.errors import without_passwords
 
 

@@ -15,41 +15,44 @@ here, the job runs with the head's Python and logs to this machine's MLflow stor
 or ./mlflow.db), exactly like ``./launch.sh train``. For any other address the config travels as given:
 paths must be valid on the cluster (a shared ``checkpoint.dir``), ``python`` is the cluster's.
 
-Address: ``--address``, else ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS``, else the local head recorded by
-``cluster up``, else http://127.0.0.1:8265. Token (sent as ``Authorization: Bearer``; never printed):
-``RAY_AUTH_TOKEN``, else the file in ``RAY_AUTH_TOKEN_PATH``, else the local head's token file (only for
-the local head's own address), else ``~/.ray/auth_token``.
+The address, the token and the client: :mod:`cluster.connection`.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import logging
 import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from cluster.head import ClusterError, is_alive, read_state, read_token
+from cluster.connection import (  # noqa: F401 - resolve_address, auth_token, local_head: re-exported
+    DEFAULT_ADDRESS,
+    auth_token,
+    call_api,
+    check_job_id,
+    connect,
+    local_head,
+    resolve_address,
+)
+from cluster.head import ClusterUsageError
 from pretrain import invocation
 from pretrain.config.errors import without_passwords
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 JOB_CONFIG_NAME = "_pretrain_job.yaml"
 # Never uploaded (top level of the repo, and the same names at any depth via runtime_env excludes).
 EXCLUDES = [
     ".venv",
+    ".venv-*",
+    "venv",
+    ".tox",
     ".git",
     "checkpoints",
     "mlflow.db",
@@ -64,7 +67,22 @@ EXCLUDES = [
     ".mypy_cache",
     ".ruff_cache",
 ]
-SECRETS = [".env", ".env.*", ".netrc", ".pypirc", "*.pem", "*.key", "*.p12", "id_rsa*", "id_ed25519*"]
+SECRETS = [
+    ".env",
+    ".env.*",
+    ".envrc",
+    ".netrc",
+    ".pypirc",
+    ".git-credentials",
+    ".aws",
+    ".ssh",
+    "credentials.json",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "id_rsa*",
+    "id_ed25519*",
+]
 """Files that hold credentials: never uploaded with the job's code, at any depth."""
 NETWORK_ENV = (
     "NCCL_DEBUG",
@@ -97,166 +115,6 @@ STOP_MARGIN_S = 30
 STOP_WAIT_KEY = "stop_wait_s"
 """The job's metadata key of the seconds its stop may take (``stop`` waits that long by default)."""
 _RUN_RE = re.compile(r"\[pretrain\] (?:resuming )?run ((?:local-)?[0-9a-f]{8,})")  # local-: tracking.enabled=false
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
-
-
-# ------------------------------------------------------------------------------------------------
-# Address, token, client
-# ------------------------------------------------------------------------------------------------
-
-
-def resolve_address(explicit: str | None = None) -> str:
-    address = (explicit or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or "").strip()
-    if not address:
-        state = read_state()
-        address = state["address"] if state else DEFAULT_ADDRESS
-    if address == "auto" or address.startswith("ray://"):
-        raise ClusterError(f"{address}: not a Jobs API address; pass --address http://HEAD:8265 (the dashboard port)")
-    if "://" not in address:
-        address = "http://" + address
-    return address.rstrip("/")
-
-
-def _endpoint(address: str) -> tuple[str, int]:
-    try:  # urlsplit refuses some addresses itself (an unclosed IPv6 bracket), .port a port that is not one
-        parts = urlsplit(address)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise ClusterError(f"{address}: invalid address") from None
-    if not host:
-        raise ClusterError(f"{address}: invalid address")
-    return host, port
-
-
-def local_head(address: str) -> dict[str, Any] | None:
-    """The state of the head started here by ``cluster up`` when ``address`` is that head and it is alive (same
-    machine, same filesystem: paths are resolved against the cwd here, and its Python runs the job). A head that
-    died is not it: whatever answers on its port now gets neither its token nor the local-only environment."""
-    state = _live_head()
-    return state if state and state.get("address") and _same_endpoint(address, state["address"]) else None
-
-
-def _live_head() -> dict[str, Any] | None:
-    """The recorded state of ``cluster up``'s head while that head runs, else None."""
-    state = read_state()
-    return state if state and is_alive(state) else None
-
-
-def _same_endpoint(a: str, b: str) -> bool:
-    ha, pa = _endpoint(a)
-    hb, pb = _endpoint(b)
-    loop = ("127.0.0.1", "localhost", "::1")
-    return pa == pb and (ha == hb or (ha in loop and hb in loop))
-
-
-def auth_token(address: str) -> tuple[str, str]:
-    """(token, where it came from); ("", "") when none is available. The live local head's own token for its
-    address (the one it accepts, whatever ``RAY_AUTH_TOKEN`` says for other clusters), else ``RAY_AUTH_TOKEN``,
-    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``."""
-    state = _live_head()
-    if state and state.get("token_path") and _same_endpoint(address, state["address"]):
-        tok = read_token(state["token_path"])
-        if tok:
-            return tok, "the local head's token file"
-    tok = os.environ.get("RAY_AUTH_TOKEN", "").strip()
-    if tok:
-        return tok, "RAY_AUTH_TOKEN"
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
-    if path:
-        tok = read_token(path)
-        if not tok:
-            raise ClusterError(f"RAY_AUTH_TOKEN_PATH={path}: file missing or empty")
-        return tok, "RAY_AUTH_TOKEN_PATH"
-    default = Path.home() / ".ray" / "auth_token"
-    tok = read_token(default) if default.is_file() else ""
-    return (tok, "~/.ray/auth_token") if tok else ("", "")
-
-
-def _auth_failed(address: str, source: str, rejected: bool) -> ClusterError:
-    if rejected:
-        return ClusterError(f"authentication failed at {address}: the cluster rejected the token from {source}")
-    return ClusterError(
-        f"authentication failed at {address}: the cluster requires a token and none was found "
-        "(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
-    )
-
-
-@contextmanager
-def api_errors(address: str, source: str, job_id: str = "") -> Iterator[None]:
-    """Turn Ray / HTTP failures into one-line ClusterErrors."""
-    import requests
-    from ray.exceptions import AuthenticationError
-
-    try:
-        yield
-    except ClusterError:
-        raise
-    except AuthenticationError as e:
-        raise _auth_failed(address, source, rejected="Authentication required" not in str(e)) from None
-    except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout):
-        raise ClusterError(f"cannot reach the Ray Jobs API at {address} (connection failed)") from None
-    except RuntimeError as e:
-        text = str(e)
-        if job_id and ("404" in text or "does not exist" in text):
-            raise ClusterError(f"no job {job_id} at {address}") from None
-        if "status code 401" in text or "status code 403" in text:
-            raise _auth_failed(address, source, rejected="403" in text) from None
-        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-        reason = lines[0] if len(lines) < 2 or "Traceback" not in lines[0] else f"{lines[0]} ... {lines[-1]}"
-        raise ClusterError(f"Ray Jobs API at {address}: {reason[:300]}") from None
-
-
-def connect(address: str):
-    """A JobSubmissionClient for ``address`` (reachability and token checked)."""
-    host, port = _endpoint(address)
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise ClusterError(
-            f"cannot reach the Ray Jobs API at {address} ({reason}); start a local head with "
-            f"{invocation.command()} cluster up, or pass --address http://HEAD:8265"
-        ) from None
-    token, source = auth_token(address)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    from ray.job_submission import JobSubmissionClient
-
-    # No INFO chatter about packaging/uploads (these loggers set INFO explicitly).
-    for name in (
-        "ray",
-        "ray.dashboard.modules.dashboard_sdk",
-        "ray.dashboard.modules.job.sdk",
-        "ray._private.runtime_env.packaging",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    with api_errors(address, source), _without_ray_address_env():
-        client = JobSubmissionClient(address, headers=headers)
-    client._pretrain_auth_source = source  # type: ignore[attr-defined]  # ours, for error messages of later calls
-    return client
-
-
-@contextmanager
-def _without_ray_address_env() -> Iterator[None]:
-    """Ray's client takes ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS`` over the address it is given; while it is made,
-    neither is set, so that it talks to ``address`` (:func:`resolve_address` already put ``--address`` first)."""
-    saved = {k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def call_api(client, address: str, fn, *args, job_id: str = ""):
-    with api_errors(address, getattr(client, "_pretrain_auth_source", ""), job_id=job_id):
-        return fn(*args)
-
-
-def check_job_id(job_id: str) -> str:
-    if not _JOB_ID_RE.match(job_id):
-        raise ClusterError(f"{job_id!r}: not a job id")
-    return job_id
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,19 +165,32 @@ def job_env(local: bool, extra: list[str], gcs_address: str = "") -> dict[str, s
     for item in extra:
         name, eq, value = item.partition("=")
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-            raise ClusterError(f"--env {name!r}: not an environment variable name")
+            raise ClusterUsageError(f"--env {_shown(name)}: not an environment variable name")
         if eq:
             env[name] = value
         elif name in os.environ:
             env[name] = os.environ[name]
         else:
-            raise ClusterError(f"--env {name}: not set in this environment")
+            raise ClusterUsageError(
+                f"--env {_shown(name)}: not set in this environment (--env takes a NAME or NAME=VALUE)"
+            )
+    wait = env.get("RAY_JOB_STOP_WAIT_TIME_S")
+    if wait is not None and not re.match(r"^[0-9]+(\.[0-9]+)?$", wait):
+        raise ClusterUsageError(f"--env RAY_JOB_STOP_WAIT_TIME_S={wait}: not a number of seconds")
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
     # The driver's own ray.init(runtime_env=...) re-declares some of these keys (same values): allow it.
     env["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
     return env
+
+
+def _shown(name: str) -> str:
+    """An ``--env`` argument as an error shows it: a conventional variable name (capitals, digits, ``_``) whole;
+    anything else, perhaps a value passed by mistake (``--env "$HF_TOKEN"``), by its first 3 characters."""
+    if re.match(r"^[A-Z_][A-Z0-9_]*$", name):
+        return name
+    return f"{name[:3]!r}... ({len(name)} characters; not shown)"
 
 
 def _hint(address: str, explicit: bool) -> str:

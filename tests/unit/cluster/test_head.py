@@ -1,27 +1,17 @@
-"""The local head's own state (``cluster/head.py``, ``cluster/head_procs.py``) without starting Ray: a new token
-for each head, and the processes ``cluster down`` would end — the head's, never a shell or a reader of its logs."""
+"""The local head without starting Ray (``cluster/head.py``, ``cluster/head_procs.py``): its temp dir, and the
+processes ``cluster down`` would end — the head's, never a shell or a reader of its logs, nothing after a restart.
+Its recorded state, token, lock and temp dir's claim: ``test_head_state.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
 
 from cluster import head
-from cluster.head_procs import head_processes
-
-
-def test_each_head_gets_a_new_token_readable_by_its_user_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
-    first = head._new_token()
-    token = first.read_text()
-    assert len(token) == 64 and stat.S_IMODE(first.stat().st_mode) == 0o600
-    second = head._new_token()
-    assert second == first and second.read_text() != token and stat.S_IMODE(second.stat().st_mode) == 0o600
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary file left
+from cluster.head_procs import head_processes, restart_mark
 
 
 def test_two_state_directories_get_two_short_temp_dirs(tmp_path, monkeypatch):
@@ -49,6 +39,9 @@ def test_a_process_in_the_heads_temp_dir_is_the_heads_only_if_it_runs_ray_or_its
         found = {p.pid for p in head_processes(state)}
         assert driver.pid in found and job.pid in found and reader.pid not in found, _seen(found, state, driver, job)
         assert leader.pid in {p.pid for p in head_processes({**state, "temp_dir": str(tmp_path / "elsewhere")})}
+        # the machine or container restarted since the head started: its session id may be another's now
+        assert head_processes({**state, "restart_mark": restart_mark() - 60}) == []
+        assert driver.pid in {p.pid for p in head_processes({**state, "restart_mark": restart_mark()})}
     finally:
         for p in (leader, reader, driver, job):
             p.kill()

@@ -4,8 +4,6 @@ and a real local Ray head are in ``tests/integration/cluster/test_cluster.py``."
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -148,83 +146,6 @@ def test_commands_registered():
         assert f"\n    {name} " in doc
 
 
-def test_address_and_token_resolution(tmp_path, monkeypatch):
-    from cluster import submit
-
-    for k in _CLIENT_ENV_DROP:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
-    (tmp_path / "head").mkdir()
-    (tmp_path / "head" / "auth_token").write_text("a" * 64)
-    state = {"address": "http://127.0.0.1:18999", "token_path": str(tmp_path / "head" / "auth_token")}
-    (tmp_path / "head" / "state.json").write_text(json.dumps(state))
-    assert submit.resolve_address(None) == "http://127.0.0.1:18999"
-    # a head that is not running (no process, or a process of another session) lends nobody its token
-    assert submit.auth_token("http://127.0.0.1:18999") == ("", "") and submit.local_head(state["address"]) is None
-    (tmp_path / "head" / "state.json").write_text(json.dumps({**state, "gcs_pid": os.getpid(), "sid": 1}))
-    assert submit.auth_token("http://127.0.0.1:18999") == ("", "")
-    # the recorded head alive (this process stands in for its GCS server)
-    (tmp_path / "head" / "state.json").write_text(json.dumps({**state, "gcs_pid": os.getpid(), "sid": os.getsid(0)}))
-    assert submit.local_head("http://localhost:18999") is not None
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:8265")
-    assert submit.resolve_address(None) == "http://10.0.0.5:8265"
-    assert submit.resolve_address("https://head:443/") == "https://head:443"
-    with pytest.raises(submit.ClusterError):
-        submit.resolve_address("ray://head:10001")
-    # the local head's token only for the local head's address
-    assert submit.auth_token("http://localhost:18999") == ("a" * 64, "the local head's token file")
-    assert submit.auth_token("http://10.0.0.5:8265") == ("", "")
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
-    (tmp_path / "tok").write_text("b" * 64 + "\n")
-    assert submit.auth_token("http://10.0.0.5:8265") == ("b" * 64, "RAY_AUTH_TOKEN_PATH")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "c" * 64)
-    assert submit.auth_token("http://10.0.0.5:8265") == ("c" * 64, "RAY_AUTH_TOKEN")
-    # a token set for another cluster never replaces the live local head's own (`cluster down` stops its jobs with it)
-    assert submit.auth_token("http://127.0.0.1:18999") == ("a" * 64, "the local head's token file")
-
-
-def test_the_address_given_is_the_one_talked_to_whatever_ray_address_says(tmp_path, monkeypatch):
-    """Ray's client would take ``RAY_ADDRESS`` over the address it is given; ``--address`` goes first here (the token
-    and the messages are the given address's, so the requests must be too)."""
-    import http.server
-    import threading
-
-    from cluster import submit
-
-    hits: dict[int, list[str]] = {}
-
-    class Ray(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # what Ray's client asks first: the server's Ray version
-            hits.setdefault(self.server.server_port, []).append(self.path)
-            body = json.dumps({"ray_version": "2.60.0", "version": "4", "ray_commit": "x"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ray) for _ in range(2)]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    other, given = (f"http://127.0.0.1:{server.server_port}" for server in servers)
-    for k in _CLIENT_ENV_DROP:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "head"))
-    monkeypatch.setenv("RAY_ADDRESS", other)
-    try:
-        client = submit.connect(submit.resolve_address(given))
-    finally:
-        for server in servers:
-            server.shutdown()
-    assert client.get_address() == given and os.environ["RAY_ADDRESS"] == other
-    assert set(hits) == {servers[1].server_port}, hits
-
-
 def test_job_env_is_an_allowlist(monkeypatch):
     from cluster import submit
 
@@ -250,8 +171,14 @@ def test_job_env_is_an_allowlist(monkeypatch):
     from cluster.launch import _FORWARD_ENV
 
     assert set(submit.NETWORK_ENV) <= set(_FORWARD_ENV), "the job's workers get what the job got"
-    with pytest.raises(submit.ClusterError):
+    with pytest.raises(submit.ClusterUsageError, match="^--env NOT_SET_ANYWHERE_123: not set in this environment"):
         submit.job_env(local=False, extra=["NOT_SET_ANYWHERE_123"])
+    # a value passed for a name (--env "$HF_TOKEN") is not echoed whole
+    with pytest.raises(submit.ClusterUsageError) as e:
+        submit.job_env(local=False, extra=["hf_abcdefghijklmnopqrstuvwxyz0123"])
+    assert "abcdefghijklmnop" not in str(e.value) and str(e.value).startswith("--env 'hf_'... (33 characters")
+    with pytest.raises(submit.ClusterUsageError, match="RAY_JOB_STOP_WAIT_TIME_S=2m: not a number of seconds"):
+        submit.job_env(local=False, extra=["RAY_JOB_STOP_WAIT_TIME_S=2m"])
 
 
 def test_staged_working_dir_mirrors_repo_with_excludes():
@@ -277,7 +204,8 @@ def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_the
     monkeypatch.chdir(ROOT)
     cfg = load_config(None, ["checkpoint.dir=ckpt/mine", "data.cache_dir=/elsewhere/cache"])
     excludes = submit.upload_excludes(cfg)
-    assert {".env", "*.pem", ".netrc", "/ckpt/mine"} <= set(excludes) and not any("elsewhere" in e for e in excludes)
+    assert {".env", ".envrc", "*.pem", ".netrc", ".git-credentials", "/ckpt/mine"} <= set(excludes)
+    assert {"venv", ".venv-*", ".tox"} <= set(excludes) and not any("elsewhere" in e for e in excludes)
     assert "/ckpt" in submit.upload_excludes(load_config(None, ["checkpoint.dir=ckpt"]))
     wheels = ROOT / "wheels-test-upload"
     wheels.mkdir()
@@ -297,14 +225,11 @@ def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_the
 def test_an_address_with_a_password_or_that_is_no_url_gets_one_line_without_the_password(capsys):
     """Every cluster command's error goes through :func:`cluster.head.run_cli`: one line, exit 1, an address's
     password shown as ``***`` (also in the ``--address`` of the commands ``submit`` prints)."""
-    from cluster import submit
+    from cluster import connection, submit
     from cluster.head import run_cli
 
-    with pytest.raises(submit.ClusterError, match=r"^http://\[::1: invalid address$"):
-        submit._endpoint("http://[::1")
-
     def unreachable(argv):
-        submit.connect("http://alice:hunter2@127.0.0.1:1")
+        connection.connect("http://alice:hunter2@127.0.0.1:1")
 
     assert run_cli(unreachable, ["x"], "status") == 1
     err = capsys.readouterr().err
