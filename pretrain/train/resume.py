@@ -56,7 +56,9 @@ def verify_in_parallel(ckpt: CommittedCheckpoint, ctx: dist.DistContext) -> None
 
 def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunConfig:
     """``cfg`` with the model and MoE sections of the checkpoint's own config (the architecture it was saved with,
-    which growth may have changed since the run started); expert parallelism stays as configured now."""
+    which growth may have changed since the run started); expert parallelism stays as configured now, where the
+    saved expert count allows it (else 1, as the growth into those experts set it: ``callbacks.growth.grown_config``).
+    The caller plans the run (``make_plan``) from the result."""
     from pretrain.config import from_dict, to_dict
 
     saved = reader.config_dict(ckpt)
@@ -65,6 +67,9 @@ def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunCon
     merged = to_dict(cfg)
     merged["model"] = saved["model"]
     merged["moe"] = saved.get("moe", {})  # (the parallel section, expert parallelism included, is the current one)
+    experts = int(merged["moe"].get("num_experts", 0) or 0)
+    if experts > 0 and experts % int(merged["parallel"]["expert"]):
+        merged["parallel"] = {**merged["parallel"], "expert": 1}
     return from_dict(merged)
 
 

@@ -79,6 +79,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     resume = find_resume_point(cfg, run_dir, ctx)
     if resume is not None and cfg.growth.schedule:  # the architecture as of that checkpoint (grown or not yet)
         cfg = checkpoint_architecture(cfg, resume)
+        plan = make_plan(cfg, ctx.world_size)  # its layout: experts grown from a dense model are expert-parallel
     source = resume_source(resume, run_dir, ctx, ep_size_of(cfg), plan.dims.tensor) if resume is not None else None
     weights = None
     if job_.init_weights and resume is None:  # the model.init_from_hf weights start the run

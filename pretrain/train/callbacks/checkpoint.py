@@ -19,9 +19,16 @@ class CheckpointCallback(Callback):
     stability rollback, before the next save, and at the end of the run."""
 
     order = 50
+    name = "checkpoint"
+    """Its state records whether a checkpoint was written because the run stopped early (``at_stop``): one the
+    uninterrupted run does not have, so a resume from it does not make it a rollback target."""
 
     def __init__(self, checkpointer: Checkpointer) -> None:
         self.checkpointer = checkpointer
+        self.at_stop = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at_stop": self.at_stop}
 
     def save(self, trainer: Trainer) -> None:
         # At most one save in flight: the one still in flight (its commit slower than the steps since) is
@@ -61,6 +68,7 @@ class CheckpointCallback(Callback):
         self.committed(trainer, self.checkpointer.finish())
         last = trainer.last_checkpoint
         if stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
+            self.at_stop = True
             self.save(trainer)
             self.committed(trainer, self.checkpointer.finish())
         self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends

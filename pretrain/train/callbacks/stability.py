@@ -32,7 +32,10 @@ class StabilityCallback(Callback):
         self.monitor = control.monitor
 
     def on_run_start(self, trainer: Trainer) -> None:
-        if trainer.last_checkpoint is not None:  # resumed: that checkpoint is a rollback candidate
+        # resumed: that checkpoint is a rollback candidate, unless the run wrote it because it stopped there (the
+        # uninterrupted run has no checkpoint at that step, and rolls back to the one before)
+        at_stop = (trainer.state.callbacks.get("checkpoint") or {}).get("at_stop", False)
+        if trainer.last_checkpoint is not None and not at_stop:
             self.monitor.note_checkpoint(trainer.state.step, str(trainer.last_checkpoint), trainer.state.sequences)
         trainer.shared.last_event_step = self.monitor.s.last_event_step
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +129,16 @@ class TaskEvaluation(Callback):
         self.done_at = -1
         self.last: dict[str, float] = {}
 
+    name = "task_evaluation"  # a resume at a step that evaluated does not evaluate (and log) it again
+
     def on_rollback(self, trainer: Trainer) -> None:
         self.done_at = -1  # the run goes back: the steps ahead are new ones and evaluate again
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done_at": self.done_at, "last": dict(self.last)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.done_at, self.last = int(state.get("done_at", -1)), dict(state.get("last", {}))
 
     def run(self, trainer: Trainer) -> None:
         if not self.tasks or self.done_at == trainer.state.step:

@@ -38,8 +38,16 @@ class ValidationCallback(Callback):
         )
         trainer.emit("on_validation", state.last_val)
 
+    name = "validation"  # a resume at a step that validated does not validate (and log) it again
+
     def on_rollback(self, trainer: Trainer) -> None:
         self.validated_at = -1  # the run goes back: the steps ahead are new ones and validate again
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"validated_at": self.validated_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.validated_at = int(state.get("validated_at", -1))
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         t, state = trainer.cfg.train, trainer.state

@@ -116,7 +116,8 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
     """2 workers, one pair of processes: the decoder schedule (identity depth, tiled width, stacked depth, moments
     grown) under ZeRO-1 and ZeRO-2 (ZeRO-3: the test above) gives the same losses on both; an encoder (post-norm,
     learned positions) grows by stacking and tiled width under ZeRO-1 and ZeRO-3; a decoder under ZeRO-2 is
-    upcycled to 4 experts with expert parallelism 2. Every exact growth keeps the held-back loss, and the data
+    upcycled to 4 experts with expert parallelism 2, and resumes after the growth bitwise (from the checkpoint's
+    expert-parallel layout). Every exact growth keeps the held-back loss, and the data
     position after the growths is exactly that of the same run without growth (no document repeated or skipped)."""
     import json
     from pathlib import Path
@@ -143,7 +144,12 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
         jobs["enc1"] = prepare_new(load_config(enc_cfg, enc + ["zero.stage=1"]))
         jobs["enc3"] = prepare_new(load_config(enc_cfg, enc + ["zero.stage=3"]))
         jobs["moe"] = prepare_new(load_config(dec_cfg, moe))
-        finals = run_jobs(2, list(jobs.values()), fresh=False)[0]
+        moe_tok = [f"data.tokenizer={Path(jobs['moe'].run_dir) / 'tokenizer'}"]
+        stopped = prepare_new(load_config(dec_cfg, moe + moe_tok + ["faults.stop_after_step=5"]))
+        finals = run_jobs(2, [*jobs.values(), stopped], fresh=False)[0][: len(jobs)]
+        # the upcycled run resumed after its growth: expert-parallel from the checkpoint's layout, as it was
+        resumed = {**stopped.config, "faults": {**stopped.config["faults"], "stop_after_step": -1}}
+        run_jobs(2, [dataclasses.replace(stopped, config=resumed)])
         client = MlflowClient()
 
         def history(name, key):
@@ -164,6 +170,8 @@ def test_growth_on_every_zero_stage_encoder_decoder_and_upcycling_keeps_the_data
             assert (saved(name, "model")["num_layers"], saved(name, "model")["hidden_size"]) == (4, 64)
         assert history("enc3", "train/loss")[7] == pytest.approx(history("enc1", "train/loss")[7], rel=1e-4)
         assert saved("moe", "moe")["num_experts"] == 4 and saved("moe", "parallel")["expert"] == 2
+        ref, got = history("moe", "train/loss"), metric_history(stopped.run_id, "train/loss")
+        assert sorted(got) == list(range(1, 8)) and all(got[s] == ref[s] for s in ref), (ref, got)
         assert "moe/block0/max_share" in client.get_run(jobs["moe"].run_id).data.metrics
 
         def data_state(name):

@@ -253,9 +253,9 @@ def _all_finite(root: Path) -> tuple[int, list[str]]:
 
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory):
-    """Four real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at
-    step 5 (policy skip), LR x1000 at step 13 (policy rollback), and the rollback run resumed from its
-    step-8 checkpoint (before the fault)."""
+    """Real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at step 5 (policy
+    skip), LR x1000 at step 13 (policy rollback), the rollback run resumed from its step-8 checkpoint (before the
+    fault), and the rollback run stopped at step 11 then resumed from the checkpoint of that stop."""
     from pretrain.driver.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("stability")) as work:
@@ -279,14 +279,19 @@ def fault_runs(tmp_path_factory):
             **resumed.config["checkpoint"],
             "resume_from": str(Path(spike.run_dir) / "step_00000008"),
         }
-        jobs = [clean, nan, spike, resumed]
-        ranks = run_jobs(2, jobs, fresh=False)
-        yield {
-            "work": work,
-            "jobs": dict(zip(("clean", "nan", "spike", "resumed"), jobs)),
-            "ranks": ranks,
-            "final": dict(zip(("clean", "nan", "spike", "resumed"), ranks[0])),
+        # stopped at step 11 (a checkpoint the uninterrupted run does not have) and resumed from that checkpoint
+        stopped = prepare_new(
+            load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over + ["faults.stop_after_step=11"])
+        )
+        after_stop = prepare_new(load_config(ROOT / "configs" / "demo-decoder.yaml", spike_over))
+        after_stop.config["checkpoint"] = {
+            **after_stop.config["checkpoint"],
+            "resume_from": str(Path(stopped.run_dir) / "step_00000011"),
         }
+        jobs = [clean, nan, spike, resumed, stopped, after_stop]
+        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop")
+        ranks = run_jobs(2, jobs, fresh=False)
+        yield {"work": work, "jobs": dict(zip(names, jobs)), "ranks": ranks, "final": dict(zip(names, ranks[0]))}
 
 
 def test_nan_gradient_on_one_rank_is_skipped_on_all_ranks(fault_runs):
@@ -343,7 +348,7 @@ def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_r
 
 def test_resume_through_a_rollback_is_bitwise(fault_runs):
     """Resumed from step 8 (before the injected spike): the same spike, the same rollback, the same
-    skipped window and the same losses and final weights, bit for bit."""
+    skipped window and the same losses and final weights, bit for bit; also resumed from a stop's checkpoint."""
     from pretrain.export.checkpoints import consolidated_state_dict
 
     spike, resumed = fault_runs["final"]["spike"], fault_runs["final"]["resumed"]
@@ -365,6 +370,12 @@ def test_resume_through_a_rollback_is_bitwise(fault_runs):
     wa = consolidated_state_dict(Path(fault_runs["jobs"]["spike"].run_dir) / "step_00000024", zero_stage=1)
     wb = consolidated_state_dict(Path(fault_runs["jobs"]["resumed"].run_dir) / "step_00000024", zero_stage=1)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Resumed from the checkpoint a stop wrote at step 11: not a rollback target (the uninterrupted run has none
+    # there, and rolls back to step 8), so the same rollback, window and losses.
+    after_stop = fault_runs["final"]["after_stop"]
+    assert fault_runs["final"]["stopped"]["step"] == 11 and events(after_stop) == events(spike)
+    c = metric_history(fault_runs["jobs"]["after_stop"].run_id)
+    assert sorted(c) == list(range(9, 25)) and all(a[s] == c[s] for s in c)  # (9-11 again after the rollback)
 
 
 # ----------------------------------------------------------------------------------------------

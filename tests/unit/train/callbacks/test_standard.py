@@ -119,4 +119,7 @@ def test_the_checkpointed_names_stay():
         "LayerDropCallback": "layer_drop_window",
         "EarlyExitCallback": "early_exit_window",
         "MetricsLogger": "metrics_window",
+        "CheckpointCallback": "checkpoint",
+        "ValidationCallback": "validation",
+        "TaskEvaluation": "task_evaluation",
     }
