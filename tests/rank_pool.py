@@ -21,14 +21,7 @@ __all__ = ["close_pools", "run_distributed"]
 def _serve(rank: int, world: int, port: int, store_path: str, tasks, results, parent: int) -> None:
     """A rank of a ``_RankPool``: join the gloo group once, then run each task it is sent, in the caller's working
     directory and environment, until told to stop (or its parent is gone)."""
-    ours = dict(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    ours = spawn.rank_env(rank, world, port)
     os.environ.update(ours)
     import torch.distributed as dist
 

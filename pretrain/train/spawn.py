@@ -21,8 +21,9 @@ import torch.multiprocessing as mp
 from pretrain.train.dist import free_port
 
 
-def _entry(rank, world_size, port, store_path, fn, args, queue):
-    os.environ.update(
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``world_size`` local processes (as torchrun sets it)."""
+    return dict(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -30,6 +31,10 @@ def _entry(rank, world_size, port, store_path, fn, args, queue):
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+
+
+def _entry(rank, world_size, port, store_path, fn, args, queue):
+    os.environ.update(rank_env(rank, world_size, port))
     try:
         import torch.distributed as dist
 
