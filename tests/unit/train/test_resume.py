@@ -20,3 +20,28 @@ def test_expert_parallel_state_of_another_layout_is_converted(tmp_path):
     assert expert_layout_changed(ckpt(2, 2), 1, 2)
     assert expert_layout_changed(ckpt(2, 2), 2, 4)
     assert expert_layout_changed(ckpt(1, 1), 2, 2)
+
+
+def test_a_resume_after_an_upcycling_growth_takes_the_checkpoints_architecture_and_a_layout_that_fits(tmp_path):
+    """A dense run that grew into experts resumes with the grown model and MoE sections; expert parallelism stays as
+    configured where the saved expert count allows it, else 1 (as the growth set it), and the plan follows."""
+    from pretrain.checkpoint import store as ckpt_io
+    from pretrain.checkpoint.manifest import Manifest
+    from pretrain.config import dump_yaml, load_config, make_plan
+    from pretrain.train.resume import checkpoint_architecture
+
+    dense = [
+        "model.activation=swiglu",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "cluster.num_workers=4",
+    ]
+    for ep, experts, resumed_ep in ((2, 4, 2), (4, 6, 1)):
+        cfg = load_config(None, [*dense, f"parallel.expert={ep}"])
+        grown = load_config(
+            None, [*dense, f"moe.num_experts={experts}", "moe.top_k=2", f"parallel.expert={resumed_ep}"]
+        )
+        (tmp_path / "config.yaml").write_text(dump_yaml(grown))
+        out = checkpoint_architecture(cfg, ckpt_io.CommittedCheckpoint(tmp_path, 5, Manifest(step=5)))
+        assert (out.moe.num_experts, out.moe.top_k, out.parallel.expert) == (experts, 2, resumed_ep)
+        assert make_plan(out, 4).dims.expert == resumed_ep and make_plan(cfg, 4).dims.expert == 1
