@@ -42,7 +42,7 @@ class EvalConfig:
                     )
                 name = spec
             else:
-                path = Path(spec).expanduser()
+                path = Path(os.path.expanduser(spec))  # (an unknown ~user stays as written: no such file)
                 if path.suffix == ".jsonl" and not_a(path):  # a FIFO, a directory: what it is, not "no such file"
                     raise ConfigError(f"eval.tasks[{i}]: {quote(spec)} {not_a(path)}")
                 if path.suffix != ".jsonl" or not os.path.isfile(path):  # (Path.is_file raises on a too long name)

@@ -267,3 +267,19 @@ class StabilityConfig:
     """Length of the LR cool-down after a rollback, in steps (0 disables)."""
     plot_at_end: bool = True
     """Rank 0 draws loss, gradient norm and events into a PNG in the run directory (and MLflow) at the end."""
+
+
+MAX_SECONDS = 1e9
+"""The longest wait a config may give (about 31 years; Python's timers overflow near 9.2e9 s)."""
+
+
+def check_waits(checkpoint: CheckpointConfig, faults: FaultsConfig) -> None:
+    """The config's waits within :data:`MAX_SECONDS` (a longer one would overflow its timer, mid-run)."""
+    for key, seconds in (
+        ("checkpoint.stop_timeout_s", checkpoint.stop_timeout_s),
+        ("faults.slow_checkpoint_s", faults.slow_checkpoint_s),
+        ("faults.slow_step_s", faults.slow_step_s),
+        ("faults.slow_run_creation_s", faults.slow_run_creation_s),
+    ):
+        if seconds > MAX_SECONDS:
+            raise ConfigError(f"{key}: {seconds:g} s is more than {MAX_SECONDS:g} s, the longest wait accepted")

@@ -26,6 +26,7 @@ from pretrain.config.runtime import (
     StabilityConfig,
     TrackingConfig,
     ZeroConfig,
+    check_waits,
 )
 from pretrain.config.train import TrainConfig
 from pretrain.parallel import rules  # a module, not its names: rules.py imports pretrain.config.errors
@@ -42,6 +43,7 @@ MAX_SIZE = {
     "model.vocab_size": 1 << 24,
     "model.max_seq_len": 1 << 24,
     "moe.num_experts": 4096,
+    "moe.ffn_size": 1 << 22,
 }
 """The largest sizes accepted: far beyond real models (126 blocks, width 16,384, 256k tokens, 1M-token contexts),
 and small enough that a shape-only model of them is built in seconds and its tensor sizes fit int64."""
@@ -186,6 +188,7 @@ class RunConfig:
             ("model.vocab_size", m.vocab_size),
             ("model.max_seq_len", m.max_seq_len),
             ("moe.num_experts", self.moe.num_experts),
+            ("moe.ffn_size", self.moe.ffn_size),
         ):
             if value > MAX_SIZE[key]:
                 raise ConfigError(f"{key}: {value:,} is more than {MAX_SIZE[key]:,}, the most accepted")
@@ -224,6 +227,9 @@ class RunConfig:
                 f"cluster.cpus_per_worker: Ray reserves a fraction below 1 or a whole number of CPUs, "
                 f"got {c.cpus_per_worker:g}"
             )
+        check_waits(self.checkpoint, self.faults)
+        if self.tracking.enabled and not self.tracking.experiment.strip():
+            raise ConfigError("tracking.experiment: empty; name the MLflow experiment (default pretrain)")
         if t.global_batch_size > MAX_GLOBAL_BATCH:
             raise ConfigError(
                 f"train.global_batch_size: {t.global_batch_size} is more than {MAX_GLOBAL_BATCH:,} sequences per step"

@@ -77,6 +77,7 @@ def load_value(text: str) -> Any:
         if node is None:
             return None
         _check_size(node)
+        _check_duplicates(node, "", set())  # as in a file: {num_layers: 2, num_layers: 8} is refused
         return loader.construct_document(node)
     finally:
         loader.dispose()

@@ -2,8 +2,10 @@
 
 Routing (same as Hugging Face Mixtral / Qwen3-MoE / OLMoE, so exports are exact): fp32 softmax over the
 router logits, top-k, optionally renormalized; each token's output is the weighted sum of its experts'
-SwiGLU/GELU FFNs, accumulated in expert order: the top-k MoE FFN of T. Xiao and J. Zhu, "Introduction to
-Transformers: an NLP Perspective" (arXiv:2311.17633), sec. 4.4, eqs. 114, 115 and 118 (after Shazeer et al. 2017).
+SwiGLU/GELU FFNs, accumulated in expert order (``index_add_``: in that order on CPU, bitwise reproducible there; on
+CUDA its atomic adds take any order, so with top_k >= 3 the sum may differ in its last bits from run to run): the
+top-k MoE FFN of T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective" (arXiv:2311.17633), sec.
+4.4, eqs. 114, 115 and 118 (after Shazeer et al. 2017).
 The training objective adds the Switch Transformer load-balancing loss (Fedus et al. 2021, arXiv:2101.03961) and
 the router z-loss (ST-MoE: Zoph et al. 2022, arXiv:2202.08906). With ``capacity_factor > 0`` training drops
 assignments beyond ceil(factor * tokens * k / E) per expert of this worker's micro-batch (first choices first, then

@@ -217,3 +217,40 @@ def test_a_fifo_is_reported_as_what_it_is(tmp_path, capsys, monkeypatch):
         with pytest.raises(store.CheckpointError, match=wanted):
             find(ckpt)
     assert store.list_committed(ckpt) == []  # listing (`runs`) stays quiet
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["eval.tasks=['~nosuchuser/x.jsonl']"],
+            "eval.tasks[0]: '~nosuchuser/x.jsonl' is neither heldout_lastword nor",
+        ),
+        (["layer_drop.early_exit.layers=every:²"], "layer_drop.early_exit.layers: expected '', 'all', 'every:N' (1 <="),
+        (
+            ["layer_drop.early_exit.layers=every:99"],
+            "layer_drop.early_exit.layers: expected '', 'all', 'every:N' (1 <=",
+        ),
+        (["moe.num_experts=4", "moe.ffn_size=1000000000000000000"], "moe.ffn_size: 1,000,000,000,000,000,000 is more"),
+        (["checkpoint.stop_timeout_s=1e10"], "checkpoint.stop_timeout_s: 1e+10 s is more than 1e+09 s, the longest"),
+        (["faults.slow_step_s=1e19"], "faults.slow_step_s: 1e+19 s is more than 1e+09 s"),
+        (["tracking.experiment=''"], "tracking.experiment: empty; name the MLflow experiment"),
+        (["model={num_layers: 2, num_layers: 8}"], "model: num_layers: duplicate key"),
+    ],
+    ids=[
+        "unknown-user",
+        "unicode-digit",
+        "exit-beyond-depth",
+        "moe-ffn",
+        "stop-timeout",
+        "slow-step",
+        "experiment",
+        "dup",
+    ],
+)
+def test_values_that_would_fail_later_are_refused_at_load(overrides, message):
+    """Each of these loaded once and then failed when the run was created or mid-run (an internal error, a timer
+    that never fires, a silently ignored key): now one line naming the field, at load."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert one_short_line(e).startswith(message), str(e.value)
