@@ -138,11 +138,19 @@ def upload_excludes(cfg) -> list[str]:
 
 def _stage_working_dir(config_yaml: str, excludes: list[str] = EXCLUDES) -> Path:
     """A temp dir mirroring the repo root (symlinks; Ray's packer follows them) plus the job config; top-level
-    entries that ``excludes`` names are left out (the upload applies the other patterns)."""
+    entries that ``excludes`` names are left out (the upload applies the other patterns), and so are top-level
+    links out of the checkout (``data -> /mnt/corpus``: Ray's packer would upload what they point at), each said."""
     stage = Path(tempfile.mkdtemp(prefix="pretrain-submit-"))
     top = [e.lstrip("/") for e in excludes if "/" not in e.lstrip("/")]
-    for entry in ROOT.iterdir():
+    for entry in sorted(ROOT.iterdir()):
         if entry.name == JOB_CONFIG_NAME or any(fnmatch.fnmatch(entry.name, e) for e in top):
+            continue
+        if entry.is_symlink() and not entry.resolve().is_relative_to(ROOT):
+            print(
+                f"[submit] not uploaded: {entry.name} (a link to {entry.resolve()}, outside the checkout; a job "
+                f"reads such data where the cluster sees it)",
+                file=sys.stderr,
+            )
             continue
         (stage / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     (stage / JOB_CONFIG_NAME).write_text(config_yaml)

@@ -197,7 +197,7 @@ def test_staged_working_dir_mirrors_repo_with_excludes():
     assert not (ROOT / submit.JOB_CONFIG_NAME).exists()  # nothing written into the checkout
 
 
-def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_their_name(monkeypatch):
+def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_their_name(monkeypatch, capsys):
     from cluster import submit
     from pretrain.config import load_config
 
@@ -214,12 +214,18 @@ def test_the_upload_leaves_out_credentials_and_the_runs_checkpoints_whatever_the
         assert "/wheels-test-upload" in submit.upload_excludes(cfg), "a wheelhouse made in the checkout stays"
     finally:
         shutil.rmtree(wheels)
-    stage = submit._stage_working_dir("name: x\n", [*excludes, "/configs"])  # a top-level entry, left out
+    outside = ROOT / "corpus-link-test-upload"
+    outside.symlink_to("/usr/share", target_is_directory=True)  # a link out of the checkout: not uploaded
+    try:
+        stage = submit._stage_working_dir("name: x\n", [*excludes, "/configs"])  # a top-level entry, left out
+    finally:
+        outside.unlink()
     try:
         names = {p.name for p in stage.iterdir()}
-        assert "configs" not in names and "pretrain" in names
+        assert "configs" not in names and "pretrain" in names and outside.name not in names
     finally:
         shutil.rmtree(stage)
+    assert f"[submit] not uploaded: {outside.name} (a link to /usr/share" in capsys.readouterr().err
 
 
 def test_an_address_with_a_password_or_that_is_no_url_gets_one_line_without_the_password(capsys):
