@@ -77,6 +77,29 @@ def test_token_bytes_spell_the_text(tokenizer):
     assert lengths[tokenizer.eos_token_id] == 0 and lengths[len(tokenizer) :].sum() == 0
 
 
+def test_token_bytes_of_a_sentencepiece_style_vocabulary_with_byte_fallback():
+    """Llama 2's tokenizer style (``▁`` for a space, ``<0xNN>`` for a byte it lacks): the tokens of a text spell its
+    UTF-8 bytes plus the one space the tokenizer puts before its first word."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(
+        ["the cat sat on the mat", "hello world"] * 50, trainers.BpeTrainer(vocab_size=400, special_tokens=specials)
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    lengths = token_byte_lengths(fast, len(fast))
+    for text in ("the cat sat", "naïve café 日本語 🙂", "x"):
+        ids = fast(text, add_special_tokens=False)["input_ids"]
+        assert any(fast.convert_ids_to_tokens(i).startswith("<0x") for i in ids) or text == "the cat sat"
+        assert int(lengths[ids].sum()) == len(text.encode("utf-8")) + 1, (text, fast.convert_ids_to_tokens(ids))
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoint vs exported directory
 # ----------------------------------------------------------------------------------------------
