@@ -48,7 +48,10 @@ from eval.sources import EvalSource, data_config, open_source
 from pretrain.config import ConfigError
 from pretrain.config.errors import ArgumentParser
 from pretrain.data.token_bytes import token_byte_lengths
-from pretrain.model.score import score_batches
+from pretrain.model.score import NoTokensError, score_batches
+
+DEFAULT_SEQUENCES = 64
+"""Sequences scored when neither ``--sequences`` nor the run says (a run with ``train.val_sequences: 0``)."""
 
 # ----------------------------------------------------------------------------------------------
 # Scoring (the functional core: logits function + batches -> metrics)
@@ -173,14 +176,17 @@ def evaluate_source(
         raise ConfigError(f"--seq-len must be from 2 to the model's context, {src.context}; got {seq_len}")
     dcfg = data_config(src, list(data))
     T = src.seq_len if seq_len is None else seq_len
-    n = src.val_sequences if sequences is None else sequences
+    n = (src.val_sequences or DEFAULT_SEQUENCES) if sequences is None else sequences  # 0: a run without validation
     if dcfg.val_holdout <= 0 and not dcfg.val_sources:
         raise ConfigError(f"{src.label}: the run has no validation data (val_holdout 0); pass --data PATH")
     batches = validation_batches(
         dcfg, kind=src.kind, seq_len=T, tokenizer=src.tokenizer, val_sequences=n, micro_batch=batch_size, seed=src.seed
     )
     byte_lengths = token_byte_lengths(src.tokenizer, src.vocab_size) if src.kind == "decoder" else None
-    metrics = score(src.logits_fn, batches, src.kind, byte_lengths)
+    try:
+        metrics = score(src.logits_fn, batches, src.kind, byte_lengths)
+    except NoTokensError as e:  # e.g. an encoder's few short sequences with no position masked
+        raise ConfigError(f"{src.label}: {e}; score more or longer sequences (--sequences, --seq-len)") from None
     result: dict[str, Any] = {
         **metrics,
         "kind": src.kind,

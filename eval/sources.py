@@ -47,6 +47,15 @@ class EvalSource:
     """How the run scored its tasks (``eval.max_examples``, ``eval.num_choices``): what ``--tasks`` does unless told."""
 
 
+def _export_tasks(meta: dict[str, Any]) -> dict[str, int]:
+    """How the run of our export scored its tasks (``pretrain_export.json``'s ``eval``; the defaults otherwise)."""
+    out = {"max_examples": 200, "num_choices": 4}
+    saved = meta.get("eval")
+    if isinstance(saved, dict):
+        out.update({k: int(saved[k]) for k in out if isinstance(saved.get(k), int)})
+    return out
+
+
 def open_hf_dir(path: Path) -> EvalSource:
     from eval.hf_dir import open_hf_dir as open_dir
 
@@ -67,6 +76,7 @@ def open_hf_dir(path: Path) -> EvalSource:
         context=int(meta.get("max_seq_len") or max_pos),
         seed=int(meta.get("seed", 0)),
         val_sequences=int(meta.get("val_sequences", 64)),
+        tasks=_export_tasks(meta),
         vocab_size=int(config.vocab_size),
         info={"hf_class": type(model).__name__, "exported_from": src or None},
     )

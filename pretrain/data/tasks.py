@@ -57,8 +57,12 @@ def load_jsonl_task(path: str | Path, max_examples: int) -> Task:
     """The first ``max_examples`` examples of a task file (one-line :class:`ConfigError` naming the line)."""
     path = Path(path)
     examples, types = [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"eval.tasks: {path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
             if not line.strip():
                 continue
             try:
@@ -95,7 +99,10 @@ def heldout_lastword(documents, max_examples: int, num_choices: int, seed: int, 
                 pairs.append((" ".join(words[:-1]), words[-1]))
     pool = sorted(vocab)
     if len(pairs) == 0 or len(pool) < num_choices:
-        raise ValueError("eval.tasks: heldout_lastword: the held-out text has too few sentences or words")
+        raise ConfigError(
+            f"eval.tasks: heldout_lastword: the held-out text has too few sentences (of 6 words or more: "
+            f"{len(pairs)}) or words ({len(pool)}; {num_choices} choices need as many)"
+        )
     examples = []
     for k, (context, word) in enumerate(pairs):
         rng = random.Random(f"{seed}:{k}")

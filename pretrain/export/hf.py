@@ -334,6 +334,7 @@ def export_checkpoint(
         "seed": cfg.train.seed,
         "val_sequences": cfg.train.val_sequences,
         "max_seq_len": cfg.model.max_seq_len,
+        "eval": {"max_examples": cfg.eval.max_examples, "num_choices": cfg.eval.num_choices},  # how it scored tasks
     }
     refs = mlflow_references(loaded.run_id, register)
     report = export_model(

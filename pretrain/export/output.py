@@ -120,6 +120,10 @@ def check_out(out: Path, *, hashes: bool = False) -> Earlier | None:
     before the work); :func:`commit` checks sha256."""
     out = out.expanduser().resolve()
     if not out.exists():
+        parent = next(p for p in out.parents if p.exists())  # the nearest that exists ("/" at the last)
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            what = "is not a directory" if not parent.is_dir() else "is not writable"
+            raise ConfigError(f"--out {out}: {parent} {what}, so the export cannot be made there; pick another --out")
         return None
     if not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory; pick another --out")

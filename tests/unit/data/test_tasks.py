@@ -30,3 +30,15 @@ def test_heldout_lastword_of_token_shards_is_the_task_of_their_text(tmp_path, co
         return DataConfig(sources=[SourceConfig(path=str(corpus))], val_sources=[SourceConfig(path=str(path))])
 
     assert _examples(val_on(shards)) == _examples(val_on(corpus))  # data.val_sources of token shards too
+
+
+def test_a_task_file_that_is_not_text_and_held_out_text_too_short_are_one_line(tmp_path):
+    from pretrain.config import ConfigError
+    from pretrain.data.tasks import heldout_lastword, load_jsonl_task
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"context": "a", "choices": ["b", "c"], "answer": 0}\n\xff\xfe\n')
+    with pytest.raises(ConfigError, match=rf"^eval.tasks: {path}:2: not UTF-8 text \(byte 0xff\)$"):
+        load_jsonl_task(path, 10)
+    with pytest.raises(ConfigError, match=r"^eval.tasks: heldout_lastword: the held-out text has too few sentences"):
+        heldout_lastword(["Too short.", "Also short here."], 10, 4, 0)

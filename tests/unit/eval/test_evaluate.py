@@ -302,3 +302,14 @@ def test_the_harness_refuses_a_path_model_args_cannot_carry(name, tmp_path, monk
     line, results = run_harness(src, "t")  # type: ignore[arg-type]
     assert line == f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped t"
     assert results is None and not calls
+
+
+def test_a_run_without_validation_is_evaluated_on_the_default_count(tokenizer_dir, workdir):
+    """``train.val_sequences: 0`` (no validation while training) still evaluates: 64 sequences unless told."""
+    from eval.evaluate import DEFAULT_SEQUENCES
+
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"], ["train.val_sequences=0"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    out = evaluate(str(ckpt), sample=False)
+    assert 0 < out["sequences"] <= DEFAULT_SEQUENCES and out["tokens"] > 0
+    assert evaluate(str(ckpt), sequences=3, sample=False)["sequences"] == 3

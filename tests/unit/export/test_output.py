@@ -90,6 +90,13 @@ def test_foreign_directory_is_refused_unchanged(run_dir, workdir, capsys):
     # an empty directory is fine
     (workdir / "empty").mkdir()
     assert export(capsys, str(run_dir), "--out", "empty") == (0, [])
+    # under a file: refused before any work, in one line
+    (workdir / "afile").write_text("x")
+    code, errors = export(capsys, str(run_dir), "--out", "afile/model")
+    assert code == 2 and errors == [
+        f"error: --out {workdir / 'afile' / 'model'}: {workdir / 'afile'} is not a directory, so the export cannot "
+        f"be made there; pick another --out"
+    ], errors
 
 
 def test_user_modified_or_user_named_files_are_refused(run_dir, workdir, capsys):
