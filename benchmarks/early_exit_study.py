@@ -85,7 +85,7 @@ def early_exit_steps(cfg, budget: float, per_token: float, tokens_per_step: int,
     head = exit_head_flops(cfg.model.vocab_size, cfg.model.hidden_size)
     n = max(1, math.ceil(budget / (tokens_per_step * per_token)))
     for _ in range(20):  # a fixed point: the curriculum's exits per step depend on the run's length
-        executed = executed_share(ld.rate, ld.schedule, ld.gamma, ld.by_depth, L, n, share) if ld.rate else 1.0
+        executed = executed_share(ld, L, n, share)  # its mode and warm-up counted (sample mode: every block runs)
         exits = sum(len(active_exits(ld.early_exit, L, t, n)) for t in range(n)) / n
         step_flops = tokens_per_step * (per_token * executed + exits * head)
         n_next = max(1, round(budget / step_flops))
@@ -193,6 +193,7 @@ def study(
         "flops_per_token": {"baseline": per_token, "early-exit": arithmetic["flops_per_token"]},
         "early_exit_flops": arithmetic,
         "train_seconds": {k: r.seconds[-1][0] for k, r in runs.items()},
+        "threads_per_worker": {k: r.threads for k, r in runs.items()},  # seconds compare at equal threads only
         "threads": torch.get_num_threads(),
         "final_val_loss": final,
         "loss_gap": final["early-exit"] - final["baseline"],

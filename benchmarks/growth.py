@@ -17,7 +17,9 @@ at most :data:`benchmarks.study.MAX_EPOCHS` times.
 A saving against an oversized target is no gain: the study also trains each recipe's small model alone on the whole
 budget and reports, per seed, ``target_ahead_of_small`` and ``grown_vs_best_alternative`` (:func:`alternatives`),
 and the iso-FLOP scan those runs make (:func:`iso_flop`); ``--scan`` runs only that scan. With ``--sizes`` the
-study also runs scratch, the best recipe and its small model alone at two smaller targets (:func:`_trend`).
+study also runs scratch, the best recipe and its small model alone at two smaller targets (:func:`_trend`; a size
+where a recipe makes no valid model, ``stack4`` of 2 blocks, is refused before anything trains, or with
+``--sizes auto`` left out: ``trend_skipped``).
 Every run's final model is probed for in-context copying (``in_context_copying``, :mod:`benchmarks.copying`): at
 the studies' sizes whether the target from scratch learned it decides most of a recipe's saving, so a saving is
 read against it; a reused run's model is read from its checkpoints (a run is reused only while they are on disk).
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.growth_check import check_grows_into_target, check_runs, check_share, checked
+from benchmarks.growth_check import check_grows_into_target, check_runs, check_share, checked, runnable_sizes
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
@@ -219,6 +221,9 @@ def growth_bench(
     if not scan:
         recipe_book = {n: recipes(target)[n] for n in names}
         check_grows_into_target(study.config, model_overrides(target), recipe_book, flops)
+    trend_ok, trend_skipped = runnable_sizes(study.config, sizes_of(target), recipes, names, flops)
+    if sizes and trend_skipped and not scan:  # asked for: refused before anything trains
+        raise SystemExit(f"bench --growth --sizes: {trend_skipped[0]['why']} (at {trend_skipped[0]['target']})")
     runs = plan(target, names, seeds, scan)
     # the run that reads most tokens starts at the smallest model (a grown run reads fewer than its model alone)
     archs = {n: small_model(target, extra[len(model_overrides(target)) :]) for n, _, extra in runs}
@@ -272,7 +277,8 @@ def growth_bench(
     out["iso_flop"] = iso_flop(out, {n: _parameters(study, a) for n, a in archs.items()}, per_token)
     best = out.get("best_recipe")
     if best and (sizes or (sizes is None and (out["growth_flops_saving"][best] or -1) < 0.25)):
-        out["trend"] = _trend(study, out, best, tokens, seeds[0], points)
+        out["trend"] = _trend(study, out, best, tokens, seeds[0], points, trend_ok)
+        out["trend_skipped"] = trend_skipped
     figure = _plot(out, study.work / "growth_vs_scratch.png")
     out["plot"] = str(figure)
     out["mlflow"] = {"tracking_uri": study.uri, "parent_run": study.parent}
@@ -348,11 +354,11 @@ def _min_saving(values) -> float | None:
     return None if any(v is None for v in values) else min(values)
 
 
-def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: int) -> list[dict]:
-    """Per target size: scratch, the best recipe and its small model alone (one seed; the target's scratch and best
-    runs are the study's)."""
+def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: int, archs: list[dict]) -> list[dict]:
+    """Per target size of ``archs`` (those every recipe runs at): scratch, the best recipe and its small model alone
+    (one seed; the target's scratch and best runs are the study's)."""
     rows = []
-    for arch in sizes_of(out["target"]):
+    for arch in archs:
         flops, share = _budget(study, arch, tokens)
         budget = [f"train.seed={seed}", *out["data_repeat"], *budget_overrides(flops, points)]
         recipe = recipes(arch)[best]

@@ -93,3 +93,25 @@ def check_grows_into_target(config, target: list[str], recipes: dict[str, list[s
             raise SystemExit(
                 f"bench --growth: recipe {name} grows into another model than the target: {', '.join(wrong)}"
             )
+
+
+def runnable_sizes(config, archs: list[dict], book, names: list[str], flops: float) -> tuple[list[dict], list[dict]]:
+    """The trend's target sizes (``archs``) where every recipe of ``names`` is a valid run, and the others with why
+    (e.g. ``stack4`` of a 2-block target: a 0-block small model), checked before anything trains. ``book(arch)``:
+    recipe name -> its overrides at that size."""
+    from pretrain.config import ConfigError
+
+    ok, skipped = [], []
+    for arch in archs:
+        why = ""
+        for name in names:
+            try:
+                config([*(f"model.{k}={v}" for k, v in arch.items()), *book(arch)[name], f"train.max_flops={flops}"])
+            except ConfigError as e:
+                why = f"{name}: {e}"
+                break
+        if why:
+            skipped.append({"target": arch, "why": why})
+        else:
+            ok.append(arch)
+    return ok, skipped

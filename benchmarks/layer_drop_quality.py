@@ -14,7 +14,9 @@ parent run (:mod:`benchmarks.study`).
   (the paper's gamma scaled to this run's length). It trains for as many steps as the FLOPs the no-drop run executes
   allow (a dropped block's FLOPs are not executed), so both runs execute the same FLOPs.
   ``pld_time_to_loss_speedup`` = the no-drop run's training seconds to its final validation loss / PLD's training
-  seconds to reach that loss (``val/train_s``, validation and checkpoints left out; None: never reached).
+  seconds to reach that loss (``val/train_s``, validation and checkpoints left out; None: never reached, or the two
+  runs trained with other thread counts, ``threads_per_worker``: a baseline reused from a study that trained several
+  runs at once had fewer cores than PLD trained here).
 - ``layer-drop``: constant rate ``--prune-rate`` on every block (LayerDrop, Fan et al. 2019, arXiv:1909.11556),
   as many steps as no-drop; then ``prune layers=every_other scale=train`` (the kept blocks as they ran in training) and
   ``eval`` (the user's commands), against a half-depth model trained from scratch on the FLOPs the layer-drop run
@@ -31,7 +33,7 @@ import io
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
 from benchmarks.study import (
@@ -43,29 +45,44 @@ from benchmarks.study import (
     corpus_overrides,
     epochs,
     model_parameters,
+    seconds_comparable,
     study_base,
     time_to_loss_speedup,
     vocab_of,
 )
 
-
-def executed_share(rate: float, schedule: str, gamma: float, by_depth: str, blocks: int, steps: int, share: float):
-    """Mean share of the nominal FLOPs per step that layer dropout leaves executed over ``steps`` steps (blocks
-    carry ``share`` of the FLOPs; a dropped block executes none)."""
+if TYPE_CHECKING:
     from pretrain.config import LayerDropConfig
+
+
+def executed_share(ld: LayerDropConfig, blocks: int, steps: int, share: float) -> float:
+    """Mean share of the nominal FLOPs per step that layer dropout ``ld`` leaves executed over ``steps`` steps
+    (blocks carry ``share`` of the FLOPs; a dropped block executes none in ``layer`` mode; in ``sample`` mode, and
+    without dropout, every block runs)."""
     from pretrain.model.layerdrop import base_rate
 
-    cfg = LayerDropConfig(rate=rate, schedule=schedule, gamma=gamma, by_depth=by_depth)  # type: ignore[arg-type]
-    depth = (blocks + 1) / (2 * blocks) if by_depth == "linear" else 1.0  # mean of (l + 1) / L
-    dropped = sum(base_rate(cfg, t) for t in range(steps)) / steps * depth
+    if ld.rate == 0 or ld.mode != "layer":
+        return 1.0
+    depth = (blocks + 1) / (2 * blocks) if ld.by_depth == "linear" else 1.0  # mean of (l + 1) / L
+    dropped = sum(base_rate(ld, t) for t in range(steps)) / steps * depth
     return 1.0 - share * dropped
+
+
+def _dropout(rate: float, schedule: str, gamma: float, by_depth: str) -> LayerDropConfig:
+    """This study's layer dropout (``layer`` mode: a dropped block does no work)."""
+    from pretrain.config import LayerDropConfig
+
+    kw: dict[str, Any] = dict(rate=rate, schedule=schedule, gamma=gamma, by_depth=by_depth, mode="layer")
+    return LayerDropConfig(**kw)
 
 
 def _pld_steps(steps: int, rate: float, gamma_t: float, blocks: int, share: float) -> int:
     """PLD steps that execute the FLOPs of ``steps`` no-drop steps (gamma = gamma_t / PLD steps)."""
     n = steps
     for _ in range(20):  # a fixed point: the schedule's length sets gamma
-        n_next = math.ceil(steps / executed_share(rate, "progressive", gamma_t / n, "linear", blocks, n, share))
+        n_next = math.ceil(
+            steps / executed_share(_dropout(rate, "progressive", gamma_t / n, "linear"), blocks, n, share)
+        )
         if n_next == n:
             break
         n = n_next
@@ -126,7 +143,7 @@ def study(
     share = block_flops_share(cfg.model, plan.seq_len, cfg.moe)
     pld_steps = _pld_steps(steps, pld_rate, pld_gamma_t, blocks, share)
     gamma = pld_gamma_t / pld_steps
-    ld_share = executed_share(prune_rate, "constant", 1.0, "uniform", blocks, steps, share)
+    ld_share = executed_share(_dropout(prune_rate, "constant", 1.0, "uniform"), blocks, steps, share)
     half = [f"model.num_layers={blocks // 2}"]
     half_share = block_flops_share(st.config(half).model, plan.seq_len, cfg.moe)
     # half the blocks: per step (1 - share) + share / 2 of the full model's FLOPs (same head, half the blocks)
@@ -183,7 +200,11 @@ def study(
             "layer-drop, scale=inference": _prune_and_eval(st, ld.source, eval_sequences, "inference"),
         }
         row: dict[str, Any] = {
-            "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds),
+            # seconds compare only between runs of equal threads (a reused baseline may have had fewer cores)
+            "pld_time_to_loss_speedup": time_to_loss_speedup(nodrop.seconds, prog.seconds)
+            if seconds_comparable(nodrop, prog)
+            else None,
+            "threads_per_worker": {"no-drop": nodrop.threads, "pld": prog.threads},
             "final_val_loss": {
                 "no-drop": nodrop.final_loss,
                 "half-depth, equal FLOPs": equal.final_loss,

@@ -200,6 +200,20 @@ def _curve(client, run_id: str, x_key: str) -> Curve:
     return [(xs[s], loss[s]) for s in sorted(loss) if s in xs]
 
 
+def _threads(run) -> int | None:
+    from pretrain.train.tracking import THREADS_TAG
+
+    value = run.data.tags.get(THREADS_TAG, "")
+    return int(value) if value.isdigit() else None
+
+
+def seconds_comparable(*runs: RunCurves) -> bool:
+    """Whether the runs' training seconds can be compared: each recorded the threads it trained with, all equal (a
+    run reused from a study that ran several at once may have had fewer cores than one trained alone)."""
+    threads = {r.threads for r in runs}
+    return len(threads) == 1 and None not in threads
+
+
 @dataclass
 class RunCurves:
     """One finished run of a study: its id, validation loss against FLOPs and against training seconds, and what
@@ -214,6 +228,9 @@ class RunCurves:
     config: dict = field(default_factory=dict)
     source: str = ""
     tracking_uri: str = ""
+    threads: int | None = None
+    """The torch threads per worker it trained with (None: not recorded, a run made before they were): seconds are
+    comparable between runs of equal threads only."""
 
     def __post_init__(self) -> None:
         self.source = self.source or self.run_id
@@ -355,6 +372,7 @@ class Study:
             self.curve(run_id, "val/train_s"),
             int(final.get("step", 0)),
             to_dict(cfg),
+            threads=_threads(self.client.get_run(run_id)),
         )
         if out.steps < cfg.train.max_steps:
             raise RuntimeError(f"{label}: stopped at step {out.steps} of {cfg.train.max_steps} (data exhausted?)")
@@ -398,6 +416,7 @@ class Study:
             to_dict(want),
             root if checkpoint else run_id,
             uri,
+            _threads(found),
         )
 
     def steps(self, extra: list[str]) -> int:

@@ -25,6 +25,8 @@ from pretrain.train.mlflow_store import sqlite_path
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"
+THREADS_TAG = "pretrain.threads_per_worker"
+"""The torch threads each worker of the run trained with (its training seconds depend on them)."""
 TAG_CKPT_LATEST = "pretrain.checkpoint_latest"
 TAG_CKPT_STEP = "pretrain.checkpoint_step"
 TAG_RESUMED_FROM = "pretrain.resumed_from"

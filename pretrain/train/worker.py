@@ -37,7 +37,7 @@ from pretrain.train.module import build_module
 from pretrain.train.progress import Progress
 from pretrain.train.resume import checkpoint_architecture, ep_size_of, find_resume_point, restore, resume_source
 from pretrain.train.stability.control import StabilityControl
-from pretrain.train.tracking import Tracker
+from pretrain.train.tracking import THREADS_TAG, Tracker
 from pretrain.train.trainer import Trainer, TrainerState
 
 
@@ -147,6 +147,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         f"{threads} thread(s)/worker, compiled blocks {'on' if is_compiled(module.model) else 'off'}"
     )
     progress.say(plan.describe())
+    tracker.set_tags({THREADS_TAG: threads})  # what its seconds (val/train_s) were measured with (rank 0: tracked)
     if cfg.data.val_sources and val_bad.total:  # (those of a val_holdout are training's: its summary counts them)
         progress.say(f"validation: data.val_sources: {summary_line(summarize_bad_records([val_bad]))}")
     if skipped:

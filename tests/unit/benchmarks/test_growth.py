@@ -141,3 +141,16 @@ def test_a_recipe_that_grows_into_another_model_is_refused_before_anything_train
     ):
         check(TARGET, ["stack2@10%", "tile2@10%"])
     check(ARCH, ["stack2@10%"])  # any stacking target
+
+
+def test_trend_sizes_where_a_recipe_makes_no_model_are_known_before_anything_trains():
+    """The default recipe stacks a quarter of the depth: at the trend's 2- and 3-block targets that is no block."""
+    from benchmarks.growth import DEFAULT_RECIPES, TARGET, recipes, sizes_of
+    from benchmarks.growth_check import runnable_sizes
+    from pretrain.config import load_config
+
+    ok, skipped = runnable_sizes(lambda o: load_config(None, o), sizes_of(TARGET), recipes, list(DEFAULT_RECIPES), 1e12)
+    assert ok == [TARGET] and [s["target"]["num_layers"] for s in skipped] == [2, 3]
+    assert skipped[0]["why"] == "stack4@10%: model.num_layers: must be > 0, got 0"
+    ok, skipped = runnable_sizes(lambda o: load_config(None, o), sizes_of(TARGET), recipes, ["stack2@10%"], 1e12)
+    assert ok == sizes_of(TARGET) and skipped == []
