@@ -175,6 +175,8 @@ def evaluate_source(
     if seq_len is not None and not 2 <= seq_len <= src.context:
         raise ConfigError(f"--seq-len must be from 2 to the model's context, {src.context}; got {seq_len}")
     dcfg = data_config(src, list(data))
+    if data:
+        _check_shards_vocabulary(dcfg, src)
     T = src.seq_len if seq_len is None else seq_len
     n = (src.val_sequences or DEFAULT_SEQUENCES) if sequences is None else sequences  # 0: a run without validation
     if dcfg.val_holdout <= 0 and not dcfg.val_sources:
@@ -209,6 +211,21 @@ def evaluate_source(
     return result
 
 
+def _check_shards_vocabulary(dcfg, src: EvalSource) -> None:
+    """Token shards given with ``--data`` hold ids of the tokenizer they were made with: one of another vocabulary
+    size than the model's is refused in one line (scored, its ids would mean other tokens, or none)."""
+    from pretrain.data.shards.compat import shard_dirs
+    from pretrain.data.shards.format import load_manifest
+
+    for _, d in shard_dirs(dcfg):
+        made, have = load_manifest(d).tokenizer.get("vocab_size"), len(src.tokenizer)
+        if made is not None and int(made) != have:
+            raise ConfigError(
+                f"--data {d}: token shards of a tokenizer of {int(made):,} tokens; {src.label} has {have:,} "
+                f"(tokenize the text with its tokenizer: ./launch.sh tokenize ... --tokenizer DIR)"
+            )
+
+
 def evaluate_tasks(
     src: EvalSource,
     specs: list[str],
@@ -229,6 +246,8 @@ def evaluate_tasks(
     from pretrain.train.callbacks.task_evaluation import prepare_tasks, task_metrics
 
     dcfg = data_config(src, list(data))
+    if data:
+        _check_shards_vocabulary(dcfg, src)
     EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices).validate(
         bool(dcfg.val_sources) or dcfg.val_holdout > 0
     )

@@ -313,3 +313,22 @@ def test_a_run_without_validation_is_evaluated_on_the_default_count(tokenizer_di
     out = evaluate(str(ckpt), sample=False)
     assert 0 < out["sequences"] <= DEFAULT_SEQUENCES and out["tokens"] > 0
     assert evaluate(str(ckpt), sequences=3, sample=False)["sequences"] == 3
+
+
+def test_token_shards_of_another_tokenizer_are_refused(tokenizer_dir, workdir):
+    """``--data`` token shards made with a tokenizer of another vocabulary than the model's: one line, not a score of
+    ids that mean other tokens."""
+    from pretrain.config import ConfigError
+    from pretrain.data.tokenizer import train_tokenizer
+    from tests.conftest import corpus_lines
+    from tests.unit.data.shards.common import build_shards
+
+    cfg = small_run_config(workdir, tokenizer_dir, AGREE["llama-decoder"])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model, seed=1), tokenizer_dir, 4)
+    other = train_tokenizer(corpus_lines(300), 300)
+    other.save_pretrained(str(workdir / "other-tok"))
+    text = workdir / "text.txt"
+    text.write_text("\n".join(corpus_lines(400)[:200]) + "\n", encoding="utf-8")
+    build_shards(workdir / "shards", [text], other, workdir / "other-tok")
+    with pytest.raises(ConfigError, match=rf"^--data {workdir / 'shards'}: token shards of a tokenizer of 300 tokens;"):
+        evaluate(str(ckpt), data=[str(workdir / "shards")], sample=False)
