@@ -126,6 +126,7 @@ def _up(args: argparse.Namespace) -> int:
     if state and is_alive(state):
         print(f"Ray head already running at {state['address']} ({invocation.command()} cluster down to stop it)")
         return 0
+    recorded = str((state or {}).get("temp_dir", ""))  # an earlier head's temp dir here: its own, marked or not
     if state:  # stale: a head that died; clean up leftovers of it
         terminate(head_processes(state), grace_s=3)
         clear_state()
@@ -149,7 +150,7 @@ def _up(args: argparse.Namespace) -> int:
         if port in _WORKER_PORTS:
             raise ClusterUsageError(f"{name} {port}: inside Ray's worker port range 10002-19999; pick another port")
 
-    claim_temp_dir(Path(temp_dir), given=bool(args.temp_dir))
+    claim_temp_dir(Path(temp_dir), given=bool(args.temp_dir), recorded=recorded)
     tok = new_token()
     sdir = state_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS")}

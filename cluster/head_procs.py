@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -16,21 +17,24 @@ def session_of(pid: int) -> int | None:
         return None
 
 
-def restart_mark() -> float:
-    """When this machine, or the container (PID namespace) this runs in, last started: the start time of PID 1."""
-    import psutil
-
+def restart_mark() -> str | None:
+    """This boot of the machine and this start of the container (PID namespace) this runs in, unaffected by clock
+    changes: the kernel's boot id and PID 1's start in clock ticks since boot (``/proc``); None where there is none."""
     try:
-        return psutil.Process(1).create_time()
-    except psutil.Error:
-        return psutil.boot_time()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path("/proc/1/stat").read_text()
+        start = stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name (which may hold spaces)
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{start}"
 
 
 def restarted_since(state: dict[str, Any]) -> bool:
     """The machine or container restarted since the head of ``state`` started: none of its processes is alive, and
-    its session id and pids may now be other processes'. (A state recorded without the mark: not known.)"""
-    mark = state.get("restart_mark")
-    return mark is not None and abs(float(mark) - restart_mark()) > 1.0
+    its session id and pids may now be other processes'. (A state recorded without the mark, or a machine without
+    one: not known.)"""
+    mark, now = state.get("restart_mark"), restart_mark()
+    return isinstance(mark, str) and now is not None and mark != now
 
 
 def head_processes(state: dict[str, Any]) -> list:

@@ -95,17 +95,20 @@ def read_token(path: Path | str) -> str:
         return ""
 
 
-def claim_temp_dir(path: Path, given: bool = True) -> None:
+def claim_temp_dir(path: Path, given: bool = True, recorded: str = "") -> None:
     """Make ``path`` this head's temp dir, readable by its owner only: Ray's logs there record each job's runtime
     environment (``--env`` values included) and keep it after ``cluster down``; Ray makes its session directories
     inside world-writable, and a parent of mode 700 keeps other users out of all of them. ``down`` ends what works
     in it, so it must be a head's own: a directory of another owner, or one that holds anything but what a head of
     this state directory made (another Ray's temp dir, say), is refused. ``given``: the user's ``--temp-dir``
-    (the default one is named after the state directory: its own by construction)."""
+    (the default one is named after the state directory: its own by construction); ``recorded``: the temp dir the
+    state of an earlier head here names (its own, marked or not)."""
     mark = path / TEMP_DIR_MARK
-    if given and path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and path.stat().st_uid != os.getuid():
+        raise ClusterUsageError(f"--temp-dir {path}: owned by another user; pass a directory of yours")
+    if given and path.is_dir() and str(path) != recorded:
         try:
-            ours = mark.read_text().strip() == str(state_dir())
+            ours = not any(path.iterdir()) or mark.read_text().strip() == str(state_dir())
         except OSError:
             ours = False
         if not ours:

@@ -138,12 +138,12 @@ class EarlyExitConfig:
         if isinstance(self.layers, str):
             spec = self.layers
             every = spec[6:] if spec.startswith("every:") else None
+            # (N is not bounded by the starting depth: exits join as a growth deepens the model)
             if spec not in ("", "all") and not (
-                every is not None and every.isascii() and every.isdecimal() and 1 <= int(every) < num_layers
+                every is not None and every.isascii() and every.isdecimal() and int(every) >= 1
             ):
                 raise ConfigError(
-                    f"{where}.layers: expected '', 'all', 'every:N' (1 <= N < model.num_layers {num_layers}) or a "
-                    f"list of depths; got {spec!r}"
+                    f"{where}.layers: expected '', 'all', 'every:N' (N >= 1) or a list of depths; got {spec!r}"
                 )
         else:
             bad = [d for d in self.layers if not 1 <= d < num_layers]

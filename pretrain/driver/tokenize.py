@@ -239,15 +239,28 @@ def _is_job_dir(out: Path) -> bool:
     return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
 
 
-def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) -> dict[str, Any]:
-    """What the output depends on (a rerun must match it)."""
+def _job_spec(
+    a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str, recorded: dict | None = None
+) -> dict[str, Any]:
+    """What the output depends on (a rerun must match it). Each file's whole sha256 (an edit in place that keeps its
+    size counts), taken from ``recorded`` (the job's spec as written) for a file of the same size, modification time
+    and sampled hash: a rerun reads again only what changed."""
     from pretrain.data.file_hash import full_sha256
     from pretrain.data.fingerprint import source_fingerprint
 
-    def fingerprint(src) -> dict[str, Any]:  # every byte of a file: an edit in place that keeps its size counts
+    known = {
+        name: f
+        for src in (recorded or {}).get("sources", [])
+        for name, f in (src.get("fingerprint") or {}).get("files", {}).items()
+        if isinstance(f, dict) and "sha256" in f
+    }
+
+    def fingerprint(src) -> dict[str, Any]:
         fp = source_fingerprint(src, cfg.cache_dir)
         for name, f in fp.get("files", {}).items():
-            f["sha256"] = full_sha256(name)
+            was = known.get(name, {})
+            same = all(was.get(k) == f[k] for k in ("size", "mtime", "sampled_sha256"))
+            f["sha256"] = was["sha256"] if same else full_sha256(name)
         return fp
 
     return {
@@ -262,6 +275,15 @@ def _job_spec(a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str) ->
         # a BPE trained for the job: the size asked for (an unfinished job's tokenizer is reused, not trained again)
         **({} if a.tokenizer else {"tokenizer_vocab_size": a.vocab_size}),
     }
+
+
+def _read_job(job_file: Path) -> dict | None:
+    """The spec an unfinished job recorded (None: none, or unreadable)."""
+    try:
+        raw = json.loads(job_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def _same_job(recorded: dict, spec: dict) -> bool:
@@ -312,7 +334,9 @@ def tokenize(args: list[str]) -> int:
             dtype = dtype_for(vocab)
         except ValueError as e:
             raise ConfigError(f"tokenize --tokenizer: {e}") from None
-        spec = _job_spec(a, cfg, sources, tok_hash)
+        job_file = work / JOB_FILE
+        recorded = load_manifest(out).job if finished else _read_job(job_file)
+        spec = _job_spec(a, cfg, sources, tok_hash, recorded)
         if finished:
             done = load_manifest(out)
             if not _same_job(done.job, spec):
@@ -323,7 +347,6 @@ def tokenize(args: list[str]) -> int:
             refuse_skipped(done.bad_records, a.bad_records, clip(str(out)))
             print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
             return 0
-        job_file = work / JOB_FILE
         if job_file.is_file() and not _same_job(json.loads(job_file.read_text()), spec):
             raise ConfigError(
                 f"tokenize --out: {clip(str(out))} holds an unfinished job of other sources or settings; give a new "

@@ -45,6 +45,9 @@ def test_a_temp_dir_given_must_be_new_empty_or_a_heads_of_this_state_directory(t
     with pytest.raises(ClusterUsageError, match=r"--temp-dir .*/other: not empty, and not the temp dir of a head"):
         claim_temp_dir(other)
     assert not (other / head_state.TEMP_DIR_MARK).exists()  # nothing written into it
+    claim_temp_dir(other, recorded=str(other))  # the temp dir an earlier head's state names (made before marks)
+    assert (other / head_state.TEMP_DIR_MARK).is_file()
+    (other / head_state.TEMP_DIR_MARK).unlink()
     claim_temp_dir(other, given=False)  # the default temp dir, named after the state directory: its own
     monkeypatch.setenv("PRETRAIN_RAY_HEAD_DIR", str(tmp_path / "another-checkout"))
     with pytest.raises(ClusterUsageError, match="not the temp dir of a head started here"):

@@ -67,9 +67,11 @@ def test_a_rerun_matches_a_job_whatever_the_modification_times():
     assert _same_job(whole, json.loads(json.dumps(whole).replace("1.0", "2.0"))) and not _same_job(whole, edited)
 
 
-def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path):
+def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path, monkeypatch):
     """A record fixed in place (same size, outside the blocks a fingerprint samples) makes the spec another job:
-    a rerun does not answer "done already" with the shards of the file before the fix."""
+    a rerun does not answer "done already" with the shards of the file before the fix. A file whose size,
+    modification time and sampled hash are as the job recorded is not read again."""
+    from pretrain.data import file_hash
     from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint
     from pretrain.driver.tokenize import _data_config, _job_spec
 
@@ -78,6 +80,9 @@ def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path):
     path.write_text(line * (3 * BLOCK * BLOCKS // len(line)))
     a = parse([str(path), "--out", str(tmp_path / "out"), "--tokenizer", "t"])
     before = _job_spec(a, _data_config(a), None, "tok")
+    with monkeypatch.context() as m:
+        m.setattr(file_hash, "full_sha256", lambda name: pytest.fail(f"{name} read again"))
+        assert _job_spec(a, _data_config(a), None, "tok", before) == before
     text = path.read_text()
     at = len(text) // 2 + BLOCK // 3  # between two sampled blocks
     at = text.index("\n", at) + 1
@@ -87,6 +92,7 @@ def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path):
         == list(before["sources"][0]["fingerprint"]["files"].values())[0]["sampled_sha256"]
     )
     assert not _same_job(before, _job_spec(a, _data_config(a), None, "tok"))
+    assert not _same_job(before, _job_spec(a, _data_config(a), None, "tok", before))  # its mtime changed: read again
 
 
 def _in_process(pending, sources, tok_dir, work, vocab, workers, total) -> None:
