@@ -205,6 +205,10 @@ class FaultsConfig:
     loss_spike_at_step: int = -1
     """The update of this step (1-based) uses 1000x the scheduled LR on every worker, once per run, so the
     following steps' loss spikes. Exercises ``stability`` spike detection and rollback. -1 disables."""
+    nan_weights_at_step: int = -1
+    """After this step (1-based) one weight of the model is NaN on every worker, once per run, so the next
+    checkpoint finds non-finite weights (ZeRO 0-2, whose ranks hold whole weights). Exercises the rollback a save
+    decides. -1 disables."""
     slow_checkpoint_at_step: int = -1
     """Every rank's background write of the checkpoint of this step (``checkpoint.async``) first sleeps
     ``slow_checkpoint_s`` seconds, once per run (across restarts), so a test can act while a save is in flight.

@@ -62,6 +62,9 @@ class FaultInjection(Callback):
         return _NaNGrad.apply(objective) if self.poison and index == count - 1 else objective
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        if self._fire(trainer, "nan_weights", self.faults.nan_weights_at_step, trainer.state.step):
+            with torch.no_grad():
+                next(trainer.module.engine.module.parameters()).view(-1)[0] = float("nan")
         if trainer.state.step == self.faults.stop_after_step and not is_last_step(trainer):
             trainer.progress.say(f"stopping after step {trainer.state.step} (faults.stop_after_step)")
             trainer.stop("faults.stop_after_step")

@@ -288,8 +288,17 @@ def fault_runs(tmp_path_factory):
             **after_stop.config["checkpoint"],
             "resume_from": str(Path(stopped.run_dir) / "step_00000011"),
         }
-        jobs = [clean, nan, spike, resumed, stopped, after_stop]
-        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop")
+        # stopped at step 11 with a NaN weight since that step: the stop's checkpoint is refused and rolls back
+        nan_stop = prepare_new(
+            load_config(
+                ROOT / "configs" / "demo-decoder.yaml",
+                TINY
+                + tok
+                + ["stability.policy=rollback", "faults.nan_weights_at_step=11", "faults.stop_after_step=11"],
+            )
+        )
+        jobs = [clean, nan, spike, resumed, stopped, after_stop, nan_stop]
+        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop", "nan_stop")
         ranks = run_jobs(2, jobs, fresh=False)
         yield {"work": work, "jobs": dict(zip(names, jobs)), "ranks": ranks, "final": dict(zip(names, ranks[0]))}
 
@@ -376,6 +385,21 @@ def test_resume_through_a_rollback_is_bitwise(fault_runs):
     assert fault_runs["final"]["stopped"]["step"] == 11 and events(after_stop) == events(spike)
     c = metric_history(fault_runs["jobs"]["after_stop"].run_id)
     assert sorted(c) == list(range(9, 25)) and all(a[s] == c[s] for s in c)  # (9-11 again after the rollback)
+
+
+def test_non_finite_weights_at_a_stop_roll_back_and_the_restored_state_is_saved(fault_runs):
+    """The checkpoint a stop writes finds a NaN weight: the run rolls back to its last good checkpoint (step 8) and
+    saves the restored state there (the skipped data window and the rollback's record), which a resume continues."""
+    final, job = fault_runs["final"]["nan_stop"], fault_runs["jobs"]["nan_stop"]
+    assert final["step"] == 8 and final["stability"]["rollbacks"] == 1, final["stability"]
+    run_dir = Path(job.run_dir)
+    assert not (run_dir / "step_00000011").exists() and Path(final["checkpoint"]).name == "step_00000008"
+    state = json.loads((run_dir / "step_00000008" / "trainer_state.json").read_text())
+    window = final["stability"]["skipped_windows"]
+    assert len(window) == 1 and window[0][0] == 8 * 8 and state["sequences"] == window[0][1], (state, window)
+    assert state["callbacks"]["stability"]["rollbacks"] == 1 and state["callbacks"]["checkpoint"] == {"at_stop": True}
+    checked, bad = _all_finite(run_dir)
+    assert checked > 0 and not bad, bad
 
 
 # ----------------------------------------------------------------------------------------------
