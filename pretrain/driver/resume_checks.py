@@ -8,11 +8,13 @@ its MLflow status.
 * the LR cannot jump up across the resume: a changed schedule may not give the next step a higher LR than the
   last step trained had and the checkpoint's schedule gives it (:func:`pretrain.train.schedule.extension_refusal`);
 * the data must be what the checkpoint trained on (:func:`pretrain.data.fingerprint.check_unchanged`), read in the
-  same order: ``data.shuffle_sequences`` cannot change (the data state holds a buffer of that size).
+  same order: ``data.shuffle_sequences`` cannot change (the data state holds a buffer of that size), nor what
+  defines the streams (their number, the holdout, the pieces, the sources but their paths, the sequence length).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pretrain.config import ConfigError, RunConfig
@@ -81,6 +83,15 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
             f"data.shuffle_sequences={old_k}, or start a new run from its weights ({command()} export, then "
             "model.init_from_hf)"
         )
+    stream = _stream_change(saved, cfg)
+    if stream:
+        key, old, new = stream
+        keep = f"{key}={_yaml(old)}" if not key.endswith("sources") else f"the checkpoint's {key}"
+        raise ConfigError(
+            f"{key} cannot change at resume (checkpoint {quote(old)}, asked {quote(new)}): the checkpoint's data "
+            f"position is a position in the streams it defines (also with data.allow_changed). Resume with "
+            f"{keep}, or start a new run from its weights ({command()} export, then model.init_from_hf)"
+        )
     refusal = extension_refusal(saved.train, cfg.train, step)
     if refusal:
         raise ConfigError(refusal)
@@ -98,6 +109,29 @@ def _shape_change(saved: RunConfig, cfg: RunConfig) -> tuple[str, Any, Any] | No
         old, new = getattr(saved.moe, name), getattr(cfg.moe, name)
         if old != new:
             return f"moe.{name}", old, new
+    return None
+
+
+STREAM_FIELDS = ("num_streams", "val_holdout", "piece_chars")
+"""``data.*`` fields that define the streams a data position is a position in (with the sources' count and their
+fields but the path: a moved file is the fingerprint's to judge, ``data.allow_changed``)."""
+
+
+def _stream_change(saved: RunConfig, cfg: RunConfig) -> tuple[str, Any, Any] | None:
+    if saved.model.max_seq_len != cfg.model.max_seq_len:  # the position holds packed sequences of that length
+        return "model.max_seq_len", saved.model.max_seq_len, cfg.model.max_seq_len
+    for name in STREAM_FIELDS:
+        old, new = getattr(saved.data, name), getattr(cfg.data, name)
+        if old != new:
+            return f"data.{name}", old, new
+    for group in ("sources", "val_sources"):
+        old_list, new_list = getattr(saved.data, group), getattr(cfg.data, group)
+        if len(old_list) != len(new_list):
+            return f"data.{group}", f"{len(old_list)} source(s)", f"{len(new_list)} source(s)"
+        for i, (a, b) in enumerate(zip(old_list, new_list)):
+            for f in dataclasses.fields(a):
+                if f.name != "path" and getattr(a, f.name) != getattr(b, f.name):
+                    return f"data.{group}[{i}].{f.name}", getattr(a, f.name), getattr(b, f.name)
     return None
 
 

@@ -98,6 +98,15 @@ def test_resume_refusals_the_summary_continuation_and_changed_data(tmp_path, mon
     assert "zero.stage cannot change from 1 to 3 at resume" in line
     line = _refused(capsys, "resume", run_id, "data.shuffle_sequences=0")
     assert "data.shuffle_sequences cannot change at resume (checkpoint 6, asked 0)" in line
+    # what defines the streams: refused here, not as a worker's traceback after the run was reopened
+    for override, said in (
+        ("data.num_streams=4", "data.num_streams cannot change at resume (checkpoint 2, asked 4)"),
+        ("model.max_seq_len=64", "model.max_seq_len cannot change at resume (checkpoint 32, asked 64)"),
+        (f"data.sources=[{{path: {corpus}}}, {{path: {corpus}, name: b}}]", "data.sources cannot change at resume"),
+        (f"data.sources=[{{path: {corpus}, weight: 2}}]", "data.sources[0].weight cannot change at resume"),
+    ):
+        line = _refused(capsys, "resume", run_id, override, "data.allow_changed=true")
+        assert said in line and "export, then model.init_from_hf" in line, line
 
     with open(corpus, "a") as f:  # the corpus grows under the run
         f.write("an appended line.\n" * 10)
