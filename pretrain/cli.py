@@ -150,7 +150,7 @@ def cmd_ui(args: list[str]) -> int:
     p.add_argument("--open", action="store_true", help="open the experiment in a browser once the UI is up")
     a = p.parse_args(args)
     for flag, value in (("--port", a.port), ("--workers", a.workers)):
-        if not value.isdigit() or int(value) < 1:
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ConfigError(f"ui {flag}: a positive whole number, got {value!r}")
     if int(a.port) > 65535:
         raise ConfigError(f"ui --port: a TCP port is at most 65535, got {a.port}")

@@ -84,9 +84,10 @@ def anneal(argv: list[str]) -> int:
     bad = [a for a in argv[1:] if "=" not in a] + sorted(set(opts) - {"steps", "step"})
     if bad:
         raise ConfigError(f"anneal: unknown option(s) {bad} (valid: steps=N, step=S, dotted config keys)")
-    if not opts.get("steps", "").isdigit() or int(opts["steps"]) <= 0:
+    given = opts.get("steps", "")
+    if not (given.isascii() and given.isdigit()) or int(given) <= 0:
         raise ConfigError(f"anneal: steps=N (the length of the decay, > 0) is required, got {opts.get('steps')!r}")
-    steps = int(opts["steps"])
+    steps = int(given)
     parent = resolve_checkpoint(argv[0], step_option(opts, "anneal"))
     at = parent.ckpt.step
     cfg = annealed_config(parent.config, at, steps, overrides)

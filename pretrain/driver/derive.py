@@ -30,7 +30,8 @@ from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.paths import resolve_paths
 from pretrain.data.fingerprint import fingerprints
-from pretrain.driver.prepare import create_run, ended_on_error
+from pretrain.driver.prepare import check_writable_dir, create_run, ended_on_error
+from pretrain.driver.signals import stop_at_once
 from pretrain.export.checkpoints import LoadedCheckpoint
 from pretrain.train import tracking
 from pretrain.train.job import FINGERPRINT_STATE
@@ -73,38 +74,41 @@ def derive_run(
     }
     if parent.run_id:
         all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
-    run_id, run_dir, uri = create_run(cfg, all_tags)
-    with ended_on_error(uri, run_id):  # a failed or interrupted write ends the child FAILED or KILLED
-        tracker = tracking.Tracker(uri, run_id)
-        if metrics:
-            tracker.log_metrics(metrics, parent.ckpt.step)
-        raw = parent.trainer_state()
-        state: dict[str, Any] = {
-            "step": int(raw.get("step", parent.ckpt.step)),
-            "tokens_seen": int(raw.get("tokens_seen", 0)),
-            "sequences": int(raw.get("sequences", 0)),
-            # the parent's, each stage at its size (not recounted at the child's)
-            "flops": float(raw.get("flops", 0.0)),
-            "last_train_loss": float("nan"),
-        }
-        # the data the child trains on (a resume of the child compares its sources with it)
-        state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
-        if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
-            applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
-            state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}
-        world = LocalWorld()
-        if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
-            world.world_size = parent.ckpt.manifest.world_size
-        writer = CheckpointWriter(
-            run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
-        )
-        data_state = data if data is not None else parent.data_position()  # the whole position, on every rank
-        saved = [reader.read_rng_state(parent.ckpt.path, r) for r in range(world.world_size)]
-        rngs = [rng or saved[0] or {"torch": torch.get_rng_state()} for rng in saved]
-        others = {r: (data_state, rngs[r]) for r in range(1, world.world_size)}
-        contents = Contents(cfg, state, data_state, model, rng_state=rngs[0], other_ranks=others)
-        path = writer.save(contents)
-    tracker.finish("FINISHED")
+    check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")  # before the child run exists
+    # a stop (Ctrl-C, SIGTERM) while the child is made ends the command at once and the child KILLED
+    with stop_at_once():
+        run_id, run_dir, uri = create_run(cfg, all_tags)
+        with ended_on_error(uri, run_id):  # a failed or interrupted write ends the child FAILED or KILLED
+            tracker = tracking.Tracker(uri, run_id)
+            if metrics:
+                tracker.log_metrics(metrics, parent.ckpt.step)
+            raw = parent.trainer_state()
+            state: dict[str, Any] = {
+                "step": int(raw.get("step", parent.ckpt.step)),
+                "tokens_seen": int(raw.get("tokens_seen", 0)),
+                "sequences": int(raw.get("sequences", 0)),
+                # the parent's, each stage at its size (not recounted at the child's)
+                "flops": float(raw.get("flops", 0.0)),
+                "last_train_loss": float("nan"),
+            }
+            # the data the child trains on (a resume of the child compares its sources with it)
+            state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
+            if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
+                applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
+                state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}
+            world = LocalWorld()
+            if isinstance(model, EngineState):  # one process writes the state of the parent's ranks
+                world.world_size = parent.ckpt.manifest.world_size
+            writer = CheckpointWriter(
+                run_dir, world, run_id, keep_last=cfg.checkpoint.keep_last, register=tracker.register_checkpoint
+            )
+            data_state = data if data is not None else parent.data_position()  # the whole position, on every rank
+            saved = [reader.read_rng_state(parent.ckpt.path, r) for r in range(world.world_size)]
+            rngs = [rng or saved[0] or {"torch": torch.get_rng_state()} for rng in saved]
+            others = {r: (data_state, rngs[r]) for r in range(1, world.world_size)}
+            contents = Contents(cfg, state, data_state, model, rng_state=rngs[0], other_ranks=others)
+            path = writer.save(contents)
+        tracker.finish("FINISHED")
     return run_id, path
 
 
@@ -151,6 +155,6 @@ def step_option(opts: dict[str, str], usage: str) -> int | None:
     """The ``step=N`` option (a checkpoint step of the parent run); None when not given."""
     if "step" not in opts:
         return None
-    if not opts["step"].isdigit():
+    if not (opts["step"].isascii() and opts["step"].isdigit()):
         raise ConfigError(f"{usage}: step={opts['step']}: not a checkpoint step (a whole number)")
     return int(opts["step"])

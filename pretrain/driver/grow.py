@@ -58,7 +58,7 @@ def _rewarm_steps(cfg: RunConfig, option: str | None) -> int:
     model starts with fresh AdamW moments, which at the parent's LR make the first updates far too large."""
     if option is None:
         return max(cfg.growth.rewarm_steps, 0) or cfg.train.warmup_steps
-    if not option.isdigit():
+    if not (option.isascii() and option.isdigit()):
         raise ConfigError(f"grow rewarm: {option!r}: expected a number of steps (0: continue at the schedule's LR)")
     return int(option)
 

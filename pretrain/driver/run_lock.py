@@ -30,7 +30,12 @@ LOCK_FILE = ".pretrain-run.lock"
 def hold_run(run_dir: Path, run_id: str) -> Iterator[None]:
     """Hold the run's lock while the context lasts; ConfigError (one line) when another process holds it."""
     path = Path(run_dir) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a run directory this user cannot write (another's, a read-only mount)
+        raise ConfigError(
+            f"run {run_id}: cannot write its directory {run_dir} ({e.strerror or e}); resume where it is writable"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -33,6 +33,9 @@ def test_options_given_twice_or_unknown_are_named():
         (anneal, ["/no/such", "steps=4", "step=x"], "anneal: step=x: not a checkpoint step (a whole number)"),
         (grow, ["/no/such", "experts=four"], "grow experts: 'four': expected a whole number"),
         (grow, ["/no/such", "noise=lots"], "grow noise: 'lots': expected a number"),
+        (prune, ["/no/such", "step=²"], "prune: step=²: not a checkpoint step (a whole number)"),
+        (anneal, ["/no/such", "steps=²"], "anneal: steps=N (the length of the decay, > 0) is required, got '²'"),
+        (grow, ["/no/such", "experts=²"], "grow experts: '²': expected a whole number"),
     ],
 )
 def test_malformed_values_are_refused_before_the_checkpoint_is_read(command, argv, message):
