@@ -274,8 +274,11 @@ LOCAL_RUN_PREFIX = "local-"
 
 def run_ref(run_id: str, run_dir: str | Path) -> str:
     """How a printed command names a run: its MLflow id, or, for a run no store knows (:data:`LOCAL_RUN_PREFIX`),
-    its directory (``resume`` then makes a new run from its latest checkpoint; ``export`` and ``eval`` read it)."""
-    return str(run_dir) if run_id.startswith(LOCAL_RUN_PREFIX) else run_id
+    its directory, quoted for the shell where it needs it (``resume`` then makes a new run from its latest checkpoint;
+    ``export`` and ``eval`` read it)."""
+    import shlex
+
+    return shlex.quote(str(run_dir)) if run_id.startswith(LOCAL_RUN_PREFIX) else run_id
 
 
 def names_a_path(target: str) -> bool:

@@ -21,6 +21,8 @@ def test_a_stop_at_the_last_step_prints_a_resume_that_trains(tmp_path, monkeypat
     # a run no store knows (tracking.enabled=false): named by its directory, which the commands read
     local = Job(config=to_dict(cfg), run_id="local-0123456789ab", run_dir=str(tmp_path), tracking_uri="")
     assert _resume_command(local, 5) == f"./launch.sh resume {tmp_path}"
+    spaced = Job(config=to_dict(cfg), run_id="local-0123456789ab", run_dir="/tmp/my runs/x", tracking_uri="")
+    assert _resume_command(spaced, 5) == "./launch.sh resume '/tmp/my runs/x'"  # runs as printed
     assert _stopped_at_once("SIGTERM", job).endswith(
         "the run has no committed checkpoint, so there is nothing to resume"
     )
