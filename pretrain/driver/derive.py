@@ -75,6 +75,11 @@ def derive_run(
     if parent.run_id:
         all_tags["mlflow.parentRunId"] = parent.run_id  # the MLflow UI nests the child under its parent
     check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")  # before the child run exists
+    # The parent's data position is a position in the data the parent trained on: the child keeps that data's
+    # fingerprint, so a resume of the child on changed data is refused as the parent's would be (data.allow_changed
+    # to go on). Fresh streams (``data``) are of the data as it is now.
+    recorded = (parent.trainer_state().get("callbacks") or {}).get(FINGERPRINT_STATE)
+    data_fingerprint = recorded if data is None and recorded is not None else fingerprints(cfg.data)
     # a stop (Ctrl-C, SIGTERM) while the child is made ends the command at once and the child KILLED
     with stop_at_once():
         run_id, run_dir, uri = create_run(cfg, all_tags)
@@ -92,7 +97,7 @@ def derive_run(
                 "last_train_loss": float("nan"),
             }
             # the data the child trains on (a resume of the child compares its sources with it)
-            state["callbacks"] = {FINGERPRINT_STATE: fingerprints(cfg.data)}
+            state["callbacks"] = {FINGERPRINT_STATE: data_fingerprint}
             if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
                 applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
                 state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}

@@ -71,3 +71,26 @@ def test_a_child_whose_first_checkpoint_fails_ends_failed(tmp_path, monkeypatch)
         derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
     (run,) = tracking.list_runs(uri)
     assert MlflowClient(uri).get_run(run.info.run_id).info.status == "FAILED"
+
+
+def test_a_child_carrying_its_parents_data_position_keeps_the_parents_data_fingerprint(tmp_path, monkeypatch):
+    """The position is one in the data the parent trained on: the child records that data's fingerprint (a resume of
+    the child on data changed since is refused as the parent's would be), not the data as it is when it is made."""
+    import json
+    import shutil
+
+    from pretrain.driver.derive import derive_run, parent_engine_state
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.train.job import FINGERPRINT_STATE
+    from tests.unit.checkpoint.test_reader import OLD
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = resolve_checkpoint(str(shutil.copytree(OLD, tmp_path / "run" / OLD.name)))
+    cfg = parent.config
+    cfg.checkpoint.dir = str(tmp_path / "children")
+    saved = parent.trainer_state()
+    parents = {"data.sources[0]": {"path": "corpus.txt", "files": {"corpus.txt": {"size": 1}}}}
+    monkeypatch.setattr(parent, "trainer_state", lambda: {**saved, "callbacks": {FINGERPRINT_STATE: parents}})
+    _, path = derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state["callbacks"][FINGERPRINT_STATE] == parents
