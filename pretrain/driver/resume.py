@@ -52,6 +52,11 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     from pretrain.checkpoint.store import restore_superseded
     from pretrain.train.job import Job
 
+    if any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides):  # it would be dropped unseen
+        raise ConfigError(
+            f"data.tokenizer cannot be given at resume: {target} trains on with its checkpoint's tokenizer (the one "
+            f"its weights' ids are of); a model on another tokenizer is a new run"
+        )
     uri = tracking.tracking_uri()
     path = Path(target)
     if path.exists():

@@ -115,3 +115,12 @@ def test_resume_by_id_puts_back_a_checkpoint_an_interrupted_recommit_set_aside(t
     with ExitStack() as hold:
         job = prepare_resume("run-1", ["tracking.enabled=false"], hold)
     assert job.run_dir == str(root) and (root / layout.step_dir_name(1) / layout.MANIFEST).is_file()
+
+
+def test_a_tokenizer_given_at_resume_is_refused_not_dropped():
+    """A resume trains on with its checkpoint's tokenizer: ``data.tokenizer=`` would be replaced unseen, so it is
+    refused in one line, before anything is read."""
+    from pretrain.driver.resume import prepare_resume
+
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer cannot be given at resume: /no/such trains on with its"):
+        prepare_resume("/no/such", ["data.tokenizer=/tmp/other_tok"])
