@@ -1,5 +1,6 @@
 """The loop's side of stability control (``pretrain/train/stability/control.py``): what a rollback puts back. The
-decisions are in ``test_monitor.py``; rollbacks in real training in ``tests/integration/train/test_stability.py``."""
+decisions are in ``test_monitor.py``; rollbacks in real training in
+``tests/integration/train/test_stability_faults.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stability monitoring and control in one process: detectors and policies (pure), model stabilizers, and the PNG.
-The skip on real gloo ranks, fault injection in real training, halt through the CLI and DeepNorm training a deep
-post-LN model are in ``tests/integration/train/test_stability.py``."""
+The skip on real gloo ranks, halt through the CLI and DeepNorm training a deep post-LN model are in
+``tests/integration/train/test_stability.py``; fault injection in real training in ``test_stability_faults.py``."""
 
 from __future__ import annotations
 
