@@ -78,7 +78,8 @@ def derive_run(
     # The parent's data position is a position in the data the parent trained on: the child keeps that data's
     # fingerprint, so a resume of the child on changed data is refused as the parent's would be (data.allow_changed
     # to go on). Fresh streams (``data``) are of the data as it is now.
-    recorded = (parent.trainer_state().get("callbacks") or {}).get(FINGERPRINT_STATE)
+    raw = parent.trainer_state()
+    recorded = (raw.get("callbacks") or {}).get(FINGERPRINT_STATE)
     data_fingerprint = recorded if data is None and recorded is not None else fingerprints(cfg.data)
     # a stop (Ctrl-C, SIGTERM) while the child is made ends the command at once and the child KILLED
     with stop_at_once():
@@ -87,7 +88,6 @@ def derive_run(
             tracker = tracking.Tracker(uri, run_id)
             if metrics:
                 tracker.log_metrics(metrics, parent.ckpt.step)
-            raw = parent.trainer_state()
             state: dict[str, Any] = {
                 "step": int(raw.get("step", parent.ckpt.step)),
                 "tokens_seen": int(raw.get("tokens_seen", 0)),

@@ -72,8 +72,7 @@ class CheckpointCallback(Callback):
             step = trainer.state.step
             self.save(trainer)
             if trainer.state.step != step:  # its weights were not finite: rolled back, and the restored state (the
-                self.committed(trainer, self.checkpointer.finish())  # skipped data window, the rollback's record)
-                self.save(trainer)  # is what a resume continues
+                self.save(trainer)  # skipped data window, the rollback's record) is what a resume continues
                 final.update(step=trainer.state.step, tokens_seen=trainer.state.tokens_seen)
             self.committed(trainer, self.checkpointer.finish())
         self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
