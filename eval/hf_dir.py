@@ -104,6 +104,19 @@ def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
     return out
 
 
+def usable_positions(config: Any, model: Any) -> int | None:
+    """How many tokens the model takes in one sequence: ``max_position_embeddings``, less the positions a
+    RoBERTa-style embedding keeps for padding (its position ids start at ``padding_idx + 1``, so RoBERTa's 514
+    positions hold 512 tokens); None when the config does not say."""
+    for module in model.modules() if model is not None else ():
+        table, pad = getattr(module, "position_embeddings", None), getattr(module, "padding_idx", None)
+        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(pad, int):
+            if hasattr(table, "num_embeddings"):
+                return int(table.num_embeddings) - pad - 1
+    max_pos = getattr(config, "max_position_embeddings", None)
+    return int(max_pos) if isinstance(max_pos, int) else None
+
+
 def _refusal(path: Path, who: str, error: Exception) -> ConfigError:
     """The one line: the loader's own error, after the first file of our export that no longer matches its
     manifest when there is one (the likely cause, but a file the user changed on purpose may not be)."""

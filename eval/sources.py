@@ -58,11 +58,12 @@ def _export_tasks(meta: dict[str, Any]) -> dict[str, int]:
 
 def open_hf_dir(path: Path) -> EvalSource:
     from eval.hf_dir import open_hf_dir as open_dir
+    from eval.hf_dir import usable_positions
 
     hf = open_dir(path, "eval")
     config, model, meta = hf.config, hf.model, hf.meta
     data = load_config(None, base={"data": meta["data"]}).data if "data" in meta else None
-    max_pos = getattr(config, "max_position_embeddings", None) or 1024
+    max_pos = usable_positions(config, model) or 1024
     src = meta.get("source", {})
     return EvalSource(
         label=f"HF directory {path} ({type(model).__name__})",

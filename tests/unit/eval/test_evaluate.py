@@ -213,6 +213,32 @@ def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
     assert out["kind"] == "encoder" and 0.0 <= out["mlm_acc"] <= 1.0 and out["seq_len"] == 32
 
 
+def test_a_roberta_style_dir_is_scored_at_the_positions_it_can_hold(tokenizer, tmp_path):
+    """RoBERTa's position ids start after its padding id: of max_position_embeddings = 32 + pad + 1, 32 hold tokens,
+    and the default length is those 32 (the whole table would index past it)."""
+    import transformers
+
+    pad = tokenizer.pad_token_id
+    transformers.RobertaForMaskedLM(
+        transformers.RobertaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32 + pad + 1,
+            pad_token_id=pad,
+        )
+    ).save_pretrained(str(tmp_path / "roberta"))
+    tokenizer.save_pretrained(str(tmp_path / "roberta"))
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
+    out = evaluate(str(tmp_path / "roberta"), data=[str(data)], sequences=4)
+    assert out["kind"] == "encoder" and out["seq_len"] == 32 and math.isfinite(out["loss"])
+    with pytest.raises(ConfigError, match="context, 32; got 33"):
+        evaluate(str(tmp_path / "roberta"), data=[str(data)], sequences=4, seq_len=33)
+
+
 # ----------------------------------------------------------------------------------------------
 # Refusals and what is left behind
 # ----------------------------------------------------------------------------------------------
