@@ -160,10 +160,13 @@ def cmd_ui(args: list[str]) -> int:
             f"ui: the tracking store is an MLflow server ({shown_uri(uri)}), which serves its own UI: open "
             f"{ui_links.ui_base(uri)}"
         )
-    from pretrain.ports import port_free
+    from pretrain.ports import port_problem
 
-    if not port_free(int(a.port), a.host):
+    problem = port_problem(int(a.port), a.host)
+    if problem == "is in use":
         raise ConfigError(f"ui --port {a.port}: {a.host}:{a.port} is in use (another server?); pass another --port")
+    if problem:
+        raise ConfigError(f"ui --host {a.host}: {a.host}:{a.port} {problem}")
     mark_training_experiments(uri)  # experiments made before the kind tag open as training, not GenAI
     mlflow = Path(sys.executable).with_name("mlflow")
     print(f"[pretrain] MLflow UI for {shown_uri(uri)} on http://{a.host}:{a.port}", flush=True)

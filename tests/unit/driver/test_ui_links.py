@@ -118,7 +118,8 @@ def test_open_waits_for_the_server_then_opens_the_browser(tmp_path, monkeypatch,
 
 def test_ui_refuses_what_it_could_not_serve_in_one_line(workdir, monkeypatch, capsys):
     """Before MLflow's server is started: a port beyond 65535, a port in use (the links would open another server),
-    and a tracking server as the store (it serves its own UI) are each one line, exit 2."""
+    a host that does not resolve or is not this machine's (not a busy port), and a tracking server as the store (it
+    serves its own UI) are each one line, exit 2."""
     from pretrain.cli import main
 
     with socket.socket() as busy:
@@ -128,6 +129,8 @@ def test_ui_refuses_what_it_could_not_serve_in_one_line(workdir, monkeypatch, ca
         for args, error in [
             (["--port", "70000"], "ui --port: a TCP port is at most 65535, got 70000"),
             (["--port", str(port)], f"ui --port {port}: 127.0.0.1:{port} is in use (another server?); pass another"),
+            (["--host", "no-such-host.invalid"], "ui --host no-such-host.invalid: no-such-host.invalid:5000 does not "),
+            (["--host", "192.0.2.1"], "ui --host 192.0.2.1: 192.0.2.1:5000 cannot be bound: 192.0.2.1 is not an "),
         ]:
             assert main(["ui", *args]) == 2
             assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {error}"), args
