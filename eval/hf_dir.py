@@ -109,10 +109,10 @@ def usable_positions(config: Any, model: Any) -> int | None:
     RoBERTa-style embedding keeps for padding (its position ids start at ``padding_idx + 1``, so RoBERTa's 514
     positions hold 512 tokens); None when the config does not say."""
     for module in model.modules() if model is not None else ():
-        table, pad = getattr(module, "position_embeddings", None), getattr(module, "padding_idx", None)
-        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(pad, int):
-            if hasattr(table, "num_embeddings"):
-                return int(table.num_embeddings) - pad - 1
+        size = getattr(getattr(module, "position_embeddings", None), "num_embeddings", None)
+        pad = getattr(module, "padding_idx", None)
+        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(pad, int) and size:
+            return int(size) - pad - 1
     max_pos = getattr(config, "max_position_embeddings", None)
     return int(max_pos) if isinstance(max_pos, int) else None
 

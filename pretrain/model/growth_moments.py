@@ -19,7 +19,9 @@ two uses' gradients, which cannot be split exactly; the same formula splits it (
 Depth growth is not a symmetric copy: ``stack`` / ``interleave`` put copies at other depths (a new function: no map
 of the parent's gradient gives the grown model's), so a copied block takes its source block's moments unchanged;
 ``identity`` keeps the trained blocks' moments exactly (a zero residual branch leaves their gradients unchanged) and
-starts every new block from zero moments.
+starts every new block from zero moments. Under ``layer_drop.scaling: rho`` with depth-dependent rates, a depth
+growth rescales each block's last linear map to keep its inference scale (``apply_growth``); its moments are
+rescaled like its gradient in the scaled model (m by the inverse factor, v by its square).
 """
 
 from __future__ import annotations
@@ -29,26 +31,56 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ModelConfig, MoEConfig
+from pretrain.config import LayerDropConfig, ModelConfig, MoEConfig
 from pretrain.model.growth import _BLOCK, StateDict, apply_growth, grow_depth, resolve_count
+from pretrain.model.layerdrop import fold_branch_scales, inference_scales
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def grow_moments(cfg: ModelConfig, moe: MoEConfig, moments: dict[str, Any], entry, seed: int) -> dict[str, StateDict]:
+def grow_moments(
+    cfg: ModelConfig,
+    moe: MoEConfig,
+    moments: dict[str, Any],
+    entry,
+    seed: int,
+    layer_drop: LayerDropConfig | None = None,
+) -> dict[str, StateDict]:
     """``{"exp_avg": m, "exp_avg_sq": v}`` (full tensors by parameter name) of a model ``cfg`` -> those of the model
-    that ``apply_growth(cfg, moe, weights, entry, seed)`` grows (the same operators, seed and target)."""
+    that ``apply_growth(cfg, moe, weights, entry, seed, layer_drop)`` grows (the same operators, seed, target and
+    layer dropout).
+
+    A depth growth under ``rho`` scaling that changes the blocks' inference scales multiplies a kept block's last
+    linear map by a_old / a_new (``apply_growth``); its gradient in the scaled model is then times a_new / a_old, so
+    m is scaled by that and v by its square (Adam's first step after the growth is what it would have been)."""
     m, v = moments["exp_avg"], moments["exp_avg_sq"]
     if entry.depth:
         target = resolve_count(entry.depth, cfg.num_layers)
+        old = inference_scales(layer_drop, cfg.num_layers) if layer_drop is not None else None
+        new = inference_scales(layer_drop, target) if layer_drop is not None else None
+        rescale = bool(old and new and len(set(old + new)) > 1)
+        if rescale:  # the gradient in apply_growth's folded space: divided by the parent's scales
+            assert old is not None
+            m, v = _fold(m, v, cfg.norm_placement, [(1.0 / a, 1.0 / f) for a, f in old])
         new_cfg, new_moe, m = _grow_depth(cfg, moe, m, target, entry.depth_op)
         _, _, v = _grow_depth(cfg, moe, v, target, entry.depth_op)
+        if rescale:  # and out of it: times the child's
+            assert new is not None
+            m, v = _fold(m, v, cfg.norm_placement, new)
         cfg, moe = new_cfg, new_moe
     rest = dataclasses.replace(entry, depth="", noise=0.0)
     if rest.width or rest.heads or rest.ffn or rest.experts:
         coef, src = _copy_map(lambda sd: apply_growth(cfg, moe, sd, rest, seed).state, m)
         m, v = _apply(coef, src, m, 1), _apply(coef, src, v, 2)
     return {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _fold(m: StateDict, v: StateDict, placement: str, scales: list[tuple[float, float]]) -> tuple[StateDict, StateDict]:
+    """The moments of weights whose blocks' last linear maps were multiplied by 1 / ``scales`` (m times the scale, v
+    times its square)."""
+    return fold_branch_scales(m, placement, scales), fold_branch_scales(
+        v, placement, [(a * a, f * f) for a, f in scales]
+    )
 
 
 def _grow_depth(

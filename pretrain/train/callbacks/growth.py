@@ -164,7 +164,8 @@ class GrowthCallback(Callback):
         module.rebuild(new_cfg, grown.state)
         if moments and moments["step"]:  # transformed like the grown model's gradients (model/growth_moments.py)
             load_moments(
-                module, {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed=seed)}
+                module,
+                {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed, cfg.layer_drop)},
             )
         trainer.cfg = new_cfg
         trainer.emit("on_model_changed")

@@ -7,10 +7,12 @@ grown moments must be T(m) and T^2(v) exactly (ratio 1 within 1e-5, float64)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from pretrain.config import GrowthStep
+from pretrain.config import GrowthStep, LayerDropConfig
 from pretrain.model import build_model
 from pretrain.model.growth import apply_growth
 from pretrain.model.growth_moments import grow_moments
@@ -19,9 +21,13 @@ from tests.unit.model.test_growth import ARCHS, _cfg, _ids
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _one_step_moments(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+def _one_step_moments(
+    model: torch.nn.Module, ids: torch.Tensor, scales: list[tuple[float, float]] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``scales``: the step taken in the model scaled as at inference (rho of ``layer_drop.scaling: rho``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-    model.train()
+    model.train(scales is None)
+    model.branch_scales = scales
     model(ids, labels=ids).loss.backward()
     opt.step()
     names = {id(p): n for n, p in model.named_parameters()}
@@ -97,3 +103,29 @@ def test_depth_moments_copy_stacked_blocks_and_start_new_identity_blocks_at_zero
             else:
                 scale = max(float(w.abs().max()) for w in want[k].values())
                 _assert_ratio_one({name: got[k][name]}, {name: want[k][name]}, f"identity {k}", scale)
+
+
+@pytest.mark.parametrize("placement", ["pre", "sandwich"])
+def test_depth_moments_under_rho_scaling_follow_the_rescaled_blocks(placement):
+    """``layer_drop.scaling: rho``, ``by_depth: linear``: identity depth growth 2 -> 4 multiplies a kept block's last
+    linear map by a_old / a_new, so in the scaled model its gradient is times a_new / a_old. The grown moments equal
+    the grown model's own (one step of the scaled model) for every kept block; left as they were they do not."""
+    from pretrain.model.layerdrop import inference_scales
+
+    cfg, moe = _cfg(*ARCHS["llama"], f"model.norm_placement={placement}")
+    ld = dataclasses.replace(LayerDropConfig(), rate=0.8, scaling="rho", by_depth="linear")
+    parent = build_model(cfg, 0, moe).double()
+    ids, weights = _ids(), {k: v.detach().clone() for k, v in parent.state_dict().items()}
+    moments = _one_step_moments(parent, ids, inference_scales(ld, 2))
+    entry = GrowthStep(depth="+2", depth_op="identity", noise=0)
+    grown = apply_growth(cfg, moe, weights, entry, seed=0, layer_drop=ld)
+    child = build_model(grown.model, 0, grown.moe, weights=dict(grown.state))
+    want = _one_step_moments(child, ids, inference_scales(ld, 4))
+    got, stale = grow_moments(cfg, moe, moments, entry, 0, ld), grow_moments(cfg, moe, moments, entry, 0)
+    last = "norm_out1.weight" if placement == "sandwich" else "attn.o_proj.weight"
+    for k in MOMENTS:
+        kept = {n: w for n, w in want[k].items() if not n.startswith(("blocks.2.", "blocks.3."))}
+        _assert_ratio_one(
+            {n: got[k][n] for n in kept}, kept, f"rho {k}", max(float(w.abs().max()) for w in kept.values())
+        )
+        assert not torch.allclose(stale[k][f"blocks.0.{last}"], want[k][f"blocks.0.{last}"], rtol=1e-3)
