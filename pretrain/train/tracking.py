@@ -245,7 +245,9 @@ class Tracker:
 
     def reopen(self) -> None:
         """A run that trains again (a resume of a run that ended ``KILLED``, ``FAILED`` or ``FINISHED``) is
-        ``RUNNING`` while it trains, without the tags of the stop that ended it before (:meth:`finish` ends it)."""
+        ``RUNNING`` while it trains, without the tags of the stop that ended it before (:meth:`finish` ends it).
+        Its end time stays the earlier stop's until then: MLflow's stores take a missing end time as "unchanged"
+        (``update_run_info``), so no API call clears it."""
         if not self._client:
             return
         run = self._client.get_run(self.run_id)
