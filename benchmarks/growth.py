@@ -356,25 +356,20 @@ def _min_saving(values) -> float | None:
 
 def _trend(study: Study, out: dict, best: str, tokens: int, seed: int, points: int, archs: list[dict]) -> list[dict]:
     """Per target size of ``archs`` (those every recipe runs at): scratch, the best recipe and its small model alone
-    (one seed; the target's scratch and best runs are the study's)."""
+    (one seed; at the target all three are the study's runs)."""
     rows = []
     for arch in archs:
         flops, share = _budget(study, arch, tokens)
         budget = [f"train.seed={seed}", *out["data_repeat"], *budget_overrides(flops, points)]
         recipe = recipes(arch)[best]
-        if arch == out["target"]:
+        label = f"trend {arch['num_layers']}x{arch['hidden_size']}"
+        if arch == out["target"]:  # the study's own runs, the small model alone included
             scratch, grown = out["curves"]["scratch"][seed], out["curves"][best][seed]
+            small = out["curves"][out["small_models"][best]][seed]
         else:
-            scratch = study.train(
-                f"trend {arch['num_layers']}x{arch['hidden_size']} scratch", [*model_overrides(arch), *budget]
-            ).flops
-            grown = study.train(
-                f"trend {arch['num_layers']}x{arch['hidden_size']} {best}", [*model_overrides(arch), *recipe, *budget]
-            ).flops
-        small = study.train(
-            f"trend {arch['num_layers']}x{arch['hidden_size']} small alone",
-            [*model_overrides(arch), *_small_alone(recipe), *budget],
-        ).flops
+            scratch = study.train(f"{label} scratch", [*model_overrides(arch), *budget]).flops
+            grown = study.train(f"{label} {best}", [*model_overrides(arch), *recipe, *budget]).flops
+            small = study.train(f"{label} small alone", [*model_overrides(arch), *_small_alone(recipe), *budget]).flops
         ahead = ahead_from(scratch, small)
         rows.append(
             {

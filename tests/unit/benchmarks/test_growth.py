@@ -154,3 +154,45 @@ def test_trend_sizes_where_a_recipe_makes_no_model_are_known_before_anything_tra
     assert skipped[0]["why"] == "stack4@10%: model.num_layers: must be > 0, got 0"
     ok, skipped = runnable_sizes(lambda o: load_config(None, o), sizes_of(TARGET), recipes, ["stack2@10%"], 1e12)
     assert ok == sizes_of(TARGET) and skipped == []
+
+
+def test_the_trend_trains_only_the_smaller_targets_and_reads_the_studys_own_runs_at_the_target():
+    """At the study's target, scratch, the best recipe and its small model alone are the study's runs (read, not
+    trained again); each smaller size trains its three."""
+    from types import SimpleNamespace
+
+    from benchmarks.growth import _trend, alone_name, sizes_of
+
+    class Trainer:  # the part of benchmarks.study.Study that _trend uses: a config and a run per name
+        def __init__(self):
+            self.trained: list[str] = []
+
+        def config(self, overrides):
+            return load_config(None, ["model.vocab_size=512", *overrides])
+
+        def train(self, name, overrides):
+            self.trained.append(name)
+            return SimpleNamespace(flops=_curve(5.0, 4.0, 3.5))
+
+    best, small = "stack2@10%", alone_name(small_model(ARCH, recipes(ARCH)["stack2@10%"]))
+    out = {
+        "target": ARCH,
+        "data_repeat": [],
+        "small_models": {best: small},
+        "curves": {
+            "scratch": {0: _curve(5.0, 4.0, 3.0)},
+            best: {0: _curve(5.0, 3.9, 3.1)},
+            small: {0: _curve(4.0, 3.6)},
+        },
+    }
+    study = Trainer()
+    archs = sizes_of(ARCH)
+    rows = _trend(study, out, best, 1000, 0, 5, archs)  # type: ignore[arg-type]
+    smaller = [f"trend {a['num_layers']}x{a['hidden_size']}" for a in archs if a != ARCH]
+    assert study.trained == [f"{label} {what}" for label in smaller for what in ("scratch", best, "small alone")]
+    (at_target,) = [row for row in rows if row["target"] == ARCH]
+    assert at_target["curves"] == {
+        "scratch": out["curves"]["scratch"][0],
+        best: out["curves"][best][0],
+        "small alone": out["curves"][small][0],
+    }
