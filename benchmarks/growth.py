@@ -11,9 +11,9 @@ packages' sources and docs (:mod:`benchmarks.corpus`) unless the overrides name 
 at most :data:`benchmarks.study.MAX_EPOCHS` times.
 
 ``growth_flops_saving`` of a recipe is 1 - (FLOPs at which it first reaches the scratch run's final validation loss)
-/ (scratch FLOPs), per seed (:func:`benchmarks.study.flops_saving`); the table's value is the minimum over seeds.
+/ (scratch FLOPs), per seed (:func:`benchmarks.curves.flops_saving`); the table's value is the minimum over seeds.
 ``growth_flops_saving_mean_curve`` is the same saving between the mean curves over seeds
-(:func:`benchmarks.study.mean_curve`), less sensitive to one seed's late swings.
+(:func:`benchmarks.curves.mean_curve`), less sensitive to one seed's late swings.
 A saving against an oversized target is no gain: the study also trains each recipe's small model alone on the whole
 budget and reports, per seed, ``target_ahead_of_small`` and ``grown_vs_best_alternative`` (:func:`alternatives`),
 and the iso-FLOP scan those runs make (:func:`iso_flop`); ``--scan`` runs only that scan. With ``--sizes`` the
@@ -29,18 +29,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.curves import ahead_from, flops_saving, mean_curve
 from benchmarks.growth_check import check_grows_into_target, check_runs, check_share, checked, runnable_sizes
 from benchmarks.study import (
     ROOT,
     VAL_POINTS,
     Study,
-    ahead_from,
     budget_flops,
     budget_overrides,
     corpus_overrides,
     epochs,
-    flops_saving,
-    mean_curve,
     model_parameters,
     study_base,
     vocab_of,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.study import Curve
+from benchmarks.curves import Curve
 
 GOAL_SAVING = 0.25
 """The share of the budget a recipe should save (the best recipe reaches the scratch target's final loss with 25 %

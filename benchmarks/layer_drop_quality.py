@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.curves import time_to_loss_speedup
 from benchmarks.growth import TARGET, TOKENS_PER_PARAM, VAL_SEQUENCES, VOCAB, model_overrides
 from benchmarks.study import (
     ROOT,
@@ -47,7 +48,6 @@ from benchmarks.study import (
     model_parameters,
     seconds_comparable,
     study_base,
-    time_to_loss_speedup,
     vocab_of,
 )
 

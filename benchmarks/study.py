@@ -1,6 +1,6 @@
 """What the studies (``bench --growth``, ``bench --layer-drop --quality``) share: real training runs in this process
 as MLflow child runs of one parent run per study, validation curves read back from MLflow (loss against training
-FLOPs and against training seconds), and the arithmetic that turns curves into a saving.
+FLOPs and against training seconds); the arithmetic that turns curves into a saving is :mod:`benchmarks.curves`.
 
 Each run is a normal run (``prepare_new`` then ``cluster.launch.run``), so the study measures what a user trains;
 ``cluster.use_ray=false`` keeps one process per run on this machine."""
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-Curve = list[tuple[float, float]]
-"""(x, validation loss) points in training order; x is FLOPs or seconds."""
+from benchmarks.curves import Curve
 
+ROOT = Path(__file__).resolve().parents[1]
 VAL_POINTS = 25
 """Validations in a run on a study's budget (evenly spaced in FLOPs)."""
 
@@ -120,60 +119,6 @@ def epochs(tokens: float, manifest: dict | None, what: str) -> float | None:
             f"training tokens (at most {MAX_EPOCHS}): use a smaller budget or model"
         )
     return n
-
-
-def crossing(curve: Curve, target: float) -> float | None:
-    """The first x at which ``curve`` reaches ``target`` (loss <= target), linearly interpolated between the two
-    points around it; None when it never does."""
-    prev = None
-    for x, loss in curve:
-        if loss <= target:
-            if prev is None:
-                return x
-            x0, l0 = prev
-            return x0 + (x - x0) * (l0 - target) / (l0 - loss)
-        prev = (x, loss)
-    return None
-
-
-def value_at(curve: Curve, x: float) -> float:
-    """``curve``'s loss at ``x``, linearly interpolated (held flat outside the curve)."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (x0, l0), (x1, l1) in zip(curve, curve[1:]):
-        if x <= x1:
-            return l0 + (l1 - l0) * (x - x0) / (x1 - x0) if x1 != x0 else l1
-    return curve[-1][1]
-
-
-def mean_curve(curves: list[Curve]) -> Curve:
-    """The mean of ``curves`` (one run type over seeds) at the first curve's x, each other curve interpolated there
-    (:func:`value_at`): a view of the run type less sensitive to one seed's late swings than any single curve."""
-    return [(x, sum(value_at(c, x) for c in curves) / len(curves)) for x, _ in curves[0]]
-
-
-def ahead_from(curve: Curve, other: Curve) -> float | None:
-    """The x of ``curve`` from which its loss stays at or below ``other``'s (interpolated) to its end: the point after
-    the last one where it is above (a curve that dips below and comes back up is not ahead yet); None: it ends
-    above."""
-    above = [i for i, (x, loss) in enumerate(curve) if loss > value_at(other, x)]
-    if not above:
-        return curve[0][0]
-    return None if above[-1] == len(curve) - 1 else curve[above[-1] + 1][0]
-
-
-def flops_saving(reference: Curve, other: Curve) -> float | None:
-    """1 - (x at which ``other`` first reaches ``reference``'s final loss) / (``reference``'s final x): the share of
-    the reference's FLOPs that ``other`` does not need for the same loss (negative: it needs more; None: never)."""
-    hit = crossing(other, reference[-1][1])
-    return None if hit is None else 1.0 - hit / reference[-1][0]
-
-
-def time_to_loss_speedup(reference: Curve, other: Curve) -> float | None:
-    """``reference``'s final x over the x at which ``other`` first reaches ``reference``'s final loss (> 1: faster);
-    None when ``other`` never gets there."""
-    hit = crossing(other, reference[-1][1])
-    return None if hit is None else reference[-1][0] / hit
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from benchmarks.study import ahead_from, flops_saving, time_to_loss_speedup
+from benchmarks.curves import ahead_from, flops_saving, time_to_loss_speedup
 from pretrain.model.early_exit import speedup_bound
 from tests.conftest import WIKITEXT
 from tests.harness import cli, tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.study import ahead_from, crossing, flops_saving, mean_curve, time_to_loss_speedup, value_at
+from benchmarks.curves import ahead_from, crossing, flops_saving, mean_curve, time_to_loss_speedup, value_at
 
 SCRATCH = [(1.0, 5.0), (2.0, 4.0), (3.0, 3.5), (4.0, 3.0)]
 
