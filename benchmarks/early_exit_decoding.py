@@ -218,7 +218,7 @@ def parse_args(argv: list[str]):
 
 def run(a) -> int:
     """``bench --early-exit --model M``: the benchmark of one model (``a`` from :func:`parse_args`)."""
-    from eval.generate import load_generator
+    from eval.generator import load_generator
 
     if a.overrides:
         raise ConfigError(f"bench --early-exit --model: key=value overrides are for the study only ({a.overrides[0]})")

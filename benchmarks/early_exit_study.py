@@ -132,7 +132,7 @@ def study(
 
     from benchmarks.copying import copying_probe
     from benchmarks.early_exit_decoding import decoding_benchmark, heldout_prompts, through_cli
-    from eval.generate import load_generator
+    from eval.generator import load_generator
     from pretrain.config import ConfigError, make_plan
     from pretrain.model import flops_per_token
     from pretrain.model.early_exit import speedup_bound

@@ -288,7 +288,7 @@ def growth_bench(
 def _copying(study: Study, run) -> dict:
     """:func:`benchmarks.copying.copying_probe` of ``run``'s final model (read from its checkpoints)."""
     from benchmarks.copying import copying_probe
-    from eval.generate import load_generator
+    from eval.generator import load_generator
 
     with study.inside():
         model = load_generator(run.source).model

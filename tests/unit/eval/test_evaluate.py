@@ -21,7 +21,7 @@ from eval.evaluate import (
     score,
     token_byte_lengths,
 )
-from eval.generate import load_generator
+from eval.generator import load_generator
 from eval.sources import open_source
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_checkpoint

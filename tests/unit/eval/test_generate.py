@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.generate import Generator, check_early_exit, decode, encode_prompt, generate
+from eval.generate import check_early_exit, decode, encode_prompt, generate
+from eval.generator import Generator
 from eval.speculative import layers_run_at
 from pretrain.config import ConfigError
 from pretrain.export.hf import special_token_ids, to_hf_model

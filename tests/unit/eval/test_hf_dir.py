@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eval.evaluate import evaluate
-from eval.generate import load_generator
+from eval.generator import load_generator
 from eval.hf_dir import is_hf_dir
 from pretrain.config import ConfigError
 from pretrain.export.hf import export_model
