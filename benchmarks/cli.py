@@ -48,9 +48,10 @@ from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 def bench(argv: list[str]) -> int:
     """The ``bench`` command: ``--cluster``, ``--checkpoint``, ``--data``, ``--gpu``, ``--build-corpus`` and
     ``--early-exit`` have arguments of their own; every other mode is parsed by :func:`main`."""
+    from cluster.requires import require_ray
+
     if "--cluster" in argv:  # submit-to-first-step latency and checkpoint share on the local head
         from benchmarks.cluster_jobs import main as cluster_bench
-        from cluster.requires import require_ray
 
         if not {"-h", "--help"} & set(argv):
             require_ray(f"{command()} bench --cluster")
@@ -70,6 +71,8 @@ def bench(argv: list[str]) -> int:
     if "--data" in argv:  # token shards: tokenize throughput (Ray Data, 1 and 2 workers), shard vs text loader
         from benchmarks.token_shards import main as data_bench
 
+        if not {"-h", "--help"} & set(argv):
+            require_ray(f"{command()} bench --data", "it tokenizes with Ray Data; ")
         return data_bench(argv)
     if "--checkpoint" in argv:  # checkpoint cost as the model grows: real train/resume runs per size
         from benchmarks.checkpoint import main as checkpoint_bench

@@ -46,6 +46,7 @@ from pretrain.data.shards.format import (
     tokenizer_hash,
 )
 from pretrain.data.shards.units import DEFAULT_CHUNK_BYTES, Unit, plan_units, tokenize_unit, unit_done
+from pretrain.invocation import command
 
 WORK_DIR = ".work"
 JOB_FILE = "job.json"
@@ -305,6 +306,7 @@ def _same_job(recorded: dict, spec: dict) -> bool:
 
 
 def tokenize(args: list[str]) -> int:
+    from cluster.requires import require_ray
     from pretrain.data.bad_records import refuse_skipped, summary_line
     from pretrain.data.fingerprint import source_fingerprint
     from pretrain.data.sanity import check_source
@@ -313,6 +315,7 @@ def tokenize(args: list[str]) -> int:
     from pretrain.data.sources import resolve_source
 
     a = parse(args)
+    require_ray(f"{command()} tokenize", "it tokenizes with Ray Data (an embedded one on this machine); ")
     out = Path(a.out).expanduser().resolve()
     _check_out(out)
     cfg = _data_config(a)

@@ -29,3 +29,22 @@ def test_missing_ray_is_one_line_naming_what_to_do(monkeypatch):
     for cluster in (ClusterConfig(num_workers=2), ClusterConfig(num_workers=1, max_failures=1)):
         with pytest.raises(RayMissingError, match=r"^cluster\.use_ray: .*set cluster\.use_ray=false"):
             require_ray_for(cluster)
+
+
+def test_the_commands_that_run_ray_data_are_refused_in_one_line_without_it(monkeypatch, tmp_path, capsys):
+    """``tokenize`` and ``bench --data`` tokenize with Ray Data (an embedded Ray by default, where no cluster is
+    involved): without Ray each is one line, exit 2, before anything is read or written; ``--help`` still answers."""
+    from pretrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    text = tmp_path / "t.txt"
+    text.write_text("a line\n", encoding="utf-8")
+    for argv, what in (
+        (["tokenize", str(text), "--out", str(tmp_path / "shards")], "tokenize"),
+        (["bench", "--data"], "bench --data"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{what} runs on Ray, which is not installed" in err[0], err
+    assert not (tmp_path / "shards").exists()
+    assert main(["bench", "--data", "--help"]) == 0
