@@ -80,6 +80,7 @@ def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
     from transformers import AutoConfig, AutoTokenizer
 
     from pretrain.export.hf import METADATA_FILE, is_our_remote_code, load_exported
+    from pretrain.export.output import MANIFEST_FILE
 
     try:
         remote = is_our_remote_code(path)  # ValueError: modeling code that is not ours
@@ -93,7 +94,8 @@ def open_hf_dir(path: Path, who: str, *, need: str | None = None) -> HfDir:
     if need is not None and kind != need:
         return out
     try:
-        out.model = load_exported(path, kind)
+        ours = (path / METADATA_FILE).is_file() or (path / MANIFEST_FILE).is_file()
+        out.model = load_exported(path, kind, ours=ours)
         out.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=remote)
         meta_file = path / METADATA_FILE
         out.meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}

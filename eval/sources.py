@@ -97,7 +97,7 @@ def open_checkpoint(target: str, step: int | None) -> EvalSource:
 
     def hf_model():
         if "m" not in cache:
-            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer), cfg.moe)
+            cache["m"] = to_hf_model(cfg.model, sd, special_token_ids(tokenizer, cfg.model.kind), cfg.moe)
         return cache["m"]
 
     @contextlib.contextmanager

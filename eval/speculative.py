@@ -11,7 +11,9 @@ from pretrain.config import ConfigError
 
 
 def base_model(model):
-    return getattr(model, model.base_model_prefix)
+    """The model's body (``transformers``' ``base_model``: the model itself where its class has none apart, as our
+    remote-code classes)."""
+    return getattr(model, model.base_model_prefix, model)
 
 
 @torch.no_grad()

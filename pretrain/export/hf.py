@@ -109,12 +109,14 @@ def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple
     )
 
 
-def special_token_ids(tokenizer) -> dict[str, int | None]:
-    return {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+def special_token_ids(tokenizer, kind: str = "decoder") -> dict[str, int | None]:
+    """The special token ids the exported config and generation config carry. A decoder's end of sequence is the
+    document separator it was trained with (eos, or sep for a BERT-like tokenizer: ``separator_id``), so that
+    ``generate`` stops where a document ended in training."""
+    eos = tokenizer.eos_token_id
+    if eos is None and kind == "decoder":
+        eos = getattr(tokenizer, "sep_token_id", None)
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}
 
 
 def remote_config_fields(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> dict[str, Any]:
@@ -198,8 +200,11 @@ class ExportReport:
     registered_version: int | None = None
 
 
-def load_exported(path: Path, kind: str):
-    """``AutoModelFor{CausalLM,MaskedLM}`` from an export dir (fp32); ExportError on incomplete loading."""
+def load_exported(path: Path, kind: str, ours: bool = True):
+    """``AutoModelFor{CausalLM,MaskedLM}`` from an export dir (fp32); ExportError on incomplete loading. ``ours``:
+    the directory is an export of this project, which holds exactly the class's weights; another directory may
+    hold weights the class does not use (a hub BERT's pooler and next-sentence head), which load as ``transformers``
+    loads them: only missing or mismatched weights are refused."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     auto = AutoModelForCausalLM if kind == "decoder" else AutoModelForMaskedLM
@@ -209,7 +214,8 @@ def load_exported(path: Path, kind: str):
         tuple[Any, dict[str, Any]],
         auto.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=remote, output_loading_info=True),
     )
-    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    checked = ("missing_keys", "unexpected_keys", "mismatched_keys") if ours else ("missing_keys", "mismatched_keys")
+    problems = {k: v for k, v in info.items() if v and k in checked}
     if problems:
         raise ExportError(f"{path}: loading was incomplete: {problems}")
     return model.eval()
@@ -248,7 +254,7 @@ def export_model(
     if unexportable(model_cfg, moe):
         raise ExportError(reason)  # refused up front, never approximated
     standard = hf_class is not None
-    special = special_token_ids(tokenizer)
+    special = special_token_ids(tokenizer, model_cfg.kind)
     hf_model = to_hf_model(model_cfg, sd, special, moe)
     stage = staging_dir(out)
     try:

@@ -9,7 +9,9 @@ torch and transformers, so an exported directory works without the `pretrain` pa
     AutoModelForMaskedLM.from_pretrained(DIR, trust_remote_code=True)   # kind: encoder
 
 No KV cache: generation recomputes the (at most ``max_seq_len``) context at every step.
-Padding masks (``attention_mask`` with zeros) are supported; positions are always 0..T-1.
+Padding masks (``attention_mask`` with zeros) are supported: a token's position counts the unmasked tokens before
+it (``position_ids`` when given), so a left-padded prompt is the prompt alone (learned positions; rotary ones are
+relative, so 0..T-1 gives the same scores).
 """
 
 from __future__ import annotations
@@ -272,14 +274,19 @@ class PretrainTransformerPreTrainedModel(PreTrainedModel):
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
 
-    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         key_mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
-            x = x + self.embed_positions(torch.arange(t, device=input_ids.device))
+            if position_ids is None and key_mask is not None:  # padding before a token is no position
+                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+            if position_ids is None:
+                position_ids = torch.arange(t, device=input_ids.device)
+            x = x + self.embed_positions(position_ids)
         if self.embedding_norm is not None:
             x = self.embedding_norm(x)
         x = self.drop(x)
@@ -301,8 +308,9 @@ class PretrainTransformerForCausalLM(PretrainTransformerPreTrainedModel, Generat
     """Causal LM (``kind: decoder``); ``labels`` are the inputs (shifted inside, like HF)."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
-        logits = self._logits(input_ids, attention_mask)
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                **kwargs) -> CausalLMOutput:
+        logits = self._logits(input_ids, attention_mask, position_ids)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
@@ -323,8 +331,9 @@ class PretrainTransformerForMaskedLM(PretrainTransformerPreTrainedModel):
     """Masked LM (``kind: encoder``); loss over ``labels != -100``."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **kwargs) -> MaskedLMOutput:
-        logits = self._logits(input_ids, attention_mask)
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                **kwargs) -> MaskedLMOutput:
+        logits = self._logits(input_ids, attention_mask, position_ids)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)

@@ -96,6 +96,8 @@ def test_refusals(llama, tokenizer):
     assert type(remote.model).__name__ == "PretrainTransformerForCausalLM"
     with pytest.raises(ConfigError, match="without a KV cache"):
         check_early_exit(remote, 1)
+    plain = generate(remote, PROMPT, max_new_tokens=4)  # without --early-exit it generates (no separate body)
+    assert plain["new_tokens"] == 4 and remote.model.config.num_hidden_layers == 3
     with pytest.raises(ConfigError, match="context is 48 tokens"):
         encode_prompt(llama, "word " * 200)
     with pytest.raises(ConfigError, match="empty"):

@@ -49,3 +49,38 @@ def test_a_config_with_a_bad_field_is_one_line(tokenizer, tmp_path, field, value
         with pytest.raises(ConfigError) as e:
             open_it(str(hf))
         assert str(e.value).startswith(f"{who}: ") and said in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_hub_style_bert_with_weights_its_class_does_not_use_opens_but_our_export_must_be_exact(tokenizer, tmp_path):
+    """A hub BERT is saved from BertForPreTraining (pooler, next-sentence head) and names BertForMaskedLM: it opens
+    as transformers loads it. The same extra weight in an export of ours is damage: refused."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from eval.hf_dir import open_hf_dir
+
+    d = tmp_path / "bert"
+    bert = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    transformers.BertForPreTraining(bert).save_pretrained(str(d))
+    tokenizer.save_pretrained(str(d))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    hf = open_hf_dir(d, "eval")
+    assert hf.kind == "encoder" and type(hf.model).__name__ == "BertForMaskedLM"
+    cfg, _ = NAMED["llama-tied-mha"]
+    ours = tmp_path / "ours"
+    export_model(cfg, perturbed_state(cfg), tokenizer, ours, log=lambda *a: None)
+    weights = ours / "model.safetensors"
+    save_file({**load_file(str(weights)), "extra.weight": torch.zeros(2)}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="unexpected_keys"):
+        open_hf_dir(ours, "eval")

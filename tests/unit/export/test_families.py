@@ -91,3 +91,23 @@ def test_rewrites_are_exact_on_our_model(rewrite, cfg):
 def test_fold_deepnorm_needs_the_stream_endpoints():
     with pytest.raises(ValueError, match="embedding_norm"):
         fam.fold_deepnorm({}, tiny(norm_placement="deepnorm"))
+
+
+def test_a_decoder_trained_on_sep_separated_documents_ends_generation_at_sep(tokenizer, tmp_path):
+    """A BERT-like tokenizer (sep, no eos) separates a decoder's documents with sep (``separator_id``): the export's
+    config and generation config name it as the end of sequence, so ``generate`` stops there; an encoder keeps
+    none (sep is not its end of generation)."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from pretrain.data.tokenizer import separator_id
+    from pretrain.export.hf import export_model, special_token_ids
+
+    d = tmp_path / "tok"
+    tokenizer.save_pretrained(str(d))
+    sep_only = PreTrainedTokenizerFast.from_pretrained(str(d), eos_token=None, sep_token="<|endoftext|>")
+    assert sep_only.eos_token_id is None and sep_only.sep_token_id == separator_id(sep_only)
+    assert special_token_ids(sep_only)["eos_token_id"] == sep_only.sep_token_id
+    assert special_token_ids(sep_only, "encoder")["eos_token_id"] is None
+    cfg = tiny(dict(norm="rmsnorm", activation="swiglu", position="rotary"))
+    export_model(cfg, perturbed_state(cfg), sep_only, tmp_path / "hf", log=lambda *a: None)
+    assert GenerationConfig.from_pretrained(str(tmp_path / "hf")).eos_token_id == sep_only.sep_token_id

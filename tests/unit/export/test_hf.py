@@ -366,21 +366,6 @@ def test_greedy_generate_matches_our_argmax(name, tokenizer, tmp_path):
     assert torch.equal(out, ref)
 
 
-def test_remote_code_padding_mask(tokenizer, tmp_path):
-    """Right padding does not change the logits of the real tokens (decoder and encoder)."""
-    for kind, name in (("decoder", "remote-gpt2-with-bias"), ("encoder", "remote-prenorm-rotary-encoder")):
-        cfg, _ = NAMED[name]
-        export_model(cfg, perturbed_state(cfg), tokenizer, tmp_path / kind, log=lambda *a: None)
-        hf = load_exported(tmp_path / kind, kind)
-        ids = parity_batch(cfg, batch=1, seq_len=10)
-        padded = torch.cat([ids, torch.full((1, 4), tokenizer.pad_token_id)], dim=1)
-        mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], dim=1).long()
-        with torch.no_grad():
-            ref = hf(input_ids=ids).logits
-            got = hf(input_ids=padded, attention_mask=mask).logits[:, :10]
-        assert (got - ref).abs().max() < 1e-5, kind
-
-
 def test_foreign_remote_code_is_not_trusted(tokenizer, tmp_path):
     cfg, _ = NAMED["remote-gpt2-with-bias"]
     export_model(cfg, perturbed_state(cfg), tokenizer, tmp_path / "hf", log=lambda *a: None)
