@@ -68,10 +68,10 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
             f"{key}={_yaml(old)}"
         )
     old_stage, new_stage = saved.zero.stage, cfg.zero.stage
-    if engine_state and old_stage != new_stage and 3 in (old_stage, new_stage):
+    if engine_state and old_stage != new_stage and {old_stage, new_stage} != {1, 2}:
         raise ConfigError(
             f"zero.stage cannot change from {old_stage} to {new_stage} at resume: DeepSpeed loads ZeRO-1 and ZeRO-2 "
-            "checkpoints into each other, a ZeRO-3 one only into ZeRO-3. Resume with "
+            "checkpoints into each other; a ZeRO-0 or ZeRO-3 one only into its own stage. Resume with "
             f"zero.stage={old_stage}, or export the weights ({command()} export) and start a run from them "
             "(model.init_from_hf)"
         )
