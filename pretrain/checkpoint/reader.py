@@ -123,10 +123,13 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
         return final
     cfg = load(ckpt).config
     if cfg.zero.stage not in (1, 2):
+        ep = ckpt.manifest.moe_ep_size
         raise CheckpointError(
-            f"{ckpt.path}: re-sharding experts needs a ZeRO-1/2 checkpoint (this one: ZeRO-"
-            f"{cfg.zero.stage}); resume with parallel.expert={ckpt.manifest.moe_ep_size} "
-            f"cluster.num_workers={ckpt.manifest.world_size} zero.stage={cfg.zero.stage}"
+            f"{ckpt.path}: converting its engine state to full weights (for tensor parallelism or another expert "
+            f"layout) needs a ZeRO-1/2 checkpoint (this one: ZeRO-{cfg.zero.stage}); resume it as it was saved: "
+            + (f"parallel.expert={ep} " if ep else "")
+            + f"parallel.tensor={cfg.parallel.tensor} cluster.num_workers={ckpt.manifest.world_size} "
+            f"zero.stage={cfg.zero.stage}"
         )
     masters, moments = weights.gathered_optimizer_state(ckpt.path, cfg.moe.num_experts)
     sd = full_state_dict(ckpt, cfg, masters)  # buffers (and shapes) from the module state

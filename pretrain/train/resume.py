@@ -103,10 +103,11 @@ def _converted(ctx: dist.DistContext, convert, what: str) -> Path:
 
 def engine_state_dir(ckpt: CommittedCheckpoint, run_dir: Path, ctx: dist.DistContext) -> tuple[Path, bool]:
     """(directory to load the engine state from, whether it is DeepSpeed's universal form). The checkpoint's own
-    DeepSpeed directory when its worker count matches; otherwise its universal form (ZeRO state re-sharded for
-    the new worker count), converted once by rank 0 and cached in the run directory."""
+    DeepSpeed directory when its worker count matches, or when it is ZeRO-0 (its model and optimizer state are
+    whole, in one file every rank loads); otherwise its universal form (ZeRO state re-sharded for the new worker
+    count), converted once by rank 0 and cached in the run directory."""
     saved_world = ckpt.manifest.world_size
-    if saved_world == ctx.world_size:
+    if saved_world == ctx.world_size or reader.load(ckpt).config.zero.stage == 0:
         return weights.ds_engine_dir(ckpt.path), False
     if ctx.is_main:
         print(

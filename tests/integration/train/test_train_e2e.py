@@ -148,6 +148,21 @@ def test_elastic_resume_two_one_two_workers(reference):
         assert abs(losses[s] - ref[s]) < 1e-5, (s, losses[s], ref[s])
 
 
+def test_a_zero0_run_resumes_on_another_worker_count(tmp_path):
+    """ZeRO-0 keeps its model and optimizer state whole (no partitioned optimizer files, so no universal form to
+    convert to): a 2-worker run (torchrun) resumes from its step-4 checkpoint on 1 worker as it is, and the next
+    steps' losses are the uninterrupted run's."""
+    run = ["train", CONFIG, *E2E, "zero.stage=0", "cluster.use_ray=false", "train.max_steps=6"]
+    whole = run_id_of(cli(tmp_path, *run, ranks=2).stdout)
+    step4 = tmp_path / "checkpoints" / whole / "step_00000004"
+    one = cli(tmp_path, "resume", str(step4), "cluster.num_workers=1", "cluster.use_ray=false")
+    assert "universal" not in one.stdout + one.stderr
+    ref, losses = _losses(tmp_path, whole), _losses(tmp_path, run_id_of(one.stdout))
+    assert sorted(losses) == [5, 6]
+    for s in losses:  # 1 worker accumulates 2 micro-batches where 2 workers all-reduce: same math, other order
+        assert abs(losses[s] - ref[s]) < 1e-5, (s, losses[s], ref[s])
+
+
 def test_tasks_on_two_workers_match_offline_eval(reference):
     """``eval.tasks`` in the 2-worker run (each rank scores its share of the examples, the counts are all-reduced)
     gives what ``eval --tasks`` gives in one process on the same checkpoint."""
