@@ -101,6 +101,12 @@ def check_model_parallel(cfg: Any, world_size: int) -> int:
                 "parallel.tensor: not with zero.stage 3 (the checkpoint gathers AutoTP shards from ZeRO "
                 "stages 0-2); use zero.stage 1 or 2"
             )
+        if m.attention_dropout > 0:
+            raise ConfigError(
+                f"parallel.tensor: not with model.attention_dropout {m.attention_dropout:g} (the workers of a "
+                f"tensor-parallel group share a dropout seed, which their replicated activations need, so each "
+                f"would drop the same attention weights in its own heads); use model.attention_dropout=0"
+            )
     if cfg.moe.enabled and t > 1:
         raise ConfigError(
             f"parallel.tensor: not with MoE (moe.num_experts {cfg.moe.num_experts}): AutoTP does not split "

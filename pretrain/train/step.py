@@ -31,6 +31,16 @@ def step_seed(seed: int, step: int, index: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{index}".encode()) & 0x7FFFFFFF
 
 
+def dropout_seeds(seed: int, step: int, micro_ids: list[int], dims, rank: int) -> list[int]:
+    """The dropout seed of each of global ``rank``'s micro-batches (ids ``micro_ids``) at 0-based ``step``
+    (``dims``: the run's ``ParallelDims``). Workers of a tensor-parallel group share it (their activations are
+    replicated); each worker of a sequence-parallel group has its own (one seed would repeat a slice's masks along
+    the sequence, and over the head groups after the all-to-all). Without sequence parallelism it is the
+    micro-batch's alone, whatever the worker count."""
+    n, s = dims.sequence, dims.sequence_rank(rank)
+    return [step_seed(seed, step, mid * n + s) for mid in micro_ids]
+
+
 def _micro_batches(batch: dict[str, torch.Tensor], micro: int, device: torch.device):
     n = batch["input_ids"].shape[0]
     for i in range(0, n, micro):

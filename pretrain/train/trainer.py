@@ -26,7 +26,7 @@ from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback, Shared
 from pretrain.train.progress import Progress
 from pretrain.train.ranges import loop_range
-from pretrain.train.step import StepInput, run_step, step_seed
+from pretrain.train.step import StepInput, dropout_seeds, run_step, step_seed
 from pretrain.train.tracking import Tracker
 
 
@@ -152,7 +152,7 @@ class Trainer:
             lr = self.module.lr_at(state.step)
             for cb in self.callbacks:
                 lr *= cb.lr_factor(step_no)
-            seeds = [step_seed(t.seed, state.step, mid) for mid in micro_ids]
+            seeds = dropout_seeds(t.seed, state.step, micro_ids, plan.dims, self.ctx.rank)
             with loop_range("run_step"):
                 result = run_step(self.module, StepInput(step_no, batch, lr, seeds), self.callbacks)
             state.step += 1

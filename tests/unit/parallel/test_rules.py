@@ -77,6 +77,10 @@ def test_rules_import_no_torch():
         (("cluster.num_workers=2", "parallel.tensor=2", "zero.stage=3"), "not with zero.stage 3"),
         (("cluster.num_workers=2", "parallel.tensor=2", "moe.num_experts=2"), "not with MoE"),
         (("cluster.num_workers=2", "parallel.tensor=2", "train.compile=yes"), "train.compile: yes"),
+        (
+            ("cluster.num_workers=2", "parallel.tensor=2", "model.attention_dropout=0.1"),
+            "use model.attention_dropout=0",
+        ),
         (("parallel.sequence=0",), "parallel.sequence: must be >= 1"),
     ],
 )
@@ -88,6 +92,7 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(overrides, says):
 
 def test_plan_maps_ranks_to_data_parallel_ranks():
     from pretrain.config import make_plan
+    from pretrain.train.step import dropout_seeds, step_seed
 
     cfg = load_config(None, [*BASE, "cluster.num_workers=8", "parallel.sequence=2", "parallel.tensor=2"])
     plan = make_plan(cfg, 8)
@@ -97,6 +102,12 @@ def test_plan_maps_ranks_to_data_parallel_ranks():
     assert plan.owned_streams(3) == plan.owned_streams(0) == [0] and plan.owned_streams(5) == [1]
     assert plan.micro_batch_ids(2) == plan.micro_batch_ids(0) and plan.share(7) == 4
     assert "8 worker(s) (2 data x 2 sequence x 2 tensor parallel)" in plan.describe()
+    # dropout seeds: shared by a tensor-parallel pair, one per sequence slice, none shared across data ranks
+    seeds = [tuple(dropout_seeds(0, 3, plan.micro_batch_ids(r), plan.dims, r)) for r in range(8)]
+    assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2]
+    assert len({seeds[r] for r in (0, 2, 4, 6)}) == 4
+    plain = make_plan(load_config(None, [*BASE, "cluster.num_workers=2"]), 2)  # the micro-batch's seed alone
+    assert dropout_seeds(0, 3, [5], plain.dims, 1) == [step_seed(0, 3, 5)]
 
 
 def test_memory_plan_divides_tokens_by_sequence_and_projections_by_tensor_parallelism():
