@@ -129,7 +129,7 @@ class TrainModule:
         """Restore :meth:`optimizer_state` of a module with the same shapes and layout (this rank's part)."""
         self.settle()
         opt = self.engine.optimizer
-        if self.zero_stage == 0 and isinstance(opt, torch.optim.Optimizer):
+        if self.zero_stage == 0:  # whole state: a torch optimizer, or (bf16) DeepSpeed's unfused wrapper of one
             opt.load_state_dict(state)
             return
         world = tdist.get_world_size() if tdist.is_initialized() else 1

@@ -76,7 +76,10 @@ def _bf16_stage0_round_trip(rank: int, world: int) -> dict:
     module.rebuild(cfg, weights=module.full_state_dict())
     load_moments(module, moments)
     again = gather_moments(module)
+    module.rebuild(cfg, optimizer_state=module.optimizer_state())  # the wrapper's own state dict, whole
+    whole = gather_moments(module)
     return {
+        "whole": all(torch.equal(moments[k][n], whole[k][n]) for k in ("exp_avg", "exp_avg_sq") for n in moments[k]),
         "wrapper": type(module.engine.optimizer).__name__,
         "moved": max(float(v.abs().max()) for v in moments["exp_avg"].values()),
         "same": all(torch.equal(moments[k][n], again[k][n]) for k in ("exp_avg", "exp_avg_sq") for n in moments[k]),
@@ -88,3 +91,4 @@ def test_moments_round_trip_under_zero_0_bf16_through_the_fp32_masters():
     (got,) = run_distributed(_bf16_stage0_round_trip, 1, fresh=False)
     assert got["wrapper"] == "FP16_UnfusedOptimizer" and got["moved"] > 0, got
     assert got["same"] and got["step"][0] == got["step"][1] > 0, got
+    assert got["whole"], "rebuilt with optimizer_state: the unfused wrapper loads its own state dict"
