@@ -101,7 +101,8 @@ def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
     """One fp32 state dict (our names) from the DeepSpeed state of a committed checkpoint.
 
     ZeRO 1/2/3 (any worker count): DeepSpeed's ``zero_to_fp32`` merges the fp32 master partitions.
-    Stage 0 (plain data parallel): the full module state of rank 0.
+    Stage 0 (plain data parallel): the full module state of rank 0; under bf16 that is the bf16 weights (the fp32
+    masters of DeepSpeed's unfused optimizer, saved beside them by parameter group, are not read).
     """
     ds = ds_engine_dir(ckpt_path)
     if zero_stage == 0:
