@@ -112,10 +112,18 @@ def separator_id(tokenizer) -> int:
 
 
 def make_encoder(tokenizer):
-    """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens, no BOS). A document that is already
-    tokens (a NumPy array: token shards) is passed through as a list, in its place."""
+    """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens added, no BOS; a special token's text
+    written in a document is that special token, as ``transformers``' tokenizers encode it). Every document whole:
+    truncation or padding saved in a tokenizer's ``tokenizer.json`` (some published ones carry them) is not applied.
+    A document that is already tokens (a NumPy array: token shards) is passed through as a list, in its place."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
+        if backend.truncation is not None or backend.padding is not None:  # a private copy without them
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_str(backend.to_str())
+            backend.no_truncation()
+            backend.no_padding()
 
         def encode_texts(texts: list[str]) -> list[list[int]]:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
@@ -123,7 +131,7 @@ def make_encoder(tokenizer):
     else:
 
         def encode_texts(texts: list[str]) -> list[list[int]]:
-            return tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return tokenizer(texts, add_special_tokens=False, truncation=False, padding=False)["input_ids"]
 
     def encode(docs: list) -> list[list[int]]:
         texts = [d for d in docs if isinstance(d, str)]

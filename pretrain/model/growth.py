@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from fractions import Fraction
 
 import torch
 
@@ -58,10 +59,9 @@ def resolve_count(spec: str | int, current: int) -> int:
     """``2x`` (a factor), ``+N`` (more) or ``N`` (a total) -> the target count."""
     text = str(spec).strip()
     try:
-        if text.endswith("x"):
-            factor = float(text[:-1])
-            target = current * factor
-            if target != int(target):
+        if text.endswith("x"):  # exact: 1.1x of 1600 is 1760, not 1760.0000000000002
+            target = Fraction(text[:-1]) * current
+            if target.denominator != 1:
                 raise ValueError(f"{text} of {current} is not a whole number")
             return int(target)
         if text.startswith("+"):

@@ -171,8 +171,8 @@ class MoEFeedForward(nn.Module):
         balance = e * torch.dot(routed.float() / (n * k), probs.mean(0))
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.aux_loss = self.aux_loss_weight * balance + self.router_z_loss_weight * z
-        if self.training:
-            self.pending_stats = self._stats_row(routed, counts, n, probs, balance, z)
+        # an eval forward leaves no row: one left by a recomputation during backward would be committed otherwise
+        self.pending_stats = self._stats_row(routed, counts, n, probs, balance, z) if self.training else None
         return out.view_as(x)
 
     # Eager even inside a compiled block (see :func:`keep_experts_eager`).
@@ -281,6 +281,16 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def prepare_experts(model: nn.Module, x: torch.Tensor) -> None:
+    """Probe :func:`grouped_mm_supported` for the hidden states ``x`` before the blocks run, where the model recomputes
+    blocks in backward: the probe's own forward and backward inside a checkpointed block would be recorded as the
+    block's (a first step's recomputation then finds fewer saved tensors, or a second backward)."""
+    grouped = [layer for _, layer in moe_layers(model) if layer.grouped_experts]
+    # the experts' inputs: the hidden states' dtype, or their weights' where they are cast
+    for dtype in {x.dtype} | {p.dtype for layer in grouped for p in layer.experts.parameters()} if grouped else ():
+        grouped_mm_supported(x.device, dtype)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoEFeedForward]]:

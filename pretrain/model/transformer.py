@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from pretrain.config import ModelConfig, MoEConfig
 from pretrain.model.early_exit import exit_output, with_exits
 from pretrain.model.layers import Attention, Block, FeedForward, RMSNorm, deepnorm_depth, make_norm, rope_cache, skips
-from pretrain.model.moe import MoEFeedForward
+from pretrain.model.moe import MoEFeedForward, prepare_experts
 from pretrain.model.recompute import run_block
 from pretrain.model.score import mean_cross_entropy
 
@@ -303,6 +303,8 @@ class Transformer(nn.Module):
         if self.rope_cos is not None and self.rope_sin is not None:
             rope = (self.rope_cos[span], self.rope_sin[span])  # (t, hd) each: global positions
         recompute = self.activation_checkpointing if self.training and torch.is_grad_enabled() else "none"
+        if recompute != "none":  # the grouped-matmul probe runs a forward and backward: not inside a recomputed block
+            prepare_experts(self, x)
         moe_terms, exit_outs = [], []
         for i, block in enumerate(self.blocks):
             if i in exit_at:  # the exit after the first i blocks

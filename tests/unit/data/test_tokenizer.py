@@ -43,3 +43,23 @@ def test_a_tokenizer_without_a_document_separator_is_one_line():
     assert separator_id(SimpleNamespace(eos_token_id=None, sep_token_id=3)) == 3
     with pytest.raises(ConfigError, match="^the tokenizer has neither an eos nor a sep token to separate documents"):
         separator_id(SimpleNamespace(eos_token_id=None, sep_token_id=None))
+
+
+def test_documents_are_encoded_whole_whatever_truncation_or_padding_a_tokenizer_file_saved(tok, tmp_path):
+    """Some published tokenizers save truncation and padding in their tokenizer.json, which loading turns on again:
+    a training document is still encoded whole and unpadded (the tokenizer the user gave is not changed)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pretrain.data.tokenizer import make_encoder
+
+    tok.save_pretrained(str(tmp_path / "plain"))
+    saved = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "plain"))
+    saved.backend_tokenizer.enable_truncation(max_length=8)
+    saved.backend_tokenizer.enable_padding(pad_id=tok.pad_token_id, pad_token="<|pad|>")
+    saved.save_pretrained(str(tmp_path / "truncating"))
+    loaded = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "truncating"))
+    assert loaded.backend_tokenizer.truncation is not None and loaded.backend_tokenizer.padding is not None
+    docs = ["A long document about the history of the harbour, its ships and the weather of the coast.", "short"]
+    whole = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    assert len(whole[0]) > 8 and make_encoder(loaded)(docs) == whole == make_encoder(tok)(docs)
+    assert loaded.backend_tokenizer.truncation is not None, "the given tokenizer is left as it was"

@@ -58,6 +58,9 @@ ARCHS = {
 
 def test_resolve_count():
     assert [resolve_count(s, 4) for s in ("2x", "+4", "6", "1.5x")] == [8, 8, 6, 6]
+    assert [resolve_count("1.1x", 1600), resolve_count("1.4x", 2880), resolve_count("2.2x", 45)] == [1760, 4032, 99]
+    with pytest.raises(ValueError, match="not a whole number"):
+        resolve_count("1.1x", 15)
     with pytest.raises(ValueError, match="factor like 2x"):
         resolve_count("two", 4)
 

@@ -192,16 +192,25 @@ def test_capacity_drops_in_training_only_and_first_choices_win():
     assert layer.take_stats().sum() == 0, "evaluation forwards do not count"
 
 
-def test_activation_checkpointing_counts_routing_once_and_keeps_gradients():
-    cfg = _small()
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_activation_checkpointing_counts_routing_once_and_keeps_gradients(placement):
+    """Also on a process's first step (the grouped-matmul probe not yet cached: it runs before the recomputed
+    blocks), and an evaluation after the step counts no routing (a recomputation's row is not committed)."""
+    from pretrain.model import moe as moe_mod
+
+    cfg = _small(f"model.norm_placement={placement}")
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(4))
     grads, stats = [], []
     for recompute in ("none", "full", "selective"):
+        moe_mod.grouped_mm_supported.cache_clear()
         model = build_model(cfg.model, 0, cfg.moe).train()
         model.activation_checkpointing = recompute
         model(ids, labels=ids).objective().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         stats.append([layer.take_stats() for _, layer in moe_layers(model)])
+        with torch.no_grad():
+            model.eval()(ids)
+        assert all(layer.stats is None for _, layer in moe_layers(model)), recompute
     for g, s in zip(grads[1:], stats[1:]):
         torch.testing.assert_close(g, grads[0])
         for a, b in zip(s, stats[0]):
