@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from cluster.placement import check_local_layout, local_cpus, wait_for_placement
+from cluster.placement import check_local_layout, check_train_address, local_cpus, wait_for_placement
 from cluster.requires import require_ray_for
 from cluster.submit import NETWORK_ENV
 from pretrain import startup_gc, timeline
@@ -299,6 +299,7 @@ def _ray_address(cluster: ClusterConfig) -> str:
     On Linux Ray swaps 127.0.0.1 for the host's routable IP and binds its gRPC servers on all
     interfaces unless "cluster mode" is off; it reads that switch when ``ray`` is first imported,
     so this must run before any Ray import."""
+    check_train_address(cluster)
     address = cluster.address or os.environ.get("RAY_ADDRESS", "")
     # Every worker's lines as they come: Ray's dedup folds lines that differ only in numbers ("rank 1/2 ...")
     # into a "[repeated Nx]" line seconds later. Read with the constants, at Ray's first import.

@@ -41,10 +41,24 @@ def fits(total: float, share: float, workers: int) -> bool:
     return workers * share <= total + 1e-9
 
 
+def check_train_address(cluster: ClusterConfig) -> None:
+    """Refuse (one line) a Jobs API address (``http(s)://HEAD:8265``, what ``submit`` and Ray's job CLI take) as
+    the cluster a run trains on: ``ray.init`` connects to a cluster's GCS (``HEAD:6379``) and rejects it."""
+    given = [("cluster.address", cluster.address), ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS", ""))]
+    for key, address in given:
+        if address.strip().lower().startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{key}={address}: a Jobs API (dashboard) address, which a run cannot train on: submit the run "
+                f"there (./launch.sh submit CONFIG --address {address}), give the cluster's GCS address (HEAD:6379), "
+                f"or unset it to train on this machine"
+            )
+
+
 def check_local_layout(cluster: ClusterConfig) -> None:
     """Refuse (one line naming what to set) the workers an embedded local Ray on this machine cannot place all
-    at once. A no-op with a cluster address, ``RAY_ADDRESS``, or a job that trains in this process
-    (:meth:`ClusterConfig.trains_in_process`)."""
+    at once, and a Jobs API address to train on (:func:`check_train_address`). Otherwise a no-op with a cluster
+    address, ``RAY_ADDRESS``, or a job that trains in this process (:meth:`ClusterConfig.trains_in_process`)."""
+    check_train_address(cluster)
     if cluster.trains_in_process() or cluster.address or os.environ.get("RAY_ADDRESS"):
         return
     check_layout(cluster, local_cpus(), local_gpus(), "this machine has", "an embedded local Ray")

@@ -183,8 +183,8 @@ def job_env(local: bool, extra: list[str], gcs_address: str = "") -> dict[str, s
                 f"--env {_shown(name)}: not set in this environment (--env takes a NAME or NAME=VALUE)"
             )
     wait = env.get("RAY_JOB_STOP_WAIT_TIME_S")
-    if wait is not None and not re.match(r"^[0-9]+(\.[0-9]+)?$", wait):
-        raise ClusterUsageError(f"--env RAY_JOB_STOP_WAIT_TIME_S={wait}: not a number of seconds")
+    if wait is not None and not re.match(r"^[0-9]+$", wait):  # Ray's supervisor reads it with int()
+        raise ClusterUsageError(f"--env RAY_JOB_STOP_WAIT_TIME_S={wait}: not a whole number of seconds")
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"

@@ -45,6 +45,14 @@ def test_local_layout_check_applies_to_an_embedded_ray_only(monkeypatch):
     placement.check_local_layout(load_config(DEMO, ["cluster.num_workers=4", "cluster.use_ray=false"]).cluster)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # a cluster: it may have (or add) the nodes
     placement.check_local_layout(big)
+    # the Jobs API address `submit` takes is no cluster to train on (ray.init rejects it): one line, before anything
+    for address in ("http://127.0.0.1:8265", "HTTPS://head:8265"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(ConfigError, match=rf"^RAY_ADDRESS={address}: a Jobs API \(dashboard\) address"):
+            placement.check_local_layout(load_config(DEMO, ["cluster.num_workers=1"]).cluster)
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ConfigError, match=r"^cluster.address=http://h:8265: a Jobs API"):
+        placement.check_local_layout(load_config(DEMO, ["cluster.address=http://h:8265"]).cluster)
     # the local head of `cluster up`: what it offers (submit checks it before sending the job)
     with pytest.raises(ConfigError, match=r"need 4 CPUs, but the local head offers 3 \(cluster up; Ray would wait"):
         placement.check_layout(big, 3, 0, "the local head offers", "cluster up")

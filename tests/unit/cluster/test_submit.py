@@ -49,6 +49,12 @@ def test_kuberay_rayjob_manifest():
     assert "checkpoint.dir=/mnt/shared" in spec["entrypoint"]
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
+    # a stop is a checkpoint: Ray waits for it (its default is 3 s), and `stop` knows how long, as `submit` sets them
+    from cluster.submit import STOP_MARGIN_S, STOP_WAIT_KEY
+    from pretrain.config import CheckpointConfig
+
+    wait = str(int(CheckpointConfig().stop_timeout_s) + STOP_MARGIN_S)
+    assert runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == spec["metadata"][STOP_WAIT_KEY] == wait
     cluster = spec["rayClusterSpec"]
     assert cluster["authOptions"]["mode"] == "token"
     head = cluster["headGroupSpec"]
@@ -177,8 +183,22 @@ def test_job_env_is_an_allowlist(monkeypatch):
     with pytest.raises(submit.ClusterUsageError) as e:
         submit.job_env(local=False, extra=["hf_abcdefghijklmnopqrstuvwxyz0123"])
     assert "abcdefghijklmnop" not in str(e.value) and str(e.value).startswith("--env 'hf_'... (33 characters")
-    with pytest.raises(submit.ClusterUsageError, match="RAY_JOB_STOP_WAIT_TIME_S=2m: not a number of seconds"):
-        submit.job_env(local=False, extra=["RAY_JOB_STOP_WAIT_TIME_S=2m"])
+    for value in ("2m", "90.5"):  # Ray's job supervisor takes whole seconds (int()): a fraction fails the stop
+        with pytest.raises(submit.ClusterUsageError, match=f"STOP_WAIT_TIME_S={value}: not a whole number of seconds"):
+            submit.job_env(local=False, extra=[f"RAY_JOB_STOP_WAIT_TIME_S={value}"])
+
+
+def test_the_image_leaves_out_what_the_upload_leaves_out():
+    """The Dockerfile copies the checkout (COPY . .): .dockerignore lists every exclude and credential file of
+    `submit`, credentials at any depth."""
+    from cluster import submit
+
+    lines = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    lines = {line for line in lines if line and not line.startswith("#")}
+    for name in submit.EXCLUDES:
+        assert name in lines or f"**/{name}" in lines, name
+    for name in submit.SECRETS:
+        assert f"**/{name}" in lines, name
 
 
 def test_staged_working_dir_mirrors_repo_with_excludes():
