@@ -13,7 +13,9 @@ import stat
 from pathlib import Path
 from typing import NoReturn
 
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^\s/?#]*)@", re.IGNORECASE)
+"""A URL's scheme and its userinfo: the authority up to its last ``@``, as ``urlsplit`` and HTTP clients split it
+(a user name may hold an ``@``, ``me@corp.com:PASSWORD@host``, and so may a password)."""
 
 LIMIT = 200
 """The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""
@@ -87,5 +89,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def without_passwords(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***``."""
-    return _URL_PASSWORD.sub(r"\1:***@", text)
+    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***`` (the user name
+    is what comes before the userinfo's first ``:``, the password all after it)."""
+
+    def masked(m: re.Match[str]) -> str:
+        user, colon, _ = m[2].partition(":")
+        return f"{m[1]}{user}:***@" if colon else m[0]
+
+    return _URL_USERINFO.sub(masked, text)

@@ -54,6 +54,15 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
     secret = "http://user:S3cretPW@127.0.0.1:5126"
     assert shown_uri(secret) == "http://user:***@127.0.0.1:5126" and shown_uri("sqlite:////x.db") == "sqlite:////x.db"
     assert without_passwords(f"cannot reach {secret}/api/2.0") == "cannot reach http://user:***@127.0.0.1:5126/api/2.0"
+    # the userinfo ends at the authority's last @ (as urlsplit and HTTP clients read it): an @ in the user name or in
+    # the password leaks nothing
+    for url, shown in (
+        ("https://me@corp.com:S3cret@host/d.jsonl", "https://me@corp.com:***@host/d.jsonl"),
+        ("https://user:Tr0ub@dor@host/d.jsonl", "https://user:***@host/d.jsonl"),
+        ("s3://AKIA:k3y@bucket/x and ftp://anon@host/y", "s3://AKIA:***@bucket/x and ftp://anon@host/y"),
+        ("http://host:8080/a?b=c@d see bob@example.com", "http://host:8080/a?b=c@d see bob@example.com"),
+    ):
+        assert without_passwords(url) == shown, url
     cfg = load_config(None, ["train.max_steps=8"])
     database = "postgresql://alice:S3cretPW@db.example/mlflow"
     for uri in (secret, database, "sqlite:////tmp/m.db"):
