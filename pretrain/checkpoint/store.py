@@ -256,7 +256,13 @@ def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None =
     manifest = manifest or read_manifest(path)
     check_present(path, manifest, only)
     for rel, meta in manifest.files.items():
-        if (only is None or rel in only) and sha256_file(path / rel) != meta.sha256:
+        if only is not None and rel not in only:
+            continue
+        try:  # a read error (EIO, a stale NFS handle) is this checkpoint's one-line error, on the rank that met it
+            digest = sha256_file(path / rel)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {rel} ({e.strerror or e})") from None
+        if digest != meta.sha256:
             raise CheckpointError(f"{path}: checksum mismatch for {rel}")
 
 

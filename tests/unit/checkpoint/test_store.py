@@ -155,6 +155,23 @@ def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
         ck.resolve(ckpt, full=False)
 
 
+def test_a_file_that_cannot_be_read_is_the_checkpoints_one_line_error(tmp_path, monkeypatch):
+    """A read error while hashing (EIO, a stale NFS handle) is a CheckpointError naming the file, as a corrupt one
+    is (the resume's verification gathers it from every rank; a raw OSError on one rank left the others waiting)."""
+    import errno
+
+    ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
+
+    def unreadable(path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ck, "sha256_file", unreadable)
+    with pytest.raises(ck.CheckpointError, match=rf"^{ckpt}: cannot read \S+ \(Input/output error\)$"):
+        ck.verify(ckpt)
+    with pytest.raises(ck.CheckpointError, match="cannot read .*; no older checkpoint of this run verifies"):
+        ck.verify_or_point_back(ck.resolve(ckpt, full=False))
+
+
 def test_a_recommit_interrupted_between_its_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     """A re-run of a committed step sets the old checkpoint aside, then renames the new one into place: killed
     between the two, the step has no directory; the next start puts the old one back (and removes the new one's
