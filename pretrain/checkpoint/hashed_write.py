@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint import store
+from pretrain.checkpoint.hash_tally import count_hashed
 
 CHUNK = 16 << 20
 """Bytes per direct write (a multiple of any logical block size)."""
@@ -57,7 +57,7 @@ def _drop_direct(fd: int) -> bool:
 class HashingFile:
     """A new binary file (write-only, sequential) that sha256-hashes what is written into it as it goes.
     ``torch.save`` writes into it like into any buffer (the zip format only calls ``write`` and ``flush``).
-    :meth:`close` returns the hex digest; the hashing is counted in :func:`store.hash_tally`.
+    :meth:`close` returns the hex digest; the hashing is counted in :func:`~pretrain.checkpoint.hash_tally.hash_tally`.
 
     With ``direct`` (and a filesystem that accepts it) the bytes are gathered into page-aligned buffers of
     :data:`CHUNK` bytes; each full buffer is hashed on one helper thread and written with ``O_DIRECT`` on
@@ -164,7 +164,7 @@ class HashingFile:
                 os.ftruncate(self._fd, self._offset)  # the last direct write was padded
         finally:
             self._release()
-        store.count_hashed(self.nbytes, self.hash_s)
+        count_hashed(self.nbytes, self.hash_s)
         return self._hash.hexdigest()
 
     def _release(self) -> None:

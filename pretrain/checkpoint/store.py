@@ -4,7 +4,6 @@ listing and MLflow registration only ever see committed ones. Collective writing
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import layout
+from pretrain.checkpoint.hash_tally import sha256_file
 from pretrain.checkpoint.manifest import FORMAT_DEEPSPEED, FileEntry, Manifest
 from pretrain.config.errors import not_a
 from pretrain.invocation import command
@@ -29,46 +29,6 @@ class CheckpointError(RuntimeError):
 
 def new_nonce() -> str:
     return uuid.uuid4().hex[:12]
-
-
-@dataclass(frozen=True)
-class HashTally:
-    """Bytes this process has hashed (:func:`sha256_file`, or while writing: ``hashed_write``) and the seconds it
-    took (its checkpoint hashing: saves and resume verification), so a run can report what each rank hashed
-    (``bench --checkpoint``)."""
-
-    bytes: int = 0
-    seconds: float = 0.0
-
-    def __sub__(self, other: HashTally) -> HashTally:
-        return HashTally(self.bytes - other.bytes, self.seconds - other.seconds)
-
-
-_tally = HashTally()
-_tally_lock = threading.Lock()  # a background save hashes in another thread
-
-
-def hash_tally() -> HashTally:
-    """What this process has hashed so far; the difference of two readings is what was hashed in between."""
-    with _tally_lock:
-        return _tally
-
-
-def sha256_file(path: Path) -> str:
-    h, n, t0 = hashlib.sha256(), 0, time.perf_counter()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            n += len(chunk)
-    count_hashed(n, time.perf_counter() - t0)
-    return h.hexdigest()
-
-
-def count_hashed(nbytes: int, seconds: float) -> None:
-    """Add to :func:`hash_tally` (a file hashed elsewhere, e.g. while it was written)."""
-    global _tally
-    with _tally_lock:
-        _tally = HashTally(_tally.bytes + nbytes, _tally.seconds + seconds)
 
 
 def fsync_file(path: Path) -> None:

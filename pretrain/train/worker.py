@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from pretrain import timeline
-from pretrain.checkpoint import layout, store
+from pretrain.checkpoint import layout
+from pretrain.checkpoint.hash_tally import hash_tally
 from pretrain.config import from_dict, make_plan, source_name
 from pretrain.data import (
     TrainBatches,
@@ -58,7 +59,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
     """This worker's :class:`Trainer` for ``job``: the plan, the module (resumed when a committed checkpoint
     exists), the data, the standard callbacks (those of the enabled features) and ``extra_callbacks``."""
     job_ = Job(**job)
-    hashed_at_setup = store.hash_tally()  # what the resume verification hashes is counted from here
+    hashed_at_setup = hash_tally()  # what the resume verification hashes is counted from here
     if job_.startup:
         timeline.adopt(job_.startup)
         timeline.enter("worker_setup")

@@ -2,7 +2,7 @@
 run's saves and, on a resume, before its first step (the resumed checkpoint's verification: each file is hashed by
 one rank, so the per-rank bytes add up to the checkpoint's bytes when a resume reads each byte once).
 
-Hashing is counted by the process-wide :func:`store.hash_tally`, whichever thread hashes (an asynchronous save
+Hashing is counted by the process-wide :func:`hash_tally`, whichever thread hashes (an asynchronous save
 hashes in the background, finishing at a later step): what a rank hashed between the start of the loop and its end
 (every save waited for) is its saves'; a save's share is that over the number of saves.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import store
-from pretrain.checkpoint.store import HashTally
+from pretrain.checkpoint.hash_tally import HashTally, hash_tally
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.trainer import Trainer
@@ -36,18 +36,18 @@ class CheckpointStats(Callback):
     order = 55  # after CheckpointCallback (50), whose run end commits the last save
 
     def __init__(self, at_setup: HashTally) -> None:
-        """``at_setup``: :func:`store.hash_tally` when the worker began setting up (before the resume point)."""
+        """``at_setup``: :func:`hash_tally` when the worker began setting up (before the resume point)."""
         self.at_setup = self.at_start = at_setup
         self.saves = 0
 
     def on_run_start(self, trainer: Trainer) -> None:
-        self.at_start = store.hash_tally()
+        self.at_start = hash_tally()
 
     def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
         self.saves += 1
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
-        now = store.hash_tally()
+        now = hash_tally()
         resume, saves = self.at_start - self.at_setup, now - self.at_start
         parts = dist.gather_object(
             {"resume": (resume.bytes, resume.seconds), "saves": (saves.bytes, saves.seconds), "count": self.saves}

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.store import HashTally
+from pretrain.checkpoint.hash_tally import HashTally
 from pretrain.config import RunConfig, RunPlan
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.checkpoint import CheckpointCallback

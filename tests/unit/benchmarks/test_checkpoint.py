@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import checkpoint as bc
 from pretrain.checkpoint import store
+from pretrain.checkpoint.hash_tally import hash_tally, sha256_file
 from tests.conftest import FIXTURES
 
 OLD = FIXTURES / "old_checkpoint" / "step_00000002"
@@ -31,12 +32,12 @@ def test_the_hash_tally_counts_every_byte_hashed_in_any_thread(tmp_path):
     sizes = [0, 1, (1 << 20) + 7, 3 << 20]
     for i, n in enumerate(sizes):
         (tmp_path / f"f{i}").write_bytes(os.urandom(n))
-    before = store.hash_tally()
-    worker = threading.Thread(target=lambda: [store.sha256_file(tmp_path / f"f{i}") for i in (2, 3)])
+    before = hash_tally()
+    worker = threading.Thread(target=lambda: [sha256_file(tmp_path / f"f{i}") for i in (2, 3)])
     worker.start()
     store.hash_files(tmp_path, [tmp_path / "f0", tmp_path / "f1"])
     worker.join()
-    spent = store.hash_tally() - before
+    spent = hash_tally() - before
     assert spent.bytes == sum(sizes) and spent.seconds > 0
 
 
@@ -57,7 +58,7 @@ def test_checkpoint_stats_report_resume_and_save_hashing_per_rank(tmp_path):
     trainer = SimpleNamespace(
         ctx=SimpleNamespace(is_main=True), tracker=_Tracker(), state=SimpleNamespace(step=2), last_checkpoint=OLD
     )
-    stats = CheckpointStats(store.hash_tally())
+    stats = CheckpointStats(hash_tally())
     store.verify(OLD)  # the resume's verification
     stats.on_run_start(trainer)
     for save in range(2):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pretrain.checkpoint import hashed_write
-from pretrain.checkpoint import store as ck
+from pretrain.checkpoint.hash_tally import hash_tally
 from pretrain.checkpoint.hashed_write import CHUNK, HashingFile
 
 
@@ -78,11 +78,11 @@ def test_a_refused_direct_write_writes_on_without_direct_io(tmp_path, monkeypatc
 
 
 def test_hash_tally_counts_what_was_hashed_while_written(tmp_path):
-    before = ck.hash_tally()
+    before = hash_tally()
     with HashingFile(tmp_path / "f.pt") as f:
         torch.save(_state(CHUNK), f)
         f.close()
-    assert (ck.hash_tally() - before).bytes == (tmp_path / "f.pt").stat().st_size
+    assert (hash_tally() - before).bytes == (tmp_path / "f.pt").stat().st_size
 
 
 def test_a_failed_save_leaves_no_digest_and_closes_the_file(tmp_path):
