@@ -26,6 +26,9 @@ class CheckpointCallback(Callback):
     def __init__(self, checkpointer: Checkpointer) -> None:
         self.checkpointer = checkpointer
         self.at_stop = False
+        self.rolled_back = False
+        """A rollback since the last save: the state is not the last checkpoint's any more, even at its step (the
+        skipped data window, the rollback's record), so a stop saves it again."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"at_stop": self.at_stop}
@@ -42,6 +45,7 @@ class CheckpointCallback(Callback):
         except NonFiniteWeightsError:
             trainer.emit("on_nonfinite_weights", trainer.state.step)
             return
+        self.rolled_back = False
         if self.checkpointer.in_flight is None:  # synchronous: committed already
             self.committed(trainer, path)
         trainer.emit("on_checkpoint", path)  # its state is fixed: a rollback target once it proves good
@@ -60,6 +64,7 @@ class CheckpointCallback(Callback):
 
     def on_rollback(self, trainer: Trainer) -> None:
         self.committed(trainer, self.checkpointer.finish())
+        self.rolled_back = True
 
     def on_halt(self, trainer: Trainer) -> None:
         self.committed(trainer, self.checkpointer.finish())
@@ -67,7 +72,8 @@ class CheckpointCallback(Callback):
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
         self.committed(trainer, self.checkpointer.finish())
         last = trainer.last_checkpoint
-        if stopped_early(trainer) and (last is None or not last.name.endswith(f"{trainer.state.step:08d}")):
+        at_last = last is not None and last.name.endswith(f"{trainer.state.step:08d}") and not self.rolled_back
+        if stopped_early(trainer) and not at_last:
             self.at_stop = True
             step = trainer.state.step
             self.save(trainer)

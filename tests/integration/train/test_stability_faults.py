@@ -114,8 +114,18 @@ def fault_runs(tmp_path_factory):
                 + ["stability.policy=rollback", "faults.nan_weights_at_step=11", "faults.stop_after_step=11"],
             )
         )
-        jobs = [clean, nan, spike, resumed, stopped, after_stop, nan_stop]
-        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop", "nan_stop")
+        # the same at step 12, a step the run saves at: its own save finds the NaN and rolls back to step 8, and the
+        # stop then saves the restored state at step 8 (not left as step 8's earlier checkpoint)
+        nan_stop_12 = prepare_new(
+            load_config(
+                ROOT / "configs" / "demo-decoder.yaml",
+                TINY
+                + tok
+                + ["stability.policy=rollback", "faults.nan_weights_at_step=12", "faults.stop_after_step=12"],
+            )
+        )
+        jobs = [clean, nan, spike, resumed, stopped, after_stop, nan_stop, nan_stop_12]
+        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop", "nan_stop", "nan_stop_12")
         ranks = run_jobs(2, jobs, fresh=False)
         yield {"work": work, "jobs": dict(zip(names, jobs)), "ranks": ranks, "final": dict(zip(names, ranks[0]))}
 
@@ -204,13 +214,15 @@ def test_resume_through_a_rollback_is_bitwise(fault_runs):
     assert sorted(c) == list(range(9, 25)) and all(a[s] == c[s] for s in c)  # (9-11 again after the rollback)
 
 
-def test_non_finite_weights_at_a_stop_roll_back_and_the_restored_state_is_saved(fault_runs):
-    """The checkpoint a stop writes finds a NaN weight: the run rolls back to its last good checkpoint (step 8) and
-    saves the restored state there (the skipped data window and the rollback's record), which a resume continues."""
-    final, job = fault_runs["final"]["nan_stop"], fault_runs["jobs"]["nan_stop"]
+@pytest.mark.parametrize("name, at", [("nan_stop", 11), ("nan_stop_12", 12)])
+def test_non_finite_weights_at_a_stop_roll_back_and_the_restored_state_is_saved(fault_runs, name, at):
+    """The checkpoint a stop writes (step 11), or the step's own (step 12), finds a NaN weight: the run rolls back to
+    its last good checkpoint (step 8) and saves the restored state there (the skipped data window and the
+    rollback's record), which a resume continues."""
+    final, job = fault_runs["final"][name], fault_runs["jobs"][name]
     assert final["step"] == 8 and final["stability"]["rollbacks"] == 1, final["stability"]
     run_dir = Path(job.run_dir)
-    assert not (run_dir / "step_00000011").exists() and Path(final["checkpoint"]).name == "step_00000008"
+    assert not (run_dir / f"step_{at:08d}").exists() and Path(final["checkpoint"]).name == "step_00000008"
     state = json.loads((run_dir / "step_00000008" / "trainer_state.json").read_text())
     window = final["stability"]["skipped_windows"]
     assert len(window) == 1 and window[0][0] == 8 * 8 and state["sequences"] == window[0][1], (state, window)
