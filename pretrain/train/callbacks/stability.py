@@ -51,12 +51,16 @@ class StabilityCallback(Callback):
         for event in self.monitor.router_collapse(step, max_shares(result.moe)) if result.moe else ():
             self.control.report(event, urgent=False)
         trainer.shared.last_event_step = self.monitor.s.last_event_step
-        if result.decision is not None and result.decision.event is not None:  # the plot shows the spike
-            trainer.tracker.log_metrics({"train/loss": result.loss, "train/grad_norm": result.grad_norm}, step)
-        if self.act(trainer, result.decision):
+        logged_step = step % trainer.cfg.train.log_every == 0 or is_last_step(trainer)
+        decision = result.decision
+        # the plot shows the spike; once: MetricsLogger logs a step it sees, and a rollback or halt ends it before
+        if decision is not None and decision.event is not None:
+            if decision.action in ("rollback", "halt") or not logged_step:
+                trainer.tracker.log_metrics({"train/loss": result.loss, "train/grad_norm": result.grad_norm}, step)
+        if self.act(trainer, decision):
             trainer.end_step()
             return
-        if step % trainer.cfg.train.log_every == 0 or is_last_step(trainer):
+        if logged_step:
             self.control.flush()
 
     def on_model_changed(self, trainer: Trainer) -> None:

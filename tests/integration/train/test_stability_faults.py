@@ -146,6 +146,11 @@ def test_nan_gradient_on_one_rank_is_skipped_on_all_ranks(fault_runs):
     assert rel < 0.05 and rel_val < 0.05
     with_health = metric_history(fault_runs["jobs"]["nan"].run_id, "health/grad_norm/block01")
     assert sorted(with_health) == [4, 8, 12, 16, 20, 24]
+    from mlflow import MlflowClient
+
+    for key in ("train/loss", "train/grad_norm"):  # the event's step (a logged step here) is logged once
+        steps = [m.step for m in MlflowClient().get_metric_history(fault_runs["jobs"]["nan"].run_id, key)]
+        assert sorted(steps) == list(range(1, 25)), (key, sorted(steps))
 
 
 def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_runs):
