@@ -67,7 +67,7 @@ def _layouts(tiny: bool) -> list[tuple[str, int, int, int]]:
 def run(megabytes: float, seconds: float, tiny: bool = False) -> dict[str, Any]:
     from transformers import PreTrainedTokenizerFast
 
-    from cluster.launch import ensure_ray
+    from cluster.launch import ensure_ray, stop_ray
     from pretrain.config import DataConfig, SourceConfig
     from pretrain.config.runtime import ClusterConfig
     from pretrain.data import data_throughput
@@ -85,10 +85,7 @@ def run(megabytes: float, seconds: float, tiny: bool = False) -> dict[str, Any]:
             t1, m1 = _tokenize(corpus, work / "w1", tok_dir, 1, chunk)
             t2, m2 = _tokenize(corpus, work / "w2", tok_dir, 2, chunk)
         finally:
-            if started:
-                import ray
-
-                ray.shutdown()
+            stop_ray(started)
         identical = [s["sha256"] for s in m1["shards"] + m1["index"]] == [
             s["sha256"] for s in m2["shards"] + m2["index"]
         ]

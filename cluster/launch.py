@@ -134,9 +134,10 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
         if "RAY_worker_niceness" not in os.environ:
             system_config["worker_niceness"] = 0
         # address="local": always a fresh private instance, never a cluster that happens to run here.
-        # Its processes (and the workers they start) ignore SIGINT, which they inherit: Ctrl-C in a terminal reaches
-        # the whole process group, and the run's stop (pretrain.driver.signals) needs Ray alive to take its checkpoint.
-        with _sigint_ignored(), _sigterm_kept():
+        # Its processes (and the workers they start) ignore SIGINT and block SIGTERM, which they inherit: Ctrl-C in a
+        # terminal, `timeout`, `kill -- -PGID` or a scheduler reach the whole process group, and the run's stop
+        # (pretrain.driver.signals) needs Ray alive to take its checkpoint.
+        with _sigint_ignored(), _sigterm_kept(), _sigterm_blocked():
             ray.init(
                 address="local",
                 num_cpus=local_cpus(),
@@ -161,6 +162,22 @@ def _sigint_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_blocked() -> Iterator[None]:
+    """SIGTERM blocked in this thread while the block runs, so the processes it starts inherit it blocked (Ray blocks
+    SIGINT in its processes the same way): the raylet and GCS take a SIGTERM for a shutdown, and a signal to the
+    whole process group would end them under the stopping run. They end with this process
+    (:func:`end_ray_with_process`: SIGKILL). A SIGTERM that comes meanwhile is delivered when the block ends."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
@@ -246,11 +263,39 @@ def _prepare_then_import(prepare: Callable[[], T], abandon: Callable[[T, BaseExc
 
 
 def stop_ray(started: bool) -> None:
-    """Shut down the Ray this process started (a no-op otherwise)."""
-    if started:
-        import ray
+    """Shut down the Ray this process started (a no-op otherwise). The embedded Ray's processes block SIGTERM
+    (:func:`_sigterm_blocked`), with which Ray's graceful shutdown asks each of them to end before it waits a second
+    and kills it: on Linux this driver is disconnected and those processes (with the agents and workers under them)
+    are killed at once instead; other processes under this one are left as they are. Elsewhere ``ray.shutdown()``."""
+    if not started:
+        return
+    import ray
 
+    if not sys.platform.startswith("linux"):
         ray.shutdown()
+        return
+    from ray._private import worker as ray_worker  # private: the one handle on the node ray.init started
+
+    node = ray_worker._global_node
+    procs: list[Any] = [info.process for infos in node.all_processes.values() for info in infos] if node else []
+    _disconnect()
+    _kill_trees([p.pid for p in procs])
+    for proc in procs:  # reaped: a long-lived process (a study, a benchmark) keeps no zombies
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+
+
+def _disconnect() -> None:
+    """This process's Ray driver disconnected, the servers it started left running (to be killed by the caller), and
+    Ray's graceful shutdown at the interpreter's exit unregistered."""
+    import atexit
+
+    import ray
+    from ray._private import worker as ray_worker
+
+    atexit.unregister(ray.shutdown)  # the graceful shutdown Ray registered for the interpreter's exit
+    ray_worker._global_node = None  # so ray.shutdown() only disconnects this driver; the servers are ours
+    ray.shutdown()
 
 
 def end_ray_with_process(started: bool) -> None:
@@ -269,14 +314,7 @@ def end_ray_with_process(started: bool) -> None:
     the driver's core worker, left connected to a raylet that dies under it, may end the whole process with exit
     status 1 and nothing on stderr (Ray logs the reason to its own session files), before the summary is out."""
     if started and sys.platform.startswith("linux"):
-        import atexit
-
-        import ray
-        from ray._private import worker as ray_worker  # private: the one handle on the node ray.init started
-
-        atexit.unregister(ray.shutdown)  # the graceful shutdown Ray registered for the interpreter's exit
-        ray_worker._global_node = None  # so ray.shutdown() only disconnects this driver; the servers are ours
-        ray.shutdown()
+        _disconnect()
         _kill_descendants()
         return
     stop_ray(started)
@@ -286,11 +324,24 @@ def _kill_descendants() -> None:
     """SIGKILL every process under this one (the embedded Ray's), children before their parents' own ends."""
     import psutil  # a dependency of ray
 
-    for proc in reversed(psutil.Process().children(recursive=True)):
+    _kill_trees([psutil.Process().pid], itself=False)
+
+
+def _kill_trees(pids: list[int], itself: bool = True) -> None:
+    """SIGKILL the processes under each of ``pids`` (children first) and, with ``itself``, that process."""
+    import psutil  # a dependency of ray
+
+    for pid in pids:
         try:
-            proc.kill()
+            root = psutil.Process(pid)
+            procs = [*reversed(root.children(recursive=True)), *([root] if itself else [])]
         except psutil.Error:  # already gone
-            pass
+            continue
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
 
 
 def _ray_address(cluster: ClusterConfig) -> str:
@@ -358,8 +409,7 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
             raise StabilityHaltError(said["line"], said.get("report"))
         return read_summary(job)
     finally:
-        if started:
-            ray.shutdown()
+        stop_ray(started)
 
 
 def _trainer_class(embedded: bool):

@@ -148,7 +148,7 @@ class TokenizeUnits:
 
 def _run_units(pending: list[Unit], sources, tok_dir: Path, work: Path, vocab: int, workers: int, total: int) -> None:
     """The pending units tokenized by a Ray Data job, with a progress line as units finish."""
-    from cluster.launch import ensure_ray
+    from cluster.launch import ensure_ray, stop_ray
     from pretrain.config.runtime import ClusterConfig
 
     started = ensure_ray(ClusterConfig())  # before Ray's first import: it keeps an embedded Ray on 127.0.0.1
@@ -183,8 +183,7 @@ def _run_units(pending: list[Unit], sources, tok_dir: Path, work: Path, vocab: i
             rate = tokens / max(time.perf_counter() - t0, 1e-9)
             print(f"[tokenize] {done}/{total} units, {tokens:,} tokens, {rate:,.0f} tokens/s", flush=True)
     finally:
-        if started:
-            ray.shutdown()
+        stop_ray(started)
 
 
 def _bad_records(units: list[Unit], summaries: list[dict], sources, policy: str) -> dict[str, Any]:

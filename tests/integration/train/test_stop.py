@@ -85,6 +85,17 @@ def test_ctrl_c_on_ray_workers_commits_a_checkpoint_and_resume_reproduces_the_ru
     assert run.info.status == "FINISHED" and not [k for k in run.data.tags if k.startswith("pretrain.stop.")]
 
 
+def test_sigterm_to_the_whole_process_group_on_ray_workers_is_a_stop_with_a_checkpoint(tmp_path):
+    """`timeout`, `kill -- -PGID` or a scheduler signal every process of the group, the embedded Ray's too: they
+    keep running (SIGTERM blocked in them), so the 2 workers commit the stop's checkpoint and the command ends with
+    its line (exit 143), not waiting on a Ray that shut down under it."""
+    code, out = _signal_at(tmp_path, ["train", CONFIG, *E2E, SLOW], 3, [signal.SIGTERM], group=True)
+    assert code == 143, out
+    m = re.match(r"stopped by SIGTERM at step (\d+): checkpoint (\S+); resume: ", _stop_line(out))
+    assert m and (Path(m.group(2)) / "manifest.json").is_file(), out
+    assert "Traceback" not in out
+
+
 def test_sigterm_to_a_torchrun_launch_stops_every_rank_after_one_step_with_a_checkpoint(tmp_path):
     """torchrun's agent forwards a SIGTERM to every rank: rank 0 acts on it and the other rank stops with it after
     the same step (not killed inside it), so a checkpoint at that step is committed and the run ends KILLED."""
