@@ -16,6 +16,16 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+# What setup was given or chose (the interpreter, the torch: cpu|cuda|system), kept with the venv: a later command
+# that sets neither PYTHON nor PRETRAIN_TORCH keeps them, rather than deciding again from a plain python3 (which would
+# reinstall another torch, or find no torch where setup kept an environment's, offline).
+CHOICE="$VENV/.pretrain-choice"
+if [[ -z "${PYTHON:-}" && -z "${PRETRAIN_TORCH:-}" && -f "$CHOICE" ]]; then
+  { IFS= read -r saved_py || true; IFS= read -r saved_kind || true; } <"$CHOICE"
+  if [[ -x "${saved_py:-}" && "${saved_kind:-}" =~ ^(cpu|cuda|system)$ ]]; then
+    PY="$saved_py" PRETRAIN_TORCH="$saved_kind"
+  fi
+fi
 LOCK="$ROOT/requirements.lock"             # CPU torch (this machine's +cpu wheel, pip's find-links)
 CUDA_LOCK="$ROOT/requirements-cuda.lock"   # the same versions, torch's default (CUDA) build from the package index
 UV_VERSION="0.13.9"   # the installer; fetched with pip, hash-checked against its entry in requirements.lock
@@ -183,6 +193,13 @@ check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch 
   return 2
 }
 
+remember_choice() {  # the interpreter and torch kind this setup used (CHOICE: read at the top of this script)
+  local py
+  py="$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null)" || return 0
+  [[ -n "$py" ]] && printf '%s\n%s\n' "$py" "$KIND" >"$CHOICE.tmp" && mv -f "$CHOICE.tmp" "$CHOICE"
+  return 0
+}
+
 setup() {  # setup [--offline WHEELHOUSE]
   # The stamp records which lock (name, sha256; the environment's torch, the wheelhouse) and which pyproject.toml the
   # venv was made from. A venv made offline stays offline: later setups install from the wheelhouse its stamp names.
@@ -208,6 +225,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   grep -q "^# inputs-sha256: $(inputs_hash) " "$lock" \
     || echo "[setup] warning: requirements*.txt changed since $(basename "$lock") was made (setup installs the lock): ./launch.sh lock" >&2
   if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want_lock"$'\n'"$want_project" ]]; then
+    remember_choice
     return 0
   fi
   local t0=$SECONDS uv_offline=()
@@ -268,6 +286,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   [[ "$KIND" != system ]] || "$VENV/bin/python" "$INSTALL" verify "${TORCH%% *}" --installed "$VENV/.pretrain-requirements.txt" \
     || exit 1
   printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp"
+  remember_choice
   sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the lock's sha256 alone: a second, simpler stamp
   if [[ "$KIND" == cuda || ( "$KIND" == system && "$(cut -d' ' -f2 <<<"$TORCH")" != cpu ) ]]; then
     echo "[setup] done in $((SECONDS - t0)) s" >&2  # a CUDA torch: no CPU comm op to build

@@ -164,6 +164,8 @@ def test_setup_keeps_the_environments_torch_and_refuses_one_out_of_range(tmp_pat
     )
     again = _launch(checkout, "setup", env=env)
     assert again.returncode == 0 and again.stderr == "", again.stderr  # current: nothing to do
+    plain = _launch(checkout, "setup", env=_env())  # neither PYTHON nor PRETRAIN_TORCH: setup's are kept
+    assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     # A torch outside the supported range: one line naming the range, the venv as it was; found automatically too
     # (PRETRAIN_TORCH unset), since it is a CUDA build.
     old = tmp_path / "old"
@@ -216,6 +218,9 @@ def test_offline_setup_installs_a_wheelhouse_with_no_network(tmp_path, environme
     assert installed == {n.replace("-", "_") for n in files} | {"pretrain"}
     assert (tmp_path / "xdg" / "pretrain").is_dir()  # uv: from the wheelhouse
     assert _launch(checkout, "setup", env=env).stderr == ""  # a later setup: current, still offline
+    # and without PYTHON: the environment setup was given is kept (a plain python3 has no torch to set up around)
+    plain = _launch(checkout, "setup", env={k: v for k, v in env.items() if k != "PYTHON"})
+    assert plain.returncode == 0 and plain.stderr == "", plain.stderr
     tampered = tmp_path / "tampered"
     shutil.copytree(wheels, tampered)
     with (tampered / files["six"]["file"]).open("ab") as f:
