@@ -14,7 +14,7 @@ import torch
 
 from pretrain.config import load_config
 from tests.conftest import ROOT, in_workdir
-from tests.harness import metric_history, run_jobs, tiny_model
+from tests.harness import CONFIG, metric_history, run_jobs, tiny_model
 
 # ----------------------------------------------------------------------------------------------
 # Fault injection in real 2-worker training (the real train_loop on real gloo ranks)
@@ -105,25 +105,15 @@ def fault_runs(tmp_path_factory):
             **after_stop.config["checkpoint"],
             "resume_from": str(Path(stopped.run_dir) / "step_00000011"),
         }
-        # stopped at step 11 with a NaN weight since that step: the stop's checkpoint is refused and rolls back
-        nan_stop = prepare_new(
-            load_config(
-                ROOT / "configs" / "demo-decoder.yaml",
-                TINY
-                + tok
-                + ["stability.policy=rollback", "faults.nan_weights_at_step=11", "faults.stop_after_step=11"],
-            )
-        )
-        # the same at step 12, a step the run saves at: its own save finds the NaN and rolls back to step 8, and the
-        # stop then saves the restored state at step 8 (not left as step 8's earlier checkpoint)
-        nan_stop_12 = prepare_new(
-            load_config(
-                ROOT / "configs" / "demo-decoder.yaml",
-                TINY
-                + tok
-                + ["stability.policy=rollback", "faults.nan_weights_at_step=12", "faults.stop_after_step=12"],
-            )
-        )
+
+        def nan_stop_at(step: int):
+            faults = [f"faults.nan_weights_at_step={step}", f"faults.stop_after_step={step}"]
+            return prepare_new(load_config(CONFIG, [*TINY, *tok, "stability.policy=rollback", *faults]))
+
+        # stopped at step 11 with a NaN weight since that step: the stop's checkpoint is refused and rolls back; the
+        # same at step 12, a step the run saves at: its own save finds the NaN and rolls back to step 8, and the stop
+        # then saves the restored state at step 8 (not left as step 8's earlier checkpoint)
+        nan_stop, nan_stop_12 = nan_stop_at(11), nan_stop_at(12)
         jobs = [clean, nan, spike, resumed, stopped, after_stop, nan_stop, nan_stop_12]
         names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop", "nan_stop", "nan_stop_12")
         ranks = run_jobs(2, jobs, fresh=False)

@@ -191,24 +191,25 @@ def test_tasks_on_other_data_are_logged_beside_the_runs_own(tokenizer_dir, workd
     assert logged[-1] == ({f"eval/other/{k[len('eval/') :]}": v for k, v in metrics.items()}, 4)
 
 
-def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
+def _hf_encoder(family: str, tokenizer, out: Path, **config) -> Path:
+    """A one-layer ``{family}ForMaskedLM`` of the test vocabulary saved with ``tokenizer`` in ``out`` (and a data
+    file beside it, returned)."""
     import transformers
 
-    transformers.BertForMaskedLM(
-        transformers.BertConfig(
-            vocab_size=V,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=32,
-        )
-    ).save_pretrained(str(tmp_path / "bert"))
-    tokenizer.save_pretrained(str(tmp_path / "bert"))
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, **config
+    )
+    getattr(transformers, f"{family}ForMaskedLM")(cfg).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    data = out.parent / "d.txt"
+    data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
+    return data
+
+
+def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
+    data = _hf_encoder("Bert", tokenizer, tmp_path / "bert", max_position_embeddings=32)
     with pytest.raises(ConfigError, match="--data"):
         evaluate(str(tmp_path / "bert"))
-    data = tmp_path / "d.txt"
-    data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
     out = evaluate(str(tmp_path / "bert"), data=[str(data)], sequences=4)
     assert out["kind"] == "encoder" and 0.0 <= out["mlm_acc"] <= 1.0 and out["seq_len"] == 32
 
@@ -216,23 +217,10 @@ def test_plain_hf_dir_needs_data(tokenizer, tmp_path):
 def test_a_roberta_style_dir_is_scored_at_the_positions_it_can_hold(tokenizer, tmp_path):
     """RoBERTa's position ids start after its padding id: of max_position_embeddings = 32 + pad + 1, 32 hold tokens,
     and the default length is those 32 (the whole table would index past it)."""
-    import transformers
-
     pad = tokenizer.pad_token_id
-    transformers.RobertaForMaskedLM(
-        transformers.RobertaConfig(
-            vocab_size=V,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=32 + pad + 1,
-            pad_token_id=pad,
-        )
-    ).save_pretrained(str(tmp_path / "roberta"))
-    tokenizer.save_pretrained(str(tmp_path / "roberta"))
-    data = tmp_path / "d.txt"
-    data.write_text("\n".join(corpus_lines(300)) + "\n", encoding="utf-8")
+    data = _hf_encoder(
+        "Roberta", tokenizer, tmp_path / "roberta", max_position_embeddings=32 + pad + 1, pad_token_id=pad
+    )
     out = evaluate(str(tmp_path / "roberta"), data=[str(data)], sequences=4)
     assert out["kind"] == "encoder" and out["seq_len"] == 32 and math.isfinite(out["loss"])
     with pytest.raises(ConfigError, match="context, 32; got 33"):
