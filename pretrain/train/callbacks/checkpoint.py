@@ -79,7 +79,11 @@ class CheckpointCallback(Callback):
             self.save(trainer)
             if trainer.state.step != step:  # its weights were not finite: rolled back, and the restored state (the
                 self.save(trainer)  # skipped data window, the rollback's record) is what a resume continues
-                final.update(step=trainer.state.step, tokens_seen=trainer.state.tokens_seen)
+                state = trainer.state  # the summary is the restored state's, not the abandoned one's
+                final.update(step=state.step, tokens_seen=state.tokens_seen, final_train_loss=state.last_train_loss)
+                final.update({k.replace("/", "_"): v for k, v in state.last_val.items()})
+                if isinstance(final.get("stopped"), dict):
+                    final["stopped"]["step"] = state.step
             self.committed(trainer, self.checkpointer.finish())
         self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
         final.update(

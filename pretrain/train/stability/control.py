@@ -80,8 +80,8 @@ class StabilityControl:
         return path
 
     def _restore_counters(self, step: int, saved: dict[str, Any]) -> None:
-        """Back to ``step`` with the tokens seen, FLOPs and last validation of that checkpoint's trainer state
-        (``saved``). A checkpoint
+        """Back to ``step`` with the tokens seen, FLOPs, last validation and last training loss of that checkpoint's
+        trainer state (``saved``). A checkpoint
         written before FLOPs were counted gets the current run's FLOPs per step so far times its step."""
         state = self.state
         flops = float(saved.get("flops") or 0.0)
@@ -89,6 +89,7 @@ class StabilityControl:
             flops = state.flops / state.step * step
         state.step, state.tokens_seen, state.flops = step, int(saved["tokens_seen"]), flops
         state.last_val = dict(saved.get("last_val") or {})  # what that checkpoint's run had validated
+        state.last_train_loss = float(saved.get("last_train_loss", float("nan")))
 
     def plot(self, tracking_uri: str) -> str:
         """Rank 0: the PNG of loss, grad norm and events (from MLflow when tracked), saved and logged."""

@@ -216,6 +216,7 @@ def test_non_finite_weights_at_a_stop_roll_back_and_the_restored_state_is_saved(
     rollback's record), which a resume continues."""
     final, job = fault_runs["final"][name], fault_runs["jobs"][name]
     assert final["step"] == 8 and final["stability"]["rollbacks"] == 1, final["stability"]
+    assert final["final_train_loss"] == metric_history(job.run_id)[8], final  # the restored state's, not step 11's
     run_dir = Path(job.run_dir)
     assert not (run_dir / f"step_{at:08d}").exists() and Path(final["checkpoint"]).name == "step_00000008"
     state = json.loads((run_dir / "step_00000008" / "trainer_state.json").read_text())
