@@ -16,15 +16,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-# What setup was given or chose (the interpreter, the torch: cpu|cuda|system), kept with the venv: a later command
-# that sets neither PYTHON nor PRETRAIN_TORCH keeps them, rather than deciding again from a plain python3 (which would
-# reinstall another torch, or find no torch where setup kept an environment's, offline).
-CHOICE="$VENV/.pretrain-choice"
+# What setup was given or chose (the interpreter, the torch: cpu|cuda|system), kept with the venv: a later setup
+# that sets neither PYTHON nor PRETRAIN_TORCH keeps them as its defaults, rather than deciding again from a plain
+# python3 (which would reinstall another torch, or find no torch where setup kept an environment's, offline).
+CHOICE="$VENV/.pretrain-choice" SAVED_PY="" SAVED_KIND=""
 if [[ -z "${PYTHON:-}" && -z "${PRETRAIN_TORCH:-}" && -f "$CHOICE" ]]; then
-  { IFS= read -r saved_py || true; IFS= read -r saved_kind || true; } <"$CHOICE"
-  if [[ -x "${saved_py:-}" && "${saved_kind:-}" =~ ^(cpu|cuda|system)$ ]]; then
-    PY="$saved_py" PRETRAIN_TORCH="$saved_kind"
-  fi
+  { IFS= read -r SAVED_PY || true; IFS= read -r SAVED_KIND || true; } <"$CHOICE"
+  [[ -x "$SAVED_PY" && "$SAVED_KIND" =~ ^(cpu|cuda|system)$ ]] || SAVED_PY="" SAVED_KIND=""
 fi
 LOCK="$ROOT/requirements.lock"             # CPU torch (this machine's +cpu wheel, pip's find-links)
 CUDA_LOCK="$ROOT/requirements-cuda.lock"   # the same versions, torch's default (CUDA) build from the package index
@@ -150,6 +148,7 @@ lock() {
 torch_kind() {  # [WHEELHOUSE] sets KIND=cpu|cuda|system (PRETRAIN_TORCH; else system where $PY has a CUDA torch or
   # setup is offline, cuda on a machine with an NVIDIA driver, else cpu) and, for system, TORCH="VERSION CUDA SITE_DIR"
   KIND="${PRETRAIN_TORCH:-}" TORCH=""
+  [[ -n "$KIND" || -n "${1:-}" ]] || KIND="$SAVED_KIND"  # the earlier setup's choice (not forced: not offline)
   case "$KIND" in
     cpu|cuda) [[ -z "${1:-}" ]] || { echo "[setup] error: setup --offline keeps the environment's torch (a wheelhouse holds none): PRETRAIN_TORCH=$KIND contradicts it" >&2; return 2; } ;;
     system) ;;
@@ -204,6 +203,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   # The stamp records which lock (name, sha256; the environment's torch, the wheelhouse) and which pyproject.toml the
   # venv was made from. A venv made offline stays offline: later setups install from the wheelhouse its stamp names.
   local stamp="$VENV/.pretrain-setup" lock want_lock want_project offline="" req
+  [[ -z "$SAVED_PY" ]] || PY="$SAVED_PY"  # the interpreter the earlier setup used (PYTHON unset)
   if [[ $# -gt 0 ]]; then
     [[ "$1" == --offline && $# -eq 2 ]] \
       || { echo "[setup] error: usage: ./launch.sh setup [--offline WHEELHOUSE_DIR]" >&2; exit 2; }

@@ -98,7 +98,7 @@ def build_pair(cfg: RunConfig, tokenizer):
     if cls is None:
         raise ConfigError(f"bench --vs-hf: {cfg.name} has no standard Hugging Face class to train with Trainer: {why}")
     ours = build_model(cfg.model, cfg.train.seed, cfg.moe)
-    hf = to_hf_model(cfg.model, ours.state_dict(), special_token_ids(tokenizer))
+    hf = to_hf_model(cfg.model, ours.state_dict(), special_token_ids(tokenizer, cfg.model.kind))
     return ours, hf
 
 

@@ -170,7 +170,8 @@ def _sigterm_blocked() -> Iterator[None]:
     SIGINT in its processes the same way): the raylet and GCS take a SIGTERM for a shutdown, and a signal to the
     whole process group would end them under the stopping run. They end with this process
     (:func:`end_ray_with_process`: SIGKILL). A SIGTERM that comes meanwhile is delivered when the block ends."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    # (Linux only: elsewhere Ray is shut down gracefully, which would wait on each process that cannot take it)
+    if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -283,6 +284,9 @@ def stop_ray(started: bool) -> None:
     for proc in procs:  # reaped: a long-lived process (a study, a benchmark) keeps no zombies
         with contextlib.suppress(Exception):
             proc.wait(timeout=5)
+    if node is not None and node.is_head():  # objects Ray Data spilled to disk (ray.shutdown removes them too)
+        with contextlib.suppress(Exception):
+            node.destroy_external_storage()
 
 
 def _disconnect() -> None:

@@ -56,10 +56,13 @@ def check_train_address(cluster: ClusterConfig) -> None:
 
 def check_local_layout(cluster: ClusterConfig) -> None:
     """Refuse (one line naming what to set) the workers an embedded local Ray on this machine cannot place all
-    at once, and a Jobs API address to train on (:func:`check_train_address`). Otherwise a no-op with a cluster
-    address, ``RAY_ADDRESS``, or a job that trains in this process (:meth:`ClusterConfig.trains_in_process`)."""
+    at once, and a Jobs API address to train on through Ray (:func:`check_train_address`). A no-op for a job that
+    trains in this process (:meth:`ClusterConfig.trains_in_process`), whatever ``RAY_ADDRESS`` says, and otherwise
+    with a cluster address or ``RAY_ADDRESS``."""
+    if cluster.trains_in_process():
+        return
     check_train_address(cluster)
-    if cluster.trains_in_process() or cluster.address or os.environ.get("RAY_ADDRESS"):
+    if cluster.address or os.environ.get("RAY_ADDRESS"):
         return
     check_layout(cluster, local_cpus(), local_gpus(), "this machine has", "an embedded local Ray")
 

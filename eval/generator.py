@@ -52,7 +52,7 @@ def _from_checkpoint(target: str, step: int | None) -> Generator:
     if unexportable(cfg.model, cfg.moe):
         raise ConfigError(f"generate: {label}: {export_target(cfg.model, cfg.moe)[1]}")
     tokenizer = loaded.tokenizer()
-    model = to_hf_model(cfg.model, loaded.state_dict(), special_token_ids(tokenizer), cfg.moe)
+    model = to_hf_model(cfg.model, loaded.state_dict(), special_token_ids(tokenizer, cfg.model.kind), cfg.moe)
     return Generator(
         model=model,
         tokenizer=tokenizer,

@@ -125,16 +125,15 @@ def train_steps(
     """One optimizer step of ``module`` (a ``TrainModule``) per global batch on this rank's shard, with the schedule's
     LR; returns each step's ``StepResult``. ``seeds``: seed each micro-batch as the trainer does (dropout, sample
     drops); ``before(step)`` / ``after(step, result)`` run around each 0-based step, ``hooks`` inside it."""
-    from pretrain.train.step import StepInput, run_step, step_seed
+    from pretrain.train.step import StepInput, dropout_seeds, run_step
 
     results = []
     for step, ids in enumerate(batches):
         if before is not None:
             before(step)
         part = shard(ids, module.plan.data_rank(rank), module.plan.world_size)  # ranks sharing sequences: the same
-        micro_seeds = (
-            [step_seed(module.cfg.train.seed, step, m) for m in module.plan.micro_batch_ids(rank)] if seeds else None
-        )
+        ids_ = module.plan.micro_batch_ids(rank)
+        micro_seeds = dropout_seeds(module.cfg.train.seed, step, ids_, module.plan.dims, rank) if seeds else None
         r = run_step(
             module,
             StepInput(step + 1, {"input_ids": part, "labels": part}, module.lr_at(step), micro_seeds),

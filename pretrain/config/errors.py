@@ -13,9 +13,10 @@ import stat
 from pathlib import Path
 from typing import NoReturn
 
-_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^\s/?#]*)@", re.IGNORECASE)
-"""A URL's scheme and its userinfo: the authority up to its last ``@``, as ``urlsplit`` and HTTP clients split it
-(a user name may hold an ``@``, ``me@corp.com:PASSWORD@host``, and so may a password)."""
+_URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^\s/]*)@", re.IGNORECASE)
+"""A URL's scheme and its userinfo: what comes before the last ``@`` ahead of the first ``/``, as ``urlsplit`` and
+HTTP clients split it (a user name may hold an ``@``, ``me@corp.com:PASSWORD@host``, and so may a password, with a
+``#`` or ``?`` too, which database URLs take unencoded)."""
 
 LIMIT = 200
 """The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""

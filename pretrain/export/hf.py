@@ -109,7 +109,7 @@ def export_target(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple
     )
 
 
-def special_token_ids(tokenizer, kind: str = "decoder") -> dict[str, int | None]:
+def special_token_ids(tokenizer, kind: str) -> dict[str, int | None]:
     """The special token ids the exported config and generation config carry. A decoder's end of sequence is the
     document separator it was trained with (eos, or sep for a BERT-like tokenizer: ``separator_id``), so that
     ``generate`` stops where a document ended in training."""

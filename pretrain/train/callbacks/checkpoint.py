@@ -81,6 +81,8 @@ class CheckpointCallback(Callback):
                 self.save(trainer)  # skipped data window, the rollback's record) is what a resume continues
                 state = trainer.state  # the summary is the restored state's, not the abandoned one's
                 final.update(step=state.step, tokens_seen=state.tokens_seen, final_train_loss=state.last_train_loss)
+                for key in [k for k in final if k.startswith("val_")]:  # the abandoned weights' validation
+                    del final[key]
                 final.update({k.replace("/", "_"): v for k, v in state.last_val.items()})
                 if isinstance(final.get("stopped"), dict):
                     final["stopped"]["step"] = state.step

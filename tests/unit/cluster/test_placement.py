@@ -50,6 +50,8 @@ def test_local_layout_check_applies_to_an_embedded_ray_only(monkeypatch):
         monkeypatch.setenv("RAY_ADDRESS", address)
         with pytest.raises(ConfigError, match=rf"^RAY_ADDRESS={address}: a Jobs API \(dashboard\) address"):
             placement.check_local_layout(load_config(DEMO, ["cluster.num_workers=1"]).cluster)
+        # (set for `jobs`/`logs`/`stop`, it does not concern a run that trains in this process)
+        placement.check_local_layout(load_config(DEMO, ["cluster.num_workers=2", "cluster.use_ray=false"]).cluster)
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(ConfigError, match=r"^cluster.address=http://h:8265: a Jobs API"):
         placement.check_local_layout(load_config(DEMO, ["cluster.address=http://h:8265"]).cluster)

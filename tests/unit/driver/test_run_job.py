@@ -61,6 +61,8 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
         ("https://user:Tr0ub@dor@host/d.jsonl", "https://user:***@host/d.jsonl"),
         ("s3://AKIA:k3y@bucket/x and ftp://anon@host/y", "s3://AKIA:***@bucket/x and ftp://anon@host/y"),
         ("http://host:8080/a?b=c@d see bob@example.com", "http://host:8080/a?b=c@d see bob@example.com"),
+        ("postgresql://mlflow:pa#ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
+        ("mysql://u:p?w@h/db", "mysql://u:***@h/db"),
     ):
         assert without_passwords(url) == shown, url
     cfg = load_config(None, ["train.max_steps=8"])

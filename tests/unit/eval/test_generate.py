@@ -20,7 +20,7 @@ PROMPT = "The history of the city"
 
 
 def make_generator(tokenizer, cfg, sd=None) -> Generator:
-    model = to_hf_model(cfg, perturbed_state(cfg) if sd is None else sd, special_token_ids(tokenizer))
+    model = to_hf_model(cfg, perturbed_state(cfg) if sd is None else sd, special_token_ids(tokenizer, cfg.kind))
     info = {"hf_class": type(model).__name__, "device": "cpu", "dtype": "float32"}
     return Generator(model, tokenizer, "test model", cfg.num_layers, cfg.max_seq_len, info)
 

@@ -106,7 +106,7 @@ def test_a_decoder_trained_on_sep_separated_documents_ends_generation_at_sep(tok
     tokenizer.save_pretrained(str(d))
     sep_only = PreTrainedTokenizerFast.from_pretrained(str(d), eos_token=None, sep_token="<|endoftext|>")
     assert sep_only.eos_token_id is None and sep_only.sep_token_id == separator_id(sep_only)
-    assert special_token_ids(sep_only)["eos_token_id"] == sep_only.sep_token_id
+    assert special_token_ids(sep_only, "decoder")["eos_token_id"] == sep_only.sep_token_id
     assert special_token_ids(sep_only, "encoder")["eos_token_id"] is None
     cfg = tiny(dict(norm="rmsnorm", activation="swiglu", position="rotary"))
     export_model(cfg, perturbed_state(cfg), sep_only, tmp_path / "hf", log=lambda *a: None)

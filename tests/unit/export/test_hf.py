@@ -424,5 +424,5 @@ def test_to_hf_model_refuses_what_no_class_represents(override, tokenizer):
 
     cfg = tiny(LLAMA_CFG, **override)
     with pytest.raises(ExportError, match=f"^cannot export: model.{next(iter(override))} is not represented") as e:
-        to_hf_model(cfg, perturbed_state(cfg), special_token_ids(tokenizer))
+        to_hf_model(cfg, perturbed_state(cfg), special_token_ids(tokenizer, cfg.kind))
     assert "\n" not in str(e.value)
