@@ -66,7 +66,8 @@ def run_job(prepare, announce) -> int:
     :mod:`pretrain.driver.run_lock`) until the run has ended. ``announce(job)``: the line that names the run.
     A stop before the run trains ends the command at once (:func:`~pretrain.driver.signals.stop_at_once`), and the
     run, if created, ``KILLED``; a stop once it has trained waits for the run's end to be recorded."""
-    from cluster.launch import end_ray_with_process, run, stop_ray
+    from cluster.launch import run
+    from cluster.ray_process import end_ray_with_process, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
     from pretrain.driver.launched import follow, launched

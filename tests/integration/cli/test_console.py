@@ -70,7 +70,8 @@ def test_a_failed_preparation_stops_the_ray_it_started_and_is_the_error():
     that error is raised and the Ray started for it is shut down (the success path: every CLI test through Ray)."""
     import ray
 
-    from cluster.launch import prepare_while_ray_starts, stop_ray
+    from cluster.launch import prepare_while_ray_starts
+    from cluster.ray_process import stop_ray
     from pretrain.config import ConfigError, load_config
 
     cluster = load_config(None, []).cluster

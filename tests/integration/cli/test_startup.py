@@ -126,7 +126,8 @@ def test_an_embedded_ray_ends_with_the_command():
     process's niceness, not at Ray's default of 15 for workers, under which any other busy process of the terminal
     session (pytest's other worker, here) would take nearly all the CPU from a run's Train workers."""
     code = (
-        "import os, psutil, ray; from cluster.launch import ensure_ray, end_ray_with_process; "
+        "import os, psutil, ray; from cluster.launch import ensure_ray; "
+        "from cluster.ray_process import end_ray_with_process; "
         "from pretrain.config import ClusterConfig; started = ensure_ray(ClusterConfig()); "
         "niceness = ray.get(ray.remote(lambda: os.nice(0)).remote()); "
         "pids = [p.pid for p in psutil.Process().children(recursive=True)]; "

@@ -86,6 +86,7 @@ def test_a_stop_while_a_trained_run_ends_leaves_it_finished(tmp_path, monkeypatc
     from mlflow import MlflowClient
 
     import cluster.launch
+    import cluster.ray_process
     from pretrain.driver.run_job import run_job
     from pretrain.train.tracking import new_run
 
@@ -94,7 +95,9 @@ def test_a_stop_while_a_trained_run_ends_leaves_it_finished(tmp_path, monkeypatc
     cfg = load_config(None, ["train.max_steps=8"])
     job = Job(config=to_dict(cfg), run_id=new_run(uri, cfg), run_dir=str(tmp_path / "run"), tracking_uri=uri)
     monkeypatch.setattr(cluster.launch, "run", lambda job, cluster: {"step": 8, "final_train_loss": 1.0})
-    monkeypatch.setattr(cluster.launch, "end_ray_with_process", lambda started: os.kill(os.getpid(), signal.SIGINT))
+    monkeypatch.setattr(
+        cluster.ray_process, "end_ray_with_process", lambda started: os.kill(os.getpid(), signal.SIGINT)
+    )
     assert run_job(lambda held: (job, False), lambda job: "run") == 0
     out, _ = capfd.readouterr()
     log = (tmp_path / "run" / "logs" / "driver.log").read_text()  # the terminal is quiet: lines go to the run's log
