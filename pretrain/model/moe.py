@@ -287,10 +287,11 @@ def prepare_experts(model: nn.Module, x: torch.Tensor) -> None:
     """Probe :func:`grouped_mm_supported` for the hidden states ``x`` before the blocks run, where the model recomputes
     blocks in backward: the probe's own forward and backward inside a checkpointed block would be recorded as the
     block's (a first step's recomputation then finds fewer saved tensors, or a second backward)."""
-    grouped = [layer for _, layer in moe_layers(model) if layer.grouped_experts]
-    # the experts' inputs: the hidden states' dtype, or their weights' where they are cast
-    for dtype in {x.dtype} | {p.dtype for layer in grouped for p in layer.experts.parameters()} if grouped else ():
-        grouped_mm_supported(x.device, dtype)
+    for _, layer in moe_layers(model):
+        if layer.grouped_experts:  # the experts' inputs: the hidden states' dtype, or their weights' (all alike)
+            for dtype in {x.dtype, next(layer.experts.parameters()).dtype}:
+                grouped_mm_supported(x.device, dtype)  # cached: a lookup after the first call
+            return
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoEFeedForward]]:
