@@ -277,7 +277,8 @@ def run_with_ray(job: Job, cluster: ClusterConfig) -> dict[str, Any]:
 def _trainer_class(embedded: bool):
     """Ray Train's ``TorchTrainer``; on an embedded local Ray, :class:`cluster.embedded.EmbeddedTorchTrainer`
     (without the actors that serve nothing there). Either without Train's own SIGINT handler, which would abort the
-    workers where the driver's (:mod:`pretrain.driver.signals`) has them stop with a checkpoint."""
+    workers where the driver's (:mod:`pretrain.driver.signals`) has them stop with a checkpoint, and with a failure
+    policy that restarts no worker group after a user error (:mod:`cluster.failures`)."""
     from ray.train.torch import TorchTrainer
 
     base = TorchTrainer
@@ -289,6 +290,12 @@ def _trainer_class(embedded: bool):
     class Trainer(base):  # type: ignore[valid-type,misc]
         def _register_sigint_handler(self, controller) -> None:
             pass
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            from cluster.failures import UserErrorsEndTheRun
+
+            controller_init_kwargs["failure_policy"] = UserErrorsEndTheRun(controller_init_kwargs["failure_policy"])
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
 

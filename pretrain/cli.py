@@ -76,7 +76,7 @@ from pathlib import Path
 
 from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
-from pretrain.config.errors import quote, without_passwords
+from pretrain.config.errors import quote, user_error, without_passwords
 from pretrain.usage import asks_help, command_usage, print_help, reader_gone, stdout_closed
 
 
@@ -344,45 +344,6 @@ _ARGPARSE_COMMANDS = {
     "logs",
     "stop",
 }
-
-
-# Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
-# checkpoint is wrong (exit 2), or the run ended by a rule the user set (exit 1); either is one line, no traceback.
-_EXIT_CODES = {
-    "NonFiniteWeightsError": 1,
-    "StabilityHaltError": 1,
-    "ExportError": 1,
-    "GrowthCheckError": 1,
-    "ConfigError": 2,
-    "BadRecordError": 2,
-    "CheckpointError": 2,
-}
-
-
-def user_error(exc: BaseException) -> tuple[int, str] | None:
-    """(exit code, one line) of an error the user acts on (see ``_EXIT_CODES``), wherever it was raised: here,
-    or in a Ray worker, whose failure reaches us wrapped in Ray's errors (as objects, or only as text). None
-    for an internal error."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        for cls in type(e).__mro__:  # the most specific known class decides
-            if cls.__name__ in _EXIT_CODES:
-                return _EXIT_CODES[cls.__name__], (str(e).strip().splitlines() or [cls.__name__])[0]
-        for attr in ("worker_failures", "_worker_failures"):
-            failures = getattr(e, attr, None)
-            if isinstance(failures, dict):
-                stack.extend(v for v in failures.values() if isinstance(v, BaseException))
-        stack.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
-    for line in str(exc).strip().splitlines():
-        for name, code in _EXIT_CODES.items():
-            if f"{name}: " in line:
-                return code, line.split(f"{name}: ", 1)[1]
-    return None
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -98,3 +98,43 @@ def without_passwords(text: str) -> str:
         return f"{m[1]}{user}:***@" if colon else m[0]
 
     return _URL_USERINFO.sub(masked, text)
+
+
+# Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a
+# checkpoint is wrong (exit 2), or the run ended by a rule the user set (exit 1); either is one line, no traceback.
+EXIT_CODES = {
+    "NonFiniteWeightsError": 1,
+    "StabilityHaltError": 1,
+    "ExportError": 1,
+    "GrowthCheckError": 1,
+    "ConfigError": 2,
+    "BadRecordError": 2,
+    "CheckpointError": 2,
+}
+
+
+def user_error(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) of an error the user acts on (see ``EXIT_CODES``), wherever it was raised: here,
+    or in a Ray worker, whose failure reaches us wrapped in Ray's errors (as objects, or only as text). None
+    for an internal error."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        for cls in type(e).__mro__:  # the most specific known class decides
+            if cls.__name__ in EXIT_CODES:
+                return EXIT_CODES[cls.__name__], (str(e).strip().splitlines() or [cls.__name__])[0]
+        for attr in ("worker_failures", "_worker_failures"):
+            failures = getattr(e, attr, None)
+            if isinstance(failures, dict):
+                stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        wrapped = (e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "_base_exc", None))
+        stack.extend(x for x in wrapped if isinstance(x, BaseException))  # _base_exc: Ray Train's worker errors
+    for line in str(exc).strip().splitlines():
+        for name, code in EXIT_CODES.items():
+            if f"{name}: " in line:
+                return code, line.split(f"{name}: ", 1)[1]
+    return None

@@ -92,7 +92,8 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
     """Through the CLI and Ray: the terminal shows only our lines and the full log lands in the run directory; a
     damaged newest checkpoint is refused before Ray in one line that names the newest good one, and resuming
     from that one as the line says works and reproduces the original losses; a damaged checkpoint found by a
-    worker (checkpoint.resume_from) is also one line, exit 2, no traceback."""
+    worker (checkpoint.resume_from, one byte changed at the same size, which only hashing finds) is also one line,
+    exit 2, no traceback, and ends the run at once, restarts allowed or not (``cluster.max_failures``)."""
     opts = [o for o in E2E if not o.startswith(("train.max_steps", "cluster.num_workers"))]
     opts += ["train.max_steps=4", "cluster.num_workers=1", "cluster.ray_for_one_worker=true"]  # through Ray
 
@@ -125,7 +126,11 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
         assert errors[0].endswith(f"the newest checkpoint that verifies is step 2: {good}"), errors[0]
     assert not (tmp_path / "hf").exists()
 
-    in_worker = cli(tmp_path, "train", CONFIG, *opts, f"checkpoint.resume_from={run_dir / 'step_00000004'}", expect=2)
+    damaged = run_dir / "step_00000004" / "data" / "rank_0.json"
+    text = damaged.read_bytes()[:-1]  # as committed, then one byte changed: only hashing sees it, in the worker
+    damaged.write_bytes(text[:-1] + (b"x" if text[-1:] != b"x" else b"y"))
+    restarts = ("cluster.max_failures=2", "train.max_steps=6", f"checkpoint.resume_from={run_dir / 'step_00000004'}")
+    in_worker = cli(tmp_path, "train", CONFIG, *opts, *restarts, expect=2)
     assert "Traceback" not in in_worker.stdout + in_worker.stderr
     errors = [line for line in in_worker.stderr.splitlines() if line.strip()]
     assert (
@@ -133,6 +138,9 @@ def test_quiet_run_damaged_checkpoint_and_worker_side_user_error(tmp_path):
         and errors[0].startswith("error: ")
         and "newest checkpoint that verifies is step 2" in errors[0]
     ), in_worker.stderr
+    (forked,) = [d for d in (tmp_path / "checkpoints").iterdir() if d.name not in (run_id, "_ray")]
+    attempts = (forked / "logs" / "driver.log").read_text().count("[train] rank 0/1 on Ray node")
+    assert attempts == 1, f"a user error ended the run at once, not after restarts: {attempts} attempts"
 
     # What the message says (a new run from step 2: 4 steps), in this process: the Ray path is the first run's.
     again = cli(tmp_path, "resume", str(good), "cluster.ray_for_one_worker=false", expect=0)

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from cluster.requires import RayMissingError, ray_installed, require_ray, require_ray_for
-from pretrain.cli import user_error
 from pretrain.config import ClusterConfig
+from pretrain.config.errors import user_error
 
 
 def test_installed_ray_passes():
