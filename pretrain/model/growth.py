@@ -54,6 +54,13 @@ from pretrain.model.layerdrop import fold_branch_scales, inference_scales
 StateDict = dict[str, torch.Tensor]
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.*)$")
 
+GROWN_FIELDS = {
+    "model": ("num_layers", "deepnorm_depth", "hidden_size", "num_heads", "num_kv_heads", "ffn_size", "tie_embeddings"),
+    "moe": ("num_experts", "top_k", "every", "layers", "ffn_size", "normalize_top_k"),
+}
+"""The config fields growth changes (every operator below), by section: what a grown checkpoint's own config says
+of them is the architecture a resume must build; every other field is the resume's to set."""
+
 
 def resolve_count(spec: str | int, current: int) -> int:
     """``2x`` (a factor), ``+N`` (more) or ``N`` (a total) -> the target count."""

@@ -55,18 +55,21 @@ def verify_in_parallel(ckpt: CommittedCheckpoint, ctx: dist.DistContext) -> None
 
 
 def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunConfig:
-    """``cfg`` with the model and MoE sections of the checkpoint's own config (the architecture it was saved with,
-    which growth may have changed since the run started); expert parallelism stays as configured now, where the
-    saved expert count allows it (else 1, as the growth into those experts set it: ``callbacks.growth.grown_config``).
-    The caller plans the run (``make_plan``) from the result."""
+    """``cfg`` with the architecture the checkpoint was saved with, which growth may have changed since the run
+    started: the fields growth changes (:data:`pretrain.model.growth.GROWN_FIELDS`) as the checkpoint's own config
+    has them, every other field as ``cfg`` sets it (a resume's ``model.dropout=0.1`` applies). Expert parallelism
+    stays as configured now, where the saved expert count allows it (else 1, as the growth into those experts set it:
+    ``callbacks.growth.grown_config``). The caller plans the run (``make_plan``) from the result."""
     from pretrain.config import from_dict, to_dict
+    from pretrain.model.growth import GROWN_FIELDS
 
     saved = reader.config_dict(ckpt)
     if "model" not in saved:
         return cfg
     merged = to_dict(cfg)
-    merged["model"] = saved["model"]
-    merged["moe"] = saved.get("moe", {})  # (the parallel section, expert parallelism included, is the current one)
+    for section, fields in GROWN_FIELDS.items():
+        grown = saved.get(section) or {}
+        merged[section] = {**merged[section], **{name: grown[name] for name in fields if name in grown}}
     experts = int(merged["moe"].get("num_experts", 0) or 0)
     if experts > 0 and experts % int(merged["parallel"]["expert"]):
         merged["parallel"] = {**merged["parallel"], "expert": 1}

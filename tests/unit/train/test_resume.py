@@ -45,3 +45,20 @@ def test_a_resume_after_an_upcycling_growth_takes_the_checkpoints_architecture_a
         out = checkpoint_architecture(cfg, ckpt_io.CommittedCheckpoint(tmp_path, 5, Manifest(step=5)))
         assert (out.moe.num_experts, out.moe.top_k, out.parallel.expert) == (experts, 2, resumed_ep)
         assert make_plan(out, 4).dims.expert == resumed_ep and make_plan(cfg, 4).dims.expert == 1
+
+
+def test_a_resume_of_a_growth_run_takes_the_grown_shape_from_the_checkpoint_and_the_rest_from_the_resume(tmp_path):
+    """What growth changed (depth, width) comes from the checkpoint; what it never changes (dropout, z-loss, the
+    MoE loss weights) is what the resume asked, as in a run without a growth schedule."""
+    from pretrain.checkpoint import store as ckpt_io
+    from pretrain.checkpoint.manifest import Manifest
+    from pretrain.config import dump_yaml, load_config
+    from pretrain.train.resume import checkpoint_architecture
+
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.activation=swiglu"]
+    grown = load_config(None, [*base, "model.num_layers=4", "moe.num_experts=4", "moe.aux_loss_weight=0.01"])
+    (tmp_path / "config.yaml").write_text(dump_yaml(grown))
+    asked = load_config(None, [*base, "model.dropout=0.3", "model.z_loss=0.01", "moe.aux_loss_weight=0.05"])
+    out = checkpoint_architecture(asked, ckpt_io.CommittedCheckpoint(tmp_path, 5, Manifest(step=5)))
+    assert (out.model.num_layers, out.moe.num_experts) == (4, 4)
+    assert (out.model.dropout, out.model.z_loss, out.moe.aux_loss_weight) == (0.3, 0.01, 0.05)
