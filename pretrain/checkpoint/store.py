@@ -226,12 +226,23 @@ def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None =
             raise CheckpointError(f"{path}: checksum mismatch for {rel}")
 
 
+PARSED_EARLY = frozenset({layout.CONFIG, layout.TRAINER_STATE})
+"""The files of a checkpoint the driver parses before any worker starts (small): the early check hashes them."""
+
+
+def check_early(path: Path, manifest: Manifest) -> None:
+    """The driver's early check: every file present with its recorded size (:func:`check_present`), and the files it
+    parses (:data:`PARSED_EARLY`) with their checksums; the workers verify the checksums of the rest, in parallel."""
+    check_present(path, manifest)
+    verify(path, manifest, set(PARSED_EARLY))
+
+
 def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: bool = True) -> None:
-    """:func:`verify` ``ckpt`` (``full=False``: :func:`check_present` only, reading no file: the driver's early
-    check, the ranks verify checksums of what they load); when it fails, the error also names the newest older
-    checkpoint of the same run directory that verifies (at the same level), and (``resume``) how to resume from it
-    (a new run starting from that checkpoint)."""
-    check = verify if full else check_present
+    """:func:`verify` ``ckpt`` (``full=False``: :func:`check_early` only, hashing the small files the driver parses:
+    the ranks verify checksums of what they load); when it fails, the error also names the newest older checkpoint
+    of the same run directory that verifies (at the same level), and (``resume``) how to resume from it (a new run
+    starting from that checkpoint)."""
+    check = verify if full else check_early
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
@@ -240,14 +251,14 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: b
 
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
     """``error`` (about ``ckpt``) followed by the newest older checkpoint of the same run directory that verifies
-    (``full``: every checksum; else presence and sizes) and how to resume from it."""
+    (``full``: every checksum; else :func:`check_early`) and how to resume from it."""
     return point_back_before(ckpt.path.parent, ckpt.step, error, full)
 
 
 def point_back_before(run_dir: Path, step: int, error: str, full: bool = True, resume: bool = True) -> str:
     """``error`` (about the checkpoint of ``step`` in ``run_dir``, whose manifest may be unreadable) followed by the
     newest older checkpoint there that verifies and (``resume``) how to resume from it."""
-    check = verify if full else check_present
+    check = verify if full else check_early
     for candidate in reversed([c for c in list_committed(run_dir) if c.step < step]):
         try:
             check(candidate.path, candidate.manifest)
@@ -313,8 +324,7 @@ def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> C
     :func:`check_directory`'s error for a path that is no directory, and a CheckpointError when a newer step
     directory's manifest is missing or cannot be read (a commit renames a directory with a complete manifest into
     the step's name, so that is damage, never a save in progress): its error, the newest older checkpoint that
-    verifies (``full``: every checksum; else presence and sizes, reading no file) and (``resume``) how to resume
-    from it."""
+    verifies (``full``: every checksum; else :func:`check_early`) and (``resume``) how to resume from it."""
     check_directory(run_dir)
     found = list_committed(run_dir)
     newest = found[-1] if found else None
@@ -333,8 +343,8 @@ def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> C
 
 
 def resolve(path: Path, full: bool = True, resume: bool = True) -> CommittedCheckpoint:
-    """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``: file
-    presence and sizes only, see :func:`verify_or_point_back`); a damaged one is refused naming the newest older
+    """A checkpoint dir, or a run dir (-> its latest committed checkpoint), verified (``full=False``:
+    :func:`check_early`, see :func:`verify_or_point_back`); a damaged one is refused naming the newest older
     checkpoint that verifies and (``resume``) how to resume from it."""
     path = path.resolve()
     check_directory(path)

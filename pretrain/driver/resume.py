@@ -74,8 +74,8 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     if latest is None:
         raise ConfigError(f"{target}: run has no committed checkpoint in {root}")
     ckpt = latest
-    # Here, before Ray, presence and sizes only (no file read: the workers hash what they load, in parallel);
-    # a damaged one names the newest that verifies.
+    # Here, before Ray, presence and sizes, and checksums of the small files parsed here (the workers hash what
+    # they load, in parallel); a damaged one names the newest that verifies.
     verify_or_point_back(ckpt, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.data.tokenizer = str(resumed_tokenizer(root, ckpt))

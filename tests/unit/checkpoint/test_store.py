@@ -130,15 +130,23 @@ def test_a_newest_checkpoint_whose_manifest_is_unreadable_is_refused_not_skipped
 OLD = FIXTURES / "old_checkpoint" / "step_00000002"
 
 
-def test_presence_check_reads_no_file_and_old_manifests_without_sizes(tmp_path, monkeypatch):
+def test_the_early_check_hashes_only_what_the_driver_parses_and_old_manifests_without_sizes(tmp_path, monkeypatch):
     ckpt = shutil.copytree(OLD, tmp_path / "run" / OLD.name)
     raw = json.loads((ckpt / ly.MANIFEST).read_text())
     for entry in raw["files"].values():
         del entry["bytes"]  # a manifest that recorded no sizes
     (ckpt / ly.MANIFEST).write_text(json.dumps(raw))
     ck.verify(ckpt)  # still verifies (checksums)
-    monkeypatch.setattr(ck, "sha256_file", lambda p: pytest.fail(f"read {p}"))
-    found = ck.resolve(ckpt, full=False)  # the driver's early check: no file is hashed
+    hashed, sha256_file = [], ck.sha256_file
+
+    def parsed_only(path):
+        hashed.append(path.relative_to(ckpt).as_posix())
+        assert hashed[-1] in ck.PARSED_EARLY, f"read {path}"
+        return sha256_file(path)
+
+    monkeypatch.setattr(ck, "sha256_file", parsed_only)
+    found = ck.resolve(ckpt, full=False)  # the driver's early check: only config.yaml and trainer_state.json
+    assert sorted(hashed) == sorted(ck.PARSED_EARLY)
     rel = "rng/rank_0.pt"
     (ckpt / rel).unlink()
     with pytest.raises(ck.CheckpointError, match=f"missing file {rel}; no older checkpoint of this run verifies"):
@@ -153,6 +161,23 @@ def test_size_mismatch_is_found_without_reading(tmp_path, monkeypatch):
         f.write(" ")
     with pytest.raises(ck.CheckpointError, match=f"^{ckpt}: checksum mismatch for {rel}; no older"):
         ck.resolve(ckpt, full=False)
+
+
+def test_a_same_size_corruption_of_a_file_the_driver_parses_is_found_early_and_points_back(tmp_path):
+    """The driver parses config.yaml and trainer_state.json before any worker starts: a byte changed in either is
+    the early check's one-line error naming the newest older checkpoint that verifies, not a parse error."""
+    for step in (2, 4):
+        stage = _stage(tmp_path, step)
+        (stage / ly.CONFIG).write_text("name: parsed\n")
+        ck.write_json(stage / ly.TRAINER_STATE, {"step": step})
+        ck.commit(stage, tmp_path, Manifest(step=step, world_size=2))
+    for rel in sorted(ck.PARSED_EARLY):
+        damaged = tmp_path / ly.step_dir_name(4) / rel
+        good = damaged.read_bytes()
+        damaged.write_bytes(good[:-1] + (b"x" if good[-1:] != b"x" else b"y"))
+        with pytest.raises(ck.CheckpointError, match=f"checksum mismatch for {rel}; .* verifies is step 2"):
+            ck.verify_or_point_back(ck.latest_committed(tmp_path, full=False), full=False)
+        damaged.write_bytes(good)
 
 
 def test_a_file_that_cannot_be_read_is_the_checkpoints_one_line_error(tmp_path, monkeypatch):
