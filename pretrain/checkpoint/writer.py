@@ -72,6 +72,10 @@ class EngineState:
 
     save: Callable[[Path, Callable[[Path], None]], list[Path]]
     snapshot: Callable[[Path, HostCopy], tuple[list[Path], list[FileJob]]] | None = None
+    moe_ep_size: int | None = None
+    """The expert-parallel size the files were saved with, where it is not the config's ``parallel.expert`` (a
+    derived run's copy of its parent's engine files, under a config that may set another layout for what it trains
+    next); None: the config's."""
 
 
 @dataclass
@@ -123,11 +127,19 @@ def describe(contents: Contents, run_id: str, world_size: int) -> Manifest:
         tokens_seen=int(state.get("tokens_seen", 0)),
         config_hash=config_hash(cfg),
         model_kind=cfg.model.kind,
-        moe_ep_size=cfg.parallel.expert if cfg.moe.enabled else 0,
+        moe_ep_size=_moe_ep_size(contents),
         data_position={"global_sequences": int(state.get("sequences", 0)), "num_streams": cfg.data.num_streams},
         rng={"scheme": RNG_SCHEME, "states": layout.RNG_PATTERN},
         metrics={"train/loss": state.get("last_train_loss", float("nan")), **state.get("last_val", {})},
     )
+
+
+def _moe_ep_size(contents: Contents) -> int:
+    """The expert-parallel layout of the engine state in ``contents`` (0: no MoE), as the manifest records it."""
+    if not contents.cfg.moe.enabled:
+        return 0
+    saved = contents.model.moe_ep_size if isinstance(contents.model, EngineState) else None
+    return contents.cfg.parallel.expert if saved is None else saved
 
 
 class CheckpointWriter:

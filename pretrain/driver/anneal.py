@@ -43,6 +43,11 @@ def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequ
             f"optimizer state); got {' '.join(overrides)}"
         )
     start = lr_at(max(at_step - 1, 0), parent.train)
+    if start <= 0:
+        raise ConfigError(
+            f"anneal: the parent's LR at step {at_step} is 0 (its schedule has decayed to a floor of 0): there is "
+            "nothing to anneal from; give a checkpoint before its decay with step=S"
+        )
     floor = cfg.train.lr * cfg.train.min_lr_ratio
     train = dataclasses.replace(
         cfg.train,

@@ -120,7 +120,8 @@ def derive_run(
 def parent_engine_state(parent: LoadedCheckpoint) -> EngineState | FullWeights:
     """The parent's model state unchanged, optimizer state included, for a child of the same model (``anneal``):
     its DeepSpeed engine files hard-linked (a committed checkpoint is never modified; copied where the filesystem
-    cannot link), or its full weights with their AdamW moments."""
+    cannot link) with the expert layout they were saved in (the child's ``parallel.expert`` may differ: its first
+    training re-lays them out, as any resume does), or its full weights with their AdamW moments."""
     if reader.is_full_weights(parent.ckpt):
         return FullWeights(
             ckpt_weights.load_full_weights(parent.ckpt.path), ckpt_weights.load_optimizer_moments(parent.ckpt.path)
@@ -137,7 +138,7 @@ def parent_engine_state(parent: LoadedCheckpoint) -> EngineState | FullWeights:
         shutil.copytree(src, directory, copy_function=link, dirs_exist_ok=True)
         return [p for p in directory.rglob("*") if p.is_file()]
 
-    return EngineState(save)
+    return EngineState(save, moe_ep_size=parent.ckpt.manifest.moe_ep_size)
 
 
 def parse_options(argv: list[str], valid: set[str], usage: str) -> dict[str, str]:

@@ -101,3 +101,19 @@ def test_writer_failure_is_one_error_and_nothing_committed(tmp_path):
     staged = writer.stage(4)
     with pytest.raises(ck.CheckpointError, match=rf"incomplete checkpoint, missing {ly.data_file(0)}, {ly.WEIGHTS}"):
         writer.commit(staged, Manifest(step=4, format=FORMAT_FULL))
+
+
+def test_the_manifest_records_the_expert_layout_the_engine_files_were_saved_in():
+    """A derived run's copy of its parent's engine files (``anneal``) keeps the parent's expert layout in its
+    manifest, whatever ``parallel.expert`` the child's config sets for what it trains next: a resume compares the
+    two to re-lay the experts out, and an export reads the files by it."""
+    from pretrain.checkpoint.writer import EngineState, describe
+    from pretrain.config import load_config
+
+    cfg = load_config(None, ["moe.num_experts=4", "parallel.expert=2", "cluster.num_workers=2"])
+    state = {"step": 3}
+    copied = Contents(cfg, state, {}, EngineState(lambda d, f: [], moe_ep_size=1))
+    assert describe(copied, "child", 2).moe_ep_size == 1
+    assert describe(Contents(cfg, state, {}, EngineState(lambda d, f: [])), "run", 2).moe_ep_size == 2
+    dense = load_config(None, [])
+    assert describe(Contents(dense, state, {}, EngineState(lambda d, f: [], moe_ep_size=1)), "run", 1).moe_ep_size == 0

@@ -44,6 +44,13 @@ def test_annealed_schedule_decays_from_the_checkpoint_lr_to_the_floor():
     assert t.lr == pytest.approx(lr_at(49, cos.train)) and lr_at(59, t) == pytest.approx(1e-3)
 
 
+def test_a_checkpoint_whose_lr_has_decayed_to_zero_is_refused_in_one_line():
+    done = load_config(None, [*TINY, "train.decay=wsd", "train.min_lr_ratio=0", "train.max_steps=200"])
+    with pytest.raises(ConfigError, match=r"^anneal: the parent's LR at step 200 is 0 .* step=S$"):
+        annealed_config(done, 200, 50)
+    assert annealed_config(done, 150, 50).train.lr > 0  # a checkpoint before the decay's end anneals
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
