@@ -47,7 +47,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     anything is read or recorded (a run training in another process is refused), held while it trains; once it is
     held, a checkpoint that an interrupted re-commit of its step set aside is put back
     (:func:`~pretrain.checkpoint.store.restore_superseded`)."""
-    from pretrain.checkpoint import latest_committed, resolve, verify_or_point_back
+    from pretrain.checkpoint import latest_committed, layout, resolve, verify_or_point_back
     from pretrain.checkpoint.reader import read_config
     from pretrain.checkpoint.store import restore_superseded
     from pretrain.train.job import Job
@@ -67,6 +67,12 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         preflight(cfg, grown_at=ckpt.step)
         return prepare_fork(cfg, check_fork(ckpt, cfg), hold)
     root = tracking.run_checkpoint_root(uri, target)
+    if any(o.split("=", 1)[0].strip() == "checkpoint.dir" for o in overrides):  # it would be recorded, not used
+        raise ConfigError(
+            f"checkpoint.dir cannot be given at resume of run {target}: it trains on in its own directory {root}; "
+            f"to train on elsewhere, fork a new run from a checkpoint: {command()} resume CHECKPOINT_DIR "
+            "checkpoint.dir=DIR"
+        )
     if hold is not None and root.is_dir():
         hold.enter_context(hold_run(root, target))
         restore_superseded(root)  # no other process writes the run now: a re-commit it interrupted is undone
@@ -78,12 +84,14 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     # they load, in parallel); a damaged one names the newest that verifies.
     verify_or_point_back(ckpt, full=False)
     cfg = resolve_paths(read_config(ckpt, overrides))
+    cfg.checkpoint.dir = str(root.parent)  # where the run is (a relative dir read from another directory is not)
     cfg.data.tokenizer = str(resumed_tokenizer(root, ckpt))
     cfg.validate()
     preflight(cfg, grown_at=ckpt.step)
     fork = check_fork(ckpt, cfg)
     if cfg.tracking.enabled:
-        tracking.log_config(uri, target, cfg, artifact="config/resumed.yaml")
+        # one per resume (a later one at another step keeps this one's record)
+        tracking.log_config(uri, target, cfg, artifact=f"config/resumed_{layout.step_dir_name(ckpt.step)}.yaml")
         _record_data_change(uri, target, fork)
     return Job(
         config=to_dict(cfg),

@@ -124,7 +124,7 @@ def test_sigterm_in_process_then_a_second_signal_stops_at_once(tmp_path):
         run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(running)  # nothing recorded by the refusal
         assert run.info.status == "RUNNING" and "pretrain.data.changed" not in run.data.tags
         config = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").list_artifacts(running, "config")
-        assert "config/resumed.yaml" not in [a.path for a in config]
+        assert not [a.path for a in config if a.path.startswith("config/resumed")]
 
     code, out = _signal_at(tmp_path, ["train", CONFIG, *one], 2, [signal.SIGTERM], meanwhile=resume_while_it_trains)
     assert code == 143, out

@@ -91,6 +91,10 @@ def test_killed_job_resumes_by_run_id(reference, killed_job):
     assert reference["run_id"] in listing and run_id in listing
     detail = cli(work, "runs", run_id).stdout
     assert "step_00000008" in detail and "step_00000004" in detail
+    from mlflow import MlflowClient  # the resume's config, named by the step it resumed from (one per resume)
+
+    config = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").list_artifacts(run_id, "config")
+    assert [a.path for a in config if a.path.startswith("config/resumed")] == ["config/resumed_step_00000004.yaml"]
 
 
 def test_sigkill_during_a_background_write_resumes_from_the_last_commit_bitwise(reference, killed_job):

@@ -124,3 +124,19 @@ def test_a_tokenizer_given_at_resume_is_refused_not_dropped():
 
     with pytest.raises(ConfigError, match=r"^data\.tokenizer cannot be given at resume: /no/such trains on with its"):
         prepare_resume("/no/such", ["data.tokenizer=/tmp/other_tok"])
+
+
+def test_a_run_resumed_by_its_id_records_where_it_is_and_refuses_another_checkpoint_dir(tmp_path, monkeypatch):
+    """A run trains on in its own directory: its resumed config records that directory's parent as
+    ``checkpoint.dir`` (a relative dir read from another working directory would point elsewhere), and a
+    ``checkpoint.dir=`` given, which would be recorded but not used, is refused in one line."""
+    from pretrain.config import from_dict
+    from pretrain.driver.resume import prepare_resume
+
+    root, _ = _resumable_run(tmp_path, monkeypatch)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # where a relative checkpoint.dir of the saved config resolves elsewhere
+    assert from_dict(prepare_resume("run-1", ["tracking.enabled=false"]).config).checkpoint.dir == str(root.parent)
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.dir cannot be given at resume of run run-1: .* {root};"):
+        prepare_resume("run-1", ["tracking.enabled=false", f"checkpoint.dir={tmp_path / 'elsewhere'}"])
+    assert not (tmp_path / "elsewhere").exists()
