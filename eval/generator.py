@@ -88,6 +88,19 @@ def _from_hf_dir(path: Path) -> Generator:
     )
 
 
+def on_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` with its floating parameters in ``dtype``; its floating buffers keep their dtype (fp32:
+    the RoPE frequencies, whose rounding to bf16 shifts the angles by up to radians over a long context, and the MoE
+    selection biases), as ``from_pretrained(dtype=...)`` keeps them and training does."""
+    model.to(device=device)
+    buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
+    model.to(dtype=dtype)
+    for name, kept in buffers:
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, kept)
+    return model
+
+
 def load_generator(target: str, step: int | None = None, device: str = "cpu", dtype: str = "float32") -> Generator:
     """The decoder of ``target`` (an MLflow run id, a run or checkpoint directory, or a Hugging Face directory) on
     ``device`` in ``dtype``; ConfigError (exit 2) for a missing source, an encoder, a bad device."""
@@ -102,6 +115,6 @@ def load_generator(target: str, step: int | None = None, device: str = "cpu", dt
         gen = _from_hf_dir(path.resolve())
     else:
         gen = _from_checkpoint(target, step)
-    gen.model.to(device=torch.device(device), dtype=DTYPES[dtype]).eval()
+    on_device(gen.model, torch.device(device), DTYPES[dtype]).eval()
     gen.info.update(hf_class=type(gen.model).__name__, device=device, dtype=dtype)
     return gen
