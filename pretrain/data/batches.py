@@ -37,7 +37,7 @@ from pretrain.data.bad_records import BadRecords, summarize_bad_records
 from pretrain.data.packed_stream import FRESH, PackedStream, as_lists
 from pretrain.data.packing import Masker, Packer, make_example, mask_seed
 from pretrain.data.sources import training_sources, validation_sources
-from pretrain.data.stream import DocumentStream
+from pretrain.data.stream import DocumentStream, unique_documents
 from pretrain.data.tokenizer import make_encoder, separator_id
 
 STATE_VERSION = 1
@@ -228,16 +228,6 @@ class TooLittleValidationData(ConfigError):
     left to the aggregate set)."""
 
 
-def _unique(docs):
-    """Documents once each (a document of token shards is compared by its tokens)."""
-    seen: set = set()
-    for doc in docs:
-        key = doc if isinstance(doc, str) else doc.tobytes()
-        if key not in seen:
-            seen.add(key)
-            yield doc
-
-
 def validation_sequences(
     cfg: DataConfig,
     *,
@@ -263,7 +253,7 @@ def validation_sequences(
         return []
     bad = bad if bad is not None else BadRecords(cfg.bad_records)
     docs = DocumentStream(sources, seed, role=role, val_holdout=holdout, bad=bad)
-    packer = Packer(_unique(docs), make_encoder(tokenizer), separator_id(tokenizer), seq_len)
+    packer = Packer(unique_documents(docs), make_encoder(tokenizer), separator_id(tokenizer), seq_len)
     masker = Masker(tokenizer, cfg.mlm_probability) if kind == "encoder" else None
     out = []
     for k in range(val_sequences):

@@ -138,6 +138,17 @@ def crc_holdout(crc: int, val_holdout: float) -> bool:
     return val_holdout > 0 and crc % 1_000_000 < val_holdout * 1_000_000
 
 
+def unique_documents(docs):
+    """Documents once each (a document of token shards is compared by its tokens): a pass of a mixture's held-out
+    documents reads a smaller source again until the largest ends."""
+    seen: set = set()
+    for doc in docs:
+        key = doc if isinstance(doc, str) else doc.tobytes()
+        if key not in seen:
+            seen.add(key)
+            yield doc
+
+
 class DocumentStream:
     """Good documents of one role, dealt to virtual stream ``stream`` of ``num_streams``.
 
@@ -169,6 +180,9 @@ class DocumentStream:
         self.doc_index = int(state.get("doc_index", 0))
         self.finished = bool(state.get("finished", False))
         self.mixture = Mixture(sources, seed, state.get("mixture"))
+        if self.finished and repeat:  # the data ran out under data.repeat=false; resumed with repeat: the next pass
+            self.finished = False
+            self._restart()
 
     def state_dict(self) -> dict:
         return {

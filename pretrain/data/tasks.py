@@ -149,11 +149,11 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
 
 
 def heldout_documents(cfg: DataConfig, seed: int):
-    """The held-out documents validation packs, as texts: ``data.val_sources``, else the ``val_holdout`` share. A
-    document of token shards is decoded with the shards' tokenizer (:func:`_as_texts`)."""
+    """The held-out documents validation packs, as texts, once each: ``data.val_sources``, else the ``val_holdout``
+    share. A document of token shards is decoded with the shards' tokenizer (:func:`_as_texts`)."""
     from pretrain.data.bad_records import BadRecords
     from pretrain.data.sources import training_sources, validation_sources
-    from pretrain.data.stream import DocumentStream
+    from pretrain.data.stream import DocumentStream, unique_documents
 
     if cfg.val_sources:
         sources = validation_sources(cfg)
@@ -161,7 +161,7 @@ def heldout_documents(cfg: DataConfig, seed: int):
     else:
         sources = training_sources(cfg)
         docs = DocumentStream(sources, seed, role="val", val_holdout=cfg.val_holdout, bad=BadRecords(cfg.bad_records))
-    return _as_texts(docs, sources)
+    return _as_texts(unique_documents(docs), sources)
 
 
 def _as_texts(documents, sources):

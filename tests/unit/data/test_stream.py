@@ -55,6 +55,12 @@ def test_repeat_restarts_streams_and_no_repeat_stops(tmp_path, tok):
             n += 1
     assert n == min(len(v) for v in per_epoch.values()) // T
 
+    # a run that ran out of data, resumed with data.repeat=true: its streams go on with the next pass
+    resumed = batches(data_cfg(small, num_streams=2), tok, G=2)
+    resumed.load_state_dict(json.loads(json.dumps(tb.state_dict())))
+    assert len(steps(resumed, need)) == need
+    assert all(v["epoch"] >= 1 for v in resumed.state_dict()["streams"].values())
+
 
 def test_mixture_weights_and_seed(tmp_path):
     a = write_txt(tmp_path / "a.txt", make_docs(3000, "alpha"))

@@ -42,3 +42,15 @@ def test_a_task_file_that_is_not_text_and_held_out_text_too_short_are_one_line(t
         load_jsonl_task(path, 10)
     with pytest.raises(ConfigError, match=r"^eval.tasks: heldout_lastword: the held-out text has too few sentences"):
         heldout_lastword(["Too short.", "Also short here."], 10, 4, 0)
+
+
+def test_the_held_out_documents_of_a_mixture_are_read_once_each(tmp_path, corpus):
+    """A mixture's pass reads its smaller source again until the largest ends: the held-out documents the task is
+    built from are each taken once, as validation takes them."""
+    from pretrain.data.tasks import heldout_documents
+
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"A short held-out sentence number {i} about the sea.\n" for i in range(40)))
+    cfg = DataConfig(sources=[SourceConfig(path=str(corpus)), SourceConfig(path=str(small))], val_holdout=0.2)
+    docs = list(heldout_documents(cfg, seed=3))
+    assert len(docs) == len(set(docs)) and any("held-out sentence" in d for d in docs)
