@@ -263,12 +263,20 @@ def validation_sequences(
             break
         out.append(make_example(ids, kind, masker, mask_seed(seed, "val", k)))
     if not out:
-        where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
         raise TooLittleValidationData(
-            f"validation: {where} has fewer than seq_len={seq_len} tokens (a document repeated counts once); "
-            f"add validation data or raise data.val_holdout"
+            f"validation: {_validation_data(cfg)} has fewer than seq_len={seq_len} tokens (a document repeated "
+            f"counts once); {_more_validation(cfg)}"
         )
     return out
+
+
+def _validation_data(cfg: DataConfig) -> str:
+    return "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
+
+
+def _more_validation(cfg: DataConfig) -> str:
+    """What gives validation more data (``data.val_holdout`` does nothing where ``data.val_sources`` is set)."""
+    return "add data to data.val_sources" if cfg.val_sources else "add data or raise data.val_holdout"
 
 
 def validation_batches(
@@ -292,10 +300,9 @@ def validation_batches(
     )
     ranks = part.step or 1  # a worker's part: every data-parallel rank's is one of these strides
     if seqs and len(seqs) < ranks:  # a rank without a sequence would skip the collective validation the others run
-        where = "data.val_sources" if cfg.val_sources else f"the {cfg.val_holdout:g} holdout of data.sources"
         raise TooLittleValidationData(
-            f"validation: {where} gives {len(seqs)} sequence(s) of seq_len={seq_len} tokens; {ranks} data-parallel "
-            f"workers need at least one each: add validation data or raise data.val_holdout"
+            f"validation: {_validation_data(cfg)} gives {len(seqs)} sequence(s) of seq_len={seq_len} tokens; "
+            f"{ranks} data-parallel workers need at least one each: {_more_validation(cfg)}"
         )
     seqs = seqs[part]
     return [

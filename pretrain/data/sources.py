@@ -305,7 +305,8 @@ def resolve_source(
         raise ConfigError(f"{label}: {shown} does not exist")
     if not files:
         where = (
-            f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {shown}"
+            f"no data files ({', '.join(sorted(_EXTENSIONS))}) in the directory {shown}; for files of other "
+            f"names, set format (text, json, parquet): every file of the directory is then read, or give a glob"
             if os.path.isdir(p)
             else f"no file matches {shown}"
         )
@@ -315,6 +316,12 @@ def resolve_source(
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
+            packed = next((f for f in files if f.suffix.lower() in _COMPRESSED), None)
+            if packed is not None:  # a format would not help: the reader does not decompress
+                raise ConfigError(
+                    f"{label}: {clip(str(packed))} is compressed ({packed.suffix}), and compressed files are not "
+                    "read: decompress it"
+                )
             where = key or f"data source {quote(name)}"
             where, remedy = (where, f"give {format_option}") if format_option else (f"{where}.format", "set format")
             raise ConfigError(

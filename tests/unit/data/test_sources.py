@@ -129,6 +129,19 @@ def test_a_directory_of_compressed_data_files_is_refused_not_half_read(tmp_path)
     assert [Path(f).name for f in resolve_sources([SourceConfig(path=str(d))], ".", "data.sources")[0].files] == [
         "part0.txt"
     ]
+    # given by name or by a glob, a compressed file is refused as compressed, not as a format to set
+    (d / "part1.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00")
+    for given in (d / "part1.jsonl.gz", d / "*"):
+        with pytest.raises(ConfigError, match=r"^data\.sources\[0\]\.path: .*part1\.jsonl\.gz is compressed \(\.gz\)"):
+            resolve_sources([SourceConfig(path=str(given))], ".", "data.sources")
+    # a directory of data files of other names: the refusal says how to read them
+    other = tmp_path / "nd"
+    other.mkdir()
+    (other / "a.ndjson").write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError, match=r"no data files .* in the directory .*; for files of other names, set"):
+        resolve_sources([SourceConfig(path=str(other))], ".", "data.sources")
+    json_dir = SourceConfig(path=str(other), format="json")
+    assert resolve_sources([json_dir], ".", "data.sources")[0].files == [str(other / "a.ndjson")]
 
 
 def test_a_manifest_json_of_another_kind_does_not_make_a_directory_token_shards(tmp_path):
