@@ -4,11 +4,12 @@ a model start (called by ``pretrain/driver/prepare.py``); light imports, so a ba
 :func:`check_sources` resolves every source of ``data.sources`` and ``data.val_sources`` and reads its
 prefix: at most ``PREFIX_BYTES`` bytes and ``PREFIX_RECORDS`` records over its first ``PREFIX_FILES``
 files (txt/jsonl, with the same line parser as training), or its first ``PREFIX_RECORDS`` rows through
-``datasets`` streaming (parquet, hub). A source is refused with one line, a :class:`ConfigError` that
+``datasets`` streaming (parquet, hub; of parquet, every file's footer too: its rows and columns). A source is
+refused with one line, a :class:`ConfigError` that
 names its key and path (and ``file:line`` where it helps), when it
 
 * matches no file, or cannot be opened or streamed;
-* is empty (no bytes, or only blank lines);
+* is empty (no bytes, or only blank lines; a parquet file of no rows), or a parquet file lacks the text column;
 * is not text: compressed, UTF-16 or binary data, judged on the first ``SNIFF_BYTES`` of each file;
 * has no usable record in the prefix (for JSON records the line says which fields they do have);
 * is a token-shard directory whose manifest is unreadable or from a newer format, or whose files are missing,
@@ -30,7 +31,7 @@ import json
 import re
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
-from pretrain.config.errors import clip
+from pretrain.config.errors import clip, quote
 from pretrain.data.bad_records import REASONS, BadRecordError, BadRecords, refuse_skipped
 from pretrain.data.sources import ResolvedSource, parse_line, prefix_lines, resolve_source
 from pretrain.data.split_plan import SCAN_BYTES, SplitPlan, check_validation_sources, plan_split
@@ -155,9 +156,16 @@ def _check_rows(rs: ResolvedSource, policy: str) -> str:
         if rs.format == "parquet":
             import pyarrow.parquet as pq
 
-            for file in rs.files[:PREFIX_FILES]:  # datasets cannot stream a file of no rows
-                if pq.ParquetFile(file).metadata.num_rows == 0:
+            for file in rs.files:  # every file's footer (no row is read): a bad one is refused here, not mid-run
+                parquet = pq.ParquetFile(file)
+                if parquet.metadata.num_rows == 0:  # datasets cannot stream a file of no rows
                     return f"empty: {file} has no rows (datasets cannot stream an empty parquet file)"
+                columns = parquet.schema_arrow.names
+                if rs.text_field not in columns:
+                    return (
+                        f"{file} has no column {quote(rs.text_field)} (columns: {clip(', '.join(columns))}); set "
+                        "text_field"
+                    )
         for part in range(min(rs.num_parts, PREFIX_FILES)):
             for index, row in enumerate(itertools.islice(rs.open_part(part), PREFIX_RECORDS - tally.records)):
                 tally.add(rs.convert(row, part, index), row)

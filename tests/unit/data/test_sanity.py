@@ -128,7 +128,17 @@ def test_parquet_and_hub_sources_are_checked_on_their_first_rows(tmp_path):
     body = tmp_path / "body.parquet"
     pq.write_table(pa.table({"body": ["x"] * 3, "id": [1, 2, 3]}), body)
     msg = refusal(cfg_for(body))
-    assert msg.startswith(f"data.sources[0] ({body}): cannot read it: ") and "body, id" in msg
+    assert msg.startswith(f"data.sources[0] ({body}): {body} has no column 'text' (columns: body, id)"), msg
+    # in a directory, every file's footer is read: a later file without the column, or of no rows, is refused too
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i in range(300):
+        pq.write_table(pa.table({"text": [words(20, i)]}), parts / f"part-{i:03d}.parquet")
+    check_sources(cfg_for(parts))
+    pq.write_table(pa.table({"content": ["x"]}), parts / "part-300.parquet")
+    assert f"{parts / 'part-300.parquet'} has no column 'text' (columns: content)" in refusal(cfg_for(parts))
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), parts / "part-300.parquet")
+    assert f"empty: {parts / 'part-300.parquet'} has no rows" in refusal(cfg_for(parts))
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), empty)
     assert f"empty: {empty} has no rows" in refusal(cfg_for(empty))
