@@ -6,7 +6,7 @@ The job (see docs/data.md):
    ``--text-field``, parquet, directories, globs, hub names), checks them as training does before Ray starts
    (:func:`pretrain.data.sanity.check_source`: empty, not text, no usable record...), and the tokenizer
    (``--tokenizer`` a saved tokenizer directory or a run id; without it, the byte-level BPE a training run on these
-   sources would train);
+   sources trains, with the data settings of ``--config`` or the defaults);
 2. cuts the work into units (:mod:`pretrain.data.shards.units`) and tokenizes the units not done yet with
    ``ray.data.from_items(units).map_batches(TokenizeUnits, compute=ActorPoolStrategy(size=workers))`` on the
    embedded local Ray (or ``RAY_ADDRESS``); each unit writes its own part file, named by its number;
@@ -22,6 +22,7 @@ shards that are missing. A directory that holds the output of another job is ref
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -61,7 +62,18 @@ def parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="a file, directory, glob or hub name (as data.sources)")
     p.add_argument("--out", required=True, help="the output directory (created; its manifest is written last)")
     p.add_argument("--tokenizer", default="", help="a saved tokenizer directory or a run id (default: train a BPE)")
-    p.add_argument("--vocab-size", type=int, default=DataConfig.tokenizer_vocab_size, help="of a trained BPE")
+    p.add_argument(
+        "--config",
+        default="",
+        help="a training config: the BPE is trained as a run of it on these SOURCEs trains its own (its "
+        "data.tokenizer_vocab_size, tokenizer_train_docs, val_holdout and val_sources; its data.tokenizer if set)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help=f"of a trained BPE (default: --config's, else {DataConfig.tokenizer_vocab_size})",
+    )
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
     p.add_argument("--workers", type=int, default=0, help="Ray Data tokenizing actors (default: the cluster's CPUs)")
     p.add_argument(
@@ -79,6 +91,11 @@ def parse(args: list[str]) -> argparse.Namespace:
             raise ConfigError(f"tokenize --{name.replace('_', '-')}: must be > 0, got {getattr(a, name)}")
     if a.workers < 0:
         raise ConfigError(f"tokenize --workers: must be >= 0, got {a.workers}")
+    if a.vocab_size < 0:
+        raise ConfigError(f"tokenize --vocab-size: must be > 0, got {a.vocab_size}")
+    base = _trained_like(a.config)
+    a.tokenizer = a.tokenizer or base.tokenizer
+    a.vocab_size = a.vocab_size or base.tokenizer_vocab_size
     if not a.tokenizer and a.vocab_size < BYTE_LEVEL_VOCAB:
         raise ConfigError(
             f"tokenize --vocab-size: at least {BYTE_LEVEL_VOCAB} (a byte-level BPE's 256 bytes and its special "
@@ -93,9 +110,23 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path)) if local and "://" not in path else path
 
 
+def _trained_like(config: str) -> DataConfig:
+    """The data settings the trained BPE follows: ``--config``'s data section, else the defaults."""
+    if not config:
+        return DataConfig()
+    from pretrain.config import load_config
+    from pretrain.config.paths import resolve_paths
+
+    return resolve_paths(load_config(config, [])).data
+
+
 def _data_config(a: argparse.Namespace) -> DataConfig:
+    """The job's sources (the command's) with the tokenizer settings of :func:`_trained_like`."""
     sources = [SourceConfig(path=_absolute(p), text_field=a.text_field, format=a.format) for p in a.sources]
-    return DataConfig(sources=sources, bad_records=a.bad_records, tokenizer_vocab_size=a.vocab_size)
+    base = _trained_like(a.config)
+    return dataclasses.replace(
+        base, sources=sources, bad_records=a.bad_records, tokenizer_vocab_size=a.vocab_size, tokenizer=""
+    )
 
 
 def _tokenizer_dir(a: argparse.Namespace, cfg: DataConfig, reuse: Path | None, scratch: Path) -> Path:
@@ -274,6 +305,16 @@ def _job_spec(
         "chunk_bytes": a.chunk_bytes,
         # a BPE trained for the job: the size asked for (an unfinished job's tokenizer is reused, not trained again)
         **({} if a.tokenizer else {"tokenizer_vocab_size": a.vocab_size}),
+        # and what else it was trained from, where --config set it (no key otherwise: as jobs before --config)
+        **({"tokenizer_data": _tokenizer_data(cfg)} if a.config and not a.tokenizer else {}),
+    }
+
+
+def _tokenizer_data(cfg: DataConfig) -> dict:
+    """What a BPE trained for the job depends on besides the sources and its size (as its cache key does)."""
+    return {
+        "train_docs": cfg.tokenizer_train_docs,
+        "val_holdout": cfg.val_holdout if not cfg.val_sources else 0.0,
     }
 
 

@@ -57,6 +57,28 @@ def test_a_vocabulary_too_small_for_a_byte_level_bpe_is_one_line():
     assert parse(["c.jsonl", "--out", "x", "--vocab-size", "10", "--tokenizer", "t"]).vocab_size == 10  # unused
 
 
+def test_config_trains_the_bpe_a_run_of_it_would_train(tmp_path):
+    """``--config``: the tokenizer settings of a training config, so that the cache key (and the tokenizer) is what
+    a run of it on the same sources has; without it the defaults. The job records them (another is another job)."""
+    from pretrain.config import load_config
+    from pretrain.data.tokenizer import TRAINER_SETTINGS
+    from pretrain.data.tokenizer_cache import cache_key
+    from pretrain.driver.tokenize import _data_config, _job_spec
+
+    corpus = write_txt(tmp_path / "c.txt", make_docs(20, "cfg", seed=1))
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  tokenizer_vocab_size: 300\n  tokenizer_train_docs: 123\n  val_holdout: 0.05\n")
+    a = parse([str(corpus), "--out", str(tmp_path / "out"), "--config", str(config)])
+    run = load_config(str(config), [f"data.sources=[{{path: {corpus}}}]"]).data
+    assert a.vocab_size == 300 and cache_key(_data_config(a), TRAINER_SETTINGS) == cache_key(run, TRAINER_SETTINGS)
+    plain = parse([str(corpus), "--out", str(tmp_path / "out")])
+    assert cache_key(_data_config(plain), TRAINER_SETTINGS) != cache_key(run, TRAINER_SETTINGS)
+    spec = _job_spec(a, _data_config(a), None, "tok")
+    assert spec["tokenizer_data"] == {"train_docs": 123, "val_holdout": 0.05}
+    assert "tokenizer_data" not in _job_spec(plain, _data_config(plain), None, "tok")
+    assert parse([str(corpus), "--out", "x", "--config", str(config), "--vocab-size", "512"]).vocab_size == 512
+
+
 def test_a_rerun_matches_a_job_whatever_the_modification_times():
     spec = {"sources": [{"fingerprint": {"files": {"a": {"size": 1, "mtime": 1.0, "sampled_sha256": "x"}}}}]}
     touched = json.loads(json.dumps(spec).replace("1.0", "2.0"))
