@@ -316,10 +316,10 @@ def resolve_source(
         kinds = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
         if None in kinds:
             bad = next(f for f in files if f.suffix.lower() not in _EXTENSIONS)
-            packed = next((f for f in files if f.suffix.lower() in _COMPRESSED), None)
-            if packed is not None:  # a format would not help: the reader does not decompress
+            zipped = next((f for f in files if f.suffix.lower() in _COMPRESSED), None)
+            if zipped is not None:  # a format would not help: the reader does not decompress
                 raise ConfigError(
-                    f"{label}: {clip(str(packed))} is compressed ({packed.suffix}), and compressed files are not "
+                    f"{label}: {clip(str(zipped))} is compressed ({zipped.suffix}), and compressed files are not "
                     "read: decompress it"
                 )
             where = key or f"data source {quote(name)}"
