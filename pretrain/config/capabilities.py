@@ -4,10 +4,11 @@ dropout (``layer_drop``) and model growth (``growth``), each with its own rules.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pretrain.config.errors import ConfigError
+from pretrain.config.errors import ConfigError, quote
 
 
 @dataclass(kw_only=True)
@@ -227,6 +228,9 @@ DEFAULT_GROWTH_DEPTH = "4x"
 G_stack's published growth factor (``docs/growth.md``)."""
 
 
+_COUNT = re.compile(r"\s*(\d+(\.\d+)?x|\+\d+|\d+)\s*")  # growth targets: 2x, 1.5x, +4, 12
+
+
 @dataclass(kw_only=True)
 class GrowthStep:
     """One growth of the model (see ``pretrain/model/growth.py``); empty fields leave that dimension alone.
@@ -283,6 +287,24 @@ class GrowthStep:
     def derived_step(self) -> bool:
         """Whether ``at_step`` is derived (from ``at_tokens``, ``at_fraction`` or the default point)."""
         return bool(self.at_tokens or self.fraction)
+
+    def check(self, where: str, max_experts: int) -> None:
+        """Refuse, naming ``where`` (``growth.schedule[i]``, ``grow``), what no model grows by: a negative noise or
+        expert count, more experts than ``max_experts``, a ``top_k`` outside them, a target that is not a count."""
+        if self.noise < 0 or self.experts < 0:
+            raise ConfigError(f"{where}: noise and experts must be >= 0")
+        if self.experts > max_experts:
+            raise ConfigError(f"{where}.experts: {self.experts:,} is more than {max_experts:,}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"{where}.top_k: must be in [1, experts={self.experts}], got {self.top_k}")
+        for name in self.TARGETS:
+            spec, shown = str(getattr(self, name)), quote(str(getattr(self, name)))
+            if spec and not _COUNT.fullmatch(spec):
+                raise ConfigError(
+                    f"{where}.{name}: {shown}: expected a factor like 2x, an increment like +4, or a total like 8"
+                )
+            if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
+                raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
 
     def __post_init__(self) -> None:
         for name in self.TARGETS:  # an int N (e.g. YAML ``depth: 8``) is the total N, kept as text like ``'8'``

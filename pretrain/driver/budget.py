@@ -24,7 +24,7 @@ def growth_stages(cfg: RunConfig, first: int = 0) -> list[tuple[ModelConfig, MoE
     stages = [(cfg.model, cfg.moe)]
     for i, entry in enumerate(cfg.growth.schedule[first:], start=first):
         try:
-            _check_grown_sizes(stages[-1][0], entry, f"growth.schedule[{i}]")
+            check_grown_sizes(stages[-1][0], entry, f"growth.schedule[{i}]")
             stages.append(grown_architecture(*stages[-1], entry))
         except ConfigError:
             raise  # (a ValueError too) already naming the entry
@@ -33,7 +33,7 @@ def growth_stages(cfg: RunConfig, first: int = 0) -> list[tuple[ModelConfig, MoE
     return stages
 
 
-def _check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> None:
+def check_grown_sizes(model: ModelConfig, entry: GrowthStep, where: str) -> None:
     """The sizes ``entry`` grows ``model`` to are within :data:`~pretrain.config.tree.MAX_SIZE` (checked before the
     growth is applied, which takes time in the number of blocks)."""
     from pretrain.model.growth import resolve_count

@@ -70,6 +70,8 @@ def grow(argv: list[str]) -> int:
     a target it stacks the depth 4x (G_stack's published growth factor)."""
     from pretrain.config import GrowthStep
     from pretrain.config.loading import build_section
+    from pretrain.config.tree import MAX_SIZE
+    from pretrain.driver.budget import check_grown_sizes
     from pretrain.model.growth import apply_growth, count_parameters
     from pretrain.train.callbacks.growth import check_growth_loss, grown_config, held_back_loss
 
@@ -78,10 +80,12 @@ def grow(argv: list[str]) -> int:
     opts.pop("step", None)
     typed = {k: _typed(k, v) for k, v in opts.items()}
     entry = build_section(GrowthStep, typed, "grow")
+    entry.check("grow", MAX_SIZE["moe.num_experts"])  # as a growth.schedule entry is checked
     if not set(typed) & {*GrowthStep.TARGETS, "experts"}:
         print("[grow] no target given: depth=4x depth_op=stack (the default: G_stack's growth factor)")
     parent = resolve_checkpoint(argv[0], step)
     cfg = parent.config
+    check_grown_sizes(cfg.model, entry, "grow")  # before growth copies blocks: a typo must not fill the memory
     sd = parent.state_dict(inference=False)
     try:
         grown = apply_growth(

@@ -36,6 +36,9 @@ def test_options_given_twice_or_unknown_are_named():
         (prune, ["/no/such", "step=²"], "prune: step=²: not a checkpoint step (a whole number)"),
         (anneal, ["/no/such", "steps=²"], "anneal: steps=N (the length of the decay, > 0) is required, got '²'"),
         (grow, ["/no/such", "experts=²"], "grow experts: '²': expected a whole number"),
+        (grow, ["/no/such", "noise=-1"], "grow: noise and experts must be >= 0"),
+        (grow, ["/no/such", "experts=100000"], "grow.experts: 100,000 is more than 4,096"),
+        (grow, ["/no/such", "depth=0x"], "grow.depth: '0x' grows nothing (leave the key out instead)"),
     ],
 )
 def test_malformed_values_are_refused_before_the_checkpoint_is_read(command, argv, message):
@@ -94,3 +97,15 @@ def test_a_child_carrying_its_parents_data_position_keeps_the_parents_data_finge
     _, path = derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
     state = json.loads((path / "trainer_state.json").read_text())
     assert state["callbacks"][FINGERPRINT_STATE] == parents
+
+
+def test_a_growth_beyond_the_size_limits_is_refused_before_any_block_is_copied(tokenizer_dir, workdir):
+    """``grow`` checks the sizes it grows to as a ``growth.schedule`` entry is checked: a typo (``depth=100000x``)
+    is one line, not a machine out of memory."""
+    from tests.unit.export.test_hf import perturbed_state, small_run_config, write_checkpoint
+
+    cfg = small_run_config(workdir, tokenizer_dir, [])
+    ckpt = write_checkpoint(workdir / "run", cfg, perturbed_state(cfg.model), tokenizer_dir, 3)
+    for target, key in (("depth=100000x", "model.num_layers"), ("width=99999999999999999999x", "model.hidden_size")):
+        with pytest.raises(ConfigError, match=rf"^grow\.\w+: .* grows {key} to [\d,]+, more than [\d,]+$"):
+            grow([str(ckpt), target])
