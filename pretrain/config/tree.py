@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pretrain.config.capabilities import GrowthConfig, LayerDropConfig, MoEConfig
 from pretrain.config.data import DataConfig
-from pretrain.config.errors import ConfigError, quote
+from pretrain.config.errors import ConfigError
 from pretrain.config.evaluation import EvalConfig
 from pretrain.config.names import check_source_names
 from pretrain.config.plan import RunPlan, layout
@@ -47,7 +46,6 @@ MAX_SIZE = {
 }
 """The largest sizes accepted: far beyond real models (126 blocks, width 16,384, 256k tokens, 1M-token contexts),
 and small enough that a shape-only model of them is built in seconds and its tensor sizes fit int64."""
-_COUNT = re.compile(r"\s*(\d+(\.\d+)?x|\+\d+|\d+)\s*")  # growth targets: 2x, 1.5x, +4, 12
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,6 +95,9 @@ class ModelConfig:
     """Share the input embedding matrix with the output projection."""
     bias: bool = False
     """Use biases in linear layers (and norms for LayerNorm)."""
+    lm_head_bias: bool | None = None
+    """The output layer's bias; null follows ``bias``. GPT-2 has biases everywhere but there: ``bias: true`` with
+    ``lm_head_bias: false`` exports as ``GPT2LMHeadModel``."""
     dropout: float = 0.0
     """Dropout on embeddings, attention output and FFN output (residual dropout)."""
     attention_dropout: float = 0.0
@@ -124,6 +125,11 @@ class ModelConfig:
     taken from it; the architecture fields above are then ignored, the training choices ``dropout``,
     ``attention_dropout``, ``init_std`` and ``z_loss`` kept). Its tokenizer is used too. A dense model: to train
     it with experts, start dense and upcycle (``grow RUN experts=N``)."""
+
+    @property
+    def output_bias(self) -> bool:
+        """Whether the output layer has a bias (``lm_head_bias``, else ``bias``)."""
+        return self.bias if self.lm_head_bias is None else self.lm_head_bias
 
     def ffn_width(self) -> int:
         """``ffn_size`` if set, else 4*D (GELU) or 8/3*D rounded up to a multiple of 64 (SwiGLU)."""
@@ -344,20 +350,7 @@ class RunConfig:
             if not (e.derived_step and not e.at_step) and not 0 < e.at_step < self.train.max_steps:
                 # (a derived at_step is set from at_tokens / at_fraction when the run is created)
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
-            if e.noise < 0 or e.experts < 0:
-                raise ConfigError(f"{where}: noise and experts must be >= 0")
-            if e.experts > MAX_SIZE["moe.num_experts"]:
-                raise ConfigError(f"{where}.experts: {e.experts:,} is more than {MAX_SIZE['moe.num_experts']:,}")
-            if e.experts and not 1 <= e.top_k <= e.experts:
-                raise ConfigError(f"{where}.top_k: must be in [1, experts={e.experts}], got {e.top_k}")
-            for name in e.TARGETS:
-                spec, shown = str(getattr(e, name)), quote(str(getattr(e, name)))
-                if spec and not _COUNT.fullmatch(spec):
-                    raise ConfigError(
-                        f"{where}.{name}: {shown}: expected a factor like 2x, an increment like +4, or a total like 8"
-                    )
-                if spec and float(spec.strip().lstrip("+").rstrip("x")) == 0:
-                    raise ConfigError(f"{where}.{name}: {shown} grows nothing (leave the key out instead)")
+            e.check(where, MAX_SIZE["moe.num_experts"])
 
     def no_validation(self) -> str:
         """Why the run never validates (no held-back data, or no validation sequences); "" when it does."""

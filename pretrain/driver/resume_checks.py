@@ -36,6 +36,7 @@ SHAPE_FIELDS = (
     "position",
     "tie_embeddings",
     "bias",
+    "lm_head_bias",
     "embedding_norm",
     "final_norm",
     "mlm_head_transform",

@@ -32,7 +32,7 @@ def fill_zero_biases(sd: StateDict, cfg: ModelConfig, skip: tuple[str, ...] = ()
     Embeddings and RMSNorms never have biases; keys in ``skip`` stay absent (e.g. ``lm_head.bias`` for
     a target class whose output layer has no bias).
     """
-    if cfg.bias:
+    if cfg.bias and (cfg.output_bias or "lm_head.bias" in skip):
         return dict(sd), cfg
     if cfg.norm != "layernorm":
         raise ValueError("zero biases are only defined for LayerNorm models")
@@ -43,7 +43,7 @@ def fill_zero_biases(sd: StateDict, cfg: ModelConfig, skip: tuple[str, ...] = ()
         bias_key = key[: -len("weight")] + "bias"
         if bias_key not in sd and bias_key not in skip:
             out[bias_key] = torch.zeros(w.shape[0], dtype=w.dtype)
-    return out, dataclasses.replace(cfg, bias=True)
+    return out, dataclasses.replace(cfg, bias=True, lm_head_bias="lm_head.bias" in out)
 
 
 def expand_kv_heads(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, ModelConfig]:

@@ -150,7 +150,7 @@ class Transformer(nn.Module):
         # post/deepnorm blocks already end with a norm.
         self.final_norm = make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich") else None
         self.head_transform = HeadTransform(cfg) if cfg.mlm_head_transform else None
-        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.bias)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=cfg.output_bias)
         self.tie_weights()
         self.rope_cos: torch.Tensor | None
         self.rope_sin: torch.Tensor | None

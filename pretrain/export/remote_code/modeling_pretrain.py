@@ -27,7 +27,7 @@ _FIELDS = {
     "num_kv_heads": 0, "ffn_size": 1024, "activation": "gelu", "norm": "layernorm", "norm_placement": "pre",
     "norm_eps": 1e-5, "position": "rotary", "rope_theta": 10000.0, "tie_embeddings": True, "bias": False,
     "dropout": 0.0, "attention_dropout": 0.0, "init_std": 0.02, "embedding_norm": False, "final_norm": True,
-    "mlm_head_transform": False, "deepnorm_depth": 0,
+    "mlm_head_transform": False, "deepnorm_depth": 0, "lm_head_bias": None,
     # Mixture-of-Experts (``pretrain.config.MoEConfig``): blocks listed in moe_layers have an MoE FFN.
     "moe_num_experts": 0, "moe_top_k": 2, "moe_layers": [], "moe_ffn_size": 0, "moe_normalize_top_k": True,
     "moe_selection_bias": False,
@@ -247,7 +247,8 @@ class PretrainTransformerPreTrainedModel(PreTrainedModel):
         self.final_norm = (make_norm(cfg) if cfg.final_norm and cfg.norm_placement in ("pre", "sandwich")
                            else None)
         self.head_transform = HeadTransform(cfg) if cfg.mlm_head_transform else None
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.bias)
+        head_bias = cfg.bias if cfg.lm_head_bias is None else cfg.lm_head_bias
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=head_bias)
         self.post_init()
 
     @torch.no_grad()

@@ -113,7 +113,9 @@ def test_export_target():
     assert cls == "BertForMaskedLM" and "DeepNorm" in why
     # No exact standard class: explained, and exported with trust_remote_code.
     cls, why = export_target(tiny(GPT2_CFG, bias=True))
-    assert cls is None and "LM head has no bias" in why and "trust_remote_code" in why
+    assert cls is None and "LM head has no bias: set model.lm_head_bias=false" in why and "trust_remote_code" in why
+    gpt = load_config(Path(__file__).parents[3] / "configs" / "gpt-125m.yaml")  # the GPT-2-style preset
+    assert export_target(gpt.model, gpt.moe)[0] == "GPT2LMHeadModel"
     cls, why = export_target(tiny(kind="encoder", norm_placement="pre"))
     assert cls is None and "BertForMaskedLM" in why and "PretrainTransformerForMaskedLM" in why
     assert export_target(tiny(LLAMA_CFG, norm_placement="sandwich"))[0] is None
@@ -163,7 +165,10 @@ NAMED = {  # the exact families with their option combinations
     "bert-tied": (tiny(BERT_CFG), "BertForMaskedLM"),
     "bert-untied-nobias-gqa": (tiny(BERT_CFG, bias=False, tie_embeddings=False, num_kv_heads=2), "BertForMaskedLM"),
     "bert-deepnorm": (tiny(BERT_CFG, norm_placement="deepnorm", num_layers=3), "BertForMaskedLM"),
+    "gpt2-biases-but-the-heads": (tiny(GPT2_CFG, bias=True, lm_head_bias=False), "GPT2LMHeadModel"),
+    "bert-no-head-bias": (tiny(BERT_CFG, lm_head_bias=False), "BertForMaskedLM"),
     "remote-gpt2-with-bias": (tiny(GPT2_CFG, bias=True), "PretrainTransformerForCausalLM"),
+    "remote-llama-head-bias": (tiny(LLAMA_CFG, lm_head_bias=True), "PretrainTransformerForCausalLM"),
     "remote-prenorm-rotary-encoder": (
         tiny(kind="encoder", activation="swiglu", norm="rmsnorm"),
         "PretrainTransformerForMaskedLM",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.export.hf import export_model, import_hf
+from pretrain.export.hf import export_model, export_target, import_hf
 from pretrain.export.parity import logits_max_abs_diff, our_model, parity_batch
 from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is used by name
     NAMED,
@@ -29,6 +29,7 @@ from tests.unit.export.test_hf import (  # noqa: F401 - the autouse fixture is u
         "llama-untied-gqa",
         "llama-tied-mha",
         "gpt2-untied-gqa",
+        "gpt2-biases-but-the-heads",
         "bert-tied",
         "bert-untied-nobias-gqa",
         "bert-deepnorm",
@@ -99,6 +100,8 @@ def test_import_hf_models_built_from_configs(tmp_path):
         diff = logits_max_abs_diff(our_model(cfg, sd), model.eval(), parity_batch(cfg))
         print(f"\nimport {type(model).__name__}: max |logits diff| = {diff:.2e}")
         assert diff <= 1e-4
+        # what was imported exports to its own class again (GPT-2: biases everywhere but the LM head)
+        assert export_target(cfg)[0] == type(model).__name__, export_target(cfg)
     # A shorter max_seq_len keeps the first rows of a learned table.
     fields, sd = import_hf(tmp_path / "m1", max_seq_len=8)
     assert fields["max_seq_len"] == 8 and sd["embed_positions.weight"].shape[0] == 8
