@@ -23,9 +23,44 @@ CONTEXT_TAG = "mlflow.data.context"
 EXPORT_DIR_TAG = "pretrain.export_dir"
 
 
+STORE_TIMEOUT_S = 10.0
+"""How long a tracking server may take to accept a connection before a command gives up on it (MLflow itself retries
+a request for minutes)."""
+
+
+def check_store(uri: str) -> None:
+    """Refuse in one line (a :class:`ConfigError` naming ``MLFLOW_TRACKING_URI``) a store no command can use: a
+    file store, which MLflow 3 refuses (unless ``MLFLOW_ALLOW_FILE_STORE=true``), or a tracking server that does
+    not accept a connection within :data:`STORE_TIMEOUT_S`."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from pretrain.config import ConfigError
+    from pretrain.train.tracking import shown_uri
+
+    parts = urlsplit(uri)
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if parts.scheme in ("", "file") and not allowed:
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI: {shown_uri(uri)} is a file store, which MLflow 3 refuses: use a database store "
+            "(sqlite:///mlflow.db, the default), or set MLFLOW_ALLOW_FILE_STORE=true"
+        )
+    if parts.scheme in ("http", "https"):
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            socket.create_connection((parts.hostname or "", port), timeout=STORE_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:  # refused, unknown host, timed out; a port out of range
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            raise ConfigError(
+                f"MLFLOW_TRACKING_URI: the tracking server {shown_uri(uri)} does not answer ({why}): start it, or "
+                "point MLFLOW_TRACKING_URI at a store that does"
+            ) from None
+
+
 def mlflow_client(uri: str):
-    """An MLflow client of ``uri`` (telemetry off unless the user turned it on); a new local store starts from
-    MLflow's empty one (:mod:`pretrain.train.mlflow_store`)."""
+    """An MLflow client of ``uri`` (telemetry off unless the user turned it on), once :func:`check_store` passes;
+    a new local store starts from MLflow's empty one (:mod:`pretrain.train.mlflow_store`)."""
+    check_store(uri)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
 

@@ -280,3 +280,30 @@ def test_heldout_lastword_draws_distractors_from_the_whole_vocabulary():
         assert len(ex.choices) == 4 and answer not in others
         firsts.update(c.strip()[0] for c in others)
     assert firsts == set(letters), sorted(set(letters) - firsts)
+
+
+def test_a_store_no_command_can_use_is_one_line_at_once(tmp_path, monkeypatch, capsys):
+    """A file store (MLflow 3 refuses it) and a tracking server that does not answer are refused in one line, exit
+    2, naming MLFLOW_TRACKING_URI: MLflow itself would print its traceback, after minutes of retries for a server."""
+    import socket
+
+    from pretrain.cli import main
+    from pretrain.train.mlflow_records import check_store
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for uri, says in (
+        ("./mlruns", f"{tmp_path / 'mlruns'} is a file store, which MLflow 3 refuses"),
+        (f"http://me:secret@127.0.0.1:{port}", f"the tracking server http://me:***@127.0.0.1:{port} does not answer"),
+    ):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        started = time.monotonic()
+        assert main(["runs"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: MLFLOW_TRACKING_URI: {says}") and err.count("\n") == 1, err
+        assert "secret" not in err and time.monotonic() - started < 10
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's choice: left to MLflow
+    check_store(str(tmp_path / "mlruns"))
+    check_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
