@@ -20,7 +20,7 @@ from typing import Any
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.errors import quote
 from pretrain.invocation import command
-from pretrain.train.schedule import extension_refusal, train_longer
+from pretrain.train.schedule import decayed_out, extension_refusal, train_longer
 
 SHAPE_FIELDS = (
     "kind",
@@ -50,9 +50,10 @@ MOE_SHAPE_FIELDS = ("num_experts", "every", "layers", "ffn_size")
 def check_steps_left(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str) -> None:
     """Refuse a resume with no step left to train (it would end at once and report a finished run of 0 tokens/s)."""
     if cfg.train.max_steps <= step:
+        why = decayed_out(saved.train, step)
         raise ConfigError(
             f"train.max_steps is {cfg.train.max_steps} and {checkpoint} is at step {step}: there is nothing to "
-            f"train. To train on: {train_longer(saved.train, step)}"
+            + (f"train, and {why}" if why else f"train. To train on: {train_longer(saved.train, step)}")
         )
 
 

@@ -44,12 +44,14 @@ def print_summary(final: dict, job, uri: str) -> None:
     from pretrain.config import from_dict
     from pretrain.driver.ui_links import run_url
     from pretrain.invocation import command
-    from pretrain.train.schedule import resume_overrides
+    from pretrain.train.schedule import decayed_out, resume_overrides
     from pretrain.train.tracking import has_secret, run_ref
 
-    longer = resume_overrides(from_dict(job.config).train, int(final.get("step", 0)))  # no LR jump, no new warm-up
+    train, step = from_dict(job.config).train, int(final.get("step", 0))
+    longer = resume_overrides(train, step)  # no LR jump, no new warm-up
     cmd, ref = env + command(), run_ref(run_id, job.run_dir)
-    print("\n  resume:      " + f"{cmd} resume {ref}{' ' + longer if longer else ''}")
+    out = decayed_out(train, step) if step >= train.max_steps else ""
+    print("\n  resume:      " + (f"none: {out}" if out else f"{cmd} resume {ref}{' ' + longer if longer else ''}"))
     print("  export:      " + f"{cmd} export {ref} --out exported/{run_id}")
     if not uri.startswith(("http://", "https://")):  # a tracking server serves its own UI: the link below
         plain = f"   (or: .venv/bin/mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000)"

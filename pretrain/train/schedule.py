@@ -125,9 +125,12 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
     line = (
         f"{changed or 'the schedule'} would raise the LR from {lr_at(step - 1, saved):.3g} (step {step}) to "
         f"{lr_at(step, cfg):.3g} at step {step + 1}, where the checkpoint's schedule gives {lr_at(step, saved):.3g}: "
-        f"the LRs of the {step} steps trained are a function of {inputs}. To train on without a jump: "
-        f"{' '.join(overrides)}"
+        f"the LRs of the {step} steps trained are a function of {inputs}. "
     )
+    why = decayed_out(saved, step)
+    if why:
+        return line + why[0].upper() + why[1:]
+    line += f"To train on without a jump: {' '.join(overrides)}"
     if "train.decay=constant" in overrides and saved.decay != "constant":
         line += " (the LR reached, held) — or " + (
             f"anneal a checkpoint of the stable phase with {command()} anneal (docs/schedules.md)"
@@ -136,6 +139,19 @@ def extension_refusal(saved: TrainConfig, cfg: TrainConfig, step: int) -> str:
             "(docs/schedules.md)"
         )
     return line
+
+
+def decayed_out(saved: TrainConfig, step: int) -> str:
+    """Why no resume after ``step`` steps trained under ``saved`` trains on, '' when one does: the last step trained
+    had an LR of 0 (a decay to a floor of 0), and a schedule that changes the steps trained may not raise it."""
+    longer = dataclasses.replace(saved, max_steps=2 * step + 1, max_flops=0.0)
+    if keeps_schedule(saved, longer, step) or lr_at(step - 1, saved) > 0:
+        return ""
+    return (
+        f"the LR has decayed to 0 (train.min_lr_ratio={saved.min_lr_ratio:g}), and any LR to train on would be a "
+        f"jump: for more training, anneal a checkpoint before the decay ({command()} anneal), or start a new run "
+        f"from its weights ({command()} export, then model.init_from_hf)"
+    )
 
 
 def continue_overrides(saved: TrainConfig, step: int, max_steps: int) -> list[str]:

@@ -220,3 +220,24 @@ def test_a_schedule_that_ends_at_its_peak_is_warned_about():
     assert "never decaying" in schedule_warning(train_cfg("train.max_steps=10"))
     assert schedule_warning(train_cfg("train.max_steps=11")) == ""
     assert schedule_warning(train_cfg("train.max_steps=5", "train.decay=constant")) == ""
+
+
+def test_a_run_decayed_to_an_lr_of_zero_is_told_why_it_cannot_train_on():
+    """A WSD run with ``min_lr_ratio`` 0 ends at LR 0: every LR to train on would be a jump, and ``train.lr=0`` is
+    no valid config, so no command holding it is printed: the line says why and what to do instead."""
+    from pretrain.config import load_config as load
+    from pretrain.driver.resume_checks import check_steps_left
+    from pretrain.train.schedule import decayed_out
+
+    run = load(None, ["train.decay=wsd", "train.min_lr_ratio=0", "train.max_steps=40", "train.warmup_steps=4"])
+    assert lr_at(39, run.train) == 0 and decayed_out(run.train, 20) == ""  # mid-run: trains on
+    why = decayed_out(run.train, 40)
+    assert why.startswith("the LR has decayed to 0 (train.min_lr_ratio=0)") and "anneal" in why
+    with pytest.raises(ConfigError, match=r"there is nothing to train, and the LR has decayed to 0") as e:
+        check_steps_left(run, run, 40, "CKPT")
+    assert "train.lr=0" not in str(e.value)
+    longer = dataclasses.replace(run.train, max_steps=80)
+    refusal = extension_refusal(run.train, longer, 40)
+    assert "The LR has decayed to 0" in refusal and "train.lr=0" not in refusal
+    floor = dataclasses.replace(run.train, min_lr_ratio=0.1)  # a floor above 0: held, as before
+    assert decayed_out(floor, 40) == "" and "train.lr=" in train_longer(floor, 40)
