@@ -385,7 +385,7 @@ def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int
     pu.add_argument("--num-cpus", type=int, default=0, help="CPUs to offer (default: all)")
     pu.add_argument("--num-gpus", type=int, default=None, help="GPUs to offer (default: detected)")
     pd = sub.add_parser("down", help="stop the local head started by `cluster up` (only its processes)")
-    pd.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    pd.add_argument("--grace", type=seconds, default=5.0, help="seconds between SIGTERM and SIGKILL")
     sub.add_parser("status", help="address, alive/dead, resources")
     a = p.parse_args(argv)
     if a.action == "down":
@@ -400,7 +400,8 @@ def _port(text: str) -> int:
     return port
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
+    """An argparse ``type`` of a duration in seconds: a number >= 0 (not NaN)."""
     value = float(text)
     if not value >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"{text}: seconds must be >= 0")

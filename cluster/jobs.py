@@ -9,7 +9,7 @@ import sys
 import time
 
 from cluster.connection import api_errors, call_api, check_job_id, connect, resolve_address
-from cluster.head import ClusterError
+from cluster.head import ClusterError, seconds
 from cluster.submit import STOP_WAIT_KEY, TERMINAL
 from pretrain.config.errors import without_passwords
 
@@ -111,7 +111,7 @@ def stop(argv: list[str]) -> int:
     p.add_argument("job_id")
     p.add_argument(
         "--wait",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds to wait for the job to end (default: the time its stop may take, checkpoint.stop_timeout_s "
         "plus a margin, as the job was submitted with; else 60)",

@@ -16,6 +16,7 @@ cannot be overridden). The child resumes (``./launch.sh resume CHILD``), evaluat
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
@@ -84,11 +85,15 @@ def anneal(argv: list[str]) -> int:
     """``anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]``: a new child run annealing the parent."""
     if not argv or "=" in argv[0]:
         raise ConfigError(f"{USAGE}: give a run id or a checkpoint directory first")
-    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a and "." not in a.split("=", 1)[0])
-    overrides = [a for a in argv[1:] if "=" in a and "." in a.split("=", 1)[0]]
-    bad = [a for a in argv[1:] if "=" not in a] + sorted(set(opts) - {"steps", "step"})
+    options = {"steps", "step"}  # every other key=value is a config override (train.lr=.., data={..}, name=..)
+    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() in options)
+    overrides = [a for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() not in options]
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    bad = [a for a in argv[1:] if "=" not in a] + [
+        key for a in overrides if (key := re.split(r"[.\[]", a.split("=", 1)[0].strip())[0]) not in sections
+    ]
     if bad:
-        raise ConfigError(f"anneal: unknown option(s) {bad} (valid: steps=N, step=S, dotted config keys)")
+        raise ConfigError(f"anneal: unknown option(s) {bad} (valid: steps=N, step=S, config overrides key=value)")
     given = opts.get("steps", "")
     if not (given.isascii() and given.isdigit()) or int(given) <= 0:
         raise ConfigError(f"anneal: steps=N (the length of the decay, > 0) is required, got {opts.get('steps')!r}")

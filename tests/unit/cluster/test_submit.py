@@ -275,3 +275,21 @@ def test_the_run_id_is_read_from_the_jobs_log_with_or_without_tracking():
         ("[pretrain] run local-0123456789ab: demo, decoder", "local-0123456789ab"),  # tracking.enabled=false
     ):
         assert _RUN_RE.search(f"noise\n{line}\n").group(1) == run_id
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--adress", "http://127.0.0.1:1"], "unrecognized arguments: --adress"),
+        (["--dry-run"], "unrecognized arguments: --dry-run"),
+        (["--wait", "nan"], "argument --wait: nan: seconds must be >= 0"),
+    ],
+)
+def test_a_mistyped_option_is_refused_by_name_before_anything_is_read_or_sent(argv, says, capsys):
+    """``submit``'s options are parsed whole: a mistyped one is named (it was read as the config path), and a
+    ``--wait`` that is no duration (NaN: it waited for nothing, or forever) is refused."""
+    from cluster.submit import submit
+
+    with pytest.raises(SystemExit) as e:
+        submit(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -58,6 +58,8 @@ def test_a_checkpoint_whose_lr_has_decayed_to_zero_is_refused_in_one_line():
         (["RUN"], "steps=N (the length of the decay, > 0) is required"),
         (["RUN", "steps=0"], "steps=N (the length of the decay, > 0) is required"),
         (["RUN", "steps=5", "depth=2x"], "anneal: unknown option(s) ['depth']"),
+        # a section given whole, a top-level key: config overrides, as train takes them (the parent is read next)
+        (["/no/such", "steps=5", "data={val_holdout: 0.05}", "name=x"], "/no/such: no such checkpoint or run"),
         (["RUN", "steps=5", "step=x"], "anneal: step=x: not a checkpoint step"),
     ],
 )
