@@ -100,6 +100,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+        if "\x00" in value:  # no path, name or field holds one (the OS refuses it in a path)
+            raise ConfigError(f"{path}: {quote(value)} holds a NUL character")
         return value
     raise TypeError(f"unsupported config type {tp!r} at {path}")  # internal: the tree uses only the above
 

@@ -38,6 +38,7 @@ def test_every_preset_loads_validates_and_round_trips(path):
         ("model.kind=rnn", "model.kind: expected one of decoder, encoder"),
         ("tracking.enabled=3", "tracking.enabled: expected bool"),
         ("data.sources=[{pth: x}]", "data.sources[0].pth: unknown key"),
+        ('data.cache_dir="/tmp/a\\0b"', "data.cache_dir: '/tmp/a\\x00b' holds a NUL character"),
         ("data.sources=[{path: x, weight: heavy}]", "data.sources[0].weight: expected float"),
         ("nosuch.key=1", "nosuch: unknown key"),
         ("model.num_heads=3", "model.num_heads: 3 does not divide model.hidden_size"),
