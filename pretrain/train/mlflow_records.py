@@ -36,7 +36,7 @@ def check_store(uri: str) -> None:
     from urllib.parse import urlsplit
 
     from pretrain.config import ConfigError
-    from pretrain.train.tracking import shown_uri
+    from pretrain.train.mlflow_store import shown_uri
 
     parts = urlsplit(uri)
     allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")

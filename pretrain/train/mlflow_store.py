@@ -7,6 +7,7 @@ So the first time, an empty store is made by MLflow itself in the user's cache (
 the MLflow version), without its default experiment; a store that does not exist yet is then created as a copy of
 it, and MLflow adds the default experiment when it opens the copy, as it would in a store it made. An existing file
 is never touched; where the copy cannot be made (no hard links, a read-only cache), MLflow makes the store itself.
+Also how a store's URI is read (:func:`sqlite_path`) and printed (:func:`shown_uri`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import sqlite3
 from importlib.metadata import version
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from pretrain.user_cache import cache_root
 
@@ -29,6 +31,17 @@ def sqlite_path(uri: str) -> Path | None:
         return None
     name = uri[len(prefix) :]
     return None if name in ("", ":memory:") else Path(name)
+
+
+def shown_uri(uri: str) -> str:
+    """``uri`` as it may be printed: a password in it (``http://user:PASSWORD@host``) replaced by ``***`` and any
+    query (tokens) left out; MLflow's own ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` keep credentials out of it."""
+    parts = urlsplit(uri)
+    if not parts.netloc or ("@" not in parts.netloc and not parts.query):
+        return uri
+    user, at, host = parts.netloc.rpartition("@")
+    netloc = f"{user.split(':', 1)[0]}:***@{host}" if at and ":" in user else parts.netloc
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def template_path() -> Path:

@@ -13,7 +13,6 @@ import os
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pretrain.checkpoint import CheckpointError, layout, read_manifest
 from pretrain.checkpoint.manifest import Manifest
@@ -21,7 +20,7 @@ from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 from pretrain.config.errors import without_passwords
 from pretrain.train.mlflow_records import log_datasets
 from pretrain.train.mlflow_records import mlflow_client as _client
-from pretrain.train.mlflow_store import sqlite_path
+from pretrain.train.mlflow_store import shown_uri, sqlite_path
 
 # Tags that make checkpoints discoverable from a run id.
 TAG_CKPT_ROOT = "pretrain.checkpoint_root"
@@ -47,17 +46,6 @@ def tracking_uri() -> str:
     if "://" not in uri and not uri.startswith("file:") and not Path(uri).is_absolute():
         return str(Path(uri).resolve())  # a local file store given as a relative path
     return uri
-
-
-def shown_uri(uri: str) -> str:
-    """``uri`` as it may be printed: a password in it (``http://user:PASSWORD@host``) replaced by ``***`` and any
-    query (tokens) left out; MLflow's own ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` keep credentials out of it."""
-    parts = urlsplit(uri)
-    if not parts.netloc or ("@" not in parts.netloc and not parts.query):
-        return uri
-    user, at, host = parts.netloc.rpartition("@")
-    netloc = f"{user.split(':', 1)[0]}:***@{host}" if at and ":" in user else parts.netloc
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def has_secret(uri: str) -> bool:
