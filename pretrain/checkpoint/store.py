@@ -24,7 +24,13 @@ from pretrain.invocation import command
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete or corrupt, or could not be written or read."""
+
+
+class BadCheckpoint(CheckpointError):
+    """A checkpoint that is not what it must be, and is the same on every read: not there, not committed, or its
+    files not what its manifest records (missing, another size or checksum; the manifest corrupt). An I/O error
+    while reading or writing one is a plain :class:`CheckpointError` (a retry may pass)."""
 
 
 def new_nonce() -> str:
@@ -180,15 +186,15 @@ def read_manifest(path: Path) -> Manifest:
     try:
         raw = json.loads((path / layout.MANIFEST).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a committed checkpoint (no {layout.MANIFEST})") from None
+        raise BadCheckpoint(f"{path}: not a committed checkpoint (no {layout.MANIFEST})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}/{layout.MANIFEST}: corrupt manifest ({e})") from None
+        raise BadCheckpoint(f"{path}/{layout.MANIFEST}: corrupt manifest ({e})") from None
     except OSError as e:  # unreadable (permissions), or the step's name on something that is no directory
         raise CheckpointError(f"{path}/{layout.MANIFEST}: cannot read it ({e.strerror or type(e).__name__})") from None
     try:
         return Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}/{layout.MANIFEST}: corrupt manifest ({type(e).__name__}: {e})") from None
+        raise BadCheckpoint(f"{path}/{layout.MANIFEST}: corrupt manifest ({type(e).__name__}: {e})") from None
 
 
 def open_committed(path: Path) -> CommittedCheckpoint:
@@ -205,9 +211,9 @@ def check_present(path: Path, manifest: Manifest, only: set[str] | None = None) 
             continue
         f = path / rel
         if not f.is_file():
-            raise CheckpointError(f"{path}: missing file {rel}")
+            raise BadCheckpoint(f"{path}: missing file {rel}")
         if meta.bytes is not None and f.stat().st_size != meta.bytes:
-            raise CheckpointError(f"{path}: checksum mismatch for {rel}")  # worded as a checksum: a size is one
+            raise BadCheckpoint(f"{path}: checksum mismatch for {rel}")  # worded as a checksum: a size is one
 
 
 def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None = None) -> None:
@@ -223,7 +229,7 @@ def verify(path: Path, manifest: Manifest | None = None, only: set[str] | None =
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {rel} ({e.strerror or e})") from None
         if digest != meta.sha256:
-            raise CheckpointError(f"{path}: checksum mismatch for {rel}")
+            raise BadCheckpoint(f"{path}: checksum mismatch for {rel}")
 
 
 PARSED_EARLY = frozenset({layout.CONFIG, layout.TRAINER_STATE})
@@ -246,7 +252,7 @@ def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: b
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:
-        raise CheckpointError(point_back_before(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
+        raise type(e)(point_back_before(ckpt.path.parent, ckpt.step, str(e), full, resume)) from None
 
 
 def point_back(ckpt: CommittedCheckpoint, error: str, full: bool = True) -> str:
@@ -316,7 +322,7 @@ def check_directory(path: Path) -> None:
     """:class:`CheckpointError` when ``path`` exists but is no directory (a checkpoint or run directory given as a
     FIFO, a file, a device): it says what it is, where a lookup would say it holds no checkpoint."""
     if not_a(path, "a directory"):
-        raise CheckpointError(f"{path} {not_a(path, 'a directory')}")
+        raise BadCheckpoint(f"{path} {not_a(path, 'a directory')}")
 
 
 def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> CommittedCheckpoint | None:
@@ -338,7 +344,7 @@ def latest_committed(run_dir: Path, full: bool = True, resume: bool = True) -> C
             try:
                 read_manifest(child)
             except CheckpointError as e:
-                raise CheckpointError(point_back_before(run_dir, step, str(e), full, resume)) from None
+                raise type(e)(point_back_before(run_dir, step, str(e), full, resume)) from None
     return newest
 
 
@@ -354,7 +360,7 @@ def resolve(path: Path, full: bool = True, resume: bool = True) -> CommittedChec
     else:
         ckpt = latest_committed(path, full, resume)
         if ckpt is None:
-            raise CheckpointError(f"{path}: no committed checkpoint found")
+            raise BadCheckpoint(f"{path}: no committed checkpoint found")
     verify_or_point_back(ckpt, full, resume)
     return ckpt
 

@@ -109,14 +109,20 @@ EXIT_CODES = {
     "GrowthCheckError": 1,
     "ConfigError": 2,
     "BadRecordError": 2,
+    "BadCheckpoint": 2,
     "CheckpointError": 2,
 }
+_OURS = ("pretrain.", "cluster.", "eval.", "benchmarks.")
+"""The packages whose classes :data:`EXIT_CODES` names (another library's ``CheckpointError``, e.g.
+``torch.utils.checkpoint``'s, is an internal error)."""
+_AS_TEXT = re.compile(r"\b(?:pretrain|cluster|eval|benchmarks)(?:\.\w+)+\.(\w+): (.*)")
+"""The last line of a traceback of one of our errors: ``pretrain.config.errors.ConfigError: message``."""
 
 
-def user_error(exc: BaseException) -> tuple[int, str] | None:
-    """(exit code, one line) of an error the user acts on (see ``EXIT_CODES``), wherever it was raised: here,
-    or in a Ray worker, whose failure reaches us wrapped in Ray's errors (as objects, or only as text). None
-    for an internal error."""
+def known_error(exc: BaseException) -> tuple[str, str] | None:
+    """(class name, first line) of the most specific class of :data:`EXIT_CODES` that ``exc`` is, or an error it
+    wraps is: raised here, or in a Ray worker, whose failure reaches us wrapped in Ray's errors (as objects, or only
+    as the text of its traceback). None for any other error."""
     seen = set()
     stack = [exc]
     while stack:
@@ -125,8 +131,8 @@ def user_error(exc: BaseException) -> tuple[int, str] | None:
             continue
         seen.add(id(e))
         for cls in type(e).__mro__:  # the most specific known class decides
-            if cls.__name__ in EXIT_CODES:
-                return EXIT_CODES[cls.__name__], (str(e).strip().splitlines() or [cls.__name__])[0]
+            if cls.__name__ in EXIT_CODES and cls.__module__.startswith(_OURS):
+                return cls.__name__, (str(e).strip().splitlines() or [cls.__name__])[0]
         for attr in ("worker_failures", "_worker_failures"):
             failures = getattr(e, attr, None)
             if isinstance(failures, dict):
@@ -134,7 +140,14 @@ def user_error(exc: BaseException) -> tuple[int, str] | None:
         wrapped = (e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "_base_exc", None))
         stack.extend(x for x in wrapped if isinstance(x, BaseException))  # _base_exc: Ray Train's worker errors
     for line in str(exc).strip().splitlines():
-        for name, code in EXIT_CODES.items():
-            if f"{name}: " in line:
-                return code, line.split(f"{name}: ", 1)[1]
+        m = _AS_TEXT.search(line)
+        if m and m.group(1) in EXIT_CODES:
+            return m.group(1), m.group(2)
     return None
+
+
+def user_error(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) of an error the user acts on (:func:`known_error`, :data:`EXIT_CODES`); None for an
+    internal error."""
+    known = known_error(exc)
+    return (EXIT_CODES[known[0]], known[1]) if known is not None else None

@@ -105,8 +105,8 @@ class ClusterConfig:
     """Ray address of an existing cluster; empty uses ``RAY_ADDRESS`` or starts an embedded local Ray."""
     max_failures: int = 0
     """Times Ray restarts a failed worker group (from the latest committed checkpoint). A user error in a worker (a
-    config it refuses, a malformed record under ``data.bad_records=fail``, a checkpoint that does not verify) ends
-    the run at once: a restart would fail the same way."""
+    config it refuses, a malformed record under ``data.bad_records=fail``, a checkpoint that does not verify, a
+    growth that fails its check) ends the run at once: a restart would fail the same way (``cluster/failures.py``)."""
     use_ray: bool = True
     """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
     ray_for_one_worker: bool = False

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import conversions, reader, store, weights
-from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
+from pretrain.checkpoint.store import BadCheckpoint, CheckpointError, CommittedCheckpoint
 from pretrain.config import RunConfig
 from pretrain.data import TrainBatches
 from pretrain.train import dist
@@ -44,14 +44,15 @@ def verify_in_parallel(ckpt: CommittedCheckpoint, ctx: dist.DistContext) -> None
     try:
         store.verify_share(ckpt.path, ckpt.manifest, ctx.rank, ctx.world_size)
         error = None
-    except CheckpointError as e:
-        error = str(e)
+    except CheckpointError as e:  # (its message, and whether it is a bad checkpoint or an I/O error)
+        error = (str(e), isinstance(e, BadCheckpoint))
     errors = [e for e in dist.gather_object(error) if e]
     # Rank 0 names the newest older checkpoint that verifies in full, as the driver's early check does for a
     # missing or truncated file (a same-size corruption only shows here).
-    error = dist.broadcast_object(store.point_back(ckpt, errors[0]) if errors else None)
+    first = (store.point_back(ckpt, errors[0][0]), errors[0][1]) if errors else None
+    error = dist.broadcast_object(first)
     if error:
-        raise CheckpointError(error)
+        raise (BadCheckpoint if error[1] else CheckpointError)(error[0])
 
 
 def checkpoint_architecture(cfg: RunConfig, ckpt: CommittedCheckpoint) -> RunConfig:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import traceback
 
+import torch.utils.checkpoint
 from ray.train import FailureConfig
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, create_failure_policy
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from cluster.failures import UserErrorsEndTheRun, is_final
-from pretrain.checkpoint.store import CheckpointError
+from pretrain.checkpoint.store import BadCheckpoint, CheckpointError
 from pretrain.config import ConfigError
 from pretrain.data.bad_records import BadRecordError
+from pretrain.train.callbacks.growth import GrowthCheckError
 from pretrain.train.checkpointer import NonFiniteWeightsError
 
 
@@ -29,15 +31,27 @@ def _failed(*errors: BaseException) -> WorkerGroupError:
 
 def test_user_errors_are_final_and_the_rest_is_ray_trains_to_retry():
     policy = UserErrorsEndTheRun(create_failure_policy(FailureConfig(max_failures=2)))
-    final = (ConfigError("train.lr: must be > 0"), BadRecordError("a.jsonl:3: not JSON"), CheckpointError("bad"))
+    final = (
+        ConfigError("train.lr: must be > 0"),
+        BadRecordError("a.jsonl:3: not JSON"),
+        BadCheckpoint("/ckpt/step_00000004: checksum mismatch for data/rank_0.json"),
+        GrowthCheckError("growth at step 4 changed the held-back loss by 0.3"),
+    )
     for error in final:
         assert is_final(_failed(error)), error
         assert policy.make_decision(_failed(error)) is FailureDecision.RAISE
     # one rank's user error decides, whatever the other ranks' collateral failures (a peer gone mid-collective)
     assert policy.make_decision(_failed(RuntimeError("Connection closed by peer"), final[0])) is FailureDecision.RAISE
-    # a crash, or an end by a rule the user set (exit 1, not 2), is retried while max_failures allows
-    for error in (RuntimeError("CUDA error: an illegal memory access"), NonFiniteWeightsError("nan in weights")):
-        assert not is_final(_failed(error))
+    # a crash, an I/O error saving or reading a checkpoint, non-finite weights, another library's CheckpointError:
+    # retried while max_failures allows
+    for error in (
+        RuntimeError("CUDA error: an illegal memory access"),
+        CheckpointError("checkpoint at step 10 failed: rank 1: OSError: [Errno 116] Stale file handle"),
+        CheckpointError("/ckpt/step_00000004: cannot read ds/state/model.pt (Input/output error)"),
+        NonFiniteWeightsError("nan in weights"),
+        torch.utils.checkpoint.CheckpointError("torch.utils.checkpoint: a different number of tensors was saved"),
+    ):
+        assert not is_final(_failed(error)), error
     crashes = [policy.make_decision(_failed(RuntimeError("boom"))) for _ in range(3)]
     assert crashes == [FailureDecision.RETRY, FailureDecision.RETRY, FailureDecision.RAISE]
 
@@ -47,3 +61,6 @@ def test_a_user_error_known_only_by_its_text_is_final():
     text = "Traceback (most recent call last):\n  ...\npretrain.config.errors.ConfigError: data.seq_len: too long\n"
     failure = WorkerGroupError(text, {0: UserExceptionWithTraceback(RuntimeError("unpicklable"), text)})
     assert is_final(failure)
+    # only our classes, by their qualified names: not a message that quotes one, nor another library's
+    for other in ("deepspeed.runtime.config.DeepSpeedConfigError: bad", "RuntimeError: ConfigError: in a message"):
+        assert not is_final(WorkerGroupError(other, {0: UserExceptionWithTraceback(RuntimeError("x"), other)}))
