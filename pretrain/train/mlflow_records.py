@@ -28,12 +28,14 @@ STORE_TIMEOUT_S = 10.0
 a request for minutes)."""
 
 
-def check_store(uri: str) -> None:
+def check_store(uri: str, probe: bool = True) -> None:
     """Refuse in one line (a :class:`ConfigError` naming ``MLFLOW_TRACKING_URI``) a store no command can use: a
-    file store, which MLflow 3 refuses (unless ``MLFLOW_ALLOW_FILE_STORE=true``), or a tracking server that does
-    not accept a connection within :data:`STORE_TIMEOUT_S`."""
+    file store, which MLflow 3 refuses (unless ``MLFLOW_ALLOW_FILE_STORE=true``), or (``probe``) a tracking server
+    that does not accept a connection within :data:`STORE_TIMEOUT_S`; one reached through a proxy
+    (``HTTPS_PROXY``...) is left to MLflow, whose requests take the proxy."""
     import socket
     from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
 
     from pretrain.config import ConfigError
     from pretrain.train.mlflow_store import shown_uri
@@ -45,7 +47,8 @@ def check_store(uri: str) -> None:
             f"MLFLOW_TRACKING_URI: {shown_uri(uri)} is a file store, which MLflow 3 refuses: use a database store "
             "(sqlite:///mlflow.db, the default), or set MLFLOW_ALLOW_FILE_STORE=true"
         )
-    if parts.scheme in ("http", "https"):
+    proxied = parts.scheme in getproxies() and not proxy_bypass(parts.hostname or "")
+    if probe and parts.scheme in ("http", "https") and not proxied:
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
             socket.create_connection((parts.hostname or "", port), timeout=STORE_TIMEOUT_S).close()
@@ -57,10 +60,11 @@ def check_store(uri: str) -> None:
             ) from None
 
 
-def mlflow_client(uri: str):
-    """An MLflow client of ``uri`` (telemetry off unless the user turned it on), once :func:`check_store` passes;
-    a new local store starts from MLflow's empty one (:mod:`pretrain.train.mlflow_store`)."""
-    check_store(uri)
+def mlflow_client(uri: str, probe: bool = True):
+    """An MLflow client of ``uri`` (telemetry off unless the user turned it on), once :func:`check_store` passes
+    (``probe``: with its connection to a tracking server); a new local store starts from MLflow's empty one
+    (:mod:`pretrain.train.mlflow_store`)."""
+    check_store(uri, probe)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
 

@@ -150,10 +150,13 @@ def log_config(
 class Tracker:
     """Rank-0 metric logger for one run. A no-op when ``uri`` is empty (tracking disabled)."""
 
-    def __init__(self, uri: str, run_id: str, asynchronous: bool = False):
-        """``asynchronous``: metrics are queued (the training loop's tracker; see :meth:`log_metrics`)."""
+    def __init__(self, uri: str, run_id: str, asynchronous: bool = False, probe: bool = True):
+        """``asynchronous``: metrics are queued (the training loop's tracker; see :meth:`log_metrics`); ``probe``:
+        the tracking server must accept a connection at once (:func:`~pretrain.train.mlflow_records.check_store`;
+        a worker's tracker does not probe: the driver did, and a server slow to answer at a worker's restart is
+        MLflow's to retry)."""
         self.uri, self.run_id, self.asynchronous = uri, run_id, asynchronous
-        self._client = _client(uri) if uri else None
+        self._client = _client(uri, probe) if uri else None
         self._pending: list = []  # MLflow's futures of metrics logged asynchronously
 
     @property

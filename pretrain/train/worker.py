@@ -74,7 +74,7 @@ def build_trainer(job: dict[str, Any], extra_callbacks: Sequence[Callback] = ())
         keep_freed_host_memory()
     plan = make_plan(cfg, ctx.world_size)
     run_dir = Path(job_.run_dir)
-    tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id, asynchronous=True)
+    tracker = Tracker(job_.tracking_uri if ctx.is_main else "", job_.run_id, asynchronous=True, probe=False)
 
     tokenizer = load_or_train_tokenizer(cfg.data)
     resume = find_resume_point(cfg, run_dir, ctx)

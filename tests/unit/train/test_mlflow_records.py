@@ -291,6 +291,8 @@ def test_a_store_no_command_can_use_is_one_line_at_once(tmp_path, monkeypatch, c
     from pretrain.train.mlflow_records import check_store
 
     monkeypatch.chdir(tmp_path)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)  # a direct connection (the machine's proxy settings aside)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -304,6 +306,10 @@ def test_a_store_no_command_can_use_is_one_line_at_once(tmp_path, monkeypatch, c
         err = capsys.readouterr().err
         assert err.startswith(f"error: MLFLOW_TRACKING_URI: {says}") and err.count("\n") == 1, err
         assert "secret" not in err and time.monotonic() - started < 10
+    unreachable = f"http://127.0.0.1:{port}"
+    check_store(unreachable, probe=False)  # a worker's tracker: the driver probed, MLflow retries
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")  # reached through a proxy: MLflow's requests
+    check_store("http://mlflow.corp.invalid:5000")  # take it, a direct connection would not tell
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's choice: left to MLflow
     check_store(str(tmp_path / "mlruns"))
     check_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
