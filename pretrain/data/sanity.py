@@ -157,7 +157,11 @@ def _check_rows(rs: ResolvedSource, policy: str) -> str:
             import pyarrow.parquet as pq
 
             for file in rs.files:  # every file's footer (no row is read): a bad one is refused here, not mid-run
-                parquet = pq.ParquetFile(file)
+                try:
+                    parquet = pq.ParquetFile(file)
+                except Exception as e:  # noqa: BLE001 - not parquet, truncated, unreadable: the file named
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    return f"cannot read {file}: {clip(first)}"
                 if parquet.metadata.num_rows == 0:  # datasets cannot stream a file of no rows
                     return f"empty: {file} has no rows (datasets cannot stream an empty parquet file)"
                 columns = parquet.schema_arrow.names

@@ -59,7 +59,8 @@ def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequ
         lr=start,
         min_lr_ratio=min(1.0, floor / start),
     )
-    return dataclasses.replace(cfg, train=train, name=f"{parent.name}-anneal{at_step}").validate()
+    name = cfg.name if cfg.name != parent.name else f"{parent.name}-anneal{at_step}"  # a name=... given is kept
+    return dataclasses.replace(cfg, train=train, name=name).validate()
 
 
 def fresh_data_position(cfg: RunConfig, parent: LoadedCheckpoint) -> dict:

@@ -99,12 +99,17 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
         raise ConfigError(refusal)
 
 
+def _shape_value(cfg: RunConfig, name: str) -> Any:
+    """``model.<name>`` as it shapes the parameters (``lm_head_bias``: resolved, null following ``bias``)."""
+    return cfg.model.output_bias if name == "lm_head_bias" else getattr(cfg.model, name)
+
+
 def _shape_change(saved: RunConfig, cfg: RunConfig) -> tuple[str, Any, Any] | None:
     fields = list(SHAPE_FIELDS)
     if saved.model.position == "learned":
         fields.append("max_seq_len")
     for name in fields:
-        old, new = getattr(saved.model, name), getattr(cfg.model, name)
+        old, new = _shape_value(saved, name), _shape_value(cfg, name)
         if old != new:
             return f"model.{name}", old, new
     for name in MOE_SHAPE_FIELDS:
@@ -138,6 +143,8 @@ def _stream_change(saved: RunConfig, cfg: RunConfig) -> tuple[str, Any, Any] | N
 
 
 def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return str(value).lower()
     return quote(value) if not isinstance(value, str) else value

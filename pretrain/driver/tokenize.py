@@ -83,7 +83,12 @@ def parse(args: list[str]) -> argparse.Namespace:
         help="the format of every SOURCE's files (default auto: from each file's extension)",
     )
     p.add_argument("--text-field", default="text", help="the text field of json/parquet/hub records")
-    p.add_argument("--bad-records", choices=("skip", "fail"), default="skip", help="as data.bad_records")
+    p.add_argument(
+        "--bad-records",
+        choices=("skip", "fail"),
+        default=None,
+        help="as data.bad_records (default: --config's, else skip)",
+    )
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="bytes of txt/jsonl per unit")
     a = p.parse_args(args)
     for name in ("shard_tokens", "chunk_bytes"):
@@ -96,6 +101,7 @@ def parse(args: list[str]) -> argparse.Namespace:
     base = _trained_like(a.config)
     a.tokenizer = a.tokenizer or base.tokenizer
     a.vocab_size = a.vocab_size or base.tokenizer_vocab_size
+    a.bad_records = a.bad_records or (base.bad_records if a.config else "skip")
     if not a.tokenizer and a.vocab_size < BYTE_LEVEL_VOCAB:
         raise ConfigError(
             f"tokenize --vocab-size: at least {BYTE_LEVEL_VOCAB} (a byte-level BPE's 256 bytes and its special "

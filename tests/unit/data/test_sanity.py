@@ -139,6 +139,8 @@ def test_parquet_and_hub_sources_are_checked_on_their_first_rows(tmp_path):
     assert f"{parts / 'part-300.parquet'} has no column 'text' (columns: content)" in refusal(cfg_for(parts))
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), parts / "part-300.parquet")
     assert f"empty: {parts / 'part-300.parquet'} has no rows" in refusal(cfg_for(parts))
+    (parts / "part-300.parquet").write_bytes(b"PAR1" + b"\0" * 64)  # a footer cut off: the file is named
+    assert f"cannot read {parts / 'part-300.parquet'}: " in refusal(cfg_for(parts))
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), empty)
     assert f"empty: {empty} has no rows" in refusal(cfg_for(empty))
@@ -147,7 +149,7 @@ def test_parquet_and_hub_sources_are_checked_on_their_first_rows(tmp_path):
     assert "no usable record in the first 3" in refusal(cfg_for(blanks))
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1" + random.Random(1).randbytes(500))
-    assert "cannot read it" in refusal(cfg_for(broken))
+    assert f"cannot read {broken}: " in refusal(cfg_for(broken))
     hub = DataConfig(sources=[SourceConfig(path="no-such-org/no-such-dataset", format="hub")])
     assert refusal(hub).startswith("data.sources[0] (no-such-org/no-such-dataset): cannot read it: ")
 

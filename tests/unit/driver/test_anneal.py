@@ -44,6 +44,12 @@ def test_annealed_schedule_decays_from_the_checkpoint_lr_to_the_floor():
     assert t.lr == pytest.approx(lr_at(49, cos.train)) and lr_at(59, t) == pytest.approx(1e-3)
 
 
+def test_the_child_is_named_after_its_parent_unless_a_name_is_given():
+    parent = load_config(None, [*TINY, "train.decay=wsd", "train.max_steps=100"])
+    assert annealed_config(parent, 50, 10).name == f"{parent.name}-anneal50"
+    assert annealed_config(parent, 50, 10, ["name=cooldown"]).name == "cooldown"
+
+
 def test_a_checkpoint_whose_lr_has_decayed_to_zero_is_refused_in_one_line():
     done = load_config(None, [*TINY, "train.decay=wsd", "train.min_lr_ratio=0", "train.max_steps=200"])
     with pytest.raises(ConfigError, match=r"^anneal: the parent's LR at step 200 is 0 .* step=S$"):

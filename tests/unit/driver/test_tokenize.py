@@ -67,10 +67,13 @@ def test_config_trains_the_bpe_a_run_of_it_would_train(tmp_path):
 
     corpus = write_txt(tmp_path / "c.txt", make_docs(20, "cfg", seed=1))
     config = tmp_path / "run.yaml"
-    config.write_text("data:\n  tokenizer_vocab_size: 300\n  tokenizer_train_docs: 123\n  val_holdout: 0.05\n")
+    config.write_text(
+        "data:\n  tokenizer_vocab_size: 300\n  tokenizer_train_docs: 123\n  val_holdout: 0.05\n  bad_records: fail\n"
+    )
     a = parse([str(corpus), "--out", str(tmp_path / "out"), "--config", str(config)])
     run = load_config(str(config), [f"data.sources=[{{path: {corpus}}}]"]).data
-    assert a.vocab_size == 300 and cache_key(_data_config(a), TRAINER_SETTINGS) == cache_key(run, TRAINER_SETTINGS)
+    assert a.vocab_size == 300 and a.bad_records == "fail"
+    assert cache_key(_data_config(a), TRAINER_SETTINGS) == cache_key(run, TRAINER_SETTINGS)
     plain = parse([str(corpus), "--out", str(tmp_path / "out")])
     assert cache_key(_data_config(plain), TRAINER_SETTINGS) != cache_key(run, TRAINER_SETTINGS)
     spec = _job_spec(a, _data_config(a), None, "tok")
