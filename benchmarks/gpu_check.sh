@@ -22,12 +22,12 @@ fi
 mkdir -p "$OUT_DIR"
 cd "$ROOT"
 t0=$(date +%s)
-if ! ./launch.sh setup --offline "$WHEELHOUSE" >"$OUT_DIR/setup.log" 2>&1; then
-  rc=$?
+./launch.sh setup --offline "$WHEELHOUSE" >"$OUT_DIR/setup.log" 2>&1 || {
+  rc=$?  # (setup's status: after `if ! cmd`, $? would be the negation's, 0)
   tail -20 "$OUT_DIR/setup.log" >&2
   echo "[gpu-check] setup --offline failed (exit $rc): $OUT_DIR/setup.log" >&2
   exit "$rc"
-fi
+}
 echo "[gpu-check] setup: $(($(date +%s) - t0)) s" | tee -a "$OUT_DIR/gpu-check.log" >&2
 nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 t1=$(date +%s)

@@ -35,16 +35,16 @@ def read_environment(path: Path) -> dict[str, str]:
                 out[canonical(row["name"])] = str(row["version"])
         except (ValueError, KeyError, TypeError) as e:
             raise InstallError(f"--environment {path}: not pip list --format=json output ({e})") from None
-        return out
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line or line.startswith("-e ") or " @ " in line:
-            continue
-        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=;]+)", line)
-        if not m:
-            raise InstallError(f"--environment {path}:{number}: expected NAME==VERSION (pip list --format=freeze)")
-        out[canonical(m.group(1))] = m.group(2)
-    if "torch" not in out:
+    else:
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line or line.startswith("-e ") or " @ " in line:
+                continue
+            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=;]+)", line)
+            if not m:
+                raise InstallError(f"--environment {path}:{number}: expected NAME==VERSION (pip list --format=freeze)")
+            out[canonical(m.group(1))] = m.group(2)
+    if "torch" not in out:  # (either format)
         raise InstallError(f"--environment {path}: no torch (the wheelhouse installs around the environment's)")
     return out
 

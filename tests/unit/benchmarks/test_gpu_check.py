@@ -72,3 +72,19 @@ def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_the_cpu_size(tmp
     monkeypatch.setattr(gc, "gpu_driver", lambda: "NVRM version: NVIDIA UNIX x86_64 Kernel Module 535.183.01")
     with pytest.raises(ConfigError, match=r"^bench --gpu: this machine has an NVIDIA driver \(NVRM .* 535\.183\.01\) "):
         gc.main(["--gpu", "--dir", str(tmp_path / "runs")])
+
+
+def test_the_scripts_exit_status_is_setups_when_setup_fails(tmp_path):
+    """``gpu_check.sh`` on a machine lent for minutes: a setup that fails is its exit status (a device run that
+    reported 0 and no results would read as a pass)."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "no-wheelhouse"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "[gpu-check] setup --offline failed (exit 2)" in proc.stderr, proc.stderr

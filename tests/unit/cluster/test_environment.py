@@ -35,6 +35,7 @@ def test_refuses_what_is_not_pip_list_output_in_one_line(tmp_path):
         ("torch==2.11.0\nnumpy>=2\n", r"bad.txt:2: expected NAME==VERSION \(pip list --format=freeze\)"),
         ("numpy==2.5.2\n", r"bad.txt: no torch \(the wheelhouse installs around the environment's\)"),
         ('[{"name": "torch"}]', r"bad.txt: not pip list --format=json output"),
+        ('[{"name": "numpy", "version": "2.0.0"}]', r"bad.txt: no torch \(the wheelhouse installs around"),
     ]
     for text, message in cases:
         bad.write_text(text)

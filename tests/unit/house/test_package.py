@@ -206,3 +206,13 @@ def test_setup_refuses_a_driver_older_than_the_cuda_locks_torch_needs(tmp_path):
             assert "PRETRAIN_TORCH=system" in line and "PRETRAIN_TORCH=cpu" in line
     asked = bash('check_cuda_driver "$0"', "535.183.01", PRETRAIN_TORCH="cuda")
     assert asked.returncode == 0 and asked.stderr.startswith("[setup] warning: NVIDIA driver 535.183.01 is older")
+
+
+def test_what_the_commands_write_in_the_checkout_is_ignored_by_git_and_the_linters():
+    """The default places of a run's outputs (the commands print them) are not the project's files: an export's
+    bundled ``modeling_pretrain.py`` under ``exported/`` would otherwise fail ``ruff format --check``."""
+    import subprocess
+
+    written = ["exported/RUN/modeling_pretrain.py", "checkpoints/RUN/summary.json", "mlflow.db", "mlartifacts/1/x"]
+    proc = subprocess.run(["git", "-C", str(ROOT), "check-ignore", *written], capture_output=True, text=True)
+    assert proc.stdout.split() == written, proc.stdout + proc.stderr
