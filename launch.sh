@@ -175,13 +175,14 @@ driver_version() {  # [VERSION_FILE] the NVIDIA driver's version (580.65.06), ''
 }
 
 check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch needs is refused in one line (a warning
-  # where PRETRAIN_TORCH=cuda asks for that lock: an image built on one machine runs on others)
+  # where PRETRAIN_TORCH=cuda asks for that lock, or asked for it at the setup whose choice this one keeps: an
+  # image built on one machine runs on others)
   local cuda need have
   cuda="$(sed -n 's/^nvidia-cuda-runtime[a-z0-9-]*==\([0-9]*\)\..*/\1/p' "$1" | head -1)"
   case "$cuda" in 13) need=580 ;; 12) need=525 ;; *) return 0 ;; esac  # NVIDIA's minimum Linux driver per CUDA
   have="$(driver_version)"
   [[ -z "$have" || "${have%%.*}" -ge "$need" ]] && return 0
-  if [[ "${PRETRAIN_TORCH:-}" == cuda ]]; then
+  if [[ "${PRETRAIN_TORCH:-}" == cuda || "$SAVED_KIND" == cuda ]]; then
     echo "[setup] warning: NVIDIA driver $have is older than $need, which the CUDA $cuda torch of $(basename "$1")" \
       "needs: torch will not see this machine's GPU (PRETRAIN_TORCH=cuda installs it anyway)" >&2
     return 0
