@@ -86,18 +86,22 @@ PYEOF
   rm -rf "$tmp"
 }
 
-uv_sources() {  # $1=all|lock|cuda|cuda-lock: pip's package sources (pip.conf, PIP_*) as uv arguments, one a line, and
-  # SSL_CERT_FILE=pip's CA bundle; what each kind leaves out and why: cluster/install.py (uv_sources)
+uv_sources() {  # $1=all|lock|cuda|cuda-lock: pip's package sources (pip.conf, PIP_*) as uv's environment variables,
+  # NAME=VALUE a line, and SSL_CERT_FILE=pip's CA bundle; what each kind leaves out and why: cluster/lockfile.py
   "$PY" "$INSTALL" uv-sources "$1"
 }
 
-run_uv() {  # run_uv SOURCES ARGS... (SOURCES: see uv_sources): uv with pip's package sources and CA bundle
-  local kind="$1" line args=() env=()
+run_uv() {  # run_uv SOURCES ARGS... (SOURCES: see uv_sources): uv with pip's package sources and CA bundle, exported
+  # in a subshell (an index URL may hold credentials: never on a command line, which any local user can read)
+  local kind="$1"
   shift
-  while IFS= read -r line; do
-    if [[ "$line" == SSL_CERT_FILE=* ]]; then [[ -n "${SSL_CERT_FILE:-}" ]] || env=("$line"); else args+=("$line"); fi
-  done < <(uv_sources "$kind")
-  env ${env[@]+"${env[@]}"} UV_PYTHON_DOWNLOADS=never "$UV" "$@" --index-strategy unsafe-best-match ${args[@]+"${args[@]}"}
+  (
+    while IFS= read -r line; do
+      [[ "$line" == SSL_CERT_FILE=* && -n "${SSL_CERT_FILE:-}" ]] || export "${line?}"
+    done < <(uv_sources "$kind")
+    export UV_PYTHON_DOWNLOADS=never
+    exec "$UV" "$@" --index-strategy unsafe-best-match
+  )
 }
 
 compile_lock() {  # compile_lock SOURCES OUT EXTRA INPUT...: a hash-checked lock of INPUT files + uv's pin + EXTRA

@@ -102,7 +102,7 @@ def resolve(
     (work / "constraints.txt").write_text(f"torch=={torch}\n")
     # uv reads an existing output file as its preferences: the environment's versions, as pins
     (work / "lock.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(env.items()) if n != "torch"))
-    sources, extra = uv_sources("lock")
+    extra = uv_sources("lock")
     cmd = [
         uv,
         "pip",
@@ -115,7 +115,6 @@ def resolve(
         UV_PLATFORM[m.group(2)].format(m.group(1)),
         "--index-strategy",
         "unsafe-best-match",
-        *sources,
         "--custom-compile-command",
         "./launch.sh wheelhouse DIR --environment FILE",
         "-c",

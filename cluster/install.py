@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--platform", default=f"manylinux_2_28_{os.uname().machine}")
     p.add_argument("--without", default="", help="comma-separated: " + ", ".join(OPTIONAL))
     p.add_argument("--environment", help="pip list --format=freeze|json of the target environment")
-    p = sub.add_parser("uv-sources", help="pip's package sources as uv arguments, one a line (SSL_CERT_FILE=...)")
+    p = sub.add_parser(
+        "uv-sources", help="pip's package sources as uv's environment variables, NAME=VALUE a line (SSL_CERT_FILE too)"
+    )
     p.add_argument("kind", choices=["all", "lock", "cuda", "cuda-lock"])
     args = parser.parse_args(argv)
     tag = f"[{tag}]"
@@ -265,9 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "wheelhouse":
             wheelhouse(args)
         else:
-            sources, env = uv_sources(args.kind)
-            for line in [*sources, *(f"{k}={v}" for k, v in env.items())]:
-                print(line)
+            for name, value in uv_sources(args.kind).items():
+                print(f"{name}={value}")
     except InstallError as e:
         print(f"{tag} error: {e}", file=sys.stderr)
         return e.code

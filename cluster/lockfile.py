@@ -188,12 +188,14 @@ def optional_roots(names: list[str]) -> set[str]:
 # -- pip's package sources, for uv -------------------------------------------------------------------------------------
 
 
-def uv_sources(kind: str) -> tuple[list[str], dict[str, str]]:
-    """uv reads no pip configuration: the package sources pip uses here (pip.conf files, PIP_* variables) as uv
-    arguments, and pip's CA bundle as ``SSL_CERT_FILE``. ``lock`` leaves out extra indexes (local mirrors), so that
-    the lock records the main index's hashes of every file; find-links stays (this machine's CPU torch wheel). The
-    cuda kinds leave out find-links: torch==X also matches a local X+cpu wheel there, and the CUDA lock wants the
-    index's default build. Nothing when UV_* sources are set."""
+def uv_sources(kind: str) -> dict[str, str]:
+    """uv reads no pip configuration: the package sources pip uses here (pip.conf files, PIP_* variables) as uv's
+    environment variables (``UV_INDEX_URL``, ``UV_EXTRA_INDEX_URL`` space-separated, ``UV_FIND_LINKS``
+    comma-separated: never uv's command line, which any local user can read, with an index's credentials in it),
+    and pip's CA bundle as ``SSL_CERT_FILE`` (where it is not set). ``lock`` leaves out extra indexes (local
+    mirrors), so that the lock records the main index's hashes of every file; find-links stays (this machine's CPU
+    torch wheel). The cuda kinds leave out find-links: torch==X also matches a local X+cpu wheel there, and the
+    CUDA lock wants the index's default build. Nothing when UV_* sources are set."""
     import ast
     import subprocess
 
@@ -201,7 +203,7 @@ def uv_sources(kind: str) -> tuple[list[str], dict[str, str]]:
         os.environ.get(v)
         for v in ("UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_INDEX", "UV_EXTRA_INDEX_URL", "UV_FIND_LINKS")
     ):
-        return [], {}
+        return {}
     text = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
     conf = {}
     for line in text.splitlines():
@@ -223,6 +225,12 @@ def uv_sources(kind: str) -> tuple[list[str], dict[str, str]]:
         "cuda": ["index-url", "extra-index-url"],
         "cuda-lock": ["index-url"],
     }[kind]
-    args = [f"--{name}={value}" for name in names for value in get(name)]
+    variables = {"index-url": ("UV_INDEX_URL", " "), "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+                 "find-links": ("UV_FIND_LINKS", ",")}  # fmt: skip
+    env = {variables[name][0]: variables[name][1].join(get(name)) for name in names if get(name)}
+    if "UV_INDEX_URL" in env:  # pip takes one index URL (the last given wins there too)
+        env["UV_INDEX_URL"] = env["UV_INDEX_URL"].split()[-1]
     cert = get("cert")[:1]
-    return args, ({"SSL_CERT_FILE": cert[0]} if cert and not os.environ.get("SSL_CERT_FILE") else {})
+    if cert and not os.environ.get("SSL_CERT_FILE"):
+        env["SSL_CERT_FILE"] = cert[0]
+    return env

@@ -177,7 +177,7 @@ def _build_sdists(files: Path, lock: Path, args: argparse.Namespace) -> dict[str
     for sdist in sorted(p for p in files.iterdir() if not p.name.endswith(".whl")):
         name, version = wheel_name(sdist.name)
         with tempfile.TemporaryDirectory(dir=files.parent) as tmp:
-            sources, env = uv_sources("all")
+            env = uv_sources("all")
             _run(
                 [
                     args.uv,
@@ -191,7 +191,6 @@ def _build_sdists(files: Path, lock: Path, args: argparse.Namespace) -> dict[str
                     "--require-hashes",
                     "--index-strategy",
                     "unsafe-best-match",
-                    *sources,
                     "--out-dir",
                     tmp,
                     str(sdist),

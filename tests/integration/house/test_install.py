@@ -104,7 +104,7 @@ def environment(tmp_path_factory) -> Path:
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
+    ).stdout.splitlines()
     subprocess.run(
         [
             uv,
@@ -116,11 +116,10 @@ def environment(tmp_path_factory) -> Path:
             "--require-hashes",
             "--index-strategy",
             "unsafe-best-match",
-            *(s for s in sources if s.startswith("--")),
             str(root / "torch.txt"),
         ],
         check=True,
-        env={**_env(), **dict(s.split("=", 1) for s in sources if s.startswith("SSL_CERT_FILE="))},
+        env={**_env(), **dict(line.split("=", 1) for line in sources)},
     )
     subprocess.run(  # pip: any version with --python (22.3 or later)
         [uv, "pip", "install", "-q", "--python", str(root / "env" / "bin" / "python"), "pip>=22.3"],

@@ -93,3 +93,48 @@ def test_the_supported_range_holds_the_locks_torch_and_reads_builds_as_their_rel
         in_range("2.11.0", "~=2.11")
     with pytest.raises(InstallError, match="not a version number"):
         release("main")
+
+
+def test_pips_sources_reach_uv_as_environment_variables_never_as_arguments(monkeypatch):
+    """An index URL may hold credentials: uv gets pip's sources in its environment (a command line is readable by any
+    local user), each kind with the sources it keeps. Through ``cluster/install.py uv-sources`` run by the Python
+    setup runs it with (``python3``, whose pip reads the configuration)."""
+    import os
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    for name in (
+        "UV_INDEX_URL",
+        "UV_DEFAULT_INDEX",
+        "UV_INDEX",
+        "UV_EXTRA_INDEX_URL",
+        "UV_FIND_LINKS",
+        "SSL_CERT_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # this machine's pip.conf aside
+    monkeypatch.setenv("PIP_INDEX_URL", "https://alice:s3cret@pypi.example.com/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://mirror.example.com/a https://mirror.example.com/b")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /srv/wheels")
+    monkeypatch.setenv("PIP_CERT", "/etc/ssl/corp.pem")
+
+    def uv_sources(kind: str) -> dict[str, str]:
+        out = subprocess.run(
+            [os.environ.get("PYTHON", "python3"), str(ROOT / "cluster" / "install.py"), "uv-sources", kind],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return dict(line.split("=", 1) for line in out.splitlines())
+
+    index = {"UV_INDEX_URL": "https://alice:s3cret@pypi.example.com/simple", "SSL_CERT_FILE": "/etc/ssl/corp.pem"}
+    extra = {"UV_EXTRA_INDEX_URL": "https://mirror.example.com/a https://mirror.example.com/b"}
+    links = {"UV_FIND_LINKS": "/opt/wheels,/srv/wheels"}
+    assert uv_sources("all") == {**index, **extra, **links}
+    assert uv_sources("lock") == {**index, **links}
+    assert uv_sources("cuda") == {**index, **extra}
+    assert uv_sources("cuda-lock") == index
+    monkeypatch.setenv("UV_INDEX_URL", "https://elsewhere.example.com/simple")  # uv's own, set: left alone
+    assert uv_sources("all") == {}
