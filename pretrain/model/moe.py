@@ -303,9 +303,12 @@ def routing_metrics(stats: dict[int, torch.Tensor]) -> dict[str, float]:
     """MLflow metrics from reduced statistics (block -> ``take_stats`` row summed over ranks):
     ``moe/block{i}/expert{e}_tokens`` (routed assignments), ``max_share`` (busiest expert's share),
     ``dropped_frac``, ``router_entropy`` (nats, mean over tokens), ``aux_loss`` (load balancing, unweighted,
-    1.0 when perfectly balanced) and ``router_z_loss``."""
+    1.0 when perfectly balanced) and ``router_z_loss``; nothing of a block that did not run (skipped by layer
+    dropout: no tokens to speak of)."""
     out: dict[str, float] = {}
     for block, row in sorted(stats.items()):
+        if float(row[-1]) == 0:
+            continue
         e = row.numel() - len(STAT_FIELDS) - 1
         routed = row[:e]
         named = dict(zip(STAT_FIELDS, row[e:-1].tolist()))
@@ -358,9 +361,12 @@ def routing_state_kept(model: nn.Module) -> Iterator[None]:
 
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:
-    """Block -> share of the routed assignments taken by its busiest expert."""
+    """Block -> share of the routed assignments taken by its busiest expert, for the blocks that ran (a block layer
+    dropout skipped has no share: a router-collapse streak is held over it, not reset)."""
     out = {}
     for block, row in stats.items():
+        if float(row[-1]) == 0:
+            continue
         e = row.numel() - len(STAT_FIELDS) - 1
         out[block] = float(row[:e].max()) / max(float(row[e]), 1.0)  # row[e]: routed assignments
     return out

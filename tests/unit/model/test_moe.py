@@ -318,3 +318,20 @@ def test_moe_encoder_trains_on_masked_tokens():
         opt.zero_grad()
         losses.append(float(out.loss))
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_a_block_layer_dropout_skipped_reports_no_routing_and_holds_the_collapse_streak():
+    """A block skipped for a whole step (layer dropout's ``layer`` mode) routed nothing: no ``moe/`` metric of it (it
+    would read as every token dropped and a balanced load of 0), and no share that would reset a collapse streak."""
+    from pretrain.config import MoEConfig
+    from pretrain.model.moe import STAT_FIELDS, max_shares
+    from pretrain.train.stability.monitor import StabilityMonitor
+
+    experts = 4
+    ran = torch.tensor([90.0, 4, 3, 3, 100, 100, 64, 50, 1.2, 0.1, 1])  # routed per expert, STAT_FIELDS, 1 forward
+    skipped = torch.zeros(experts + len(STAT_FIELDS) + 1)
+    assert set(routing_metrics({0: ran, 1: skipped})) == {k for k in routing_metrics({0: ran}) if "block0" in k}
+    assert max_shares({0: ran, 1: skipped}) == {0: 0.9}
+    monitor = StabilityMonitor(load_config(None, []).stability, moe=MoEConfig(collapse_share=0.8, collapse_steps=3))
+    flagged = [monitor.router_collapse(step, max_shares({0: row})) for step, row in enumerate((ran, skipped, ran, ran))]
+    assert [len(events) for events in flagged] == [0, 0, 0, 1], "the skipped step neither counts nor resets"
