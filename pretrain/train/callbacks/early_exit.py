@@ -76,6 +76,8 @@ class EarlyExitCallback(Callback):
 
     def __init__(self, cfg: RunConfig) -> None:
         self.ee = cfg.layer_drop.early_exit
+        # the run's length the curriculum was planned for, kept in checkpoints: a resume that trains longer
+        # (train.max_steps raised) does not switch off exits the run trains already (``gradual``)
         self.layers, self.max_steps = cfg.model.num_layers, cfg.train.max_steps
         self.exits: Exits = []
         self.trained, self.steps = 0, 0
@@ -83,7 +85,7 @@ class EarlyExitCallback(Callback):
 
     def on_step_start(self, trainer: Trainer | None, step: int) -> None:
         if trainer is not None:  # growth may have changed the depth
-            self.layers, self.max_steps = trainer.module.cfg.model.num_layers, trainer.cfg.train.max_steps
+            self.layers = trainer.module.cfg.model.num_layers
         self.exits = active_exits(self.ee, self.layers, step - 1, self.max_steps)
         self.trained += len(self.exits)
         self.steps += 1
@@ -109,10 +111,11 @@ class EarlyExitCallback(Callback):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": self.trained, "steps": self.steps}
+        return {"trained": self.trained, "steps": self.steps, "planned_steps": self.max_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trained, self.steps = int(state["trained"]), int(state["steps"])
+        self.max_steps = int(state.get("planned_steps", self.max_steps))  # (a checkpoint written before the key)
 
     def on_rollback(self, trainer: Trainer) -> None:
         self.trained, self.steps = 0, 0  # the window of the abandoned steps

@@ -73,3 +73,27 @@ def test_the_trained_exits_window_survives_a_resume():
         resumed.on_step_start(None, step)
     assert resumed.extra_metrics() == whole.extra_metrics()
     assert whole.name == "early_exit_window"
+
+
+def test_a_resume_that_trains_longer_keeps_the_exits_the_run_trains():
+    """``gradual`` switches exits on at fractions of the run it was planned for (kept in the checkpoint): a resume
+    that raises ``train.max_steps`` (the printed "train on" command) goes on training every exit switched on, it
+    does not switch them off again as fractions of the longer run."""
+    import dataclasses
+
+    from pretrain.train.callbacks.early_exit import EarlyExitCallback
+
+    cfg = tiny_config(
+        "model.num_layers=4",
+        "layer_drop.early_exit.layers=[1,2,3]",
+        "layer_drop.early_exit.curriculum=gradual",
+        "layer_drop.early_exit.gradual_fraction=0.9",
+        "train.max_steps=100",
+    )
+    run = EarlyExitCallback(cfg)
+    run.on_step_start(None, 100)
+    assert [d for d, _ in run.exits] == [1, 2, 3]
+    longer = EarlyExitCallback(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=200)))
+    longer.load_state_dict(run.state_dict())
+    longer.on_step_start(None, 101)
+    assert [d for d, _ in longer.exits] == [1, 2, 3]
