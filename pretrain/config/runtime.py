@@ -261,7 +261,8 @@ class StabilityConfig:
     """Divergence when the fitted loss trend rises by more than this fraction of the window's mean loss
     over the window."""
     max_consecutive_skips: int = 10
-    """After this many consecutive skipped steps escalate: ``rollback`` rolls back, ``skip`` halts."""
+    """The N-th consecutive step that would be skipped escalates instead (N - 1 are skipped): ``rollback`` rolls
+    back, ``skip`` halts."""
     max_rollbacks: int = 3
     """Halt when a run needs more rollbacks than this."""
     good_after_steps: int = 20

@@ -160,10 +160,11 @@ class StabilityMonitor:
             self._taint_pending()
         if action == "skip":
             s.consecutive_skips += 1
-            s.skipped_steps += 1
-            if s.consecutive_skips >= cfg.max_consecutive_skips:
+            if s.consecutive_skips >= cfg.max_consecutive_skips:  # the N-th bad step in a row escalates
                 action = "rollback" if cfg.policy == "rollback" else "halt"
-                detail += f"; {s.consecutive_skips} consecutive skipped steps"
+                detail += f"; {s.consecutive_skips} consecutive bad steps"
+            else:
+                s.skipped_steps += 1  # (an escalated step is not skipped)
         else:
             s.consecutive_skips = 0
         if action == "rollback":

@@ -77,7 +77,8 @@ def test_consecutive_skips_escalate_and_rollbacks_are_limited():
     m = _monitor(policy="skip", max_consecutive_skips=3)
     _feed(m, range(1, 20))
     nan = StepSignals(20, float("nan"), float("nan"))
-    assert [m.decide(nan).action for _ in range(3)] == ["skip", "skip", "halt"]
+    assert [m.decide(nan).action for _ in range(3)] == ["skip", "skip", "halt"]  # the 3rd bad step in a row
+    assert m.s.skipped_steps == 2 and m.s.timeline[-1]["detail"].endswith("; 3 consecutive bad steps")
 
     m = _monitor(policy="rollback", max_consecutive_skips=2, max_rollbacks=1)
     _feed(m, range(1, 20))
