@@ -6,7 +6,8 @@ and a (B,) tensor scales it per sample (stochastic depth: the branch runs, dropp
 
 Decisions are functions of (seed, step, layer, sub-layer[, global micro-batch id]) only: a private generator seeded
 from their hash, so every rank computes the same gates with no communication, a resumed run the same as an
-uninterrupted one, and a worker count change moves no decision (micro-batch ids do not depend on it).
+uninterrupted one, and a worker count change moves no ``layer``-mode decision; ``sample``-mode gates (per global
+micro-batch) stay where the micro-batch ids do not depend on it (:meth:`pretrain.config.plan.RunPlan.micro_batch_ids`).
 
 Sources: layer dropout and its inference scaling, z^l = rho * LNorm(F^l(z^(l-1))) + z^(l-1) with rho the keep
 probability of the sub-layer: T. Xiao and J. Zhu, "Introduction to Transformers: an NLP Perspective"
