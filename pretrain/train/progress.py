@@ -45,8 +45,8 @@ class Progress:
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.t0
-        done = step - self.start_step
-        eta = elapsed / max(done, 1) * (self.max_steps - step)
+        done = self.steps_timed  # steps this process ran (a rollback past the resume step makes step - start < 0)
+        eta = elapsed / max(done, 1) * max(self.max_steps - step, 0)
         width = len(str(self.max_steps))
         parts = [
             f"step {step:>{width}}/{self.max_steps}",
