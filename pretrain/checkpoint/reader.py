@@ -154,10 +154,11 @@ class LoadedCheckpoint:
         """Full fp32 state dict; expert-parallel checkpoints hold every expert (checked). ``inference``: with
         layer dropout's ``rho`` scaling folded into the weights (what evaluation and export use); False gives the
         training weights (to continue training from, e.g. after pruning)."""
-        from pretrain.model.layerdrop import fold_branch_scales, inference_scales
+        from pretrain.model.layerdrop import as_of, fold_branch_scales, inference_scales
 
         sd = full_state_dict(self.ckpt, self.config)
-        scales = inference_scales(self.config.layer_drop, self.config.model.num_layers)
+        trained = as_of(self.config.layer_drop, self.ckpt.step - 1)  # (a schedule may not have reached its rate)
+        scales = inference_scales(trained, self.config.model.num_layers)
         if inference and scales is not None:
             sd = fold_branch_scales(sd, self.config.model.norm_placement, scales)
         return sd

@@ -73,6 +73,7 @@ def grow(argv: list[str]) -> int:
     from pretrain.config.tree import MAX_SIZE
     from pretrain.driver.budget import check_grown_sizes
     from pretrain.model.growth import apply_growth, count_parameters
+    from pretrain.model.layerdrop import as_of
     from pretrain.train.callbacks.growth import check_growth_loss, grown_config, held_back_loss
 
     opts = parse_options(argv, GROW_KEYS, "grow")
@@ -87,10 +88,9 @@ def grow(argv: list[str]) -> int:
     cfg = parent.config
     check_grown_sizes(cfg.model, entry, "grow")  # before growth copies blocks: a typo must not fill the memory
     sd = parent.state_dict(inference=False)
+    trained = as_of(cfg.layer_drop, parent.ckpt.step - 1)  # the layer dropout of the parent's steps trained
     try:
-        grown = apply_growth(
-            cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step, layer_drop=cfg.layer_drop
-        )
+        grown = apply_growth(cfg.model, cfg.moe, sd, entry, seed=cfg.train.seed + parent.ckpt.step, layer_drop=trained)
     except ValueError as e:
         raise ConfigError(f"grow: {e}") from None
     new_cfg = grown_config(cfg, grown.model, grown.moe)
@@ -99,7 +99,8 @@ def grow(argv: list[str]) -> int:
         new_cfg, name=f"{cfg.name}-grown", growth=dataclasses.replace(new_cfg.growth, rewarm_steps=rewarm)
     )
     batch, cpu = [_held_back_batch(parent)], torch.device("cpu")
-    before, after = held_back_loss(cfg, sd, batch, cpu), held_back_loss(new_cfg, grown.state, batch, cpu)
+    before = held_back_loss(dataclasses.replace(cfg, layer_drop=trained), sd, batch, cpu)
+    after = held_back_loss(dataclasses.replace(new_cfg, layer_drop=trained), grown.state, batch, cpu)
     rel = check_growth_loss(
         before,
         after,

@@ -15,7 +15,7 @@ from pretrain.driver.derive import derive_run, parse_options, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.invocation import command
-from pretrain.model.layerdrop import fold_branch_scales, inference_scales, layer_rates, select_blocks
+from pretrain.model.layerdrop import as_of, fold_branch_scales, inference_scales, layer_rates, select_blocks
 from pretrain.train.schedule import resume_overrides
 from pretrain.train.tracking import run_ref
 
@@ -24,14 +24,14 @@ StateDict = dict[str, torch.Tensor]
 
 def pruned(parent: LoadedCheckpoint, keep: list[int], scale: str = "inference") -> tuple[RunConfig, StateDict]:
     """The parent's config and weights with only blocks ``keep`` (see :func:`prune_blocks`)."""
-    return prune_blocks(parent.config, parent.state_dict(inference=False), keep, scale)
+    return prune_blocks(parent.config, parent.state_dict(inference=False), keep, scale, parent.ckpt.step)
 
 
 PRUNE_SCALES = ("inference", "train")
 
 
 def prune_blocks(
-    cfg: RunConfig, sd: StateDict, keep: list[int], scale: str = "inference"
+    cfg: RunConfig, sd: StateDict, keep: list[int], scale: str = "inference", trained_steps: int | None = None
 ) -> tuple[RunConfig, StateDict]:
     """The config and weights of ``cfg``'s model (training weights ``sd``) with only blocks ``keep``, renumbered
     0..len(keep)-1: the pruned model's forward is the parent's inference forward with the other blocks skipped.
@@ -50,13 +50,18 @@ def prune_blocks(
 
     Early exits listed by depth (``layer_drop.early_exit.layers``) as deep as the pruned model or deeper are dropped
     (``all`` and ``every:N`` follow the new depth).
+
+    Either scale is the layer dropout of the weights' last step (``trained_steps``, the checkpoint's step: a
+    ``linear`` or ``progressive`` schedule may not have reached its rate, :func:`pretrain.model.layerdrop.as_of`;
+    None: the schedule's final rate).
     """
     if scale not in PRUNE_SCALES:
         raise ConfigError(f"prune scale: {scale!r}: expected one of {', '.join(PRUNE_SCALES)}")
-    scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
+    trained = cfg.layer_drop if trained_steps is None else as_of(cfg.layer_drop, trained_steps - 1)
+    scales = inference_scales(trained, cfg.model.num_layers)
     if scale == "train":
-        rates = layer_rates(cfg.layer_drop, cfg.model.num_layers, cfg.layer_drop.rate)
-        inverted = cfg.layer_drop.enabled and cfg.layer_drop.scaling == "inverted"
+        rates = layer_rates(trained, cfg.model.num_layers, trained.rate)
+        inverted = trained.enabled and trained.scaling == "inverted"
         scales = [(1.0 / (1.0 - r), 1.0 / (1.0 - r)) for r in rates] if inverted else None
     layer_drop = cfg.layer_drop
     if scales is not None:

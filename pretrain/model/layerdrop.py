@@ -18,6 +18,7 @@ mode and the depth-linear rates of ``by_depth: linear``: stochastic depth (Huang
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
@@ -39,6 +40,16 @@ def base_rate(cfg: LayerDropConfig, step: int) -> float:
         theta_bar = 1.0 - cfg.rate
         return 1.0 - ((1.0 - theta_bar) * math.exp(-cfg.gamma * step) + theta_bar)
     return cfg.rate
+
+
+def as_of(cfg: LayerDropConfig, step: int) -> LayerDropConfig:
+    """``cfg`` with its schedule's rate at 0-based optimizer ``step`` as a constant rate: the layer dropout the
+    weights were trained under when ``step + 1`` steps were done, which is what a model saved then is scaled by at
+    inference (``rho``) and what a growth or a pruning of it folds (a ``linear`` or ``progressive`` schedule that
+    has not reached ``rate`` yet: a lower rate than the final one)."""
+    if cfg.schedule == "constant":
+        return cfg
+    return dataclasses.replace(cfg, rate=base_rate(cfg, max(step, 0)), schedule="constant")
 
 
 def layer_rates(cfg: LayerDropConfig, num_layers: int, rate: float) -> list[float]:
@@ -96,14 +107,15 @@ def inference_scales(
     cfg: LayerDropConfig, num_layers: int, step: int | None = None
 ) -> list[tuple[float, float]] | None:
     """``rho`` scaling: each sub-layer's output times rho = 1 - its drop rate at inference (Xiao and Zhu, eq. 95;
-    see the module docstring): the final rate (the finished model: export, prune, growth, ``eval`` of a
-    checkpoint), or with ``step`` the schedule's rate at that 0-based step (validation during training: the keep
-    probability 1 - r(t) the weights are trained under). None when nothing is scaled (``inverted``, or no layer
-    dropout)."""
+    see the module docstring): with ``step`` the schedule's rate at that 0-based step (the keep probability
+    1 - r(t) the weights are trained under: validation, and a checkpoint's export, prune, growth and ``eval``
+    through :func:`as_of` its last step), else ``cfg.rate``. None when nothing is scaled (``inverted``, or no
+    layer dropout)."""
+    if step is not None:
+        cfg = as_of(cfg, step)
     if not cfg.enabled or cfg.scaling != "rho":
         return None
-    rate = cfg.rate if step is None else base_rate(cfg, step)
-    return [(1.0 - r, 1.0 - r) for r in layer_rates(cfg, num_layers, rate)]
+    return [(1.0 - r, 1.0 - r) for r in layer_rates(cfg, num_layers, cfg.rate)]
 
 
 def executed_blocks(gates: Gates) -> list[int]:

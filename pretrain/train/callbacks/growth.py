@@ -14,7 +14,7 @@ from pretrain.config import RunConfig
 from pretrain.model import build_model
 from pretrain.model.growth import StateDict, apply_growth, count_parameters
 from pretrain.model.growth_moments import grow_moments
-from pretrain.model.layerdrop import inference_scales
+from pretrain.model.layerdrop import as_of, inference_scales
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
@@ -136,12 +136,13 @@ class GrowthCallback(Callback):
         module, cfg = trainer.module, trainer.module.cfg
         probe = trainer.val_set[:1]  # this rank's first held-back micro-batch (the check reduces over ranks)
         full = module.full_state_dict()  # fp32 (the masters under bf16)
-        before = held_back_loss(cfg, full, probe, module.device)
+        trained = as_of(cfg.layer_drop, entry.at_step - 1)  # the layer dropout of the steps trained so far
+        before = held_back_loss(dataclasses.replace(cfg, layer_drop=trained), full, probe, module.device)
         seed = cfg.train.seed + entry.at_step
-        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed, layer_drop=cfg.layer_drop)
+        grown = apply_growth(cfg.model, cfg.moe, full, entry, seed=seed, layer_drop=trained)
         moments = gather_moments(module) if self.keep_optimizer else None
         new_cfg = grown_config(cfg, grown.model, grown.moe)
-        after = held_back_loss(new_cfg, grown.state, probe, module.device)
+        after = held_back_loss(dataclasses.replace(new_cfg, layer_drop=trained), grown.state, probe, module.device)
         rel = abs(after - before) / max(abs(before), 1e-12)
         params = count_parameters(grown.state, grown.model.tie_embeddings)
         trainer.progress.say(
@@ -165,7 +166,7 @@ class GrowthCallback(Callback):
         if moments and moments["step"]:  # transformed like the grown model's gradients (model/growth_moments.py)
             load_moments(
                 module,
-                {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed, cfg.layer_drop)},
+                {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed, trained)},
             )
         trainer.cfg = new_cfg
         trainer.emit("on_model_changed")

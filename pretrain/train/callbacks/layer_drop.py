@@ -47,16 +47,17 @@ class LayerDropCallback(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if trainer.state.step >= trainer.cfg.train.max_steps:  # the last validation is the finished model's
-            self._validate_with(trainer, None)
+            self._validate_with(trainer, self.step)
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
-        self._validate_with(trainer, None)  # a run that stops early is validated at its end, finished
+        self._validate_with(trainer, self.step)  # a run that stops early is validated at its end, finished
 
     def _validate_with(self, trainer: Trainer, step: int | None) -> None:
         """``rho`` scaling: the scales of the model's eval forwards (validation) are the rho of Xiao and Zhu's
         eq. 95 (arXiv:2311.17633, sec. 4.2.4), the keep probability the weights are being trained under: 1 - r(step)
-        at 0-based ``step`` (a ``linear`` or ``progressive`` schedule has not reached the final rate yet), or the
-        final rate (``step`` None) for the finished model, as ``eval``, export, prune and growth use."""
+        at 0-based ``step`` (a ``linear`` or ``progressive`` schedule may not have reached the final rate yet): the
+        last step trained's, also for the finished model, as ``eval``, export, prune and growth of its checkpoint
+        use (:func:`pretrain.model.layerdrop.as_of`)."""
         if self.ld.scaling == "rho":
             trainer.module.model.branch_scales = inference_scales(self.ld, self.layers, step)
 

@@ -63,3 +63,26 @@ def test_a_damaged_checkpoint_is_refused_naming_the_one_to_take_instead_without_
     with pytest.raises(ConfigError, match=r"^--step 3: no committed checkpoint of that step in .* \(committed: 1\)$"):
         reader.find_checkpoint(run, 3)
     assert reader.find_checkpoint(run, 1).step == 1
+
+
+def test_a_checkpoint_of_a_scheduled_rho_run_is_scaled_by_the_rate_it_was_trained_under(tmp_path, tokenizer_dir):
+    """``rho`` scaling with a ``progressive`` schedule that has not reached its rate: eval, export and generate of a
+    checkpoint fold the keep probabilities of its last step (what its run validated at that step), not the final
+    rate's; pruning it folds the same."""
+    from pretrain.driver.prune import pruned
+    from pretrain.export.checkpoints import resolve_checkpoint
+    from pretrain.model.layerdrop import fold_branch_scales, inference_scales
+    from tests.unit.export.test_hf import perturbed_state, small_run_config, write_checkpoint
+
+    drop = ["layer_drop.rate=0.5", "layer_drop.scaling=rho", "layer_drop.schedule=progressive", "layer_drop.gamma=0.1"]
+    cfg = small_run_config(tmp_path, tokenizer_dir, drop)
+    sd = perturbed_state(cfg.model)
+    ckpt = write_checkpoint(tmp_path / "run", cfg, sd, tokenizer_dir, step=3)
+    loaded = resolve_checkpoint(str(ckpt))
+    layers, placement = cfg.model.num_layers, cfg.model.norm_placement
+    trained = inference_scales(cfg.layer_drop, layers, step=2)  # after 3 steps: rate 0.5 (1 - e^-0.2) ~ 0.09
+    assert trained != inference_scales(cfg.layer_drop, layers)
+    expected = fold_branch_scales(sd, placement, trained)
+    assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected)
+    child_cfg, child = pruned(loaded, list(range(layers)))  # every block kept: the parent's inference forward
+    assert child_cfg.layer_drop.scaling == "inverted" and all(torch.equal(child[k], expected[k]) for k in expected)

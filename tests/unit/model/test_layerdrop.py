@@ -172,8 +172,10 @@ def test_post_norm_dropped_sublayer_keeps_its_norm_dropped_block_skips_both(plac
 
 def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
     """``rho`` scaling under a ``linear`` / ``progressive`` schedule: validation during training scales each branch by
-    the keep probability 1 - r(t) of the step just trained; the last step's validation (and a run stopped early, at
-    its end) by the final one, like ``eval`` of the checkpoint, export, prune and growth."""
+    the keep probability 1 - r(t) of the step just trained, the last step's validation (and a run stopped early, at
+    its end) too: the scales ``eval`` of the checkpoint, export, prune and growth use (``as_of`` its step), which
+    for a schedule that has not reached its rate are not the final rate's."""
+    from pretrain.model.layerdrop import as_of
     from pretrain.train.callbacks.layer_drop import LayerDropCallback
 
     for schedule in (
@@ -192,19 +194,22 @@ def test_validation_of_a_scheduled_rho_run_uses_the_current_keep_probability():
             cb.on_step_start(trainer, step)
             trainer.state.step = step
             cb.on_step_end(trainer, None)
-            keep = [1.0 - r for r in layer_rates(ld, 6, base_rate(ld, step - 1 if step < STEPS else 10**6))]
-            assert [s for pair in model.branch_scales for s in pair] == pytest.approx([k for k in keep for _ in "af"])
+            keep = [1.0 - r for r in layer_rates(ld, 6, base_rate(ld, step - 1))]
+            scales = model.branch_scales or [(1.0, 1.0)] * 6  # (None: a rate of 0 so far, nothing to scale)
+            assert [s for pair in scales for s in pair] == pytest.approx([k for k in keep for _ in "af"])
             if step == 2:
                 assert keep[-1] > 1.0 - ld.rate + 0.05, "the schedule has not reached the final rate"
                 with torch.no_grad():
                     torch.testing.assert_close(
                         model.eval()(ids).logits, model(ids, gates=[(k, k) for k in keep]).logits, rtol=0, atol=0
                     )
-        assert model.branch_scales == inference_scales(ld, 6)
+            assert model.branch_scales == inference_scales(as_of(ld, step - 1), 6)  # a checkpoint of this step's
+        if schedule[0].endswith("progressive"):  # still below its rate at the end: not the final rate's scales
+            assert model.branch_scales != inference_scales(ld, 6)
         cb.on_step_start(trainer, 3)
         trainer.state.step = 3
-        cb.on_run_end(trainer, {})  # stopped early at step 3: its final validation is the finished model's
-        assert model.branch_scales == inference_scales(ld, 6)
+        cb.on_run_end(trainer, {})  # stopped early at step 3: its final validation is its checkpoint's
+        assert model.branch_scales == inference_scales(as_of(ld, 2), 6) != inference_scales(ld, 6)
 
 
 def test_rho_scaling_applies_at_inference_only():
