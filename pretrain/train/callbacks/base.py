@@ -80,6 +80,9 @@ class Shared:
     """Step of the latest stability event, 0 before any (the stability guard; current from its ``on_step_end``)."""
     data_wait_s: float = 0.0
     """Seconds the current step waited for its batch (the trainer; set before ``on_step_start``)."""
+    step_s: float = 0.0
+    """Seconds the current step took, from its start to its end, the work of other callbacks at either end left out
+    (the speed monitor; set first in ``on_step_end``): what tokens/s and MFU are both measured over."""
 
 
 class Callback(StepHooks):

@@ -80,7 +80,8 @@ class SpeedMonitor(Callback):
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         now = time.perf_counter()
-        trainer.progress.add_step(now - self._t0)
+        trainer.shared.step_s = now - self._t0
+        trainer.progress.add_step(trainer.shared.step_s)
         self.ends.append(now)
         if len(self.ends) == 1:
             self._first_step(trainer, time.time())

@@ -10,7 +10,6 @@ growth's rebuild is not step time; each step counts the FLOPs of the model it tr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -46,7 +45,6 @@ class ThroughputMonitor(Callback):
         self.flops_per_token = 0.0
         self.tokens_per_step = 0
         self.world = 1
-        self._t0 = 0.0
         self._step_s = self._wait_s = self._flops = 0.0
         self._steps = 0
         self._say: Callable[[str], None] = print
@@ -72,14 +70,12 @@ class ThroughputMonitor(Callback):
             )
 
     def on_model_changed(self, trainer: Trainer) -> None:
-        self._model_flops(trainer)  # growth: more FLOPs per token from here on
-        self._t0 = time.perf_counter()  # the rebuild (in this step's start) is not step time
-
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
-        self._t0 = time.perf_counter()
+        self._model_flops(trainer)  # growth: more FLOPs per token from here on (the rebuild is not step time)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        self._step_s += time.perf_counter() - self._t0
+        # the speed monitor's step time, which tokens/s is measured over too (not this callback's stamps, which
+        # the first step's start-up report and the profiler's trace, between the two, would land inside)
+        self._step_s += trainer.shared.step_s
         self._wait_s += trainer.shared.data_wait_s
         self._flops += self.flops_per_token * self.tokens_per_step  # at the size this step trained
         self._steps += 1
