@@ -93,7 +93,7 @@ def early_exit_steps(cfg, budget: float, per_token: float, tokens_per_step: int,
             break
         n = n_next
     return n, {
-        "executed_block_share": executed,
+        "executed_flops_share": executed,  # of the model's FLOPs a token: the blocks skipped left out
         "exits_per_step": exits,
         "exit_head_flops_per_token": head,
         "flops_per_token": per_token * executed + exits * head,

@@ -21,12 +21,19 @@ from benchmarks.common import bench_tokens, interleaved_best, micro_batch_module
 from pretrain.config import RunConfig
 
 
+def _no_twin(cfg: RunConfig) -> str:
+    """Why ``cfg`` has no dense twin ('' when it has one): the model has one FFN size for all blocks, so only a
+    model with MoE in every block has a dense twin of its active size."""
+    if cfg.moe.layers or cfg.moe.every != 1:
+        return "MoE in some blocks only (moe.every / moe.layers): no dense model of the same active size"
+    return ""
+
+
 def _dense_twin(cfg: RunConfig) -> RunConfig:
-    """The same model with every MoE FFN replaced by a dense FFN of the active size (top_k experts)."""
+    """The same model with every MoE FFN replaced by a dense FFN of the active size (top_k experts, each of the
+    width the MoE layer resolves: ``moe.ffn_size``, else the model's FFN width)."""
     twin = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), moe=dataclasses.replace(cfg.moe))
-    if twin.moe.layers or twin.moe.every != 1:
-        raise ValueError("the dense twin needs MoE in every block (moe.every=1, no moe.layers)")
-    twin.model.ffn_size = cfg.moe.top_k * (cfg.moe.ffn_size or cfg.model.ffn_size)
+    twin.model.ffn_size = cfg.moe.top_k * (cfg.moe.ffn_size or cfg.model.ffn_width())
     twin.moe.num_experts = 0
     return twin
 
@@ -38,17 +45,19 @@ def _step_fn(cfg: RunConfig, device: torch.device, precision: str):
 def moe_vs_dense(cfg: RunConfig, device: torch.device, precision: str, steps: int, rounds: int) -> dict:
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert=1))
     batches = random_batches(cfg, steps, device)
-    t_dense, t_moe = interleaved_best(
-        [_step_fn(_dense_twin(cfg), device, precision), _step_fn(cfg, device, precision)], batches, device, rounds
-    )
+    why = _no_twin(cfg)
+    fns = [_step_fn(cfg, device, precision)] + ([] if why else [_step_fn(_dense_twin(cfg), device, precision)])
+    times = interleaved_best(fns, batches, device, rounds)
     tokens = bench_tokens(cfg, steps)
+    t_moe, t_dense = times[0], (times[1] if len(times) > 1 else None)
     return {
         "moe_config": cfg.name,
         "moe_experts": cfg.moe.num_experts,
         "moe_top_k": cfg.moe.top_k,
         "moe_tokens_per_s": tokens / t_moe,
-        "moe_dense_active_tokens_per_s": tokens / t_dense,
-        "moe_vs_dense_active_ratio": t_dense / t_moe,
+        "moe_dense_active_tokens_per_s": tokens / t_dense if t_dense else None,
+        "moe_vs_dense_active_ratio": t_dense / t_moe if t_dense else None,
+        **({"moe_vs_dense_why_not": why} if why else {}),
     }
 
 

@@ -28,6 +28,7 @@ import torch
 from pretrain.config import ConfigError, DataConfig
 from pretrain.config.errors import clip
 from pretrain.data.packing import IGNORE_INDEX
+from pretrain.data.tokenizer import separator_id
 
 BUILTIN = "heldout_lastword"
 _WORD = re.compile(r"[A-Za-z]{3,}")
@@ -131,6 +132,8 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
     out = []
     for choice in example.choices:
         ctx, cont = _encode_pair(tokenizer, example.context, choice)
+        if kind == "decoder" and not ctx:  # a decoder scores a token from the one before: the document separator
+            ctx = [separator_id(tokenizer)]  # before an empty context, as lm-evaluation-harness puts its EOT there
         cont = cont[-(max_len - 1) :]
         ids = (ctx + cont)[-max_len:]
         first = len(ids) - len(cont)

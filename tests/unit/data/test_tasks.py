@@ -54,3 +54,16 @@ def test_the_held_out_documents_of_a_mixture_are_read_once_each(tmp_path, corpus
     cfg = DataConfig(sources=[SourceConfig(path=str(corpus)), SourceConfig(path=str(small))], val_holdout=0.2)
     docs = list(heldout_documents(cfg, seed=3))
     assert len(docs) == len(set(docs)) and any("held-out sentence" in d for d in docs)
+
+
+def test_a_decoder_scores_every_token_of_a_choice_after_an_empty_context(tok):
+    """A task of minimal pairs (empty context, whole sentences as choices): the first token of a choice is scored
+    too, predicted from the document separator before it (a decoder predicts each token from the one before)."""
+    from pretrain.data.tasks import Example, choice_rows
+
+    example = Example("", ["The river flows into the sea.", "The river flow into the sea."], 0)
+    for choice, rows in zip(example.choices, choice_rows(example, tok, "decoder", 64)):
+        ((row,),) = [rows]
+        scored = row["labels"][0, 1:]  # (the scorer predicts positions 1..T-1)
+        assert scored[scored != -100].tolist() == tok(choice, add_special_tokens=False)["input_ids"]
+        assert row["input_ids"][0, 0].item() == tok.eos_token_id
