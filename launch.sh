@@ -19,10 +19,11 @@ PY="${PYTHON:-python3}"
 # What setup was given or chose (the interpreter, the torch: cpu|cuda|system), kept with the venv: a later setup
 # that sets neither PYTHON nor PRETRAIN_TORCH keeps them as its defaults, rather than deciding again from a plain
 # python3 (which would reinstall another torch, or find no torch where setup kept an environment's, offline).
-CHOICE="$VENV/.pretrain-choice" SAVED_PY="" SAVED_KIND=""
+# (A third line, "asked", when that torch was PRETRAIN_TORCH's, not setup's own pick.)
+CHOICE="$VENV/.pretrain-choice" SAVED_PY="" SAVED_KIND="" SAVED_ASKED=""
 if [[ -z "${PYTHON:-}" && -z "${PRETRAIN_TORCH:-}" && -f "$CHOICE" ]]; then
-  { IFS= read -r SAVED_PY || true; IFS= read -r SAVED_KIND || true; } <"$CHOICE"
-  [[ -x "$SAVED_PY" && "$SAVED_KIND" =~ ^(cpu|cuda|system)$ ]] || SAVED_PY="" SAVED_KIND=""
+  { IFS= read -r SAVED_PY || true; IFS= read -r SAVED_KIND || true; IFS= read -r SAVED_ASKED || true; } <"$CHOICE"
+  [[ -x "$SAVED_PY" && "$SAVED_KIND" =~ ^(cpu|cuda|system)$ ]] || SAVED_PY="" SAVED_KIND="" SAVED_ASKED=""
 fi
 LOCK="$ROOT/requirements.lock"             # CPU torch (this machine's +cpu wheel, pip's find-links)
 CUDA_LOCK="$ROOT/requirements-cuda.lock"   # the same versions, torch's default (CUDA) build from the package index
@@ -180,13 +181,13 @@ driver_version() {  # [VERSION_FILE] the NVIDIA driver's version (580.65.06), ''
 
 check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch needs is refused in one line (a warning
   # where PRETRAIN_TORCH=cuda asks for that lock, or asked for it at the setup whose choice this one keeps: an
-  # image built on one machine runs on others)
+  # image built on one machine runs on others; not where setup picked CUDA itself, for a driver since replaced)
   local cuda need have
   cuda="$(sed -n 's/^nvidia-cuda-runtime[a-z0-9-]*==\([0-9]*\)\..*/\1/p' "$1" | head -1)"
   case "$cuda" in 13) need=580 ;; 12) need=525 ;; *) return 0 ;; esac  # NVIDIA's minimum Linux driver per CUDA
   have="$(driver_version)"
   [[ -z "$have" || "${have%%.*}" -ge "$need" ]] && return 0
-  if [[ "${PRETRAIN_TORCH:-}" == cuda || "$SAVED_KIND" == cuda ]]; then
+  if [[ "${PRETRAIN_TORCH:-}" == cuda || ("$SAVED_KIND" == cuda && "$SAVED_ASKED" == asked) ]]; then
     echo "[setup] warning: NVIDIA driver $have is older than $need, which the CUDA $cuda torch of $(basename "$1")" \
       "needs: torch will not see this machine's GPU (PRETRAIN_TORCH=cuda installs it anyway)" >&2
     return 0
@@ -200,7 +201,9 @@ check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch 
 remember_choice() {  # the interpreter and torch kind this setup used (CHOICE: read at the top of this script)
   local py
   py="$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null)" || return 0
-  [[ -n "$py" ]] && printf '%s\n%s\n' "$py" "$KIND" >"$CHOICE.tmp" && mv -f "$CHOICE.tmp" "$CHOICE"
+  local asked=""
+  [[ -n "${PRETRAIN_TORCH:-}" || "$SAVED_ASKED" == asked ]] && asked="asked"
+  [[ -n "$py" ]] && printf '%s\n%s\n%s\n' "$py" "$KIND" "$asked" >"$CHOICE.tmp" && mv -f "$CHOICE.tmp" "$CHOICE"
   return 0
 }
 

@@ -16,7 +16,7 @@ import torch
 from pretrain import ds_adapter
 from pretrain.checkpoint import conversions, layout, store, weights
 from pretrain.checkpoint.manifest import FORMAT_FULL
-from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint
+from pretrain.checkpoint.store import BadCheckpoint, CheckpointError, CommittedCheckpoint
 from pretrain.config import ConfigError, RunConfig, load_config
 from pretrain.config.moved import migrate
 from pretrain.config.yaml_reading import read_yaml
@@ -29,7 +29,7 @@ def config_dict(ckpt: CommittedCheckpoint) -> dict[str, Any]:
     (:func:`~pretrain.config.yaml_reading.read_yaml`: an alias bomb is refused before it is expanded)."""
     path = ckpt.path / layout.CONFIG
     if not path.is_file():
-        raise CheckpointError(f"{ckpt.path}: no {layout.CONFIG}")
+        raise BadCheckpoint(f"{ckpt.path}: no {layout.CONFIG}")
     return migrate(read_yaml(path) or {})  # written by an older version: moved keys under their new names
 
 
@@ -124,7 +124,7 @@ def resharded_full_form(ckpt: CommittedCheckpoint, cache_root: Path) -> Path:
     cfg = load(ckpt).config
     if cfg.zero.stage not in (1, 2):
         ep = ckpt.manifest.moe_ep_size
-        raise CheckpointError(
+        raise BadCheckpoint(
             f"{ckpt.path}: converting its engine state to full weights (for tensor parallelism or another expert "
             f"layout) needs a ZeRO-1/2 checkpoint (this one: ZeRO-{cfg.zero.stage}); resume it as it was saved: "
             + (f"parallel.expert={ep} " if ep else "")
@@ -193,7 +193,7 @@ def pick_step(run_dir: Path, step: int) -> CommittedCheckpoint:
     try:
         ckpt = CommittedCheckpoint(path, step, store.read_manifest(path))
     except CheckpointError as e:
-        raise CheckpointError(store.point_back_before(run_dir, step, str(e), resume=False)) from None
+        raise type(e)(store.point_back_before(run_dir, step, str(e), resume=False)) from None
     store.verify_or_point_back(ckpt, resume=False)
     return ckpt
 

@@ -28,9 +28,10 @@ class CheckpointError(RuntimeError):
 
 
 class BadCheckpoint(CheckpointError):
-    """A checkpoint that is not what it must be, and is the same on every read: not there, not committed, or its
-    files not what its manifest records (missing, another size or checksum; the manifest corrupt). An I/O error
-    while reading or writing one is a plain :class:`CheckpointError` (a retry may pass)."""
+    """A checkpoint that is not what it must be, or not what this run can load, the same on every read: not there,
+    not committed, its files not what its manifest records (missing, another size or checksum; the manifest
+    corrupt), or of a layout the resume cannot load. An I/O error while reading or writing one is a plain
+    :class:`CheckpointError` (a retry may pass)."""
 
 
 def new_nonce() -> str:

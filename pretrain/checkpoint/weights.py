@@ -23,7 +23,7 @@ import torch
 from pretrain import ds_adapter
 from pretrain.checkpoint import layout
 from pretrain.checkpoint.conversions import manifest_key, publish
-from pretrain.checkpoint.store import CheckpointError, CommittedCheckpoint, new_nonce
+from pretrain.checkpoint.store import BadCheckpoint, CommittedCheckpoint, new_nonce
 from pretrain.parallel.dims import ParallelDims
 
 StateDict = dict[str, torch.Tensor]
@@ -57,7 +57,7 @@ def load_full_weights(ckpt_path: Path) -> StateDict:
 
     path = ckpt_path / layout.WEIGHTS
     if not path.is_file():
-        raise CheckpointError(f"{ckpt_path}: no {layout.WEIGHTS}")
+        raise BadCheckpoint(f"{ckpt_path}: no {layout.WEIGHTS}")
     return load_file(str(path))
 
 
@@ -108,7 +108,7 @@ def consolidated_state_dict(ckpt_path: Path, zero_stage: int) -> StateDict:
     if zero_stage == 0:
         files = ds_adapter.module_state_files(ds / layout.DS_TAG)
         if not files:
-            raise CheckpointError(f"{ckpt_path}: no DeepSpeed model state in {ds / layout.DS_TAG}")
+            raise BadCheckpoint(f"{ckpt_path}: no DeepSpeed model state in {ds / layout.DS_TAG}")
         sd = _load_ds_module_states(files[0])
     else:
         if not torch.cuda.is_available():  # consolidation is CPU work; skips DeepSpeed's "no GPU" warning
@@ -164,7 +164,7 @@ def gathered_optimizer_state(
     ``moments`` False: the masters alone (the moments' dict has the step only)."""
     files = ds_adapter.zero_optimizer_files(ds_engine_dir(ckpt_path) / layout.DS_TAG)
     if not files:
-        raise CheckpointError(f"{ckpt_path}: no ZeRO-1/2 optimizer state to re-shard")
+        raise BadCheckpoint(f"{ckpt_path}: no ZeRO-1/2 optimizer state to re-shard")
     world, step = len(files), 0
     pieces: dict[str, dict[str, dict[int, torch.Tensor]]] = {key: {} for key in ("fp32", *(MOMENTS if moments else ()))}
     for path in files:

@@ -123,11 +123,12 @@ class EarlyExitConfig:
     """Which exits train at a step (LayerSkip's curricula): ``none``: all of them every step; ``rotational``:
     one in every ``rotation`` of the exits (in depth order), the set moving by one each step; ``gradual``: exits
     switch on from the deepest down, exit E from 0-based step ``gradual_fraction * train.max_steps * (L - E + 1) /
-    L`` (all on at ``gradual_fraction`` of the run). A function of the step and the depth only."""
+    L`` (all on at ``gradual_fraction`` of the run; ``train.max_steps`` as first planned, kept across resumes). A
+    function of the step and the depth only."""
     rotation: int = 2
     """``curriculum: rotational``: each exit trains at one step in ``rotation`` (LayerSkip's R)."""
     gradual_fraction: float = 0.5
-    """``curriculum: gradual``: the fraction of ``train.max_steps`` by which every exit is on."""
+    """``curriculum: gradual``: the fraction of ``train.max_steps`` (as first planned) by which every exit is on."""
 
     @property
     def enabled(self) -> bool:

@@ -47,7 +47,8 @@ def check_store(uri: str, probe: bool = True) -> None:
             f"MLFLOW_TRACKING_URI: {shown_uri(uri)} is a file store, which MLflow 3 refuses: use a database store "
             "(sqlite:///mlflow.db, the default), or set MLFLOW_ALLOW_FILE_STORE=true"
         )
-    proxied = parts.scheme in getproxies() and not proxy_bypass(parts.hostname or "")
+    proxies = getproxies()  # (ALL_PROXY too, which requests takes for any scheme)
+    proxied = bool({parts.scheme, "all"} & set(proxies)) and not proxy_bypass(parts.hostname or "")
     if probe and parts.scheme in ("http", "https") and not proxied:
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -23,7 +23,7 @@ import torch.distributed as tdist
 from pretrain import ds_adapter
 from pretrain.checkpoint.layout import DS_TAG
 from pretrain.checkpoint.snapshot import FileJob, HostCopy, save_hashed
-from pretrain.checkpoint.store import CheckpointError
+from pretrain.checkpoint.store import BadCheckpoint
 from pretrain.checkpoint.writer import EngineState, FullWeights
 from pretrain.config import ConfigError, RunConfig, RunPlan, make_plan
 from pretrain.model import Transformer, build_model, param_groups
@@ -207,7 +207,7 @@ class TrainModule:
         with ds_adapter.weights_only_loads():  # the optimizers' own loads of the universal form too
             load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True)
         if load_path is None:
-            raise CheckpointError(f"{directory}: DeepSpeed could not load the engine state")
+            raise BadCheckpoint(f"{directory}: DeepSpeed could not load the engine state")
 
     # -- rebuilding -----------------------------------------------------------------------------------
 

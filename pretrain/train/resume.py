@@ -93,15 +93,16 @@ def expert_layout_changed(ckpt: CommittedCheckpoint, ep_size: int, world_size: i
 def _converted(ctx: dist.DistContext, convert, what: str) -> Path:
     """``convert()`` run once by rank 0 (a checkpoint conversion cached in the run directory); its path, or the same
     one-line error, on every rank."""
-    error, path = None, None
+    error, path, bad = None, None, False
     if ctx.is_main:
         try:
             path = convert()
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"{what} ({e})" if not isinstance(e, CheckpointError) else str(e)
-    error, path = dist.broadcast_object((error, path))
+            bad = isinstance(e, BadCheckpoint)  # (a refusal no retry passes, kept as such on every rank)
+    error, path, bad = dist.broadcast_object((error, path, bad))
     if error:
-        raise CheckpointError(error)
+        raise (BadCheckpoint if bad else CheckpointError)(error)
     return path
 
 

@@ -86,3 +86,19 @@ def test_a_checkpoint_of_a_scheduled_rho_run_is_scaled_by_the_rate_it_was_traine
     assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected)
     child_cfg, child = pruned(loaded, list(range(layers)))  # every block kept: the parent's inference forward
     assert child_cfg.layer_drop.scaling == "inverted" and all(torch.equal(child[k], expected[k]) for k in expected)
+
+
+def test_a_checkpoint_no_conversion_can_load_is_a_bad_checkpoint_no_restart_passes(tmp_path, tokenizer_dir):
+    """Converting to the full form (another expert layout, tensor parallelism) needs ZeRO-1/2 state: a ZeRO-0 or
+    ZeRO-3 checkpoint is refused as a :class:`BadCheckpoint`, which Ray Train's restarts leave alone."""
+    from cluster.failures import is_final
+    from pretrain.checkpoint import reader
+    from pretrain.checkpoint.store import BadCheckpoint, open_committed
+    from tests.unit.cluster.test_failures import _failed
+    from tests.unit.export.test_hf import perturbed_state, small_run_config, write_checkpoint
+
+    cfg = small_run_config(tmp_path, tokenizer_dir, [])
+    ckpt = open_committed(write_checkpoint(tmp_path / "run", cfg, perturbed_state(cfg.model), tokenizer_dir, 2))
+    with pytest.raises(BadCheckpoint, match=r"needs a ZeRO-1/2 checkpoint \(this one: ZeRO-0\)") as e:
+        reader.resharded_full_form(ckpt, tmp_path / "cache")
+    assert is_final(_failed(e.value))

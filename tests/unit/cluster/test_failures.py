@@ -36,6 +36,7 @@ def test_user_errors_are_final_and_the_rest_is_ray_trains_to_retry():
         BadRecordError("a.jsonl:3: not JSON"),
         BadCheckpoint("/ckpt/step_00000004: checksum mismatch for data/rank_0.json"),
         GrowthCheckError("growth at step 4 changed the held-back loss by 0.3"),
+        BadCheckpoint("/ckpt/step_00000004: converting its engine state to full weights ... needs a ZeRO-1/2"),
     )
     for error in final:
         assert is_final(_failed(error)), error

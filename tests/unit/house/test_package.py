@@ -207,8 +207,10 @@ def test_setup_refuses_a_driver_older_than_the_cuda_locks_torch_needs(tmp_path):
     asked = bash('check_cuda_driver "$0"', "535.183.01", PRETRAIN_TORCH="cuda")
     assert asked.returncode == 0 and asked.stderr.startswith("[setup] warning: NVIDIA driver 535.183.01 is older")
     # the choice an earlier PRETRAIN_TORCH=cuda setup left (.venv/.pretrain-choice), which later commands keep
-    kept = bash('SAVED_KIND=cuda; check_cuda_driver "$0"', "535.183.01")
+    kept = bash('SAVED_KIND=cuda SAVED_ASKED=asked; check_cuda_driver "$0"', "535.183.01")
     assert kept.returncode == 0 and kept.stderr.startswith("[setup] warning: NVIDIA driver 535.183.01 is older")
+    picked = bash('SAVED_KIND=cuda SAVED_ASKED=; check_cuda_driver "$0"', "535.183.01")  # setup's own pick
+    assert picked.returncode == 2 and picked.stderr.startswith("[setup] error: NVIDIA driver 535.183.01 is older")
 
 
 def test_what_the_commands_write_in_the_checkout_is_ignored_by_git_and_the_linters():

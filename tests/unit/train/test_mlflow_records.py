@@ -308,8 +308,10 @@ def test_a_store_no_command_can_use_is_one_line_at_once(tmp_path, monkeypatch, c
         assert "secret" not in err and time.monotonic() - started < 10
     unreachable = f"http://127.0.0.1:{port}"
     check_store(unreachable, probe=False)  # a worker's tracker: the driver probed, MLflow retries
-    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")  # reached through a proxy: MLflow's requests
-    check_store("http://mlflow.corp.invalid:5000")  # take it, a direct connection would not tell
+    for name in ("HTTP_PROXY", "ALL_PROXY"):  # reached through a proxy: MLflow's requests take it, a direct
+        monkeypatch.setenv(name, "http://proxy.invalid:3128")  # connection would not tell
+        check_store("http://mlflow.corp.invalid:5000")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's choice: left to MLflow
     check_store(str(tmp_path / "mlruns"))
     check_store(f"sqlite:///{tmp_path / 'mlflow.db'}")
