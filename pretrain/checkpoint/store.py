@@ -244,12 +244,15 @@ def check_early(path: Path, manifest: Manifest) -> None:
     verify(path, manifest, set(PARSED_EARLY))
 
 
-def verify_or_point_back(ckpt: CommittedCheckpoint, full: bool = True, resume: bool = True) -> None:
+def verify_or_point_back(
+    ckpt: CommittedCheckpoint, full: bool = True, resume: bool = True, hash_parsed: bool = True
+) -> None:
     """:func:`verify` ``ckpt`` (``full=False``: :func:`check_early` only, hashing the small files the driver parses:
-    the ranks verify checksums of what they load); when it fails, the error also names the newest older checkpoint
-    of the same run directory that verifies (at the same level), and (``resume``) how to resume from it (a new run
-    starting from that checkpoint)."""
-    check = verify if full else check_early
+    the ranks verify checksums of what they load; ``hash_parsed=False`` too: :func:`check_present` alone, for the
+    ranks, whose parallel verification hashes every byte once); when it fails, the error also names the newest
+    older checkpoint of the same run directory that verifies (at the same level), and (``resume``) how to resume
+    from it (a new run starting from that checkpoint)."""
+    check = verify if full else check_early if hash_parsed else check_present
     try:
         check(ckpt.path, ckpt.manifest)
     except CheckpointError as e:

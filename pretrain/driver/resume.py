@@ -67,12 +67,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         preflight(cfg, grown_at=ckpt.step)
         return prepare_fork(cfg, check_fork(ckpt, cfg), hold)
     root = tracking.run_checkpoint_root(uri, target)
-    if any(o.split("=", 1)[0].strip() == "checkpoint.dir" for o in overrides):  # it would be recorded, not used
-        raise ConfigError(
-            f"checkpoint.dir cannot be given at resume of run {target}: it trains on in its own directory {root}; "
-            f"to train on elsewhere, fork a new run from a checkpoint: {command()} resume CHECKPOINT_DIR "
-            "checkpoint.dir=DIR"
-        )
+    _check_run_dir_kept(target, root, overrides)
     if hold is not None and root.is_dir():
         hold.enter_context(hold_run(root, target))
         restore_superseded(root)  # no other process writes the run now: a re-commit it interrupted is undone
@@ -100,6 +95,20 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         tracking_uri=uri if cfg.tracking.enabled else "",
         data_fingerprint=fork.fingerprint,
     )
+
+
+def _check_run_dir_kept(target: str, root: Path, overrides: list[str]) -> None:
+    """A run resumed by its id trains on in its own directory ``root``: a ``checkpoint.dir`` given that is not its
+    parent would be recorded but not used, and is refused in one line (the one it is, a script passing the same
+    directory to every command, changes nothing)."""
+    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "checkpoint.dir"]
+    for value in given:
+        if Path(value).expanduser().resolve() != root.parent.resolve():
+            raise ConfigError(
+                f"checkpoint.dir cannot change at resume of run {target}: it trains on in its own directory {root}; "
+                f"to train on elsewhere, fork a new run from a checkpoint: {command()} resume CHECKPOINT_DIR "
+                "checkpoint.dir=DIR"
+            )
 
 
 def resumed_tokenizer(root: Path, ckpt: CommittedCheckpoint) -> Path:

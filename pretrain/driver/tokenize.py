@@ -47,10 +47,8 @@ from pretrain.data.shards.format import (
     tokenizer_hash,
 )
 from pretrain.data.shards.units import DEFAULT_CHUNK_BYTES, Unit, plan_units, tokenize_unit, unit_done
+from pretrain.driver.tokenize_job import JOB_FILE, WORK_DIR, check_out, job_spec, read_job, same_job
 from pretrain.invocation import command
-
-WORK_DIR = ".work"
-JOB_FILE = "job.json"
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -254,103 +252,6 @@ def _source_names(sources) -> list[str]:
     return [f"{n} (source {i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
-def _check_out(out: Path) -> None:
-    """``--out`` is new, empty, or a tokenize output: finished (a token-shard manifest) or not (the job file an
-    earlier job wrote first, :func:`_is_job_dir`). Anything else is refused: the job replaces files in it."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"tokenize --out: {clip(str(out))} is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not is_shard_dir(out) and not _is_job_dir(out):
-        raise ConfigError(
-            f"tokenize --out: {clip(str(out))} is not empty and holds neither token shards nor an unfinished tokenize "
-            "job; give a new one (nothing was changed)"
-        )
-
-
-def _is_job_dir(out: Path) -> bool:
-    """``out`` holds the job file of a tokenize job (``.work/job.json``: an object naming its sources and
-    tokenizer), not merely a directory named ``.work``."""
-    try:
-        raw = json.loads((out / WORK_DIR / JOB_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and {"sources", "tokenizer_sha256"} <= raw.keys()
-
-
-def _job_spec(
-    a: argparse.Namespace, cfg: DataConfig, sources, tok_hash: str, recorded: dict | None = None
-) -> dict[str, Any]:
-    """What the output depends on (a rerun must match it). Each file's whole sha256 (an edit in place that keeps its
-    size counts), taken from ``recorded`` (the job's spec as written) for a file of the same size, modification time
-    and sampled hash: a rerun reads again only what changed."""
-    from pretrain.data.file_hash import full_sha256
-    from pretrain.data.fingerprint import source_fingerprint
-
-    known = {
-        name: f
-        for src in (recorded or {}).get("sources", [])
-        for name, f in (src.get("fingerprint") or {}).get("files", {}).items()
-        if isinstance(f, dict) and "sha256" in f
-    }
-
-    def fingerprint(src) -> dict[str, Any]:
-        fp = source_fingerprint(src, cfg.cache_dir)
-        for name, f in fp.get("files", {}).items():
-            was = known.get(name, {})
-            same = all(was.get(k) == f[k] for k in ("size", "mtime", "sampled_sha256"))
-            f["sha256"] = was["sha256"] if same else full_sha256(name)
-        return fp
-
-    return {
-        "sources": [
-            {"path": s.path, "text_field": s.text_field, "fingerprint": fingerprint(s)}
-            | ({"format": s.format} if s.format != "auto" else {})  # (no key for auto: as jobs before --format)
-            for s in cfg.sources
-        ],
-        "tokenizer_sha256": tok_hash,
-        "shard_tokens": a.shard_tokens,
-        "chunk_bytes": a.chunk_bytes,
-        # a BPE trained for the job: the size asked for (an unfinished job's tokenizer is reused, not trained again)
-        **({} if a.tokenizer else {"tokenizer_vocab_size": a.vocab_size}),
-        # and what else it was trained from, where --config set it (no key otherwise: as jobs before --config)
-        **({"tokenizer_data": _tokenizer_data(cfg)} if a.config and not a.tokenizer else {}),
-    }
-
-
-def _tokenizer_data(cfg: DataConfig) -> dict:
-    """What a BPE trained for the job depends on besides the sources and its size (as its cache key does)."""
-    return {
-        "train_docs": cfg.tokenizer_train_docs,
-        "val_holdout": cfg.val_holdout if not cfg.val_sources else 0.0,
-    }
-
-
-def _read_job(job_file: Path) -> dict | None:
-    """The spec an unfinished job recorded (None: none, or unreadable)."""
-    try:
-        raw = json.loads(job_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
-def _same_job(recorded: dict, spec: dict) -> bool:
-    """Specs equal, a file's modification time aside (a copy or a ``touch`` changes no token); a job recorded
-    before files had their whole sha256 in the spec is compared by their sampled one."""
-    files = [f for src in recorded.get("sources", []) for f in src.get("fingerprint", {}).get("files", {}).values()]
-    ignore = {"mtime"} if all("sha256" in f for f in files) else {"mtime", "sha256"}
-
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in ignore}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-
-    if "tokenizer_vocab_size" not in recorded:  # a job recorded before the key: its tokenizer's hash says enough
-        spec = {k: v for k, v in spec.items() if k != "tokenizer_vocab_size"}
-    return strip(recorded) == strip(spec)
-
-
 def tokenize(args: list[str]) -> int:
     from cluster.requires import require_ray
     from pretrain.data.bad_records import refuse_skipped, summary_line
@@ -363,7 +264,7 @@ def tokenize(args: list[str]) -> int:
     a = parse(args)
     require_ray(f"{command()} tokenize", "it tokenizes with Ray Data (an embedded one on this machine); ")
     out = Path(a.out).expanduser().resolve()
-    _check_out(out)
+    check_out(out)
     cfg = _data_config(a)
     keys = [f"tokenize SOURCE[{i}]" for i in range(len(cfg.sources))]
     sources = [
@@ -384,11 +285,11 @@ def tokenize(args: list[str]) -> int:
         except ValueError as e:
             raise ConfigError(f"tokenize --tokenizer: {e}") from None
         job_file = work / JOB_FILE
-        recorded = load_manifest(out).job if finished else _read_job(job_file)
-        spec = _job_spec(a, cfg, sources, tok_hash, recorded)
+        recorded = load_manifest(out).job if finished else read_job(job_file)
+        spec = job_spec(a, cfg, sources, tok_hash, recorded)
         if finished:
             done = load_manifest(out)
-            if not _same_job(done.job, spec):
+            if not same_job(done.job, spec):
                 raise ConfigError(
                     f"tokenize --out: {clip(str(out))} holds the token shards of other sources or settings; give a "
                     "new directory (nothing was overwritten)"
@@ -396,13 +297,13 @@ def tokenize(args: list[str]) -> int:
             refuse_skipped(done.bad_records, a.bad_records, clip(str(out)))
             print(f"[tokenize] {out}: done already ({done.tokens:,} tokens, {done.documents:,} documents)", flush=True)
             return 0
-        if job_file.is_file() and not _same_job(json.loads(job_file.read_text()), spec):
+        if job_file.is_file() and not same_job(json.loads(job_file.read_text()), spec):
             raise ConfigError(
                 f"tokenize --out: {clip(str(out))} holds an unfinished job of other sources or settings; give a new "
                 f"directory, or remove {clip(str(out))} (what an unfinished job wrote: nothing else is in it)"
             )
         work.mkdir(parents=True, exist_ok=True)
-        write_atomic(job_file, json.dumps(spec, indent=1).encode())  # first: it makes --out a job's (_check_out)
+        write_atomic(job_file, json.dumps(spec, indent=1).encode())  # first: it makes --out a job's (check_out)
         if tok_dir.parent == Path(scratch):  # trained now: kept with the job, which a rerun after a crash reuses
             staged = work / f".{TOKENIZER_DIR}-{os.getpid()}"  # whole or not at all (a rerun reuses what is there)
             shutil.rmtree(staged, ignore_errors=True)

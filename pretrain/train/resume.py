@@ -32,7 +32,7 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> C
     if ctx.is_main:  # (only rank 0 makes and removes conversions, later in this job)
         conversions.remove_stale(run_dir, keep=resume)
     if resume is not None:
-        store.verify_or_point_back(resume, full=False)
+        store.verify_or_point_back(resume, full=False, hash_parsed=False)  # (the next line hashes every byte once)
         verify_in_parallel(resume, ctx)
     return resume
 

@@ -137,6 +137,7 @@ def test_a_run_resumed_by_its_id_records_where_it_is_and_refuses_another_checkpo
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # where a relative checkpoint.dir of the saved config resolves elsewhere
     assert from_dict(prepare_resume("run-1", ["tracking.enabled=false"]).config).checkpoint.dir == str(root.parent)
-    with pytest.raises(ConfigError, match=rf"^checkpoint\.dir cannot be given at resume of run run-1: .* {root};"):
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.dir cannot change at resume of run run-1: .* {root};"):
         prepare_resume("run-1", ["tracking.enabled=false", f"checkpoint.dir={tmp_path / 'elsewhere'}"])
     assert not (tmp_path / "elsewhere").exists()
+    prepare_resume("run-1", ["tracking.enabled=false", f"checkpoint.dir={root.parent}"])  # where it is: no change

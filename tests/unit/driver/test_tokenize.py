@@ -1,6 +1,7 @@
 """The tokenize job (``pretrain/driver/tokenize.py``) without Ray: bad records get their file's line numbers across
-units, ``fail`` refuses the first in document order; a rerun matches its job whatever the mtimes; what ``--out`` may
-be. Whole jobs run their units in this process (:func:`_in_process`, in place of the Ray Data job)."""
+units, ``fail`` refuses the first in document order; what ``--out`` may be (the job's spec alone:
+``test_tokenize_job.py``). Whole jobs run their units in this process (:func:`_in_process`, in place of the Ray
+Data job)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pretrain.data.shards.units import plan_units, tokenize_unit
 from pretrain.data.sources import resolve_source
 from pretrain.data.tokenizer import train_tokenizer
 from pretrain.driver import tokenize as job
-from pretrain.driver.tokenize import TokenizeUnits, _bad_records, _same_job, parse, tokenize
+from pretrain.driver.tokenize import TokenizeUnits, _bad_records, parse, tokenize
 from tests.unit.data.common import make_docs, write_parquet, write_txt
 
 
@@ -63,7 +64,8 @@ def test_config_trains_the_bpe_a_run_of_it_would_train(tmp_path):
     from pretrain.config import load_config
     from pretrain.data.tokenizer import TRAINER_SETTINGS
     from pretrain.data.tokenizer_cache import cache_key
-    from pretrain.driver.tokenize import _data_config, _job_spec
+    from pretrain.driver.tokenize import _data_config
+    from pretrain.driver.tokenize_job import job_spec
 
     corpus = write_txt(tmp_path / "c.txt", make_docs(20, "cfg", seed=1))
     config = tmp_path / "run.yaml"
@@ -76,48 +78,10 @@ def test_config_trains_the_bpe_a_run_of_it_would_train(tmp_path):
     assert cache_key(_data_config(a), TRAINER_SETTINGS) == cache_key(run, TRAINER_SETTINGS)
     plain = parse([str(corpus), "--out", str(tmp_path / "out")])
     assert cache_key(_data_config(plain), TRAINER_SETTINGS) != cache_key(run, TRAINER_SETTINGS)
-    spec = _job_spec(a, _data_config(a), None, "tok")
+    spec = job_spec(a, _data_config(a), None, "tok")
     assert spec["tokenizer_data"] == {"train_docs": 123, "val_holdout": 0.05}
-    assert "tokenizer_data" not in _job_spec(plain, _data_config(plain), None, "tok")
+    assert "tokenizer_data" not in job_spec(plain, _data_config(plain), None, "tok")
     assert parse([str(corpus), "--out", "x", "--config", str(config), "--vocab-size", "512"]).vocab_size == 512
-
-
-def test_a_rerun_matches_a_job_whatever_the_modification_times():
-    spec = {"sources": [{"fingerprint": {"files": {"a": {"size": 1, "mtime": 1.0, "sampled_sha256": "x"}}}}]}
-    touched = json.loads(json.dumps(spec).replace("1.0", "2.0"))
-    changed = json.loads(json.dumps(spec).replace('"x"', '"y"'))
-    assert _same_job(spec, touched) and not _same_job(spec, changed)  # a job recorded with sampled hashes only
-    whole = json.loads(json.dumps(spec).replace('"x"', '"x", "sha256": "h"'))
-    edited = json.loads(json.dumps(whole).replace('"h"', '"e"'))  # same size, same sampled blocks, another byte
-    assert _same_job(whole, json.loads(json.dumps(whole).replace("1.0", "2.0"))) and not _same_job(whole, edited)
-
-
-def test_an_edit_in_place_outside_the_sampled_blocks_is_another_job(tmp_path, monkeypatch):
-    """A record fixed in place (same size, outside the blocks a fingerprint samples) makes the spec another job:
-    a rerun does not answer "done already" with the shards of the file before the fix. A file whose size,
-    modification time and sampled hash are as the job recorded is not read again."""
-    from pretrain.data import file_hash
-    from pretrain.data.file_hash import BLOCK, BLOCKS, file_fingerprint
-    from pretrain.driver.tokenize import _data_config, _job_spec
-
-    path = tmp_path / "c.jsonl"
-    line = '{"text": "some words of a document"}\n'
-    path.write_text(line * (3 * BLOCK * BLOCKS // len(line)))
-    a = parse([str(path), "--out", str(tmp_path / "out"), "--tokenizer", "t"])
-    before = _job_spec(a, _data_config(a), None, "tok")
-    with monkeypatch.context() as m:
-        m.setattr(file_hash, "full_sha256", lambda name: pytest.fail(f"{name} read again"))
-        assert _job_spec(a, _data_config(a), None, "tok", before) == before
-    text = path.read_text()
-    at = len(text) // 2 + BLOCK // 3  # between two sampled blocks
-    at = text.index("\n", at) + 1
-    path.write_text(text[:at] + text[at:].replace('"text"', '"txet"', 1))
-    assert (
-        file_fingerprint(str(path))["sampled_sha256"]
-        == list(before["sources"][0]["fingerprint"]["files"].values())[0]["sampled_sha256"]
-    )
-    assert not _same_job(before, _job_spec(a, _data_config(a), None, "tok"))
-    assert not _same_job(before, _job_spec(a, _data_config(a), None, "tok", before))  # its mtime changed: read again
 
 
 def _in_process(pending, sources, tok_dir, work, vocab, workers, total) -> None:
