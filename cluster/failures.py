@@ -17,10 +17,11 @@ from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from pretrain.config.errors import known_error
 
-FINAL = frozenset({"ConfigError", "BadRecordError", "BadCheckpoint", "GrowthCheckError"})
+FINAL = frozenset({"ConfigError", "BadRecordError", "BadCheckpoint", "CheckpointNotWritable", "GrowthCheckError"})
 """The errors (:data:`pretrain.config.errors.EXIT_CODES`) that every attempt would raise again: a config a worker
 refuses, a malformed record under ``data.bad_records=fail``, a checkpoint that is not what its manifest records,
-a growth that fails its function-preservation check. An I/O error while saving or reading a checkpoint (a plain
+a growth that fails its function-preservation check, a save where the disk or quota is full, the filesystem
+read-only or the directory not writable. Another I/O error while saving or reading a checkpoint (a plain
 ``CheckpointError``), a crash, or non-finite weights are retried."""
 
 

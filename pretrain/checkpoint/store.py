@@ -34,6 +34,12 @@ class BadCheckpoint(CheckpointError):
     :class:`CheckpointError` (a retry may pass)."""
 
 
+class CheckpointNotWritable(CheckpointError):
+    """A save the place it goes cannot take: the disk or the quota is full, the filesystem read-only, the directory
+    not the run's to write. A restart trains again from the last checkpoint and fails the same way at its next
+    save, until the user frees space or fixes the permissions."""
+
+
 def new_nonce() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -12,6 +12,8 @@ as full weights plus optional optimizer moments (format ``full``, rank 0 only), 
 
 from __future__ import annotations
 
+import errno
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -304,13 +306,14 @@ class CheckpointWriter:
         """Rank 0's :meth:`commit_gathered` result on every rank (collective): the path, or the one-line error."""
         error, final = self.world.broadcast(result)
         if error:
-            failed = "" if error.startswith(COMMITTED) else " failed"
-            raise store.CheckpointError(f"checkpoint at step {staged.step}{failed}: {error}")
+            if error.startswith(COMMITTED):
+                raise store.CheckpointError(f"checkpoint at step {staged.step}: {error}")
+            raise save_error(f"checkpoint at step {staged.step} failed: {error}")
         return final
 
     def failure(self, step: int, rank: int, error: str) -> store.CheckpointError:
         """The error of a save that ``rank`` could not write (``error``: one line), worded as :meth:`outcome`'s."""
-        return store.CheckpointError(
+        return save_error(
             f"checkpoint at step {step} failed: {f'rank {rank}: {error}' if self.world.world_size > 1 else error}"
         )
 
@@ -331,6 +334,20 @@ def write_reporting(snap: Snapshot) -> tuple[dict[str, FileEntry], str | None]:
         return snap.write(), None
     except Exception as e:
         return {}, one_line(e)
+
+
+_UNWRITABLE = re.compile(
+    rf"\[Errno ({'|'.join(str(n) for n in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES))})\]"
+)
+"""A failed write's :func:`one_line` whose cause is the place, not the moment: no space, no quota, a read-only
+filesystem, no permission."""
+
+
+def save_error(message: str) -> store.CheckpointError:
+    """A failed save's one line as its error: :class:`store.CheckpointNotWritable` where a rank's failure says the
+    place cannot take it (:data:`_UNWRITABLE`), which no restart passes; else a plain one (an I/O error a restart
+    may pass)."""
+    return (store.CheckpointNotWritable if _UNWRITABLE.search(message) else store.CheckpointError)(message)
 
 
 def one_line(e: BaseException) -> str:

@@ -110,6 +110,7 @@ EXIT_CODES = {
     "ConfigError": 2,
     "BadRecordError": 2,
     "BadCheckpoint": 2,
+    "CheckpointNotWritable": 2,
     "CheckpointError": 2,
 }
 _OURS = ("pretrain.", "cluster.", "eval.", "benchmarks.")

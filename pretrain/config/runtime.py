@@ -106,7 +106,8 @@ class ClusterConfig:
     max_failures: int = 0
     """Times Ray restarts a failed worker group (from the latest committed checkpoint). A user error in a worker (a
     config it refuses, a malformed record under ``data.bad_records=fail``, a checkpoint that does not verify, a
-    growth that fails its check) ends the run at once: a restart would fail the same way (``cluster/failures.py``)."""
+    growth that fails its check, a save to a full disk or a read-only place) ends the run at once: a restart would
+    fail the same way (``cluster/failures.py``)."""
     use_ray: bool = True
     """Run through Ray Train; false runs the training function in this process (or under torchrun)."""
     ray_for_one_worker: bool = False

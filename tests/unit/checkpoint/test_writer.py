@@ -3,6 +3,8 @@ round-trip through the reader; a failed write is one error and commits nothing."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,3 +119,27 @@ def test_the_manifest_records_the_expert_layout_the_engine_files_were_saved_in()
     assert describe(Contents(cfg, state, {}, EngineState(lambda d, f: [])), "run", 2).moe_ep_size == 2
     dense = load_config(None, [])
     assert describe(Contents(dense, state, {}, EngineState(lambda d, f: [], moe_ep_size=1)), "run", 1).moe_ep_size == 0
+
+
+def test_a_save_the_place_cannot_take_is_not_writable_and_no_restart_passes(tmp_path, monkeypatch):
+    """A full disk (or quota), a read-only filesystem, a directory not the run's: the save's error says the place
+    cannot take it (:class:`CheckpointNotWritable`, which Ray Train's restarts leave alone: each would train to the
+    next save and fail there again); another I/O error stays a plain one, retried. Nothing is committed."""
+    import errno
+
+    from cluster.failures import is_final
+    from pretrain.checkpoint import weights as ckpt_weights
+    from tests.unit.cluster.test_failures import _failed
+
+    (tmp_path / "tok").mkdir()
+    writer = CheckpointWriter(tmp_path / "run", LocalWorld(), "r")
+    for code, final in ((errno.ENOSPC, True), (errno.EROFS, True), (errno.EACCES, True), (errno.EIO, False)):
+
+        def refused(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(ckpt_weights, "save_full_weights", refused)
+        with pytest.raises(ck.CheckpointError, match=rf"^checkpoint at step 3 failed: \w+: \[Errno {code}\]") as e:
+            writer.save(_contents(tmp_path / "tok", step=3))
+        assert isinstance(e.value, ck.CheckpointNotWritable) == final == is_final(_failed(e.value)), code
+        assert ck.list_committed(tmp_path / "run") == []
