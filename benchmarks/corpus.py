@@ -51,6 +51,8 @@ RULES: dict = {
 SPLIT_RULE = "int(sha256(text), 16) % 100 < val_percent: validation (val.jsonl); otherwise training (train.jsonl)"
 PROJECT = "pretrain"
 DEFAULT_VOCAB = 2048
+WHAT = "Python sources and docs of the installed packages (benchmarks/corpus.py)"
+"""The manifest's ``what``: a directory whose manifest says it is the only one a rebuild replaces."""
 
 
 def default_dir(vocab_size: int = DEFAULT_VOCAB) -> Path:
@@ -149,11 +151,9 @@ def build(
 
         raise ConfigError(f"bench --build-corpus: no installed distributions under {', '.join(map(str, roots))}")
     key = cache_key(pkgs, vocab_size)
-    manifest_path = out / "manifest.json"
-    if not force and manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("key") == key:
-            return {**manifest, "dir": str(out), "cached": True}
+    manifest = _own_manifest(out)
+    if not force and manifest is not None and manifest.get("key") == key:
+        return {**manifest, "dir": str(out), "cached": True}
     say(f"[corpus] building from {len(pkgs)} packages into {out}")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -190,7 +190,7 @@ def build(
     say(f"[corpus] {len(kept):,} files kept; training the tokenizer and counting tokens")
     _tokenize(tmp, vocab_size, splits)
     manifest = {
-        "what": "Python sources and docs of the installed packages (benchmarks/corpus.py)",
+        "what": WHAT,
         "key": key,
         "builder": BUILDER_VERSION,
         "rules": RULES,
@@ -207,6 +207,25 @@ def build(
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return {**manifest, "dir": str(out), "cached": False}
+
+
+def _own_manifest(out: Path) -> dict | None:
+    """The manifest of the corpus this builder wrote in ``out``; None for a new or empty directory. Anything else
+    there (files of the user's, another tool's output) is refused: a rebuild replaces the whole directory."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return None
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and manifest.get("what") == WHAT:
+        return manifest
+    from pretrain.config import ConfigError
+
+    raise ConfigError(
+        f"bench --build-corpus --out: {out} holds files this builder did not write (a rebuild replaces the whole "
+        "directory); give a new or empty directory"
+    )
 
 
 def _texts(path: Path, limit: int | None = None):

@@ -4,14 +4,16 @@ writes, and whether a directory's remote code is exactly that export's, so that 
 A directory is trusted only when everything ``transformers`` would import from it is our bundled file, unchanged:
 its ``config.json`` names our model type and maps the auto classes to our module exactly as export writes them,
 its ``tokenizer_config.json`` maps no auto class (export writes none), its ``modeling_pretrain.py`` is
-byte-identical to this version's, and it holds no other Python file (``transformers`` imports any module an
-``auto_map`` names and runs ``custom_generate/generate.py`` when remote code is trusted). A directory of our model
-type that fails any of these is refused (ValueError, one line); any other directory gets no remote code.
+byte-identical to this version's, and it holds no other Python file, no ``custom_generate`` and no linked
+directory (``transformers`` imports any module an ``auto_map`` names and runs ``custom_generate/generate.py`` when
+remote code is trusted). A directory of our model type that fails any of these is refused (ValueError, one line);
+any other directory gets no remote code.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,17 @@ def _untrusted(path: Path, cfg: dict[str, Any]) -> str | None:
     ours = path / f"{REMOTE_MODULE}.py"
     if not ours.is_file() or ours.read_bytes() != (REMOTE_CODE_DIR / f"{REMOTE_MODULE}.py").read_bytes():
         return f"{REMOTE_MODULE}.py is missing or differs from this version's"
-    others = sorted(str(p.relative_to(path)) for p in path.rglob("*.py") if p != ours)
+    others, linked = [], []
+    for top, dirs, files in os.walk(path):  # symlinked directories listed, not followed (rglob skips them)
+        for name in dirs + files:
+            entry = Path(top) / name
+            if name == "custom_generate" or (name in dirs and entry.is_symlink()):
+                linked.append(str(entry.relative_to(path)))
+            elif name.endswith(".py") and entry != ours:
+                others.append(str(entry.relative_to(path)))
+    if linked:
+        return f"it holds a custom_generate or a linked directory ({', '.join(sorted(linked)[:3])})"
+    others.sort()
     if others:
         return f"it holds other Python files ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
     return None

@@ -139,3 +139,13 @@ def test_bad_input_is_one_line(tmp_path):
         build(tmp_path / "out", vocab_size=100, roots=[tmp_path])
     with pytest.raises(ConfigError, match=r"^bench --build-corpus: no installed distributions under "):
         build(tmp_path / "out", vocab_size=300, roots=[tmp_path])
+    # A directory this builder did not write is never replaced, --force or not (a rebuild replaces it whole).
+    site = _site(tmp_path / "site")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    (mine / "manifest.json").write_text('{"what": "tokenize --out"}')
+    for force in (False, True):
+        with pytest.raises(ConfigError, match=r"^bench --build-corpus --out: .*mine holds files this builder did"):
+            build(mine, vocab_size=300, roots=[site], force=force)
+    assert sorted(p.name for p in mine.iterdir()) == ["manifest.json", "notes.txt"]

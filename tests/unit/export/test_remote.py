@@ -74,11 +74,29 @@ def test_an_auto_map_to_another_module_is_refused_before_it_runs(export, tmp_pat
 def test_other_python_files_are_refused(export, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(export, path)
-    (path / "custom_generate").mkdir()
-    (path / "custom_generate" / "generate.py").write_text(evil(tmp_path / "ran"))
-    with pytest.raises(ValueError, match=r"it holds other Python files \(custom_generate/generate.py\)"):
+    (path / "sub").mkdir()
+    (path / "sub" / "helper.py").write_text(evil(tmp_path / "ran"))
+    with pytest.raises(ValueError, match=r"it holds other Python files \(sub/helper.py\)"):
         is_our_remote_code(path)
     with pytest.raises(ConfigError, match="other Python files"):
+        open_hf_dir(path, "generate")
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_custom_generate_is_refused_even_behind_a_link(export, tmp_path, linked):
+    """transformers runs ``custom_generate/generate.py`` of a trusted directory; ``Path.rglob`` does not enter a
+    symlinked directory, so a link hid it from a search for Python files."""
+    path = tmp_path / "copy"
+    shutil.copytree(export, path)
+    code = tmp_path / "elsewhere" if linked else path / "custom_generate"
+    code.mkdir()
+    (code / "generate.py").write_text(evil(tmp_path / "ran"))
+    if linked:
+        (path / "custom_generate").symlink_to(code, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"it holds a custom_generate or a linked directory \(custom_generate\)"):
+        is_our_remote_code(path)
+    with pytest.raises(ConfigError, match="custom_generate"):
         open_hf_dir(path, "generate")
     assert not (tmp_path / "ran").exists()
 
