@@ -1,7 +1,7 @@
 """The config error type (its own module so every part of the config tree can raise it) and the helpers that keep
 a user error one short line: :func:`quote` and :func:`clip` bound what a message shows of a value, a key, a path
 or another error's text; :func:`not_a` says what a path that is not a regular file (or directory) is instead;
-:func:`without_passwords` keeps a URL's password out of any printed line."""
+:func:`without_passwords` keeps a URL's secrets out of any printed line."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ _URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)([^\s/]*)@", re.IGNORECASE)
 """A URL's scheme and its userinfo: what comes before the last ``@`` ahead of the first ``/``, as ``urlsplit`` and
 HTTP clients split it (a user name may hold an ``@``, ``me@corp.com:PASSWORD@host``, and so may a password, with a
 ``#`` or ``?`` too, which database URLs take unencoded)."""
+_SECRET_QUERY = re.compile(
+    r"([?&](?:key|sig|[\w.-]*(?:token|signature|secret|password|passwd|credential|api[_-]?key|access[_-]?key)"
+    r"[\w.-]*)=)[^&\s#]+",
+    re.IGNORECASE,
+)
+"""A query parameter that carries a secret (``?token=``, ``&sig=``, ``X-Amz-Signature=``, ``api_key=``, ``key=``):
+the name and its ``=``, then the value."""
 
 LIMIT = 200
 """The most characters of one value (a config value, a key, a path, a record's field) an error message shows."""
@@ -90,14 +97,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def without_passwords(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@host`` in it replaced by ``***`` (the user name
-    is what comes before the userinfo's first ``:``, the password all after it)."""
+    """``text`` with the secrets of any URL in it replaced by ``***``: the password of ``scheme://user:password@host``
+    (the user name is what comes before the userinfo's first ``:``, the password all after it), a userinfo with no
+    password whole (``https://TOKEN@host``, as git and HTTP clients take a token), and the value of a query parameter
+    named for a secret (:data:`_SECRET_QUERY`)."""
 
     def masked(m: re.Match[str]) -> str:
         user, colon, _ = m[2].partition(":")
-        return f"{m[1]}{user}:***@" if colon else m[0]
+        return f"{m[1]}{user}:***@" if colon else f"{m[1]}***@"
 
-    return _URL_USERINFO.sub(masked, text)
+    return _SECRET_QUERY.sub(r"\1***", _URL_USERINFO.sub(masked, text))
 
 
 # Errors a user acts on, by class name (a worker's error may reach us only as text): the config, data or a

@@ -34,13 +34,14 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def shown_uri(uri: str) -> str:
-    """``uri`` as it may be printed: a password in it (``http://user:PASSWORD@host``) replaced by ``***`` and any
-    query (tokens) left out; MLflow's own ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` keep credentials out of it."""
+    """``uri`` as it may be printed: a password in it (``http://user:PASSWORD@host``) or a userinfo with no password
+    (``https://TOKEN@host``) replaced by ``***`` and any query (tokens) left out; MLflow's own
+    ``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD`` keep credentials out of it."""
     parts = urlsplit(uri)
     if not parts.netloc or ("@" not in parts.netloc and not parts.query):
         return uri
     user, at, host = parts.netloc.rpartition("@")
-    netloc = f"{user.split(':', 1)[0]}:***@{host}" if at and ":" in user else parts.netloc
+    netloc = (f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}") if at else parts.netloc
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 

@@ -53,13 +53,17 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
 
     secret = "http://user:S3cretPW@127.0.0.1:5126"
     assert shown_uri(secret) == "http://user:***@127.0.0.1:5126" and shown_uri("sqlite:////x.db") == "sqlite:////x.db"
+    assert shown_uri("https://T0ken@mlflow.example/p?q=1") == "https://***@mlflow.example/p"
     assert without_passwords(f"cannot reach {secret}/api/2.0") == "cannot reach http://user:***@127.0.0.1:5126/api/2.0"
     # the userinfo ends at the authority's last @ (as urlsplit and HTTP clients read it): an @ in the user name or in
     # the password leaks nothing
     for url, shown in (
         ("https://me@corp.com:S3cret@host/d.jsonl", "https://me@corp.com:***@host/d.jsonl"),
         ("https://user:Tr0ub@dor@host/d.jsonl", "https://user:***@host/d.jsonl"),
-        ("s3://AKIA:k3y@bucket/x and ftp://anon@host/y", "s3://AKIA:***@bucket/x and ftp://anon@host/y"),
+        ("s3://AKIA:k3y@bucket/x and ftp://anon@host/y", "s3://AKIA:***@bucket/x and ftp://***@host/y"),
+        ("https://ghp_T0ken@github.com/o/r.git", "https://***@github.com/o/r.git"),
+        ("https://h/d.jsonl?X-Amz-Signature=S1g&a=1&token=T0k", "https://h/d.jsonl?X-Amz-Signature=***&a=1&token=***"),
+        ("https://h/x?sig=S1g#f and ?api_key=K3y", "https://h/x?sig=***#f and ?api_key=***"),
         ("http://host:8080/a?b=c@d see bob@example.com", "http://host:8080/a?b=c@d see bob@example.com"),
         ("postgresql://mlflow:pa#ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
         ("mysql://u:p?w@h/db", "mysql://u:***@h/db"),
@@ -67,7 +71,7 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
         assert without_passwords(url) == shown, url
     cfg = load_config(None, ["train.max_steps=8"])
     database = "postgresql://alice:S3cretPW@db.example/mlflow"
-    for uri in (secret, database, "sqlite:////tmp/m.db"):
+    for uri in (secret, database, "https://S3cretPW@mlflow.example", "sqlite:////tmp/m.db"):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         job = Job(config=to_dict(cfg), run_id="local-1", run_dir=str(tmp_path), tracking_uri="")
         print_summary({"step": 8, "final_train_loss": 1.0}, job, uri)
