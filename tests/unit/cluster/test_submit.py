@@ -136,6 +136,11 @@ def test_multinode_doc_covers_the_essentials():
         "RAY_AUTH_TOKEN",
     ):
         assert needle in text, needle
+    # a server outside Kubernetes: a private address and a login, never every interface with none
+    servers = re.findall(r"^mlflow server .*?(?<!\\)$", text, re.MULTILINE | re.DOTALL)
+    assert servers
+    for cmd in servers:
+        assert "--host 0.0.0.0" not in cmd and "--app-name basic-auth" in cmd, cmd
 
 
 # ------------------------------------------------------------------------------------------------
