@@ -77,6 +77,8 @@ def wheelhouse(args: argparse.Namespace) -> None:
     tags = platforms(args.platform)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
         raise InstallError(f"{out} exists and is not a wheelhouse (no {MANIFEST}): name a new or empty directory")
+    if out.is_dir() and (out / MANIFEST).is_file():
+        _only_its_own_files(out)
     lock = Path(args.lock)
     header, pins = parse_lock(lock.read_text())
     without = sorted({w for w in args.without.split(",") if w})
@@ -159,6 +161,24 @@ def wheelhouse(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     _report(manifest, out)
+
+
+def _only_its_own_files(out: Path) -> None:
+    """Refuse to rebuild the wheelhouse ``out`` (replaced whole) when it holds anything its manifest does not list:
+    a file put there by hand would go with it."""
+    try:
+        listed = {f["file"] for f in json.loads((out / MANIFEST).read_text())["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InstallError(
+            f"{out / MANIFEST} cannot be read as a wheelhouse manifest: name a new or empty directory"
+        ) from None
+    extra = sorted(p.name for p in out.iterdir() if p.name not in listed | {MANIFEST, "requirements.txt"})
+    if extra:
+        shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+        raise InstallError(
+            f"{out} holds files its {MANIFEST} does not list ({shown}), "
+            "which a rebuild would remove: move them out, or name a new directory"
+        )
 
 
 def _build_requirements(pyproject: Path) -> list[str]:

@@ -44,6 +44,17 @@ def test_wheelhouse_refuses_bad_input_before_downloading(tmp_path):
     with pytest.raises(InstallError, match=r"wh exists and is not a wheelhouse \(no wheelhouse.json\): name a new"):
         wh.wheelhouse(_args(tmp_path))
     assert (tmp_path / "wh" / "notes.txt").read_text() == "mine"
+    # a wheelhouse made before is replaced whole: a file its manifest does not list is never removed with it
+    (tmp_path / "wh" / wh.MANIFEST).write_text(
+        json.dumps({"files": [{"name": "six", "file": "six-1.17.0-py2.py3-none-any.whl"}]})
+    )
+    (tmp_path / "wh" / "six-1.17.0-py2.py3-none-any.whl").write_bytes(b"")
+    with pytest.raises(InstallError, match=r"wh holds files its wheelhouse.json does not list \(notes.txt\)"):
+        wh.wheelhouse(_args(tmp_path))
+    (tmp_path / "wh" / wh.MANIFEST).write_text("{")
+    with pytest.raises(InstallError, match=r"wheelhouse.json cannot be read as a wheelhouse manifest"):
+        wh.wheelhouse(_args(tmp_path))
+    assert (tmp_path / "wh" / "notes.txt").read_text() == "mine"
     for python in ("3.10", "3", "3.12.1"):
         with pytest.raises(InstallError, match=f"--python {python}: expected 3.11 or later, as X.Y"):
             wh.wheelhouse(_args(tmp_path, dir=str(tmp_path / "new"), python=python))
