@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import Session
+from benchmarks.gpu_results import results_markdown, results_name, table, write_new
 from pretrain.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -368,37 +369,6 @@ def gpu_check(tiny: bool, steps: int, timeout: float, work: Path, only: tuple[st
     }
 
 
-def table(result: dict) -> str:
-    lines = [f"device {result['device']} (torch {result['torch']}{', tiny size' if result['tiny'] else ''})"]
-    lines += [f"{name:<12} {v['status']:<5} {v['figure']}" for name, v in result["items"].items()]
-    lines.append(f"{'passed' if result['passed'] else 'FAILED'}")
-    return "\n".join(lines)
-
-
-def results_markdown(result: dict, command: str) -> str:
-    """The results file of a run of the check (``benchmarks/results/<date>-<gpu>.md``): the command, the machine and
-    one row per item."""
-    day = time.strftime("%Y-%m-%d", time.gmtime())
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else "unknown (no git metadata)"
-    rows = "\n".join(
-        f"| `{name}` | {v['status']} | {v['figure'].replace('|', '/')} | {v.get('seconds', '')} |"
-        for name, v in result["items"].items()
-    )
-    return (
-        f"# {day}: the one GPU check on {result['device']}\n\n"
-        f"Command: `{command}` (torch {result['torch']}{', tiny size' if result['tiny'] else ''}; commit {commit}). "
-        f"Items and their goals: `benchmarks/gpu_check.py`. Overall: {'passed' if result['passed'] else 'FAILED'}.\n\n"
-        "| item | status | figure | seconds |\n|---|---|---|---|\n" + rows + "\n"
-    )
-
-
-def results_name(result: dict) -> str:
-    """``<date>-<gpu>.md``: the device's name reduced to a slug (``NVIDIA H200`` -> ``h200``)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", result["device"].lower().removeprefix("nvidia ")).strip("-") or "cpu"
-    return f"{time.strftime('%Y-%m-%d', time.gmtime())}-{slug}.md"
-
-
 def gpu_driver(proc: Path = Path("/proc/driver/nvidia/version")) -> str:
     """The NVIDIA kernel driver's version line ('' when there is none): a GPU machine, whatever torch sees."""
     try:
@@ -445,9 +415,9 @@ def main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # library chatter is no result
         result = gpu_check(tiny, steps, a.timeout, Path(a.dir), only)
     if a.results:
-        out = Path(a.results) / results_name(result)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(results_markdown(result, "./launch.sh bench " + " ".join(argv)))
+        out = write_new(
+            Path(a.results), results_name(result), results_markdown(result, "./launch.sh bench " + " ".join(argv))
+        )
         print(f"[bench] gpu check: wrote {out}", file=sys.stderr)
     print(json.dumps(result, indent=1) if a.json else table(result), flush=True)
     return 0 if result["passed"] else 1

@@ -4,11 +4,9 @@ themselves: ``tests/integration/bench/test_gpu_check.py``."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from benchmarks.gpu_check import Check, item, results_markdown, results_name
+from benchmarks.gpu_check import Check, item
 
 
 @pytest.fixture
@@ -42,20 +40,6 @@ def test_a_failed_training_run_fails_what_it_measures(check):
     assert {k: v["status"] for k, v in check.items.items()} == {"train": "fail", "mfu": "fail", "sdpa_kernel": "fail"}
     with pytest.raises(RuntimeError, match="needs the train item's run"):
         check.export()
-
-
-def test_results_file_name_and_rows():
-    result = {
-        "device": "NVIDIA H100 80GB HBM3",
-        "tiny": False,
-        "torch": "2.11.0+cu130",
-        "passed": False,
-        "items": {"mfu": item("fail", "41.0%", seconds=1.0), "export": item("pass", "a | b")},
-    }
-    assert results_name(result) == time.strftime("%Y-%m-%d", time.gmtime()) + "-h100-80gb-hbm3.md"
-    text = results_markdown(result, "./launch.sh bench --gpu --json")
-    assert "| `mfu` | fail | 41.0% | 1.0 |" in text and "| `export` | pass | a / b |  |" in text
-    assert "Overall: FAILED" in text and "NVIDIA H100 80GB HBM3" in text
 
 
 def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_the_cpu_size(tmp_path, monkeypatch):
