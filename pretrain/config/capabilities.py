@@ -48,8 +48,9 @@ class MoEConfig:
     """Weight of the router z-loss mean(logsumexp(router logits)^2), summed over MoE layers (ST-MoE: Zoph et al.
     2022, arXiv:2202.08906)."""
     collapse_share: float = 0.9
-    """The stability monitor flags a router collapse when one expert of a layer receives more than this share of
-    the layer's routed tokens for ``collapse_steps`` consecutive steps."""
+    """The stability monitor flags a router collapse when more than this share of a layer's tokens are routed to
+    one expert (among their ``top_k``) for ``collapse_steps`` consecutive steps. A balanced router gives each expert
+    ``top_k / num_experts``, which this must exceed; not checked with ``top_k == num_experts`` (no choice)."""
     collapse_steps: int = 50
     """Consecutive steps of collapse before it is flagged (0 disables the check)."""
 
@@ -103,6 +104,13 @@ class MoEConfig:
             raise ConfigError(f"moe.bias_rate: must be > 0 with moe.balance={self.balance}, got {self.bias_rate}")
         if not 0.0 < self.collapse_share <= 1.0:
             raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
+        balanced = self.top_k / self.num_experts
+        if self.collapse_steps and self.top_k < self.num_experts and self.collapse_share <= balanced:
+            raise ConfigError(
+                f"moe.collapse_share: {self.collapse_share} is not above a balanced router's share of the tokens "
+                f"(moe.top_k / moe.num_experts = {balanced:g}): every step would be a collapse; raise it, or "
+                "moe.collapse_steps=0 turns the check off"
+            )
 
 
 @dataclass(kw_only=True)

@@ -301,7 +301,8 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoEFeedForward]]:
 
 def routing_metrics(stats: dict[int, torch.Tensor]) -> dict[str, float]:
     """MLflow metrics from reduced statistics (block -> ``take_stats`` row summed over ranks):
-    ``moe/block{i}/expert{e}_tokens`` (routed assignments), ``max_share`` (busiest expert's share),
+    ``moe/block{i}/expert{e}_tokens`` (routed assignments), ``max_share`` (the share of the tokens routed to the
+    busiest expert: :func:`max_shares`),
     ``dropped_frac``, ``router_entropy`` (nats, mean over tokens), ``aux_loss`` (load balancing, unweighted,
     1.0 when perfectly balanced) and ``router_z_loss``; nothing of a block that did not run (skipped by layer
     dropout: no tokens to speak of)."""
@@ -316,7 +317,7 @@ def routing_metrics(stats: dict[int, torch.Tensor]) -> dict[str, float]:
         total = max(named["routed"], 1.0)
         prefix = f"moe/block{block}/"
         out.update({f"{prefix}expert{j}_tokens": float(c) for j, c in enumerate(routed.tolist())})
-        out[prefix + "max_share"] = float(routed.max()) / total
+        out[prefix + "max_share"] = float(routed.max()) / max(named["tokens"], 1.0)
         out[prefix + "dropped_frac"] = 1.0 - named["kept"] / total
         out[prefix + "router_entropy"] = named["entropy"] / max(named["tokens"], 1.0)
         out[prefix + "aux_loss"] = named["balance"] / forwards
@@ -361,14 +362,15 @@ def routing_state_kept(model: nn.Module) -> Iterator[None]:
 
 
 def max_shares(stats: dict[int, torch.Tensor]) -> dict[int, float]:
-    """Block -> share of the routed assignments taken by its busiest expert, for the blocks that ran (a block layer
-    dropout skipped has no share: a router-collapse streak is held over it, not reset)."""
+    """Block -> share of its tokens routed to its busiest expert (in [0, 1] whatever ``top_k``: an expert takes at
+    most one of a token's k assignments; ``top_k / num_experts`` when balanced), for the blocks that ran (a block
+    layer dropout skipped has no share: a router-collapse streak is held over it, not reset)."""
     out = {}
     for block, row in stats.items():
         if float(row[-1]) == 0:
             continue
         e = row.numel() - len(STAT_FIELDS) - 1
-        out[block] = float(row[:e].max()) / max(float(row[e]), 1.0)  # row[e]: routed assignments
+        out[block] = float(row[:e].max()) / max(float(row[e + 2]), 1.0)  # row[e + 2]: tokens
     return out
 
 

@@ -218,11 +218,13 @@ class StabilityMonitor:
 
     def router_collapse(self, step: int, max_shares: dict[int, float]) -> list[dict[str, Any]]:
         """Flag (policy ``log``: the router is not broken by one step, and rollback would not change it) each
-        MoE block whose busiest expert took more than ``moe.collapse_share`` of the routed tokens for
-        ``moe.collapse_steps`` consecutive steps; once per streak. ``max_shares``: block -> busiest share."""
+        MoE block whose busiest expert took more than ``moe.collapse_share`` of the tokens for
+        ``moe.collapse_steps`` consecutive steps; once per streak. ``max_shares``: block -> busiest share
+        (:func:`pretrain.model.moe.max_shares`). Nothing with ``top_k == num_experts``: every expert takes every
+        token."""
         events: list[dict[str, Any]]
         m, streaks, events = self.moe, self.s.collapse_streaks, []
-        if not m.collapse_steps:
+        if not m.collapse_steps or 0 < m.num_experts <= m.top_k:
             return events
         for block, share in sorted(max_shares.items()):
             key = str(block)
@@ -233,7 +235,7 @@ class StabilityMonitor:
                         step,
                         "router_collapse",
                         "log",
-                        f"MoE block {block}: one expert took {100 * share:.1f}% of the routed "
+                        f"MoE block {block}: one expert took {100 * share:.1f}% of the "
                         f"tokens for {m.collapse_steps} consecutive steps (limit "
                         f"{100 * m.collapse_share:.0f}%)",
                         block=block,

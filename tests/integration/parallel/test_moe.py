@@ -217,7 +217,7 @@ TINY = [
     "cluster.num_workers=2",
     "cluster.use_ray=false",
     "parallel.expert=2",
-    "moe.collapse_share=0.26",
+    "moe.collapse_share=0.52",
     "moe.collapse_steps=3",
     "stability.plot_at_end=false",
 ]

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pretrain.config import load_config
+from pretrain.config import ConfigError, load_config
 from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
 from tests.conftest import ROOT
@@ -328,10 +328,36 @@ def test_a_block_layer_dropout_skipped_reports_no_routing_and_holds_the_collapse
     from pretrain.train.stability.monitor import StabilityMonitor
 
     experts = 4
-    ran = torch.tensor([90.0, 4, 3, 3, 100, 100, 64, 50, 1.2, 0.1, 1])  # routed per expert, STAT_FIELDS, 1 forward
+    ran = torch.tensor([90.0, 4, 3, 3, 100, 100, 100, 50, 1.2, 0.1, 1])  # routed per expert, STAT_FIELDS, 1 forward
     skipped = torch.zeros(experts + len(STAT_FIELDS) + 1)
     assert set(routing_metrics({0: ran, 1: skipped})) == {k for k in routing_metrics({0: ran}) if "block0" in k}
     assert max_shares({0: ran, 1: skipped}) == {0: 0.9}
     monitor = StabilityMonitor(load_config(None, []).stability, moe=MoEConfig(collapse_share=0.8, collapse_steps=3))
     flagged = [monitor.router_collapse(step, max_shares({0: row})) for step, row in enumerate((ran, skipped, ran, ran))]
     assert [len(events) for events in flagged] == [0, 0, 0, 1], "the skipped step neither counts nor resets"
+
+
+def test_a_top2_router_that_collapsed_is_flagged_with_the_default_share():
+    """Every token's two choices are experts 0 and 1 of 8: each takes every token (share 1.0, the metric and the
+    alarm alike), which the default ``moe.collapse_share`` (0.9) flags; a share of the routed assignments (here 0.5)
+    never could reach it at top-2."""
+    from pretrain.config import MoEConfig
+    from pretrain.model.moe import max_shares
+    from pretrain.train.stability.monitor import StabilityMonitor
+
+    config = load_config(None, [*TINY_MODEL, "moe.num_experts=8", "moe.top_k=2"])
+    layer = moe_layers(build_model(config.model, 0, config.moe))[0][1]
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:2] = 1.0
+    layer.train()(torch.ones(2, 8, config.model.hidden_size))
+    layer.commit_stats()
+    row = layer.take_stats()
+    assert row[:8].tolist() == [16.0, 16.0, 0, 0, 0, 0, 0, 0]
+    assert max_shares({0: row}) == {0: 1.0} and routing_metrics({0: row})["moe/block0/max_share"] == 1.0
+    monitor = StabilityMonitor(config.stability, moe=MoEConfig(num_experts=8, top_k=2, collapse_steps=2))
+    assert [len(monitor.router_collapse(step, max_shares({0: row}))) for step in (1, 2)] == [0, 1]
+    with pytest.raises(ConfigError, match=r"^moe.collapse_share: 0.25 is not above a balanced router's share"):
+        load_config(None, ["moe.num_experts=8", "moe.top_k=2", "moe.collapse_share=0.25"])
+    every = StabilityMonitor(config.stability, moe=MoEConfig(num_experts=2, top_k=2, collapse_steps=1))
+    assert every.router_collapse(1, {0: 1.0}) == [], "top_k == num_experts: no choice, no collapse"
