@@ -69,6 +69,18 @@ def check_resume(saved: RunConfig, cfg: RunConfig, step: int, checkpoint: str, e
             f"depth=2x (or {command()} prune {checkpoint} layers=every_other; docs/growth.md); otherwise resume with "
             f"{key}={_yaml(old)}"
         )
+    if saved.moe.selection_bias != cfg.moe.selection_bias:
+        old_b, new_b = saved.moe.balance, cfg.moe.balance
+        raise ConfigError(
+            f"moe.balance cannot change from {old_b} to {new_b} at resume: "
+            + (
+                "the checkpoint has no selection bias to load"
+                if new_b != "aux_loss"
+                else "the checkpoint's selection biases would be dropped"
+            )
+            + f"; resume with moe.balance={old_b}"
+            + (" (or both)" if old_b == "bias" else " (or bias)" if old_b == "both" else "")
+        )
     old_stage, new_stage = saved.zero.stage, cfg.zero.stage
     if engine_state and old_stage != new_stage and {old_stage, new_stage} != {1, 2}:
         raise ConfigError(

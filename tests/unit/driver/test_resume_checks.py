@@ -20,3 +20,19 @@ def test_the_lm_head_bias_is_compared_as_it_shapes_the_model():
     assert str(e.value).startswith("model.lm_head_bias cannot change at resume (checkpoint True, asked False)")
     assert str(e.value).endswith("resume with model.lm_head_bias=true")
     load_config(None, ["model.bias=true", "model.lm_head_bias=true"])  # the override it names loads
+
+
+def test_a_selection_bias_added_or_taken_away_at_resume_is_refused():
+    """``moe.balance`` between ``aux_loss`` (no selection bias) and ``bias``/``both`` (a bias buffer in every MoE
+    layer) changes what the checkpoint must hold: refused in one line (the strict load then failed on the missing
+    or unexpected ``selection_bias``); between ``bias`` and ``both`` it is a change of loss only."""
+    moe = ["moe.num_experts=4"]
+    aux, bias, both = (load_config(None, [*moe, f"moe.balance={b}"]) for b in ("aux_loss", "bias", "both"))
+    check_resume(bias, both, 4, "CKPT")
+    check_resume(both, bias, 4, "CKPT")
+    with pytest.raises(ConfigError, match=r"^moe.balance cannot change from aux_loss to bias at resume: the check"):
+        check_resume(aux, bias, 4, "CKPT")
+    with pytest.raises(
+        ConfigError, match=r"selection biases would be dropped; resume with moe.balance=both \(or bias\)$"
+    ):
+        check_resume(both, aux, 4, "CKPT")
