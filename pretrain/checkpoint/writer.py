@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +31,6 @@ from pretrain.checkpoint.snapshot import FileJob, HostBuffers, HostCopy, Snapsho
 from pretrain.config import RunConfig, config_hash, dump_yaml
 
 RNG_SCHEME = "torch.manual_seed(crc32(seed:step:rank)) each step"
-COMMITTED = "committed"
-"""How the error of a save that committed but was not recorded begins (:meth:`CheckpointWriter.outcome`)."""
 
 
 class World(Protocol):
@@ -160,6 +159,9 @@ class CheckpointWriter:
         self.run_dir, self.world, self.run_id = Path(run_dir), world, run_id
         self.keep_last, self.register = keep_last, register
         self._deleting: threading.Thread | None = None  # rank 0: pruned checkpoints being deleted
+        self.unrecorded: list[tuple[Path, Manifest]] = []
+        """Rank 0: committed checkpoints ``register`` failed for (the tracking server down), oldest first; retried
+        at each commit and by :meth:`record_pending`."""
 
     def stage(self, step: int) -> Staged:
         """Create the staging directory of ``step`` (collective: rank 0 picks the name)."""
@@ -274,15 +276,44 @@ class CheckpointWriter:
             if bad:
                 return (f"rank {bad[0][0]}: {bad[0][1]}" if self.world.world_size > 1 else bad[0][1]), None
             final = store.commit(staged.path, self.run_dir, manifest, store.merge_digests([d for d, _ in parts]))
-            self._prune(protect)
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
             return f"{type(e).__name__}: {e}", None
+        # Committed: what follows is housekeeping, and a failure of it is no failed save (nor a reason to end a run
+        # whose checkpoint is on disk): said, and tried again at the next commit.
         try:
-            if self.register is not None:
-                self.register(final, manifest)
-        except Exception as e:  # committed and pruned: only the record is missing
-            return f"{COMMITTED} as {final}, but recording it in MLflow failed: {type(e).__name__}: {e}", None
+            self._prune(protect)
+        except Exception as e:
+            print(
+                f"[checkpoint] warning: {final.name} committed, but pruning older checkpoints failed "
+                f"({one_line(e)}); tried again at the next checkpoint",
+                file=sys.stderr,
+            )
+        self.unrecorded.append((final, manifest))
+        self.record_pending()
         return None, final
+
+    def record_pending(self) -> list[Path]:
+        """Rank 0: ``register`` the committed checkpoints not recorded yet, oldest first, until one fails (said on
+        stderr); returns those still unrecorded."""
+        while self.unrecorded and self.register is not None:
+            path, manifest = self.unrecorded[0]
+            if not path.is_dir():  # pruned meanwhile (keep_last): nothing to record
+                self.unrecorded.pop(0)
+                continue
+            try:
+                self.register(path, manifest)
+            except Exception as e:
+                names = ", ".join(p.name for p, _ in self.unrecorded)
+                print(
+                    f"[checkpoint] warning: recording {names} in MLflow failed ({one_line(e)}); "
+                    "committed on disk (a resume by path finds it), recorded at the next checkpoint",
+                    file=sys.stderr,
+                )
+                break
+            self.unrecorded.pop(0)
+        if self.register is None:
+            self.unrecorded.clear()
+        return [p for p, _ in self.unrecorded]
 
     def _prune(self, protect: set[str] | frozenset[str]) -> None:
         """:func:`store.prune` now (out of sight at once); the deletion of the pruned directories in a thread
@@ -306,8 +337,6 @@ class CheckpointWriter:
         """Rank 0's :meth:`commit_gathered` result on every rank (collective): the path, or the one-line error."""
         error, final = self.world.broadcast(result)
         if error:
-            if error.startswith(COMMITTED):
-                raise store.CheckpointError(f"checkpoint at step {staged.step}: {error}")
             raise save_error(f"checkpoint at step {staged.step} failed: {error}")
         return final
 

@@ -88,6 +88,7 @@ class CheckpointCallback(Callback):
                     final["stopped"]["step"] = state.step
             self.committed(trainer, self.checkpointer.finish())
         self.checkpointer.writer.settle()  # pruned checkpoints deleted before the run ends
+        self.checkpointer.writer.record_pending()  # rank 0: those MLflow did not take at their commit, if it does now
         final.update(
             self.checkpointer.summary(), checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else ""
         )
