@@ -154,6 +154,7 @@ LEFTOVER_PREFIXES = (
     f"{SUPERSEDED_PREFIX}{STEP_PREFIX}",
     f"{STAGING_PREFIX}{UNIVERSAL_PREFIX}",
     f"{STAGING_PREFIX}{RESHARDED_PREFIX}",
+    f"{STAGING_PREFIX}{RUN_TOKENIZER}-",
 )
 """Names of interrupted saves and conversions, removed by rank 0 at the start of a job (after a superseded checkpoint
 whose step has no directory is put back)."""

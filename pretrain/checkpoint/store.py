@@ -4,6 +4,7 @@ listing and MLflow registration only ever see committed ones. Collective writing
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -53,10 +54,14 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a rename or removal in ``path`` durable. A filesystem that cannot fsync a directory (EINVAL, ENOTSUP:
+    some network and FUSE filesystems; Windows cannot open one) is passed over; a real I/O error (EIO, ENOSPC) is
+    raised: a commit is not durable then."""
     try:
         fsync_file(path)
-    except OSError:  # some filesystems (and Windows) cannot fsync a directory
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR):
+            raise
 
 
 def write_json(path: Path, obj: Any) -> None:

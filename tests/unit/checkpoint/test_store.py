@@ -52,9 +52,28 @@ def test_commit_list_resolve_verify(tmp_path):
 def test_uncommitted_staging_is_invisible_and_cleaned(tmp_path):
     _commit(tmp_path, 2)
     _stage(tmp_path, 4, nonce="crashed")  # a save that died before commit
+    (tmp_path / ".tmp-tokenizer-crashed").mkdir()  # a resume by run id that died copying the run's tokenizer
     assert ck.latest_committed(tmp_path).step == 2
     ck.cleanup_staging(tmp_path)
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_a_directory_fsync_raises_io_errors_and_passes_over_filesystems_that_cannot(tmp_path, monkeypatch):
+    """A commit's rename is durable only once its directory is fsynced: EIO there is an error (a commit reported
+    durable that is not), EINVAL (a filesystem that cannot fsync a directory) is not."""
+    import errno
+
+    for code, raises in ((errno.EINVAL, False), (errno.ENOTSUP, False), (errno.EIO, True), (errno.ENOSPC, True)):
+
+        def fsync(fd, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        if raises:
+            with pytest.raises(OSError, match=os.strerror(code)):
+                ck.fsync_dir(tmp_path)
+        else:
+            ck.fsync_dir(tmp_path)
 
 
 def test_incomplete_stage_is_refused(tmp_path):
