@@ -22,13 +22,18 @@ from pretrain.train.trainer import TrainerState
 def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> CommittedCheckpoint | None:
     """The run's latest committed checkpoint, else ``checkpoint.resume_from``; verified (layout; file presence and
     sizes; checksums with every rank hashing its share of the files in parallel, see :func:`verify_in_parallel`).
-    Rank 0 first removes leftovers of interrupted saves and the cached conversions of checkpoints that are gone."""
+    Rank 0 first removes leftovers of interrupted saves and the cached conversions of checkpoints that are gone.
+    Rank 0's choice is every rank's: a rank whose listing of the run directory differs (a shared filesystem's
+    cached listing just after a commit) opens the checkpoint rank 0 chose, never another step."""
     if ctx.is_main:
         store.cleanup_staging(run_dir)
     dist.barrier()
     resume = store.latest_committed(run_dir, full=False)
     if resume is None and cfg.checkpoint.resume_from:
         resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
+    chosen = dist.broadcast_object(str(resume.path) if resume is not None else None)
+    if (str(resume.path) if resume is not None else None) != chosen:
+        resume = store.resolve(Path(chosen), full=False) if chosen is not None else None
     if ctx.is_main:  # (only rank 0 makes and removes conversions, later in this job)
         conversions.remove_stale(run_dir, keep=resume)
     if resume is not None:

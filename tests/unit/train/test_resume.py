@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def test_expert_parallel_state_of_another_layout_is_converted(tmp_path):
     """Expert-parallel engine state resumes on another expert degree or worker count through its full form; the same
@@ -62,3 +64,33 @@ def test_a_resume_of_a_growth_run_takes_the_grown_shape_from_the_checkpoint_and_
     out = checkpoint_architecture(asked, ckpt_io.CommittedCheckpoint(tmp_path, 5, Manifest(step=5)))
     assert (out.model.num_layers, out.moe.num_experts) == (4, 4)
     assert (out.model.dropout, out.model.z_loss, out.moe.aux_loss_weight) == (0.3, 0.01, 0.05)
+
+
+def _resume_point(rank: int, world: int, run_dir: str) -> int:
+    """``find_resume_point`` where rank 1's listing of the run directory lags (it sees step 2, rank 0 step 4)."""
+    from pathlib import Path
+
+    from pretrain.checkpoint import store
+    from pretrain.config import load_config
+    from pretrain.train import dist
+    from pretrain.train.resume import find_resume_point
+
+    listed = store.latest_committed
+    if rank == 1:
+        store.latest_committed = lambda d, full=True: store.resolve(Path(d) / "step_00000002", full=full)
+    try:
+        ctx = dist.DistContext(rank, world, rank, world, torch.device("cpu"), False)
+        return find_resume_point(load_config(None, []), Path(run_dir), ctx).step
+    finally:
+        store.latest_committed = listed
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
+    """A rank whose listing of a shared run directory lags behind a commit (NFS caches listings) takes rank 0's
+    choice: every rank restores the same step (it restored its own: different weights and counters, a hang)."""
+    from tests.harness import run_distributed
+    from tests.unit.checkpoint.test_store import _commit
+
+    for step in (2, 4):
+        _commit(tmp_path, step)
+    assert run_distributed(_resume_point, 2, str(tmp_path), fresh=False) == [4, 4]
