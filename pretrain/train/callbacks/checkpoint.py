@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import layout
+from pretrain.checkpoint.store import CheckpointError
 from pretrain.train.callbacks.base import Callback
 from pretrain.train.callbacks.speed import SpeedMonitor  # noqa: F401  (a standard callback; defined with the loop clock)
 from pretrain.train.checkpointer import Checkpointer, NonFiniteWeightsError
@@ -70,7 +71,13 @@ class CheckpointCallback(Callback):
         self.committed(trainer, self.checkpointer.finish())
 
     def on_run_end(self, trainer: Trainer, final: dict[str, Any]) -> None:
-        self.committed(trainer, self.checkpointer.finish())
+        try:
+            self.committed(trainer, self.checkpointer.finish())
+        except CheckpointError as e:  # the same on every rank (the save's outcome is collective)
+            if not stopped_early(trainer):
+                raise
+            # A stop is a checkpoint: the save in flight failed (a passing I/O error), the stop's own may not.
+            trainer.progress.say(f"warning: {e}; saving at the stop instead")
         last = trainer.last_checkpoint
         at_last = last is not None and last.name.endswith(f"{trainer.state.step:08d}") and not self.rolled_back
         if stopped_early(trainer) and not at_last:

@@ -10,6 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from pretrain.checkpoint import layout
 from pretrain.config import load_config
 from pretrain.train.callbacks.base import Callback
@@ -115,7 +117,7 @@ class _SlowCommits:
 
     def __init__(self) -> None:
         self.in_flight: Path | None = None
-        self.writer = SimpleNamespace(settle=lambda: None)
+        self.writer = SimpleNamespace(settle=lambda: None, record_pending=lambda: [])
 
     def summary(self) -> dict:
         return {}
@@ -149,6 +151,40 @@ def test_a_save_still_in_flight_when_the_next_starts_is_committed_and_said():
     assert trainer.last_checkpoint == Path(layout.step_dir_name(4))
     callback.on_run_end(trainer, final := {})
     assert said[-1] == "checkpoint committed: step 6" and final["checkpoint"] == layout.step_dir_name(6)
+
+
+def test_a_stop_whose_save_in_flight_failed_saves_at_the_stop():
+    """A stop is a checkpoint: when the asynchronous save still in flight failed (its one-line error on every
+    rank), the stop's own save is still made and the run ends with it; at the end of a whole run the error stands."""
+    from pretrain.checkpoint.store import CheckpointError
+
+    class _FailedFlight(_SlowCommits):
+        def finish(self) -> Path | None:
+            flight = super().finish()
+            if flight is not None and flight.name == layout.step_dir_name(4):
+                raise CheckpointError("checkpoint at step 4 failed: OSError: [Errno 5] Input/output error")
+            return flight
+
+    for max_steps, stops in ((8, True), (5, False)):
+        said: list[str] = []
+        callback = CheckpointCallback(_FailedFlight())
+        trainer = _trainer([callback], TrainerState())
+        trainer.progress = SimpleNamespace(say=said.append)
+        trainer.cfg = load_config(None, [f"train.max_steps={max_steps}", "checkpoint.every_steps=4"])
+        for step in range(1, 5):
+            trainer.state.step = step
+            callback.on_step_end(trainer, None)
+        trainer.state.step = 5  # stopped at step 5 of 8 (or the last step of 5)
+        if not stops:
+            with pytest.raises(CheckpointError, match="checkpoint at step 4 failed"):
+                callback.on_run_end(trainer, {})
+            continue
+        callback.on_run_end(trainer, final := {})
+        assert (
+            said[0]
+            == "warning: checkpoint at step 4 failed: OSError: [Errno 5] Input/output error; saving at the stop instead"
+        )
+        assert final["checkpoint"] == layout.step_dir_name(5) and callback.at_stop
 
 
 def _imported(node: ast.AST) -> list[str]:
