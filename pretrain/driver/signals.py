@@ -70,7 +70,10 @@ class StopSignals:
         self.signum = signum
         if self.on_stop == "exit":
             raise StopNow(signum, f"{name}: stopping at once (checkpoint.on_stop: exit)")
-        write_request(self.run_dir, name)
+        try:
+            write_request(self.run_dir, name)
+        except OSError as e:  # (raised here, it would surface anywhere in the training loop: a crash, not a stop)
+            raise StopNow(signum, f"{name}: cannot ask the run to stop ({e}): stopping at once") from e
         _say(
             f"[pretrain] {name}: stopping after the current step with a checkpoint "
             f"(at most {self.timeout_s:g} s: checkpoint.stop_timeout_s; {name} again stops at once)"
