@@ -76,9 +76,13 @@ def _hf_config(cfg: ModelConfig, moe: MoEConfig, special: dict, target: str) -> 
     dense_ffn = kw["intermediate_size"]
     for key in ("attention_bias", "mlp_bias", "head_dim"):
         kw.pop(key)
+    moe_layers = sum(moe.is_moe_layer(i) for i in range(cfg.num_layers))
     kw.update(
         num_experts_per_tok=moe.top_k,
-        router_aux_loss_coef=moe.aux_loss_weight,
+        # Ours: 1.0 per MoE layer at balance, summed over the layers; transformers' load_balancing_loss_func pools
+        # every layer's router logits into one loss that is top_k at balance. Scaled so a fine-tune in transformers
+        # (output_router_logits=True) balances as strongly as this run did.
+        router_aux_loss_coef=moe.aux_loss_weight * moe_layers / moe.top_k,
         output_router_logits=False,
         sliding_window=None,
     )

@@ -112,3 +112,20 @@ def test_moe_export_refuses_what_no_target_represents():
     assert hf_class is None and reason.startswith("cannot export: model.qk_norm")
     hf_class, reason = export_target(ModelConfig(**MIXTRAL_LIKE), MoEConfig(num_experts=4, every=2))
     assert hf_class is None and "trust_remote_code=True" in reason and "MixtralForCausalLM: blocks [0]" in reason
+
+
+def test_the_exported_balance_coefficient_is_as_strong_as_the_runs():
+    """Ours is 1.0 per MoE layer at balance, summed over the layers; transformers' ``load_balancing_loss_func``
+    pools the layers into one loss that is ``top_k`` at balance: the exported ``router_aux_loss_coef`` times it
+    equals the run's weight times its MoE layers."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from pretrain.export.moe import to_hf_moe
+
+    cfg, moe = ModelConfig(**{**MIXTRAL_LIKE, "num_layers": 3}), MoEConfig(num_experts=4, top_k=2, aux_loss_weight=0.02)
+    target, hf_config, _ = to_hf_moe(build_model(cfg, 0, moe).state_dict(), cfg, moe, {})
+    assert target == "MixtralForCausalLM"
+    logits = torch.zeros(3 * 8, 4)  # every layer's 8 tokens, balanced: mean router probability 1/E each
+    balanced = load_balancing_loss_func((logits[:8], logits[8:16], logits[16:]), 4, 2)
+    assert float(balanced) == pytest.approx(2.0)  # top_k
+    assert hf_config["router_aux_loss_coef"] * float(balanced) == pytest.approx(0.02 * 3)
