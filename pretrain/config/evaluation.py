@@ -43,9 +43,7 @@ class EvalConfig:
                 name = spec
             else:
                 path = Path(os.path.expanduser(spec))  # (an unknown ~user stays as written: no such file)
-                if path.suffix == ".jsonl" and not_a(path):  # a FIFO, a directory: what it is, not "no such file"
-                    raise ConfigError(f"eval.tasks[{i}]: {quote(spec)} {not_a(path)}")
-                if path.suffix != ".jsonl" or not os.path.isfile(path):  # (Path.is_file raises on a too long name)
+                if path.suffix != ".jsonl":
                     raise ConfigError(
                         f"eval.tasks[{i}]: {quote(spec)} is neither {BUILTIN_TASK} nor an existing .jsonl task file"
                     )
@@ -53,3 +51,17 @@ class EvalConfig:
             if name in names:
                 raise ConfigError(f"eval.tasks[{i}]: a second task named {quote(name)}")
             names.add(name)
+
+    def check_files(self) -> None:
+        """Every task file exists and is a regular file (a config that will evaluate them: not of a stored config
+        only read, whose run may have ended long after its task files were moved)."""
+        for i, spec in enumerate(self.tasks):
+            if spec == BUILTIN_TASK:
+                continue
+            path = Path(os.path.expanduser(spec))
+            if not_a(path):  # a FIFO, a directory: what it is, not "no such file"
+                raise ConfigError(f"eval.tasks[{i}]: {quote(spec)} {not_a(path)}")
+            if not os.path.isfile(path):  # (Path.is_file raises on a too long name)
+                raise ConfigError(
+                    f"eval.tasks[{i}]: {quote(spec)} is neither {BUILTIN_TASK} nor an existing .jsonl task file"
+                )

@@ -310,10 +310,25 @@ def load_config(
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     if base is not None:  # a stored config: its growth points may be resolved already
-        return from_dict(tree)
+        stored = from_dict(tree)
+        if overrides and _settings_fine(base):  # a conflict these overrides make (one an older version let
+            stored.check_settings()  # through stays: its checkpoint still resumes)
+        return stored
     cfg = _build(RunConfig, tree, "")
     cfg.check_as_written()
     return cfg.validate()
+
+
+def _settings_fine(base: dict) -> bool:
+    """Whether the stored config ``base`` passes :meth:`RunConfig.check_settings` (the task files aside: a
+    resume's preflight checks those)."""
+    cfg = from_dict(migrate(base))
+    cfg.eval.tasks = []
+    try:
+        cfg.check_settings()
+    except ConfigError:
+        return False
+    return True
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pretrain.config.evaluation import BUILTIN_TASK
 from pretrain.config.tree import RunConfig
 
 
@@ -24,6 +25,7 @@ def resolve_paths(cfg: RunConfig, base: Path | None = None) -> RunConfig:
     c.data.cache_dir = absolute(c.data.cache_dir, base)
     c.data.tokenizer = absolute(c.data.tokenizer, base)
     c.model.init_from_hf = absolute(c.model.init_from_hf, base)
+    c.eval.tasks = [t if t == BUILTIN_TASK else absolute(t, base) for t in c.eval.tasks]
     for src in [*c.data.sources, *c.data.val_sources]:
         if src.path != "demo" and src.format != "hub" and "://" not in src.path:
             src.path = os.path.expanduser(src.path)

@@ -362,9 +362,16 @@ class RunConfig:
         """The checks of a config as the user writes it (:func:`~pretrain.config.loading.load_config` without a
         stored base), not of a run's stored config, which a checkpoint, an export or a resume must still read
         whatever an older version accepted: each growth entry gives one point, the points of each kind come in
-        order, and no setting would do nothing beside another one (refused in one line naming both)."""
+        order, and :meth:`check_settings`."""
         self.growth.check_given_points()
         self.growth.check_order()
+        self.check_settings()
+
+    def check_settings(self) -> None:
+        """No setting would do nothing beside another one (refused in one line naming both), and the task files
+        exist: of a config as written, and of a stored config given overrides (a resume, an anneal) that make
+        such a conflict; never of a stored config only read (an export, an eval of a checkpoint)."""
+        self.eval.check_files()
         t, why = self.train, self.no_validation()
         for key, value in (
             ("train.stop_at_val_loss", t.stop_at_val_loss),

@@ -107,6 +107,7 @@ def preflight(cfg: RunConfig, probe: bool = True, grown_at: int = 0) -> list[str
     _check_dir(cfg.data.tokenizer, "data.tokenizer", " (a saved Hugging Face tokenizer)")
     _check_dir(cfg.model.init_from_hf, "model.init_from_hf", " (a Hugging Face model directory)")
     _check_dir(cfg.checkpoint.resume_from, "checkpoint.resume_from", " (a committed checkpoint)")
+    cfg.eval.check_files()
     if not m.init_from_hf:  # else the architecture is the Hugging Face model's, checked once it is adopted
         check_growth_stages(cfg, grown_at)
     elif cfg.moe.enabled and not grown_at and not cfg.checkpoint.resume_from:  # a new run
