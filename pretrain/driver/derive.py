@@ -34,6 +34,7 @@ from pretrain.driver.prepare import check_writable_dir, create_run, ended_on_err
 from pretrain.driver.signals import stop_at_once
 from pretrain.export.checkpoints import LoadedCheckpoint
 from pretrain.train import tracking
+from pretrain.train.callbacks.early_exit import EarlyExitCallback
 from pretrain.train.job import FINGERPRINT_STATE
 
 
@@ -98,6 +99,13 @@ def derive_run(
             }
             # the data the child trains on (a resume of the child compares its sources with it)
             state["callbacks"] = {FINGERPRINT_STATE: data_fingerprint}
+            window = (raw.get("callbacks") or {}).get(EarlyExitCallback.name)
+            if window and "planned_steps" in window:  # the curriculum keeps the parent's plan: no exit the parent
+                state["callbacks"][EarlyExitCallback.name] = {  # trains switches off (``gradual``) in the child
+                    "trained": 0,
+                    "steps": 0,
+                    "planned_steps": int(window["planned_steps"]),
+                }
             if grown:  # the parent's applied schedule entries stay applied; the growth happened at this step
                 applied = (raw.get("callbacks") or {}).get("growth", {}).get("applied", [])
                 state["callbacks"]["growth"] = {"applied": applied, "last_growth_step": state["step"]}

@@ -76,7 +76,7 @@ def test_a_child_whose_first_checkpoint_fails_ends_failed(tmp_path, monkeypatch)
     assert MlflowClient(uri).get_run(run.info.run_id).info.status == "FAILED"
 
 
-def test_a_child_carrying_its_parents_data_position_keeps_the_parents_data_fingerprint(tmp_path, monkeypatch):
+def test_a_child_keeps_its_parents_data_fingerprint_and_early_exit_plan(tmp_path, monkeypatch):
     """The position is one in the data the parent trained on: the child records that data's fingerprint (a resume of
     the child on data changed since is refused as the parent's would be), not the data as it is when it is made."""
     import json
@@ -93,10 +93,15 @@ def test_a_child_carrying_its_parents_data_position_keeps_the_parents_data_finge
     cfg.checkpoint.dir = str(tmp_path / "children")
     saved = parent.trainer_state()
     parents = {"data.sources[0]": {"path": "corpus.txt", "files": {"corpus.txt": {"size": 1}}}}
-    monkeypatch.setattr(parent, "trainer_state", lambda: {**saved, "callbacks": {FINGERPRINT_STATE: parents}})
+    window = {"trained": 7, "steps": 3, "planned_steps": 1000}  # the early-exit curriculum's planned length
+    callbacks = {FINGERPRINT_STATE: parents, "early_exit_window": window}
+    monkeypatch.setattr(parent, "trainer_state", lambda: {**saved, "callbacks": callbacks})
     _, path = derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
     state = json.loads((path / "trainer_state.json").read_text())
     assert state["callbacks"][FINGERPRINT_STATE] == parents
+    # the child keeps the parent's plan (a ``gradual`` curriculum planned for the child's own max_steps switched
+    # off exits the parent trained), not its window of logged counts
+    assert state["callbacks"]["early_exit_window"] == {"trained": 0, "steps": 0, "planned_steps": 1000}
 
 
 def test_a_growth_beyond_the_size_limits_is_refused_before_any_block_is_copied(tokenizer_dir, workdir):
