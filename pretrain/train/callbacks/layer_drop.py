@@ -30,6 +30,12 @@ class LayerDropCallback(Callback):
         self.executed_sum = 0.0
         self.steps = 0
 
+    def on_run_start(self, trainer: Trainer) -> None:
+        # a resumed run's last trained step: the scales of a validation before its first step (a run that ends
+        # at once, its data exhausted) are the checkpoint's, as eval and export of it use
+        self.step = max(trainer.state.step - 1, 0)
+        self.layers = trainer.module.cfg.model.num_layers
+
     def on_step_start(self, trainer: Trainer | None, step: int) -> None:
         self.step = step - 1
         if trainer is not None:  # growth may have changed the depth
