@@ -37,6 +37,7 @@ from pathlib import Path
 
 from pretrain.checkpoint.layout import SUMMARY
 from pretrain.config import ConfigError, load_config
+from pretrain.config.errors import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "demo-decoder.yaml"
@@ -324,7 +325,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench --checkpoint")
+    p = ArgumentParser(prog="launch.sh bench --checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
         "--sizes",

@@ -41,6 +41,7 @@ from benchmarks.growth_check import GOAL_SAVING
 from benchmarks.loop import loop_benchmark
 from benchmarks.step import ROOT, run_bench, run_moe_bench, step_after_loop
 from pretrain.config import load_config
+from pretrain.config.errors import ArgumentParser
 from pretrain.invocation import command
 from pretrain.train.callbacks.speed import LOOP_WARMUP_STEPS
 
@@ -96,7 +97,7 @@ def modes_help() -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="launch.sh bench", epilog=modes_help(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (on stdout; all else on stderr)")

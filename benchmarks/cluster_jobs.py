@@ -10,12 +10,13 @@ Uses the local head of ``./launch.sh cluster up`` (started and stopped here when
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pretrain.config.errors import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -112,7 +113,7 @@ def measure(steps: int, every: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench --cluster")
+    p = ArgumentParser(prog="launch.sh bench --cluster")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="checkpoint.every_steps")
     p.add_argument("--json", action="store_true")

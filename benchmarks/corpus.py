@@ -33,6 +33,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from pretrain.config.errors import ArgumentParser
+
 BUILDER_VERSION = 1
 """Bumped when the output for the same rules and packages changes (part of the cache key)."""
 
@@ -336,7 +338,7 @@ def main(argv: list[str]) -> int:
     """``bench --build-corpus [--out DIR] [--vocab N] [--packages A,B] [--force] [--json]``."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="launch.sh bench --build-corpus", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="launch.sh bench --build-corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("--build-corpus", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="where (default .cache/corpus/site-packages-v<vocab> here)")
     p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="the tokenizer's vocabulary (default %(default)s)")

@@ -33,7 +33,6 @@ and the numbers) and ``passed`` (no item failed).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -49,6 +48,7 @@ import torch
 from benchmarks.checkpoint import Session
 from benchmarks.gpu_results import results_markdown, results_name, table, write_new
 from pretrain.config import ConfigError
+from pretrain.config.errors import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -378,7 +378,7 @@ def gpu_driver(proc: Path = Path("/proc/driver/nvidia/version")) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench --gpu", description="One GPU check (benchmarks/gpu_check.py).")
+    p = ArgumentParser(prog="launch.sh bench --gpu", description="One GPU check (benchmarks/gpu_check.py).")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
         "--tiny",

@@ -17,7 +17,6 @@ shard loader >= 50x the text loader (in each layout).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -25,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from pretrain.config.errors import ArgumentParser
 
 GOAL_TOKENIZE_SCALING = 1.7
 GOAL_LOADER_RATIO = 50.0
@@ -125,7 +126,7 @@ def run(megabytes: float, seconds: float, tiny: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh bench --data", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="launch.sh bench --data", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", action="store_true", help="this benchmark")
     p.add_argument("--json", action="store_true", help="print one JSON object (on stdout; all else on stderr)")
     p.add_argument("--tiny", action="store_true", help="a half-MB corpus and short measurements (tests)")

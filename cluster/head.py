@@ -49,7 +49,7 @@ from cluster.head_state import (  # noqa: F401 - ClusterError, read_state, read_
 )
 from cluster.requires import require_ray
 from pretrain import invocation
-from pretrain.config.errors import without_passwords
+from pretrain.config.errors import ArgumentParser, without_passwords
 from pretrain.ports import free_port, port_free
 
 DEFAULT_DASHBOARD_PORT = 8265
@@ -372,7 +372,7 @@ def _usage(body: bytes) -> dict:
 
 def main(argv: list[str], stop_jobs: Callable[[str], None] | None = None) -> int:
     """``cluster up|down|status``; ``stop_jobs``: see :func:`down`."""
-    p = argparse.ArgumentParser(prog="launch.sh cluster", description="a local Ray head on 127.0.0.1")
+    p = ArgumentParser(prog="launch.sh cluster", description="a local Ray head on 127.0.0.1")
     sub = p.add_subparsers(dest="action", required=True)
     pu = sub.add_parser("up", help="start a local Ray head (127.0.0.1, token auth)")
     pu.add_argument(

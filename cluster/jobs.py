@@ -11,7 +11,7 @@ import time
 from cluster.connection import api_errors, call_api, check_job_id, connect, resolve_address
 from cluster.head import ClusterError, seconds
 from cluster.submit import STOP_WAIT_KEY, TERMINAL
-from pretrain.config.errors import without_passwords
+from pretrain.config.errors import ArgumentParser, without_passwords
 
 
 def _address_arg(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def _fmt_duration(start: int | None, end: int | None) -> str:
 
 
 def jobs(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh jobs", description="jobs submitted to the cluster")
+    p = ArgumentParser(prog="launch.sh jobs", description="jobs submitted to the cluster")
     _address_arg(p)
     a = p.parse_args(argv)
     address = resolve_address(a.address)
@@ -57,7 +57,7 @@ def jobs(argv: list[str]) -> int:
 
 
 def status(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh status", description="status word of a job (SUCCEEDED, ...)")
+    p = ArgumentParser(prog="launch.sh status", description="status word of a job (SUCCEEDED, ...)")
     p.add_argument("job_id")
     p.add_argument("-v", "--verbose", action="store_true", help="also print times, message and entrypoint")
     _address_arg(p)
@@ -76,7 +76,7 @@ def status(argv: list[str]) -> int:
 
 
 def logs(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh logs", description="a job's driver output")
+    p = ArgumentParser(prog="launch.sh logs", description="a job's driver output")
     p.add_argument("job_id")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     _address_arg(p)
@@ -107,7 +107,7 @@ def logs(argv: list[str]) -> int:
 
 
 def stop(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch.sh stop", description="stop a running job")
+    p = ArgumentParser(prog="launch.sh stop", description="stop a running job")
     p.add_argument("job_id")
     p.add_argument(
         "--wait",

@@ -20,7 +20,6 @@ The address, the token and the client: :mod:`cluster.connection`.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import os
 import re
@@ -43,7 +42,7 @@ from cluster.connection import (  # noqa: F401 - resolve_address, auth_token, lo
 )
 from cluster.head import ClusterUsageError, seconds
 from pretrain import invocation
-from pretrain.config.errors import without_passwords
+from pretrain.config.errors import ArgumentParser, without_passwords
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_CONFIG_NAME = "_pretrain_job.yaml"
@@ -210,7 +209,7 @@ def _hint(address: str, explicit: bool) -> str:
 def submit(argv: list[str]) -> int:
     from pretrain.config import DEFAULT_CONFIG, dump_yaml, load_config, split_args
 
-    p = argparse.ArgumentParser(prog="launch.sh submit", description="submit a training job to a Ray cluster")
+    p = ArgumentParser(prog="launch.sh submit", description="submit a training job to a Ray cluster")
     p.add_argument("--address", default=None, help="Jobs API address, e.g. http://HEAD:8265")
     p.add_argument(
         "--python",

@@ -66,7 +66,6 @@ output in RUN_DIR/logs/driver.log.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -76,7 +75,7 @@ from pathlib import Path
 
 from pretrain import timeline
 from pretrain.config import DEFAULT_CONFIG, ConfigError, load_config, split_args
-from pretrain.config.errors import quote, user_error, without_passwords
+from pretrain.config.errors import ArgumentParser, quote, user_error, without_passwords
 from pretrain.usage import asks_help, command_usage, print_help, reader_gone, stdout_closed
 
 
@@ -141,7 +140,7 @@ def cmd_ui(args: list[str]) -> int:
     from pretrain.driver import ui_links
     from pretrain.train.tracking import mark_training_experiments, shown_uri, tracking_uri
 
-    p = argparse.ArgumentParser(prog="launch.sh ui")
+    p = ArgumentParser(prog="launch.sh ui")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", default="5000")
     p.add_argument(

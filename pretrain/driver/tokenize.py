@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pretrain.config import ConfigError, DataConfig, SourceConfig
-from pretrain.config.errors import clip
+from pretrain.config.errors import ArgumentParser, clip
 from pretrain.config.tree import BYTE_LEVEL_VOCAB
 from pretrain.data.shards.format import (
     DEFAULT_SHARD_TOKENS,
@@ -52,7 +52,7 @@ from pretrain.invocation import command
 
 
 def parse(args: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="launch.sh tokenize",
         description="Tokenize SOURCEs once into memory-mapped token shards (a Ray Data job); train on them with "
         "data.sources=[{path: DIR}].",

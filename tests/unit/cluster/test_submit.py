@@ -294,7 +294,10 @@ def test_a_mistyped_option_is_refused_by_name_before_anything_is_read_or_sent(ar
     """``submit``'s options are parsed whole: a mistyped one is named (it was read as the config path), and a
     ``--wait`` that is no duration (NaN: it waited for nothing, or forever) is refused."""
     from cluster.submit import submit
+    from pretrain.cli import main
+    from pretrain.config import ConfigError
 
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ConfigError, match=f"^launch.sh submit: {re.escape(says)}$"):
         submit(argv)
-    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert main(["submit", *argv]) == 2  # one line, no usage text
+    assert capsys.readouterr().err == f"error: launch.sh submit: {says}\n"

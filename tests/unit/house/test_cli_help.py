@@ -35,6 +35,30 @@ def test_every_command_answers_help_and_does_nothing(cmd, flag, workdir, capsys)
     assert sorted(p.name for p in workdir.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ui", "--bogus"],
+        ["tokenize", "--bogus"],
+        ["jobs", "--bogus"],
+        ["status"],
+        ["logs", "--bogus"],
+        ["stop"],
+        ["cluster", "sideways"],
+        ["bench", "--bogus"],
+        ["bench", "--gpu", "--steps", "x"],
+        ["bench", "--build-corpus", "--vocab", "x"],
+        ["export"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
+def test_a_bad_argument_is_one_line_and_exit_2(argv, workdir, capsys):
+    """argparse's own error prints its usage over several lines: every command's bad argument is one line."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: launch.sh {argv[0]}") and err.count("\n") == 1, err
+
+
 def test_train_help_names_the_config_the_overrides_and_dry_run(workdir, capsys):
     assert main(["train", "configs/demo-encoder.yaml", "train.max_steps=3", "--help"]) == 0
     out = capsys.readouterr().out
