@@ -319,6 +319,20 @@ def load_config(
     return cfg.validate()
 
 
+def overridden(overrides: list[str] | tuple[str, ...], section: str, key: str) -> list[Any]:
+    """The values ``overrides`` give ``section.key``, in whichever form (``section.key=v`` or ``section={key: v}``),
+    in order: for a command that must refuse a key whatever way it is written."""
+    found = []
+    for text in overrides:
+        tree: dict = {}
+        dotted, value = parse_override(text)
+        _set_dotted(tree, dotted, value)
+        node = tree.get(section)
+        if isinstance(node, dict) and key in node:
+            found.append(node[key])
+    return found
+
+
 def _settings_fine(base: dict) -> bool:
     """Whether the stored config ``base`` passes :meth:`RunConfig.check_settings` (the task files aside: a
     resume's preflight checks those)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pretrain.config import ConfigError, RunConfig, to_dict
 from pretrain.config.errors import clip
+from pretrain.config.loading import overridden
 from pretrain.config.paths import resolve_paths
 from pretrain.driver.budget import keep_resolved_budget
 from pretrain.driver.prepare import ended_on_error, preflight, prepare_new
@@ -52,7 +53,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     from pretrain.checkpoint.store import restore_superseded
     from pretrain.train.job import Job
 
-    if any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides):  # it would be dropped unseen
+    if overridden(overrides, "data", "tokenizer"):  # it would be dropped unseen
         raise ConfigError(
             f"data.tokenizer cannot be given at resume: {target} trains on with its checkpoint's tokenizer (the one "
             f"its weights' ids are of); a model on another tokenizer is a new run"
@@ -101,9 +102,8 @@ def _check_run_dir_kept(target: str, root: Path, overrides: list[str]) -> None:
     """A run resumed by its id trains on in its own directory ``root``: a ``checkpoint.dir`` given that is not its
     parent would be recorded but not used, and is refused in one line (the one it is, a script passing the same
     directory to every command, changes nothing)."""
-    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "checkpoint.dir"]
-    for value in given:
-        if Path(value).expanduser().resolve() != root.parent.resolve():
+    for value in overridden(overrides, "checkpoint", "dir"):
+        if Path(str(value)).expanduser().resolve() != root.parent.resolve():
             raise ConfigError(
                 f"checkpoint.dir cannot change at resume of run {target}: it trains on in its own directory {root}; "
                 f"to train on elsewhere, fork a new run from a checkpoint: {command()} resume CHECKPOINT_DIR "

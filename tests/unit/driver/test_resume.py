@@ -122,8 +122,9 @@ def test_a_tokenizer_given_at_resume_is_refused_not_dropped():
     refused in one line, before anything is read."""
     from pretrain.driver.resume import prepare_resume
 
-    with pytest.raises(ConfigError, match=r"^data\.tokenizer cannot be given at resume: /no/such trains on with its"):
-        prepare_resume("/no/such", ["data.tokenizer=/tmp/other_tok"])
+    for given in ("data.tokenizer=/tmp/other_tok", "data={tokenizer: /tmp/other_tok}"):  # in either form
+        with pytest.raises(ConfigError, match=r"^data\.tokenizer cannot be given at resume: /no/such trains on with"):
+            prepare_resume("/no/such", [given])
 
 
 def test_a_run_resumed_by_its_id_records_where_it_is_and_refuses_another_checkpoint_dir(tmp_path, monkeypatch):
@@ -137,7 +138,8 @@ def test_a_run_resumed_by_its_id_records_where_it_is_and_refuses_another_checkpo
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # where a relative checkpoint.dir of the saved config resolves elsewhere
     assert from_dict(prepare_resume("run-1", ["tracking.enabled=false"]).config).checkpoint.dir == str(root.parent)
-    with pytest.raises(ConfigError, match=rf"^checkpoint\.dir cannot change at resume of run run-1: .* {root};"):
-        prepare_resume("run-1", ["tracking.enabled=false", f"checkpoint.dir={tmp_path / 'elsewhere'}"])
+    for given in (f"checkpoint.dir={tmp_path / 'elsewhere'}", f"checkpoint={{dir: {tmp_path / 'elsewhere'}}}"):
+        with pytest.raises(ConfigError, match=rf"^checkpoint\.dir cannot change at resume of run run-1: .* {root};"):
+            prepare_resume("run-1", ["tracking.enabled=false", given])
     assert not (tmp_path / "elsewhere").exists()
     prepare_resume("run-1", ["tracking.enabled=false", f"checkpoint.dir={root.parent}"])  # where it is: no change
