@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
+from pretrain.config.loading import INT_MAX
 from pretrain.driver.derive import derive_run, parent_engine_state, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
@@ -30,6 +31,9 @@ from pretrain.train.tracking import run_ref
 USAGE = "anneal RUN_ID|CHECKPOINT steps=N [step=S] [key=value ...]"
 FIXED = ("model", "moe", "zero")
 """Config sections an anneal keeps: its child loads the parent's engine state as it is."""
+SCHEDULED = ("max_steps", "warmup_steps", "decay", "decay_steps")
+"""``train`` fields an anneal sets itself (from ``steps=N`` and the checkpoint's step): an override of one is
+refused, never replaced unseen."""
 
 
 def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequence[str] = ()) -> RunConfig:
@@ -43,6 +47,14 @@ def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequ
             f"anneal: {', '.join(fixed)} cannot change (the child continues the parent's model and "
             f"optimizer state); got {' '.join(overrides)}"
         )
+    scheduled = [f"train.{k}" for k in SCHEDULED if getattr(cfg.train, k) != getattr(parent.train, k)]
+    if scheduled:
+        raise ConfigError(
+            f"anneal: {', '.join(scheduled)} cannot be given: the child's schedule is a decay over steps=N from the "
+            "checkpoint's step (train.lr and train.min_lr_ratio set its floor)"
+        )
+    if at_step + steps > INT_MAX:
+        raise ConfigError(f"anneal: steps={steps}: step {at_step} + {steps} is out of range (at most {INT_MAX})")
     start = lr_at(max(at_step - 1, 0), parent.train)
     if start <= 0:
         raise ConfigError(
@@ -87,7 +99,11 @@ def anneal(argv: list[str]) -> int:
     if not argv or "=" in argv[0]:
         raise ConfigError(f"{USAGE}: give a run id or a checkpoint directory first")
     options = {"steps", "step"}  # every other key=value is a config override (train.lr=.., data={..}, name=..)
-    opts = dict(a.split("=", 1) for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() in options)
+    pairs = [a.split("=", 1) for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() in options]
+    twice = sorted({k.strip() for k, _ in pairs if sum(1 for j, _ in pairs if j.strip() == k.strip()) > 1})
+    if twice:
+        raise ConfigError(f"anneal: {', '.join(twice)} given more than once")
+    opts = {k.strip(): v for k, v in pairs}
     overrides = [a for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() not in options]
     sections = {f.name for f in dataclasses.fields(RunConfig)}
     bad = [a for a in argv[1:] if "=" not in a] + [

@@ -50,6 +50,18 @@ def test_the_child_is_named_after_its_parent_unless_a_name_is_given():
     assert annealed_config(parent, 50, 10, ["name=cooldown"]).name == "cooldown"
 
 
+def test_what_anneal_sets_itself_is_refused_as_an_override_not_replaced():
+    """The child's schedule is a decay over ``steps=N`` from the checkpoint's step: ``train.max_steps`` and the
+    other fields it sets were replaced unseen; a length past int64 made a child whose config could not be read."""
+    parent = load_config(None, [*TINY, "train.decay=wsd", "train.max_steps=100"])
+    for given in ("train.max_steps=5000", "train.warmup_steps=50", "train.decay=cosine", "train={decay_steps: 7}"):
+        with pytest.raises(ConfigError, match=r"^anneal: train\.\w+ cannot be given: the child's schedule is a decay"):
+            annealed_config(parent, 50, 10, [given])
+    assert annealed_config(parent, 50, 10, ["train.min_lr_ratio=0.05"]).train.max_steps == 60  # the floor: taken
+    with pytest.raises(ConfigError, match=r"^anneal: steps=9223372036854775807: step 50 \+ .* is out of range"):
+        annealed_config(parent, 50, 2**63 - 1)
+
+
 def test_a_checkpoint_whose_lr_has_decayed_to_zero_is_refused_in_one_line():
     done = load_config(None, [*TINY, "train.decay=wsd", "train.min_lr_ratio=0", "train.max_steps=200"])
     with pytest.raises(ConfigError, match=r"^anneal: the parent's LR at step 200 is 0 .* step=S$"):
@@ -67,6 +79,7 @@ def test_a_checkpoint_whose_lr_has_decayed_to_zero_is_refused_in_one_line():
         # a section given whole, a top-level key: config overrides, as train takes them (the parent is read next)
         (["/no/such", "steps=5", "data={val_holdout: 0.05}", "name=x"], "/no/such: no such checkpoint or run"),
         (["RUN", "steps=5", "step=x"], "anneal: step=x: not a checkpoint step"),
+        (["RUN", "steps=5", "steps=50"], "anneal: steps given more than once"),
     ],
 )
 def test_bad_anneal_arguments_are_one_line(args, message):
