@@ -102,6 +102,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")
         if "\x00" in value:  # no path, name or field holds one (the OS refuses it in a path)
             raise ConfigError(f"{path}: {quote(value)} holds a NUL character")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (an escape in a quoted YAML string): no file name or text
+            raise ConfigError(f"{path}: {quote(value)} is not valid Unicode text (a lone surrogate)") from None
         return value
     raise TypeError(f"unsupported config type {tp!r} at {path}")  # internal: the tree uses only the above
 
@@ -281,6 +285,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"{clip(key.strip())}: {e}") from None
     except (yaml.YAMLError, ValueError, TypeError, RecursionError):  # ValueError: e.g. a date 2001-13-45
         value = raw
+    if isinstance(value, str) and " #" in raw and value != raw.strip() and " #" not in value:
+        raise ConfigError(  # YAML reads " #" as a comment: a=runs #1 would be 'runs'
+            f"{clip(key.strip())}: {quote(raw)} holds ' #', which YAML reads as the start of a comment; quote the "
+            f"value for the shell and for YAML: '{key.strip()}=\"{clip(raw)}\"'"
+        )
     return key.strip(), value
 
 

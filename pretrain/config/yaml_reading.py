@@ -17,12 +17,16 @@ PLUS_INT = re.compile(r"^\+[0-9]+$")  # kept as text by the loader (a growth inc
 SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 """YAML 1.1's base-60 numbers (``1:00`` is 60): kept as text, so a typed field refuses them instead of a typo
 becoming a number."""
+OCTAL = re.compile(r"^[-+]?0[0-7_]+$")
+"""YAML 1.1's octal numbers (``0144`` is 100, ``010`` is 8): kept as text, as ``08`` is (no octal number), so a
+typed field refuses a leading zero instead of reading another number."""
 
 
 class _Loader(yaml.SafeLoader):
     """The safe loader, refusing duplicate keys (PyYAML keeps the last one silently). A plain scalar ``+N``
     stays the text ``'+N'`` (YAML 1.1 would read the int N, so ``depth: +4`` in a growth schedule would silently
-    mean a total of 4 blocks, not 4 more); int keys convert it back to N. A base-60 number (``1:00``) stays text."""
+    mean a total of 4 blocks, not 4 more); int keys convert it back to N. A base-60 number (``1:00``) and an octal
+    one (``0144``) stay text."""
 
 
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -30,6 +34,7 @@ _Loader.yaml_implicit_resolvers["+"] = [("tag:yaml.org,2002:str", PLUS_INT), *_L
 for _first in "-+0123456789":
     _Loader.yaml_implicit_resolvers[_first] = [
         ("tag:yaml.org,2002:str", SEXAGESIMAL),
+        ("tag:yaml.org,2002:str", OCTAL),
         *_Loader.yaml_implicit_resolvers.get(_first, []),
     ]
 

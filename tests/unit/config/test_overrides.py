@@ -116,3 +116,24 @@ def test_train_takes_a_source_key_by_index(workdir, capsys):
     assert main(["train", "data.text_field=content"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data.text_field: unknown key (valid: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_steps=0144", "train.max_steps: expected int, got str '0144'"),  # YAML 1.1: octal 100
+        ("train.seed=010", "train.seed: expected int, got str '010'"),  # octal 8 (and 08 is text)
+        ("checkpoint.dir=runs #1", "checkpoint.dir: 'runs #1' holds ' #', which YAML reads as the start of a comment"),
+        ('name="\\ud800"', "name: '\\ud800' is not valid Unicode text (a lone surrogate)"),
+    ],
+    ids=["octal", "octal-seed", "comment", "surrogate"],
+)
+def test_a_value_yaml_would_silently_change_is_refused(override, message):
+    """A leading zero (YAML 1.1 reads an octal number), a `` #`` (the rest is a comment: the value was cut short),
+    a lone surrogate (a traceback when it was written out): one line each, not another value."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(message)
+    assert main(["train", "--dry-run", override]) == 2
+    quoted = load_config(None, ["checkpoint.dir='runs #1'", "train.seed=0", "train.max_steps=9 # a comment"])
+    assert (quoted.checkpoint.dir, quoted.train.seed, quoted.train.max_steps) == ("runs #1", 0, 9)
