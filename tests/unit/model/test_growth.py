@@ -25,6 +25,17 @@ def _grown(cfg, moe, state):
     return model
 
 
+def _trained(cfg, moe, seed: int = 0):
+    """A model whose every parameter is off its initial value (biases not 0, norm weights not 1, as after training):
+    an operator that dropped or reset one would still keep the function of a model at init."""
+    model = build_model(cfg, seed, moe)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
 def _ids(kind="decoder"):
     return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -68,7 +79,7 @@ def test_resolve_count():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_width_tile_preserves_the_function_exactly(arch):
     cfg, moe = _cfg(*ARCHS[arch])
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids = _ids()
     new_cfg, new_moe, sd = grow_width(cfg, moe, model.state_dict(), hidden=64)
     assert (new_cfg.hidden_size, new_cfg.num_heads) == (64, 8)
@@ -79,7 +90,7 @@ def test_width_tile_preserves_the_function_exactly(arch):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "moe"])
 def test_ffn_and_heads_grow_exactly_with_net2net(arch):
     cfg, moe = _cfg(*ARCHS[arch], "model.num_kv_heads=0", "model.ffn_size=40")
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids = _ids()
     new_cfg, new_moe, sd = grow_width(cfg, moe, model.state_dict(), ffn=56, op="net2net", seed=1)
     torch.testing.assert_close(_logits(_grown(new_cfg, new_moe, sd), ids), _logits(model, ids), rtol=1e-5, atol=1e-5)
@@ -112,7 +123,7 @@ def test_net2net_ffn_with_gqa_is_exact(arch):
     not indexed with the query heads' axis): attention untouched, FFN units duplicated and divided, the function kept
     (within 1e-5)."""
     cfg, moe = _cfg(*GQA[arch], "model.ffn_size=40")
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids, sd = _ids(), model.state_dict()
     new_cfg, new_moe, grown = grow_width(cfg, moe, sd, ffn=56, op="net2net", seed=1)
     assert (new_cfg.ffn_size, new_cfg.num_heads, new_cfg.num_kv_heads) == (56, 4, cfg.num_kv_heads)
@@ -131,7 +142,7 @@ def test_net2net_heads_with_gqa_keep_the_query_to_kv_pairing(arch, heads, kv):
     units). Measured over these cases (seed 3): loss change 3.0e-4..6.1e-3 relative, max logit difference
     0.04..0.11 (the untrained logits reach 0.36..0.87); asserted: < 2e-2 and < 0.3."""
     cfg, moe = _cfg(*GQA[arch])
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids, sd = _ids(), model.state_dict()
     new_cfg, new_moe, grown = grow_width(cfg, moe, sd, heads=heads, hidden=heads * 8, op="net2net", seed=3)
     assert (new_cfg.num_heads, new_cfg.num_kv_heads, new_cfg.hidden_size) == (heads, kv, heads * 8)
@@ -153,7 +164,7 @@ def test_net2net_hidden_size_with_gqa_is_approximate():
     2 key/value heads) from hidden 32 to 64 via net2net. Measured over seeds 0-4: loss change 5.5e-4..3.0e-3
     relative, max logit difference 0.07..0.12 (largest logit 0.87); asserted: < 1e-2 and < 0.25."""
     cfg, moe = _cfg(*GQA["llama-gqa"])
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids = _ids()
     for seed in range(5):
         c, m, sd = grow_width(cfg, moe, model.state_dict(), hidden=64, op="net2net", seed=seed)
@@ -176,7 +187,7 @@ def test_net2net_heads_refused_when_gqa_groups_cannot_stay_whole():
 @pytest.mark.parametrize("placement", ["pre", "sandwich"])
 def test_depth_identity_is_exact_and_stack_interleave_copy_blocks(placement):
     cfg, moe = _cfg(f"model.norm_placement={placement}", "model.bias=true")
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids, sd = _ids(), model.state_dict()
     c, m, grown = grow_depth(cfg, moe, sd, resolve_count("+3", 2), "identity")
     assert c.num_layers == 5
@@ -263,7 +274,7 @@ def test_deepnorm_depth_growth_keeps_every_copied_block_and_width_tile_stays_exa
     model computes exactly the block it copies (recomputing alpha for the new depth would change every block); a
     later tiled width growth keeps the whole function."""
     cfg, moe = _cfg("model.norm_placement=deepnorm", "model.bias=true")
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     c, m, sd = grow_depth(cfg, moe, model.state_dict(), 4, op)
     assert (c.num_layers, c.deepnorm_depth) == (4, 2)
     grown = _grown(c, m, sd)
@@ -285,7 +296,7 @@ def test_upcycling_preserves_the_function(arch, top_k, experts):
     """Top-2: renormalized weights 1/2 each; top-1 (Switch: weight = the chosen probability 1/E at the zero router):
     the experts' output projections start multiplied by E."""
     cfg, moe = _cfg(*ARCHS[arch])
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     ids = _ids()
     c, m, sd = upcycle(cfg, moe, model.state_dict(), num_experts=experts, top_k=top_k)
     assert m.num_experts == experts and m.is_moe_layer(0) and m.is_moe_layer(1)
@@ -294,7 +305,7 @@ def test_upcycling_preserves_the_function(arch, top_k, experts):
 
 def test_noise_breaks_symmetry_within_its_scale():
     cfg, moe = _cfg(*ARCHS["llama"])
-    model = build_model(cfg, 0, moe).eval()
+    model = _trained(cfg, moe)
     before = model.state_dict()
     c, m, sd = grow_width(cfg, moe, before, hidden=64)
     noisy = add_noise(before, sd, 1e-3, seed=0)
