@@ -45,8 +45,9 @@ def test_crash_mid_commit_keeps_last_good(tmp_path):
 
 def _full_weights_resume(rank: int, world: int, work: str) -> dict:
     """A module trained 2 steps, saved as full weights + moments by the writer (no engine involved in writing);
-    resumed (module built from the weights, moments loaded) and rolled back to (rebuilt in place): the next step's
-    loss equals the uninterrupted module's."""
+    resumed (module built from the weights, moments loaded) and rolled back to (rebuilt in place): the next two
+    steps' losses equal the uninterrupted module's bitwise (the second one is after an update, which the moments
+    shape: a module built from the weights alone, with fresh moments, differs there)."""
     from pretrain.config import load_config
     from pretrain.train import dist
     from pretrain.train.module import build_module
@@ -71,7 +72,7 @@ def _full_weights_resume(rank: int, world: int, work: str) -> dict:
         ],
     )
     g = torch.Generator().manual_seed(3)
-    data = [torch.randint(0, 101, (4, 16), generator=g) for _ in range(3)]
+    data = [torch.randint(0, 101, (4, 16), generator=g) for _ in range(4)]
 
     def step(module, i):
         return run_step(module, StepInput(i + 1, {"input_ids": data[i], "labels": data[i]}, module.lr_at(i))).loss
@@ -97,15 +98,16 @@ def _full_weights_resume(rank: int, world: int, work: str) -> dict:
     rolled = build_module(cfg)  # another trajectory, then a rollback to the checkpoint
     step(rolled, 0)
     load_model_state(rolled, source)
+    fresh = build_module(cfg, weights=source.weights)  # the weights without their moments
     return {
         "format": ckpt.manifest.format,
-        "plain": step(module, 2),
-        "resumed": step(resumed, 2),
-        "rolled": step(rolled, 2),
+        **{name: [step(m, 2), step(m, 3)] for name, m in (("plain", module), ("resumed", resumed), ("rolled", rolled))},
+        "fresh": [step(fresh, 2), step(fresh, 3)],
     }
 
 
 def test_full_weights_checkpoint_resumes_weights_and_optimizer(tmp_path):
     res = run_distributed(_full_weights_resume, 1, str(tmp_path), timeout=600, fresh=False)[0]
     assert res["format"] == FORMAT_FULL
-    assert abs(res["resumed"] - res["plain"]) < 1e-6 and abs(res["rolled"] - res["plain"]) < 1e-6, res
+    assert res["resumed"] == res["plain"] and res["rolled"] == res["plain"], res
+    assert res["fresh"][0] == res["plain"][0] and res["fresh"][1] != res["plain"][1], "the moments shape step 3"
