@@ -18,8 +18,14 @@ from pretrain.model.layerdrop import as_of, inference_scales
 from pretrain.model.score import ScoreSums, score_batches
 from pretrain.train import dist
 from pretrain.train.callbacks.base import Callback
+from pretrain.train.engine import resolve_precision
 from pretrain.train.optimizer_state import gather_moments, load_moments
+from pretrain.train.step import evaluate
 from pretrain.train.trainer import Trainer
+
+REBUILT_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+"""How far (relative) the rebuilt engine's held-back loss may be from the grown weights' fp32 loss: the same
+weights, computed by the engine (its precision, its parallel layout) instead of a plain fp32 model."""
 
 
 class GrowthCheckError(RuntimeError):
@@ -87,6 +93,29 @@ def held_back_loss(
             "data.val_holdout / data.val_sources)"
         )
     return sums.metrics(cfg.model.kind)["loss"]
+
+
+def rebuilt_loss(module, batches: list[dict[str, torch.Tensor]], cfg: RunConfig) -> float:
+    """The held-back loss of ``batches`` through the rebuilt engine itself (collective): its eval forward with the
+    inference scales of ``cfg``'s layer dropout, as validation computes it."""
+    model = module.model
+    kept = model.branch_scales
+    model.branch_scales = inference_scales(cfg.layer_drop, cfg.model.num_layers)
+    try:
+        return evaluate(module, batches)["val/loss"]
+    finally:
+        model.branch_scales = kept
+
+
+def check_rebuilt(after: float, rebuilt: float, precision: str, at_step: int) -> None:
+    """Raise :class:`GrowthCheckError` when the rebuilt engine does not compute what the grown weights do: its
+    rebuild did not load them (a parameter left at its initialization, a partition of another tensor)."""
+    rel = abs(rebuilt - after) / max(abs(after), 1e-12)
+    if not rel <= REBUILT_TOLERANCE.get(precision, REBUILT_TOLERANCE["bf16"]):  # NaN fails too
+        raise GrowthCheckError(
+            f"growth at step {at_step}: the rebuilt engine's held-back loss {rebuilt:.6f} is not the grown "
+            f"weights' {after:.6f} (relative {rel:.2e}, {precision}): the engine did not load the grown model"
+        )
 
 
 def grown_config(cfg: RunConfig, model, moe) -> RunConfig:
@@ -168,6 +197,9 @@ class GrowthCallback(Callback):
                 module,
                 {"step": moments["step"], **grow_moments(cfg.model, cfg.moe, moments, entry, seed, trained)},
             )
+        rebuilt = rebuilt_loss(module, probe, dataclasses.replace(new_cfg, layer_drop=trained))
+        trainer.tracker.log_metrics({"growth/loss_rebuilt": rebuilt}, entry.at_step)
+        check_rebuilt(after, rebuilt, resolve_precision(cfg.train.precision, module.device), entry.at_step)
         trainer.cfg = new_cfg
         trainer.emit("on_model_changed")
         self.applied.append(index)

@@ -87,6 +87,8 @@ def test_growth_schedule_in_a_running_job(tmp_path, stage):
         assert sorted(before) == [2, 4, 6]
         for s in (2, 4):
             assert after[s] == pytest.approx(before[s], rel=1e-5), s
+        rebuilt = metric_history(full.run_id, "growth/loss_rebuilt")  # through the rebuilt ZeRO engine itself
+        assert sorted(rebuilt) == [2, 4, 6] and all(rebuilt[s] == pytest.approx(after[s], rel=1e-4) for s in rebuilt)
         saved = yaml.safe_load((Path(full.run_dir) / "step_00000008" / "config.yaml").read_text())
         assert (saved["model"]["num_layers"], saved["model"]["hidden_size"], saved["model"]["num_heads"]) == (5, 64, 8)
         assert not saved["model"]["tie_embeddings"], "width growth unties the embeddings"
