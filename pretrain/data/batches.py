@@ -67,6 +67,7 @@ class TrainBatches:
         self._streams = {s: self._make_stream(s) for s in self.owned}
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None  # -> (state before the batch, batch or None, StopIteration or None)
+        self._before: dict | None = None  # repeat off: the state before the last batch served (:meth:`rewind`)
 
     def _make_stream(self, s: int, state: dict | None = None) -> PackedStream:
         return PackedStream(
@@ -91,12 +92,25 @@ class TrainBatches:
         """This worker's ``G/W`` sequences of the next step (the prefetched one if any); StopIteration when the
         data ends (repeat off)."""
         if self._ahead is not None:
-            _, batch, ended = self._take_ahead()
+            before, batch, ended = self._take_ahead()
             if ended is not None:
                 raise ended
             assert batch is not None  # a batch, or the end of the data
+            self._before = None if self.cfg.repeat else before
             return batch
+        self._before = None if self.cfg.repeat else self._snapshot()
         return self._fetch()
+
+    def rewind(self) -> None:
+        """Put back the last batch served (repeat off): the step it was for never trains because another worker's
+        data ended there, and the position a checkpoint records is then the one a run on any worker count reaches
+        (a one-worker run serves no part of that step)."""
+        if self._before is None:
+            return
+        if self._ahead is not None:
+            self._take_ahead()  # a batch prefetched after the rewound one
+        before, self._before = self._before, None
+        self.load_state_dict(as_lists(before))
 
     def prefetch(self) -> None:
         """Start fetching the next step's batch in a background thread (no-op when one is already ahead)."""

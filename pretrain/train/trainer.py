@@ -178,7 +178,11 @@ class Trainer:
             batch, exhausted = self.batches.next_step(), 0.0
         except StopIteration:
             batch, exhausted = None, 1.0
-        return None if dist.all_reduce_sum([exhausted], self.ctx.device)[0] > 0 else batch
+        if dist.all_reduce_sum([exhausted], self.ctx.device)[0] > 0:
+            if batch is not None:  # another rank's data ended: this step never trains, its batch goes back
+                self.batches.rewind()
+            return None
+        return batch
 
 
 def is_last_step(trainer: Trainer) -> bool:

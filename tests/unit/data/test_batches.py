@@ -82,3 +82,45 @@ def test_bad_rows_are_ordered_by_number():
         "a.parquet:row 10: missing text field",
         "a.parquet:row 100: missing text field",
     ]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_step_that_never_trains_is_put_back_on_every_worker(tmp_path, tok, prefetch):
+    """``data.repeat=false``: the step at which one worker's data ends trains on no worker, and a worker whose data
+    lasts took its share already; put back (``rewind``), every stream's position is the one-worker run's, so a
+    resume of the stop's checkpoint (with ``data.repeat=true``) reads the same data on any worker count."""
+    import dataclasses as dc
+
+    from pretrain.data.batches import merge_states
+    from tests.unit.data.common import batches
+
+    cfg = data_cfg(write_txt(tmp_path / "small.txt", make_docs(160, "s")), repeat=False)
+
+    def to_the_end(parts) -> dict:  # as the trainer drives them: every rank asks, one collective says who ended
+        while True:
+            got = []
+            for p in parts:
+                try:
+                    got.append(p.next_step())
+                    if prefetch:
+                        p.prefetch()
+                except StopIteration:
+                    got.append(None)
+            if any(g is None for g in got):
+                for p, g in zip(parts, got):
+                    if g is not None:
+                        p.rewind()
+                return merge_states([p.state_dict() for p in parts])
+
+    one = to_the_end([batches(cfg, tok, world=1)])
+    two = to_the_end([batches(cfg, tok, rank=r, world=2) for r in (0, 1)])
+    assert {s: st["sequences"] for s, st in two["streams"].items()} == {
+        s: st["sequences"] for s, st in one["streams"].items()
+    }
+    again = dc.replace(cfg, repeat=True)
+    resumed = []
+    for state in (one, two):
+        tb = batches(again, tok, world=1)
+        tb.load_state_dict(state)
+        resumed.append(tb.next_step()["input_ids"])
+    assert torch.equal(resumed[0], resumed[1])
