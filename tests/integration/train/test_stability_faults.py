@@ -71,8 +71,8 @@ def _all_finite(root: Path) -> tuple[int, list[str]]:
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory):
     """Real 2-worker runs of 24 steps in one pair of processes: clean, NaN gradient on rank 1 at step 5 (policy
-    skip), LR x1000 at step 13 (policy rollback), the rollback run resumed from its step-8 checkpoint (before the
-    fault), and the rollback run stopped at step 11 then resumed from the checkpoint of that stop."""
+    skip), LR x1000 at step 13 (policy rollback), the rollback run stopped at step 11; then, in a fresh pair, the
+    rollback run resumed from its step-8 checkpoint (before the fault) and from the checkpoint of that stop."""
     from pretrain.driver.prepare import prepare_new
 
     with in_workdir(tmp_path_factory.mktemp("stability")) as work:
@@ -114,10 +114,15 @@ def fault_runs(tmp_path_factory):
         # same at step 12, a step the run saves at: its own save finds the NaN and rolls back to step 8, and the stop
         # then saves the restored state at step 8 (not left as step 8's earlier checkpoint)
         nan_stop, nan_stop_12 = nan_stop_at(11), nan_stop_at(12)
-        jobs = [clean, nan, spike, resumed, stopped, after_stop, nan_stop, nan_stop_12]
-        names = ("clean", "nan", "spike", "resumed", "stopped", "after_stop", "nan_stop", "nan_stop_12")
-        ranks = run_jobs(2, jobs, fresh=False)
-        yield {"work": work, "jobs": dict(zip(names, jobs)), "ranks": ranks, "final": dict(zip(names, ranks[0]))}
+        first = {"clean": clean, "nan": nan, "spike": spike, "stopped": stopped}
+        first.update(nan_stop=nan_stop, nan_stop_12=nan_stop_12)
+        # the resumes in fresh processes: the checkpoints, not what the writing processes kept in memory, carry them
+        then = {"resumed": resumed, "after_stop": after_stop}
+        ranks = [
+            a + b for a, b in zip(run_jobs(2, list(first.values()), fresh=False), run_jobs(2, list(then.values())))
+        ]
+        jobs = {**first, **then}
+        yield {"work": work, "jobs": jobs, "ranks": ranks, "final": dict(zip(jobs, ranks[0]))}
 
 
 def test_nan_gradient_on_one_rank_is_skipped_on_all_ranks(fault_runs):
