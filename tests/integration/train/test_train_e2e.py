@@ -70,13 +70,21 @@ def killed_job(reference):
     time.sleep(2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
+    killed_at_ms = int(time.time() * 1000)
     run_dir = work / "checkpoints" / run_id
     at_kill = {
         "steps": [p.name for p in sorted(run_dir.glob("step_*"))],
         "in_flight": list(run_dir.glob(".tmp-step_00000006-*")),
     }
     resumed = cli(work, "resume", run_id)
-    return {"run_id": run_id, "run_dir": run_dir, "seen": seen, "at_kill": at_kill, "resumed": resumed}
+    return {
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "seen": seen,
+        "at_kill": at_kill,
+        "resumed": resumed,
+        "killed_at_ms": killed_at_ms,
+    }
 
 
 def test_killed_job_resumes_by_run_id(reference, killed_job):
@@ -86,13 +94,17 @@ def test_killed_job_resumes_by_run_id(reference, killed_job):
     assert "resumed from" in resumed.stdout and run_id in resumed.stdout
     losses = _losses(work, run_id)
     assert all(losses[s] == reference["losses"][s] for s in range(1, 9)), (losses, reference["losses"])
+    from mlflow import MlflowClient  # the resume's own losses: steps 5-8 logged again, after the kill
+
+    history = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_metric_history(run_id, "train/loss")
+    again = {m.step: m.value for m in history if m.timestamp > killed_job["killed_at_ms"]}
+    assert again == {s: reference["losses"][s] for s in range(5, 9)}, (again, reference["losses"])
 
     listing = cli(work, "runs").stdout
     assert reference["run_id"] in listing and run_id in listing
     detail = cli(work, "runs", run_id).stdout
     assert "step_00000008" in detail and "step_00000004" in detail
-    from mlflow import MlflowClient  # the resume's config, named by the step it resumed from (one per resume)
-
+    # the resume's config, named by the step it resumed from (one per resume)
     config = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").list_artifacts(run_id, "config")
     assert [a.path for a in config if a.path.startswith("config/resumed")] == ["config/resumed_step_00000004.yaml"]
 
