@@ -104,8 +104,12 @@ class MoEConfig:
             raise ConfigError(f"moe.bias_rate: must be > 0 with moe.balance={self.balance}, got {self.bias_rate}")
         if not 0.0 < self.collapse_share <= 1.0:
             raise ConfigError(f"moe.collapse_share: must be in (0, 1], got {self.collapse_share}")
-        balanced = self.top_k / self.num_experts
-        if self.collapse_steps and self.top_k < self.num_experts and self.collapse_share <= balanced:
+
+    def check_collapse_share(self) -> None:
+        """``collapse_share`` above a balanced router's share (of a config as written: a stored one keeps loading
+        whatever an older version took)."""
+        balanced = self.top_k / self.num_experts if self.enabled else 0.0
+        if self.collapse_steps and self.enabled and self.top_k < self.num_experts and self.collapse_share <= balanced:
             raise ConfigError(
                 f"moe.collapse_share: {self.collapse_share} is not above a balanced router's share of the tokens "
                 f"(moe.top_k / moe.num_experts = {balanced:g}): every step would be a collapse; raise it, or "

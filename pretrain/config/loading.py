@@ -333,21 +333,20 @@ def overridden(overrides: list[str] | tuple[str, ...], section: str, key: str) -
     in order: for a command that must refuse a key whatever way it is written."""
     found = []
     for text in overrides:
-        tree: dict = {}
         dotted, value = parse_override(text)
-        _set_dotted(tree, dotted, value)
-        node = tree.get(section)
-        if isinstance(node, dict) and key in node:
-            found.append(node[key])
+        if dotted == f"{section}.{key}":
+            found.append(value)
+        elif dotted == section and isinstance(value, dict) and key in value:
+            found.append(value[key])
     return found
 
 
 def _settings_fine(base: dict) -> bool:
     """Whether the stored config ``base`` passes :meth:`RunConfig.check_settings` (the task files aside: a
     resume's preflight checks those)."""
-    cfg = from_dict(migrate(base))
-    cfg.eval.tasks = []
     try:
+        cfg = from_dict(migrate(base))
+        cfg.eval.tasks = []
         cfg.check_settings()
     except ConfigError:
         return False

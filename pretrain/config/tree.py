@@ -372,6 +372,7 @@ class RunConfig:
         exist: of a config as written, and of a stored config given overrides (a resume, an anneal) that make
         such a conflict; never of a stored config only read (an export, an eval of a checkpoint)."""
         self.eval.check_files()
+        self.moe.check_collapse_share()
         t, why = self.train, self.no_validation()
         for key, value in (
             ("train.stop_at_val_loss", t.stop_at_val_loss),

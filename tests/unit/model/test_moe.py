@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pretrain.config import ConfigError, load_config
+from pretrain.config import ConfigError, from_dict, load_config, to_dict
 from pretrain.model import build_model
 from pretrain.model.moe import MoEFeedForward, moe_layers, routing_metrics
 from tests.conftest import ROOT
@@ -359,5 +359,10 @@ def test_a_top2_router_that_collapsed_is_flagged_with_the_default_share():
     assert [len(monitor.router_collapse(step, max_shares({0: row}))) for step in (1, 2)] == [0, 1]
     with pytest.raises(ConfigError, match=r"^moe.collapse_share: 0.25 is not above a balanced router's share"):
         load_config(None, ["moe.num_experts=8", "moe.top_k=2", "moe.collapse_share=0.25"])
+    stored = to_dict(config)  # a checkpoint's config an older version took (the share was of the assignments)
+    stored["moe"]["collapse_share"] = 0.25
+    assert from_dict(stored).moe.collapse_share == 0.25  # still resumed, exported, evaluated
+    fixed = load_config(None, ["moe.collapse_share=0.9"], base=stored)  # and an override mends it
+    assert fixed.moe.collapse_share == 0.9
     every = StabilityMonitor(config.stability, moe=MoEConfig(num_experts=2, top_k=2, collapse_steps=1))
     assert every.router_collapse(1, {0: 1.0}) == [], "top_k == num_experts: no choice, no collapse"
