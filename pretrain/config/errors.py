@@ -19,7 +19,7 @@ HTTP clients split it (a user name may hold an ``@``, ``me@corp.com:PASSWORD@hos
 ``#`` or ``?`` too, which database URLs take unencoded)."""
 _SECRET_QUERY = re.compile(
     r"([?&](?:key|sig|[\w.-]*(?:token|signature|secret|password|passwd|credential|api[_-]?key|access[_-]?key)"
-    r"[\w.-]*)=)[^&\s#]+",
+    r"[\w.-]*)=)[^&\s#\"',;)}\]]+",
     re.IGNORECASE,
 )
 """A query parameter that carries a secret (``?token=``, ``&sig=``, ``X-Amz-Signature=``, ``api_key=``, ``key=``):

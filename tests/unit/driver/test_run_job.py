@@ -64,6 +64,7 @@ def test_a_tracking_servers_password_is_never_printed(tmp_path, monkeypatch, cap
         ("https://ghp_T0ken@github.com/o/r.git", "https://***@github.com/o/r.git"),
         ("https://h/d.jsonl?X-Amz-Signature=S1g&a=1&token=T0k", "https://h/d.jsonl?X-Amz-Signature=***&a=1&token=***"),
         ("https://h/x?sig=S1g#f and ?api_key=K3y", "https://h/x?sig=***#f and ?api_key=***"),
+        ('{"path": "https://h/d?token=T0k", "n": 1}', '{"path": "https://h/d?token=***", "n": 1}'),  # JSON stays JSON
         ("http://host:8080/a?b=c@d see bob@example.com", "http://host:8080/a?b=c@d see bob@example.com"),
         ("postgresql://mlflow:pa#ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
         ("mysql://u:p?w@h/db", "mysql://u:***@h/db"),
