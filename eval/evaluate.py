@@ -248,9 +248,9 @@ def evaluate_tasks(
     dcfg = data_config(src, list(data))
     if data:
         _check_shards_vocabulary(dcfg, src)
-    EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices).validate(
-        bool(dcfg.val_sources) or dcfg.val_holdout > 0
-    )
+    given = EvalConfig(tasks=specs, max_examples=max_examples, num_choices=num_choices)
+    given.validate(bool(dcfg.val_sources) or dcfg.val_holdout > 0)
+    given.check_files()  # (a FIFO is named, never opened)
     tasks = load_tasks(specs, dcfg, max_examples=max_examples, num_choices=num_choices, seed=src.seed)
     metrics = task_metrics(
         lambda ids, labels: src.logits_fn(ids),

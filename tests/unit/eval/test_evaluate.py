@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,15 @@ def test_bad_arguments_and_a_damaged_export_are_one_line(tokenizer_dir, workdir)
             evaluate(str(ckpt), sample=False, **kwargs)
         assert str(e.value) == message
     assert evaluate(str(ckpt), sample=False, seq_len=T // 2, sequences=3)["sequences"] == 3
+
+    fifo = workdir / "t.jsonl"
+    os.mkfifo(fifo)  # named, never opened (reading it would block)
+    for spec, message in [
+        (str(workdir / "gone.jsonl"), "is neither heldout_lastword nor an existing .jsonl task file"),
+        (str(fifo), "is a FIFO, not a regular file"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^eval.tasks\[0\]: .*{message}$"):
+            evaluate_tasks(open_source(str(ckpt), None), [spec], track=False)
 
     export_checkpoint(str(ckpt), workdir / "hf", log=lambda *a: None)
     original = (workdir / "hf" / "config.json").read_text()
