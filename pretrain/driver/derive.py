@@ -26,6 +26,7 @@ import torch
 
 from pretrain.checkpoint import reader
 from pretrain.checkpoint import weights as ckpt_weights
+from pretrain.checkpoint.store import CheckpointError
 from pretrain.checkpoint.writer import CheckpointWriter, Contents, EngineState, FullWeights, LocalWorld
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config.paths import resolve_paths
@@ -121,6 +122,8 @@ def derive_run(
             others = {r: (data_state, rngs[r]) for r in range(1, world.world_size)}
             contents = Contents(cfg, state, data_state, model, rng_state=rngs[0], other_ranks=others)
             path = writer.save(contents)
+            if writer.record_pending():  # the child's one checkpoint, not recorded: no run to resume by its id
+                raise CheckpointError(f"{path} committed, but recording it in MLflow failed (above)")
         tracker.finish("FINISHED")
     return run_id, path
 

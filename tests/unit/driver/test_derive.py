@@ -54,6 +54,7 @@ def test_a_child_whose_first_checkpoint_fails_ends_failed(tmp_path, monkeypatch)
 
     from mlflow import MlflowClient
 
+    from pretrain.checkpoint.store import CheckpointError
     from pretrain.checkpoint.writer import CheckpointWriter
     from pretrain.driver.derive import derive_run, parent_engine_state
     from pretrain.export.checkpoints import resolve_checkpoint
@@ -74,6 +75,18 @@ def test_a_child_whose_first_checkpoint_fails_ends_failed(tmp_path, monkeypatch)
         derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
     (run,) = tracking.list_runs(uri)
     assert MlflowClient(uri).get_run(run.info.run_id).info.status == "FAILED"
+    # written, but MLflow did not record it: the child has no checkpoint to resume by its id, so it fails too
+    monkeypatch.undo()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    def down(self, path, manifest):
+        raise OSError("tracking store down")
+
+    monkeypatch.setattr(tracking.Tracker, "register_checkpoint", down)
+    with pytest.raises(CheckpointError, match=r"step_00000002 committed, but recording it in MLflow failed"):
+        derive_run(parent, cfg, parent_engine_state(parent), {}, "anneal")
+    statuses = sorted(MlflowClient(uri).get_run(r.info.run_id).info.status for r in tracking.list_runs(uri))
+    assert statuses == ["FAILED", "FAILED"]
 
 
 def test_a_child_keeps_its_parents_data_fingerprint_and_early_exit_plan(tmp_path, monkeypatch):
