@@ -32,8 +32,16 @@ def find_resume_point(cfg: RunConfig, run_dir: Path, ctx: dist.DistContext) -> C
     if resume is None and cfg.checkpoint.resume_from:
         resume = store.resolve(Path(cfg.checkpoint.resume_from), full=False)
     chosen = dist.broadcast_object(str(resume.path) if resume is not None else None)
+    error = None
     if (str(resume.path) if resume is not None else None) != chosen:
-        resume = store.resolve(Path(chosen), full=False) if chosen is not None else None
+        try:
+            resume = store.resolve(Path(chosen), full=False) if chosen is not None else None
+        except CheckpointError as e:  # said by every rank: the others would wait for this one in a collective
+            error = f"rank {ctx.rank}: {e}"
+    errors = [e for e in dist.gather_object(error) if e]
+    error = dist.broadcast_object(errors[0] if errors else None)
+    if error:
+        raise CheckpointError(error)
     if ctx.is_main:  # (only rank 0 makes and removes conversions, later in this job)
         conversions.remove_stale(run_dir, keep=resume)
     if resume is not None:

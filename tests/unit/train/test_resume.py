@@ -66,8 +66,9 @@ def test_a_resume_of_a_growth_run_takes_the_grown_shape_from_the_checkpoint_and_
     assert (out.model.dropout, out.model.z_loss, out.moe.aux_loss_weight) == (0.3, 0.01, 0.05)
 
 
-def _resume_point(rank: int, world: int, run_dir: str) -> int:
-    """``find_resume_point`` where rank 1's listing of the run directory lags (it sees step 2, rank 0 step 4)."""
+def _resume_point(rank: int, world: int, run_dir: str, hidden: bool = False) -> int | str:
+    """``find_resume_point`` where rank 1's listing of the run directory lags (it sees step 2, rank 0 step 4);
+    ``hidden``: rank 1 cannot open step 4 at all. The step resumed, or the error."""
     from pathlib import Path
 
     from pretrain.checkpoint import store
@@ -75,22 +76,34 @@ def _resume_point(rank: int, world: int, run_dir: str) -> int:
     from pretrain.train import dist
     from pretrain.train.resume import find_resume_point
 
-    listed = store.latest_committed
+    listed, resolve = store.latest_committed, store.resolve
+
+    def lagging(path, full=True):
+        if hidden and Path(path).name == "step_00000004":
+            raise store.CheckpointError(f"{path}: no such checkpoint")
+        return resolve(path, full=full)
+
     if rank == 1:
-        store.latest_committed = lambda d, full=True: store.resolve(Path(d) / "step_00000002", full=full)
+        store.latest_committed = lambda d, full=True: resolve(Path(d) / "step_00000002", full=full)
+        store.resolve = lagging
     try:
         ctx = dist.DistContext(rank, world, rank, world, torch.device("cpu"), False)
         return find_resume_point(load_config(None, []), Path(run_dir), ctx).step
+    except store.CheckpointError as e:
+        return str(e)
     finally:
-        store.latest_committed = listed
+        store.latest_committed, store.resolve = listed, resolve
 
 
 def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     """A rank whose listing of a shared run directory lags behind a commit (NFS caches listings) takes rank 0's
-    choice: every rank restores the same step (it restored its own: different weights and counters, a hang)."""
+    choice: every rank restores the same step (it restored its own: different weights and counters, a hang); one
+    that cannot open it at all says so on every rank (the others would wait for it in the next collective)."""
     from tests.harness import run_distributed
     from tests.unit.checkpoint.test_store import _commit
 
     for step in (2, 4):
         _commit(tmp_path, step)
     assert run_distributed(_resume_point, 2, str(tmp_path), fresh=False) == [4, 4]
+    said = run_distributed(_resume_point, 2, str(tmp_path), True, fresh=False)
+    assert said[0] == said[1] and said[0].startswith("rank 1: ") and "step_00000004: no such checkpoint" in said[0]
