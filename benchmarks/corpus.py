@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -55,6 +56,10 @@ PROJECT = "pretrain"
 DEFAULT_VOCAB = 2048
 WHAT = "Python sources and docs of the installed packages (benchmarks/corpus.py)"
 """The manifest's ``what``: a directory whose manifest says it is the only one a rebuild replaces."""
+OWN_FILES = re.compile(
+    r"^(manifest\.json|train\.jsonl|val\.jsonl|tokenizer|(train|val)-pieces-\d+-parts-\d+(\.tmp-\d+)?)$"
+)
+"""What the builder and :func:`shuffled_parts` write in a corpus directory: anything else there is the user's."""
 
 
 def default_dir(vocab_size: int = DEFAULT_VOCAB) -> Path:
@@ -213,14 +218,16 @@ def build(
 
 def _own_manifest(out: Path) -> dict | None:
     """The manifest of the corpus this builder wrote in ``out``; None for a new or empty directory. Anything else
-    there (files of the user's, another tool's output) is refused: a rebuild replaces the whole directory."""
+    (another tool's output, a file added to a corpus directory) is refused: a rebuild replaces the whole
+    directory."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return None
     try:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         manifest = None
-    if isinstance(manifest, dict) and manifest.get("what") == WHAT:
+    others = sorted(p.name for p in out.iterdir() if not OWN_FILES.match(p.name)) if out.is_dir() else []
+    if isinstance(manifest, dict) and manifest.get("what") == WHAT and not others:
         return manifest
     from pretrain.config import ConfigError
 

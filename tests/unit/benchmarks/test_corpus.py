@@ -149,3 +149,8 @@ def test_bad_input_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match=r"^bench --build-corpus --out: .*mine holds files this builder did"):
             build(mine, vocab_size=300, roots=[site], force=force)
     assert sorted(p.name for p in mine.iterdir()) == ["manifest.json", "notes.txt"]
+    built = build(tmp_path / "built", vocab_size=300, roots=[site])  # a corpus the builder wrote, a file added
+    (Path(built["dir"]) / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match=r"built holds files this builder did not write"):
+        build(Path(built["dir"]), vocab_size=300, roots=[site], force=True)
+    assert (Path(built["dir"]) / "notes.txt").read_text() == "the user's"
