@@ -142,7 +142,7 @@ def test_net2net_heads_with_gqa_keep_the_query_to_kv_pairing(arch, heads, kv):
     units). Measured over these cases (seed 3): loss change 3.0e-4..6.1e-3 relative, max logit difference
     0.04..0.11 (the untrained logits reach 0.36..0.87); asserted: < 2e-2 and < 0.3."""
     cfg, moe = _cfg(*GQA[arch])
-    model = _trained(cfg, moe)
+    model = build_model(cfg, 0, moe).eval()  # (the measured figures above are of this model)
     ids, sd = _ids(), model.state_dict()
     new_cfg, new_moe, grown = grow_width(cfg, moe, sd, heads=heads, hidden=heads * 8, op="net2net", seed=3)
     assert (new_cfg.num_heads, new_cfg.num_kv_heads, new_cfg.hidden_size) == (heads, kv, heads * 8)
@@ -164,7 +164,7 @@ def test_net2net_hidden_size_with_gqa_is_approximate():
     2 key/value heads) from hidden 32 to 64 via net2net. Measured over seeds 0-4: loss change 5.5e-4..3.0e-3
     relative, max logit difference 0.07..0.12 (largest logit 0.87); asserted: < 1e-2 and < 0.25."""
     cfg, moe = _cfg(*GQA["llama-gqa"])
-    model = _trained(cfg, moe)
+    model = build_model(cfg, 0, moe).eval()  # (the measured figures above are of this model)
     ids = _ids()
     for seed in range(5):
         c, m, sd = grow_width(cfg, moe, model.state_dict(), hidden=64, op="net2net", seed=seed)
