@@ -137,3 +137,14 @@ def test_a_value_yaml_would_silently_change_is_refused(override, message):
     assert main(["train", "--dry-run", override]) == 2
     quoted = load_config(None, ["checkpoint.dir='runs #1'", "train.seed=0", "train.max_steps=9 # a comment"])
     assert (quoted.checkpoint.dir, quoted.train.seed, quoted.train.max_steps) == ("runs #1", 0, 9)
+
+
+def test_a_key_is_found_in_either_form_and_an_indexed_override_is_left_alone():
+    """``overridden`` (the resume's guards): ``section.key=v`` and ``section={key: v}`` are the key; an override of
+    an item of a list (``data.sources[1].path=...``) is not, and is not applied to an empty tree (its index would
+    be out of range there)."""
+    from pretrain.config.loading import overridden
+
+    given = ["data.tokenizer=/a", "data={tokenizer: /b, repeat: true}", "data.sources[1].path=/moved.txt", "x.y=1"]
+    assert overridden(given, "data", "tokenizer") == ["/a", "/b"]
+    assert overridden(["data.val_sources[0].path=/v.jsonl", "growth.schedule[0].depth=2x"], "data", "tokenizer") == []
