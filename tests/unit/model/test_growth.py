@@ -407,6 +407,18 @@ def test_held_back_loss_is_fp32_whatever_the_ambient_precision():
         held_back_loss(cfg, state, [], torch.device("cpu"))
 
 
+def test_a_rebuilt_engine_that_does_not_compute_the_grown_model_stops_the_run():
+    """The rebuilt engine's held-back loss against the grown weights' fp32 loss: the engine's rounding passes
+    (1e-4 relative in fp32, 3e-2 in bf16), another model (weights left at their initialization) or NaN does not."""
+    from pretrain.train.callbacks.growth import GrowthCheckError, check_rebuilt
+
+    check_rebuilt(4.0, 4.0002, "fp32", 6)
+    check_rebuilt(4.0, 4.1, "bf16", 6)
+    for rebuilt, precision in ((4.01, "fp32"), (4.5, "bf16"), (float("nan"), "fp32")):
+        with pytest.raises(GrowthCheckError, match=r"^growth at step 6: the rebuilt engine's held-back loss"):
+            check_rebuilt(4.0, rebuilt, precision, 6)
+
+
 def test_stability_restarts_at_a_growth():
     from pretrain.config import StabilityConfig
     from pretrain.train.stability.monitor import StabilityMonitor, StepSignals
