@@ -99,7 +99,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+            words = ", quote it (YAML reads yes/no, on/off, true/false as a boolean)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{path}: expected str, got {_describe(value)}{words}")
         if "\x00" in value:  # no path, name or field holds one (the OS refuses it in a path)
             raise ConfigError(f"{path}: {quote(value)} holds a NUL character")
         try:

@@ -125,8 +125,9 @@ def test_train_takes_a_source_key_by_index(workdir, capsys):
         ("train.seed=010", "train.seed: expected int, got str '010'"),  # octal 8 (and 08 is text)
         ("checkpoint.dir=runs #1", "checkpoint.dir: 'runs #1' holds ' #', which YAML reads as the start of a comment"),
         ('name="\\ud800"', "name: '\\ud800' is not valid Unicode text (a lone surrogate)"),
+        ("name=no", "name: expected str, got bool False, quote it (YAML reads yes/no, on/off, true/false as a"),
     ],
-    ids=["octal", "octal-seed", "comment", "surrogate"],
+    ids=["octal", "octal-seed", "comment", "surrogate", "yes-no"],
 )
 def test_a_value_yaml_would_silently_change_is_refused(override, message):
     """A leading zero (YAML 1.1 reads an octal number), a `` #`` (the rest is a comment: the value was cut short),
