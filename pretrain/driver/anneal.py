@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pretrain.config import ConfigError, RunConfig, load_config, make_plan, to_dict
 from pretrain.config.loading import INT_MAX
-from pretrain.driver.derive import derive_run, parent_engine_state, step_option
+from pretrain.driver.derive import derive_run, once_each, parent_engine_state, step_option
 from pretrain.driver.ui_links import print_run_link
 from pretrain.export.checkpoints import LoadedCheckpoint, resolve_checkpoint
 from pretrain.invocation import command
@@ -99,11 +99,9 @@ def anneal(argv: list[str]) -> int:
     if not argv or "=" in argv[0]:
         raise ConfigError(f"{USAGE}: give a run id or a checkpoint directory first")
     options = {"steps", "step"}  # every other key=value is a config override (train.lr=.., data={..}, name=..)
-    pairs = [a.split("=", 1) for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() in options]
-    twice = sorted({k.strip() for k, _ in pairs if sum(1 for j, _ in pairs if j.strip() == k.strip()) > 1})
-    if twice:
-        raise ConfigError(f"anneal: {', '.join(twice)} given more than once")
-    opts = {k.strip(): v for k, v in pairs}
+    opts = once_each(
+        [a.split("=", 1) for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() in options], "anneal"
+    )
     overrides = [a for a in argv[1:] if "=" in a and a.split("=", 1)[0].strip() not in options]
     sections = {f.name for f in dataclasses.fields(RunConfig)}
     bad = [a for a in argv[1:] if "=" not in a] + [

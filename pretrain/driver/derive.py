@@ -157,15 +157,20 @@ def parse_options(argv: list[str], valid: set[str], usage: str) -> dict[str, str
     ``key=value`` pairs with keys in ``valid``; ``usage`` names the command in the errors."""
     if not argv or "=" in argv[0]:
         raise ConfigError(f"{usage}: give a run id or a checkpoint directory first")
-    pairs = [a.split("=", 1) for a in argv[1:] if "=" in a]
-    opts = dict(pairs)
-    twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
-    if twice:
-        raise ConfigError(f"{usage}: {', '.join(twice)} given more than once")
+    opts = once_each([a.split("=", 1) for a in argv[1:] if "=" in a], usage)
     unknown = sorted(set(opts) - valid)
     if unknown or len(opts) != len(argv) - 1:
         raise ConfigError(f"{usage}: unknown option(s) {unknown or argv[1:]} (valid: {', '.join(sorted(valid))})")
     return opts
+
+
+def once_each(pairs: list[list[str]], usage: str) -> dict[str, str]:
+    """``key=value`` pairs (split at the first ``=``) as a dict of stripped keys; a key given twice is refused."""
+    keys = [k.strip() for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"{usage}: {', '.join(twice)} given more than once")
+    return {k.strip(): v for k, v in pairs}
 
 
 def step_option(opts: dict[str, str], usage: str) -> int | None:
