@@ -13,6 +13,7 @@
 #   ./launch.sh CMD ...      setup, then python -m pretrain CMD ...   (train, resume, runs, bench, ...)
 #   ./launch.sh [help]       setup, then this usage: python -m pretrain --help and these lines (also -h, --help)
 set -euo pipefail
+unset CDPATH  # with it set, cd prints the directory it found, and $(cd DIR && pwd) would hold two lines
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
@@ -56,9 +57,13 @@ ensure_uv() {  # [WHEELHOUSE] sets UV: uv $UV_VERSION, fetched once per user wit
   fi
   local tmp hashes=(--require-hashes)
   tmp="$(mktemp -d)"
-  # The pin with its hashes, from the lock (pip checks the wheel against them); version-only before the first lock.
+  # The pin with its hashes, from the lock (pip checks the wheel against them); version-only for `lock` alone, which
+  # writes the pin (the first lock, or one after UV_VERSION changed): setup installs nothing with an unchecked uv.
   sed -n "/^uv==${UV_VERSION//./\\.} /,/[^\\\\]\$/p" "$LOCK" 2>/dev/null >"$tmp/uv.txt" || true
-  [[ -s "$tmp/uv.txt" ]] || { echo "uv==$UV_VERSION" >"$tmp/uv.txt"; hashes=(); }
+  if [[ ! -s "$tmp/uv.txt" ]]; then
+    [[ -n "${LOCKING:-}" ]] || { rm -rf "$tmp"; echo "[setup] error: $(basename "$LOCK") pins no uv==$UV_VERSION with its hashes (launch.sh's UV_VERSION): ./launch.sh lock, or put uv $UV_VERSION on PATH" >&2; exit 2; }
+    echo "uv==$UV_VERSION" >"$tmp/uv.txt"; hashes=()
+  fi
   if [[ -n "${1:-}" ]]; then
     local wheel
     wheel="$(find "$1" -maxdepth 1 -name "uv-$UV_VERSION-*.whl" | head -n1)"
@@ -94,12 +99,13 @@ uv_sources() {  # $1=all|lock|cuda|cuda-lock: pip's package sources (pip.conf, P
 
 run_uv() {  # run_uv SOURCES ARGS... (SOURCES: see uv_sources): uv with pip's package sources and CA bundle, exported
   # in a subshell (an index URL may hold credentials: never on a command line, which any local user can read)
-  local kind="$1"
+  local kind="$1" sources
   shift
+  sources="$(uv_sources "$kind")" || exit 2  # (it said why: an interpreter too old, a pip.conf it cannot read)
   (
     while IFS= read -r line; do
-      [[ "$line" == SSL_CERT_FILE=* && -n "${SSL_CERT_FILE:-}" ]] || export "${line?}"
-    done < <(uv_sources "$kind")
+      [[ -z "$line" || ("$line" == SSL_CERT_FILE=* && -n "${SSL_CERT_FILE:-}") ]] || export "${line?}"
+    done <<<"$sources"
     export UV_PYTHON_DOWNLOADS=never
     exec "$UV" "$@" --index-strategy unsafe-best-match
   )
@@ -134,7 +140,7 @@ unit_only() {  # unit_only PYTEST_ARGS...: they name tests/unit paths only, and 
 }
 
 lock() {
-  ensure_uv
+  LOCKING=1 ensure_uv
   local torch tmp
   # CPU: torch is pinned to this machine's CPU build (requirements-torch.txt), so no CUDA wheels get into this lock.
   compile_lock lock "$LOCK" "" "$ROOT/requirements-torch.txt" "$ROOT/requirements.txt"
@@ -199,19 +205,23 @@ check_cuda_driver() {  # LOCK: a driver older than the CUDA of the lock's torch 
 }
 
 remember_choice() {  # the interpreter and torch kind this setup used (CHOICE: read at the top of this script)
-  local py
-  py="$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null)" || return 0
-  local asked=""
+  local py asked="" text
+  py="$("$PY" -c 'import sys; print(sys.executable)' 2>/dev/null)" && [[ -n "$py" ]] || return 0
   [[ -n "${PRETRAIN_TORCH:-}" || "$SAVED_ASKED" == asked ]] && asked="asked"
-  [[ -n "$py" ]] && printf '%s\n%s\n%s\n' "$py" "$KIND" "$asked" >"$CHOICE.tmp" && mv -f "$CHOICE.tmp" "$CHOICE"
+  text="$(printf '%s\n%s\n%s' "$py" "$KIND" "$asked")"
+  [[ -f "$CHOICE" && "$(cat "$CHOICE")" == "$text" ]] && return 0  # commands started together all find it so
+  # A name of this process's own (a concurrent command writes its own), renamed into place: readers see one whole.
+  { printf '%s\n' "$text" >"$CHOICE.tmp.$$" && mv -f "$CHOICE.tmp.$$" "$CHOICE"; } 2>/dev/null || rm -f "$CHOICE.tmp.$$"
   return 0
 }
 
 setup() {  # setup [--offline WHEELHOUSE]
   # The stamp records which lock (name, sha256; the environment's torch, the wheelhouse) and which pyproject.toml the
   # venv was made from. A venv made offline stays offline: later setups install from the wheelhouse its stamp names.
-  local stamp="$VENV/.pretrain-setup" lock want_lock want_project offline="" req
+  local stamp="$VENV/.pretrain-setup" lock want_lock want_project offline="" req old_stamp="" version
   [[ -z "$SAVED_PY" ]] || PY="$SAVED_PY"  # the interpreter the earlier setup used (PYTHON unset)
+  version="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 11))')" \
+    || { echo "[setup] error: $PY is Python ${version:-(none found)}; the project needs 3.11 or later (PYTHON=/path/to/python3.11)" >&2; exit 2; }
   if [[ $# -gt 0 ]]; then
     [[ "$1" == --offline && $# -eq 2 ]] \
       || { echo "[setup] error: usage: ./launch.sh setup [--offline WHEELHOUSE_DIR]" >&2; exit 2; }
@@ -226,7 +236,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   [[ "$KIND" == cuda ]] && lock="$CUDA_LOCK"
   [[ -f "$lock" ]] || { echo "[setup] error: $lock is missing: ./launch.sh lock" >&2; exit 1; }
   [[ "$KIND" != cuda ]] || check_cuda_driver "$lock" || exit 2
-  want_lock="$(basename "$lock") sha256=$(sha256sum "$lock" | cut -d' ' -f1)"
+  want_lock="$(basename "$lock") sha256=$(sha256sum "$lock" | cut -d' ' -f1) python $version"
   [[ "$KIND" == system ]] && want_lock+=" around the environment's torch $TORCH"
   [[ -n "$offline" ]] && want_lock+=" from wheelhouse $offline"
   want_project="pyproject.toml sha256=$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
@@ -237,13 +247,17 @@ setup() {  # setup [--offline WHEELHOUSE]
     return 0
   fi
   local t0=$SECONDS uv_offline=()
+  # From here the venv changes: without its stamp until it is whole again (an interrupted setup is not taken as done
+  # by the next command, whatever it asks for).
+  [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
+  rm -f "$stamp"
   [[ -n "$offline" ]] && uv_offline=(--offline --no-index --find-links "$offline")
   ensure_uv "$offline"
   if [[ -z "$UV" ]] && ! "$PY" -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))' 2>/dev/null; then
     echo "[setup] error: $offline holds no uv and none of version $UV_VERSION is at hand, and $PY has no pip 22.3 or later to install with: put uv $UV_VERSION on PATH" >&2
     exit 2
   fi
-  if [[ ! -x "$VENV/bin/python" || ! -f "$stamp" || "$(head -n1 "$stamp")" != "$want_lock" ]]; then
+  if [[ ! -x "$VENV/bin/python" || "$(head -n1 <<<"$old_stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
     req="$lock"
     if [[ "$KIND" == system ]]; then  # the lock less torch and what only torch needs (and a wheelhouse's --without)
@@ -263,7 +277,7 @@ setup() {  # setup [--offline WHEELHOUSE]
     # what it imports. Offline with no uv (a wheelhouse made for one environment carries none): the environment's pip,
     # into the new venv, each wheel hash-checked, nothing resolved (the wheelhouse's lock is complete).
     if [[ -z "$UV" ]]; then
-      "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check --no-index \
+      PIP_CONFIG_FILE=/dev/null "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check --no-index \
         --find-links "$offline" --no-deps --require-hashes -r "$req" || exit 1
     elif [[ -n "$offline" ]]; then
       UV_PYTHON_DOWNLOADS=never "$UV" pip sync -q --python "$VENV/bin/python" --require-hashes --compile-bytecode \
@@ -275,14 +289,14 @@ setup() {  # setup [--offline WHEELHOUSE]
   fi
   # system: the venv sees the environment's packages after its own (a .pth file of the venv), else none of them.
   if [[ "$KIND" == system ]]; then
-    "$PY" "$INSTALL" link "$VENV" "${TORCH##* }"
+    "$PY" "$INSTALL" link "$VENV" "${TORCH#* * }"  # TORCH: "VERSION CUDA SITE_DIR" (a SITE_DIR may hold spaces)
   else
     rm -f "$VENV"/lib/python*/site-packages/_pretrain_environment.pth
   fi
   # This project, editable and without dependencies (the lock has them), built by the lock's setuptools: the
   # `pretrain` command, and the packages importable by any process of this venv (Ray workers need no PYTHONPATH).
   if [[ -z "$UV" ]]; then
-    PYTHONWARNINGS=ignore "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check \
+    PIP_CONFIG_FILE=/dev/null PYTHONWARNINGS=ignore "$PY" -m pip --python "$VENV/bin/python" install -q --isolated --disable-pip-version-check \
       --no-index --no-deps --no-build-isolation -e "$ROOT" || exit 1  # (setuptools' warning on editable installs)
   elif [[ -n "$offline" ]]; then
     UV_PYTHON_DOWNLOADS=never "$UV" pip install -q --python "$VENV/bin/python" "${uv_offline[@]}" --no-deps \
@@ -293,7 +307,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   # system: torch imports from the environment, and every package it requires is there in a version it accepts.
   [[ "$KIND" != system ]] || "$VENV/bin/python" "$INSTALL" verify "${TORCH%% *}" --installed "$VENV/.pretrain-requirements.txt" \
     || exit 1
-  printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp"
+  printf '%s\n%s\n' "$want_lock" "$want_project" >"$stamp.tmp.$$" && mv -f "$stamp.tmp.$$" "$stamp"
   remember_choice
   sha256sum "$lock" | cut -d' ' -f1 >"$VENV/.requirements.sha256"  # the lock's sha256 alone: a second, simpler stamp
   if [[ "$KIND" == cuda || ( "$KIND" == system && "$(cut -d' ' -f2 <<<"$TORCH")" != cpu ) ]]; then

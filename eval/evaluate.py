@@ -98,6 +98,9 @@ def run_harness(src: EvalSource, tasks: str) -> tuple[str, dict | None]:
     locally; otherwise one line saying why not. Returns (line, per-task results or None)."""
     if src.no_hf:
         return f"harness: {src.no_hf} has no Hugging Face class; skipped tasks {tasks}", None
+    if src.kind != "decoder":  # lm_eval's "hf" model is AutoModelForCausalLM: a BERT export loads as BertLMHeadModel
+        why = f"{src.label} is a masked LM; lm-evaluation-harness scores causal LMs"
+        return f"harness: {why}; skipped tasks {tasks}", None
     if importlib.util.find_spec("lm_eval") is None:
         return f"harness: lm-evaluation-harness (package lm_eval) is not installed; skipped tasks {tasks}", None
     try:

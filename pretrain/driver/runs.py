@@ -42,9 +42,9 @@ def runs(args: list[str]) -> int:
                 f"{m.get('val/loss', float('nan')):>9.4f}  {c.path}"
             )
         if plot:
-            from pretrain.train.plot import plot_run
+            from pretrain.train.plot import SERIES, plot_run
 
-            if not run.data.metrics:
+            if not set(SERIES) & set(run.data.metrics):  # a fresh grown child has its growth's losses only
                 raise ConfigError(f"runs --plot: run {args[0]} has logged no metrics yet: there is nothing to plot")
 
             out = Path(root) / "training.png" if root and Path(root).is_dir() else Path(f"{args[0]}.png")
@@ -62,12 +62,12 @@ def runs(args: list[str]) -> int:
     w = max(4, *(len(r.info.run_name or "") for r in runs))  # whole names: a child's differs at its end
     print(f"{'run id':<34} {'name':<{w}} {'status':<9} {'step':>6} {'tokens':>13} {'val loss':>8}  latest checkpoint")
     for r in runs:
-        m, tags = r.data.metrics, r.data.tags
+        tags = r.data.tags
         step = tags.get(tracking.TAG_CKPT_STEP, "-")
-        tokens = tracking.tokens_trained(r)
+        tokens, val = tracking.latest_figures(r)
         print(
             f"{r.info.run_id:<34} {r.info.run_name or '':<{w}} {r.info.status:<9} {step:>6} "
-            f"{'-' if tokens is None else f'{tokens:,}':>13} {m.get('val/loss', float('nan')):>8.4f}  "
+            f"{'-' if tokens is None else f'{tokens:,}':>13} {float('nan') if val is None else val:>8.4f}  "
             f"{tags.get(tracking.TAG_CKPT_LATEST, '-')}"
         )
         for line in _lineage(tags)[:1]:

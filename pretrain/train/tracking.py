@@ -104,12 +104,12 @@ def start_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> s
 
 
 def new_run(uri: str, cfg: RunConfig, tags: dict[str, str] | None = None) -> str:
-    """Create a run (``RUNNING``) in ``tracking.experiment``, named and tagged; return its id."""
+    """Create a run (``RUNNING``) in ``tracking.experiment``, named and tagged (a URL's password in a tag as
+    ``***``: an anneal's overrides may name a source with credentials); return its id."""
     client = _client(uri)
     exp_id = get_or_create_experiment(uri, cfg.tracking.experiment)
-    run = client.create_run(
-        exp_id, run_name=cfg.tracking.run_name or cfg.name, tags={TAG_KIND: cfg.model.kind, **(tags or {})}
-    )
+    tags = {TAG_KIND: cfg.model.kind, **{k: without_passwords(str(v)) for k, v in (tags or {}).items()}}
+    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.name, tags=tags)
     return run.info.run_id
 
 
@@ -291,19 +291,21 @@ def run_checkpoint_root(uri: str, run_id: str) -> Path:
     return Path(root)
 
 
-def tokens_trained(run) -> int | None:
-    """The tokens the model of ``run`` has trained on, counted like its checkpoints (a resumed run, and a grown,
-    pruned or annealed child, carry on their parent's count): the latest ``train/tokens_seen`` it logged, else (a
-    derived run that has not trained yet) the manifest of its latest checkpoint; None when neither can be read."""
-    if "train/tokens_seen" in run.data.metrics:
-        return int(run.data.metrics["train/tokens_seen"])
+def latest_figures(run) -> tuple[int | None, float | None]:
+    """The tokens the model of ``run`` has trained on and its validation loss, both as of its latest committed
+    checkpoint (its manifest: the step ``runs`` lists beside them; steps logged after it by an attempt that ended
+    before its next save are not what a resume continues from); a run with no readable checkpoint, its latest
+    logged ``train/tokens_seen`` and ``val/loss``. Tokens are counted like checkpoints count them (a resumed run,
+    and a grown, pruned or annealed child, carry on their parent's count); None where nothing says."""
     latest = run.data.tags.get(TAG_CKPT_LATEST)
-    if not latest:
-        return None
-    try:
-        return read_manifest(Path(latest)).tokens_seen
-    except (CheckpointError, OSError):  # deleted, or storage this machine does not see
-        return None
+    if latest:
+        try:
+            manifest = read_manifest(Path(latest))
+            return manifest.tokens_seen, manifest.metrics.get("val/loss")
+        except (CheckpointError, OSError):  # deleted, or storage this machine does not see
+            pass
+    m = run.data.metrics
+    return (int(m["train/tokens_seen"]) if "train/tokens_seen" in m else None), m.get("val/loss")
 
 
 def store_missing(uri: str) -> bool:

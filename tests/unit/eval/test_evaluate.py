@@ -322,9 +322,27 @@ def test_the_harness_refuses_a_path_model_args_cannot_carry(name, tmp_path, monk
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
     path = tmp_path / name / "hf"
-    src = types.SimpleNamespace(no_hf="", hf_dir=lambda: contextlib.nullcontext(path))
+    src = types.SimpleNamespace(no_hf="", kind="decoder", hf_dir=lambda: contextlib.nullcontext(path))
     line, results = run_harness(src, "t")  # type: ignore[arg-type]
     assert line == f"harness: {path}: lm_eval's model_args cannot carry ',' or '=' in a path; skipped t"
+    assert results is None and not calls
+
+
+def test_the_harness_skips_an_encoder(tmp_path, monkeypatch):
+    """lm_eval's "hf" model loads AutoModelForCausalLM, which maps a BERT export to BertLMHeadModel: every weight
+    loads and a bidirectional model would be scored as a causal one. An encoder is skipped with a line."""
+    import contextlib
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "lm_eval", types.SimpleNamespace(simple_evaluate=lambda **kw: calls.append(kw)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lm_eval" else real(name, *a))
+    hf = contextlib.nullcontext(tmp_path)
+    src = types.SimpleNamespace(no_hf="", kind="encoder", label="run R (step 4)", hf_dir=lambda: hf)
+    line, results = run_harness(src, "t")  # type: ignore[arg-type]
+    assert line == "harness: run R (step 4) is a masked LM; lm-evaluation-harness scores causal LMs; skipped tasks t"
     assert results is None and not calls
 
 

@@ -88,17 +88,19 @@ def test_top_level_help_lists_every_command_and_bench_mode(argv, capsys):
 # -- runs: whole names, tokens of derived runs ------------------------------------------------------------------
 
 
-def _checkpoint(root, step: int, tokens: int):
+def _checkpoint(root, step: int, tokens: int, metrics: dict | None = None):
     """A committed checkpoint as ``runs`` reads it: its manifest."""
     path = root / layout.step_dir_name(step)
     path.mkdir(parents=True)
-    (path / layout.MANIFEST).write_text(json.dumps(Manifest(step=step, tokens_seen=tokens).to_dict()))
+    manifest = Manifest(step=step, tokens_seen=tokens, metrics=metrics or {})
+    (path / layout.MANIFEST).write_text(json.dumps(manifest.to_dict()))
     return path
 
 
 def test_runs_shows_whole_names_and_the_tokens_of_derived_runs(workdir, capsys):
     """A parent that logged ``train/tokens_seen``; a pruned and a grown child (derived: no metric, a checkpoint whose
-    manifest counts the parent's tokens); a run with neither: ``-``. Names longer than 16 characters are whole."""
+    manifest counts the parent's tokens); a run with neither: ``-``; a run killed after its checkpoint: the
+    checkpoint's tokens and val loss, not those of the steps it lost. Names longer than 16 characters are whole."""
     uri = tracking.tracking_uri()
     client = mlflow_client(uri)
     exp = tracking.get_or_create_experiment(uri, "pretrain")
@@ -110,11 +112,18 @@ def test_runs_shows_whole_names_and_the_tokens_of_derived_runs(workdir, capsys):
         tags = {"pretrain.derived": what, "mlflow.parentRunId": parent, tracking.TAG_CKPT_LATEST: str(ckpt)}
         client.create_run(exp, run_name=name, tags={**tags, tracking.TAG_CKPT_STEP: "200"})
     client.create_run(exp, run_name="nothing-yet")
+    # Killed at step 190 after its checkpoint at 100: the listing is the checkpoint's, not the lost steps'.
+    ckpt = _checkpoint(workdir / "checkpoints" / "killed", 100, 204_800, {"val/loss": 4.25})
+    killed = client.create_run(exp, run_name="killed", tags={tracking.TAG_CKPT_LATEST: str(ckpt)}).info.run_id
+    client.set_tag(killed, tracking.TAG_CKPT_STEP, "100")
+    client.log_metric(killed, "train/tokens_seen", 389_120, step=190)
+    client.log_metric(killed, "val/loss", 3.5, step=190)
 
     assert main(["runs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header, rows = lines[1], {line.split()[1]: line for line in lines[2:] if not line.lstrip().startswith("^")}
-    assert sorted(rows) == sorted([*names.values(), "demo-decoder-with-a-long-name", "nothing-yet"]), lines
+    assert sorted(rows) == sorted([*names.values(), "demo-decoder-with-a-long-name", "nothing-yet", "killed"]), lines
+    assert re.search(r" killed +RUNNING +100 +204,800 +4\.2500 ", rows["killed"]), rows["killed"]
     for name in [*names.values(), "demo-decoder-with-a-long-name"]:
         assert re.search(rf" {re.escape(name)} +RUNNING +\S+ +409,600 ", rows[name]), rows[name]
     assert re.search(r" nothing-yet +RUNNING +- +- ", rows["nothing-yet"]), rows["nothing-yet"]

@@ -49,7 +49,10 @@ def test_a_run_with_no_metrics_is_not_plotted(workdir, capsys):
 
     from pretrain.cli import main
 
-    run_id = MlflowClient(tracking_uri()).create_run("0").info.run_id
+    client = MlflowClient(tracking_uri())
+    run_id = client.create_run("0").info.run_id
+    client.log_metric(run_id, "growth/loss_before", 3.0, step=0)  # what a grown child logs at its creation
+    client.log_metric(run_id, "growth/loss_after", 3.0, step=0)
     assert main(["runs", run_id, "--plot"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("20")]  # MLflow's INFO
     assert errors == [f"error: runs --plot: run {run_id} has logged no metrics yet: there is nothing to plot"]
@@ -84,15 +87,15 @@ def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
     from mlflow import MlflowClient
 
     from pretrain.config import load_config
-    from pretrain.train.tracking import Tracker, log_config, log_inputs
+    from pretrain.train.tracking import Tracker, log_config, log_inputs, new_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("x")).info.run_id
     cfg = load_config(None, ["data.sources=[{path: 'https://alice:s3cr3t-T0KEN@data.example/c.jsonl', name: web}]"])
+    url = cfg.data.sources[0].path
+    run_id = new_run(uri, cfg, {"anneal.overrides": f"steps=5 data.sources=[{{path: {url}}}]"})  # a derived run's
     log_inputs(uri, run_id, cfg)
     log_config(uri, run_id, cfg, artifact="config/resolved.yaml")
-    url = cfg.data.sources[0].path
     Tracker(uri, run_id).set_tags({"pretrain.data.changed": f"data.sources[0].path {url} -> /data/c.jsonl"})
     Tracker(uri, run_id).log_json({"data.sources[0]": {"path": url}}, "data/fingerprint.json")
     run = client.get_run(run_id)
