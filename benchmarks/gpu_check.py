@@ -26,6 +26,10 @@ item                what passes
 ``wall_time``       the whole check within 8 minutes (GPU); n/a at the tiny size
 ==================  =================================================================================================
 
+Only the timed run (``train``, and the dry run of ``memory_plan``) compiles its blocks (``train.compile``'s CUDA
+default); the other runs check a feature and run with ``train.compile=no``. With ``--results DIR`` the items so far
+are also in ``DIR/gpu-check-items.json`` after each one.
+
 Without a CUDA device (or with ``--tiny``) every item runs at a tiny size: 2-layer models, fp32, a few steps, so the
 plumbing is tested on CPU. ``--json`` prints one object: ``device``, ``tiny``, ``items`` (name -> status, figure
 and the numbers) and ``passed`` (no item failed).
@@ -96,6 +100,7 @@ TINY = [
     "train.micro_batch_size=4",
 ]
 TINY_MOE = ["moe.ffn_size=64", "model.ffn_size=128", "model.num_kv_heads=2"]
+NOT_COMPILED = ("train.compile=no",)
 
 
 def item(status: str, figure: str, **numbers: Any) -> dict:
@@ -191,15 +196,21 @@ class Check:
     """The items in order, each from its own commands; an item that fails does not stop the others (an item that
     needs another's run is reported failed with why)."""
 
-    def __init__(self, tiny: bool, steps: int, timeout: float, work: Path):
+    def __init__(self, tiny: bool, steps: int, timeout: float, work: Path, progress: Path | None = None):
+        """``progress``: a JSON file rewritten after each item with the items so far (what a check cut short by its
+        machine's time limit still leaves)."""
         self.tiny, self.gpu = tiny, torch.cuda.is_available() and not tiny
         self.steps, self.session = steps, Session(work, timeout)
         self.items: dict[str, dict] = {}
         self.main: dict | None = None
+        self.progress = progress
 
-    def base(self, config: str, *extra: str) -> list[str]:
+    def base(self, config: str, *extra: str, compiled: bool = False) -> list[str]:
+        """``config``'s run at the check's size. Only the timed run (``compiled``) keeps ``train.compile``'s
+        default (on for CUDA): the others check a feature, not its speed, and each would otherwise spend its
+        first steps compiling the blocks again, in a new process."""
         size = (GPU + (GPU_125M if config == "gpt-125m" else [])) if self.gpu else TINY
-        return [str(CONFIGS / f"{config}.yaml"), *COMMON, *size, *extra]
+        return [str(CONFIGS / f"{config}.yaml"), *COMMON, *size, *(() if compiled else NOT_COMPILED), *extra]
 
     def run(self, name: str, fn) -> None:
         print(f"[bench] gpu check: {name} ...", file=sys.stderr, flush=True)
@@ -216,9 +227,18 @@ class Check:
         self.items.update(parts)
         for key, v in parts.items():
             print(f"[bench] gpu check: {key}: {v['status']} {v['figure']}", file=sys.stderr, flush=True)
+        if self.progress is not None:
+            part = self.progress.with_name(self.progress.name + ".part")
+            part.write_text(json.dumps(self.items, indent=1, default=str))
+            part.replace(self.progress)
+
+    def timed(self) -> list[str]:
+        """The timed run (``train``), as ``memory_plan``'s dry run plans it too."""
+        steps = (f"train.max_steps={self.steps}", "train.warmup_steps=10", "train.log_every=10")
+        return self.base("gpt-125m", *steps, compiled=True)
 
     def train(self) -> dict:
-        over = self.base("gpt-125m", f"train.max_steps={self.steps}", "train.warmup_steps=10", "train.log_every=10")
+        over = self.timed()
         self.main = self.session.pretrain("train", *over)
         from pretrain.config import load_config
         from pretrain.model import flops_per_token
@@ -247,7 +267,7 @@ class Check:
     def memory_plan(self) -> dict:
         if self.main is None:
             raise RuntimeError("needs the train item's run, which failed")
-        over = self.base("gpt-125m", f"train.max_steps={self.steps}", "train.warmup_steps=10", "train.log_every=10")
+        over = self.timed()
         out = command(self.session, "train", *over, "--dry-run", f"checkpoint.dir={self.session.runs}")
         found = re.search(r"memory\s+([\d,.]+) GiB per (GPU|worker)", out)
         if not found:
@@ -342,11 +362,13 @@ RUNS = ("train", "memory_plan", "checkpoint", "zero3", "moe", "growth", "export"
 """The items' runs, in order (``train`` also gives ``mfu`` and ``sdpa_kernel``)."""
 
 
-def gpu_check(tiny: bool, steps: int, timeout: float, work: Path, only: tuple[str, ...] = RUNS) -> dict:
+def gpu_check(
+    tiny: bool, steps: int, timeout: float, work: Path, only: tuple[str, ...] = RUNS, progress: Path | None = None
+) -> dict:
     """Run the items of ``only`` (module doc; ``memory_plan`` and ``export`` need ``train``'s run, which then runs
-    too); the result as one dict."""
+    too); the result as one dict. ``progress``: see :class:`Check`."""
     t0 = time.perf_counter()
-    check = Check(tiny, steps, timeout, work)
+    check = Check(tiny, steps, timeout, work, progress)
     wanted = set(only) | ({"train"} if {"memory_plan", "export"} & set(only) else set())
     try:
         for name in (n for n in RUNS if n in wanted):
@@ -413,7 +435,10 @@ def main(argv: list[str]) -> int:
     tiny = a.tiny or not torch.cuda.is_available()
     steps = a.steps or (12 if tiny else 200)
     with contextlib.redirect_stdout(sys.stderr):  # library chatter is no result
-        result = gpu_check(tiny, steps, a.timeout, Path(a.dir), only)
+        progress = Path(a.results) / "gpu-check-items.json" if a.results else None
+        if progress is not None:
+            progress.parent.mkdir(parents=True, exist_ok=True)
+        result = gpu_check(tiny, steps, a.timeout, Path(a.dir), only, progress)
     if a.results:
         out = write_new(
             Path(a.results), results_name(result), results_markdown(result, "./launch.sh bench " + " ".join(argv))

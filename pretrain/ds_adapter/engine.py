@@ -22,8 +22,10 @@ def skip_shm_comm_op(world_size: int) -> None:
     it. 0.19: ``deepspeed.comm.torch.build_shm_op`` builds it (a JIT C++ build on its first use on a machine, tens
     of seconds) when the communication backend starts in ``deepspeed.initialize``, unless
     ``deepspeed.ops.__compatible_ops__`` marks it incompatible; marked so, the backend uses torch.distributed alone.
-    Larger worlds keep the op (DeepSpeed's CPU all-reduce)."""
-    if world_size == 1:
+    Larger worlds keep the op (DeepSpeed's CPU all-reduce). Only on DeepSpeed's CPU accelerator: the others have no
+    such op (``build_shm_op`` returns None at once), and reading ``deepspeed.ops.__compatible_ops__`` probes every op
+    builder (compiler and GPU queries in subprocesses, seconds per process)."""
+    if world_size == 1 and loaded_accelerator() in (None, "cpu"):
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False

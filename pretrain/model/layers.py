@@ -243,4 +243,5 @@ def _gated(y: torch.Tensor, gate) -> torch.Tensor:
         return y
     if isinstance(gate, float):
         return y * gate
-    return y * gate.to(y.dtype).view(-1, *([1] * (y.dim() - 1)))  # (B,) -> (B, 1, 1)
+    # (B,) -> (B, 1, 1), on the activations' device: the gates are drawn by a CPU generator (the same on any device)
+    return y * gate.to(device=y.device, dtype=y.dtype).view(-1, *([1] * (y.dim() - 1)))

@@ -16,12 +16,18 @@ def check(tmp_path):
     c.session.close()
 
 
-def test_a_failing_item_is_reported_with_its_error_and_the_check_goes_on(check):
+def test_a_failing_item_is_reported_with_its_error_and_the_check_goes_on(check, tmp_path):
+    """... and each item is in the progress file as soon as it ends (a check cut short still leaves them)."""
+    import json
+
     def broken() -> dict:
         raise RuntimeError("`train x.yaml` exited 2:\nerror: model.hidden_size: must be > 0")
 
+    check.progress = tmp_path / "items.json"
     check.run("zero3", broken)
+    assert list(json.loads(check.progress.read_text())) == ["zero3"]
     check.run("moe", lambda: item("pass", "losses 1 -> 0.5"))
+    assert json.loads(check.progress.read_text()) == check.items
     assert (
         check.items["zero3"]["status"] == "fail" and "model.hidden_size: must be > 0" in check.items["zero3"]["figure"]
     )
@@ -72,3 +78,12 @@ def test_the_scripts_exit_status_is_setups_when_setup_fails(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "[gpu-check] setup --offline failed (exit 2)" in proc.stderr, proc.stderr
+
+
+def test_only_the_timed_run_compiles(check):
+    """On CUDA ``train.compile`` is on by default: the runs that check a feature turn it off (each is a new process
+    that would compile the blocks again: minutes of a ten-minute window); the timed run and its dry run keep it."""
+    check.gpu = True
+    assert "train.compile=no" not in check.timed()
+    for config in ("gpt-125m", "demo-moe", "demo-decoder"):
+        assert "train.compile=no" in check.base(config, "train.max_steps=1")

@@ -43,3 +43,31 @@ def test_a_module_imports_without_compiling_and_compiles_each_function_on_its_fi
     assert sys.modules["compiled_at_import"] is mod
     import_compiling_on_first_call("no_such_module_here")
     assert "no_such_module_here" not in sys.modules and torch.compile is real
+
+
+def test_the_shared_memory_op_is_left_alone_on_a_gpu_accelerator(monkeypatch):
+    """A world of one marks DeepSpeed's CPU all-reduce op incompatible on the CPU accelerator only: on another
+    ``deepspeed.ops.__compatible_ops__`` is not read (reading it probes every op builder: compilers and GPUs queried
+    in subprocesses, in every process)."""
+    import types
+
+    from pretrain.ds_adapter import engine
+
+    class Ops(types.ModuleType):
+        def __getattr__(self, name):
+            raise AssertionError(f"deepspeed.ops.{name} read")
+
+    ops = Ops("deepspeed.ops")
+    package = types.ModuleType("deepspeed")
+    package.ops = ops  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed", package)
+    monkeypatch.setitem(sys.modules, "deepspeed.ops", ops)
+    monkeypatch.setattr(engine, "loaded_accelerator", lambda: "cuda")
+    engine.skip_shm_comm_op(1)
+    monkeypatch.setattr(engine, "loaded_accelerator", lambda: "cpu")
+    compatible: dict = {}
+    ops.__dict__["__compatible_ops__"] = compatible
+    engine.skip_shm_comm_op(2)
+    assert compatible == {}
+    engine.skip_shm_comm_op(1)
+    assert compatible == {engine.SHM_COMM_OP: False}

@@ -98,6 +98,12 @@ def test_sample_mode_gates_are_per_sample_and_inverted():
     assert not torch.equal(attn, training_gates(ld, 3, 2, 4, micro_id=2, batch_size=64)[0][0])
     rho = training_gates(dataclasses.replace(ld, scaling="rho"), 3, 2, 4, micro_id=1, batch_size=64)
     assert set(rho[0][0].tolist()) == {0.0, 1.0} and torch.equal(rho[0][0] * 2, attn)
+    # The gates come from a CPU generator; the block's activations may be on a GPU: gated there (on the meta device
+    # here, which like CUDA refuses a CPU operand), not a device mismatch at the first forward.
+    from pretrain.model.layers import _gated
+
+    y = _gated(torch.ones(64, 8, 16, device="meta", dtype=torch.bfloat16), attn)
+    assert y.device.type == "meta" and y.shape == (64, 8, 16) and y.dtype == torch.bfloat16
 
 
 def test_select_blocks():
