@@ -285,16 +285,20 @@ class Memory:
     """What the health probe adds on its steps (``stability.health_every``) beside the forward's activations: one
     head's fp32 attention scores and their masked copy (the attention logit max), or, after the forward, its fp32
     chunks of the output logits on top of the backward's start."""
+    snapshot: float = 0.0
+    """A health step's copies around the optimizer step (the update ratio): the weights this worker counts before
+    the step and their differences after it, beside the gradients and optimizer states."""
 
     @property
     def total(self) -> float:
         """The peak: weights and optimizer states, and the larger of the backward's start (with earlier micro-batches'
         gradients under accumulation), the backward once this micro-batch's gradients exist, and a health step's
-        probe."""
+        probe; or a health step's optimizer step, the activations gone and the update ratio's copies made."""
         acts, grads = self.activations, self.gradients
         held = grads if self.accumulates else 0.0
         start = acts.at_start + held
-        return self.weights + self.optimizer + acts.kept + max(start, acts.with_gradients + grads, self.probe + held)
+        backward = acts.kept + max(start, acts.with_gradients + grads, self.probe + held)
+        return self.weights + self.optimizer + max(backward, grads + self.snapshot)
 
     def parts(self) -> dict[str, float]:
         """Each component at its largest (their sum is at least :attr:`total`)."""
@@ -343,9 +347,11 @@ def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     acts = activations(cfg.model, cfg.moe, lay)
     accumulates = lay.grad_accum > 1
     probe = health_probe(cfg, lay, acts) if cfg.stability.health_every > 0 else 0.0
+    # the update ratio's copies: the weights this worker counts (its partition, or its share of replicated ones)
+    snapshot = 2 * w * shard if cfg.stability.health_every > 0 else 0.0
     if lay.offload:
-        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt, probe=probe)
-    return Memory(weights, gradients, opt, acts, accumulates, probe=probe)
+        return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt, probe=probe, snapshot=snapshot)
+    return Memory(weights, gradients, opt, acts, accumulates, probe=probe, snapshot=snapshot)
 
 
 def health_probe(cfg: RunConfig, lay: Layout, acts: Activations) -> float:

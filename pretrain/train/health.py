@@ -39,20 +39,33 @@ def _world() -> int:
 
 
 def _owner(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
-    """Whether this rank counts replicated ``p`` in a cross-rank sum: rank 0 for dense weights; for an
+    """Whether this rank counts replicated expert or tensor-parallel ``p`` in a cross-rank sum: for an
     expert-parallel weight (DeepSpeed's ``allreduce = False``) the first rank of its expert-data-parallel group,
     since each expert-parallel rank holds other experts; for a tensor-parallel shard the ranks of the first
     tensor-parallel group (ranks ``0 .. M-1``), each holding its own shard. The positions come from ``dims``."""
     rank = _rank()
     if ds_adapter.is_expert_param(p):
         return dims.expert_data_rank(rank) == 0
-    if is_shard(p):
-        return rank < dims.tensor
-    return rank == 0
+    return rank < dims.tensor
 
 
 def _owned(views: Views, dims: ParallelDims) -> Views:
-    return [(p, t) for p, t in views if _owner(p, dims)]
+    """The replicated values this rank counts: expert weights and tensor-parallel shards by :func:`_owner`; the
+    dense weights every rank holds whole are dealt out over the ranks by size (each to the rank with the fewest
+    elements so far, in the views' order, which is every rank's), so that the update ratio's snapshot of them
+    (:meth:`HealthProbe.before_update`) is about ``1/world`` of the weights on each rank, not all of them on one."""
+    rank, out = _rank(), []
+    load = [0] * dims.world
+    for p, t in views:
+        if ds_adapter.is_expert_param(p) or is_shard(p):
+            if _owner(p, dims):
+                out.append((p, t))
+            continue
+        owner = load.index(min(load))
+        load[owner] += t.numel()
+        if owner == rank:
+            out.append((p, t))
+    return out
 
 
 def is_shard(p: torch.nn.Parameter) -> bool:

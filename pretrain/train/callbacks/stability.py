@@ -64,7 +64,7 @@ class StabilityCallback(Callback):
             self.control.flush()
 
     def on_model_changed(self, trainer: Trainer) -> None:
-        self.monitor.restart()  # no rollback across a growth; spike statistics of the new model only
+        self.monitor.restart(trainer.cfg.moe)  # no rollback across a growth; statistics of the new model only
 
     def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
         self.monitor.note_checkpoint(trainer.state.step, str(path), trainer.state.sequences)

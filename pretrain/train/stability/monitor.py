@@ -280,13 +280,18 @@ class StabilityMonitor:
         )
         self._forget()
 
-    def restart(self) -> None:
+    def restart(self, moe: MoEConfig | None = None) -> None:
         """The model changed (it grew): no rollback to checkpoints written so far (another architecture), and the
         rolling loss and gradient-norm statistics start over (the old model's scale says nothing about the new
-        one's; spikes are detected again once the windows hold enough values)."""
+        one's; spikes are detected again once the windows hold enough values). ``moe``: the grown model's (an
+        upcycling gives a dense model experts): the router-collapse check follows it, its streaks started over (a
+        depth growth renumbers the blocks)."""
         self.s.checkpoints = []
         self.s.losses, self.s.grad_norms, self.s.trend = [], [], []
         self.s.consecutive_skips = 0
+        if moe is not None:
+            self.moe = moe
+        self.s.collapse_streaks = {}
 
     def rollback_target(self) -> dict[str, Any] | None:
         """The newest good checkpoint (a dict: step, path, sequences), or None."""

@@ -146,6 +146,10 @@ def test_the_formulas_against_hand_computed_numbers():
     # one micro-batch a step: the peak is the larger of the start and the backward with every gradient
     peak = max(tokens * (norm + logits), tokens * (2 * v + norm) + mem.gradients)
     assert mem.total == 2 * 106_816 + 3 * 106_816 + tokens * 2 * blk + peak == 2_395_328
+    # a health step's optimizer step: the update ratio copies this worker's quarter of the (bf16) weights, then
+    # their differences; the peak where that is larger than the backward's (a large model, small activations)
+    assert mem.snapshot == 2 * 2 * 106_816 / 4
+    assert replace(mem, snapshot=10**9).total == mem.weights + mem.optimizer + mem.gradients + 10**9
     # full: the blocks keep their input; the last block rebuilt in the backward beside the logits
     full = activations(cfg.model, cfg.moe, replace(lay, recompute="full"))
     rebuilt = tokens * (blk - 2 * 64)

@@ -431,6 +431,11 @@ def test_stability_restarts_at_a_growth():
     mon.restart()
     assert mon.rollback_target() is None and mon.s.grad_norms == [] and mon.s.losses == []
     assert mon.decide(StepSignals(20, 9.0, 40.0)).action == "ok", "a new scale is no spike before a new window"
+    # upcycled to 2 experts at top-2: every token goes to both (share 1.0), which is no collapse
+    from pretrain.config import MoEConfig
+
+    mon.restart(MoEConfig(num_experts=2, top_k=2))
+    assert not [e for t in range(60) for e in mon.router_collapse(21 + t, {0: 1.0, 1: 1.0})]
 
 
 def test_optimizer_grow_refused_with_expert_parallelism():

@@ -24,7 +24,8 @@ def test_logit_statistics_in_chunks_equal_the_whole_tensor(monkeypatch):
 
 
 def test_each_value_is_counted_by_the_ranks_the_layout_names(monkeypatch):
-    """Which ranks count a weight comes from the parallel layout: a replicated dense weight on rank 0, a
+    """Which ranks count a weight comes from the parallel layout: replicated dense weights once each, dealt out
+    over the ranks by size (the update ratio snapshots what a rank counts: not every weight on rank 0), a
     tensor-parallel shard on the first tensor-parallel group (each rank its own shard), an expert weight on the first
     rank of its expert-data-parallel group; ZeRO partitions of whole weights once per tensor-parallel group."""
     dense, shard, expert = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
@@ -32,6 +33,9 @@ def test_each_value_is_counted_by_the_ranks_the_layout_names(monkeypatch):
     expert.allreduce = False  # type: ignore[attr-defined]  # DeepSpeed's expert tag
     views = [(dense, dense), (shard, shard), (expert, expert)]
     names = {id(dense): "dense", id(shard): "shard", id(expert): "expert"}
+    sizes = [800, 100, 100, 300, 300, 200, 200, 100]  # an embedding, then smaller weights
+    many = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    names |= {id(p): f"w{i}" for i, p in enumerate(many)}
 
     def counters(dims: ParallelDims, select) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {n: [] for n in names.values()}
@@ -42,7 +46,16 @@ def test_each_value_is_counted_by_the_ranks_the_layout_names(monkeypatch):
         return out
 
     replicated = counters(ParallelDims(world=4, tensor=2, expert=2), health._owned)
-    assert replicated == {"dense": [0], "shard": [0, 1], "expert": [0, 1]}
+    assert {k: replicated[k] for k in ("dense", "shard", "expert")} == {"dense": [0], "shard": [0, 1], "expert": [0, 1]}
+    views += [(p, p) for p in many]
+    dealt = counters(ParallelDims(world=4), health._owned)
+    assert all(len(dealt[f"w{i}"]) == 1 for i in range(len(many))), dealt  # each counted once
+    per_rank = [sum(n for i, n in enumerate(sizes) if dealt[f"w{i}"] == [r]) for r in range(4)]
+    assert max(per_rank) == 800 and sorted(per_rank) == [400, 400, 500, 800], per_rank  # at most the largest weight
     assert counters(ParallelDims(world=4, expert=4), health._owned)["expert"] == [0, 1, 2, 3]
     partitions = counters(ParallelDims(world=4, tensor=2), health._once_per_tensor_group)
-    assert partitions == {"dense": [0, 2], "shard": [0, 1, 2, 3], "expert": [0, 2]}
+    assert {k: partitions[k] for k in ("dense", "shard", "expert")} == {
+        "dense": [0, 2],
+        "shard": [0, 1, 2, 3],
+        "expert": [0, 2],
+    }
