@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,11 @@ def log_config(
     client.log_text(run_id, without_passwords(dump_yaml(cfg)), artifact)
 
 
+UNSENT_LIMIT = 100_000
+"""Metric values an asynchronous tracker holds for a later attempt while the tracking store refuses them (a server
+down for longer than MLflow's own retries); beyond it the oldest are dropped, and counted."""
+
+
 class Tracker:
     """Rank-0 metric logger for one run. A no-op when ``uri`` is empty (tracking disabled)."""
 
@@ -157,7 +163,9 @@ class Tracker:
         MLflow's to retry)."""
         self.uri, self.run_id, self.asynchronous = uri, run_id, asynchronous
         self._client = _client(uri, probe) if uri else None
-        self._pending: list = []  # MLflow's futures of metrics logged asynchronously
+        self._pending: list[tuple[Any, list]] = []  # MLflow's futures of metrics logged asynchronously, and what
+        self._unsent: list = []  # metrics the store refused, sent again at the next flush (at most UNSENT_LIMIT)
+        self._dropped = 0  # ... and those beyond it, lost
 
     @property
     def enabled(self) -> bool:
@@ -165,8 +173,8 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Asynchronous trackers queue them: MLflow's background thread writes them (batched) and the loop does
-        not wait on the store; :meth:`flush` waits for all (the training function does at its end; a failed write
-        raises there)."""
+        not wait on the store; :meth:`flush` waits for all (every 64 calls, and at the training function's end).
+        A synchronous tracker's failed write raises here."""
         if not self._client:
             return
         from mlflow.entities import Metric
@@ -174,17 +182,54 @@ class Tracker:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         if len(self._pending) >= 64:
-            self.flush()  # bounded: a store slower than the loop is waited for, and its errors surface
+            self.flush()  # bounded: a store slower than the loop is waited for
+        self._send(batch)
+
+    def _send(self, batch: list) -> None:
+        assert self._client is not None
         for i in range(0, len(batch), 500):  # MLflow takes at most 1000 metrics per request
-            op = self._client.log_batch(self.run_id, metrics=batch[i : i + 500], synchronous=not self.asynchronous)
+            chunk = batch[i : i + 500]
+            op = self._client.log_batch(self.run_id, metrics=chunk, synchronous=not self.asynchronous)
             if op is not None:
-                self._pending.append(op)
+                self._pending.append((op, chunk))
 
     def flush(self) -> None:
-        """Wait until every metric logged so far is in the store."""
-        pending, self._pending = self._pending, []
-        for op in pending:
-            op.wait()
+        """Wait until every metric logged so far is in the store. Writes the store refused (an asynchronous
+        tracker's: a tracking server down for longer than MLflow's retries, about four minutes) do not end the
+        run: their values are kept (at most :data:`UNSENT_LIMIT`) and sent again, with their own steps and times,
+        at the next flush; one warning when the store starts refusing and one when it takes them again."""
+        from mlflow.exceptions import MlflowException
+
+        was_failing = bool(self._unsent or self._dropped)
+        retry, self._unsent = self._unsent, []
+        newer, self._pending = self._pending, []
+        if retry:
+            self._send(retry)
+        pending, self._pending = self._pending + newer, []  # oldest first: what a full hold drops
+        failed, error = [], None
+        for op, chunk in pending:
+            try:
+                op.wait()
+            except MlflowException as e:
+                failed.extend(chunk)
+                error = e
+        if error is None:
+            if was_failing:
+                lost = f"; {self._dropped:,} older ones were dropped" if self._dropped else ""
+                print(f"MLflow: the tracking store takes metrics again (the {len(retry):,} held are in{lost})",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self._dropped = 0
+            return
+        self._dropped += max(0, len(failed) - UNSENT_LIMIT)
+        self._unsent = failed[-UNSENT_LIMIT:]
+        if not was_failing:
+            first = (str(error).strip().splitlines() or [""])[0][:300]
+            print(f"warning: MLflow refused {len(failed):,} metric values ({first}); training goes on, and they are "
+                  "sent again at each flush", file=sys.stderr, flush=True)  # fmt: skip
+
+    def unsent(self) -> int:
+        """Metric values not in the store (held for a later flush, or dropped)."""
+        return len(self._unsent) + self._dropped
 
     def log_params(self, params: dict[str, Any]) -> bool:
         """Log params; False (nothing logged) when one of them already exists with another value (MLflow params
@@ -232,6 +277,9 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         if self._client:
             self.flush()
+            if self.unsent():
+                print(f"warning: {self.unsent():,} metric values of run {self.run_id} are not in MLflow (its store "
+                      "refused them to the end)", file=sys.stderr, flush=True)  # fmt: skip
             self._client.set_terminated(self.run_id, status=status)
 
     def reopen(self) -> None:

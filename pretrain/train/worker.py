@@ -52,6 +52,8 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
             trainer.tracker.flush()
         raise
     trainer.tracker.flush()  # metrics are logged asynchronously
+    if unsent := trainer.tracker.unsent():
+        trainer.progress.say(f"warning: {unsent:,} metric values are not in MLflow (its store refused them to the end)")
     return final
 
 

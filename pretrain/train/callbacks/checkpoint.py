@@ -60,7 +60,10 @@ class CheckpointCallback(Callback):
         self.checkpointer.warm(trainer.module)
         self.committed(trainer, self.checkpointer.poll())
         every = trainer.cfg.checkpoint.every_steps
-        if is_last_step(trainer) or (every and trainer.state.step % every == 0):
+        # The first step after a rollback saves: the restored weights with the data position past the skipped window
+        # and the rollback's record. Until then a resume (a worker lost, the job killed) would start from the
+        # target, with its data position, and train through the window the rollback skipped.
+        if is_last_step(trainer) or (every and trainer.state.step % every == 0) or self.rolled_back:
             self.save(trainer)
 
     def on_rollback(self, trainer: Trainer) -> None:

@@ -36,21 +36,34 @@ class StabilityControl:
         """An event: a progress line, the ``stability/*`` counters, a tag; the timeline artifact."""
         self.progress.say(event_line(event))
         self.tracker.log_metrics(self.monitor.counters(), event["step"])
-        self.tracker.set_tags(
-            {
-                TAG_LAST_EVENT: f"step {event['step']}: {event['kind']} -> {event['action']}",
-                "pretrain.stability.events": self.monitor.s.events_total,
-            }
-        )
+        tags = {
+            TAG_LAST_EVENT: f"step {event['step']}: {event['kind']} -> {event['action']}",
+            "pretrain.stability.events": self.monitor.s.events_total,
+        }
+        self._recorded(lambda: self.tracker.set_tags(tags))
         self._dirty = True
         if urgent:
             self.flush()
 
     def flush(self, force: bool = False) -> None:
-        """Upload ``stability/timeline.json`` if it changed (events of the ``log`` policy wait for this)."""
-        if self._dirty or force:
-            self.tracker.log_json(self.monitor.summary(), "stability/timeline.json")
+        """Upload ``stability/timeline.json`` if it changed (events of the ``log`` policy wait for this); a
+        tracking store that refuses it leaves it changed, for the next flush."""
+        if (self._dirty or force) and self._recorded(
+            lambda: self.tracker.log_json(self.monitor.summary(), "stability/timeline.json")
+        ):
             self._dirty = False
+
+    def _recorded(self, write: Callable[[], None]) -> bool:
+        """``write`` to MLflow; a store that refuses it (a server down) is a warning, not the end of the run: the
+        event is in the progress output, the checkpoints' state and the next timeline upload."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            write()
+        except MlflowException as e:
+            self.progress.say(f"warning: MLflow did not take a stability record ({str(e).splitlines()[0][:200]})")
+            return False
+        return True
 
     def halt(self, event: dict[str, Any]) -> Exception:
         err = self.monitor.halt(event)

@@ -163,6 +163,10 @@ def test_loss_spike_rolls_back_skips_the_data_window_and_finishes_finite(fault_r
     run_dir = Path(fault_runs["jobs"]["spike"].run_dir)
     state = json.loads((run_dir / "step_00000024" / "trainer_state.json").read_text())
     assert state["sequences"] == (24 + 6) * 8 and state["callbacks"]["faults_fired"] == {"fired": ["loss_spike"]}
+    # the step after the rollback saved: a resume from there (a worker lost before the next periodic save at 12)
+    # continues past the skipped window with the rollback recorded, not from step 8's data position
+    state = json.loads((run_dir / "step_00000009" / "trainer_state.json").read_text())
+    assert state["sequences"] == (9 + 6) * 8 and state["callbacks"]["stability"]["rollbacks"] == 1
     assert [Path(p).parent.name for p in rb["abandoned"]] == ["abandoned"]  # the old step_12
     from mlflow import MlflowClient
 

@@ -1,6 +1,10 @@
 """The MLflow store a run uses: a relative local store is made absolute on the driver, so Ray workers (which run
 in other directories) open the same store (a relative one gave them an empty store: 'Run ... not found')."""
 
+import types
+
+import pytest
+
 from pretrain.train.tracking import tracking_uri
 
 
@@ -105,3 +109,50 @@ def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
         logged.append(open(client.download_artifacts(run_id, artifact, str(tmp_path))).read())
     assert not [text for text in logged if "s3cr3t" in text]
     assert "https://alice:***@data.example/c.jsonl" in run.data.params["data.sources"]
+
+
+def test_a_tracking_store_that_refuses_metrics_for_a_while_does_not_end_the_run(monkeypatch, capsys):
+    """MLflow retries a write for about four minutes, then the asynchronous write fails. The training tracker keeps
+    what the store refused (at most UNSENT_LIMIT values, the oldest dropped beyond) and sends it again, with its own
+    steps, at the next flush: the loop goes on, one warning when the store starts refusing, one when it takes them."""
+    from concurrent.futures import Future
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.async_logging.run_operations import RunOperations
+
+    from pretrain.train import tracking
+
+    class Store:
+        """log_batch as MLflow's client does it asynchronously: a future per call, failed while the server is down."""
+
+        def __init__(self):
+            self.down, self.kept = True, []
+
+        def log_batch(self, run_id, metrics, synchronous):
+            future: Future = Future()
+            if self.down:
+                future.set_exception(MlflowException("API request to http://mlflow:5000 failed: max retries"))
+            else:
+                self.kept.extend((m.key, m.step, m.value) for m in metrics)
+                future.set_result(None)
+            return RunOperations([future])
+
+    store = Store()
+    monkeypatch.setattr(tracking, "UNSENT_LIMIT", 100)
+    tracker = tracking.Tracker("", "r", asynchronous=True)
+    tracker._client = store  # type: ignore[assignment]
+    for step in range(1, 131):  # flushes after 64 and 128 calls: both refused; 130 values, the oldest 30 dropped
+        tracker.log_metrics({"train/loss": float(step)}, step)
+    tracker.flush()
+    assert tracker.unsent() == 130 and len(tracker._unsent) == 100 and store.kept == []
+    err = capsys.readouterr().err
+    assert err.count("warning: MLflow refused") == 1 and "training goes on" in err
+    store.down = False
+    tracker.log_metrics({"train/loss": 131.0}, 131)
+    tracker.flush()
+    assert sorted(s for _, s, _ in store.kept) == list(range(31, 132)) and tracker.unsent() == 0
+    assert "takes metrics again (the 100 held are in; 30 older ones were dropped)" in capsys.readouterr().err
+    synchronous = tracking.Tracker("", "r")
+    synchronous._client = types.SimpleNamespace(log_batch=lambda *a, **k: (_ for _ in ()).throw(MlflowException("x")))  # type: ignore[assignment]
+    with pytest.raises(MlflowException):  # a command's own tracker (not the loop's): the error is its caller's
+        synchronous.log_metrics({"a": 1.0}, 1)

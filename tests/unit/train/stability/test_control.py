@@ -50,3 +50,31 @@ def test_a_rollback_restores_the_step_tokens_and_flops_of_its_checkpoint(tmp_pat
     assert [c.path for c in loaded] == [ckpt]
     assert (state.step, state.tokens_seen, state.sequences) == (4, 512, 72)
     assert state.flops == pytest.approx(flops, rel=1e-12)
+
+
+def test_an_event_mlflow_refuses_is_a_warning_and_its_timeline_is_sent_later(tmp_path):
+    """A tracking server down at an event: the tag and the timeline upload fail as a warning (the run trains on),
+    and the timeline stays to be sent at the next flush."""
+    from mlflow.exceptions import MlflowException
+
+    class Down(_Tracker):
+        up, timelines = False, 0
+
+        def set_tags(self, tags) -> None:
+            if not self.up:
+                raise MlflowException("API request failed: max retries")
+
+        def log_json(self, obj, path) -> None:
+            self.set_tags({})
+            self.timelines += 1
+
+    lines: list[str] = []
+    tracker = Down()
+    control = StabilityControl(
+        tiny_config(), TrainerState(), SimpleNamespace(is_main=True), tmp_path, tracker, SimpleNamespace(say=lines.append)
+    )
+    control.report({"event": 1, "step": 3, "kind": "loss_spike", "action": "skip", "detail": ""}, urgent=True)
+    assert [line for line in lines if line.startswith("warning: MLflow did not take")] == lines[1:] and len(lines) == 3
+    tracker.up = True
+    control.flush()
+    assert tracker.timelines == 1
