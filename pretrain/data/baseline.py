@@ -33,7 +33,7 @@ from pretrain.data.tokenizer import make_encoder, separator_id
 from pretrain.data.tokenizer_cache import sources_identity
 from pretrain.user_cache import read_value, write_value
 
-BASELINE_VERSION = 1
+BASELINE_VERSION = 2  # 2: an encoder's unigram is over the tokens masking can select (no special tokens)
 """Bump when the baseline's computation or the documents and sequences it reads change: cached values then miss."""
 MAX_TRAIN_TOKENS = 2_000_000
 
@@ -64,7 +64,13 @@ def unigram_baseline_loss(
         seen += len(ids)
     if seen == 0:
         raise ValueError("unigram baseline: no training tokens")
-    log_p = torch.from_numpy(np.log(counts + 1.0) - math.log(seen + vocab))
+    if kind == "encoder":  # masking never selects a special token (the separator after every document included)
+        special = [int(i) for i in tokenizer.all_special_ids if i is not None and 0 <= i < vocab]
+        counts[special] = 0
+        log_p = torch.from_numpy(np.log(counts + 1.0) - math.log(counts.sum() + vocab - len(set(special))))
+        log_p[special] = -math.inf  # (never a target)
+    else:
+        log_p = torch.from_numpy(np.log(counts + 1.0) - math.log(seen + vocab))
 
     val = validation_sequences(
         cfg, kind=kind, seq_len=seq_len, tokenizer=tokenizer, val_sequences=val_sequences, seed=seed

@@ -123,12 +123,12 @@ class Masker:
     def __init__(self, tokenizer, probability: float):
         if not 0.0 < probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {probability}")
-        if tokenizer.mask_token_id is None:
-            raise ValueError("encoder (masked LM) training needs a tokenizer with a mask token")
+        from pretrain.data.tokenizer import mask_id
+
+        self.mask_id = mask_id(tokenizer)
         vocab = len(tokenizer)
         special = sorted({int(i) for i in tokenizer.all_special_ids if i is not None and 0 <= i < vocab})
         self.probability = probability
-        self.mask_id = int(tokenizer.mask_token_id)
         self.is_special = torch.zeros(vocab, dtype=torch.bool)
         self.is_special[special] = True
         self.random_ids = torch.nonzero(~self.is_special).flatten()

@@ -28,7 +28,7 @@ import torch
 from pretrain.config import ConfigError, DataConfig
 from pretrain.config.errors import clip
 from pretrain.data.packing import IGNORE_INDEX
-from pretrain.data.tokenizer import separator_id
+from pretrain.data.tokenizer import mask_id, separator_id
 
 BUILTIN = "heldout_lastword"
 _WORD = re.compile(r"[A-Za-z]{3,}")
@@ -145,7 +145,7 @@ def choice_rows(example: Example, tokenizer, kind: str, max_len: int) -> list[li
         else:
             for p in positions:
                 masked, labels = list(ids), [IGNORE_INDEX] * len(ids)
-                masked[p], labels[p] = int(tokenizer.mask_token_id), ids[p]
+                masked[p], labels[p] = mask_id(tokenizer), ids[p]
                 rows.append({"input_ids": torch.tensor([masked]), "labels": torch.tensor([labels])})
         out.append(rows)
     return out

@@ -111,6 +111,18 @@ def separator_id(tokenizer) -> int:
     )
 
 
+def mask_id(tokenizer, label: str = "the tokenizer") -> int:
+    """The mask token a masked LM (an encoder) trains and is scored with; one line naming the fix when
+    ``tokenizer`` (``label``: where it came from) has none."""
+    value = getattr(tokenizer, "mask_token_id", None)
+    if value is None:
+        raise ConfigError(
+            f"{label} has no mask token, which a masked LM (model.kind: encoder) needs: give one that has "
+            "(mask_token in its tokenizer_config.json), or leave data.tokenizer unset and let the run train its own"
+        )
+    return int(value)
+
+
 def make_encoder(tokenizer):
     """Fast batch encoder ``list[str] -> list[list[int]]`` (no special tokens added, no BOS; a special token's text
     written in a document is that special token, as ``transformers``' tokenizers encode it). Every document whole:

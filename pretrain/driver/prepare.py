@@ -127,7 +127,27 @@ def preflight(cfg: RunConfig, probe: bool = True, grown_at: int = 0) -> list[str
     if plan.message:
         print(f"[pretrain] {plan.message}", flush=True)
     _check_vocab_against_given_tokenizer(cfg)
+    _check_mask_token(cfg)
     return skipped
+
+
+def _check_mask_token(cfg: RunConfig) -> None:
+    """A masked LM (an encoder) given a tokenizer without a mask token (``data.tokenizer``, or its token shards'),
+    refused here rather than by the workers of a created run. The tokenizer a run trains has one."""
+    from pretrain.data.shards.compat import shards_tokenizer
+
+    tok = cfg.data.tokenizer or shards_tokenizer(cfg.data)
+    if cfg.model.kind != "encoder" or not tok or cfg.model.init_from_hf:
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    from pretrain.data.tokenizer import mask_id
+
+    try:
+        loaded = PreTrainedTokenizerFast.from_pretrained(str(tok))
+    except Exception:  # noqa: BLE001 - an unreadable directory is the tokenizer step's to report, in its words
+        return
+    mask_id(loaded, f"data.tokenizer: {tok}")
 
 
 def _check_vocab_against_given_tokenizer(cfg: RunConfig) -> None:

@@ -19,6 +19,31 @@ def test_unigram_baseline(corpus, tok, kind):
     assert math.isfinite(loss) and 1.0 < loss < math.log(len(tok))
 
 
+def test_an_encoders_baseline_is_over_the_tokens_masking_selects(tmp_path, monkeypatch):
+    """One-token documents: half the stream is the separator after each, which masking never selects. The
+    encoder's baseline is the unigram of the tokens it is scored on (the specials' mass left out); counting the
+    separator too would put it about ln 2 above that."""
+    import torch
+
+    from pretrain.data import baseline
+    from pretrain.data.packing import IGNORE_INDEX
+
+    words = ["a", "b", "c", "d"] * 50
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(words) + "\n")
+    ids = {"a": 5, "b": 6, "c": 7, "d": 8}  # ids 0-3 special (1 the separator), 4 never seen
+    tok = type("Tok", (), {"all_special_ids": [0, 1, 2, 3], "eos_token_id": 1, "__len__": lambda self: 9})()
+    labels = torch.full((32,), IGNORE_INDEX)
+    labels[::2] = torch.tensor([5, 6, 7, 8] * 4)  # the masked positions' targets
+    monkeypatch.setattr(baseline, "make_encoder", lambda t: lambda texts: [[ids[x.strip()]] for x in texts])
+    monkeypatch.setattr(baseline, "validation_sequences", lambda *a, **k: [(torch.zeros(32, dtype=torch.long), labels)])
+    loss = baseline.unigram_baseline_loss(
+        data_cfg(corpus, val_holdout=0.0), kind="encoder", seq_len=32, tokenizer=tok, val_sequences=1, seed=0
+    )
+    # each word 50 times in 200 non-special tokens, add-one over the 5 non-special ids
+    assert loss == pytest.approx(-math.log((50 + 1) / (200 + 5)), rel=1e-9)
+
+
 def test_the_cached_baseline_is_the_computed_one_for_exactly_its_inputs(corpus, tok, cache, tmp_path, monkeypatch):
     """``cached_unigram_baseline_loss`` (the end of every run): the first call computes and stores the value; the
     same inputs read it back (the computation is not run); a change of the corpus file, the tokenizer's files, the

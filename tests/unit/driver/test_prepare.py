@@ -87,6 +87,34 @@ def test_a_model_smaller_than_the_given_tokenizer_is_refused_before_the_run_exis
     assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()
 
 
+def test_an_encoder_given_a_tokenizer_without_a_mask_token_is_refused_before_the_run_exists(tokenizer_dir, workdir):
+    """A masked LM needs the mask token: a given tokenizer without one (a GPT-2 style tokenizer) is one line naming
+    ``data.tokenizer`` before anything is created, not a worker's error in a FAILED run."""
+    import json
+    import shutil
+
+    from pretrain.config.paths import resolve_paths
+    from pretrain.driver.prepare import preflight
+    from tests.conftest import corpus_lines
+
+    no_mask = workdir / "no-mask"
+    shutil.copytree(tokenizer_dir, no_mask)
+    config = json.loads((no_mask / "tokenizer_config.json").read_text())
+    config.pop("mask_token", None)
+    (no_mask / "tokenizer_config.json").write_text(json.dumps(config))
+    special = no_mask / "special_tokens_map.json"
+    if special.exists():
+        special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items() if k != "mask_token"}))
+    corpus = workdir / "c.txt"
+    corpus.write_text("\n".join(corpus_lines(400)) + "\n")
+    base = [f"data.sources=[{{path: {corpus}}}]", "cluster.use_ray=false", "model.kind=encoder"]
+    with pytest.raises(ConfigError) as e:
+        preflight(resolve_paths(load_config(None, [*base, f"data.tokenizer={no_mask}"])), probe=False)
+    assert str(e.value).startswith(f"data.tokenizer: {no_mask} has no mask token, which a masked LM")
+    preflight(resolve_paths(load_config(None, [*base, f"data.tokenizer={tokenizer_dir}"])), probe=False)
+    assert not (workdir / "mlflow.db").exists() and not (workdir / "checkpoints").exists()
+
+
 def test_a_growth_that_cannot_apply_is_refused_before_the_run_exists(workdir):
     """``preflight`` applies each ``growth.schedule`` entry to a weightless model: a growth that would fail at its
     step is refused in one line before an MLflow run or a run directory exists (``train --dry-run`` too)."""

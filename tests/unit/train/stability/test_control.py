@@ -70,9 +70,8 @@ def test_an_event_mlflow_refuses_is_a_warning_and_its_timeline_is_sent_later(tmp
 
     lines: list[str] = []
     tracker = Down()
-    control = StabilityControl(
-        tiny_config(), TrainerState(), SimpleNamespace(is_main=True), tmp_path, tracker, SimpleNamespace(say=lines.append)
-    )
+    main, progress = SimpleNamespace(is_main=True), SimpleNamespace(say=lines.append)
+    control = StabilityControl(tiny_config(), TrainerState(), main, tmp_path, tracker, progress)
     control.report({"event": 1, "step": 3, "kind": "loss_spike", "action": "skip", "detail": ""}, urgent=True)
     assert [line for line in lines if line.startswith("warning: MLflow did not take")] == lines[1:] and len(lines) == 3
     tracker.up = True
