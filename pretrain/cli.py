@@ -102,9 +102,19 @@ def cmd_train(args: list[str]) -> int:
     preflight(cfg)  # a bad corpus or directory is refused before Ray starts (and before the imports below)
     fork = check_resume_from(cfg)  # checkpoint.resume_from: the checks of `resume DIR`, also before Ray starts
     from cluster.launch import prepare_while_ray_starts
+    from pretrain.driver.launched import earlier_attempt
 
     # The run is created (MLflow, tokenizer) while Ray starts.
     from pretrain.driver.run_job import abandon, run_job
+
+    if (restarted := earlier_attempt(cfg.checkpoint.dir)) is not None:  # torchrun --max-restarts: the same run
+        from pretrain.driver.resume import prepare_resume
+
+        print(f"[pretrain] a restart of this torchrun launch: resuming its run {restarted}", flush=True)
+        return run_job(
+            lambda held: (prepare_resume(restarted, [], hold=held), False),
+            lambda job: f"resuming run {job.run_id} into {job.run_dir} (torchrun restarted the launch)",
+        )
 
     def prepare(held):
         return prepare_new(cfg, checked=True, hold=held) if fork is None else prepare_fork(cfg, fork, held)

@@ -184,3 +184,29 @@ def test_a_stop_while_the_run_is_created_ends_it_killed(tmp_path):
     while (left := session_processes(proc.pid)) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, left
+
+
+def test_a_torchrun_restart_resumes_the_run_its_first_attempt_created(tmp_path):
+    """``torchrun --max-restarts 1``: rank 1 dies (SIGKILL) about to run step 5, the agent starts both ranks again,
+    and the restarted ``train CONFIG`` resumes the run of the first attempt from its step-4 checkpoint (the same
+    MLflow run and directory) instead of a new run from step 0; it ends FINISHED at step 6."""
+    from tests.harness import PYTHON, cli_env
+
+    args = ["train", CONFIG, *E2E, "cluster.use_ray=false", "train.max_steps=6", "faults.kill_worker_at_step=5"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1"]
+    proc = subprocess.run(
+        [PYTHON, *launcher, "-m", "pretrain", *args],
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert f"a restart of this torchrun launch: resuming its run {run.info.run_id}" in out
+    assert run.info.status == "FINISHED" and run.data.tags["pretrain.checkpoint_step"] == "6"
+    assert sorted(metric_history(run.info.run_id, uri=f"sqlite:///{tmp_path / 'mlflow.db'}")) == list(range(1, 7))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == [run.info.run_id]
