@@ -247,16 +247,16 @@ setup() {  # setup [--offline WHEELHOUSE]
     return 0
   fi
   local t0=$SECONDS uv_offline=()
-  # From here the venv changes: without its stamp until it is whole again (an interrupted setup is not taken as done
-  # by the next command, whatever it asks for).
-  [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
-  rm -f "$stamp"
   [[ -n "$offline" ]] && uv_offline=(--offline --no-index --find-links "$offline")
   ensure_uv "$offline"
   if [[ -z "$UV" ]] && ! "$PY" -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))' 2>/dev/null; then
     echo "[setup] error: $offline holds no uv and none of version $UV_VERSION is at hand, and $PY has no pip 22.3 or later to install with: put uv $UV_VERSION on PATH" >&2
     exit 2
   fi
+  # From here the venv changes: its stamp says "incomplete" until it is whole again, so an interrupted setup is not
+  # taken as done by the next command, whatever that one asks for (an offline venv's stays offline: the wheelhouse).
+  [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
+  printf 'incomplete%s\n' "${offline:+ from wheelhouse $offline}" >"$stamp"
   if [[ ! -x "$VENV/bin/python" || "$(head -n1 <<<"$old_stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
     req="$lock"

@@ -102,14 +102,16 @@ def cmd_train(args: list[str]) -> int:
     preflight(cfg)  # a bad corpus or directory is refused before Ray starts (and before the imports below)
     fork = check_resume_from(cfg)  # checkpoint.resume_from: the checks of `resume DIR`, also before Ray starts
     from cluster.launch import prepare_while_ray_starts
-    from pretrain.driver.launched import earlier_attempt
+    from pretrain.driver.launched import launched
 
     # The run is created (MLflow, tokenizer) while Ray starts.
     from pretrain.driver.run_job import abandon, run_job
 
-    if (restarted := earlier_attempt(cfg.checkpoint.dir)) is not None:  # torchrun --max-restarts: the same run
+    launch = launched()  # (the other ranks of a launch follow rank 0's job, whatever it is)
+    if launch is not None and launch.leads and (restarted := launch.earlier_run()) is not None:
         from pretrain.driver.resume import prepare_resume
 
+        # torchrun --max-restarts: the run of the launch's first attempt, from its latest checkpoint
         print(f"[pretrain] a restart of this torchrun launch: resuming its run {restarted}", flush=True)
         return run_job(
             lambda held: (prepare_resume(restarted, [], hold=held), False),

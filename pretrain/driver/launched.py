@@ -21,6 +21,8 @@ from typing import Any
 # How long a follower waits for rank 0's job: the preparation may train a tokenizer over a large corpus. When rank 0
 # fails instead, the launcher ends the followers (torchrun stops the whole group).
 JOB_WAIT = timedelta(hours=24)
+RUN_KEY = "pretrain/run"
+"""The launch store's key of the run the launch trains (:meth:`Launch.note_run`)."""
 
 
 @dataclass
@@ -57,40 +59,21 @@ class Launch:
         """Any other rank: rank 0's job (as a dict), once it is prepared."""
         return json.loads(self.store().get(self._key()))
 
+    def note_run(self, job: Any) -> None:
+        """Rank 0: the run this launch trains, kept in the launch's store, which every attempt of a ``torchrun``
+        launch shares (``--max-restarts``: after a rank fails, the agent starts every rank again with the same
+        command) and no other launch sees."""
+        self.store().set(RUN_KEY, json.dumps({"run_id": job.run_id, "run_dir": job.run_dir}))
 
-def attempt_record(checkpoint_dir: str | Path, env: Mapping[str, str] = os.environ) -> Path | None:
-    """Where rank 0 of a ``torchrun`` launch notes the run its first attempt created, so that a restarted attempt
-    (``torchrun --max-restarts``: the agent starts every rank again after one failed) resumes that run rather than
-    starting a new one from step 0: ``CHECKPOINT_DIR/.torchrun-<TORCHELASTIC_RUN_ID>.json`` (the id is the same
-    for every attempt of one launch). None outside torchrun."""
-    run = env.get("TORCHELASTIC_RUN_ID", "")
-    if not run:
-        return None
-    return Path(checkpoint_dir) / f".torchrun-{''.join(c if c.isalnum() or c in '-_' else '_' for c in run)}.json"
+    def earlier_run(self, env: Mapping[str, str] = os.environ) -> str | None:
+        """Rank 0 of a restarted torchrun attempt: the run an earlier attempt of this launch trained, when it has a
+        committed checkpoint to resume from; else None (a first attempt, or nothing to resume: a new run)."""
+        from pretrain.checkpoint import latest_committed
 
-
-def note_attempt(job: Any, env: Mapping[str, str] = os.environ) -> None:
-    """Rank 0 of a torchrun launch's first attempt: the run it created (see :func:`attempt_record`)."""
-    record = attempt_record(Path(job.run_dir).parent, env)
-    if record is not None and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(json.dumps({"run_id": job.run_id, "run_dir": job.run_dir}))
-        tmp.replace(record)
-
-
-def earlier_attempt(checkpoint_dir: str | Path, env: Mapping[str, str] = os.environ) -> str | None:
-    """The run id of this launch's first attempt when this process is a restart of it (see
-    :func:`attempt_record`) and that run has a committed checkpoint to resume from; else None (a new run)."""
-    from pretrain.checkpoint import latest_committed
-
-    record = attempt_record(checkpoint_dir, env)
-    if record is None or env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        return None
-    try:
-        noted = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None
-    return noted["run_id"] if latest_committed(Path(noted["run_dir"])) is not None else None
+        if env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or not self.store().check([RUN_KEY]):
+            return None
+        noted = json.loads(self.store().get(RUN_KEY))
+        return noted["run_id"] if latest_committed(Path(noted["run_dir"])) is not None else None
 
 
 def launched(env: Mapping[str, str] = os.environ) -> Launch | None:

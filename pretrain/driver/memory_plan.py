@@ -323,6 +323,18 @@ def held_and_shard(counts: ParamCounts, lay: Layout) -> tuple[float, float]:
     return dense + counts.expert / lay.ep, (dense + counts.expert) / lay.zero_group
 
 
+def snapshot_params(counts: ParamCounts, lay: Layout) -> float:
+    """The parameters the update ratio copies on the worker that counts the most (``pretrain/train/health.py``):
+    its ZeRO-3 partition; below ZeRO-3 its share of the whole dense weights (dealt out over all workers by size),
+    (over every worker, of every data, sequence and tensor rank) and whole its tensor-parallel shards (counted by
+    the first tensor-parallel group) and its experts (by the first
+    worker of each expert-data-parallel group)."""
+    if lay.stage == 3:
+        return held_and_shard(counts, lay)[1]
+    split = counts.split if lay.tp > 1 else 0  # (without tensor parallelism nothing is a shard)
+    return (counts.total - counts.expert - split) / (lay.dp * lay.sp * lay.tp) + split / lay.tp + counts.expert / lay.ep
+
+
 def gradient_bytes(precision: str, stage: int) -> int:
     """Bytes per parameter of its gradient (``pretrain/train/engine.py``): fp32 4. bf16 sums micro-batches in fp32
     from ZeRO-1 on: ZeRO-1 keeps the bf16 gradient and its fp32 sum, both whole (6; DeepSpeed's BF16_Optimizer),
@@ -347,8 +359,7 @@ def memory(cfg: RunConfig, counts: ParamCounts, lay: Layout) -> Memory:
     acts = activations(cfg.model, cfg.moe, lay)
     accumulates = lay.grad_accum > 1
     probe = health_probe(cfg, lay, acts) if cfg.stability.health_every > 0 else 0.0
-    # the update ratio's copies: the weights this worker counts (its partition, or its share of replicated ones)
-    snapshot = 2 * w * shard if cfg.stability.health_every > 0 else 0.0
+    snapshot = 2 * w * snapshot_params(counts, lay) if cfg.stability.health_every > 0 else 0.0
     if lay.offload:
         return Memory(weights, gradients, 0.0, acts, accumulates, host_optimizer=opt, probe=probe, snapshot=snapshot)
     return Memory(weights, gradients, opt, acts, accumulates, probe=probe, snapshot=snapshot)

@@ -72,7 +72,7 @@ def run_job(prepare, announce) -> int:
     from cluster.ray_process import end_ray_with_process, stop_ray
     from pretrain.config import from_dict
     from pretrain.driver.console import QuietConsole
-    from pretrain.driver.launched import follow, launched, note_attempt
+    from pretrain.driver.launched import follow, launched
     from pretrain.driver.signals import StopNow, StopSignals, stop_at_once
     from pretrain.train.stop_request import stops_deferred
     from pretrain.train.tracking import Tracker, tracking_uri
@@ -92,7 +92,7 @@ def run_job(prepare, announce) -> int:
                 stop = StopSignals(job.run_dir, cfg.checkpoint.on_stop, cfg.checkpoint.stop_timeout_s)
                 if launch is not None:
                     launch.publish(job)
-                    note_attempt(job)
+                    launch.note_run(job)
                 console.set_log(log)
                 print(f"[pretrain] {announce(job)}", flush=True)
                 print(f"[pretrain] full log (Ray, DeepSpeed, every worker): {log}", flush=True)

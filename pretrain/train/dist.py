@@ -135,7 +135,7 @@ def setup(use_gpu: str) -> DistContext:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         # Alone, the rendezvous is an in-memory store: no TCP port to listen on, so no race for a "free" port
         # that another process took in the meantime (EADDRINUSE).
-        store = dist.HashStore() if alone else None
+        store = dist.HashStore() if alone else attempt_store(os.environ)
         dist.init_process_group("nccl" if want_gpu else "gloo", rank=rank, world_size=world, store=store)
     if want_gpu:
         device = gpu_device(local_rank, _ray_device() if ray_ctx is not None else None)
@@ -143,6 +143,19 @@ def setup(use_gpu: str) -> DistContext:
     else:
         device = torch.device("cpu")
     return DistContext(rank, world, local_rank, local_world, device, ray_ctx is not None)
+
+
+def attempt_store(env) -> dist.Store | None:
+    """The rendezvous store of a launch under torchrun (``env``: its variables), its keys under this attempt's own
+    prefix; None (``env://`` as is) for another launcher. torch 2.13's agent keeps one store for every attempt of
+    a launch (``torchrun --max-restarts``), so a restarted attempt's process groups read the addresses the dead
+    attempt's ranks had published there and fail to connect (``Gloo connectFullMesh failed ... Connection
+    refused``, also on the first ``new_group``)."""
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://"))
+    return dist.PrefixStore(f"pretrain/attempt_{attempt}", store)
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

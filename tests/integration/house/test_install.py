@@ -159,7 +159,9 @@ def test_setup_keeps_the_environments_torch_and_refuses_one_out_of_range(tmp_pat
     assert [Path(w).is_relative_to(base) for w in where] == [True, True, False]  # six: the lock's, in the venv
     stamp = (venv / ".pretrain-setup").read_text().splitlines()
     assert re.fullmatch(
-        rf"requirements\.lock sha256=[0-9a-f]{{64}} around the environment's torch 2\.13\.0\+cpu cpu {base}", stamp[0]
+        rf"requirements\.lock sha256=[0-9a-f]{{64}} python \d+\.\d+ "
+        rf"around the environment's torch 2\.13\.0\+cpu cpu {base}",
+        stamp[0],
     )
     again = _launch(checkout, "setup", env=env)
     assert again.returncode == 0 and again.stderr == "", again.stderr  # current: nothing to do

@@ -54,7 +54,8 @@ def test_setup_picks_the_lock_and_refuses_an_unknown_choice():
     if stamp.is_file():  # a venv made by ./launch.sh setup (not, e.g., a CI image's)
         first = stamp.read_text().splitlines()[0]
         assert re.fullmatch(
-            r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64}( around the environment's torch .*)?", first
+            r"requirements(-cuda)?\.lock sha256=[0-9a-f]{64} python \d+\.\d+( around the environment's torch .*)?",
+            first,
         )
     text = (ROOT / "launch.sh").read_text()
     assert "/proc/driver/nvidia/version" in text and "nvidia-smi" in text

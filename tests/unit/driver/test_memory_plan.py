@@ -182,5 +182,7 @@ def test_zero_stages_and_experts_split_the_state():
     assert mem.weights == 2 * held
     assert mem.gradients == 4 * (1000 / 4 + 10)  # fp32 partition + the fp32 reduce bucket (reduce_bucket_size)
     assert mem.optimizer == 12 * 1000 / 4
+    # the update ratio's copies on the worker counting the most: a quarter of the dense weights, its experts whole
+    assert mem.snapshot == 2 * 2 * (600 / 4 + 400 / 2)
     z3 = memory(cfg, counts, replace(lay, stage=3, ep=1))
     assert z3.weights == 2 * (1000 / 4 + 2 * 100)  # partition + the gathered layer and the prefetched one

@@ -82,8 +82,9 @@ def _uv_calls(checkout: Path) -> list[str]:
 
 def test_an_interrupted_setup_leaves_no_stamp_a_later_one_trusts(checkout):
     """A setup for another lock (``PRETRAIN_TORCH=cuda``) stopped while uv changes the venv (Ctrl-C: 130) leaves it
-    part one lock, part the other: the next setup, back on the first lock, installs again instead of finding the
-    earlier stamp and calling the venv current. A setup that completes is current for the next one."""
+    part one lock, part the other: its stamp says so ("incomplete"), and the next setup, back on the first lock,
+    installs again instead of finding the earlier stamp and calling the venv current. A setup that completes is
+    current for the next one."""
     first = _setup(checkout, PRETRAIN_TORCH="cpu", PYTHON=sys.executable)
     assert first.returncode == 0, first.stderr
     assert any(c.startswith("pip sync") for c in _uv_calls(checkout))
@@ -92,7 +93,7 @@ def test_an_interrupted_setup_leaves_no_stamp_a_later_one_trusts(checkout):
     assert stamp.startswith("requirements.lock sha256=") and f" python {v.major}.{v.minor}\n" in stamp, stamp
 
     stopped = _setup(checkout, PRETRAIN_TORCH="cuda", UV_SYNC_RC="130")
-    assert stopped.returncode == 130 and not (checkout / ".venv" / ".pretrain-setup").exists()
+    assert stopped.returncode == 130 and (checkout / ".venv" / ".pretrain-setup").read_text() == "incomplete\n"
     assert any(c.startswith("pip sync") and "requirements-cuda.lock" in c for c in _uv_calls(checkout))
 
     again = _setup(checkout)  # the saved choice: the CPU lock
