@@ -19,6 +19,7 @@ from pretrain.checkpoint import CheckpointError, layout, read_manifest
 from pretrain.checkpoint.manifest import Manifest
 from pretrain.config import ConfigError, RunConfig, dump_yaml, flatten, to_dict
 from pretrain.config.errors import without_passwords
+from pretrain.train.metric_sender import MetricSender
 from pretrain.train.mlflow_records import log_datasets
 from pretrain.train.mlflow_records import mlflow_client as _client
 from pretrain.train.mlflow_store import shown_uri, sqlite_path
@@ -148,11 +149,6 @@ def log_config(
     client.log_text(run_id, without_passwords(dump_yaml(cfg)), artifact)
 
 
-UNSENT_LIMIT = 100_000
-"""Metric values an asynchronous tracker holds for a later attempt while the tracking store refuses them (a server
-down for longer than MLflow's own retries); beyond it the oldest are dropped, and counted."""
-
-
 class Tracker:
     """Rank-0 metric logger for one run. A no-op when ``uri`` is empty (tracking disabled)."""
 
@@ -163,73 +159,32 @@ class Tracker:
         MLflow's to retry)."""
         self.uri, self.run_id, self.asynchronous = uri, run_id, asynchronous
         self._client = _client(uri, probe) if uri else None
-        self._pending: list[tuple[Any, list]] = []  # MLflow's futures of metrics logged asynchronously, and what
-        self._unsent: list = []  # metrics the store refused, sent again at the next flush (at most UNSENT_LIMIT)
-        self._dropped = 0  # ... and those beyond it, lost
+        self._sender = MetricSender(self._client, run_id, asynchronous) if self._client else None
 
     @property
     def enabled(self) -> bool:
         return self._client is not None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Asynchronous trackers queue them: MLflow's background thread writes them (batched) and the loop does
-        not wait on the store; :meth:`flush` waits for all (every 64 calls, and at the training function's end).
-        A synchronous tracker's failed write raises here."""
-        if not self._client:
+        """Asynchronous trackers queue them and do not end the run while the store refuses them
+        (:mod:`pretrain.train.metric_sender`); a synchronous tracker's refused write raises here."""
+        if not self._sender:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        if len(self._pending) >= 64:
-            self.flush()  # bounded: a store slower than the loop is waited for
-        self._send(batch)
+        self._sender.log([Metric(k, float(v), now, step) for k, v in metrics.items()])
 
-    def _send(self, batch: list) -> None:
-        assert self._client is not None
-        for i in range(0, len(batch), 500):  # MLflow takes at most 1000 metrics per request
-            chunk = batch[i : i + 500]
-            op = self._client.log_batch(self.run_id, metrics=chunk, synchronous=not self.asynchronous)
-            if op is not None:
-                self._pending.append((op, chunk))
-
-    def flush(self) -> None:
-        """Wait until every metric logged so far is in the store. Writes the store refused (an asynchronous
-        tracker's: a tracking server down for longer than MLflow's retries, about four minutes) do not end the
-        run: their values are kept (at most :data:`UNSENT_LIMIT`) and sent again, with their own steps and times,
-        at the next flush; one warning when the store starts refusing and one when it takes them again."""
-        from mlflow.exceptions import MlflowException
-
-        was_failing = bool(self._unsent or self._dropped)
-        retry, self._unsent = self._unsent, []
-        newer, self._pending = self._pending, []
-        if retry:
-            self._send(retry)
-        pending, self._pending = self._pending + newer, []  # oldest first: what a full hold drops
-        failed, error = [], None
-        for op, chunk in pending:
-            try:
-                op.wait()
-            except MlflowException as e:
-                failed.extend(chunk)
-                error = e
-        if error is None:
-            if was_failing:
-                lost = f"; {self._dropped:,} older ones were dropped" if self._dropped else ""
-                print(f"MLflow: the tracking store takes metrics again (the {len(retry):,} held are in{lost})",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                self._dropped = 0
-            return
-        self._dropped += max(0, len(failed) - UNSENT_LIMIT)
-        self._unsent = failed[-UNSENT_LIMIT:]
-        if not was_failing:
-            first = (str(error).strip().splitlines() or [""])[0][:300]
-            print(f"warning: MLflow refused {len(failed):,} metric values ({first}); training goes on, and they are "
-                  "sent again at each flush", file=sys.stderr, flush=True)  # fmt: skip
+    def flush(self, final: bool = False) -> None:
+        """Wait until the metrics logged so far are in the store (at most a minute; those the store refuses are
+        held: :mod:`pretrain.train.metric_sender`). ``final``: the run's end (a store refusing them is given one
+        more minute)."""
+        if self._sender:
+            self._sender.flush(final)
 
     def unsent(self) -> int:
-        """Metric values not in the store (held for a later flush, or dropped)."""
-        return len(self._unsent) + self._dropped
+        """Metric values not in the store (held while it refuses them, or dropped)."""
+        return self._sender.unsent() if self._sender else 0
 
     def log_params(self, params: dict[str, Any]) -> bool:
         """Log params; False (nothing logged) when one of them already exists with another value (MLflow params
@@ -276,7 +231,7 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._client:
-            self.flush()
+            self.flush(final=True)
             if self.unsent():
                 print(f"warning: {self.unsent():,} metric values of run {self.run_id} are not in MLflow (its store "
                       "refused them to the end)", file=sys.stderr, flush=True)  # fmt: skip

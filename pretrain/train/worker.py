@@ -51,7 +51,7 @@ def train_loop(job: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(Exception):  # what was logged before the error; the error itself comes first
             trainer.tracker.flush()
         raise
-    trainer.tracker.flush()  # metrics are logged asynchronously
+    trainer.tracker.flush(final=True)  # metrics are logged asynchronously
     if unsent := trainer.tracker.unsent():
         trainer.progress.say(f"warning: {unsent:,} metric values are not in MLflow (its store refused them to the end)")
     return final

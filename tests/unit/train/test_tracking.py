@@ -112,47 +112,74 @@ def test_a_password_in_a_url_of_the_config_stays_out_of_mlflow(tmp_path):
 
 
 def test_a_tracking_store_that_refuses_metrics_for_a_while_does_not_end_the_run(monkeypatch, capsys):
-    """MLflow retries a write for about four minutes, then the asynchronous write fails. The training tracker keeps
-    what the store refused (at most UNSENT_LIMIT values, the oldest dropped beyond) and sends it again, with its own
-    steps, at the next flush: the loop goes on, one warning when the store starts refusing, one when it takes them."""
+    """MLflow retries a write for about four minutes, then the asynchronous write fails. The training loop's sender
+    then holds its metrics (at most HELD_LIMIT values, the oldest dropped beyond) and sends nothing but one small
+    probe at a time, in a thread of its own, so the loop waits on no write; once a probe succeeds, every held value
+    is sent with its own step. One warning when the store starts refusing, one when it takes them again. A write
+    with no answer within WAIT_S counts as refused."""
     from concurrent.futures import Future
 
     from mlflow.exceptions import MlflowException
     from mlflow.utils.async_logging.run_operations import RunOperations
 
-    from pretrain.train import tracking
+    from pretrain.train import metric_sender
+    from pretrain.train.metric_sender import MetricSender
 
     class Store:
-        """log_batch as MLflow's client does it asynchronously: a future per call, failed while the server is down."""
+        """log_batch as MLflow's client does it: asynchronous, a future per call; refused while the server is down."""
 
         def __init__(self):
-            self.down, self.kept = True, []
+            self.down, self.kept, self.calls = True, [], 0
 
         def log_batch(self, run_id, metrics, synchronous):
+            self.calls += 1
+            if self.down and synchronous:
+                raise MlflowException("API request to http://mlflow:5000 failed: max retries")
             future: Future = Future()
             if self.down:
                 future.set_exception(MlflowException("API request to http://mlflow:5000 failed: max retries"))
             else:
                 self.kept.extend((m.key, m.step, m.value) for m in metrics)
                 future.set_result(None)
-            return RunOperations([future])
+            return None if synchronous else RunOperations([future])
+
+    from mlflow.entities import Metric
+
+    def batch(step: int) -> list:
+        return [Metric("train/loss", float(step), step, step)]
 
     store = Store()
-    monkeypatch.setattr(tracking, "UNSENT_LIMIT", 100)
-    tracker = tracking.Tracker("", "r", asynchronous=True)
-    tracker._client = store  # type: ignore[assignment]
-    for step in range(1, 131):  # flushes after 64 and 128 calls: both refused; 130 values, the oldest 30 dropped
-        tracker.log_metrics({"train/loss": float(step)}, step)
-    tracker.flush()
-    assert tracker.unsent() == 130 and len(tracker._unsent) == 100 and store.kept == []
-    err = capsys.readouterr().err
-    assert err.count("warning: MLflow refused") == 1 and "training goes on" in err
+    monkeypatch.setattr(metric_sender, "HELD_LIMIT", 100)
+    monkeypatch.setattr(metric_sender, "CHUNK", 10)
+    sender = MetricSender(store, "r", asynchronous=True)
+    for step in range(1, 66):  # the 65th call waits for the first 64 writes: refused, so held
+        sender.log(batch(step))
+    assert sender.holding and "warning: MLflow did not take 64 metric values" in capsys.readouterr().err
+    for step in range(66, 131):  # held: no write but the probes (one at a time, each refused)
+        sender.log(batch(step))
+        if sender._probe:
+            sender._probe[0].exception()  # (the probe's thread has run)
+    assert store.calls <= 64 + 1 + 65 and sender.unsent() == 130 and sender._dropped == 30  # at most a probe a call
     store.down = False
-    tracker.log_metrics({"train/loss": 131.0}, 131)
-    tracker.flush()
-    assert sorted(s for _, s, _ in store.kept) == list(range(31, 132)) and tracker.unsent() == 0
-    assert "takes metrics again (the 100 held are in; 30 older ones were dropped)" in capsys.readouterr().err
-    synchronous = tracking.Tracker("", "r")
-    synchronous._client = types.SimpleNamespace(log_batch=lambda *a, **k: (_ for _ in ()).throw(MlflowException("x")))  # type: ignore[assignment]
-    with pytest.raises(MlflowException):  # a command's own tracker (not the loop's): the error is its caller's
-        synchronous.log_metrics({"a": 1.0}, 1)
+    sender.flush(final=True)  # the probe succeeds: the held values are sent, then waited for
+    assert not sender.holding and sender.unsent() == 0
+    assert sorted(s for _, s, _ in store.kept) == list(range(31, 131))
+    assert "takes metrics again (the 100 values held are sent; 30 older ones were dropped)" in capsys.readouterr().err
+
+    # a write with no answer within WAIT_S is held too (the loop does not wait out MLflow's retries)
+    monkeypatch.setattr(metric_sender, "WAIT_S", 0.05)
+    import threading
+
+    def no_answer(run_id, metrics, synchronous):  # queued: a future never done; the probe: a call never returning
+        return threading.Event().wait() if synchronous else RunOperations([Future()])
+
+    silent = MetricSender(types.SimpleNamespace(log_batch=no_answer), "r", True)
+    silent.log(batch(1))
+    silent.flush()
+    assert silent.holding and silent.unsent() == 1
+
+    synchronous = MetricSender(
+        types.SimpleNamespace(log_batch=lambda *a, **k: (_ for _ in ()).throw(MlflowException("x"))), "r", False
+    )
+    with pytest.raises(MlflowException):  # a command's own records (not the loop's): the error is its caller's
+        synchronous.log(batch(1))
