@@ -85,7 +85,7 @@ def cmd_train(args: list[str]) -> int:
     cfg = load_config(path or DEFAULT_CONFIG, overrides)  # validate before any heavy import
     from pretrain.train.schedule import schedule_warning
 
-    if schedule_warning(cfg.train):
+    if not cfg.train.max_flops and schedule_warning(cfg.train):  # (a budget's steps are known when the run is made)
         print(f"[pretrain] {schedule_warning(cfg.train)}", flush=True)
     if dry:  # the checks and the plan; nothing started or created
         from pretrain.driver.dry_run import dry_run

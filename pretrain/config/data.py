@@ -37,7 +37,9 @@ class DataConfig:
     """Fraction of training documents (chosen by a hash of their text) held out for validation when
     ``val_sources`` is empty. 0 disables validation."""
     tokenizer: str = ""
-    """Directory of a Hugging Face fast tokenizer; empty trains a byte-level BPE on the sources."""
+    """Directory of a Hugging Face fast tokenizer. Empty: the token shards' tokenizer when the sources are token
+    shards, the Hugging Face model's with ``model.init_from_hf``, else a byte-level BPE trained on the sources
+    (``tokenizer_vocab_size``, ``tokenizer_train_docs``)."""
     tokenizer_vocab_size: int = 8192
     """Vocabulary size of a tokenizer trained from the corpus."""
     tokenizer_train_docs: int = 50_000

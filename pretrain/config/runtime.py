@@ -99,8 +99,9 @@ class ClusterConfig:
     the CPU; ``yes`` refuses fewer GPUs than workers, and a torch that cannot use the node's GPU (never the CPU in
     their place); ``no`` runs on the CPU (DeepSpeed's CPU accelerator, also on a GPU node)."""
     cpus_per_worker: float = 1.0
-    """CPUs reserved per worker in Ray. A fraction (e.g. 0.5) lets more workers than CPUs share a machine: Ray
-    places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads`` threads)."""
+    """CPUs reserved per worker in Ray: a whole number, or a fraction below 1 (e.g. 0.5), which lets more workers
+    than CPUs share a machine: Ray places 3 workers of 0.5 on 2 CPUs (each still runs ``train.num_threads``
+    threads)."""
     address: str = ""
     """Ray address of an existing cluster; empty uses ``RAY_ADDRESS`` or starts an embedded local Ray."""
     max_failures: int = 0
@@ -172,7 +173,7 @@ class ParallelConfig:
     tensor: int = 1
     """Workers that share each layer (DeepSpeed AutoTP): the attention and FFN projections are split column- and
     row-wise across them; embeddings, norms and the LM head stay whole. Needs the head counts and the FFN size
-    divisible by it, and ZeRO stage 0, 1 or 2; not with MoE."""
+    divisible by it, ZeRO stage 0, 1 or 2, and ``model.attention_dropout`` 0; not with MoE."""
     expert: int = 1
     """Expert-parallel degree (MoE models): each worker holds ``moe.num_experts / expert`` experts of every MoE
     layer and tokens travel by all-to-all; must divide ``moe.num_experts`` and the worker count, with ZeRO stage

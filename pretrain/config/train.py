@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pretrain.config.errors import ConfigError
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -34,7 +36,9 @@ class TrainConfig:
     decay_steps: int = 0
     """``decay: wsd``: steps of the decay phase at the end of the run; 0 uses ``decay_fraction``."""
     decay_fraction: float = 0.2
-    """``decay: wsd`` with ``decay_steps: 0``: the decay phase as a fraction of ``max_steps``, in (0, 1]."""
+    """``decay: wsd`` with ``decay_steps: 0``: the decay phase as a fraction of ``max_steps``, in (0, 1]. A
+    fraction longer than the steps after warm-up has no stable phase: the warm-up runs to its end and the LR then
+    falls to where the decay has reached (keep it at most ``1 - warmup_steps / max_steps``)."""
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
     """``decay: wsd``: shape of the decay phase (``1-sqrt``: lr = peak - (peak - floor) * sqrt(progress))."""
     weight_decay: float = 0.1
@@ -95,3 +99,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # a boolean: true = full, false = none
             self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
+
+    def wsd_decay_steps(self) -> int:
+        """Length of the decay phase of ``decay: wsd`` (``decay_steps``, else ``decay_fraction`` of the run)."""
+        return self.decay_steps or max(1, round(self.decay_fraction * self.max_steps))
+
+    def check_decay(self, steps_known: bool) -> None:
+        """The decay's fields; with ``steps_known`` (``max_steps`` is the run's), a WSD ``decay_steps`` longer than
+        the steps after warm-up is refused. (A ``decay_fraction`` is of the whole run: where it reaches into the
+        warm-up, the decay starts where the warm-up ends, from the LR it has reached there.)"""
+        if self.decay_steps < 0:
+            raise ConfigError(f"train.decay_steps: must be >= 0, got {self.decay_steps}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
+        after = self.max_steps - self.warmup_steps
+        if self.decay == "wsd" and steps_known and self.decay_steps and self.decay_steps > after:  # 0: a fraction
+            raise ConfigError(
+                f"train.decay_steps: {self.decay_steps} is more than the {after} steps after warm-up "
+                "(train.max_steps - train.warmup_steps)"
+            )

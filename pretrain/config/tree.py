@@ -159,8 +159,11 @@ class RunConfig:
     growth: GrowthConfig = field(default_factory=GrowthConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def validate(self) -> RunConfig:
-        """Cross-field checks; raises ConfigError naming the offending key."""
+    def validate(self, steps_known: bool | None = None) -> RunConfig:
+        """Cross-field checks; raises ConfigError naming the offending key. ``steps_known``: whether
+        ``train.max_steps`` is the run's (default: unless ``train.max_flops`` will derive it when the run is
+        created, which validates again with it); the checks against it wait till then."""
+        known = not self.train.max_flops if steps_known is None else steps_known
         m, d, t, c = self.model, self.data, self.train, self.cluster
         positive = {
             "model.num_layers": m.num_layers,
@@ -284,7 +287,7 @@ class RunConfig:
             raise ConfigError(f"model.rope_theta: must be > 0, got {m.rope_theta}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-        self._validate_decay()
+        self.train.check_decay(known)
         if self.zero.stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero.stage: must be 0, 1, 2 or 3, got {self.zero.stage}")
         self._validate_stability()
@@ -294,22 +297,10 @@ class RunConfig:
         rules.check_expert_world(self, c.num_workers)
         self.layer_drop.validate()
         self.layer_drop.early_exit.validate(m.num_layers, m.kind)
-        self._validate_growth()
+        self._validate_growth(known)
         self.eval.validate(bool(self.data.val_sources) or self.data.val_holdout > 0)
         make_plan(self, c.num_workers)  # the worker-count rules live with the derived numbers
         return self
-
-    def _validate_decay(self) -> None:
-        t = self.train
-        if t.decay_steps < 0:
-            raise ConfigError(f"train.decay_steps: must be >= 0, got {t.decay_steps}")
-        if not 0.0 < t.decay_fraction <= 1.0:
-            raise ConfigError(f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
-        if t.decay == "wsd" and t.decay_steps and t.decay_steps > t.max_steps - t.warmup_steps:  # 0: a fraction
-            raise ConfigError(
-                f"train.decay_steps: {t.decay_steps} is more than the {t.max_steps - t.warmup_steps} "
-                f"steps after warm-up (train.max_steps - train.warmup_steps)"
-            )
 
     def _validate_vocab(self) -> None:
         m, d = self.model, self.data
@@ -322,7 +313,7 @@ class RunConfig:
             )
         # (model.vocab_size against the trained tokenizer is the driver's check: models are also built alone)
 
-    def _validate_growth(self) -> None:
+    def _validate_growth(self, steps_known: bool) -> None:
         g = self.growth
         rules.check_growth(self)
         if g.rewarm_steps < -1:
@@ -347,7 +338,9 @@ class RunConfig:
                     else f"{where}: no growth point: set train.max_flops to grow at the default point (at_fraction "
                     f"{e.fraction:g} of the budget), or give at_step, at_tokens or at_fraction"
                 )
-            if not (e.derived_step and not e.at_step) and not 0 < e.at_step < self.train.max_steps:
+            if not (e.derived_step and not e.at_step) and not 0 < e.at_step < (
+                self.train.max_steps if steps_known else 2**63
+            ):
                 # (a derived at_step is set from at_tokens / at_fraction when the run is created)
                 raise ConfigError(f"{where}.at_step: must be in [1, train.max_steps), got {e.at_step}")
             e.check(where, MAX_SIZE["moe.num_experts"])

@@ -146,7 +146,7 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "
                 f"({per_step[-1]:.4g} FLOPs/step{' after the last growth' if schedule else ''})"
             )
-    return cfg.validate()
+    return cfg.validate(steps_known=True)
 
 
 def keep_resolved_budget(saved: RunConfig, cfg: RunConfig) -> None:

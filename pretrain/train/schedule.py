@@ -23,7 +23,7 @@ def decay_shape(shape: str, progress: float) -> float:
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
     """Length of the decay phase of ``decay: wsd`` (``decay_steps``, else ``decay_fraction`` of the run)."""
-    return cfg.decay_steps or max(1, round(cfg.decay_fraction * cfg.max_steps))
+    return cfg.wsd_decay_steps()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -88,6 +88,21 @@ def test_bad_values_are_one_line(override, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_checks_against_max_steps_wait_for_a_budgets_steps():
+    """``train.max_flops`` derives ``max_steps`` when the run is created: a growth point or a decay longer than the
+    preset's ``max_steps`` is not refused against it at load, and is checked against the derived steps."""
+    from pretrain.config import load_config
+    from pretrain.driver.budget import resolve_budget
+
+    budget = ["train.max_flops=1e15", "train.decay=wsd", "train.decay_steps=500", "model.vocab_size=512"]
+    grown = "growth.schedule=[{at_step: 500, depth: 2x, depth_op: identity}]"
+    cfg = load_config(None, [*budget, grown, "train.max_steps=200"])
+    assert resolve_budget(cfg, say=lambda line: None).train.max_steps > 600
+    small = load_config(None, [*budget, "train.max_flops=1e12", "train.max_steps=200"])
+    with pytest.raises(ConfigError, match=r"^train.decay_steps: 500 is more than the -?\d+ steps after warm-up"):
+        resolve_budget(small, say=lambda line: None)
+
+
 @pytest.mark.parametrize("value, mode", [("true", "full"), ("false", "none"), ("selective", "selective")])
 def test_activation_checkpointing_booleans_still_work(value, mode):
     assert train_cfg(f"train.activation_checkpointing={value}").activation_checkpointing == mode
