@@ -256,6 +256,7 @@ setup() {  # setup [--offline WHEELHOUSE]
   # From here the venv changes: its stamp says "incomplete" until it is whole again, so an interrupted setup is not
   # taken as done by the next command, whatever that one asks for (an offline venv's stays offline: the wheelhouse).
   [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
+  mkdir -p "$VENV"
   printf 'incomplete%s\n' "${offline:+ from wheelhouse $offline}" >"$stamp"
   if [[ ! -x "$VENV/bin/python" || "$(head -n1 <<<"$old_stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2

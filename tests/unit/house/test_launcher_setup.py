@@ -33,20 +33,24 @@ UV_VERSION = re.search(r'^UV_VERSION="([^"]+)"', (ROOT / "launch.sh").read_text(
 FAKE_UV = """#!/bin/sh
 echo "$*" >>"$UV_LOG"
 case "$1 $2" in "pip sync") exit "${UV_SYNC_RC:-0}" ;; esac
+if [ "$1" = venv ]; then  # uv venv ... DIR: the venv, its python the fixture's
+  for last in "$@"; do :; done
+  mkdir -p "$last/bin" && cp "$FAKE_PYTHON" "$last/bin/python"
+fi
 exit 0
 """
 
 
 @pytest.fixture
 def checkout(tmp_path) -> Path:
-    """The launcher's files, a venv whose python is this one (less DeepSpeed's background build, which setup starts
-    after a CPU install), and the stand-in uv where setup keeps the one it fetched."""
+    """The launcher's files (no venv yet, as in a fresh clone), the stand-in uv where setup keeps the one it fetched,
+    and the python its ``uv venv`` gives the venv: this one, less DeepSpeed's background build (which setup starts
+    after a CPU install)."""
     dest = tmp_path / "co"
     for rel in FILES:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dest / rel)
-    python = dest / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
+    python = tmp_path / "python"  # what the stand-in uv's `uv venv` puts in the venv
     python.write_text(f'#!/bin/sh\ncase "$2" in *deepspeed*) exit 0 ;; esac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     uv = tmp_path / "xdg" / "pretrain" / f"uv-{UV_VERSION}" / "uv"
@@ -58,8 +62,14 @@ def checkout(tmp_path) -> Path:
 
 def _env(checkout: Path, **changes: str) -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("PRETRAIN_", "PYTHON", "UV_", "CDPATH"))}
-    xdg = checkout.parent / "xdg"
-    return {**keep, "XDG_CACHE_HOME": str(xdg), "UV_LOG": str(checkout.parent / "uv.log"), **changes}
+    xdg, python = checkout.parent / "xdg", checkout.parent / "python"
+    return {
+        **keep,
+        "XDG_CACHE_HOME": str(xdg),
+        "UV_LOG": str(checkout.parent / "uv.log"),
+        "FAKE_PYTHON": str(python),
+        **changes,
+    }
 
 
 def _setup(checkout: Path, *args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -85,9 +95,10 @@ def test_an_interrupted_setup_leaves_no_stamp_a_later_one_trusts(checkout):
     part one lock, part the other: its stamp says so ("incomplete"), and the next setup, back on the first lock,
     installs again instead of finding the earlier stamp and calling the venv current. A setup that completes is
     current for the next one."""
-    first = _setup(checkout, PRETRAIN_TORCH="cpu", PYTHON=sys.executable)
+    first = _setup(checkout, PRETRAIN_TORCH="cpu", PYTHON=sys.executable)  # a fresh clone: no .venv yet
     assert first.returncode == 0, first.stderr
-    assert any(c.startswith("pip sync") for c in _uv_calls(checkout))
+    calls = _uv_calls(checkout)
+    assert calls[0].startswith("venv") and any(c.startswith("pip sync") for c in calls)
     stamp = (checkout / ".venv" / ".pretrain-setup").read_text()
     v = sys.version_info
     assert stamp.startswith("requirements.lock sha256=") and f" python {v.major}.{v.minor}\n" in stamp, stamp
