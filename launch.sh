@@ -256,8 +256,8 @@ setup() {  # setup [--offline WHEELHOUSE]
   # From here the venv changes: its stamp says "incomplete" until it is whole again, so an interrupted setup is not
   # taken as done by the next command, whatever that one asks for (an offline venv's stays offline: the wheelhouse).
   [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
-  mkdir -p "$VENV"
-  printf 'incomplete%s\n' "${offline:+ from wheelhouse $offline}" >"$stamp"
+  local incomplete="incomplete${offline:+ from wheelhouse $offline}"
+  [[ ! -d "$VENV" ]] || echo "$incomplete" >"$stamp"  # (a venv made below gets it once made)
   if [[ ! -x "$VENV/bin/python" || "$(head -n1 <<<"$old_stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
     req="$lock"
@@ -271,6 +271,7 @@ setup() {  # setup [--offline WHEELHOUSE]
     elif [[ ! -x "$VENV/bin/python" || "$("$VENV/bin/python" -c "$py_version")" != "$("$PY" -c "$py_version")" ]]; then
       UV_PYTHON_DOWNLOADS=never "$UV" venv -q --clear --python "$PY" "$VENV"
     fi
+    echo "$incomplete" >"$stamp"
     if [[ "$KIND" == system ]]; then mv "$req" "$VENV/.pretrain-requirements.txt"; req="$VENV/.pretrain-requirements.txt"; fi
     # Exactly the lock (extraneous packages removed), every file hash-checked, sdist builds (deepspeed) with the
     # lock's setuptools; wheels come from uv's user-level cache (~/.cache/uv) when there, or only from the wheelhouse.

@@ -33,9 +33,12 @@ UV_VERSION = re.search(r'^UV_VERSION="([^"]+)"', (ROOT / "launch.sh").read_text(
 FAKE_UV = """#!/bin/sh
 echo "$*" >>"$UV_LOG"
 case "$1 $2" in "pip sync") exit "${UV_SYNC_RC:-0}" ;; esac
-if [ "$1" = venv ]; then  # uv venv ... DIR: the venv, its python the fixture's
+if [ "$1" = venv ]; then  # uv venv ... DIR: the venv, its python the fixture's (uv clears only a venv)
   for last in "$@"; do :; done
-  mkdir -p "$last/bin" && cp "$FAKE_PYTHON" "$last/bin/python"
+  if [ -d "$last" ] && [ ! -f "$last/pyvenv.cfg" ]; then
+    echo "error: uv will not clear a directory that is not a virtual environment" >&2; exit 2
+  fi
+  rm -rf "$last" && mkdir -p "$last/bin" && touch "$last/pyvenv.cfg" && cp "$FAKE_PYTHON" "$last/bin/python"
 fi
 exit 0
 """
