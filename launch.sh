@@ -257,7 +257,12 @@ setup() {  # setup [--offline WHEELHOUSE]
   # taken as done by the next command, whatever that one asks for (an offline venv's stays offline: the wheelhouse).
   [[ -f "$stamp" ]] && old_stamp="$(cat "$stamp")"
   local incomplete="incomplete${offline:+ from wheelhouse $offline}"
-  [[ ! -d "$VENV" ]] || echo "$incomplete" >"$stamp"  # (a venv made below gets it once made)
+  if [[ -f "$VENV/pyvenv.cfg" ]]; then
+    echo "$incomplete" >"$stamp"  # (a venv made below gets it once made)
+  elif [[ -d "$VENV" ]]; then  # not a venv (uv clears only a venv): setup's own files alone are removed
+    rm -f "$stamp" "$CHOICE"
+    rmdir "$VENV" 2>/dev/null || true
+  fi
   if [[ ! -x "$VENV/bin/python" || "$(head -n1 <<<"$old_stamp")" != "$want_lock" ]]; then
     echo "[setup] creating/updating $VENV from $(basename "$lock") ($([[ "$KIND" == system ]] && echo "the environment's torch ${TORCH%% *}" || echo "$KIND torch")${offline:+, offline}; first time takes under a minute)" >&2
     req="$lock"

@@ -72,7 +72,7 @@ def annealed_config(parent: RunConfig, at_step: int, steps: int, overrides: Sequ
         min_lr_ratio=min(1.0, floor / start),
     )
     name = cfg.name if cfg.name != parent.name else f"{parent.name}-anneal{at_step}"  # a name=... given is kept
-    return dataclasses.replace(cfg, train=train, name=name).validate()
+    return dataclasses.replace(cfg, train=train, name=name).validate(steps_known=True)
 
 
 def fresh_data_position(cfg: RunConfig, parent: LoadedCheckpoint) -> dict:

@@ -146,6 +146,10 @@ def resolve_budget(cfg: RunConfig, say: Callable[[str], None] = print, announce:
                 f"train.max_flops {t.max_flops:.4g} -> train.max_steps {t.max_steps} "
                 f"({per_step[-1]:.4g} FLOPs/step{' after the last growth' if schedule else ''})"
             )
+        from pretrain.train.schedule import schedule_warning  # (the command's own waits for these steps)
+
+        if announce and (warning := schedule_warning(t)):
+            say(warning)
     return cfg.validate(steps_known=True)
 
 

@@ -84,7 +84,9 @@ def launched(env: Mapping[str, str] = os.environ) -> Launch | None:
         rank = int(env.get("RANK", "0"))
     except ValueError:
         return None
-    if world <= 1 or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    if world <= 1 and not env.get("TORCHELASTIC_RUN_ID"):  # one process under torchrun: its restarts resume too
         return None
     return Launch(rank, world)
 

@@ -228,7 +228,7 @@ def create_run(
         run_dir.mkdir(parents=True, exist_ok=True)
         if complete is not None:
             complete(run_dir)
-        cfg.validate()
+        cfg.validate(steps_known=True)  # a budget's steps are derived by now
         (run_dir / layout.RUN_CONFIG).write_text(dump_yaml(cfg))
         if uri:
             tracking.log_config(uri, run_id, cfg, artifact="config/resolved.yaml", given=given)  # resolved.* params

@@ -64,7 +64,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
         ckpt = resolve(path, full=False)
         cfg = resolve_paths(read_config(ckpt, overrides))
         cfg.checkpoint.resume_from = str(ckpt.path)
-        cfg.validate()
+        cfg.validate(steps_known=True)  # (a budget's steps were derived when the run was created)
         preflight(cfg, grown_at=ckpt.step)
         return prepare_fork(cfg, check_fork(ckpt, cfg), hold)
     root = tracking.run_checkpoint_root(uri, target)
@@ -82,7 +82,7 @@ def prepare_resume(target: str, overrides: list[str], hold: ExitStack | None = N
     cfg = resolve_paths(read_config(ckpt, overrides))
     cfg.checkpoint.dir = str(root.parent)  # where the run is (a relative dir read from another directory is not)
     cfg.data.tokenizer = str(resumed_tokenizer(root, ckpt))
-    cfg.validate()
+    cfg.validate(steps_known=True)
     preflight(cfg, grown_at=ckpt.step)
     fork = check_fork(ckpt, cfg)
     if cfg.tracking.enabled:

@@ -29,6 +29,9 @@ HELD_LIMIT = 100_000
 """Metric values held while the store refuses them; beyond it the oldest are dropped (and counted)."""
 CHUNK = 500
 """Metrics per request (MLflow takes at most 1000)."""
+REFUSED_FOR_CONTENT = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST")
+"""MLflow error codes of a write the store answered and refused for what it holds: a probe refused so is dropped
+(and counted), not held again (it would hold every later value)."""
 
 
 def _say(line: str) -> None:
@@ -68,15 +71,22 @@ class MetricSender:
 
     def flush(self, final: bool = False) -> None:
         """Wait for the queued writes (at most :data:`WAIT_S`); those refused or unanswered are held. While
-        holding: look at the probe (``final``: wait for it, :data:`WAIT_S` at most, and send what is held if it
-        succeeded)."""
-        if self.holding:
-            self._poll(wait=WAIT_S if final else 0.0)
-            if not self.holding and final:
-                self.flush()
-            return
-        pending, self._pending = self._pending, []
+        holding: look at the probe. ``final`` (the run's end): within the same :data:`WAIT_S`, probe until the store
+        takes the held values, and wait for them."""
         deadline = time.monotonic() + WAIT_S
+        if not self.holding:
+            self._wait_pending(deadline)
+        if not self.holding or not final:
+            if self.holding:
+                self._poll()
+            return
+        while self.holding and time.monotonic() < deadline:
+            self._poll(wait=max(0.0, deadline - time.monotonic()))
+        if not self.holding:
+            self._wait_pending(deadline)
+
+    def _wait_pending(self, deadline: float) -> None:
+        pending, self._pending = self._pending, []
         failed, error = [], None
         for op, chunk in pending:
             e = _wait(op, deadline)
@@ -92,7 +102,6 @@ class MetricSender:
             f"warning: MLflow did not take {len(failed):,} metric values ({first}); training goes on, the values are "
             "held and sent once the tracking store takes them"
         )
-        self._poll()
 
     def unsent(self) -> int:
         """Metric values not in the store (held, or dropped)."""
@@ -113,15 +122,18 @@ class MetricSender:
                 self.holding = False
                 return
             chunk, self._held = self._held[:CHUNK], self._held[CHUNK:]
-            write = lambda: self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)  # noqa: E731
+            write = lambda c=chunk: self.client.log_batch(self.run_id, metrics=c, synchronous=True)  # noqa: E731
             self._probe = (_in_thread(write), chunk)
         future, chunk = self._probe
         concurrent.futures.wait([future], timeout=wait)
         if not future.done():
             return
         self._probe = None
-        if future.exception() is not None:
-            self._held[:0] = chunk
+        if (error := future.exception()) is not None:
+            if getattr(error, "error_code", "") in REFUSED_FOR_CONTENT:  # the store answers, and refuses these
+                self._dropped += len(chunk)
+            else:  # no answer: held again, for the next probe
+                self._held[:0] = chunk
             return
         held, self._held, self.holding = self._held, [], False
         lost = f"; {self._dropped:,} older ones were dropped" if self._dropped else ""

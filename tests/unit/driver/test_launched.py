@@ -19,6 +19,7 @@ ADDR = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     [
         ({}, None),
         ({"WORLD_SIZE": "1", "RANK": "0", **ADDR}, None),
+        ({"WORLD_SIZE": "1", "RANK": "0", "TORCHELASTIC_RUN_ID": "r", **ADDR}, Launch(0, 1)),  # its restarts resume
         ({"WORLD_SIZE": "2", "RANK": "1"}, None),  # no rendezvous address: not a launch we can join
         ({"WORLD_SIZE": "two", "RANK": "1", **ADDR}, None),
         ({"WORLD_SIZE": "2", "RANK": "0", **ADDR}, Launch(0, 2)),

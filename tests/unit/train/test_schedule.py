@@ -98,6 +98,10 @@ def test_the_checks_against_max_steps_wait_for_a_budgets_steps():
     grown = "growth.schedule=[{at_step: 500, depth: 2x, depth_op: identity}]"
     cfg = load_config(None, [*budget, grown, "train.max_steps=200"])
     assert resolve_budget(cfg, say=lambda line: None).train.max_steps > 600
+    # a resume's stored config: its budget's steps were derived when it was created
+    cfg.train.max_steps, cfg.train.decay_steps = 400, 100
+    with pytest.raises(ConfigError, match=r"^growth.schedule\[0\].at_step: must be in \[1, train.max_steps\)"):
+        cfg.validate(steps_known=True)
     small = load_config(None, [*budget, "train.max_flops=1e12", "train.max_steps=200"])
     with pytest.raises(ConfigError, match=r"^train.decay_steps: 500 is more than the -?\d+ steps after warm-up"):
         resolve_budget(small, say=lambda line: None)

@@ -178,6 +178,17 @@ def test_a_tracking_store_that_refuses_metrics_for_a_while_does_not_end_the_run(
     silent.flush()
     assert silent.holding and silent.unsent() == 1
 
+    # a probe the store answers and refuses for what it holds is dropped (counted), not held again for ever
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    def refuses(run_id, metrics, synchronous):
+        raise MlflowException("bad metric", error_code=INVALID_PARAMETER_VALUE)
+
+    refused = MetricSender(types.SimpleNamespace(log_batch=refuses), "r", True)
+    refused.holding, refused._held = True, batch(1)
+    refused.flush(final=True)
+    assert not refused.holding and refused.unsent() == 1 and refused._dropped == 1
+
     synchronous = MetricSender(
         types.SimpleNamespace(log_batch=lambda *a, **k: (_ for _ in ()).throw(MlflowException("x"))), "r", False
     )
