@@ -435,17 +435,14 @@ def test_selective_recomputation_keeps_matmuls_and_recomputes_the_rest():
     assert counts["none"][1] < counts["selective"][1]  # the elementwise work is
 
 
-# ----------------------------------------------------------------------------------------------
-# Utilities
-# ----------------------------------------------------------------------------------------------
+# -- utilities ---------------------------------------------------------------------------------
 
 
 def test_resolved_ffn_size():
     assert resolved_ffn_size(tiny(hidden_size=256)) == 1024
     assert resolved_ffn_size(tiny(hidden_size=256, activation="swiglu")) == 704  # 682.7 -> 704
-    assert (
-        resolved_ffn_size(tiny(hidden_size=4096, activation="swiglu")) == 10944
-    )  # 10922.7 -> 10944 (Llama rounds to 256 instead: 11008)
+    # 10922.7 -> 10944 (Llama rounds to 256 instead: 11008)
+    assert resolved_ffn_size(tiny(hidden_size=4096, activation="swiglu")) == 10944
     assert resolved_ffn_size(tiny(hidden_size=32, activation="swiglu")) == 128
     assert resolved_ffn_size(tiny(activation="swiglu", ffn_size=100)) == 100
     model = build_model(tiny(activation="swiglu", ffn_size=48), 0)

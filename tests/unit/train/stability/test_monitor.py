@@ -276,3 +276,22 @@ def test_router_collapse_is_flagged_once_per_streak():
     again = StabilityMonitor(StabilityConfig(), MoEConfig(num_experts=4, collapse_share=0.8, collapse_steps=3))
     again.load_state_dict(mon.state_dict())
     assert again.s.collapse_streaks == {"1": 5, "3": 0}
+
+
+def test_stability_restarts_at_a_growth():
+    from pretrain.config import StabilityConfig
+    from pretrain.train.stability.monitor import StabilityMonitor, StepSignals
+
+    mon = StabilityMonitor(StabilityConfig(warmup_steps=0, good_after_steps=0))
+    for s in range(1, 20):
+        mon.decide(StepSignals(s, 5.0 - s * 0.01, 1.0))
+    mon.note_checkpoint(19, "/ckpt/step_19", 19 * 8)
+    assert mon.rollback_target() is not None and len(mon.s.grad_norms) == 19
+    mon.restart()
+    assert mon.rollback_target() is None and mon.s.grad_norms == [] and mon.s.losses == []
+    assert mon.decide(StepSignals(20, 9.0, 40.0)).action == "ok", "a new scale is no spike before a new window"
+    # upcycled to 2 experts at top-2: every token goes to both (share 1.0), which is no collapse
+    from pretrain.config import MoEConfig
+
+    mon.restart(MoEConfig(num_experts=2, top_k=2))
+    assert not [e for t in range(60) for e in mon.router_collapse(21 + t, {0: 1.0, 1: 1.0})]
